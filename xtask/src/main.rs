@@ -1,0 +1,173 @@
+//! `cargo xtask`: the project's tooling, one subcommand a job.
+//!
+//! - `test`: installs what the tests need (the Debian `haproxy` package), then runs
+//!   `cargo fmt --check`, clippy with `-D warnings` on all targets and the whole test suite.
+//! - `bench [election|agent|render|eventbus]`: runs the project's benchmarks.
+//! - `apiserver`: runs the haptic-testkit API server until Ctrl-C and prints a kubeconfig path.
+
+use std::{
+    env,
+    path::PathBuf,
+    process::{Command, ExitCode},
+};
+
+use anyhow::{Context, Result, bail};
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("xtask: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
+    let mut args = env::args().skip(1);
+    let task = args.next().unwrap_or_else(|| "help".to_owned());
+    let rest: Vec<String> = args.collect();
+    match task.as_str() {
+        "test" => test(&rest),
+        "bench" => bench(&rest),
+        "apiserver" => cargo(
+            &[
+                "run",
+                "--quiet",
+                "-p",
+                "haptic-testkit",
+                "--bin",
+                "haptic-apiserver",
+                "--",
+            ],
+            &rest,
+        ),
+        "setup" => ensure_test_tools(),
+        "help" | "-h" | "--help" => {
+            println!("{}", HELP);
+            Ok(())
+        }
+        other => bail!("unknown task `{other}`\n{HELP}"),
+    }
+}
+
+const HELP: &str = "usage: cargo xtask <task>
+  test               install test tools if missing, then fmt --check, clippy -D warnings, all tests
+  setup              only install the test tools (haproxy)
+  bench [NAME...]    run benchmarks: election, agent, render, eventbus (default: all)
+  apiserver [ARGS]   run the haptic-testkit API server until Ctrl-C (prints the kubeconfig path)";
+
+fn root() -> PathBuf {
+    // xtask lives one level below the workspace root.
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().map(PathBuf::from).unwrap_or(manifest)
+}
+
+fn cargo_bin() -> String {
+    env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned())
+}
+
+fn cargo(args: &[&str], extra: &[String]) -> Result<()> {
+    let status = Command::new(cargo_bin())
+        .args(args)
+        .args(extra)
+        .current_dir(root())
+        .status()
+        .with_context(|| format!("running cargo {}", args.join(" ")))?;
+    if !status.success() {
+        bail!("`cargo {}` failed ({status})", args.join(" "));
+    }
+    Ok(())
+}
+
+fn on_path(binary: &str) -> bool {
+    env::var_os("PATH")
+        .map(|paths| env::split_paths(&paths).any(|dir| dir.join(binary).is_file()))
+        .unwrap_or(false)
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|out| String::from_utf8_lossy(&out.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+/// Installs the Debian `haproxy` package when it is missing. The tests run the real binary.
+fn ensure_test_tools() -> Result<()> {
+    if on_path("haproxy") || PathBuf::from("/usr/sbin/haproxy").is_file() {
+        return Ok(());
+    }
+    if !is_root() {
+        bail!(
+            "the tests need HAProxy: install the Debian package (`sudo apt-get install -y haproxy`) and run again"
+        );
+    }
+    eprintln!("xtask: installing the Debian haproxy package");
+    let update = Command::new("apt-get")
+        .args(["update", "-q"])
+        .status()
+        .context("running apt-get update")?;
+    if !update.success() {
+        bail!("`apt-get update` failed ({update})");
+    }
+    let install = Command::new("apt-get")
+        .args(["install", "-y", "-q", "--no-install-recommends", "haproxy"])
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .status()
+        .context("running apt-get install haproxy")?;
+    if !install.success() {
+        bail!("`apt-get install haproxy` failed ({install})");
+    }
+    Ok(())
+}
+
+fn test(extra: &[String]) -> Result<()> {
+    ensure_test_tools()?;
+    cargo(&["fmt", "--all", "--check"], &[])?;
+    cargo(
+        &[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--locked",
+            "--",
+            "-D",
+            "warnings",
+        ],
+        &[],
+    )?;
+    cargo(&["test", "--workspace", "--locked"], extra)?;
+    Ok(())
+}
+
+fn bench(names: &[String]) -> Result<()> {
+    let all = ["eventbus", "render", "election", "agent"];
+    let selected: Vec<&str> = if names.is_empty() {
+        all.to_vec()
+    } else {
+        names.iter().map(String::as_str).collect()
+    };
+    for name in selected {
+        match name {
+            "eventbus" | "render" => {
+                cargo(&["bench", "-p", "haptic-benches", "--bench", name], &[])?
+            }
+            "election" | "agent" => cargo(
+                &[
+                    "run",
+                    "--release",
+                    "--quiet",
+                    "-p",
+                    "haptic-benches",
+                    "--bin",
+                    &format!("bench-{name}"),
+                ],
+                &[],
+            )?,
+            other => bail!("unknown bench `{other}` (known: {})", all.join(", ")),
+        }
+    }
+    Ok(())
+}

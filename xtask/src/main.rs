@@ -154,15 +154,17 @@ fn bench(names: &[String]) -> Result<()> {
             "eventbus" | "render" => {
                 cargo(&["bench", "-p", "haptic-benches", "--bench", name], &[])?
             }
+            // The election and agent benches are harness-less programs that drive real
+            // processes; each lives as an example of the crate it measures.
             "election" | "agent" => cargo(
                 &[
                     "run",
                     "--release",
                     "--quiet",
                     "-p",
-                    "haptic-benches",
-                    "--bin",
-                    &format!("bench-{name}"),
+                    &format!("haptic-{name}"),
+                    "--example",
+                    &format!("bench_{name}"),
                 ],
                 &[],
             )?,

@@ -1,0 +1,599 @@
+//! The bus: configuration, publication, buffering around start and pause, sticky kinds, requests.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use tokio::sync::mpsc;
+use tracing::{Instrument, debug, warn};
+
+use crate::event::{Event, Filter};
+use crate::request::{self, Gathered, RequestId, RequestParams, Response};
+use crate::subscription::{Pushed, Shared, SubscribeParams, Subscription, SubscriptionStats};
+
+/// The bus's parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config<K> {
+    /// The most events held while the bus is not running (before the first
+    /// [`start`](EventBus::start) and during a [`pause`](EventBus::pause)). Further events are
+    /// dropped, counted in [`BusStats::buffer_overflows`] and logged (error) at the 1st, 2nd,
+    /// 4th, ... overflow. Default: 10 000.
+    pub buffer_capacity: usize,
+    /// Kinds whose latest delivered event the bus keeps and gives to each new subscriber of
+    /// that kind at once. Default: none.
+    pub sticky_kinds: Vec<K>,
+    /// The queue length of a reliable subscription at which a warning is logged, and again at
+    /// each doubling. Default: 10 000.
+    pub high_water_warn: usize,
+}
+
+impl<K> Default for Config<K> {
+    fn default() -> Self {
+        Config {
+            buffer_capacity: 10_000,
+            sticky_kinds: Vec::new(),
+            high_water_warn: 10_000,
+        }
+    }
+}
+
+impl<K> Config<K> {
+    /// Sets [`buffer_capacity`](Config::buffer_capacity).
+    #[must_use]
+    pub fn with_buffer_capacity(mut self, capacity: usize) -> Self {
+        self.buffer_capacity = capacity;
+        self
+    }
+
+    /// Sets [`sticky_kinds`](Config::sticky_kinds).
+    #[must_use]
+    pub fn with_sticky_kinds(mut self, kinds: impl IntoIterator<Item = K>) -> Self {
+        self.sticky_kinds = kinds.into_iter().collect();
+        self
+    }
+
+    /// Sets [`high_water_warn`](Config::high_water_warn).
+    #[must_use]
+    pub fn with_high_water_warn(mut self, queued: usize) -> Self {
+        self.high_water_warn = queued;
+        self
+    }
+}
+
+/// What [`EventBus::publish`] did with an event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The bus is running; the event was queued for this many subscribers (lossy subscribers
+    /// whose queue was full are not counted).
+    Delivered {
+        /// How many subscribers it was queued for.
+        subscribers: usize,
+    },
+    /// The bus is not running; the event waits in the buffer for the next start.
+    Buffered,
+    /// The bus is not running and its buffer is full: the event was dropped.
+    Overflowed,
+}
+
+/// A snapshot of the bus.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BusStats {
+    /// Whether events are delivered now (started and not paused).
+    pub running: bool,
+    /// Whether [`EventBus::start`] was ever called.
+    pub started: bool,
+    /// Events waiting in the buffer.
+    pub buffered: usize,
+    /// Events dropped because the buffer was full, since the bus was made.
+    pub buffer_overflows: u64,
+    /// Every live subscription, in the order they subscribed.
+    pub subscribers: Vec<SubscriptionStats>,
+}
+
+/// A typed, in-process event bus over the application's event type `E`.
+///
+/// Cloning is cheap and every clone is the same bus. When the last clone is dropped, every
+/// subscription receives its queued events and then `None`.
+///
+/// Lifecycle: events published before the first [`start`](EventBus::start) wait in a bounded
+/// buffer and are delivered, in order, when it is called; [`pause`](EventBus::pause) buffers
+/// again until the next `start`. This gives the leadership contract:
+///
+/// 1. `pause()`;
+/// 2. `publish(BecameLeader)` (buffered);
+/// 3. build the leader-only components, which
+///    [`subscribe_leader_only`](EventBus::subscribe_leader_only);
+/// 4. `start()`: every subscriber, the new ones included, receives `BecameLeader` exactly once.
+///
+/// Delivery order is one total order: every subscriber sees the events it receives in the order
+/// they were published (for publishers on different threads, in the order their `publish`
+/// calls took the bus's lock).
+pub struct EventBus<E: Event> {
+    inner: Arc<Inner<E>>,
+}
+
+impl<E: Event> Clone for EventBus<E> {
+    fn clone(&self) -> Self {
+        EventBus {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<E: Event> fmt::Debug for EventBus<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = self.inner.lock();
+        f.debug_struct("EventBus")
+            .field("running", &state.running)
+            .field("buffered", &state.buffer.len())
+            .field("subscribers", &state.registry.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<E: Event> Default for EventBus<E> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<E: Event> EventBus<E> {
+    /// A bus with the default [`Config`], not started.
+    pub fn new() -> Self {
+        Self::with_config(Config::default())
+    }
+
+    /// A bus with `config`, not started.
+    pub fn with_config(config: Config<E::Kind>) -> Self {
+        let mut kinds = HashMap::new();
+        for kind in config.sticky_kinds {
+            kinds.insert(
+                kind,
+                KindEntry {
+                    subs: Vec::new(),
+                    sticky: true,
+                    latest: None,
+                },
+            );
+        }
+        EventBus {
+            inner: Arc::new(Inner {
+                state: Mutex::new(State {
+                    running: false,
+                    started: false,
+                    buffer: VecDeque::new(),
+                    buffer_overflows: 0,
+                    kinds,
+                    all: Vec::new(),
+                    registry: BTreeMap::new(),
+                    next_subscription: 0,
+                    sticky_seq: 0,
+                    pending: HashMap::new(),
+                }),
+                buffer_capacity: config.buffer_capacity,
+                high_water_warn: config.high_water_warn,
+                next_request: AtomicU64::new(1),
+            }),
+        }
+    }
+
+    /// Publishes `event`. Never blocks on a subscriber and never awaits: it queues the event
+    /// for every matching subscriber (or in the buffer when the bus is not running) and returns.
+    pub fn publish(&self, event: E) -> Outcome {
+        // The application's code runs before the lock is taken.
+        let kind = event.kind();
+        let response = event.response_to().map(|r| r.request);
+        let event = Arc::new(event);
+        let mut notes = Vec::new();
+        let outcome = {
+            let mut state = self.inner.lock();
+            if state.running {
+                let subscribers = state.deliver(kind, response, &event, &mut notes);
+                Outcome::Delivered { subscribers }
+            } else if state.buffer.len() < self.inner.buffer_capacity {
+                state.buffer.push_back(Buffered {
+                    kind,
+                    response,
+                    event,
+                });
+                Outcome::Buffered
+            } else {
+                state.buffer_overflows += 1;
+                if state.buffer_overflows.is_power_of_two() {
+                    notes.push(Note::Overflow {
+                        total: state.buffer_overflows,
+                        capacity: self.inner.buffer_capacity,
+                    });
+                }
+                Outcome::Overflowed
+            }
+        };
+        emit(notes);
+        outcome
+    }
+
+    /// Starts delivering: the buffered events go out first, in the order they were published,
+    /// to every subscriber present now. Idempotent: on a running bus it does nothing. Returns
+    /// how many buffered events were delivered.
+    pub fn start(&self) -> usize {
+        let mut notes = Vec::new();
+        let flushed = {
+            let mut state = self.inner.lock();
+            if state.running {
+                return 0;
+            }
+            state.running = true;
+            state.started = true;
+            let buffer = std::mem::take(&mut state.buffer);
+            let flushed = buffer.len();
+            for item in buffer {
+                state.deliver(item.kind, item.response, &item.event, &mut notes);
+            }
+            flushed
+        };
+        emit(notes);
+        debug!(flushed, "event bus started");
+        flushed
+    }
+
+    /// Stops delivering until the next [`start`](EventBus::start): events published meanwhile
+    /// wait in the (bounded) buffer. Idempotent. Events already queued for subscribers stay
+    /// receivable.
+    pub fn pause(&self) {
+        let was_running = std::mem::replace(&mut self.inner.lock().running, false);
+        if was_running {
+            debug!("event bus paused");
+        }
+    }
+
+    /// Whether events are delivered now (started and not paused).
+    pub fn is_running(&self) -> bool {
+        self.inner.lock().running
+    }
+
+    /// A reliable subscription to `filter`. After the bus has started, this logs a
+    /// late-subscriber warning: the subscriber has missed earlier events.
+    pub fn subscribe(&self, name: impl Into<String>, filter: Filter<E::Kind>) -> Subscription<E> {
+        self.subscribe_with(SubscribeParams::new(name, filter))
+    }
+
+    /// A reliable subscription for a leader-only component. These are built after the bus has
+    /// started, during a [`pause`](EventBus::pause), so no late-subscriber warning is logged.
+    pub fn subscribe_leader_only(
+        &self,
+        name: impl Into<String>,
+        filter: Filter<E::Kind>,
+    ) -> Subscription<E> {
+        self.subscribe_with(SubscribeParams::new(name, filter).with_leader_only())
+    }
+
+    /// A subscription as `params` describe it (reliable or lossy, leader-only or not).
+    ///
+    /// The latest event of every sticky kind the filter matches is queued for it at once, in
+    /// the order those events were published.
+    pub fn subscribe_with(&self, params: SubscribeParams<E::Kind>) -> Subscription<E> {
+        let mut notes = Vec::new();
+        let (shared, late) = {
+            let mut state = self.inner.lock();
+            let id = state.next_subscription;
+            state.next_subscription += 1;
+            let shared = Arc::new(Shared::new(id, params, self.inner.high_water_warn));
+            state.replay_sticky(&shared, &mut notes);
+            state.add(&shared);
+            let late = state.started && !shared.leader_only;
+            (shared, late)
+        };
+        if late {
+            warn!(
+                subscriber = %shared.name,
+                id = shared.id,
+                "late subscriber: subscribed after the event bus started, earlier events were not delivered to it"
+            );
+        }
+        emit(notes);
+        Subscription::new(shared, Arc::downgrade(&self.inner))
+    }
+
+    /// How many subscriptions are live.
+    pub fn subscriber_count(&self) -> usize {
+        self.inner.lock().registry.len()
+    }
+
+    /// A snapshot of the bus and every subscription.
+    pub fn stats(&self) -> BusStats {
+        let state = self.inner.lock();
+        let subscribers = state.registry.values().map(|s| s.stats()).collect();
+        BusStats {
+            running: state.running,
+            started: state.started,
+            buffered: state.buffer.len(),
+            buffer_overflows: state.buffer_overflows,
+            subscribers,
+        }
+    }
+
+    /// Scatter-gather: publishes the event `make` builds from a fresh [`RequestId`], then
+    /// gathers the events that answer it (see [`Event::response_to`]) as `params` say.
+    ///
+    /// Answers are collected from the moment before the request is published, so none is
+    /// missed however fast it comes. If the bus is not running, the request waits in the buffer
+    /// like any event and the timeout still runs. Dropping the future stops the gathering.
+    ///
+    /// # Errors
+    ///
+    /// [`request::Error::NotEnoughResponses`] when the timeout passes with fewer than
+    /// `min_responses` answers.
+    pub async fn request<F>(&self, make: F, params: RequestParams) -> request::Result<Gathered<E>>
+    where
+        F: FnOnce(RequestId) -> E,
+    {
+        let id = RequestId::new(self.inner.next_request.fetch_add(1, Ordering::Relaxed));
+        let span = tracing::debug_span!("request", request = %id);
+        self.gather(id, make(id), params).instrument(span).await
+    }
+
+    async fn gather(
+        &self,
+        id: RequestId,
+        event: E,
+        params: RequestParams,
+    ) -> request::Result<Gathered<E>> {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        self.inner.lock().pending.insert(id, tx);
+        let _pending = PendingGuard {
+            inner: &self.inner,
+            id,
+        };
+        let deadline = tokio::time::Instant::now() + params.timeout;
+        self.publish(event);
+
+        let mut responses: Vec<Response<E>> = Vec::new();
+        let mut timed_out = false;
+        while !params.satisfied(&responses) {
+            match tokio::time::timeout_at(deadline, rx.recv()).await {
+                Ok(Some(event)) => {
+                    let Some(answer) = event.response_to() else {
+                        continue;
+                    };
+                    let responder = answer.responder;
+                    if responses.iter().any(|r| r.responder == responder) {
+                        debug!(responder, "second answer ignored");
+                        continue;
+                    }
+                    let responder = responder.to_owned();
+                    responses.push(Response { responder, event });
+                }
+                // The sender lives in the pending map until the guard removes it.
+                Ok(None) => break,
+                Err(_elapsed) => {
+                    timed_out = true;
+                    break;
+                }
+            }
+        }
+
+        let missing: Vec<String> = params
+            .expected_responders
+            .iter()
+            .filter(|name| !responses.iter().any(|r| &r.responder == *name))
+            .cloned()
+            .collect();
+        if responses.len() < params.min_responses {
+            return Err(request::Error::NotEnoughResponses {
+                id,
+                received: responses.len(),
+                required: params.min_responses,
+                timeout: params.timeout,
+                missing,
+            });
+        }
+        if !missing.is_empty() {
+            debug!(?missing, "request ended without every expected responder");
+        }
+        Ok(Gathered {
+            id,
+            responses,
+            missing,
+            timed_out,
+        })
+    }
+}
+
+impl RequestParams {
+    /// Whether the answers gathered so far end the request early.
+    fn satisfied<E>(&self, responses: &[Response<E>]) -> bool {
+        if responses.len() < self.min_responses {
+            return false;
+        }
+        if self.expected_responders.is_empty() {
+            return self.min_responses > 0;
+        }
+        self.expected_responders
+            .iter()
+            .all(|name| responses.iter().any(|r| &r.responder == name))
+    }
+}
+
+/// Removes a request's collector from the bus when the request ends or is dropped.
+struct PendingGuard<'a, E: Event> {
+    inner: &'a Inner<E>,
+    id: RequestId,
+}
+
+impl<E: Event> Drop for PendingGuard<'_, E> {
+    fn drop(&mut self) {
+        self.inner.lock().pending.remove(&self.id);
+    }
+}
+
+/// The bus proper, shared by every [`EventBus`] clone; subscriptions hold it weakly.
+pub(crate) struct Inner<E: Event> {
+    state: Mutex<State<E>>,
+    buffer_capacity: usize,
+    high_water_warn: usize,
+    next_request: AtomicU64,
+}
+
+impl<E: Event> Inner<E> {
+    fn lock(&self) -> MutexGuard<'_, State<E>> {
+        // No application code runs under this lock, so poisoning would mean a bug of ours that
+        // already surfaced as a panic; the state itself stays consistent between statements.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Takes a dropped subscription out of every delivery list.
+    pub(crate) fn unsubscribe(&self, shared: &Arc<Shared<E>>) {
+        let mut state = self.lock();
+        state.registry.remove(&shared.id);
+        match &shared.filter {
+            Filter::All => remove(&mut state.all, shared),
+            Filter::Kinds(kinds) => {
+                for kind in kinds {
+                    if let Some(entry) = state.kinds.get_mut(kind) {
+                        remove(&mut entry.subs, shared);
+                        if entry.subs.is_empty() && !entry.sticky {
+                            state.kinds.remove(kind);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl<E: Event> Drop for Inner<E> {
+    fn drop(&mut self) {
+        let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        for shared in state.registry.values() {
+            shared.close();
+        }
+    }
+}
+
+fn remove<E: Event>(list: &mut Vec<Arc<Shared<E>>>, shared: &Arc<Shared<E>>) {
+    list.retain(|s| !Arc::ptr_eq(s, shared));
+}
+
+struct State<E: Event> {
+    running: bool,
+    started: bool,
+    buffer: VecDeque<Buffered<E>>,
+    buffer_overflows: u64,
+    /// Per kind: its subscribers, and its latest event when the kind is sticky.
+    kinds: HashMap<E::Kind, KindEntry<E>>,
+    /// Subscribers to every kind.
+    all: Vec<Arc<Shared<E>>>,
+    /// Every live subscription by id (ids grow, so this is subscription order).
+    registry: BTreeMap<u64, Arc<Shared<E>>>,
+    next_subscription: u64,
+    sticky_seq: u64,
+    pending: HashMap<RequestId, mpsc::UnboundedSender<Arc<E>>>,
+}
+
+struct KindEntry<E: Event> {
+    subs: Vec<Arc<Shared<E>>>,
+    sticky: bool,
+    /// The latest delivered event of a sticky kind, with its place in the order of delivery.
+    latest: Option<(u64, Arc<E>)>,
+}
+
+struct Buffered<E: Event> {
+    kind: E::Kind,
+    response: Option<RequestId>,
+    event: Arc<E>,
+}
+
+impl<E: Event> State<E> {
+    fn deliver(
+        &mut self,
+        kind: E::Kind,
+        response: Option<RequestId>,
+        event: &Arc<E>,
+        notes: &mut Vec<Note>,
+    ) -> usize {
+        let mut delivered = 0;
+        if let Some(entry) = self.kinds.get_mut(&kind) {
+            if entry.sticky {
+                self.sticky_seq += 1;
+                entry.latest = Some((self.sticky_seq, Arc::clone(event)));
+            }
+            for shared in &entry.subs {
+                delivered += usize::from(shared.push(event, notes) == Pushed::Queued);
+            }
+        }
+        for shared in &self.all {
+            delivered += usize::from(shared.push(event, notes) == Pushed::Queued);
+        }
+        if let Some(id) = response
+            && let Some(collector) = self.pending.get(&id)
+        {
+            // The request may have just ended; then nobody needs the answer.
+            let _ = collector.send(Arc::clone(event));
+        }
+        delivered
+    }
+
+    fn replay_sticky(&self, shared: &Shared<E>, notes: &mut Vec<Note>) {
+        let mut latest: Vec<&(u64, Arc<E>)> = self
+            .kinds
+            .iter()
+            .filter(|(kind, _)| shared.filter.matches(**kind))
+            .filter_map(|(_, entry)| entry.latest.as_ref())
+            .collect();
+        latest.sort_by_key(|(seq, _)| *seq);
+        for (_, event) in latest {
+            shared.push(event, notes);
+        }
+    }
+
+    fn add(&mut self, shared: &Arc<Shared<E>>) {
+        match &shared.filter {
+            Filter::All => self.all.push(Arc::clone(shared)),
+            Filter::Kinds(kinds) => {
+                for kind in kinds {
+                    self.kinds
+                        .entry(*kind)
+                        .or_insert_with(|| KindEntry {
+                            subs: Vec::new(),
+                            sticky: false,
+                            latest: None,
+                        })
+                        .subs
+                        .push(Arc::clone(shared));
+                }
+            }
+        }
+        self.registry.insert(shared.id, Arc::clone(shared));
+    }
+}
+
+/// Something worth logging, noted under the lock and logged after it is released.
+#[derive(Debug)]
+pub(crate) enum Note {
+    Overflow { total: u64, capacity: usize },
+    HighWater { subscriber: Arc<str>, queued: usize },
+    Dropped { subscriber: Arc<str>, total: u64 },
+}
+
+fn emit(notes: Vec<Note>) {
+    for note in notes {
+        match note {
+            Note::Overflow { total, capacity } => tracing::error!(
+                total,
+                capacity,
+                "event bus buffer full while not running: event dropped"
+            ),
+            Note::HighWater { subscriber, queued } => warn!(
+                subscriber = %subscriber,
+                queued,
+                "reliable subscriber falling behind: queue reached a new high-water mark"
+            ),
+            Note::Dropped { subscriber, total } => warn!(
+                subscriber = %subscriber,
+                total,
+                "lossy subscriber queue full: event dropped for it"
+            ),
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! The rendered output: relative paths to bytes, in path order, with a sha256 checksum.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+/// Writing a file set to disk failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Creating a directory or writing a file failed.
+    #[error("writing {path}: {source}")]
+    Io {
+        /// The file or directory that could not be written.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A `Result` with this module's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A rendered file set: `haproxy.cfg`, `maps/...`, general files and `ssl/...`.
+///
+/// The checksum covers every path and its bytes, framed by their lengths, in path order: two
+/// sets have the same checksum exactly when they hold the same files with the same bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileSet {
+    files: BTreeMap<String, Vec<u8>>,
+    checksum: [u8; 32],
+}
+
+impl FileSet {
+    /// A file set from its files; computes the checksum.
+    pub fn new(files: BTreeMap<String, Vec<u8>>) -> Self {
+        let mut hasher = Sha256::new();
+        for (path, bytes) in &files {
+            hasher.update((path.len() as u64).to_be_bytes());
+            hasher.update(path.as_bytes());
+            hasher.update((bytes.len() as u64).to_be_bytes());
+            hasher.update(bytes);
+        }
+        Self {
+            files,
+            checksum: hasher.finalize().into(),
+        }
+    }
+
+    /// The bytes of the file at `path`.
+    pub fn get(&self, path: &str) -> Option<&[u8]> {
+        self.files.get(path).map(Vec::as_slice)
+    }
+
+    /// The file at `path` as text, if it exists and is UTF-8.
+    pub fn text(&self, path: &str) -> Option<&str> {
+        self.get(path).and_then(|b| std::str::from_utf8(b).ok())
+    }
+
+    /// Paths and bytes, in path order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &[u8])> {
+        self.files.iter().map(|(p, b)| (p.as_str(), b.as_slice()))
+    }
+
+    /// The files, in path order.
+    pub fn files(&self) -> &BTreeMap<String, Vec<u8>> {
+        &self.files
+    }
+
+    /// Number of files.
+    pub fn len(&self) -> usize {
+        self.files.len()
+    }
+
+    /// Whether there are no files.
+    pub fn is_empty(&self) -> bool {
+        self.files.is_empty()
+    }
+
+    /// Sum of the files' sizes in bytes.
+    pub fn total_bytes(&self) -> usize {
+        self.files.values().map(Vec::len).sum()
+    }
+
+    /// The sha256 checksum of the set.
+    pub fn checksum(&self) -> &[u8; 32] {
+        &self.checksum
+    }
+
+    /// The checksum as lowercase hex.
+    pub fn checksum_hex(&self) -> String {
+        hex::encode(self.checksum)
+    }
+
+    /// Writes every file under `dir`, creating directories as needed.
+    ///
+    /// Not atomic: the agent stages and swaps; this is for tools and tests. Paths are those the
+    /// renderer produced, which are relative and never contain `..`.
+    pub fn write_to(&self, dir: &Path) -> Result<()> {
+        for (path, bytes) in &self.files {
+            let target = dir.join(path);
+            if let Some(parent) = target.parent() {
+                std::fs::create_dir_all(parent).map_err(|source| Error::Io {
+                    path: parent.to_owned(),
+                    source,
+                })?;
+            }
+            std::fs::write(&target, bytes).map_err(|source| Error::Io {
+                path: target.clone(),
+                source,
+            })?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(files: &[(&str, &str)]) -> FileSet {
+        FileSet::new(
+            files
+                .iter()
+                .map(|(p, c)| (p.to_string(), c.as_bytes().to_vec()))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn checksum_depends_on_paths_and_bytes_with_framing() {
+        let a = set(&[("a", "bc")]);
+        assert_eq!(a.checksum(), set(&[("a", "bc")]).checksum());
+        assert_ne!(a.checksum(), set(&[("ab", "c")]).checksum());
+        assert_ne!(a.checksum(), set(&[("a", "bd")]).checksum());
+        assert_ne!(a.checksum(), set(&[("a", "bc"), ("b", "")]).checksum());
+        assert_eq!(a.checksum_hex().len(), 64);
+        // sha256 of the empty input: an empty set hashes nothing.
+        assert_eq!(
+            set(&[]).checksum_hex(),
+            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+        );
+    }
+
+    #[test]
+    fn writes_nested_paths() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = set(&[("haproxy.cfg", "global\n"), ("maps/host.map", "a b\n")]);
+        s.write_to(dir.path()).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("maps/host.map")).unwrap(),
+            "a b\n"
+        );
+        assert_eq!(s.total_bytes(), 11);
+    }
+}

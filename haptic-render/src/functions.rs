@@ -1,0 +1,388 @@
+//! The functions and filters templates get beyond tera's built-ins, as plain Rust functions
+//! (reusable by other engines, such as the minijinja peer in the benchmarks) and their tera
+//! registration.
+//!
+//! | name | kind | example | result |
+//! | --- | --- | --- | --- |
+//! | `sanitize` | filter | `{{ "shop/web:8080" \| sanitize }}` | `shop_web_8080` |
+//! | `backend_name` | function | `{{ backend_name(namespace="shop", service="web", port=80) }}` | `shop_web_80` |
+//! | `regex_escape` | filter | `{{ "/v1.0/(x)" \| regex_escape }}` | `/v1\.0/\(x\)` |
+//! | `b64decode` | filter | `{{ "aGk=" \| b64decode }}` | `hi` |
+//! | `sort_by` | filter | `{% for s in items \| sort_by(field="spec.priority", reverse=true) %}` | items by priority, highest first, missing last |
+//! | `group_by_field` | filter | `{% for g in slices \| group_by_field(field="metadata.namespace") %}{{ g.key }}: {{ g.items \| length }}{% endfor %}` | groups sorted by key |
+//! | `http_path` | test | `{% if p.path is http_path %}` | true for `/`-rooted paths without whitespace, control characters or `#` |
+//! | `hostname` | test | `{% if rule.host is hostname %}` | true for non-wildcard DNS names (lowercase letters, digits, `-`, `.`) |
+//! | `fail` | function | `{{ fail(message="ingress x has no rules") }}` | a render error naming the template and line |
+//! | `get` | function | `{% set svc = get(store="services", namespace=ns, name=n) %}` | the resource or none |
+//! | `lookup` | function | `{% for s in lookup(store="endpointslices", key=[ns, svc]) %}` | resources whose index key matches, sorted |
+//! | `ssl_file` | function | `{{ ssl_file(namespace="shop", name="web-tls") }}` | `ssl/shop_web-tls.pem` |
+
+use std::cmp::Ordering;
+use std::collections::BTreeMap;
+
+use base64::Engine as _;
+use tera::value::Key;
+use tera::{Kwargs, State, Tera, Value};
+
+use crate::value::map_value;
+
+/// Context variable holding `store -> "namespace/name" -> resource`.
+pub(crate) const GET_VAR: &str = "__haptic_get";
+/// Context variable holding `store -> index key -> [resource]`.
+pub(crate) const INDEX_VAR: &str = "__haptic_index";
+
+/// What a function given bad input reports.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum Error {
+    /// The input is not valid standard base64.
+    #[error("not valid base64: {0}")]
+    Base64(String),
+    /// The decoded bytes are not UTF-8 text.
+    #[error("base64 decodes to bytes that are not UTF-8 text")]
+    NotUtf8,
+}
+
+/// A `Result` with this module's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Makes `input` safe as an HAProxy identifier (backend, server, ACL names): every character
+/// other than ASCII letters, digits, `-`, `_` and `.` becomes `_`; an empty input becomes `_`.
+///
+/// ```
+/// assert_eq!(haptic_render::functions::sanitize("shop/web:8080"), "shop_web_8080");
+/// assert_eq!(haptic_render::functions::sanitize(""), "_");
+/// ```
+pub fn sanitize(input: &str) -> String {
+    if input.is_empty() {
+        return "_".to_owned();
+    }
+    input
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// The backend name for a Service port: `<namespace>_<service>_<port>`, each part sanitized.
+///
+/// Kubernetes names never contain `_`, so distinct Service ports never share a backend name.
+///
+/// ```
+/// assert_eq!(haptic_render::functions::backend_name("shop", "web", "80"), "shop_web_80");
+/// ```
+pub fn backend_name(namespace: &str, service: &str, port: &str) -> String {
+    format!(
+        "{}_{}_{}",
+        sanitize(namespace),
+        sanitize(service),
+        sanitize(port)
+    )
+}
+
+/// Escapes every regular-expression metacharacter so that `input` matches itself literally in
+/// an HAProxy `-m reg` / `map_reg` pattern (PCRE and POSIX extended syntax alike).
+///
+/// ```
+/// assert_eq!(haptic_render::functions::regex_escape("/v1.0/(x)"), r"/v1\.0/\(x\)");
+/// ```
+pub fn regex_escape(input: &str) -> String {
+    let mut out = String::with_capacity(input.len() + 8);
+    for c in input.chars() {
+        if matches!(
+            c,
+            '\\' | '.'
+                | '+'
+                | '*'
+                | '?'
+                | '('
+                | ')'
+                | '|'
+                | '['
+                | ']'
+                | '{'
+                | '}'
+                | '^'
+                | '$'
+                | '#'
+                | '&'
+                | '-'
+                | '~'
+        ) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// Decodes standard base64 (as in a Secret's `data`) into UTF-8 text.
+///
+/// ```
+/// assert_eq!(haptic_render::functions::b64decode("aGk=").unwrap(), "hi");
+/// assert!(haptic_render::functions::b64decode("not base64!").is_err());
+/// ```
+pub fn b64decode(input: &str) -> Result<String> {
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(input.trim())
+        .map_err(|e| Error::Base64(e.to_string()))?;
+    String::from_utf8(bytes).map_err(|_| Error::NotUtf8)
+}
+
+/// The path, inside a rendered file set, of the certificate rendered for the Secret
+/// `namespace/name` by a per-item `sslCertificates` entry (see [`crate::set::CertificateTemplate`]).
+///
+/// ```
+/// assert_eq!(haptic_render::functions::ssl_file("shop", "web-tls"), "ssl/shop_web-tls.pem");
+/// ```
+pub fn ssl_file(namespace: &str, name: &str) -> String {
+    format!("ssl/{}_{}.pem", sanitize(namespace), sanitize(name))
+}
+
+/// Whether `path` is safe to use as an HTTP path in a map file or ACL: it starts with `/` and
+/// holds no whitespace, control character or `#` (which would end the key or start a comment).
+///
+/// ```
+/// assert!(haptic_render::functions::is_http_path("/api/v1"));
+/// assert!(!haptic_render::functions::is_http_path("api"));
+/// assert!(!haptic_render::functions::is_http_path("/a b"));
+/// ```
+pub fn is_http_path(path: &str) -> bool {
+    path.starts_with('/') && !path.chars().any(|c| c.is_whitespace() || c.is_control() || c == '#')
+}
+
+/// Whether `host` is a plain DNS name usable as a map key and an SNI filter: 1 to 253
+/// characters of lowercase ASCII letters, digits, `-` and `.`, with no empty label. Wildcard
+/// hosts (`*.example.com`) are not plain names.
+///
+/// ```
+/// assert!(haptic_render::functions::is_hostname("shop.example.com"));
+/// assert!(!haptic_render::functions::is_hostname("*.example.com"));
+/// assert!(!haptic_render::functions::is_hostname("Shop..example.com"));
+/// ```
+pub fn is_hostname(host: &str) -> bool {
+    !host.is_empty()
+        && host.len() <= 253
+        && host.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && label
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        })
+}
+
+/// Compares two template values for sorting: numbers numerically, strings by bytes, missing
+/// values after present ones; values of different kinds by kind name, so the order is total.
+fn compare(a: Option<&Value>, b: Option<&Value>) -> Ordering {
+    match (a, b) {
+        (None, None) => Ordering::Equal,
+        (None, Some(_)) => Ordering::Greater,
+        (Some(_), None) => Ordering::Less,
+        (Some(a), Some(b)) => match (a.as_f64(), b.as_f64(), a.as_str(), b.as_str()) {
+            (Some(x), Some(y), _, _) => x.total_cmp(&y),
+            (_, _, Some(x), Some(y)) => x.cmp(y),
+            _ => a.name().cmp(b.name()).then_with(|| a.to_string().cmp(&b.to_string())),
+        },
+    }
+}
+
+fn present(value: Option<&Value>) -> Option<&Value> {
+    value.filter(|v| !v.is_undefined() && !v.is_none())
+}
+
+/// A value rendered as text, for use as a key.
+fn key_text(value: &Value) -> String {
+    value
+        .as_str()
+        .map_or_else(|| value.to_string(), ToOwned::to_owned)
+}
+
+fn tera_error(e: impl std::fmt::Display) -> tera::Error {
+    tera::Error::message(e.to_string())
+}
+
+/// Looks `key` up in the per-store map held in the context variable `var`.
+fn store_lookup(state: &State, var: &str, store: &str, key: &str) -> tera::TeraResult<Option<Value>> {
+    let stores: Value = state
+        .get(var)?
+        .ok_or_else(|| tera_error("the render context has no stores"))?;
+    let stores = stores
+        .as_map()
+        .ok_or_else(|| tera_error("the render context's stores are not a map"))?;
+    let Some(entries) = stores.get(&Key::Str(store)) else {
+        let known: Vec<String> = stores.keys().map(|k| k.to_string()).collect();
+        return Err(tera_error(format!(
+            "unknown store `{store}` (known: {})",
+            known.join(", ")
+        )));
+    };
+    Ok(entries
+        .as_map()
+        .and_then(|m| m.get(&Key::Str(key)))
+        .cloned())
+}
+
+/// The `key` argument of `lookup`: a string, or a list of parts joined with `/`.
+fn lookup_key(key: &Value) -> tera::TeraResult<String> {
+    if let Some(s) = key.as_str() {
+        return Ok(s.to_owned());
+    }
+    if let Some(parts) = key.as_array() {
+        return Ok(parts.iter().map(key_text).collect::<Vec<_>>().join("/"));
+    }
+    Err(tera_error(format!(
+        "lookup: `key` must be a string or a list, got {}",
+        key.name()
+    )))
+}
+
+/// Registers this module's functions and filters on a tera instance.
+pub(crate) fn register(tera: &mut Tera) {
+    tera.register_filter("sanitize", |s: &str, _: Kwargs, _: &State| sanitize(s));
+    tera.register_filter("regex_escape", |s: &str, _: Kwargs, _: &State| {
+        regex_escape(s)
+    });
+    tera.register_filter("b64decode", |s: &str, _: Kwargs, _: &State| {
+        b64decode(s).map_err(|e| tera_error(format!("b64decode: {e}")))
+    });
+    tera.register_test("http_path", |v: &Value, _: Kwargs, _: &State| {
+        v.as_str().is_some_and(is_http_path)
+    });
+    tera.register_test("hostname", |v: &Value, _: Kwargs, _: &State| {
+        v.as_str().is_some_and(is_hostname)
+    });
+    tera.register_filter(
+        "sort_by",
+        |items: &[Value], kwargs: Kwargs, _: &State| -> tera::TeraResult<Vec<Value>> {
+            let field: &str = kwargs.must_get("field")?;
+            let reverse: bool = kwargs.get("reverse")?.unwrap_or(false);
+            let mut decorated: Vec<(Option<&Value>, &Value)> = items
+                .iter()
+                .map(|v| (present(v.get_from_path(field)), v))
+                .collect();
+            decorated.sort_by(|(a, _), (b, _)| match (a, b) {
+                // Missing values go last in both directions.
+                (Some(_), Some(_)) if reverse => compare(*b, *a),
+                _ => compare(*a, *b),
+            });
+            Ok(decorated.into_iter().map(|(_, v)| v.clone()).collect())
+        },
+    );
+    tera.register_filter(
+        "group_by_field",
+        |items: &[Value], kwargs: Kwargs, _: &State| -> tera::TeraResult<Vec<Value>> {
+            let field: &str = kwargs.must_get("field")?;
+            let mut groups: BTreeMap<String, Vec<Value>> = BTreeMap::new();
+            for item in items {
+                if let Some(key) = present(item.get_from_path(field)) {
+                    groups.entry(key_text(key)).or_default().push(item.clone());
+                }
+            }
+            Ok(groups
+                .into_iter()
+                .map(|(key, items)| {
+                    map_value([("key", Value::from(key)), ("items", Value::from(items))])
+                })
+                .collect())
+        },
+    );
+    tera.register_function(
+        "backend_name",
+        |kwargs: Kwargs, _: &State| -> tera::TeraResult<String> {
+            let namespace: Value = kwargs.must_get("namespace")?;
+            let service: Value = kwargs.must_get("service")?;
+            let port: Value = kwargs.must_get("port")?;
+            Ok(backend_name(
+                &key_text(&namespace),
+                &key_text(&service),
+                &key_text(&port),
+            ))
+        },
+    );
+    tera.register_function(
+        "ssl_file",
+        |kwargs: Kwargs, _: &State| -> tera::TeraResult<String> {
+            let namespace: &str = kwargs.must_get("namespace")?;
+            let name: &str = kwargs.must_get("name")?;
+            Ok(ssl_file(namespace, name))
+        },
+    );
+    tera.register_function("fail", |kwargs: Kwargs, _: &State| -> tera::TeraResult<bool> {
+        let message: Value = kwargs.must_get("message")?;
+        Err(tera_error(format!("template failed: {}", key_text(&message))))
+    });
+    tera.register_function("get", |kwargs: Kwargs, state: &State| -> tera::TeraResult<Value> {
+        let store: &str = kwargs.must_get("store")?;
+        let namespace: &str = kwargs.get("namespace")?.unwrap_or("");
+        let name: &str = kwargs.must_get("name")?;
+        let key = format!("{namespace}/{name}");
+        Ok(store_lookup(state, GET_VAR, store, &key)?.unwrap_or_else(Value::none))
+    });
+    tera.register_function(
+        "lookup",
+        |kwargs: Kwargs, state: &State| -> tera::TeraResult<Value> {
+            let store: &str = kwargs.must_get("store")?;
+            let key = lookup_key(&kwargs.must_get::<Value>("key")?)?;
+            Ok(store_lookup(state, INDEX_VAR, store, &key)?
+                .unwrap_or_else(|| Value::from(Vec::<Value>::new())))
+        },
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sanitize_keeps_identifier_characters_only() {
+        assert_eq!(sanitize("a-b_c.d"), "a-b_c.d");
+        assert_eq!(sanitize("ns/name:80 x"), "ns_name_80_x");
+        assert_eq!(sanitize("é"), "_");
+        assert_eq!(sanitize(""), "_");
+    }
+
+    #[test]
+    fn backend_names_are_distinct_per_service_port() {
+        assert_eq!(backend_name("a", "b", "80"), "a_b_80");
+        assert_ne!(backend_name("a", "b", "80"), backend_name("a", "b", "http"));
+        assert_eq!(backend_name("a b", "c/d", "http"), "a_b_c_d_http");
+    }
+
+    #[test]
+    fn regex_escape_escapes_metacharacters_only() {
+        assert_eq!(regex_escape("abc/def"), "abc/def");
+        assert_eq!(regex_escape("a.b*c?"), r"a\.b\*c\?");
+        assert_eq!(regex_escape(r"^[x]{2}$|\"), r"\^\[x\]\{2\}\$\|\\");
+    }
+
+    #[test]
+    fn b64decode_rejects_bad_input() {
+        assert_eq!(b64decode("aGVsbG8=").unwrap(), "hello");
+        assert_eq!(b64decode(" aGVsbG8=\n").unwrap(), "hello");
+        assert!(matches!(b64decode("%%%"), Err(Error::Base64(_))));
+        assert_eq!(b64decode("/w=="), Err(Error::NotUtf8));
+    }
+
+    #[test]
+    fn path_and_host_checks_reject_what_would_break_a_map_file() {
+        assert!(is_http_path("/"));
+        for bad in ["", "x/", "/a\tb", "/a\nb", "/#x", "/a b"] {
+            assert!(!is_http_path(bad), "{bad:?}");
+        }
+        assert!(is_hostname("a-1.example.com"));
+        for bad in ["", "A.com", "a..b", ".a", "a.", "*.a.com", "a b", "a_b.com"] {
+            assert!(!is_hostname(bad), "{bad:?}");
+        }
+        assert!(!is_hostname(&"a".repeat(64)));
+    }
+
+    #[test]
+    fn ssl_file_is_under_ssl() {
+        assert_eq!(ssl_file("a", "b"), "ssl/a_b.pem");
+    }
+}

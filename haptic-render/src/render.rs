@@ -1,0 +1,428 @@
+//! The compiled renderer: a template set compiled once, rendered against stores many times.
+
+use std::collections::BTreeMap;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use tera::{Context, ErrorKind, Tera, Value};
+use tracing::instrument;
+
+use crate::fileset::FileSet;
+use crate::functions::{self, GET_VAR, INDEX_VAR};
+use crate::set::{self, Output, TemplateSet};
+use crate::store::Stores;
+use crate::value::{map_value, to_tera};
+
+/// Template sources larger than this are refused before they reach the engine.
+pub const MAX_TEMPLATE_BYTES: usize = 4 << 20;
+
+/// Brackets and parentheses nested deeper than this are refused before they reach the engine,
+/// whose recursive-descent parser would otherwise be able to exhaust the stack.
+pub const MAX_NESTING: usize = 64;
+
+/// Why a template set did not compile or render.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The set breaks a structural rule (paths, names).
+    #[error(transparent)]
+    Set(#[from] set::Error),
+    /// A template does not compile.
+    #[error("template `{template}`{}: {cause}", at_line(*line))]
+    Compile {
+        /// The template, by its engine name (`haproxyConfig`, `maps.<name>`, a snippet name...).
+        template: String,
+        /// 1-based line of the error, when the engine knows it.
+        line: Option<usize>,
+        /// What is wrong.
+        cause: String,
+    },
+    /// A template failed while rendering (including a template's own `fail(...)`).
+    #[error("rendering {output}: template `{template}`{}: {cause}", at_line(*line))]
+    Render {
+        /// What was being rendered: the output path, or `<entry> for <namespace>/<name>`.
+        output: String,
+        /// The template the error is in (a snippet when it comes from an include).
+        template: String,
+        /// 1-based line of the error, when the engine knows it.
+        line: Option<usize>,
+        /// What went wrong.
+        cause: String,
+    },
+    /// A per-item certificate entry names a store that the render was not given.
+    #[error("sslCertificates.{entry}: forEach store `{store}` is not among the stores ({known})")]
+    UnknownStore {
+        /// The certificate entry.
+        entry: String,
+        /// The store it names.
+        store: String,
+        /// The stores the render was given.
+        known: String,
+    },
+    /// Two per-item certificates (or one and a fixed output) render to the same path.
+    #[error("two outputs render to the same path `{0}`")]
+    DuplicatePath(String),
+}
+
+fn at_line(line: Option<usize>) -> String {
+    line.map(|l| format!(" line {l}")).unwrap_or_default()
+}
+
+/// A `Result` with this module's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Where an engine error points: template name, line, message (with its sources).
+fn locate(error: &tera::Error, fallback_template: &str) -> (String, Option<usize>, String) {
+    let mut cause = match error.kind() {
+        ErrorKind::SyntaxError(report) | ErrorKind::RenderingError(report) => {
+            let template = if report.filename().is_empty() {
+                fallback_template.to_owned()
+            } else {
+                report.filename().to_owned()
+            };
+            let mut cause = report.message().to_owned();
+            append_sources(error, &mut cause);
+            return (template, Some(report.span().start_line), cause);
+        }
+        other => other.to_string(),
+    };
+    append_sources(error, &mut cause);
+    (fallback_template.to_owned(), None, cause)
+}
+
+fn append_sources(error: &tera::Error, cause: &mut String) {
+    let mut source = std::error::Error::source(error);
+    while let Some(s) = source {
+        cause.push_str(": ");
+        cause.push_str(&s.to_string());
+        source = s.source();
+    }
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_owned())
+}
+
+/// Refuses sources the engine should never see: too large, or nested deeply enough to risk the
+/// parser's stack.
+fn precheck(name: &str, source: &str) -> Result<()> {
+    let refuse = |line: Option<usize>, cause: String| Error::Compile {
+        template: name.to_owned(),
+        line,
+        cause,
+    };
+    if source.len() > MAX_TEMPLATE_BYTES {
+        return Err(refuse(
+            None,
+            format!(
+                "the source is {} bytes; the limit is {MAX_TEMPLATE_BYTES}",
+                source.len()
+            ),
+        ));
+    }
+    let (mut depth, mut line) = (0usize, 1usize);
+    for c in source.chars() {
+        match c {
+            '\n' => line += 1,
+            '(' | '[' | '{' => {
+                depth += 1;
+                if depth > MAX_NESTING {
+                    return Err(refuse(
+                        Some(line),
+                        format!("brackets nest deeper than {MAX_NESTING}"),
+                    ));
+                }
+            }
+            ')' | ']' | '}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// A template set compiled once, rendered many times.
+///
+/// Rendering needs `&self` only: one renderer can serve concurrent renders.
+#[derive(Debug)]
+pub struct Renderer {
+    tera: Tera,
+    outputs: Vec<Output>,
+    extra: Vec<(String, Value)>,
+}
+
+impl Renderer {
+    /// Checks and compiles a template set.
+    ///
+    /// Errors name the template, the line and the cause. Unknown filters, functions and
+    /// included snippets are compile errors, not render errors.
+    #[instrument(skip_all, fields(templates = set.sources().len()))]
+    pub fn compile(set: &TemplateSet) -> Result<Self> {
+        let outputs = set.outputs()?;
+        let sources = set.sources();
+        for (name, source) in &sources {
+            precheck(name, source)?;
+        }
+        let mut tera = Tera::new();
+        // HAProxy files are not HTML: nothing is escaped.
+        tera.autoescape_on(Vec::<&'static str>::new());
+        functions::register(&mut tera);
+        let added = catch_unwind(AssertUnwindSafe(|| {
+            tera.add_raw_templates(sources.iter().map(|(n, s)| (n.as_str(), *s)))
+        }));
+        match added {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                let (template, line, cause) = locate(&e, "template set");
+                return Err(Error::Compile {
+                    template,
+                    line,
+                    cause,
+                });
+            }
+            Err(panic) => {
+                return Err(Error::Compile {
+                    template: "template set".to_owned(),
+                    line: None,
+                    cause: format!("the template engine panicked: {}", panic_message(&*panic)),
+                });
+            }
+        }
+        let extra = set
+            .extra_context
+            .iter()
+            .map(|(k, v)| (k.clone(), to_tera(v)))
+            .collect();
+        Ok(Self {
+            tera,
+            outputs,
+            extra,
+        })
+    }
+
+    /// The context every template of a render sees.
+    fn context(&self, stores: &Stores) -> Context {
+        let mut context = Context::new();
+        for (key, value) in &self.extra {
+            context.insert_value(key.clone(), value.clone());
+        }
+        let views: Vec<(&str, _)> = stores.iter().map(|(n, s)| (n, s.view())).collect();
+        context.insert_value(
+            "resources",
+            map_value(views.iter().map(|(n, v)| (*n, v.list.clone()))),
+        );
+        context.insert_value(
+            GET_VAR,
+            map_value(views.iter().map(|(n, v)| (*n, v.by_name.clone()))),
+        );
+        context.insert_value(
+            INDEX_VAR,
+            map_value(views.iter().map(|(n, v)| (*n, v.by_index.clone()))),
+        );
+        context
+    }
+
+    fn render_one(&self, template: &str, context: &Context, output: &str) -> Result<String> {
+        let rendered = catch_unwind(AssertUnwindSafe(|| self.tera.render(template, context)));
+        let error = |template: String, line, cause| Error::Render {
+            output: output.to_owned(),
+            template,
+            line,
+            cause,
+        };
+        match rendered {
+            Ok(Ok(text)) => Ok(text),
+            Ok(Err(e)) => {
+                let (template, line, cause) = locate(&e, template);
+                Err(error(template, line, cause))
+            }
+            Err(panic) => Err(error(
+                template.to_owned(),
+                None,
+                format!("the template engine panicked: {}", panic_message(&*panic)),
+            )),
+        }
+    }
+
+    /// Renders every output against `stores`.
+    ///
+    /// The result depends only on the template set and the stores' contents: never on the
+    /// order in which resources were applied.
+    #[instrument(skip_all)]
+    pub fn render(&self, stores: &Stores) -> Result<FileSet> {
+        let context = self.context(stores);
+        let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+        for output in &self.outputs {
+            let Some(store_name) = &output.for_each else {
+                let text = self.render_one(&output.template, &context, &output.path)?;
+                files.insert(output.path.clone(), text.into_bytes());
+                continue;
+            };
+            let Some(store) = stores.get(store_name) else {
+                return Err(Error::UnknownStore {
+                    entry: output.path.clone(),
+                    store: store_name.clone(),
+                    known: stores.iter().map(|(n, _)| n).collect::<Vec<_>>().join(", "),
+                });
+            };
+            let view = store.view();
+            for item in view.list.as_array().unwrap_or_default() {
+                let text_of = |path: &str| {
+                    item.get_from_path(path)
+                        .and_then(Value::as_str)
+                        .unwrap_or_default()
+                        .to_owned()
+                };
+                let (namespace, name) = (text_of("metadata.namespace"), text_of("metadata.name"));
+                let mut item_context = context.clone();
+                item_context.insert_value("item", item.clone());
+                let label = format!("{} for {namespace}/{name}", output.template);
+                let text = self.render_one(&output.template, &item_context, &label)?;
+                if text.trim().is_empty() {
+                    continue;
+                }
+                let path = functions::ssl_file(&namespace, &name);
+                if files.insert(path.clone(), text.into_bytes()).is_some() {
+                    return Err(Error::DuplicatePath(path));
+                }
+            }
+        }
+        Ok(FileSet::new(files))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::set::{CertificateTemplate, Template};
+    use crate::store::StoreConfig;
+    use serde_json::json;
+
+    fn compile(main: &str) -> Result<Renderer> {
+        Renderer::compile(&TemplateSet {
+            haproxy_config: Template::new(main),
+            ..TemplateSet::default()
+        })
+    }
+
+    fn stores() -> Stores {
+        let mut stores = Stores::new();
+        let services = stores.add("services", StoreConfig::default()).unwrap();
+        for (ns, name) in [("b", "web"), ("a", "web"), ("a", "api")] {
+            services
+                .apply(&json!({"metadata": {"namespace": ns, "name": name}, "spec": {"ports": [{"port": 80}]}}))
+                .unwrap();
+        }
+        stores
+    }
+
+    #[test]
+    fn compile_errors_name_template_and_line() {
+        let err = compile("global\n\n{% if %}\n").unwrap_err();
+        let Error::Compile { template, line, .. } = &err else {
+            panic!("{err}")
+        };
+        assert_eq!(template, "haproxyConfig");
+        assert_eq!(*line, Some(3));
+        assert!(err.to_string().contains("haproxyConfig` line 3"), "{err}");
+    }
+
+    #[test]
+    fn unknown_filters_fail_at_compile_time() {
+        let err = compile("{{ x | no_such_filter }}").unwrap_err();
+        assert!(matches!(err, Error::Compile { .. }), "{err}");
+        assert!(err.to_string().contains("no_such_filter"), "{err}");
+    }
+
+    #[test]
+    fn fail_names_template_line_and_message() {
+        let mut set = TemplateSet {
+            haproxy_config: Template::new("a\n{% include \"check\" %}\n"),
+            ..TemplateSet::default()
+        };
+        set.template_snippets.insert(
+            "check".into(),
+            Template::new("x\ny\n{{ fail(message=\"ingress shop/web has no rules\") }}"),
+        );
+        let renderer = Renderer::compile(&set).unwrap();
+        let err = renderer.render(&stores()).unwrap_err();
+        let Error::Render {
+            output,
+            template,
+            line,
+            cause,
+        } = &err
+        else {
+            panic!("{err}")
+        };
+        assert_eq!(output, "haproxy.cfg");
+        assert_eq!(template, "check");
+        assert_eq!(*line, Some(3));
+        assert!(cause.contains("ingress shop/web has no rules"), "{cause}");
+    }
+
+    #[test]
+    fn stores_are_listed_sorted_and_found_by_get_and_lookup() {
+        let renderer = compile(
+            "{% for s in resources.services %}{{ s.metadata.namespace }}/{{ s.metadata.name }} {% endfor %}\
+             {% set svc = get(store=\"services\", namespace=\"b\", name=\"web\") %}\
+             |{{ svc.metadata.namespace }}\
+             |{{ get(store=\"services\", namespace=\"b\", name=\"nope\") is none }}\
+             |{{ lookup(store=\"services\", key=[\"a\", \"api\"]) | length }}\
+             |{{ lookup(store=\"services\", key=\"a/zzz\") | length }}",
+        )
+        .unwrap();
+        let files = renderer.render(&stores()).unwrap();
+        assert_eq!(
+            files.text("haproxy.cfg").unwrap(),
+            "a/api a/web b/web |b|true|1|0"
+        );
+    }
+
+    #[test]
+    fn unknown_store_is_a_render_error_listing_known_stores() {
+        let renderer = compile("{{ get(store=\"servics\", name=\"x\") }}").unwrap();
+        let err = renderer.render(&stores()).unwrap_err();
+        assert!(err.to_string().contains("unknown store `servics` (known: services)"), "{err}");
+    }
+
+    #[test]
+    fn extra_context_is_visible_at_top_level() {
+        let mut set = TemplateSet {
+            haproxy_config: Template::new("{{ tuning.maxconn }}"),
+            ..TemplateSet::default()
+        };
+        set.extra_context
+            .insert("tuning".into(), json!({"maxconn": 5000}));
+        let files = Renderer::compile(&set).unwrap().render(&Stores::new()).unwrap();
+        assert_eq!(files.text("haproxy.cfg"), Some("5000"));
+    }
+
+    #[test]
+    fn per_item_certificates_skip_blank_output() {
+        let mut set = TemplateSet::default();
+        set.ssl_certificates.insert(
+            "services".into(),
+            CertificateTemplate {
+                template: "{% if item.metadata.name == \"web\" %}PEM {{ item.metadata.namespace }}{% endif %}".into(),
+                for_each: Some("services".into()),
+            },
+        );
+        let files = Renderer::compile(&set).unwrap().render(&stores()).unwrap();
+        let paths: Vec<&str> = files.iter().map(|(p, _)| p).collect();
+        assert_eq!(paths, ["haproxy.cfg", "ssl/a_web.pem", "ssl/b_web.pem"]);
+        assert_eq!(files.text("ssl/b_web.pem"), Some("PEM b"));
+
+        set.ssl_certificates.get_mut("services").unwrap().for_each = Some("secrets".into());
+        let err = Renderer::compile(&set).unwrap().render(&stores()).unwrap_err();
+        assert!(matches!(err, Error::UnknownStore { .. }), "{err}");
+    }
+
+    #[test]
+    fn deep_nesting_is_refused_before_the_engine() {
+        let source = format!("{{{{ {}1{} }}}}", "(".repeat(10_000), ")".repeat(10_000));
+        let err = compile(&source).unwrap_err();
+        assert!(err.to_string().contains("nest deeper"), "{err}");
+    }
+}

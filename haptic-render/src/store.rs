@@ -1,0 +1,430 @@
+//! Stores of watched resources: a sorted list, lookup by namespace and name, and lookup by
+//! configured index fields, all independent of the order in which watch events arrived.
+
+use std::collections::{BTreeMap, btree_map};
+use std::fmt;
+use std::sync::{Arc, OnceLock};
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value as Json;
+use tera::Value;
+
+use crate::value::{map_value, to_tera};
+
+/// What can go wrong while configuring a store or putting a resource into it.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum Error {
+    /// An `indexBy` entry is not a field path this crate understands.
+    #[error("index field `{path}` is not a valid field path: {reason}")]
+    InvalidFieldPath {
+        /// The path as configured.
+        path: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// `indexBy` is empty: a store needs at least one field to index by.
+    #[error("store `{store}`: indexBy is empty; give at least one field")]
+    EmptyIndex {
+        /// The store's name.
+        store: String,
+    },
+    /// A store name is not usable from a template.
+    #[error(
+        "store name `{0}` is not usable in templates: use letters, digits and `_`, not starting with a digit"
+    )]
+    InvalidStoreName(String),
+    /// The resource is not a JSON object.
+    #[error("resource is not a JSON object")]
+    NotAnObject,
+    /// The resource has no `metadata.name` string.
+    #[error("resource has no metadata.name")]
+    MissingName,
+}
+
+/// A `Result` with this module's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// How a store indexes its resources (the `indexBy` of a watched resource in the CRD).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StoreConfig {
+    /// Field paths whose values, joined with `/`, form the index key that `lookup` matches.
+    ///
+    /// A path is dot-separated; a key that itself contains dots or slashes goes in brackets and
+    /// quotes: `metadata.labels["kubernetes.io/service-name"]`. A resource that lacks one of the
+    /// fields is left out of the index (it is still listed and found by `get`).
+    ///
+    /// Default: `["metadata.namespace", "metadata.name"]`.
+    #[serde(default = "StoreConfig::default_index_by")]
+    pub index_by: Vec<String>,
+}
+
+impl StoreConfig {
+    fn default_index_by() -> Vec<String> {
+        vec!["metadata.namespace".into(), "metadata.name".into()]
+    }
+
+    /// A config indexing by the given field paths.
+    pub fn index_by<I, S>(fields: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        Self {
+            index_by: fields.into_iter().map(Into::into).collect(),
+        }
+    }
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            index_by: Self::default_index_by(),
+        }
+    }
+}
+
+/// One segment-by-segment path into a JSON object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct FieldPath(Vec<String>);
+
+impl FieldPath {
+    /// Parses `a.b["c.d/e"].f`.
+    pub(crate) fn parse(path: &str) -> Result<Self> {
+        let invalid = |reason| Error::InvalidFieldPath {
+            path: path.to_owned(),
+            reason,
+        };
+        let mut segments = Vec::new();
+        let mut rest = path;
+        while !rest.is_empty() {
+            if let Some(after) = rest.strip_prefix('[') {
+                let quote = after
+                    .chars()
+                    .next()
+                    .filter(|c| *c == '"' || *c == '\'')
+                    .ok_or_else(|| invalid("a bracket must hold a quoted key"))?;
+                let inner = &after[1..];
+                let end = inner
+                    .find(quote)
+                    .ok_or_else(|| invalid("unterminated quoted key"))?;
+                segments.push(inner[..end].to_owned());
+                rest = inner[end + 1..]
+                    .strip_prefix(']')
+                    .ok_or_else(|| invalid("expected `]` after the quoted key"))?;
+            } else {
+                let end = rest.find(['.', '[']).unwrap_or(rest.len());
+                if end == 0 {
+                    return Err(invalid("empty segment"));
+                }
+                segments.push(rest[..end].to_owned());
+                rest = &rest[end..];
+            }
+            if let Some(after) = rest.strip_prefix('.') {
+                if after.is_empty() || after.starts_with('.') {
+                    return Err(invalid("empty segment"));
+                }
+                rest = after;
+            } else if !rest.is_empty() && !rest.starts_with('[') {
+                return Err(invalid("unexpected character after a quoted key"));
+            }
+        }
+        if segments.is_empty() {
+            return Err(invalid("empty path"));
+        }
+        Ok(Self(segments))
+    }
+
+    /// The value at this path, if every segment exists.
+    pub(crate) fn resolve<'a>(&self, json: &'a Json) -> Option<&'a Json> {
+        self.0.iter().try_fold(json, |value, key| value.get(key))
+    }
+}
+
+/// The string form of an index field's value: strings as they are, numbers and booleans in
+/// their JSON form; anything else does not index.
+fn index_part(value: &Json) -> Option<String> {
+    match value {
+        Json::String(s) => Some(s.clone()),
+        Json::Number(n) => Some(n.to_string()),
+        Json::Bool(b) => Some(b.to_string()),
+        _ => None,
+    }
+}
+
+/// A resource as a store keeps it: converted once, when it arrives.
+#[derive(Debug, Clone)]
+struct Entry {
+    value: Value,
+    index_key: Option<String>,
+}
+
+/// What a template sees of a store, built once after each change and shared by renders.
+#[derive(Debug)]
+pub(crate) struct StoreView {
+    /// All resources, sorted by namespace then name.
+    pub(crate) list: Value,
+    /// `namespace/name` -> resource.
+    pub(crate) by_name: Value,
+    /// index key -> resources with that key, sorted by namespace then name.
+    pub(crate) by_index: Value,
+}
+
+/// The watched resources of one kind, kept sorted by namespace and name.
+///
+/// A store is fed from watch events ([`Store::apply`], [`Store::remove`]); what a template sees
+/// never depends on the order of those events, only on the set of resources.
+#[derive(Debug, Clone)]
+pub struct Store {
+    config: StoreConfig,
+    index: Vec<FieldPath>,
+    items: BTreeMap<(String, String), Entry>,
+    view: OnceLock<Arc<StoreView>>,
+}
+
+impl Store {
+    /// An empty store with the given index configuration.
+    pub fn new(config: StoreConfig) -> Result<Self> {
+        let index = config
+            .index_by
+            .iter()
+            .map(|path| FieldPath::parse(path))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            config,
+            index,
+            items: BTreeMap::new(),
+            view: OnceLock::new(),
+        })
+    }
+
+    /// The configuration this store was made with.
+    pub fn config(&self) -> &StoreConfig {
+        &self.config
+    }
+
+    /// Adds a resource or replaces the one with the same namespace and name.
+    ///
+    /// Cluster-scoped resources (no `metadata.namespace`) are keyed with an empty namespace.
+    pub fn apply(&mut self, resource: &Json) -> Result<()> {
+        if !resource.is_object() {
+            return Err(Error::NotAnObject);
+        }
+        let metadata = resource.get("metadata");
+        let name = metadata
+            .and_then(|m| m.get("name"))
+            .and_then(Json::as_str)
+            .ok_or(Error::MissingName)?;
+        let namespace = metadata
+            .and_then(|m| m.get("namespace"))
+            .and_then(Json::as_str)
+            .unwrap_or("");
+        let index_key = self
+            .index
+            .iter()
+            .map(|path| path.resolve(resource).and_then(index_part))
+            .collect::<Option<Vec<_>>>()
+            .map(|parts| parts.join("/"));
+        let entry = Entry {
+            value: to_tera(resource),
+            index_key,
+        };
+        self.items
+            .insert((namespace.to_owned(), name.to_owned()), entry);
+        self.view = OnceLock::new();
+        Ok(())
+    }
+
+    /// Removes a resource; returns whether it was there.
+    pub fn remove(&mut self, namespace: &str, name: &str) -> bool {
+        let removed = self
+            .items
+            .remove(&(namespace.to_owned(), name.to_owned()))
+            .is_some();
+        if removed {
+            self.view = OnceLock::new();
+        }
+        removed
+    }
+
+    /// Whether a resource with this namespace and name is stored.
+    pub fn contains(&self, namespace: &str, name: &str) -> bool {
+        self.items
+            .contains_key(&(namespace.to_owned(), name.to_owned()))
+    }
+
+    /// How many resources are stored.
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    /// Whether the store is empty.
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// The template view, built on first use after a change.
+    pub(crate) fn view(&self) -> Arc<StoreView> {
+        Arc::clone(self.view.get_or_init(|| Arc::new(self.build_view())))
+    }
+
+    fn build_view(&self) -> StoreView {
+        let list: Vec<Value> = self.items.values().map(|e| e.value.clone()).collect();
+        let by_name = map_value(
+            self.items
+                .iter()
+                .map(|((ns, name), e)| (format!("{ns}/{name}"), e.value.clone())),
+        );
+        let mut index: BTreeMap<&str, Vec<Value>> = BTreeMap::new();
+        for entry in self.items.values() {
+            if let Some(key) = &entry.index_key {
+                index.entry(key).or_default().push(entry.value.clone());
+            }
+        }
+        let by_index = map_value(index.into_iter().map(|(k, v)| (k, Value::from(v))));
+        StoreView {
+            list: Value::from(list),
+            by_name,
+            by_index,
+        }
+    }
+}
+
+/// The watched resources by name: what a render reads.
+#[derive(Debug, Clone, Default)]
+pub struct Stores {
+    stores: BTreeMap<String, Store>,
+}
+
+impl Stores {
+    /// No stores.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds (or replaces) an empty store under `name` and returns it.
+    ///
+    /// Templates see it as `resources.<name>`, so the name must be an identifier.
+    pub fn add(&mut self, name: impl Into<String>, config: StoreConfig) -> Result<&mut Store> {
+        let name = name.into();
+        if !is_identifier(&name) {
+            return Err(Error::InvalidStoreName(name));
+        }
+        if config.index_by.is_empty() {
+            return Err(Error::EmptyIndex { store: name });
+        }
+        let store = Store::new(config)?;
+        Ok(match self.stores.entry(name) {
+            btree_map::Entry::Vacant(slot) => slot.insert(store),
+            btree_map::Entry::Occupied(mut slot) => {
+                slot.insert(store);
+                slot.into_mut()
+            }
+        })
+    }
+
+    /// The store with this name.
+    pub fn get(&self, name: &str) -> Option<&Store> {
+        self.stores.get(name)
+    }
+
+    /// The store with this name, to apply watch events to.
+    pub fn get_mut(&mut self, name: &str) -> Option<&mut Store> {
+        self.stores.get_mut(name)
+    }
+
+    /// Store names and stores, sorted by name.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Store)> {
+        self.stores.iter().map(|(k, v)| (k.as_str(), v))
+    }
+}
+
+/// Whether `name` can be written as `resources.<name>` in a template.
+pub(crate) fn is_identifier(name: &str) -> bool {
+    let mut chars = name.chars();
+    matches!(chars.next(), Some(c) if c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+impl fmt::Display for FieldPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0.join("."))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn field_paths_parse_dots_and_quoted_keys() {
+        let path = FieldPath::parse(r#"metadata.labels["kubernetes.io/service-name"]"#).unwrap();
+        assert_eq!(
+            path.0,
+            ["metadata", "labels", "kubernetes.io/service-name"]
+        );
+        let path = FieldPath::parse("a['b.c'].d").unwrap();
+        assert_eq!(path.0, ["a", "b.c", "d"]);
+        for bad in ["", "a..b", ".a", "a.", "a[b]", "a['b'", "a['b']c", "a['b"] {
+            assert!(FieldPath::parse(bad).is_err(), "{bad:?} should not parse");
+        }
+    }
+
+    #[test]
+    fn apply_requires_a_named_object() {
+        let mut store = Store::new(StoreConfig::default()).unwrap();
+        assert_eq!(store.apply(&json!([1])), Err(Error::NotAnObject));
+        assert_eq!(store.apply(&json!({"metadata": {}})), Err(Error::MissingName));
+        store.apply(&json!({"metadata": {"name": "n"}})).unwrap();
+        assert!(store.contains("", "n"));
+    }
+
+    #[test]
+    fn view_is_sorted_and_indexed_whatever_the_arrival_order() {
+        let config = StoreConfig::index_by([
+            "metadata.namespace",
+            r#"metadata.labels["kubernetes.io/service-name"]"#,
+        ]);
+        let slice = |ns: &str, name: &str, svc: &str| {
+            json!({"metadata": {"namespace": ns, "name": name,
+                "labels": {"kubernetes.io/service-name": svc}}})
+        };
+        let mut store = Store::new(config).unwrap();
+        store.apply(&slice("b", "s2", "web")).unwrap();
+        store.apply(&slice("a", "s9", "web")).unwrap();
+        store.apply(&slice("a", "s1", "web")).unwrap();
+        store.apply(&json!({"metadata": {"namespace": "a", "name": "unlabelled"}})).unwrap();
+        let view = store.view();
+        let names: Vec<String> = view
+            .list
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.get_from_path("metadata.name").unwrap().to_string())
+            .collect();
+        assert_eq!(names, ["s1", "s9", "unlabelled", "s2"]);
+        let a_web = view.by_index.as_map().unwrap();
+        let hits = a_web
+            .get(&tera::value::Key::Str("a/web"))
+            .and_then(Value::as_array)
+            .unwrap();
+        assert_eq!(hits.len(), 2);
+        assert_eq!(a_web.len(), 2, "the unlabelled slice is not indexed");
+        assert!(store.remove("a", "s1"));
+        assert!(!store.remove("a", "s1"));
+        assert_eq!(store.view().list.len(), Some(3));
+    }
+
+    #[test]
+    fn store_names_must_be_identifiers() {
+        let mut stores = Stores::new();
+        assert!(stores.add("endpoint-slices", StoreConfig::default()).is_err());
+        assert!(
+            stores
+                .add("svc", StoreConfig { index_by: vec![] })
+                .is_err()
+        );
+        assert!(stores.add("endpointslices", StoreConfig::default()).is_ok());
+    }
+}

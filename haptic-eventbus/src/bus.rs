@@ -2,6 +2,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -146,7 +147,7 @@ impl<E: Event> EventBus<E> {
 
     /// A bus with `config`, not started.
     pub fn with_config(config: Config<E::Kind>) -> Self {
-        let mut kinds = HashMap::new();
+        let mut kinds = KindMap::default();
         for kind in config.sticky_kinds {
             kinds.insert(
                 kind,
@@ -481,7 +482,7 @@ struct State<E: Event> {
     buffer: VecDeque<Buffered<E>>,
     buffer_overflows: u64,
     /// Per kind: its subscribers, and its latest event when the kind is sticky.
-    kinds: HashMap<E::Kind, KindEntry<E>>,
+    kinds: KindMap<E::Kind, KindEntry<E>>,
     /// Subscribers to every kind.
     all: Vec<Arc<Shared<E>>>,
     /// Every live subscription by id (ids grow, so this is subscription order).
@@ -565,6 +566,59 @@ impl<E: Event> State<E> {
             }
         }
         self.registry.insert(shared.id, Arc::clone(shared));
+    }
+}
+
+/// The per-kind map, looked up on every publish.
+type KindMap<K, V> = HashMap<K, V, BuildHasherDefault<KindHasher>>;
+
+/// The Fx hash (one rotate, xor and multiply per word). Kinds are the application's own small
+/// discriminants, never outside input, so flooding is no concern and SipHash's cost on the
+/// publish path buys nothing.
+#[derive(Debug, Default, Clone, Copy)]
+struct KindHasher(u64);
+
+impl KindHasher {
+    fn add(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+}
+
+impl Hasher for KindHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.add(u64::from_le_bytes(word));
+        }
+    }
+
+    fn write_u8(&mut self, n: u8) {
+        self.add(u64::from(n));
+    }
+
+    fn write_u16(&mut self, n: u16) {
+        self.add(u64::from(n));
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        self.add(u64::from(n));
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.add(n);
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.add(n as u64);
+    }
+
+    fn write_isize(&mut self, n: isize) {
+        self.add(n as u64);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
     }
 }
 

@@ -2,6 +2,7 @@
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
 use tokio::sync::Notify;
@@ -97,12 +98,19 @@ pub struct SubscriptionStats {
 /// [`EventBus::subscriber_count`](crate::EventBus::subscriber_count) goes down.
 pub struct Subscription<E: Event> {
     shared: Arc<Shared<E>>,
+    /// Events taken from the shared queue in one batch and not yet handed out: the receiver
+    /// takes the lock once per batch rather than once per event.
+    taken: VecDeque<Arc<E>>,
     bus: Weak<Inner<E>>,
 }
 
 impl<E: Event> Subscription<E> {
     pub(crate) fn new(shared: Arc<Shared<E>>, bus: Weak<Inner<E>>) -> Self {
-        Subscription { shared, bus }
+        Subscription {
+            shared,
+            taken: VecDeque::new(),
+            bus,
+        }
     }
 
     /// Waits for the next event. `None` once every handle of the bus is dropped and the queue
@@ -111,24 +119,41 @@ impl<E: Event> Subscription<E> {
     /// Cancel safe: if the future is dropped before it completes, no event is lost.
     pub async fn recv(&mut self) -> Option<Arc<E>> {
         loop {
-            {
-                let mut queue = self.shared.lock();
-                if let Some(event) = queue.items.pop_front() {
-                    return Some(event);
-                }
-                if queue.closed {
-                    return None;
-                }
+            match self.take() {
+                Taken::Event(event) => return Some(event),
+                Taken::Closed => return None,
+                // A push that lands between the check above and this await stores a permit in
+                // the Notify, so the wake-up cannot be missed.
+                Taken::Empty => self.shared.notify.notified().await,
             }
-            // A push that lands between the unlock above and this await stores a permit in the
-            // Notify, so the wake-up cannot be missed.
-            self.shared.notify.notified().await;
         }
     }
 
     /// The next event if one is waiting, without waiting.
     pub fn try_recv(&mut self) -> Option<Arc<E>> {
-        self.shared.lock().items.pop_front()
+        match self.take() {
+            Taken::Event(event) => Some(event),
+            Taken::Empty | Taken::Closed => None,
+        }
+    }
+
+    fn take(&mut self) -> Taken<E> {
+        if let Some(event) = self.taken.pop_front() {
+            self.shared.set_taken(self.taken.len());
+            return Taken::Event(event);
+        }
+        let mut queue = self.shared.lock();
+        // The emptied batch buffer goes back as the queue's storage: no allocation per batch.
+        std::mem::swap(&mut queue.items, &mut self.taken);
+        match self.taken.pop_front() {
+            Some(event) => {
+                // Under the lock, so that a push sees queue and batch lengths consistently.
+                self.shared.set_taken(self.taken.len());
+                Taken::Event(event)
+            }
+            None if queue.closed => Taken::Closed,
+            None => Taken::Empty,
+        }
     }
 
     /// True once the bus is gone: nothing more will arrive after the queued events.
@@ -150,6 +175,12 @@ impl<E: Event> Subscription<E> {
     pub fn stats(&self) -> SubscriptionStats {
         self.shared.stats()
     }
+}
+
+enum Taken<E> {
+    Event(Arc<E>),
+    Empty,
+    Closed,
 }
 
 impl<E: Event> fmt::Debug for Subscription<E> {
@@ -179,6 +210,10 @@ pub(crate) struct Shared<E: Event> {
     pub(crate) delivery: Delivery,
     pub(crate) leader_only: bool,
     queue: Mutex<Queue<E>>,
+    /// How many events the receiver has taken in its current batch and not handed out yet.
+    /// They still count as queued (for limits and statistics). Only the receiver writes it; a
+    /// stale read can only be too high, never too low.
+    taken: AtomicUsize,
     notify: Notify,
 }
 
@@ -226,8 +261,18 @@ impl<E: Event> Shared<E> {
                 dropped: 0,
                 closed: false,
             }),
+            taken: AtomicUsize::new(0),
             notify: Notify::new(),
         }
+    }
+
+    fn set_taken(&self, len: usize) {
+        self.taken.store(len, Ordering::Relaxed);
+    }
+
+    /// Events waiting for the receiver: in the queue and in its current batch.
+    fn queued(&self, queue: &Queue<E>) -> usize {
+        queue.items.len() + self.taken.load(Ordering::Relaxed)
     }
 
     fn lock(&self) -> MutexGuard<'_, Queue<E>> {
@@ -242,7 +287,7 @@ impl<E: Event> Shared<E> {
             return Pushed::Closed;
         }
         if let Delivery::Lossy { capacity } = self.delivery
-            && queue.items.len() >= capacity
+            && self.queued(&queue) >= capacity
         {
             queue.dropped += 1;
             if queue.dropped.is_power_of_two() {
@@ -255,7 +300,7 @@ impl<E: Event> Shared<E> {
         }
         let was_empty = queue.items.is_empty();
         queue.items.push_back(Arc::clone(event));
-        let len = queue.items.len();
+        let len = self.queued(&queue);
         if len > queue.high_water {
             queue.high_water = len;
             if self.delivery == Delivery::Reliable && len >= queue.next_warn {
@@ -267,8 +312,9 @@ impl<E: Event> Shared<E> {
             }
         }
         drop(queue);
-        // The receiver only waits on an empty queue, so only the push that ends the emptiness
-        // needs to wake it; this keeps the common case free of wake-ups.
+        // The receiver only waits when the queue (and its batch) is empty, so only the push that
+        // ends the queue's emptiness needs to wake it; this keeps the common case free of
+        // wake-ups.
         if was_empty {
             self.notify.notify_one();
         }
@@ -288,7 +334,7 @@ impl<E: Event> Shared<E> {
             name: self.name.to_string(),
             delivery: self.delivery,
             leader_only: self.leader_only,
-            queued: queue.items.len(),
+            queued: self.queued(&queue),
             high_water: queue.high_water,
             dropped: queue.dropped,
         }

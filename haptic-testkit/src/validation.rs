@@ -1,0 +1,197 @@
+//! Object validation the real server performs for the resources the project uses: names,
+//! Lease fields and MicroTime formatting.
+
+use serde_json::Value;
+
+use crate::resources::ResourceInfo;
+
+const SUBDOMAIN_MSG: &str = "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character (e.g. 'example.com', regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')";
+const LABEL_MSG: &str = "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start and end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?')";
+
+fn is_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+fn is_subdomain(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 253 && s.split('.').all(is_label)
+}
+
+/// Validates an object name as the resource's strategy does (DNS-1123 label for namespaces and
+/// services, subdomain otherwise). Returns a 422 cause.
+pub(crate) fn name_cause(info: &ResourceInfo, name: &str) -> Option<(String, String)> {
+    let label_only =
+        info.group.is_empty() && (info.plural == "namespaces" || info.plural == "services");
+    if label_only && !is_label(name) {
+        return Some((
+            "metadata.name".to_owned(),
+            format!("Invalid value: \"{name}\": {LABEL_MSG}"),
+        ));
+    }
+    if !label_only && !is_subdomain(name) {
+        return Some((
+            "metadata.name".to_owned(),
+            format!("Invalid value: \"{name}\": {SUBDOMAIN_MSG}"),
+        ));
+    }
+    None
+}
+
+/// A decode failure: the body could not be read as the resource's type (400 on the real server).
+pub(crate) fn decode_error(info: &ResourceInfo, detail: &str) -> String {
+    format!(
+        "{} in version \"{}\" cannot be handled as a {}: {detail}",
+        info.kind, info.version, info.kind
+    )
+}
+
+/// Checks a MicroTime string: RFC 3339 with exactly six fractional digits, as Go's
+/// `metav1.MicroTime` parses it (layout `2006-01-02T15:04:05.000000Z07:00`).
+pub(crate) fn micro_time_ok(value: &str) -> bool {
+    let b = value.as_bytes();
+    let digits = |range: std::ops::Range<usize>| {
+        b.get(range)
+            .is_some_and(|s| s.iter().all(u8::is_ascii_digit))
+    };
+    let shape = b.len() >= 27
+        && digits(0..4)
+        && b[4] == b'-'
+        && digits(5..7)
+        && b[7] == b'-'
+        && digits(8..10)
+        && b[10] == b'T'
+        && digits(11..13)
+        && b[13] == b':'
+        && digits(14..16)
+        && b[16] == b':'
+        && digits(17..19)
+        && b[19] == b'.'
+        && digits(20..26);
+    if !shape {
+        return false;
+    }
+    let zone = &value[26..];
+    let zone_ok = zone == "Z"
+        || (zone.len() == 6
+            && (zone.starts_with('+') || zone.starts_with('-'))
+            && zone.as_bytes()[3] == b':'
+            && digits(27..29)
+            && digits(30..32));
+    zone_ok && value.parse::<jiff::Timestamp>().is_ok()
+}
+
+/// Type-level checks (a 400 decode error on the real server) for fields of known types.
+pub(crate) fn decode_check(info: &ResourceInfo, object: &Value) -> Result<(), String> {
+    if info.group == "coordination.k8s.io" && info.plural == "leases" {
+        let spec = &object["spec"];
+        if !spec.is_null() && !spec.is_object() {
+            return Err(
+                "json: cannot unmarshal into Go struct field Lease.spec of type v1.LeaseSpec"
+                    .to_owned(),
+            );
+        }
+        for field in ["acquireTime", "renewTime"] {
+            match &spec[field] {
+                Value::Null => {}
+                Value::String(s) if micro_time_ok(s) => {}
+                Value::String(s) => {
+                    return Err(format!(
+                        "parsing time \"{s}\" as \"2006-01-02T15:04:05.000000Z07:00\": cannot parse as RFC 3339 with microseconds (field spec.{field})"
+                    ));
+                }
+                other => {
+                    return Err(format!(
+                        "json: cannot unmarshal {other} into Go struct field LeaseSpec.spec.{field} of type string"
+                    ));
+                }
+            }
+        }
+        for field in ["leaseDurationSeconds", "leaseTransitions"] {
+            match &spec[field] {
+                Value::Null => {}
+                Value::Number(n) if n.as_i64().is_some_and(|v| i32::try_from(v).is_ok()) => {}
+                other => {
+                    return Err(format!(
+                        "json: cannot unmarshal {other} into Go struct field LeaseSpec.spec.{field} of type int32"
+                    ));
+                }
+            }
+        }
+        if !matches!(spec["holderIdentity"], Value::Null | Value::String(_)) {
+            return Err("json: cannot unmarshal into Go struct field LeaseSpec.spec.holderIdentity of type string".to_owned());
+        }
+    }
+    let meta = &object["metadata"];
+    if !meta.is_null() && !meta.is_object() {
+        return Err(
+            "json: cannot unmarshal into Go struct field .metadata of type v1.ObjectMeta"
+                .to_owned(),
+        );
+    }
+    for field in ["labels", "annotations"] {
+        match &meta[field] {
+            Value::Null => {}
+            Value::Object(map) if map.values().all(Value::is_string) => {}
+            _ => {
+                return Err(format!(
+                    "json: cannot unmarshal into Go struct field ObjectMeta.metadata.{field} of type map[string]string"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Field validation (422 on the real server) for known types.
+pub(crate) fn field_causes(info: &ResourceInfo, object: &Value) -> Vec<(String, String)> {
+    let mut causes = Vec::new();
+    if info.group == "coordination.k8s.io" && info.plural == "leases" {
+        let spec = &object["spec"];
+        if let Some(d) = spec["leaseDurationSeconds"].as_i64()
+            && d <= 0
+        {
+            causes.push((
+                "spec.leaseDurationSeconds".to_owned(),
+                format!("Invalid value: {d}: must be greater than 0"),
+            ));
+        }
+        if let Some(t) = spec["leaseTransitions"].as_i64()
+            && t < 0
+        {
+            causes.push((
+                "spec.leaseTransitions".to_owned(),
+                format!("Invalid value: {t}: must be greater than or equal to 0"),
+            ));
+        }
+    }
+    causes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn micro_time_needs_six_digits() {
+        assert!(micro_time_ok("2026-11-29T08:00:00.123456Z"));
+        assert!(micro_time_ok("2026-11-29T08:00:00.123456+01:00"));
+        assert!(!micro_time_ok("2026-11-29T08:00:00Z"));
+        assert!(!micro_time_ok("2026-11-29T08:00:00.123Z"));
+        assert!(!micro_time_ok("2026-11-29T08:00:00.1234567Z"));
+        assert!(!micro_time_ok("2026-13-29T08:00:00.123456Z"));
+        assert!(!micro_time_ok("yesterday"));
+    }
+
+    #[test]
+    fn names() {
+        assert!(is_subdomain("a.b-c"));
+        assert!(!is_subdomain("A"));
+        assert!(!is_subdomain("-a"));
+        assert!(is_label("abc-1"));
+        assert!(!is_label("a.b"));
+    }
+}

@@ -1,6 +1,6 @@
 //! The bus: configuration, publication, buffering around start and pause, sticky kinds, requests.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,7 +11,9 @@ use tracing::{Instrument, debug, warn};
 
 use crate::event::{Event, Filter};
 use crate::request::{self, Gathered, RequestId, RequestParams, Response};
-use crate::subscription::{Pushed, Shared, SubscribeParams, Subscription, SubscriptionStats};
+use crate::subscription::{
+    Pushed, Queue, Shared, SubscribeParams, Subscription, SubscriptionStats,
+};
 
 /// The bus's parameters.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -111,24 +113,35 @@ pub struct BusStats {
 /// they were published (for publishers on different threads, in the order their `publish`
 /// calls took the bus's lock).
 pub struct EventBus<E: Event> {
+    handle: Arc<Handle<E>>,
+}
+
+/// Shared by the clones of one [`EventBus`]; when the last is dropped the bus closes.
+struct Handle<E: Event> {
     inner: Arc<Inner<E>>,
+}
+
+impl<E: Event> Drop for Handle<E> {
+    fn drop(&mut self) {
+        self.inner.close();
+    }
 }
 
 impl<E: Event> Clone for EventBus<E> {
     fn clone(&self) -> Self {
         EventBus {
-            inner: Arc::clone(&self.inner),
+            handle: Arc::clone(&self.handle),
         }
     }
 }
 
 impl<E: Event> fmt::Debug for EventBus<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let state = self.inner.lock();
+        let state = self.handle.inner.lock();
         f.debug_struct("EventBus")
             .field("running", &state.running)
             .field("buffered", &state.buffer.len())
-            .field("subscribers", &state.registry.len())
+            .field("subscribers", &state.live)
             .finish_non_exhaustive()
     }
 }
@@ -158,29 +171,38 @@ impl<E: Event> EventBus<E> {
                 },
             );
         }
-        EventBus {
-            inner: Arc::new(Inner {
-                state: Mutex::new(State {
-                    running: false,
-                    started: false,
-                    buffer: VecDeque::new(),
-                    buffer_overflows: 0,
-                    kinds,
-                    all: Vec::new(),
-                    registry: BTreeMap::new(),
-                    next_subscription: 0,
-                    sticky_seq: 0,
-                    pending: HashMap::new(),
-                }),
-                buffer_capacity: config.buffer_capacity,
-                high_water_warn: config.high_water_warn,
-                next_request: AtomicU64::new(1),
+        let inner = Arc::new(Inner {
+            state: Mutex::new(State {
+                running: false,
+                started: false,
+                buffer: VecDeque::new(),
+                buffer_overflows: 0,
+                kinds,
+                all: Vec::new(),
+                queues: Vec::new(),
+                free_slots: Vec::new(),
+                live: 0,
+                closed: false,
+                next_subscription: 0,
+                sticky_seq: 0,
+                pending: HashMap::new(),
             }),
+            buffer_capacity: config.buffer_capacity,
+            high_water_warn: config.high_water_warn,
+            next_request: AtomicU64::new(1),
+        });
+        EventBus {
+            handle: Arc::new(Handle { inner }),
         }
     }
 
-    /// Publishes `event`. Never blocks on a subscriber and never awaits: it queues the event
+    /// Publishes `event`. Never waits for a subscriber and never awaits: it queues the event
     /// for every matching subscriber (or in the buffer when the bus is not running) and returns.
+    ///
+    /// The only lock it takes is the bus's own, which every operation holds just for a
+    /// bounded amount of work (here: one queue push per matching subscriber) and never across
+    /// an await or the application's code; so it may be called from anywhere, including a
+    /// subscriber's handler and synchronous code.
     pub fn publish(&self, event: E) -> Outcome {
         // The application's code runs before the lock is taken.
         let kind = event.kind();
@@ -188,11 +210,11 @@ impl<E: Event> EventBus<E> {
         let event = Arc::new(event);
         let mut notes = Vec::new();
         let outcome = {
-            let mut state = self.inner.lock();
+            let mut state = self.handle.inner.lock();
             if state.running {
                 let subscribers = state.deliver(kind, response, &event, &mut notes);
                 Outcome::Delivered { subscribers }
-            } else if state.buffer.len() < self.inner.buffer_capacity {
+            } else if state.buffer.len() < self.handle.inner.buffer_capacity {
                 state.buffer.push_back(Buffered {
                     kind,
                     response,
@@ -204,7 +226,7 @@ impl<E: Event> EventBus<E> {
                 if state.buffer_overflows.is_power_of_two() {
                     notes.push(Note::Overflow {
                         total: state.buffer_overflows,
-                        capacity: self.inner.buffer_capacity,
+                        capacity: self.handle.inner.buffer_capacity,
                     });
                 }
                 Outcome::Overflowed
@@ -220,7 +242,7 @@ impl<E: Event> EventBus<E> {
     pub fn start(&self) -> usize {
         let mut notes = Vec::new();
         let flushed = {
-            let mut state = self.inner.lock();
+            let mut state = self.handle.inner.lock();
             if state.running {
                 return 0;
             }
@@ -242,7 +264,7 @@ impl<E: Event> EventBus<E> {
     /// wait in the (bounded) buffer. Idempotent. Events already queued for subscribers stay
     /// receivable.
     pub fn pause(&self) {
-        let was_running = std::mem::replace(&mut self.inner.lock().running, false);
+        let was_running = std::mem::replace(&mut self.handle.inner.lock().running, false);
         if was_running {
             debug!("event bus paused");
         }
@@ -250,7 +272,7 @@ impl<E: Event> EventBus<E> {
 
     /// Whether events are delivered now (started and not paused).
     pub fn is_running(&self) -> bool {
-        self.inner.lock().running
+        self.handle.inner.lock().running
     }
 
     /// A reliable subscription to `filter`. After the bus has started, this logs a
@@ -276,12 +298,14 @@ impl<E: Event> EventBus<E> {
     pub fn subscribe_with(&self, params: SubscribeParams<E::Kind>) -> Subscription<E> {
         let mut notes = Vec::new();
         let (shared, late) = {
-            let mut state = self.inner.lock();
+            let mut state = self.handle.inner.lock();
             let id = state.next_subscription;
             state.next_subscription += 1;
-            let shared = Arc::new(Shared::new(id, params, self.inner.high_water_warn));
-            state.replay_sticky(&shared, &mut notes);
-            state.add(&shared);
+            let slot = state.free_slots.pop().unwrap_or(state.queues.len());
+            let shared = Arc::new(Shared::new(id, slot, params));
+            let mut queue = Queue::new(Arc::clone(&shared), self.handle.inner.high_water_warn);
+            state.replay_sticky(&mut queue, &mut notes);
+            state.add(queue);
             let late = state.started && !shared.leader_only;
             (shared, late)
         };
@@ -293,18 +317,20 @@ impl<E: Event> EventBus<E> {
             );
         }
         emit(notes);
-        Subscription::new(shared, Arc::downgrade(&self.inner))
+        Subscription::new(shared, Arc::clone(&self.handle.inner))
     }
 
     /// How many subscriptions are live.
     pub fn subscriber_count(&self) -> usize {
-        self.inner.lock().registry.len()
+        self.handle.inner.lock().live
     }
 
     /// A snapshot of the bus and every subscription.
     pub fn stats(&self) -> BusStats {
-        let state = self.inner.lock();
-        let subscribers = state.registry.values().map(|s| s.stats()).collect();
+        let state = self.handle.inner.lock();
+        let mut subscribers: Vec<SubscriptionStats> =
+            state.queues.iter().flatten().map(Queue::stats).collect();
+        subscribers.sort_by_key(|s| s.id);
         BusStats {
             running: state.running,
             started: state.started,
@@ -329,7 +355,12 @@ impl<E: Event> EventBus<E> {
     where
         F: FnOnce(RequestId) -> E,
     {
-        let id = RequestId::new(self.inner.next_request.fetch_add(1, Ordering::Relaxed));
+        let id = RequestId::new(
+            self.handle
+                .inner
+                .next_request
+                .fetch_add(1, Ordering::Relaxed),
+        );
         let span = tracing::debug_span!("request", request = %id);
         self.gather(id, make(id), params).instrument(span).await
     }
@@ -341,9 +372,9 @@ impl<E: Event> EventBus<E> {
         params: RequestParams,
     ) -> request::Result<Gathered<E>> {
         let (tx, mut rx) = mpsc::unbounded_channel();
-        self.inner.lock().pending.insert(id, tx);
+        self.handle.inner.lock().pending.insert(id, tx);
         let _pending = PendingGuard {
-            inner: &self.inner,
+            inner: &self.handle.inner,
             id,
         };
         let deadline = tokio::time::Instant::now() + params.timeout;
@@ -428,7 +459,7 @@ impl<E: Event> Drop for PendingGuard<'_, E> {
     }
 }
 
-/// The bus proper, shared by every [`EventBus`] clone; subscriptions hold it weakly.
+/// The bus proper, shared by every [`EventBus`] clone and every subscription.
 pub(crate) struct Inner<E: Event> {
     state: Mutex<State<E>>,
     buffer_capacity: usize,
@@ -443,16 +474,16 @@ impl<E: Event> Inner<E> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Takes a dropped subscription out of every delivery list.
-    pub(crate) fn unsubscribe(&self, shared: &Arc<Shared<E>>) {
+    /// Takes a dropped subscription out of every delivery list and frees its queue.
+    pub(crate) fn unsubscribe(&self, shared: &Shared<E>) {
         let mut state = self.lock();
-        state.registry.remove(&shared.id);
+        let slot = shared.slot;
         match &shared.filter {
-            Filter::All => remove(&mut state.all, shared),
+            Filter::All => state.all.retain(|s| *s != slot),
             Filter::Kinds(kinds) => {
                 for kind in kinds {
                     if let Some(entry) = state.kinds.get_mut(kind) {
-                        remove(&mut entry.subs, shared);
+                        entry.subs.retain(|s| *s != slot);
                         if entry.subs.is_empty() && !entry.sticky {
                             state.kinds.remove(kind);
                         }
@@ -460,20 +491,54 @@ impl<E: Event> Inner<E> {
                 }
             }
         }
-    }
-}
-
-impl<E: Event> Drop for Inner<E> {
-    fn drop(&mut self) {
-        let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
-        for shared in state.registry.values() {
-            shared.close();
+        if let Some(queue) = state.queues.get_mut(slot).and_then(Option::take) {
+            state.live -= 1;
+            state.free_slots.push(slot);
+            // Its events may hold the last references to them; drop them after the unlock.
+            drop(state);
+            drop(queue);
         }
     }
-}
 
-fn remove<E: Event>(list: &mut Vec<Arc<Shared<E>>>, shared: &Arc<Shared<E>>) {
-    list.retain(|s| !Arc::ptr_eq(s, shared));
+    /// Moves the events queued for `shared` into `batch` (which is empty); true when the bus
+    /// is closed.
+    pub(crate) fn take_batch(&self, shared: &Shared<E>, batch: &mut VecDeque<Arc<E>>) -> bool {
+        let mut state = self.lock();
+        if let Some(Some(queue)) = state.queues.get_mut(shared.slot) {
+            queue.take_into(batch);
+        }
+        state.closed
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        self.lock().closed
+    }
+
+    pub(crate) fn subscription_stats(&self, shared: &Shared<E>) -> SubscriptionStats {
+        let state = self.lock();
+        match state.queues.get(shared.slot) {
+            Some(Some(queue)) => queue.stats(),
+            // Unreachable while the subscription lives: its slot is freed only when it drops.
+            _ => SubscriptionStats {
+                id: shared.id,
+                name: shared.name.to_string(),
+                delivery: shared.delivery,
+                leader_only: shared.leader_only,
+                queued: 0,
+                high_water: 0,
+                dropped: 0,
+            },
+        }
+    }
+
+    /// Marks the bus closed (its last handle is gone) and wakes every receiver to see it.
+    fn close(&self) {
+        let mut state = self.lock();
+        state.closed = true;
+        for queue in state.queues.iter().flatten() {
+            queue.shared.notify.notify_one();
+        }
+    }
 }
 
 struct State<E: Event> {
@@ -483,17 +548,22 @@ struct State<E: Event> {
     buffer_overflows: u64,
     /// Per kind: its subscribers, and its latest event when the kind is sticky.
     kinds: KindMap<E::Kind, KindEntry<E>>,
-    /// Subscribers to every kind.
-    all: Vec<Arc<Shared<E>>>,
-    /// Every live subscription by id (ids grow, so this is subscription order).
-    registry: BTreeMap<u64, Arc<Shared<E>>>,
+    /// Slots of the subscribers to every kind.
+    all: Vec<usize>,
+    /// Every subscription's queue, by slot; `None` for a free slot.
+    queues: Vec<Option<Queue<E>>>,
+    free_slots: Vec<usize>,
+    live: usize,
+    /// The last handle is gone: receivers end once their queue is drained.
+    closed: bool,
     next_subscription: u64,
     sticky_seq: u64,
     pending: HashMap<RequestId, mpsc::UnboundedSender<Arc<E>>>,
 }
 
 struct KindEntry<E: Event> {
-    subs: Vec<Arc<Shared<E>>>,
+    /// Slots of its subscribers.
+    subs: Vec<usize>,
     sticky: bool,
     /// The latest delivered event of a sticky kind, with its place in the order of delivery.
     latest: Option<(u64, Arc<E>)>,
@@ -519,12 +589,12 @@ impl<E: Event> State<E> {
                 self.sticky_seq += 1;
                 entry.latest = Some((self.sticky_seq, Arc::clone(event)));
             }
-            for shared in &entry.subs {
-                delivered += usize::from(shared.push(event, notes) == Pushed::Queued);
+            for &slot in &entry.subs {
+                delivered += push(&mut self.queues, slot, event, notes);
             }
         }
-        for shared in &self.all {
-            delivered += usize::from(shared.push(event, notes) == Pushed::Queued);
+        for &slot in &self.all {
+            delivered += push(&mut self.queues, slot, event, notes);
         }
         if let Some(id) = response
             && let Some(collector) = self.pending.get(&id)
@@ -535,22 +605,24 @@ impl<E: Event> State<E> {
         delivered
     }
 
-    fn replay_sticky(&self, shared: &Shared<E>, notes: &mut Vec<Note>) {
+    fn replay_sticky(&self, queue: &mut Queue<E>, notes: &mut Vec<Note>) {
+        let filter = &queue.shared.filter;
         let mut latest: Vec<&(u64, Arc<E>)> = self
             .kinds
             .iter()
-            .filter(|(kind, _)| shared.filter.matches(**kind))
+            .filter(|(kind, _)| filter.matches(**kind))
             .filter_map(|(_, entry)| entry.latest.as_ref())
             .collect();
         latest.sort_by_key(|(seq, _)| *seq);
         for (_, event) in latest {
-            shared.push(event, notes);
+            queue.push(event, notes);
         }
     }
 
-    fn add(&mut self, shared: &Arc<Shared<E>>) {
-        match &shared.filter {
-            Filter::All => self.all.push(Arc::clone(shared)),
+    fn add(&mut self, queue: Queue<E>) {
+        let slot = queue.shared.slot;
+        match &queue.shared.filter {
+            Filter::All => self.all.push(slot),
             Filter::Kinds(kinds) => {
                 for kind in kinds {
                     self.kinds
@@ -561,11 +633,29 @@ impl<E: Event> State<E> {
                             latest: None,
                         })
                         .subs
-                        .push(Arc::clone(shared));
+                        .push(slot);
                 }
             }
         }
-        self.registry.insert(shared.id, Arc::clone(shared));
+        if slot == self.queues.len() {
+            self.queues.push(Some(queue));
+        } else {
+            self.queues[slot] = Some(queue);
+        }
+        self.live += 1;
+    }
+}
+
+/// Pushes into the queue in `slot`; 1 if the event was queued, 0 if not.
+fn push<E: Event>(
+    queues: &mut [Option<Queue<E>>],
+    slot: usize,
+    event: &Arc<E>,
+    notes: &mut Vec<Note>,
+) -> usize {
+    match queues.get_mut(slot) {
+        Some(Some(queue)) => usize::from(queue.push(event, notes) == Pushed::Queued),
+        _ => 0,
     }
 }
 

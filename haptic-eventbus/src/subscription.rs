@@ -2,8 +2,8 @@
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
 use tokio::sync::Notify;
 
@@ -19,9 +19,10 @@ pub enum Delivery {
     /// high-water mark is reported in [`SubscriptionStats`] and logged (warn) each time it
     /// doubles past [`Config::high_water_warn`](crate::Config).
     Reliable,
-    /// At most `capacity` events wait; when the queue is full the newest event is dropped for
-    /// this subscriber only, counted in [`SubscriptionStats::dropped`] and logged (warn) at the
-    /// 1st, 2nd, 4th, 8th, ... drop. A capacity of 0 is treated as 1.
+    /// At most `capacity` events wait (queued, or taken by the receiver in its current batch
+    /// and not yet returned by `recv`); when that many wait, a new event is dropped for this
+    /// subscriber only, counted in [`SubscriptionStats::dropped`] and logged (warn) at the 1st,
+    /// 2nd, 4th, 8th, ... drop. A capacity of 0 is treated as 1.
     Lossy {
         /// The most events that wait in the queue.
         capacity: usize,
@@ -98,18 +99,18 @@ pub struct SubscriptionStats {
 /// [`EventBus::subscriber_count`](crate::EventBus::subscriber_count) goes down.
 pub struct Subscription<E: Event> {
     shared: Arc<Shared<E>>,
-    /// Events taken from the shared queue in one batch and not yet handed out: the receiver
-    /// takes the lock once per batch rather than once per event.
+    /// Events taken from the bus in one batch and not yet handed out: the receiver takes the
+    /// bus's lock once per batch rather than once per event.
     taken: VecDeque<Arc<E>>,
-    bus: Weak<Inner<E>>,
+    inner: Arc<Inner<E>>,
 }
 
 impl<E: Event> Subscription<E> {
-    pub(crate) fn new(shared: Arc<Shared<E>>, bus: Weak<Inner<E>>) -> Self {
+    pub(crate) fn new(shared: Arc<Shared<E>>, inner: Arc<Inner<E>>) -> Self {
         Subscription {
             shared,
             taken: VecDeque::new(),
-            bus,
+            inner,
         }
     }
 
@@ -142,23 +143,21 @@ impl<E: Event> Subscription<E> {
             self.shared.set_taken(self.taken.len());
             return Taken::Event(event);
         }
-        let mut queue = self.shared.lock();
-        // The emptied batch buffer goes back as the queue's storage: no allocation per batch.
-        std::mem::swap(&mut queue.items, &mut self.taken);
+        let closed = self.inner.take_batch(&self.shared, &mut self.taken);
         match self.taken.pop_front() {
             Some(event) => {
-                // Under the lock, so that a push sees queue and batch lengths consistently.
                 self.shared.set_taken(self.taken.len());
                 Taken::Event(event)
             }
-            None if queue.closed => Taken::Closed,
+            None if closed => Taken::Closed,
             None => Taken::Empty,
         }
     }
 
-    /// True once the bus is gone: nothing more will arrive after the queued events.
+    /// True once every handle of the bus is dropped: nothing more will arrive after the
+    /// queued events.
     pub fn is_closed(&self) -> bool {
-        self.shared.lock().closed
+        self.inner.is_closed()
     }
 
     /// This subscription's bus-unique id.
@@ -173,7 +172,7 @@ impl<E: Event> Subscription<E> {
 
     /// A snapshot of its queue: queued events, high-water mark, drops.
     pub fn stats(&self) -> SubscriptionStats {
-        self.shared.stats()
+        self.inner.subscription_stats(&self.shared)
     }
 }
 
@@ -195,53 +194,28 @@ impl<E: Event> fmt::Debug for Subscription<E> {
 
 impl<E: Event> Drop for Subscription<E> {
     fn drop(&mut self) {
-        self.shared.lock().close();
-        if let Some(bus) = self.bus.upgrade() {
-            bus.unsubscribe(&self.shared);
-        }
+        self.inner.unsubscribe(&self.shared);
     }
 }
 
-/// The state a subscription shares with the bus: its queue and the wake-up for its receiver.
+/// What a subscription and the bus share outside the bus's lock: identity, filter, wake-up.
 pub(crate) struct Shared<E: Event> {
     pub(crate) id: u64,
+    /// Where its queue lives in the bus.
+    pub(crate) slot: usize,
     pub(crate) name: Arc<str>,
     pub(crate) filter: Filter<E::Kind>,
     pub(crate) delivery: Delivery,
     pub(crate) leader_only: bool,
-    queue: Mutex<Queue<E>>,
     /// How many events the receiver has taken in its current batch and not handed out yet.
-    /// They still count as queued (for limits and statistics). Only the receiver writes it; a
-    /// stale read can only be too high, never too low.
+    /// They still count as queued (for limits and statistics). Only the receiver writes it;
+    /// a stale read can only be too high, never too low.
     taken: AtomicUsize,
-    notify: Notify,
-}
-
-struct Queue<E> {
-    items: VecDeque<Arc<E>>,
-    high_water: usize,
-    /// The queue length at which the next high-water warning is logged (reliable only).
-    next_warn: usize,
-    dropped: u64,
-    closed: bool,
-}
-
-impl<E> Queue<E> {
-    fn close(&mut self) {
-        self.closed = true;
-    }
-}
-
-/// What became of one push into a subscriber's queue.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Pushed {
-    Queued,
-    Dropped,
-    Closed,
+    pub(crate) notify: Notify,
 }
 
 impl<E: Event> Shared<E> {
-    pub(crate) fn new(id: u64, params: SubscribeParams<E::Kind>, high_water_warn: usize) -> Self {
+    pub(crate) fn new(id: u64, slot: usize, params: SubscribeParams<E::Kind>) -> Self {
         let delivery = match params.delivery {
             Delivery::Lossy { capacity } => Delivery::Lossy {
                 capacity: capacity.max(1),
@@ -250,17 +224,11 @@ impl<E: Event> Shared<E> {
         };
         Shared {
             id,
+            slot,
             name: Arc::from(params.name),
             filter: params.filter,
             delivery,
             leader_only: params.leader_only,
-            queue: Mutex::new(Queue {
-                items: VecDeque::new(),
-                high_water: 0,
-                next_warn: high_water_warn.max(1),
-                dropped: 0,
-                closed: false,
-            }),
             taken: AtomicUsize::new(0),
             notify: Notify::new(),
         }
@@ -269,74 +237,96 @@ impl<E: Event> Shared<E> {
     fn set_taken(&self, len: usize) {
         self.taken.store(len, Ordering::Relaxed);
     }
+}
+
+/// A subscription's queue, kept under the bus's lock: the publisher already holds that lock,
+/// so a delivery costs no lock of its own.
+pub(crate) struct Queue<E: Event> {
+    pub(crate) shared: Arc<Shared<E>>,
+    items: VecDeque<Arc<E>>,
+    high_water: usize,
+    /// The queue length at which the next high-water warning is logged (reliable only).
+    next_warn: usize,
+    dropped: u64,
+}
+
+/// What became of one push into a subscriber's queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pushed {
+    Queued,
+    Dropped,
+}
+
+impl<E: Event> Queue<E> {
+    pub(crate) fn new(shared: Arc<Shared<E>>, high_water_warn: usize) -> Self {
+        Queue {
+            shared,
+            items: VecDeque::new(),
+            high_water: 0,
+            next_warn: high_water_warn.max(1),
+            dropped: 0,
+        }
+    }
 
     /// Events waiting for the receiver: in the queue and in its current batch.
-    fn queued(&self, queue: &Queue<E>) -> usize {
-        queue.items.len() + self.taken.load(Ordering::Relaxed)
+    fn queued(&self) -> usize {
+        self.items.len() + self.shared.taken.load(Ordering::Relaxed)
     }
 
-    fn lock(&self) -> MutexGuard<'_, Queue<E>> {
-        // Nothing panics while holding this lock; if something did, the queue is still sound.
-        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Queues `event` without ever waiting; notes anything worth logging once locks are released.
-    pub(crate) fn push(&self, event: &Arc<E>, notes: &mut Vec<Note>) -> Pushed {
-        let mut queue = self.lock();
-        if queue.closed {
-            return Pushed::Closed;
-        }
-        if let Delivery::Lossy { capacity } = self.delivery
-            && self.queued(&queue) >= capacity
+    /// Queues `event` without ever waiting; notes anything worth logging once the lock is
+    /// released.
+    pub(crate) fn push(&mut self, event: &Arc<E>, notes: &mut Vec<Note>) -> Pushed {
+        if let Delivery::Lossy { capacity } = self.shared.delivery
+            && self.queued() >= capacity
         {
-            queue.dropped += 1;
-            if queue.dropped.is_power_of_two() {
+            self.dropped += 1;
+            if self.dropped.is_power_of_two() {
                 notes.push(Note::Dropped {
-                    subscriber: self.name.clone(),
-                    total: queue.dropped,
+                    subscriber: Arc::clone(&self.shared.name),
+                    total: self.dropped,
                 });
             }
             return Pushed::Dropped;
         }
-        let was_empty = queue.items.is_empty();
-        queue.items.push_back(Arc::clone(event));
-        let len = self.queued(&queue);
-        if len > queue.high_water {
-            queue.high_water = len;
-            if self.delivery == Delivery::Reliable && len >= queue.next_warn {
-                queue.next_warn = queue.next_warn.saturating_mul(2);
+        let was_empty = self.items.is_empty();
+        self.items.push_back(Arc::clone(event));
+        let queued = self.queued();
+        if queued > self.high_water {
+            self.high_water = queued;
+            if self.shared.delivery == Delivery::Reliable && queued >= self.next_warn {
+                self.next_warn = self.next_warn.saturating_mul(2);
                 notes.push(Note::HighWater {
-                    subscriber: self.name.clone(),
-                    queued: len,
+                    subscriber: Arc::clone(&self.shared.name),
+                    queued,
                 });
             }
         }
-        drop(queue);
-        // The receiver only waits when the queue (and its batch) is empty, so only the push that
-        // ends the queue's emptiness needs to wake it; this keeps the common case free of
+        // The receiver only waits when the queue (and its batch) is empty, so only the push
+        // that ends the queue's emptiness needs to wake it; this keeps the common case free of
         // wake-ups.
         if was_empty {
-            self.notify.notify_one();
+            self.shared.notify.notify_one();
         }
         Pushed::Queued
     }
 
-    /// Marks the queue closed (the bus is gone) and wakes the receiver so it sees it.
-    pub(crate) fn close(&self) {
-        self.lock().close();
-        self.notify.notify_one();
+    /// Hands the queued events to the receiver: `batch` (empty) and the queue swap storage, so
+    /// no allocation happens per batch. Called under the bus's lock, so a push sees the queue
+    /// and batch lengths consistently.
+    pub(crate) fn take_into(&mut self, batch: &mut VecDeque<Arc<E>>) {
+        std::mem::swap(&mut self.items, batch);
+        self.shared.set_taken(batch.len());
     }
 
     pub(crate) fn stats(&self) -> SubscriptionStats {
-        let queue = self.lock();
         SubscriptionStats {
-            id: self.id,
-            name: self.name.to_string(),
-            delivery: self.delivery,
-            leader_only: self.leader_only,
-            queued: self.queued(&queue),
-            high_water: queue.high_water,
-            dropped: queue.dropped,
+            id: self.shared.id,
+            name: self.shared.name.to_string(),
+            delivery: self.shared.delivery,
+            leader_only: self.shared.leader_only,
+            queued: self.queued(),
+            high_water: self.high_water,
+            dropped: self.dropped,
         }
     }
 }

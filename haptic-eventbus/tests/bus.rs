@@ -303,6 +303,34 @@ async fn lossy_drops_are_counted_per_subscriber() {
 }
 
 #[tokio::test]
+async fn lossy_capacity_counts_events_the_receiver_took_but_has_not_returned() {
+    let bus = EventBus::<Ev>::new();
+    let mut sub = bus.subscribe_with(SubscribeParams::new("sub", Filter::all()).with_lossy(4));
+    bus.start();
+    for n in 0..4 {
+        bus.publish(Ev::Num(n));
+    }
+    assert_eq!(num(sub.try_recv()), 0);
+    assert_eq!(sub.stats().queued, 3);
+    // One free place: the first is queued, the second dropped.
+    assert_eq!(
+        bus.publish(Ev::Num(4)),
+        Outcome::Delivered { subscribers: 1 }
+    );
+    assert_eq!(
+        bus.publish(Ev::Num(5)),
+        Outcome::Delivered { subscribers: 0 }
+    );
+    let stats = sub.stats();
+    assert_eq!((stats.queued, stats.dropped, stats.high_water), (4, 1, 4));
+    let rest: Vec<u64> = std::iter::from_fn(|| sub.try_recv())
+        .map(|e| num(Some(e)))
+        .collect();
+    assert_eq!(rest, vec![1, 2, 3, 4]);
+    assert_eq!(sub.stats().queued, 0);
+}
+
+#[tokio::test]
 async fn sticky_kinds_replay_their_latest_event_to_new_subscribers() {
     let bus = EventBus::<Ev>::with_config(
         Config::default().with_sticky_kinds([Kind::BecameLeader, Kind::Pong]),

@@ -469,8 +469,9 @@ pub(crate) struct Inner<E: Event> {
 
 impl<E: Event> Inner<E> {
     fn lock(&self) -> MutexGuard<'_, State<E>> {
-        // No application code runs under this lock, so poisoning would mean a bug of ours that
-        // already surfaced as a panic; the state itself stays consistent between statements.
+        // The only application code that runs under this lock is `Kind`'s Hash and Eq and the
+        // drop of events, none of which should panic; if one did, the state is still
+        // consistent between statements, so carrying on is sound.
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 

@@ -14,7 +14,9 @@ use crate::request::RequestId;
 /// Subscriptions select events by [`Kind`](Event::Kind), a cheap `Copy` discriminant (usually
 /// a field-less mirror of the event enum). [`kind`](Event::kind) and
 /// [`response_to`](Event::response_to) must be pure and fast: the bus calls them once per
-/// publish.
+/// publish, before taking its lock. An event may be dropped, and `Kind`'s `Hash` and `Eq` run,
+/// while the bus holds its lock, so those must not call back into the bus (plain data never
+/// does).
 ///
 /// # Example
 ///

@@ -561,3 +561,66 @@ async fn subscriptions_end_when_the_bus_is_gone() {
     assert!(end.is_none());
     assert!(closed);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_publishers_give_every_subscriber_the_same_complete_order() {
+    const PUBLISHERS: u64 = 4;
+    const EACH: u64 = 10_000;
+    let bus = EventBus::<Ev>::new();
+    let receivers: Vec<_> = (0..3)
+        .map(|i| {
+            let mut sub = bus.subscribe(format!("sub-{i}"), Filter::kind(Kind::Num));
+            tokio::spawn(async move {
+                let mut seen = Vec::with_capacity((PUBLISHERS * EACH) as usize);
+                while seen.len() < (PUBLISHERS * EACH) as usize {
+                    match sub.recv().await {
+                        Some(event) => seen.push(num(Some(event))),
+                        None => break,
+                    }
+                }
+                seen
+            })
+        })
+        .collect();
+    bus.start();
+    let publishers: Vec<_> = (0..PUBLISHERS)
+        .map(|p| {
+            let bus = bus.clone();
+            tokio::spawn(async move {
+                for i in 0..EACH {
+                    bus.publish(Ev::Num(p * 1_000_000 + i));
+                    if i % 100 == 0 {
+                        tokio::task::yield_now().await;
+                    }
+                }
+            })
+        })
+        .collect();
+    for publisher in publishers {
+        publisher.await.unwrap();
+    }
+    let mut sequences = Vec::new();
+    for receiver in receivers {
+        let seen = tokio::time::timeout(Duration::from_secs(60), receiver)
+            .await
+            .expect("every subscriber receives every event")
+            .unwrap();
+        assert_eq!(seen.len(), (PUBLISHERS * EACH) as usize);
+        for p in 0..PUBLISHERS {
+            let own: Vec<u64> = seen
+                .iter()
+                .copied()
+                .filter(|n| n / 1_000_000 == p)
+                .collect();
+            assert_eq!(
+                own,
+                (0..EACH).map(|i| p * 1_000_000 + i).collect::<Vec<_>>()
+            );
+        }
+        sequences.push(seen);
+    }
+    assert!(
+        sequences.windows(2).all(|w| w[0] == w[1]),
+        "one total order for all subscribers"
+    );
+}

@@ -351,6 +351,58 @@ impl<E: Event> EventBus<E> {
     ///
     /// [`request::Error::NotEnoughResponses`] when the timeout passes with fewer than
     /// `min_responses` answers.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use haptic_eventbus::{Event, EventBus, Filter, RequestId, RequestParams, ResponseTo};
+    ///
+    /// #[derive(Debug)]
+    /// enum Ev {
+    ///     Validate(RequestId),
+    ///     Verdict { request: RequestId, by: &'static str, ok: bool },
+    /// }
+    ///
+    /// #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    /// enum Kind { Validate, Verdict }
+    ///
+    /// impl Event for Ev {
+    ///     type Kind = Kind;
+    ///     fn kind(&self) -> Kind {
+    ///         match self { Ev::Validate(_) => Kind::Validate, Ev::Verdict { .. } => Kind::Verdict }
+    ///     }
+    ///     fn response_to(&self) -> Option<ResponseTo<'_>> {
+    ///         match self {
+    ///             Ev::Verdict { request, by, .. } => Some(ResponseTo { request: *request, responder: by }),
+    ///             _ => None,
+    ///         }
+    ///     }
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() {
+    /// let bus = EventBus::<Ev>::new();
+    /// let mut requests = bus.subscribe("haproxy-validator", Filter::kind(Kind::Validate));
+    /// bus.start();
+    /// let responder_bus = bus.clone();
+    /// let responder = tokio::spawn(async move {
+    ///     if let Some(event) = requests.recv().await {
+    ///         if let Ev::Validate(request) = *event {
+    ///             responder_bus.publish(Ev::Verdict { request, by: "haproxy-validator", ok: true });
+    ///         }
+    ///     }
+    /// });
+    ///
+    /// let params = RequestParams::new(Duration::from_secs(5))
+    ///     .with_expected_responders(["haproxy-validator", "template-validator"])
+    ///     .with_min_responses(1);
+    /// let gathered = bus.request(Ev::Validate, params).await.unwrap();
+    /// assert_eq!(gathered.responses.len(), 1);
+    /// assert_eq!(gathered.missing, ["template-validator"]);
+    /// responder.await.unwrap();
+    /// # }
+    /// ```
     pub async fn request<F>(&self, make: F, params: RequestParams) -> request::Result<Gathered<E>>
     where
         F: FnOnce(RequestId) -> E,

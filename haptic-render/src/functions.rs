@@ -7,7 +7,7 @@
 //! | `sanitize` | filter | `{{ "shop/web:8080" \| sanitize }}` | `shop_web_8080` |
 //! | `backend_name` | function | `{{ backend_name(namespace="shop", service="web", port=80) }}` | `shop_web_80` |
 //! | `regex_escape` | filter | `{{ "/v1.0/(x)" \| regex_escape }}` | `/v1\.0/\(x\)` |
-//! | `b64decode` | filter | `{{ "aGk=" \| b64decode }}` | `hi` |
+//! | `b64decode` | filter | `{{ "aGk=" \| b64decode }}`, `{{ x \| b64decode(default="") }}` | `hi`; bad input is an error, or `default` when given |
 //! | `sort_by` | filter | `{% for s in items \| sort_by(field="spec.priority", reverse=true) %}` | items by priority, highest first, missing last |
 //! | `group_by_field` | filter | `{% for g in slices \| group_by_field(field="metadata.namespace") %}{{ g.key }}: {{ g.items \| length }}{% endfor %}` | groups sorted by key |
 //! | `http_path` | test | `{% if p.path is http_path %}` | true for `/`-rooted paths without whitespace, control characters or `#` |
@@ -247,9 +247,16 @@ pub(crate) fn register(tera: &mut Tera) {
     tera.register_filter("regex_escape", |s: &str, _: Kwargs, _: &State| {
         regex_escape(s)
     });
-    tera.register_filter("b64decode", |s: &str, _: Kwargs, _: &State| {
-        b64decode(s).map_err(|e| tera_error(format!("b64decode: {e}")))
-    });
+    tera.register_filter(
+        "b64decode",
+        |s: &str, kwargs: Kwargs, _: &State| -> tera::TeraResult<String> {
+            match (b64decode(s), kwargs.get::<&str>("default")?) {
+                (Ok(text), _) => Ok(text),
+                (Err(_), Some(default)) => Ok(default.to_owned()),
+                (Err(e), None) => Err(tera_error(format!("b64decode: {e}"))),
+            }
+        },
+    );
     tera.register_test("http_path", |v: &Value, _: Kwargs, _: &State| {
         v.as_str().is_some_and(is_http_path)
     });

@@ -1,1 +1,118 @@
-//! stub
+//! The reference template set: Ingresses, Services, EndpointSlices and TLS Secrets to an HAProxy
+//! configuration. Its sources live in `haptic-render/templates/` and are compiled into the
+//! crate; the controller uses this set when its config names no other.
+
+use serde_json::json;
+
+use crate::set::{CertificateTemplate, Template, TemplateSet};
+use crate::store::{self, StoreConfig, Stores};
+
+/// The stores the reference set reads, with their index fields:
+///
+/// | store | resource | indexBy |
+/// | --- | --- | --- |
+/// | `ingresses` | networking.k8s.io/v1 Ingress | namespace, name |
+/// | `services` | v1 Service | namespace, name |
+/// | `endpointslices` | discovery.k8s.io/v1 EndpointSlice | namespace, label `kubernetes.io/service-name` |
+/// | `secrets` | v1 Secret | namespace, name |
+pub const STORES: [(&str, &[&str]); 4] = [
+    ("ingresses", &["metadata.namespace", "metadata.name"]),
+    ("services", &["metadata.namespace", "metadata.name"]),
+    (
+        "endpointslices",
+        &[
+            "metadata.namespace",
+            r#"metadata.labels["kubernetes.io/service-name"]"#,
+        ],
+    ),
+    ("secrets", &["metadata.namespace", "metadata.name"]),
+];
+
+/// Empty stores configured as the reference set expects them ([`STORES`]).
+pub fn stores() -> Result<Stores, store::Error> {
+    let mut stores = Stores::new();
+    for (name, index) in STORES {
+        stores.add(name, StoreConfig::index_by(index.iter().copied()))?;
+    }
+    Ok(stores)
+}
+
+fn template(source: &str) -> Template {
+    Template::new(source)
+}
+
+/// The reference template set.
+///
+/// Outputs: `haproxy.cfg`; `maps/host-path-exact.map`, `maps/host-path-prefix.map`,
+/// `maps/path-exact.map`, `maps/path-prefix.map` (routing); `maps/certs.list` (the HTTPS
+/// crt-list); `ssl/<namespace>_<secret>.pem` for every usable TLS Secret.
+///
+/// `extraContext.haproxy` holds the tunables: `maxconn` (50000), `http_port` (80),
+/// `https_port` (443), `timeout_connect` (5s), `timeout_client` and `timeout_server` (50s).
+pub fn template_set() -> TemplateSet {
+    let mut set = TemplateSet {
+        haproxy_config: template(include_str!("../templates/haproxy.cfg.tera")),
+        ..TemplateSet::default()
+    };
+    for (name, source) in [
+        (
+            "host-path-exact.map",
+            include_str!("../templates/maps/host-path-exact.map.tera"),
+        ),
+        (
+            "host-path-prefix.map",
+            include_str!("../templates/maps/host-path-prefix.map.tera"),
+        ),
+        (
+            "path-exact.map",
+            include_str!("../templates/maps/path-exact.map.tera"),
+        ),
+        (
+            "path-prefix.map",
+            include_str!("../templates/maps/path-prefix.map.tera"),
+        ),
+        (
+            "certs.list",
+            include_str!("../templates/maps/certs.list.tera"),
+        ),
+    ] {
+        set.maps.insert(name.to_owned(), template(source));
+    }
+    for (name, source) in [
+        (
+            "backends",
+            include_str!("../templates/snippets/backends.tera"),
+        ),
+        (
+            "route-entries",
+            include_str!("../templates/snippets/route-entries.tera"),
+        ),
+        (
+            "tls-entries",
+            include_str!("../templates/snippets/tls-entries.tera"),
+        ),
+        ("tls-pem", include_str!("../templates/snippets/tls-pem.tera")),
+    ] {
+        set.template_snippets
+            .insert(name.to_owned(), template(source));
+    }
+    set.ssl_certificates.insert(
+        "ingress-tls".to_owned(),
+        CertificateTemplate {
+            template: include_str!("../templates/ssl/ingress-tls.pem.tera").to_owned(),
+            for_each: Some("secrets".to_owned()),
+        },
+    );
+    set.extra_context.insert(
+        "haproxy".to_owned(),
+        json!({
+            "maxconn": 50000,
+            "http_port": 80,
+            "https_port": 443,
+            "timeout_connect": "5s",
+            "timeout_client": "50s",
+            "timeout_server": "50s",
+        }),
+    );
+    set
+}

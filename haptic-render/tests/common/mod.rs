@@ -1,0 +1,73 @@
+//! Shared helpers for the integration tests: the real `haproxy -c`, and rendering the reference
+//! set for fixtures.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use haptic_render::{FileSet, Renderer, Stores, fixtures, reference};
+
+/// The haproxy binary: on PATH, or Debian's /usr/sbin/haproxy. Fails the test when missing:
+/// the project's `cargo xtask test` installs it, so a missing binary is a broken setup, not a
+/// reason to skip.
+pub fn haproxy() -> PathBuf {
+    let on_path = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join("haproxy"))
+            .find(|p| p.is_file())
+    });
+    on_path
+        .or_else(|| Some(PathBuf::from("/usr/sbin/haproxy")).filter(|p| p.is_file()))
+        .expect(
+            "haproxy not found on PATH nor at /usr/sbin/haproxy: install Debian's haproxy \
+             package (`cargo xtask setup`, or `apt-get install haproxy`)",
+        )
+}
+
+/// Writes the set to a fresh directory and runs `haproxy -c` on it; panics with HAProxy's
+/// output when the check fails. Returns HAProxy's combined output.
+pub fn haproxy_check(files: &FileSet) -> String {
+    let dir = tempfile::tempdir().expect("tempdir");
+    files.write_to(dir.path()).expect("write file set");
+    check_dir(dir.path())
+}
+
+/// `haproxy -c -f <dir>/haproxy.cfg`, asserting success.
+pub fn check_dir(dir: &Path) -> String {
+    let output = Command::new(haproxy())
+        .arg("-c")
+        .arg("-f")
+        .arg(dir.join("haproxy.cfg"))
+        .current_dir("/")
+        .output()
+        .expect("run haproxy");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        output.status.success(),
+        "haproxy -c failed ({}):\n{text}",
+        output.status
+    );
+    text
+}
+
+/// The reference stores loaded with `n` generated Ingresses and their resources.
+pub fn reference_stores(n: usize) -> Stores {
+    let mut stores = reference::stores().expect("reference stores");
+    fixtures::generate(n)
+        .load(&mut stores)
+        .expect("load fixtures");
+    stores
+}
+
+/// Renders the reference set.
+pub fn render_reference(stores: &Stores) -> FileSet {
+    Renderer::compile(&reference::template_set())
+        .expect("reference set compiles")
+        .render(stores)
+        .unwrap_or_else(|e| panic!("reference set renders: {e}"))
+}

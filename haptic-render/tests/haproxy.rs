@@ -1,0 +1,173 @@
+//! The reference template set rendered for generated and broken Ingresses, checked by the real
+//! `haproxy -c`.
+
+mod common;
+
+use common::{haproxy_check, reference_stores, render_reference};
+use serde_json::json;
+
+#[test]
+fn ten_ingresses_render_a_config_haproxy_accepts() {
+    let stores = reference_stores(10);
+    let files = render_reference(&stores);
+    haproxy_check(&files);
+
+    let cfg = files.text("haproxy.cfg").expect("haproxy.cfg");
+    // A backend per Service port: 10 Services x 2 ports, plus the default backend.
+    assert_eq!(cfg.matches("\nbackend ").count(), 21, "{cfg}");
+    // Three endpoints per slice, the third not ready in every 5th slice (0 and 5): the ready
+    // ones are servers of both port backends.
+    assert_eq!(cfg.matches("    server ").count(), (10 * 3 - 2) * 2, "{cfg}");
+    assert!(cfg.contains("backend team-00_app-00000_80\n    balance roundrobin\n    server "));
+    assert!(cfg.contains(" 10.0.0.1:8080 check"), "{cfg}");
+    // Ingresses 0, 4 and 8 have TLS: HTTPS is on.
+    assert!(cfg.contains("ssl crt-list maps/certs.list"), "{cfg}");
+
+    let exact = files.text("maps/host-path-exact.map").expect("exact map");
+    assert!(exact.contains("app-00003.team-03.example.com/healthz team-03_app-00003_80\n"));
+    // A Prefix path also matches itself exactly, without its trailing slash.
+    assert!(exact.contains("app-00003.team-03.example.com/metrics team-03_app-00003_9090\n"));
+    let prefix = files.text("maps/host-path-prefix.map").expect("prefix map");
+    assert!(prefix.contains("app-00003.team-03.example.com/ team-03_app-00003_80\n"));
+    assert!(prefix.contains("app-00003.team-03.example.com/metrics/ team-03_app-00003_9090\n"));
+    // Ingress 0 has a rule without a host.
+    let hostless = files.text("maps/path-prefix.map").expect("path prefix map");
+    assert_eq!(hostless.trim(), "/shared/app-00000/ team-00_app-00000_80");
+
+    let certs = files.text("maps/certs.list").expect("crt-list");
+    assert_eq!(certs.trim().lines().count(), 3, "{certs}");
+    assert!(certs.contains("ssl/team-04_app-00004-tls.pem app-00004.team-04.example.com"));
+    for n in ["00000", "00004", "00008"] {
+        let ns = &n[3..];
+        let path = format!("ssl/team-{ns}_app-{n}-tls.pem");
+        let pem = files.text(&path).unwrap_or_else(|| panic!("{path} missing"));
+        assert!(pem.starts_with("-----BEGIN CERTIFICATE-----") && pem.contains("PRIVATE KEY"));
+    }
+    assert_eq!(files.iter().filter(|(p, _)| p.starts_with("ssl/")).count(), 3);
+}
+
+#[test]
+fn a_thousand_ingresses_render_a_config_haproxy_accepts() {
+    let stores = reference_stores(1000);
+    let files = render_reference(&stores);
+    haproxy_check(&files);
+    let cfg = files.text("haproxy.cfg").expect("haproxy.cfg");
+    assert_eq!(cfg.matches("\nbackend ").count(), 2001);
+    assert_eq!(files.text("maps/certs.list").unwrap().trim().lines().count(), 250);
+    assert_eq!(files.len(), 6 + 250);
+}
+
+#[test]
+fn without_tls_there_is_no_https_bind() {
+    let mut stores = haptic_render::reference::stores().unwrap();
+    let mut params = haptic_render::fixtures::Params::new(3);
+    params.tls_every = 0;
+    params.generate().load(&mut stores).unwrap();
+    let files = render_reference(&stores);
+    haproxy_check(&files);
+    assert!(!files.text("haproxy.cfg").unwrap().contains("ssl crt-list"));
+    assert_eq!(files.text("maps/certs.list").map(str::trim), Some(""));
+}
+
+/// One good Ingress and many broken ones: the config still passes `haproxy -c`, the good one
+/// is routed and none of the broken parts reach a map.
+#[test]
+fn broken_ingresses_never_produce_an_invalid_config() {
+    let mut stores = reference_stores(2);
+    let ingress = |name: &str, spec: serde_json::Value| {
+        json!({"metadata": {"namespace": "broken", "name": name}, "spec": spec})
+    };
+    let rule = |host: &str, path: &str, path_type: &str, service: &str, port: serde_json::Value| {
+        json!({"host": host, "http": {"paths": [{"path": path, "pathType": path_type,
+            "backend": {"service": {"name": service, "port": port}}}]}})
+    };
+    let broken = [
+        // The Service does not exist.
+        ingress("missing-svc", json!({"rules": [rule("a.broken.example.com", "/", "Prefix", "nope", json!({"number": 80}))]})),
+        // Paths that would break a map file or are not absolute.
+        ingress("bad-path-1", json!({"rules": [rule("b.broken.example.com", "no-slash", "Prefix", "web", json!({"number": 80}))]})),
+        ingress("bad-path-2", json!({"rules": [rule("c.broken.example.com", "/with space", "Exact", "web", json!({"number": 80}))]})),
+        ingress("bad-path-3", json!({"rules": [rule("d.broken.example.com", "/a\nb", "Exact", "web", json!({"number": 80}))]})),
+        // A port the Service does not have, by number and by name.
+        ingress("bad-port-1", json!({"rules": [rule("e.broken.example.com", "/", "Prefix", "web", json!({"number": 81}))]})),
+        ingress("bad-port-2", json!({"rules": [rule("f.broken.example.com", "/", "Prefix", "web", json!({"name": "grpc"}))]})),
+        // Hosts that are not plain names.
+        ingress("bad-host-1", json!({"rules": [rule("*.wild.example.com", "/", "Prefix", "web", json!({"number": 80}))]})),
+        ingress("bad-host-2", json!({"rules": [rule("UPPER.example.com x", "/", "Prefix", "web", json!({"number": 80}))]})),
+        // No rules, empty rules, a rule without http, a resource backend.
+        ingress("no-rules", json!({})),
+        ingress("empty-rules", json!({"rules": []})),
+        ingress("no-http", json!({"rules": [{"host": "g.broken.example.com"}]})),
+        ingress("resource-backend", json!({"rules": [{"host": "h.broken.example.com", "http": {"paths": [
+            {"path": "/", "pathType": "Prefix", "backend": {"resource": {"kind": "Bucket", "name": "b"}}}]}}]})),
+        // TLS naming a missing Secret, a Secret of the wrong type, one with bad base64 and one
+        // whose data is not PEM.
+        ingress("tls-missing", json!({"tls": [{"hosts": ["i.broken.example.com"], "secretName": "absent"}]})),
+        ingress("tls-opaque", json!({"tls": [{"secretName": "opaque"}]})),
+        ingress("tls-bad-b64", json!({"tls": [{"secretName": "bad-b64"}]})),
+        ingress("tls-not-pem", json!({"tls": [{"secretName": "not-pem"}]})),
+    ];
+    let ingresses = stores.get_mut("ingresses").unwrap();
+    for resource in &broken {
+        ingresses.apply(resource).unwrap();
+    }
+    ingresses
+        .apply(&ingress("good", json!({"rules": [rule("good.broken.example.com", "/", "Prefix", "web", json!({"number": 80}))]})))
+        .unwrap();
+    stores
+        .get_mut("services")
+        .unwrap()
+        .apply(&json!({"metadata": {"namespace": "broken", "name": "web"},
+            "spec": {"ports": [{"name": "http", "port": 80}]}}))
+        .unwrap();
+    let slices = stores.get_mut("endpointslices").unwrap();
+    // A slice without endpoints, one of FQDNs and one whose endpoints lack addresses.
+    for (name, body) in [
+        ("web-a", json!({"addressType": "IPv4", "ports": [{"name": "http", "port": 8080}]})),
+        ("web-b", json!({"addressType": "FQDN", "ports": [{"name": "http", "port": 8080}],
+            "endpoints": [{"addresses": ["db.example.com"]}]})),
+        ("web-c", json!({"addressType": "IPv4", "ports": [{"name": "http", "port": 8080}],
+            "endpoints": [{"conditions": {"ready": true}}, {"addresses": ["10.9.9.9"]}]})),
+    ] {
+        let mut slice = body;
+        slice["metadata"] = json!({"namespace": "broken", "name": name,
+            "labels": {"kubernetes.io/service-name": "web"}});
+        slices.apply(&slice).unwrap();
+    }
+    let secrets = stores.get_mut("secrets").unwrap();
+    secrets
+        .apply(&json!({"metadata": {"namespace": "broken", "name": "opaque"}, "type": "Opaque",
+            "data": {"tls.crt": "eA==", "tls.key": "eA=="}}))
+        .unwrap();
+    secrets
+        .apply(&json!({"metadata": {"namespace": "broken", "name": "bad-b64"}, "type": "kubernetes.io/tls",
+            "data": {"tls.crt": "%%%", "tls.key": "%%%"}}))
+        .unwrap();
+    secrets
+        .apply(&json!({"metadata": {"namespace": "broken", "name": "not-pem"}, "type": "kubernetes.io/tls",
+            "data": {"tls.crt": "aGVsbG8=", "tls.key": "aGVsbG8="}}))
+        .unwrap();
+
+    let files = render_reference(&stores);
+    haproxy_check(&files);
+
+    let maps: String = files
+        .iter()
+        .filter(|(p, _)| p.starts_with("maps/"))
+        .map(|(_, b)| String::from_utf8_lossy(b).into_owned())
+        .collect();
+    assert!(maps.contains("good.broken.example.com/ broken_web_80\n"), "{maps}");
+    for host in ["a", "b", "c", "d", "e", "f", "h"] {
+        let line_start = format!("\n{host}.broken.example.com");
+        assert!(!maps.contains(&line_start), "{host}.broken reached a map:\n{maps}");
+    }
+    for absent in ["wild", "UPPER", "with space", "no-slash", "ssl/broken_"] {
+        assert!(!maps.contains(absent), "`{absent}` reached a map:\n{maps}");
+    }
+    assert!(!files.iter().any(|(p, _)| p.starts_with("ssl/broken_")));
+    let cfg = files.text("haproxy.cfg").unwrap();
+    let web = cfg.split("backend broken_web_80\n").nth(1).expect("web backend");
+    let web = web.split("\nbackend ").next().unwrap_or_default();
+    assert_eq!(web.matches("server ").count(), 1, "only 10.9.9.9 is a usable endpoint:\n{web}");
+    assert!(web.contains("web-c_10.9.9.9 10.9.9.9:8080 check"), "{web}");
+}

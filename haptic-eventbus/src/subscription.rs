@@ -29,7 +29,8 @@ pub enum Delivery {
     },
 }
 
-/// The parameters of a subscription; [`EventBus::subscribe_with`](crate::EventBus::subscribe_with) takes them.
+/// The parameters of a subscription, as
+/// [`EventBus::subscribe_with`](crate::EventBus::subscribe_with) takes them.
 ///
 /// [`EventBus::subscribe`](crate::EventBus::subscribe) and
 /// [`EventBus::subscribe_leader_only`](crate::EventBus::subscribe_leader_only) are shorthands

@@ -1,0 +1,677 @@
+//! Wire types of the agent apply protocol (`/v1`), the file-set checksum and the path rules.
+//!
+//! The protocol is plain JSON over HTTP. An apply is `POST /v1/apply` with a [`WireApply`]
+//! body, gzip-compressed (`Content-Encoding: gzip`) when it is larger than a threshold. File
+//! contents travel as JSON strings when they are UTF-8 (HAProxy configurations and maps
+//! nearly always are, and a JSON string costs about one byte a byte) and as base64 otherwise.
+//! The agent answers with an [`ApplyResponse`], whose `result` tag and HTTP status say what
+//! happened:
+//!
+//! | result        | status | meaning                                                        |
+//! |---------------|--------|----------------------------------------------------------------|
+//! | `applied`     | 200    | the set is live and HAProxy confirmed the reload               |
+//! | `unchanged`   | 200    | the set was already live; nothing was written or reloaded      |
+//! | `fenced`      | 409    | the epoch is below the agent's fence; nothing was written      |
+//! | `invalid`     | 422    | `haproxy -c` refused the set; the live set is untouched        |
+//! | `rolled_back` | 500    | the set passed the check but failed to load; last-known-good is live again |
+//!
+//! Other failures (401, 400, 413, 503) carry an [`ErrorBody`].
+
+use std::{collections::BTreeMap, fmt};
+
+use base64::Engine as _;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// Path of the apply endpoint.
+pub const APPLY_PATH: &str = "/v1/apply";
+/// Path of the state endpoint.
+pub const STATE_PATH: &str = "/v1/state";
+/// The file every set must hold at its root: HAProxy's main configuration.
+pub const MAIN_CONFIG: &str = "haproxy.cfg";
+/// Longest relative path accepted, in bytes.
+pub const MAX_PATH_LEN: usize = 1024;
+/// Deepest directory nesting accepted (number of `/`-separated components).
+pub const MAX_PATH_DEPTH: usize = 16;
+
+/// Errors of this module: a malformed set or wire message.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A path is not a plain relative path inside the set.
+    #[error("path {path:?} refused: {rule}")]
+    Path {
+        /// The offending path.
+        path: String,
+        /// The rule it broke.
+        rule: &'static str,
+    },
+    /// The same path appears twice, or a file path is also used as a directory.
+    #[error("path {path:?} conflicts with another file of the set")]
+    Conflict {
+        /// The second of the two conflicting paths.
+        path: String,
+    },
+    /// The set has no `haproxy.cfg` at its root.
+    #[error("the set has no {MAIN_CONFIG} at its root")]
+    NoMainConfig,
+    /// A file carries both or neither of `text` and `base64`, or invalid base64.
+    #[error("file {path:?} has malformed content: {reason}")]
+    Content {
+        /// The file's path.
+        path: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The checksum in the request does not match the files it carries.
+    #[error("checksum mismatch: request says {claimed}, files hash to {actual}")]
+    Checksum {
+        /// The checksum the sender claimed.
+        claimed: String,
+        /// The checksum of the files received.
+        actual: String,
+    },
+    /// The body is not valid JSON of the expected shape.
+    #[error("malformed JSON body")]
+    Json(#[source] serde_json::Error),
+    /// The gzip body could not be inflated.
+    #[error("malformed gzip body")]
+    Gzip(#[source] std::io::Error),
+    /// The inflated body is larger than the limit.
+    #[error("body inflates past the limit of {limit} bytes")]
+    TooLarge {
+        /// The limit in bytes.
+        limit: usize,
+    },
+}
+
+/// Result type of this module.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Checks that `path` is a plain relative path that stays inside the directory it is written
+/// to: not empty, not absolute, no `..` or `.` component, no empty component, no backslash or
+/// NUL, at most [`MAX_PATH_LEN`] bytes and [`MAX_PATH_DEPTH`] components.
+pub fn validate_path(path: &str) -> Result<()> {
+    let refuse = |rule| {
+        Err(Error::Path {
+            path: path.to_owned(),
+            rule,
+        })
+    };
+    if path.is_empty() {
+        return refuse("empty");
+    }
+    if path.len() > MAX_PATH_LEN {
+        return refuse("too long");
+    }
+    if path.starts_with('/') {
+        return refuse("absolute");
+    }
+    if path.contains('\\') || path.contains('\0') {
+        return refuse("contains a backslash or NUL");
+    }
+    let mut depth = 0;
+    for component in path.split('/') {
+        depth += 1;
+        match component {
+            "" => return refuse("empty component"),
+            "." | ".." => return refuse("contains a `.` or `..` component"),
+            _ => {}
+        }
+    }
+    if depth > MAX_PATH_DEPTH {
+        return refuse("nested too deep");
+    }
+    Ok(())
+}
+
+/// A whole HAProxy file set: relative paths (ordered) to contents.
+///
+/// Every path passed [`validate_path`], no path is both a file and a directory of another,
+/// and [`MAIN_CONFIG`] is checked by [`FileSet::validate`] (a set under construction may
+/// lack it).
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct FileSet {
+    files: BTreeMap<String, Bytes>,
+}
+
+impl fmt::Debug for FileSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FileSet")
+            .field("files", &self.files.len())
+            .field("bytes", &self.total_bytes())
+            .finish()
+    }
+}
+
+impl FileSet {
+    /// An empty set.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a file, refusing a path that breaks [`validate_path`] or conflicts with a file
+    /// already in the set (same path, or one is a directory prefix of the other).
+    pub fn insert(&mut self, path: impl Into<String>, content: impl Into<Bytes>) -> Result<()> {
+        let path = path.into();
+        validate_path(&path)?;
+        if self.files.contains_key(&path) || self.conflicts(&path) {
+            return Err(Error::Conflict { path });
+        }
+        self.files.insert(path, content.into());
+        Ok(())
+    }
+
+    /// Whether `path` would be a directory of an existing file or have a file as directory.
+    fn conflicts(&self, path: &str) -> bool {
+        // A file "a" and a file "a/b" cannot both exist on disk.
+        let as_dir = format!("{path}/");
+        let below = self
+            .files
+            .range(as_dir.clone()..)
+            .next()
+            .is_some_and(|(other, _)| other.starts_with(&as_dir));
+        let above = path
+            .match_indices('/')
+            .any(|(i, _)| self.files.contains_key(&path[..i]));
+        below || above
+    }
+
+    /// Builder form of [`FileSet::insert`].
+    pub fn with(mut self, path: impl Into<String>, content: impl Into<Bytes>) -> Result<Self> {
+        self.insert(path, content)?;
+        Ok(self)
+    }
+
+    /// Checks the set is complete: it holds [`MAIN_CONFIG`] at its root.
+    pub fn validate(&self) -> Result<()> {
+        if self.files.contains_key(MAIN_CONFIG) {
+            Ok(())
+        } else {
+            Err(Error::NoMainConfig)
+        }
+    }
+
+    /// The content of `path`, if the set holds it.
+    pub fn get(&self, path: &str) -> Option<&Bytes> {
+        self.files.get(path)
+    }
+
+    /// The files in path order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = (&str, &Bytes)> {
+        self.files
+            .iter()
+            .map(|(path, content)| (path.as_str(), content))
+    }
+
+    /// Number of files.
+    pub fn len(&self) -> usize {
+        self.files.len()
+    }
+
+    /// Whether the set holds no file.
+    pub fn is_empty(&self) -> bool {
+        self.files.is_empty()
+    }
+
+    /// Sum of the file sizes in bytes.
+    pub fn total_bytes(&self) -> usize {
+        self.files.values().map(Bytes::len).sum()
+    }
+
+    /// The set's checksum; see [`checksum`].
+    pub fn checksum(&self) -> String {
+        checksum(self.iter().map(|(path, content)| (path, content.as_ref())))
+    }
+}
+
+/// The checksum of a file set: lowercase hex SHA-256 over, for each file in byte order of its
+/// path, the path's UTF-8 bytes, one NUL byte, the content length as a big-endian u64, and
+/// the content. `files` must come in path order (a [`FileSet`] iterates that way); the
+/// agent recomputes it from disk the same way.
+pub fn checksum<'a>(files: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> String {
+    let mut hasher = Sha256::new();
+    for (path, content) in files {
+        hasher.update(path.as_bytes());
+        hasher.update([0u8]);
+        hasher.update((content.len() as u64).to_be_bytes());
+        hasher.update(content);
+    }
+    hex::encode(hasher.finalize())
+}
+
+/// One apply: who sends it, under which fencing epoch, and the whole set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApplyRequest {
+    /// The sender's fencing epoch; the agent refuses it when below its fence.
+    pub epoch: u64,
+    /// The sender's identity (the leader's pod name), for logs and state.
+    pub leader: String,
+    /// The sender's generation counter for this set (monotonic within a term).
+    pub generation: u64,
+    /// [`FileSet::checksum`] of `files`.
+    pub checksum: String,
+    /// The whole set.
+    pub files: FileSet,
+}
+
+impl ApplyRequest {
+    /// A request for `files`, computing its checksum. Fails when the set has no
+    /// [`MAIN_CONFIG`].
+    pub fn new(
+        epoch: u64,
+        leader: impl Into<String>,
+        generation: u64,
+        files: FileSet,
+    ) -> Result<Self> {
+        files.validate()?;
+        Ok(Self {
+            epoch,
+            leader: leader.into(),
+            generation,
+            checksum: files.checksum(),
+            files,
+        })
+    }
+
+    /// The JSON wire form.
+    pub fn to_wire(&self) -> WireApply {
+        let files = self
+            .files
+            .iter()
+            .map(|(path, content)| match std::str::from_utf8(content) {
+                Ok(text) => WireFile {
+                    path: path.to_owned(),
+                    text: Some(text.to_owned()),
+                    base64: None,
+                },
+                Err(_) => WireFile {
+                    path: path.to_owned(),
+                    text: None,
+                    base64: Some(base64::engine::general_purpose::STANDARD.encode(content)),
+                },
+            })
+            .collect();
+        WireApply {
+            epoch: self.epoch,
+            leader: self.leader.clone(),
+            generation: self.generation,
+            checksum: self.checksum.clone(),
+            files,
+        }
+    }
+}
+
+/// The JSON body of `POST /v1/apply`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WireApply {
+    /// See [`ApplyRequest::epoch`].
+    pub epoch: u64,
+    /// See [`ApplyRequest::leader`].
+    pub leader: String,
+    /// See [`ApplyRequest::generation`].
+    pub generation: u64,
+    /// See [`ApplyRequest::checksum`].
+    pub checksum: String,
+    /// The files, each with exactly one of `text` or `base64`.
+    pub files: Vec<WireFile>,
+}
+
+/// One file on the wire.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WireFile {
+    /// Relative path inside the set.
+    pub path: String,
+    /// The content, when it is UTF-8.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+    /// The content in standard base64, when it is not UTF-8.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base64: Option<String>,
+}
+
+impl WireApply {
+    /// Decodes and checks the wire form: every path valid and unique, [`MAIN_CONFIG`] present,
+    /// contents well-formed, and the checksum matching the files.
+    pub fn into_request(self) -> Result<ApplyRequest> {
+        let mut files = FileSet::new();
+        for file in self.files {
+            let content = match (file.text, file.base64) {
+                (Some(text), None) => Bytes::from(text),
+                (None, Some(encoded)) => base64::engine::general_purpose::STANDARD
+                    .decode(encoded)
+                    .map(Bytes::from)
+                    .map_err(|error| Error::Content {
+                        path: file.path.clone(),
+                        reason: error.to_string(),
+                    })?,
+                _ => {
+                    return Err(Error::Content {
+                        path: file.path,
+                        reason: "needs exactly one of `text` and `base64`".to_owned(),
+                    });
+                }
+            };
+            files.insert(file.path, content)?;
+        }
+        files.validate()?;
+        let actual = files.checksum();
+        if actual != self.checksum {
+            return Err(Error::Checksum {
+                claimed: self.checksum,
+                actual,
+            });
+        }
+        Ok(ApplyRequest {
+            epoch: self.epoch,
+            leader: self.leader,
+            generation: self.generation,
+            checksum: actual,
+            files,
+        })
+    }
+}
+
+/// An encoded apply body, ready to send to any number of agents.
+#[derive(Debug, Clone)]
+pub struct EncodedBody {
+    /// The bytes to send.
+    pub bytes: Bytes,
+    /// Whether `bytes` is gzip (send `Content-Encoding: gzip`).
+    pub gzip: bool,
+    /// Size of the JSON before compression.
+    pub json_len: usize,
+}
+
+/// Serializes `apply` and gzips it (fast level) when the JSON is larger than `threshold`.
+pub fn encode_apply(apply: &WireApply, threshold: usize) -> EncodedBody {
+    // Serializing plain structs of strings and integers cannot fail.
+    let json = serde_json::to_vec(apply).unwrap_or_default();
+    let json_len = json.len();
+    if json_len <= threshold {
+        return EncodedBody {
+            bytes: Bytes::from(json),
+            gzip: false,
+            json_len,
+        };
+    }
+    let mut encoder = flate2::write::GzEncoder::new(
+        Vec::with_capacity(json_len / 4),
+        flate2::Compression::fast(),
+    );
+    // Writing into a Vec cannot fail.
+    let compressed = std::io::Write::write_all(&mut encoder, &json)
+        .and_then(|()| encoder.finish())
+        .unwrap_or_default();
+    EncodedBody {
+        bytes: Bytes::from(compressed),
+        gzip: true,
+        json_len,
+    }
+}
+
+/// Inflates and parses an apply body, refusing one that inflates past `limit` bytes.
+pub fn decode_apply(body: &[u8], gzip: bool, limit: usize) -> Result<WireApply> {
+    if !gzip {
+        return serde_json::from_slice(body).map_err(Error::Json);
+    }
+    let mut inflated = Vec::with_capacity(body.len().saturating_mul(4).min(limit));
+    let decoder = flate2::read::GzDecoder::new(body);
+    let read = std::io::Read::read_to_end(
+        &mut std::io::Read::take(decoder, limit as u64 + 1),
+        &mut inflated,
+    )
+    .map_err(Error::Gzip)?;
+    if read > limit {
+        return Err(Error::TooLarge { limit });
+    }
+    serde_json::from_slice(&inflated).map_err(Error::Json)
+}
+
+/// Time the agent spent on an apply, in microseconds per phase.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Timing {
+    /// From the start of the apply (after the body was parsed) to the answer.
+    pub total_us: u64,
+    /// Writing the set to staging (with fsync).
+    pub write_us: u64,
+    /// Running `haproxy -c` on staging.
+    pub check_us: u64,
+    /// Swapping the set in, reloading and confirming the reload.
+    pub reload_us: u64,
+}
+
+/// The agent's answer to an apply; the `result` field is the tag.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum ApplyResponse {
+    /// The set is live: written, checked, swapped in and HAProxy confirmed the reload.
+    Applied {
+        /// Checksum of the set now live.
+        checksum: String,
+        /// Generation of the set now live.
+        generation: u64,
+        /// Time spent per phase.
+        timing: Timing,
+    },
+    /// The set was already live; nothing was written and HAProxy was not reloaded.
+    Unchanged {
+        /// Checksum of the set live.
+        checksum: String,
+        /// Generation recorded for the set live.
+        generation: u64,
+        /// Time spent.
+        timing: Timing,
+    },
+    /// The epoch is below the agent's fence; nothing was written.
+    Fenced {
+        /// The agent's fence: the highest epoch it accepted.
+        fence: u64,
+        /// The epoch the request carried.
+        epoch: u64,
+    },
+    /// `haproxy -c` refused the set; the live set is untouched.
+    Invalid {
+        /// Checksum of the refused set.
+        checksum: String,
+        /// HAProxy's own output.
+        check_output: String,
+        /// Time spent.
+        timing: Timing,
+    },
+    /// The set passed the check but HAProxy failed to load it; the previous set was restored.
+    RolledBack {
+        /// Checksum of the set that failed to load.
+        checksum: String,
+        /// Checksum of the set live now (none if nothing could be restored).
+        live_checksum: Option<String>,
+        /// Why the load failed, as HAProxy or the agent reported it.
+        reason: String,
+        /// Time spent.
+        timing: Timing,
+    },
+}
+
+impl ApplyResponse {
+    /// The HTTP status the agent sends with this response.
+    pub fn status(&self) -> u16 {
+        match self {
+            Self::Applied { .. } | Self::Unchanged { .. } => 200,
+            Self::Fenced { .. } => 409,
+            Self::Invalid { .. } => 422,
+            Self::RolledBack { .. } => 500,
+        }
+    }
+
+    /// The short name of the outcome (the `result` tag), as used in metrics labels.
+    pub fn outcome(&self) -> &'static str {
+        match self {
+            Self::Applied { .. } => "applied",
+            Self::Unchanged { .. } => "unchanged",
+            Self::Fenced { .. } => "fenced",
+            Self::Invalid { .. } => "invalid",
+            Self::RolledBack { .. } => "rolled_back",
+        }
+    }
+}
+
+/// The body of a response that is not an [`ApplyResponse`] (401, 400, 413, 503).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// A stable short code: `unauthorized`, `bad_request`, `too_large`, `not_ready`, ...
+    pub error: String,
+    /// A human-readable explanation.
+    pub message: String,
+}
+
+/// The outcome of the last reload the agent attempted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReloadRecord {
+    /// Whether HAProxy confirmed the reload.
+    pub ok: bool,
+    /// Checksum of the set the reload loaded (or tried to).
+    pub checksum: String,
+    /// What HAProxy or the agent said.
+    pub message: String,
+    /// How long the reload and its confirmation took.
+    pub duration_us: u64,
+    /// When it finished, in milliseconds since the Unix epoch.
+    pub unix_ms: u64,
+}
+
+/// `GET /v1/state`: what the agent holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentState {
+    /// Checksum of the live set, recomputed from disk for this answer.
+    pub live_checksum: Option<String>,
+    /// Generation recorded with the live set.
+    pub generation: Option<u64>,
+    /// Leader that applied the live set.
+    pub leader: Option<String>,
+    /// The fence (highest epoch accepted); none when the fence file is unreadable.
+    pub fence: Option<u64>,
+    /// Why the fence file is unreadable, when it is.
+    pub fence_error: Option<String>,
+    /// Checksum of the last-known-good set kept for rollback.
+    pub last_known_good_checksum: Option<String>,
+    /// The last reload attempted.
+    pub last_reload: Option<ReloadRecord>,
+    /// HAProxy's version line.
+    pub haproxy_version: Option<String>,
+    /// PID of HAProxy's master process, when it answers on its master socket.
+    pub haproxy_pid: Option<u32>,
+    /// PIDs of the current HAProxy workers.
+    pub worker_pids: Vec<u32>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set() -> FileSet {
+        FileSet::new()
+            .with("haproxy.cfg", "global\n")
+            .and_then(|s| s.with("maps/hosts.map", "a.example be_a\n"))
+            .and_then(|s| s.with("certs/a.pem", vec![0xffu8, 0, 1]))
+            .expect("valid set")
+    }
+
+    #[test]
+    fn paths_that_escape_are_refused() {
+        for bad in [
+            "",
+            "/etc/passwd",
+            "../x",
+            "a/../../x",
+            "a/./b",
+            "a//b",
+            "a/",
+            ".",
+            "a\\b",
+            "x\0",
+        ] {
+            assert!(validate_path(bad).is_err(), "{bad:?} should be refused");
+        }
+        for good in ["haproxy.cfg", "maps/a.map", ".hidden", "a..b/c"] {
+            validate_path(good).expect(good);
+        }
+    }
+
+    #[test]
+    fn file_and_directory_conflicts_are_refused() {
+        let mut files = FileSet::new();
+        files.insert("a/b", "x").expect("first");
+        assert!(matches!(
+            files.insert("a", "y"),
+            Err(Error::Conflict { .. })
+        ));
+        assert!(matches!(
+            files.insert("a/b", "y"),
+            Err(Error::Conflict { .. })
+        ));
+        assert!(matches!(
+            files.insert("a/b/c", "y"),
+            Err(Error::Conflict { .. })
+        ));
+        files.insert("a.b", "y").expect("sibling with a dot");
+        files.insert("a/c", "y").expect("sibling");
+    }
+
+    #[test]
+    fn wire_round_trip_keeps_bytes_and_checksum() {
+        let request = ApplyRequest::new(7, "leader-0", 3, set()).expect("request");
+        for threshold in [0, usize::MAX] {
+            let body = encode_apply(&request.to_wire(), threshold);
+            assert_eq!(body.gzip, threshold == 0);
+            let back = decode_apply(&body.bytes, body.gzip, 1 << 20)
+                .expect("decode")
+                .into_request()
+                .expect("valid");
+            assert_eq!(back, request);
+        }
+    }
+
+    #[test]
+    fn tampered_content_fails_the_checksum() {
+        let request = ApplyRequest::new(1, "l", 1, set()).expect("request");
+        let mut wire = request.to_wire();
+        wire.files[0].text = Some("tampered".to_owned());
+        assert!(matches!(wire.into_request(), Err(Error::Checksum { .. })));
+    }
+
+    #[test]
+    fn gzip_bomb_is_cut_at_the_limit() {
+        let request = ApplyRequest::new(
+            1,
+            "l",
+            1,
+            FileSet::new()
+                .with("haproxy.cfg", vec![b'a'; 1 << 20])
+                .expect("set"),
+        )
+        .expect("request");
+        let body = encode_apply(&request.to_wire(), 0);
+        assert!(body.bytes.len() < 64 << 10, "compresses well");
+        assert!(matches!(
+            decode_apply(&body.bytes, true, 64 << 10),
+            Err(Error::TooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn checksum_separates_path_from_content() {
+        let a = checksum([("ab", b"c".as_slice())]);
+        let b = checksum([("a", b"bc".as_slice())]);
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 64);
+    }
+
+    #[test]
+    fn a_set_without_main_config_is_incomplete() {
+        let files = FileSet::new().with("maps/x.map", "").expect("set");
+        assert!(matches!(
+            ApplyRequest::new(1, "l", 1, files),
+            Err(Error::NoMainConfig)
+        ));
+    }
+}

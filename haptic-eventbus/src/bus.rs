@@ -370,11 +370,16 @@ impl<E: Event> EventBus<E> {
     /// impl Event for Ev {
     ///     type Kind = Kind;
     ///     fn kind(&self) -> Kind {
-    ///         match self { Ev::Validate(_) => Kind::Validate, Ev::Verdict { .. } => Kind::Verdict }
+    ///         match self {
+    ///             Ev::Validate(_) => Kind::Validate,
+    ///             Ev::Verdict { .. } => Kind::Verdict,
+    ///         }
     ///     }
     ///     fn response_to(&self) -> Option<ResponseTo<'_>> {
     ///         match self {
-    ///             Ev::Verdict { request, by, .. } => Some(ResponseTo { request: *request, responder: by }),
+    ///             Ev::Verdict { request, by, .. } => {
+    ///                 Some(ResponseTo { request: *request, responder: by })
+    ///             }
     ///             _ => None,
     ///         }
     ///     }
@@ -389,7 +394,8 @@ impl<E: Event> EventBus<E> {
     /// let responder = tokio::spawn(async move {
     ///     if let Some(event) = requests.recv().await {
     ///         if let Ev::Validate(request) = *event {
-    ///             responder_bus.publish(Ev::Verdict { request, by: "haproxy-validator", ok: true });
+    ///             let by = "haproxy-validator";
+    ///             responder_bus.publish(Ev::Verdict { request, by, ok: true });
     ///         }
     ///     }
     /// });

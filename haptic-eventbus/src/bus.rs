@@ -313,7 +313,7 @@ impl<E: Event> EventBus<E> {
             warn!(
                 subscriber = %shared.name,
                 id = shared.id,
-                "late subscriber: subscribed after the event bus started, earlier events were not delivered to it"
+                "late subscriber: subscribed after the bus started, missed earlier events"
             );
         }
         emit(notes);

@@ -203,8 +203,12 @@ impl<E: Event> EventBus<E> {
     /// bounded amount of work (here: one queue push per matching subscriber) and never across
     /// an await or the application's code; so it may be called from anywhere, including a
     /// subscriber's handler and synchronous code.
-    pub fn publish(&self, event: E) -> Outcome {
+    ///
+    /// It takes anything that converts into `E`, so a library with its own event type (such as
+    /// haptic-leadership's) can publish into any bus whose `E` implements `From` it.
+    pub fn publish(&self, event: impl Into<E>) -> Outcome {
         // The application's code runs before the lock is taken.
+        let event: E = event.into();
         let kind = event.kind();
         let response = event.response_to().map(|r| r.request);
         let event = Arc::new(event);

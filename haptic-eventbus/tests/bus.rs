@@ -624,3 +624,36 @@ async fn concurrent_publishers_give_every_subscriber_the_same_complete_order() {
         "one total order for all subscribers"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn recv_is_cancel_safe() {
+    let bus = EventBus::<Ev>::new();
+    let mut sub = bus.subscribe("sub", Filter::all());
+    bus.start();
+    for round in 0..3 {
+        // A recv abandoned on timeout must not swallow the wake-up or the next event.
+        let waited = tokio::time::timeout(Duration::from_millis(10), sub.recv()).await;
+        assert!(waited.is_err(), "nothing was published yet");
+        bus.publish(Ev::Num(round));
+        let got = tokio::time::timeout(Duration::from_millis(10), sub.recv()).await;
+        assert_eq!(num(got.unwrap()), round);
+    }
+}
+
+#[tokio::test]
+async fn publish_takes_anything_that_converts_into_the_event() {
+    struct Epoch(u64);
+    impl From<Epoch> for Ev {
+        fn from(epoch: Epoch) -> Ev {
+            Ev::BecameLeader { epoch: epoch.0 }
+        }
+    }
+    let bus = EventBus::<Ev>::new();
+    let mut sub = bus.subscribe("sub", Filter::kind(Kind::BecameLeader));
+    bus.start();
+    assert_eq!(bus.publish(Epoch(3)), Outcome::Delivered { subscribers: 1 });
+    assert_eq!(
+        sub.try_recv().as_deref(),
+        Some(&Ev::BecameLeader { epoch: 3 })
+    );
+}

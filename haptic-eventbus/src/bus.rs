@@ -204,8 +204,8 @@ impl<E: Event> EventBus<E> {
     /// an await or the application's code; so it may be called from anywhere, including a
     /// subscriber's handler and synchronous code.
     ///
-    /// It takes anything that converts into `E`, so a library with its own event type (such as
-    /// haptic-leadership's) can publish into any bus whose `E` implements `From` it.
+    /// It takes anything that converts into `E`: a library with its own event type `L` (such as
+    /// haptic-leadership's) can publish into any bus whose `E: From<L>`.
     pub fn publish(&self, event: impl Into<E>) -> Outcome {
         // The application's code runs before the lock is taken.
         let event: E = event.into();

@@ -1,0 +1,479 @@
+//! The apply engine: fence, no-op check, staging, `haproxy -c`, atomic swap, reload with
+//! confirmation, and rollback to the last-known-good set. One apply at a time.
+
+use std::{
+    sync::{Arc, Mutex as StdMutex},
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use haptic_agent_client::{
+    AgentState, ApplyRequest, ApplyResponse, Timing, protocol::ReloadRecord,
+};
+use tokio::{sync::Mutex, time::Instant};
+use tracing::{info, instrument, warn};
+
+use crate::{
+    config::AgentConfig,
+    fence::FenceFile,
+    haproxy::{self, Haproxy, ReloadOutcome},
+    metrics::Metrics,
+    store::{CURRENT, LAST_KNOWN_GOOD, SetMeta, SetStore},
+    supervisor::Supervisor,
+};
+
+/// Errors of this module: why an apply was not carried out, beyond the protocol's outcomes.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] crate::config::Error),
+    /// The agent cannot apply safely now (corrupt fence file); it reports not ready.
+    #[error("not ready: {0}")]
+    NotReady(String),
+    /// The data directory could not be read or written.
+    #[error(transparent)]
+    Store(#[from] crate::store::Error),
+    /// The fence could not be recorded.
+    #[error(transparent)]
+    Fence(#[from] crate::fence::Error),
+    /// HAProxy could not be run.
+    #[error(transparent)]
+    Haproxy(#[from] haproxy::Error),
+    /// A blocking task panicked or was cancelled.
+    #[error("internal task failed: {0}")]
+    Task(String),
+}
+
+/// Result type of this module.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, Default)]
+struct Status {
+    last_reload: Option<ReloadRecord>,
+    haproxy_version: Option<String>,
+}
+
+struct Shared {
+    config: AgentConfig,
+    store: SetStore,
+    fence: FenceFile,
+    haproxy: Haproxy,
+    supervisor: Option<Supervisor>,
+    metrics: Metrics,
+    apply_lock: Mutex<()>,
+    status: StdMutex<Status>,
+}
+
+/// The agent: cheap to clone, clones share everything.
+#[derive(Clone)]
+pub struct Agent {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("config", &self.shared.config)
+            .finish()
+    }
+}
+
+async fn blocking<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|error| Error::Task(error.to_string()))
+}
+
+fn micros(duration: Duration) -> u64 {
+    u64::try_from(duration.as_micros()).unwrap_or(u64::MAX)
+}
+
+impl Agent {
+    /// Opens the data directory (creating it), finds HAProxy, and reads the fence. A corrupt
+    /// fence does not fail this: the agent starts and reports not ready.
+    pub async fn open(mut config: AgentConfig) -> Result<Self> {
+        config.validate()?;
+        if let Some(found) = haproxy::find_binary(&config.haproxy_bin) {
+            config.haproxy_bin = found;
+        }
+        let root = config.data_dir.clone();
+        let store = blocking(move || SetStore::open(&root)).await??;
+        let fence = FenceFile::new(config.data_dir.join("fence"));
+        let haproxy = Haproxy {
+            bin: config.haproxy_bin.clone(),
+            master_socket: config.master_socket.clone(),
+        };
+        let supervisor = config
+            .supervise
+            .then(|| Supervisor::new(haproxy.clone(), store.current_path(), config.reload_timeout));
+        let metrics = Metrics::default();
+        match fence.load() {
+            Ok(value) => metrics.set_fence(value),
+            Err(error) => warn!(%error, "fence unreadable; refusing applies until it is repaired"),
+        }
+        let version = haproxy.version().await.ok();
+        let agent = Self {
+            shared: Arc::new(Shared {
+                config,
+                store,
+                fence,
+                haproxy,
+                supervisor,
+                metrics,
+                apply_lock: Mutex::new(()),
+                status: StdMutex::new(Status {
+                    last_reload: None,
+                    haproxy_version: version,
+                }),
+            }),
+        };
+        if let Some(meta) = agent.live_meta() {
+            agent.shared.metrics.set_generation(meta.generation);
+        }
+        Ok(agent)
+    }
+
+    /// The settings in use.
+    pub fn config(&self) -> &AgentConfig {
+        &self.shared.config
+    }
+
+    /// The metrics.
+    pub fn metrics(&self) -> &Metrics {
+        &self.shared.metrics
+    }
+
+    /// The supervisor, in supervised mode.
+    pub fn supervisor(&self) -> Option<&Supervisor> {
+        self.shared.supervisor.as_ref()
+    }
+
+    fn live_meta(&self) -> Option<SetMeta> {
+        let name = self.shared.store.link(CURRENT).ok()??;
+        self.shared.store.meta(&name)
+    }
+
+    /// Applies a whole set. Runs to completion even when the caller stops waiting (the work
+    /// happens in its own task), so a dropped connection never leaves a half-done swap.
+    pub async fn apply(&self, request: ApplyRequest) -> Result<ApplyResponse> {
+        let agent = self.clone();
+        let started = Instant::now();
+        let result = tokio::spawn(async move { agent.apply_serialized(request).await })
+            .await
+            .map_err(|error| Error::Task(error.to_string()))
+            .and_then(|result| result);
+        let metrics = &self.shared.metrics;
+        metrics.observe_apply(started.elapsed());
+        match &result {
+            Ok(response) => metrics.count_apply(response.outcome()),
+            Err(_) => metrics.count_apply("error"),
+        }
+        result
+    }
+
+    #[instrument(skip_all, fields(epoch = request.epoch, leader = %request.leader, generation = request.generation, checksum = %request.checksum))]
+    async fn apply_serialized(&self, request: ApplyRequest) -> Result<ApplyResponse> {
+        let _one_at_a_time = self.shared.apply_lock.lock().await;
+        let started = Instant::now();
+        let shared = &self.shared;
+
+        // The fence first: a lower epoch is refused before anything is written, and a higher
+        // one is durable before the agent acts on it.
+        let fence = shared.fence.clone();
+        let current = blocking(move || fence.load())
+            .await?
+            .map_err(|error| Error::NotReady(error.to_string()))?;
+        if request.epoch < current {
+            info!(fence = current, "refused: epoch below the fence");
+            return Ok(ApplyResponse::Fenced {
+                fence: current,
+                epoch: request.epoch,
+            });
+        }
+        if request.epoch > current {
+            let fence = shared.fence.clone();
+            let epoch = request.epoch;
+            blocking(move || fence.store(epoch)).await??;
+            shared.metrics.set_fence(epoch);
+            info!(from = current, to = epoch, "fence raised");
+        }
+
+        let store = shared.store.clone();
+        let live = blocking(move || -> Result<_> {
+            let Some(name) = store.link(CURRENT)? else {
+                return Ok(None);
+            };
+            let checksum = store.checksum_on_disk(&name)?;
+            Ok(Some((name, checksum)))
+        })
+        .await??;
+        if let Some((name, checksum)) = &live
+            && *checksum == request.checksum
+        {
+            let generation = shared.store.meta(name).map_or(0, |meta| meta.generation);
+            return Ok(ApplyResponse::Unchanged {
+                checksum: checksum.clone(),
+                generation,
+                timing: Timing {
+                    total_us: micros(started.elapsed()),
+                    ..Timing::default()
+                },
+            });
+        }
+        let previous = live.map(|(name, _)| name);
+
+        let mut timing = Timing::default();
+        let phase = Instant::now();
+        let store = shared.store.clone();
+        let checksum = request.checksum.clone();
+        let files = request.files;
+        let (name, staged) = blocking(move || store.stage(&files, &checksum)).await??;
+        timing.write_us = micros(phase.elapsed());
+
+        let phase = Instant::now();
+        let check = shared
+            .haproxy
+            .check(&staged, shared.config.check_timeout)
+            .await;
+        timing.check_us = micros(phase.elapsed());
+        shared.metrics.observe_check(phase.elapsed());
+        let check = match check {
+            Ok(check) => check,
+            Err(haproxy::Error::CheckTimeout(limit)) => haproxy::CheckOutcome {
+                valid: false,
+                output: format!("`haproxy -c` did not finish within {limit:?}"),
+            },
+            Err(error) => {
+                let _ = shared.store.discard_staged(&name);
+                return Err(error.into());
+            }
+        };
+        if !check.valid {
+            shared.store.discard_staged(&name)?;
+            info!("refused: haproxy -c failed");
+            timing.total_us = micros(started.elapsed());
+            return Ok(ApplyResponse::Invalid {
+                checksum: request.checksum,
+                check_output: check.output,
+                timing,
+            });
+        }
+
+        let phase = Instant::now();
+        let meta = SetMeta {
+            checksum: request.checksum.clone(),
+            generation: request.generation,
+            leader: request.leader.clone(),
+            epoch: request.epoch,
+        };
+        let store = shared.store.clone();
+        let (swap_name, swap_previous) = (name.clone(), previous.clone());
+        blocking(move || -> Result<()> {
+            store.promote(&swap_name, &meta)?;
+            if let Some(previous) = &swap_previous {
+                store.set_link(LAST_KNOWN_GOOD, Some(previous))?;
+            }
+            store.set_link(CURRENT, Some(&swap_name))?;
+            Ok(())
+        })
+        .await??;
+
+        let outcome = self.load(&request.checksum).await;
+        match outcome {
+            ReloadOutcome::Loaded { worker } => {
+                timing.reload_us = micros(phase.elapsed());
+                timing.total_us = micros(started.elapsed());
+                info!(worker, ?timing, "applied");
+                shared.metrics.set_generation(request.generation);
+                let keep: Vec<&str> = [Some(name.as_str()), previous.as_deref()]
+                    .into_iter()
+                    .flatten()
+                    .collect();
+                if let Err(error) = shared.store.retain(&keep) {
+                    warn!(%error, "removing old sets failed");
+                }
+                Ok(ApplyResponse::Applied {
+                    checksum: request.checksum,
+                    generation: request.generation,
+                    timing,
+                })
+            }
+            ReloadOutcome::Failed { reason } => {
+                warn!(%reason, "load failed; restoring last-known-good");
+                let live_checksum = self.roll_back(previous.as_deref()).await?;
+                timing.reload_us = micros(phase.elapsed());
+                timing.total_us = micros(started.elapsed());
+                Ok(ApplyResponse::RolledBack {
+                    checksum: request.checksum,
+                    live_checksum,
+                    reason,
+                    timing,
+                })
+            }
+        }
+    }
+
+    /// Points `current` back at `previous` (or removes it when there is none), reloads, and
+    /// removes every other set. Returns the checksum live afterwards.
+    async fn roll_back(&self, previous: Option<&str>) -> Result<Option<String>> {
+        let shared = &self.shared;
+        shared.store.set_link(CURRENT, previous)?;
+        let keep: Vec<&str> = previous.into_iter().collect();
+        let live = match previous {
+            Some(previous) => {
+                let checksum = shared.store.meta(previous).map(|meta| meta.checksum);
+                match self.load(checksum.as_deref().unwrap_or_default()).await {
+                    ReloadOutcome::Loaded { .. } => checksum,
+                    ReloadOutcome::Failed { reason } => {
+                        warn!(%reason, "restoring last-known-good failed too");
+                        None
+                    }
+                }
+            }
+            None => {
+                // Nothing to restore: a supervised HAProxy that never loaded stays stopped.
+                if let Some(supervisor) = &shared.supervisor {
+                    supervisor.stop().await;
+                }
+                None
+            }
+        };
+        if let Err(error) = shared.store.retain(&keep) {
+            warn!(%error, "removing the failed set failed");
+        }
+        Ok(live)
+    }
+
+    /// Makes HAProxy run the set `current` points to: a reload through the master socket,
+    /// or in supervised mode a start when HAProxy is not running. Records the outcome.
+    async fn load(&self, checksum: &str) -> ReloadOutcome {
+        let shared = &self.shared;
+        let started = Instant::now();
+        let supervisor = shared.supervisor.as_ref();
+        let mark = supervisor.map_or(0, Supervisor::log_mark);
+        let outcome = match supervisor {
+            Some(supervisor) if !supervisor.is_running().await => match supervisor.start().await {
+                Ok(()) => ReloadOutcome::Loaded { worker: 0 },
+                Err(error) => ReloadOutcome::Failed {
+                    reason: error.to_string(),
+                },
+            },
+            _ => shared
+                .haproxy
+                .reload(shared.config.reload_timeout, || {
+                    supervisor.and_then(|supervisor| supervisor.log_since(mark))
+                })
+                .await
+                .unwrap_or_else(|error| ReloadOutcome::Failed {
+                    reason: error.to_string(),
+                }),
+        };
+        let took = started.elapsed();
+        shared.metrics.observe_reload(took);
+        let record = ReloadRecord {
+            ok: matches!(outcome, ReloadOutcome::Loaded { .. }),
+            checksum: checksum.to_owned(),
+            message: match &outcome {
+                ReloadOutcome::Loaded { worker } => format!("loaded (worker {worker})"),
+                ReloadOutcome::Failed { reason } => reason.clone(),
+            },
+            duration_us: micros(took),
+            unix_ms: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+        };
+        if let Ok(mut status) = shared.status.lock() {
+            status.last_reload = Some(record);
+        }
+        outcome
+    }
+
+    /// Starts HAProxy in supervised mode when a set is live (after a restart of the agent).
+    pub async fn start_haproxy_if_live(&self) -> Result<()> {
+        let Some(supervisor) = &self.shared.supervisor else {
+            return Ok(());
+        };
+        if self.shared.store.link(CURRENT)?.is_none() {
+            return Ok(());
+        }
+        match supervisor.start().await {
+            Ok(()) => Ok(()),
+            Err(error) => {
+                warn!(%error, "starting HAProxy on the live set failed");
+                Ok(())
+            }
+        }
+    }
+
+    /// Why the agent is not ready, if it is not: the fence file is unreadable, or a set is
+    /// live but HAProxy's master socket lists no worker.
+    pub async fn readiness(&self) -> Result<(), String> {
+        let fence = self.shared.fence.clone();
+        blocking(move || fence.load())
+            .await
+            .map_err(|error| error.to_string())?
+            .map_err(|error| error.to_string())?;
+        let live = self
+            .shared
+            .store
+            .link(CURRENT)
+            .map_err(|error| error.to_string())?;
+        if live.is_some() {
+            let table = self
+                .shared
+                .haproxy
+                .show_proc(Duration::from_secs(2))
+                .await
+                .map_err(|error| error.to_string())?;
+            if table.workers.is_empty() {
+                return Err("HAProxy runs no worker".to_owned());
+            }
+        }
+        Ok(())
+    }
+
+    /// What the agent holds, with the live checksum recomputed from disk.
+    pub async fn state(&self) -> AgentState {
+        let shared = &self.shared;
+        let store = shared.store.clone();
+        let fence = shared.fence.clone();
+        let disk = blocking(move || {
+            // A swap between reading the link and the files is retried once.
+            let live = (0..2).find_map(|_| {
+                let name = store.link(CURRENT).ok()??;
+                let checksum = store.checksum_on_disk(&name).ok()?;
+                Some((checksum, store.meta(&name)))
+            });
+            let lkg = store
+                .link(LAST_KNOWN_GOOD)
+                .ok()
+                .flatten()
+                .and_then(|name| store.meta(&name))
+                .map(|meta| meta.checksum);
+            (live, lkg, fence.load())
+        })
+        .await;
+        let mut state = AgentState::default();
+        if let Ok((live, lkg, fence)) = disk {
+            if let Some((checksum, meta)) = live {
+                state.live_checksum = Some(checksum);
+                state.generation = meta.as_ref().map(|meta| meta.generation);
+                state.leader = meta.map(|meta| meta.leader);
+            }
+            state.last_known_good_checksum = lkg;
+            match fence {
+                Ok(value) => state.fence = Some(value),
+                Err(error) => state.fence_error = Some(error.to_string()),
+            }
+        }
+        if let Ok(status) = shared.status.lock() {
+            state.last_reload = status.last_reload.clone();
+            state.haproxy_version = status.haproxy_version.clone();
+        }
+        if let Ok(table) = shared.haproxy.show_proc(Duration::from_secs(1)).await {
+            state.haproxy_pid = Some(table.master.pid);
+            state.worker_pids = table.workers.iter().map(|worker| worker.pid).collect();
+        }
+        state
+    }
+}

@@ -1,0 +1,139 @@
+//! The agent's settings: a plain struct with documented defaults and a `validate()`.
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+/// Errors of this module: a broken rule, named.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A setting breaks a rule.
+    #[error("invalid agent configuration: {0}")]
+    Invalid(&'static str),
+}
+
+/// Result type of this module.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Agent settings. Build with [`AgentConfig::new`]; every field is public.
+#[derive(Clone)]
+pub struct AgentConfig {
+    /// Address to serve the API on (default `0.0.0.0:9090`).
+    pub listen: SocketAddr,
+    /// The bearer token every `/v1` request must carry. Must not be empty.
+    pub token: String,
+    /// The HAProxy binary (default `haproxy`, found on `PATH` or in `/usr/sbin`).
+    pub haproxy_bin: PathBuf,
+    /// The data directory (fence, sets, `current` symlink). Must be absolute.
+    pub data_dir: PathBuf,
+    /// HAProxy's master CLI socket (default `<data_dir>/master.sock`).
+    pub master_socket: PathBuf,
+    /// Start and supervise HAProxy in master-worker mode (default false: HAProxy is run by
+    /// someone else with `-W -S <master_socket> -C <data_dir>/current -f <data_dir>/current/haproxy.cfg`).
+    pub supervise: bool,
+    /// Largest request body accepted on the wire (default 64 MiB).
+    pub max_body_bytes: usize,
+    /// Largest body accepted after gzip inflation (default 256 MiB).
+    pub max_inflated_bytes: usize,
+    /// Limit for `haproxy -c` (default 60 s).
+    pub check_timeout: Duration,
+    /// Limit for a reload and its confirmation, or a supervised start (default 60 s).
+    pub reload_timeout: Duration,
+}
+
+impl std::fmt::Debug for AgentConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentConfig")
+            .field("listen", &self.listen)
+            .field("token", &"<redacted>")
+            .field("haproxy_bin", &self.haproxy_bin)
+            .field("data_dir", &self.data_dir)
+            .field("master_socket", &self.master_socket)
+            .field("supervise", &self.supervise)
+            .field("max_body_bytes", &self.max_body_bytes)
+            .field("max_inflated_bytes", &self.max_inflated_bytes)
+            .field("check_timeout", &self.check_timeout)
+            .field("reload_timeout", &self.reload_timeout)
+            .finish()
+    }
+}
+
+impl AgentConfig {
+    /// Defaults (documented on each field) for `data_dir` and `token`.
+    pub fn new(data_dir: impl Into<PathBuf>, token: impl Into<String>) -> Self {
+        let data_dir = data_dir.into();
+        Self {
+            listen: SocketAddr::from(([0, 0, 0, 0], 9090)),
+            token: token.into(),
+            haproxy_bin: PathBuf::from("haproxy"),
+            master_socket: data_dir.join("master.sock"),
+            data_dir,
+            supervise: false,
+            max_body_bytes: 64 << 20,
+            max_inflated_bytes: 256 << 20,
+            check_timeout: Duration::from_secs(60),
+            reload_timeout: Duration::from_secs(60),
+        }
+    }
+
+    /// Sets [`AgentConfig::listen`].
+    #[must_use]
+    pub fn with_listen(mut self, listen: SocketAddr) -> Self {
+        self.listen = listen;
+        self
+    }
+
+    /// Sets [`AgentConfig::supervise`].
+    #[must_use]
+    pub fn with_supervise(mut self, supervise: bool) -> Self {
+        self.supervise = supervise;
+        self
+    }
+
+    /// Sets [`AgentConfig::haproxy_bin`].
+    #[must_use]
+    pub fn with_haproxy_bin(mut self, bin: impl Into<PathBuf>) -> Self {
+        self.haproxy_bin = bin.into();
+        self
+    }
+
+    /// Checks the rules: a token, an absolute data directory, non-zero limits, and an
+    /// inflation limit no smaller than the body limit.
+    pub fn validate(&self) -> Result<()> {
+        if self.token.trim().is_empty() {
+            return Err(Error::Invalid("token must not be empty"));
+        }
+        if !self.data_dir.is_absolute() {
+            return Err(Error::Invalid("data_dir must be absolute"));
+        }
+        if self.max_body_bytes == 0 || self.max_inflated_bytes < self.max_body_bytes {
+            return Err(Error::Invalid(
+                "max_body_bytes must be above zero and max_inflated_bytes at least as large",
+            ));
+        }
+        if self.check_timeout.is_zero() || self.reload_timeout.is_zero() {
+            return Err(Error::Invalid("timeouts must be above zero"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rules_are_named() {
+        assert!(AgentConfig::new("/data", "t").validate().is_ok());
+        let error = AgentConfig::new("relative", "t")
+            .validate()
+            .expect_err("relative");
+        assert!(error.to_string().contains("absolute"));
+        let error = AgentConfig::new("/data", " ")
+            .validate()
+            .expect_err("no token");
+        assert!(error.to_string().contains("token"));
+        assert_eq!(
+            AgentConfig::new("/data", "t").master_socket,
+            PathBuf::from("/data/master.sock")
+        );
+    }
+}

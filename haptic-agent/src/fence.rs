@@ -1,0 +1,137 @@
+//! The durable fence: the highest fencing epoch this agent accepted, kept in one file written
+//! with write, fsync, rename and a directory fsync, so it survives a crash or restart.
+
+use std::{
+    fs,
+    io::Write as _,
+    path::{Path, PathBuf},
+};
+
+/// Errors of this module.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The fence file exists but does not hold an epoch. The agent refuses to guess.
+    #[error("fence file {path} is corrupt: {content:?}")]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// Its first bytes.
+        content: String,
+    },
+    /// Reading or writing the fence file failed.
+    #[error("fence file {path}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Result type of this module.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The fence file: one decimal u64 and a newline. A missing file means fence 0.
+#[derive(Debug, Clone)]
+pub struct FenceFile {
+    path: PathBuf,
+}
+
+impl FenceFile {
+    /// The fence kept at `path`.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self { path: path.into() }
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Reads the fence: 0 when the file does not exist, an error when it is not an epoch.
+    pub fn load(&self) -> Result<u64> {
+        let bytes = match fs::read(&self.path) {
+            Ok(bytes) => bytes,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+            Err(source) => {
+                return Err(Error::Io {
+                    path: self.path.clone(),
+                    source,
+                });
+            }
+        };
+        std::str::from_utf8(&bytes)
+            .ok()
+            .and_then(|text| text.strip_suffix('\n'))
+            .and_then(|digits| {
+                // Only canonical decimals: what `store` writes and nothing else.
+                let canonical = !digits.is_empty()
+                    && digits.bytes().all(|b| b.is_ascii_digit())
+                    && (digits == "0" || !digits.starts_with('0'));
+                canonical.then(|| digits.parse::<u64>().ok()).flatten()
+            })
+            .ok_or_else(|| Error::Corrupt {
+                path: self.path.clone(),
+                content: String::from_utf8_lossy(&bytes[..bytes.len().min(64)]).into_owned(),
+            })
+    }
+
+    /// Durably records `epoch`: writes a temporary file beside the fence, fsyncs it, renames
+    /// it over the fence and fsyncs the directory.
+    pub fn store(&self, epoch: u64) -> Result<()> {
+        let io = |source| Error::Io {
+            path: self.path.clone(),
+            source,
+        };
+        let dir = self.path.parent().unwrap_or(Path::new("."));
+        let tmp = self.path.with_extension("tmp");
+        let mut file = fs::File::create(&tmp).map_err(io)?;
+        file.write_all(format!("{epoch}\n").as_bytes())
+            .map_err(io)?;
+        file.sync_all().map_err(io)?;
+        drop(file);
+        fs::rename(&tmp, &self.path).map_err(io)?;
+        fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_is_zero_and_stored_reads_back() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let fence = FenceFile::new(dir.path().join("fence"));
+        assert_eq!(fence.load().expect("missing"), 0);
+        fence.store(42).expect("store");
+        assert_eq!(fence.load().expect("load"), 42);
+        fence.store(u64::MAX).expect("store max");
+        assert_eq!(fence.load().expect("load max"), u64::MAX);
+        assert!(!dir.path().join("fence.tmp").exists());
+    }
+
+    #[test]
+    fn anything_but_a_canonical_epoch_is_corrupt() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let fence = FenceFile::new(dir.path().join("fence"));
+        for bad in [
+            "",
+            "\n",
+            "12",
+            "x\n",
+            "-1\n",
+            "012\n",
+            "1 \n",
+            "99999999999999999999\n",
+        ] {
+            fs::write(fence.path(), bad).expect("write");
+            assert!(
+                matches!(fence.load(), Err(Error::Corrupt { .. })),
+                "{bad:?} should be corrupt"
+            );
+        }
+    }
+}

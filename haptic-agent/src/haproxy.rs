@@ -1,0 +1,346 @@
+//! HAProxy as the agent drives it: `haproxy -c` on a staged set, and the master CLI (reload,
+//! `show proc`) over the master socket, with the confirmation that a reload took.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Stdio,
+    time::Duration,
+};
+
+use tokio::{
+    io::{AsyncReadExt as _, AsyncWriteExt as _},
+    net::UnixStream,
+    process::Command,
+    time::Instant,
+};
+use tracing::{debug, instrument};
+
+/// Errors of this module.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The HAProxy binary could not be started.
+    #[error("running {bin}")]
+    Spawn {
+        /// The binary.
+        bin: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `haproxy -c` did not finish in time (it was killed).
+    #[error("`haproxy -c` did not finish within {0:?}")]
+    CheckTimeout(Duration),
+    /// The master socket could not be reached or did not answer.
+    #[error("master socket {socket}: {reason}")]
+    MasterSocket {
+        /// The socket path.
+        socket: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+    /// `show proc` answered something this module cannot read.
+    #[error("unreadable `show proc` output: {0}")]
+    ProcTable(String),
+}
+
+/// Result type of this module.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The outcome of `haproxy -c`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckOutcome {
+    /// Whether HAProxy found the configuration valid.
+    pub valid: bool,
+    /// HAProxy's own output (stdout then stderr).
+    pub output: String,
+}
+
+/// One row of `show proc`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Proc {
+    /// Process id.
+    pub pid: u32,
+    /// The `reloads` column: for the master, reloads since start; for a worker, how many
+    /// reloads ago it was started (0 for the newest).
+    pub reloads: u64,
+}
+
+/// The master CLI's `show proc`, parsed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcTable {
+    /// The master process.
+    pub master: Proc,
+    /// Failed reloads since start (the `[failed: N]` column; HAProxy 2.5 and later).
+    pub failed_reloads: Option<u64>,
+    /// Current workers (old workers still draining are not listed).
+    pub workers: Vec<Proc>,
+}
+
+impl ProcTable {
+    /// Parses the text of `show proc`.
+    pub fn parse(text: &str) -> Result<Self> {
+        let mut master = None;
+        let mut failed_reloads = None;
+        let mut workers = Vec::new();
+        let mut section = "master";
+        for line in text.lines() {
+            let line = line.trim();
+            if line.is_empty() {
+                continue;
+            }
+            if let Some(header) = line.strip_prefix('#') {
+                let header = header.trim();
+                if !header.starts_with('<') {
+                    section = match header {
+                        "workers" => "workers",
+                        "old workers" => "old",
+                        _ => "other",
+                    };
+                }
+                continue;
+            }
+            let mut fields = line.split_whitespace();
+            let (Some(pid), Some(kind), Some(reloads)) =
+                (fields.next(), fields.next(), fields.next())
+            else {
+                continue;
+            };
+            let parse = |value: &str| {
+                value
+                    .parse::<u64>()
+                    .map_err(|_| Error::ProcTable(format!("bad number {value:?} in {line:?}")))
+            };
+            let proc = Proc {
+                pid: u32::try_from(parse(pid)?)
+                    .map_err(|_| Error::ProcTable(format!("bad pid in {line:?}")))?,
+                reloads: parse(reloads)?,
+            };
+            match (section, kind) {
+                (_, "master") => {
+                    master = Some(proc);
+                    if let (Some("[failed:"), Some(count)) = (fields.next(), fields.next()) {
+                        failed_reloads = Some(parse(count.trim_end_matches(']'))?);
+                    }
+                }
+                ("workers", "worker") => workers.push(proc),
+                _ => {}
+            }
+        }
+        let master =
+            master.ok_or_else(|| Error::ProcTable(format!("no master row in {text:?}")))?;
+        Ok(Self {
+            master,
+            failed_reloads,
+            workers,
+        })
+    }
+}
+
+/// The outcome of a reload through the master socket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReloadOutcome {
+    /// A new worker runs the new configuration.
+    Loaded {
+        /// The new worker's pid.
+        worker: u32,
+    },
+    /// The master could not load the configuration; the previous workers keep running.
+    Failed {
+        /// What HAProxy said, as far as the agent could learn it.
+        reason: String,
+    },
+}
+
+/// Paths to the HAProxy binary and its master socket.
+#[derive(Debug, Clone)]
+pub struct Haproxy {
+    /// The `haproxy` binary.
+    pub bin: PathBuf,
+    /// The master CLI socket (`-S`).
+    pub master_socket: PathBuf,
+}
+
+impl Haproxy {
+    /// `haproxy -v`'s first line.
+    pub async fn version(&self) -> Result<String> {
+        let output = Command::new(&self.bin)
+            .arg("-v")
+            .kill_on_drop(true)
+            .output()
+            .await
+            .map_err(|source| Error::Spawn {
+                bin: self.bin.clone(),
+                source,
+            })?;
+        Ok(String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_owned())
+    }
+
+    /// Runs `haproxy -c` on the set in `dir`, with `dir` as working directory (`-C`) so that
+    /// relative map and certificate paths resolve inside it.
+    #[instrument(skip(self))]
+    pub async fn check(&self, dir: &Path, timeout: Duration) -> Result<CheckOutcome> {
+        let child = Command::new(&self.bin)
+            .arg("-c")
+            .arg("-C")
+            .arg(dir)
+            .arg("-f")
+            .arg(dir.join(haptic_agent_client::protocol::MAIN_CONFIG))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|source| Error::Spawn {
+                bin: self.bin.clone(),
+                source,
+            })?;
+        let output = tokio::time::timeout(timeout, child.wait_with_output())
+            .await
+            .map_err(|_| Error::CheckTimeout(timeout))?
+            .map_err(|source| Error::Spawn {
+                bin: self.bin.clone(),
+                source,
+            })?;
+        let mut text = String::from_utf8_lossy(&output.stdout).into_owned();
+        text.push_str(&String::from_utf8_lossy(&output.stderr));
+        Ok(CheckOutcome {
+            valid: output.status.success(),
+            output: text,
+        })
+    }
+
+    /// Sends one command to the master CLI and returns its whole answer.
+    pub async fn command(&self, command: &str, timeout: Duration) -> Result<String> {
+        let socket_error = |reason: String| Error::MasterSocket {
+            socket: self.master_socket.clone(),
+            reason,
+        };
+        let exchange = async {
+            let mut stream = UnixStream::connect(&self.master_socket).await?;
+            stream.write_all(format!("{command}\n").as_bytes()).await?;
+            // The master CLI answers once it sees the end of the request.
+            stream.shutdown().await?;
+            let mut answer = Vec::new();
+            stream.read_to_end(&mut answer).await?;
+            Ok::<_, std::io::Error>(String::from_utf8_lossy(&answer).into_owned())
+        };
+        tokio::time::timeout(timeout, exchange)
+            .await
+            .map_err(|_| socket_error(format!("`{command}` timed out")))?
+            .map_err(|error| socket_error(error.to_string()))
+    }
+
+    /// `show proc`, parsed.
+    pub async fn show_proc(&self, timeout: Duration) -> Result<ProcTable> {
+        ProcTable::parse(&self.command("show proc", timeout).await?)
+    }
+
+    /// Asks the master to reload and waits (up to `timeout`) until it has finished: the
+    /// master's reload counter moved. The reload took when no failed reload was counted and a
+    /// new worker runs. `stderr_tail` supplies HAProxy's recent log lines for the failure
+    /// reason, when the agent has them.
+    #[instrument(skip(self, stderr_tail))]
+    pub async fn reload(
+        &self,
+        timeout: Duration,
+        stderr_tail: impl Fn() -> Option<String>,
+    ) -> Result<ReloadOutcome> {
+        let deadline = Instant::now() + timeout;
+        let step = Duration::from_secs(2).min(timeout);
+        let before = self.show_proc(step).await?;
+        // The master re-executes itself on `reload`; HAProxy 2.7+ answers `Success=0|1`,
+        // 2.6 closes the connection. Either way the table below is the judge.
+        match self.command("reload", step).await {
+            Ok(answer) => debug!(answer, "reload sent"),
+            Err(error) => debug!(%error, "reload sent; the master dropped the connection"),
+        }
+        let after = loop {
+            if Instant::now() >= deadline {
+                return Ok(ReloadOutcome::Failed {
+                    reason: format!("HAProxy did not finish the reload within {timeout:?}"),
+                });
+            }
+            match self.show_proc(step).await {
+                Ok(table) if table.master.reloads > before.master.reloads => break table,
+                Ok(_) => {}
+                Err(error) => debug!(%error, "master busy reloading"),
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        let failed = match (before.failed_reloads, after.failed_reloads) {
+            (Some(before), Some(after)) => after > before,
+            _ => false,
+        };
+        let fresh = after.workers.iter().find(|worker| {
+            worker.reloads == 0 && !before.workers.iter().any(|w| w.pid == worker.pid)
+        });
+        match fresh {
+            Some(worker) if !failed => Ok(ReloadOutcome::Loaded { worker: worker.pid }),
+            _ => Ok(ReloadOutcome::Failed {
+                reason: stderr_tail().unwrap_or_else(|| {
+                    "HAProxy counted a failed reload; the previous workers keep running (see HAProxy's log)"
+                        .to_owned()
+                }),
+            }),
+        }
+    }
+}
+
+/// Finds the HAProxy binary: `name` itself when it is a path, else on `PATH`, else in
+/// `/usr/sbin` (Debian's place, often not on a non-root `PATH`).
+pub fn find_binary(name: &Path) -> Option<PathBuf> {
+    if name.components().count() > 1 {
+        return name.is_file().then(|| name.to_path_buf());
+    }
+    let from_path = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|paths| std::env::split_paths(&paths).collect::<Vec<_>>())
+        .map(|dir| dir.join(name))
+        .find(|candidate| candidate.is_file());
+    from_path.or_else(|| {
+        let fallback = Path::new("/usr/sbin").join(name);
+        fallback.is_file().then_some(fallback)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SHOW_PROC_26: &str = "#<PID>          <type>          <reloads>       <uptime>        <version>      \n\
+4636            master          2 [failed: 1]   0d00h12m43s     2.6.12-1+deb12u4\n\
+# workers\n\
+18973           worker          1               0d00h00m07s     2.6.12-1+deb12u4\n\
+# old workers\n\
+4639            worker          3               0d00h01m07s     2.6.12-1+deb12u4\n\
+# programs\n\n";
+
+    #[test]
+    fn show_proc_of_haproxy_2_6_parses() {
+        let table = ProcTable::parse(SHOW_PROC_26).expect("parses");
+        assert_eq!(
+            table.master,
+            Proc {
+                pid: 4636,
+                reloads: 2
+            }
+        );
+        assert_eq!(table.failed_reloads, Some(1));
+        assert_eq!(
+            table.workers,
+            vec![Proc {
+                pid: 18973,
+                reloads: 1
+            }]
+        );
+    }
+
+    #[test]
+    fn show_proc_without_master_is_an_error() {
+        assert!(ProcTable::parse("# workers\n1 worker 0 x y\n").is_err());
+    }
+}

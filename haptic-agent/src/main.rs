@@ -1,0 +1,100 @@
+//! The `haptic-agent` binary: flags and environment, signals, and the server.
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use anyhow::{Context as _, Result};
+use clap::Parser;
+use haptic_agent::{Agent, AgentConfig};
+use tokio::signal::unix::{SignalKind, signal};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+/// The HAPTIC agent: applies fenced HAProxy file sets pushed by the leader.
+#[derive(Debug, Parser)]
+#[command(name = "haptic-agent", version)]
+struct Args {
+    /// Address to serve the API on.
+    #[arg(long, env = "HAPTIC_AGENT_LISTEN", default_value = "0.0.0.0:9090")]
+    listen: SocketAddr,
+    /// File holding the bearer token (surrounding whitespace is ignored).
+    #[arg(long, env = "HAPTIC_AGENT_TOKEN_FILE")]
+    token_file: PathBuf,
+    /// The HAProxy binary.
+    #[arg(long, env = "HAPTIC_AGENT_HAPROXY", default_value = "haproxy")]
+    haproxy: PathBuf,
+    /// Data directory: fence, sets, and the `current` symlink HAProxy runs from.
+    #[arg(long, env = "HAPTIC_AGENT_DATA_DIR")]
+    data_dir: PathBuf,
+    /// HAProxy's master CLI socket [default: <data-dir>/master.sock].
+    #[arg(long, env = "HAPTIC_AGENT_MASTER_SOCKET")]
+    master_socket: Option<PathBuf>,
+    /// Start HAProxy in master-worker mode and supervise it (local runs and tests).
+    #[arg(long, env = "HAPTIC_AGENT_SUPERVISE")]
+    supervise: bool,
+    /// Largest request body, in bytes.
+    #[arg(long, env = "HAPTIC_AGENT_MAX_BODY", default_value_t = 64 << 20)]
+    max_body_bytes: usize,
+    /// Seconds requests in flight may take to finish after SIGTERM.
+    #[arg(long, env = "HAPTIC_AGENT_DRAIN_SECONDS", default_value_t = 30)]
+    drain_seconds: u64,
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+
+    let token = std::fs::read_to_string(&args.token_file)
+        .with_context(|| format!("reading the token file {}", args.token_file.display()))?;
+    std::fs::create_dir_all(&args.data_dir)
+        .with_context(|| format!("creating {}", args.data_dir.display()))?;
+    let data_dir = args
+        .data_dir
+        .canonicalize()
+        .with_context(|| format!("resolving {}", args.data_dir.display()))?;
+    let mut config = AgentConfig::new(&data_dir, token.trim())
+        .with_listen(args.listen)
+        .with_haproxy_bin(args.haproxy)
+        .with_supervise(args.supervise);
+    if let Some(socket) = args.master_socket {
+        config.master_socket = socket;
+    }
+    config.max_body_bytes = args.max_body_bytes;
+    config.max_inflated_bytes = config.max_inflated_bytes.max(args.max_body_bytes);
+
+    let agent = Agent::open(config).await.context("opening the agent")?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+
+    // First SIGTERM or SIGINT drains; a second one exits at once.
+    let shutdown = CancellationToken::new();
+    let mut term = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
+    tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move {
+            tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+            info!("shutting down");
+            shutdown.cancel();
+            tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+            warn!("second signal: exiting now");
+            std::process::exit(130);
+        }
+    });
+
+    haptic_agent::serve(
+        agent,
+        listener,
+        shutdown,
+        Duration::from_secs(args.drain_seconds),
+    )
+    .await
+    .context("serving")?;
+    Ok(())
+}

@@ -1,0 +1,214 @@
+//! The HTTP API: `/v1/apply` and `/v1/state` behind the bearer token, and the open probes
+//! `/healthz`, `/readyz` and `/metrics`.
+
+use std::time::Duration;
+
+use axum::{
+    Router,
+    body::Bytes,
+    extract::{DefaultBodyLimit, Request, State},
+    http::{HeaderMap, StatusCode, header},
+    middleware::{self, Next},
+    response::{IntoResponse, Response},
+    routing::{get, post},
+};
+use haptic_agent_client::protocol::{APPLY_PATH, ErrorBody, STATE_PATH, WireApply, decode_apply};
+use sha2::{Digest as _, Sha256};
+use subtle::ConstantTimeEq as _;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::agent::{self, Agent};
+
+/// Errors of this module.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Serving failed.
+    #[error("serving the agent API")]
+    Serve(#[source] std::io::Error),
+}
+
+/// Result type of this module.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+fn json(status: StatusCode, body: &impl serde::Serialize) -> Response {
+    // Serializing the protocol's plain structs cannot fail.
+    let bytes = serde_json::to_vec(body).unwrap_or_default();
+    (status, [(header::CONTENT_TYPE, "application/json")], bytes).into_response()
+}
+
+fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
+    json(
+        status,
+        &ErrorBody {
+            error: code.to_owned(),
+            message: message.into(),
+        },
+    )
+}
+
+/// The router of `agent`'s API.
+pub fn router(agent: Agent) -> Router {
+    let token = Sha256::digest(agent.config().token.trim().as_bytes());
+    let protected = Router::new()
+        .route(APPLY_PATH, post(apply))
+        .route(STATE_PATH, get(state))
+        .layer(DefaultBodyLimit::max(agent.config().max_body_bytes))
+        .layer(middleware::from_fn(move |request: Request, next: Next| {
+            authorize(token.into(), request, next)
+        }));
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .merge(protected)
+        .with_state(agent)
+}
+
+/// Compares the bearer token in constant time: both sides are hashed first, so neither the
+/// content nor the length of the expected token leaks through timing.
+async fn authorize(expected: [u8; 32], request: Request, next: Next) -> Response {
+    let presented = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|value| value.as_bytes().strip_prefix(b"Bearer "))
+        .map(|token| Sha256::digest(token.trim_ascii()));
+    match presented {
+        Some(digest) if bool::from(digest.as_slice().ct_eq(&expected)) => next.run(request).await,
+        _ => error(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "a valid bearer token is required",
+        ),
+    }
+}
+
+async fn apply(State(agent): State<Agent>, headers: HeaderMap, body: Bytes) -> Response {
+    let gzip = match headers
+        .get(header::CONTENT_ENCODING)
+        .map(|value| value.to_str().unwrap_or("?"))
+    {
+        None | Some("identity") => false,
+        Some("gzip") => true,
+        Some(other) => {
+            agent.metrics().count_apply("rejected");
+            return error(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "bad_encoding",
+                format!("unsupported Content-Encoding {other:?}"),
+            );
+        }
+    };
+    let limit = agent.config().max_inflated_bytes;
+    // Inflating, parsing and hashing a large set is CPU work: keep it off the I/O threads.
+    let decoded = tokio::task::spawn_blocking(move || {
+        decode_apply(&body, gzip, limit).and_then(WireApply::into_request)
+    })
+    .await;
+    let request = match decoded {
+        Ok(Ok(request)) => request,
+        Ok(Err(refusal)) => {
+            agent.metrics().count_apply("rejected");
+            let status = match refusal {
+                haptic_agent_client::protocol::Error::TooLarge { .. } => {
+                    StatusCode::PAYLOAD_TOO_LARGE
+                }
+                _ => StatusCode::BAD_REQUEST,
+            };
+            return error(status, "bad_request", refusal.to_string());
+        }
+        Err(join) => {
+            return error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                join.to_string(),
+            );
+        }
+    };
+    match agent.apply(request).await {
+        Ok(response) => json(
+            StatusCode::from_u16(response.status()).unwrap_or(StatusCode::OK),
+            &response,
+        ),
+        Err(agent::Error::NotReady(reason)) => {
+            error(StatusCode::SERVICE_UNAVAILABLE, "not_ready", reason)
+        }
+        Err(failure) => {
+            warn!(error = %failure, "apply failed");
+            error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                failure.to_string(),
+            )
+        }
+    }
+}
+
+async fn state(State(agent): State<Agent>) -> Response {
+    json(StatusCode::OK, &agent.state().await)
+}
+
+async fn readyz(State(agent): State<Agent>) -> Response {
+    match agent.readiness().await {
+        Ok(()) => (StatusCode::OK, "ready\n").into_response(),
+        Err(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {reason}\n"),
+        )
+            .into_response(),
+    }
+}
+
+async fn metrics(State(agent): State<Agent>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        agent.metrics().render(),
+    )
+        .into_response()
+}
+
+/// Serves `agent` on `listener` until `shutdown` is cancelled; in supervised mode starts
+/// HAProxy on the live set first and stops it last. Requests in flight get `drain` to
+/// finish after the shutdown begins.
+pub async fn serve(
+    agent: Agent,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+    drain: Duration,
+) -> Result<()> {
+    if let Err(error) = agent.start_haproxy_if_live().await {
+        warn!(%error, "HAProxy not started");
+    }
+    // The watcher stops with the server, also when serving fails before any shutdown.
+    let stop_watch = shutdown.child_token();
+    let watcher = agent
+        .supervisor()
+        .cloned()
+        .map(|supervisor| tokio::spawn(supervisor.watch(stop_watch.clone())));
+    info!(addr = ?listener.local_addr().ok(), "agent listening");
+    let server = axum::serve(listener, router(agent.clone()))
+        .with_graceful_shutdown(shutdown.clone().cancelled_owned());
+    let served = tokio::select! {
+        served = std::future::IntoFuture::into_future(server) => served,
+        () = async {
+            shutdown.cancelled().await;
+            tokio::time::sleep(drain).await;
+        } => {
+            warn!(?drain, "requests still in flight after the drain period; closing");
+            Ok(())
+        }
+    };
+    stop_watch.cancel();
+    match watcher {
+        Some(watcher) => {
+            let _ = watcher.await;
+        }
+        None => {
+            if let Some(supervisor) = agent.supervisor() {
+                supervisor.stop().await;
+            }
+        }
+    }
+    served.map_err(Error::Serve)
+}

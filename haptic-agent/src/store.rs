@@ -1,0 +1,309 @@
+//! The data directory: staged sets, complete sets, and the `current` and `last-known-good`
+//! symlinks swapped by atomic rename.
+//!
+//! ```text
+//! <data>/fence                  the fence (see `fence`)
+//! <data>/staging/<name>/...     a set being written and checked; leftovers are removed at start
+//! <data>/sets/<name>/...        complete sets; <name>.json beside each holds its metadata
+//! <data>/current -> sets/<name>            what HAProxy runs (`-C <data>/current`)
+//! <data>/last-known-good -> sets/<name>    the set live before it, restored when a load fails
+//! ```
+
+use std::{
+    collections::BTreeMap,
+    fs,
+    io::Write as _,
+    path::{Path, PathBuf},
+};
+
+use haptic_agent_client::FileSet;
+use serde::{Deserialize, Serialize};
+
+/// Errors of this module.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A file-system operation failed.
+    #[error("{action} {path}")]
+    Io {
+        /// What the store was doing.
+        action: &'static str,
+        /// The path involved.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file in a set directory has a name that is not UTF-8 or is not a regular file.
+    #[error("unexpected entry {0} in a set directory")]
+    Unexpected(PathBuf),
+}
+
+/// Result type of this module.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+fn io<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Error + 'a {
+    move |source| Error::Io {
+        action,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// What the agent records beside a complete set.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SetMeta {
+    /// The set's checksum as sent and verified.
+    pub checksum: String,
+    /// The sender's generation.
+    pub generation: u64,
+    /// The sender's identity.
+    pub leader: String,
+    /// The sender's epoch.
+    pub epoch: u64,
+}
+
+/// The name of the symlink HAProxy runs from.
+pub const CURRENT: &str = "current";
+/// The name of the symlink to the set restored on a failed load.
+pub const LAST_KNOWN_GOOD: &str = "last-known-good";
+
+/// The agent's data directory.
+#[derive(Debug, Clone)]
+pub struct SetStore {
+    root: PathBuf,
+}
+
+impl SetStore {
+    /// Opens (creating) the data directory at `root`, which must be absolute, and removes
+    /// staging leftovers of an interrupted apply.
+    pub fn open(root: &Path) -> Result<Self> {
+        for dir in ["sets", "staging"] {
+            let path = root.join(dir);
+            fs::create_dir_all(&path).map_err(io("creating", &path))?;
+        }
+        let staging = root.join("staging");
+        for entry in fs::read_dir(&staging).map_err(io("listing", &staging))? {
+            let path = entry.map_err(io("listing", &staging))?.path();
+            fs::remove_dir_all(&path).map_err(io("removing", &path))?;
+        }
+        Ok(Self {
+            root: root.to_path_buf(),
+        })
+    }
+
+    /// The data directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// `<data>/current`, the path HAProxy is started with.
+    pub fn current_path(&self) -> PathBuf {
+        self.root.join(CURRENT)
+    }
+
+    /// The directory of set `name`.
+    pub fn set_dir(&self, name: &str) -> PathBuf {
+        self.root.join("sets").join(name)
+    }
+
+    /// The name of the set a link (`current` or `last-known-good`) points to.
+    pub fn link(&self, link: &str) -> Result<Option<String>> {
+        let path = self.root.join(link);
+        match fs::read_link(&path) {
+            Ok(target) => Ok(target
+                .file_name()
+                .and_then(|name| name.to_str())
+                .map(str::to_owned)),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(error) => Err(io("reading link", &path)(error)),
+        }
+    }
+
+    /// Points `link` at set `name` atomically (a new symlink renamed over the old one), or
+    /// removes it when `name` is none; then fsyncs the data directory.
+    pub fn set_link(&self, link: &str, name: Option<&str>) -> Result<()> {
+        let path = self.root.join(link);
+        match name {
+            Some(name) => {
+                let tmp = self.root.join(format!(".{link}.tmp"));
+                let _ = fs::remove_file(&tmp);
+                std::os::unix::fs::symlink(Path::new("sets").join(name), &tmp)
+                    .map_err(io("creating link", &tmp))?;
+                fs::rename(&tmp, &path).map_err(io("renaming link", &path))?;
+            }
+            None => match fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                Err(error) => return Err(io("removing link", &path)(error)),
+            },
+        }
+        sync_dir(&self.root)
+    }
+
+    /// Writes `files` into a fresh staging directory (each file and directory fsynced) and
+    /// returns its name and path. Nothing outside `<data>/staging` is touched.
+    pub fn stage(&self, files: &FileSet, checksum: &str) -> Result<(String, PathBuf)> {
+        let name = format!(
+            "{}-{:016x}",
+            &checksum[..checksum.len().min(16)],
+            rand::random::<u64>()
+        );
+        let dir = self.root.join("staging").join(&name);
+        fs::create_dir(&dir).map_err(io("creating", &dir))?;
+        let mut dirs = vec![dir.clone()];
+        for (path, content) in files.iter() {
+            // Paths were validated by the protocol: relative, no `..`, no empty component.
+            let target = dir.join(path);
+            if let Some(parent) = target.parent()
+                && !parent.exists()
+            {
+                fs::create_dir_all(parent).map_err(io("creating", parent))?;
+                dirs.push(parent.to_path_buf());
+            }
+            let mut file = fs::File::create(&target).map_err(io("creating", &target))?;
+            file.write_all(content).map_err(io("writing", &target))?;
+            file.sync_all().map_err(io("syncing", &target))?;
+        }
+        for dir in dirs.iter().rev() {
+            sync_dir(dir)?;
+        }
+        Ok((name, dir))
+    }
+
+    /// Moves a checked staging directory into `sets/` and records its metadata beside it.
+    pub fn promote(&self, name: &str, meta: &SetMeta) -> Result<()> {
+        let from = self.root.join("staging").join(name);
+        let to = self.set_dir(name);
+        fs::rename(&from, &to).map_err(io("moving", &from))?;
+        let meta_path = self.meta_path(name);
+        let mut file = fs::File::create(&meta_path).map_err(io("creating", &meta_path))?;
+        // Serializing a plain struct of strings and integers cannot fail.
+        file.write_all(&serde_json::to_vec(meta).unwrap_or_default())
+            .map_err(io("writing", &meta_path))?;
+        file.sync_all().map_err(io("syncing", &meta_path))?;
+        sync_dir(&self.root.join("sets"))
+    }
+
+    /// Removes a staging directory (a set that failed its check).
+    pub fn discard_staged(&self, name: &str) -> Result<()> {
+        let dir = self.root.join("staging").join(name);
+        fs::remove_dir_all(&dir).map_err(io("removing", &dir))
+    }
+
+    fn meta_path(&self, name: &str) -> PathBuf {
+        self.root.join("sets").join(format!("{name}.json"))
+    }
+
+    /// The metadata recorded for set `name`, if readable.
+    pub fn meta(&self, name: &str) -> Option<SetMeta> {
+        let bytes = fs::read(self.meta_path(name)).ok()?;
+        serde_json::from_slice(&bytes).ok()
+    }
+
+    /// Removes every set but those named in `keep`.
+    pub fn retain(&self, keep: &[&str]) -> Result<()> {
+        let sets = self.root.join("sets");
+        for entry in fs::read_dir(&sets).map_err(io("listing", &sets))? {
+            let path = entry.map_err(io("listing", &sets))?.path();
+            let Some(file_name) = path.file_name().and_then(|n| n.to_str()) else {
+                continue;
+            };
+            let set = file_name.strip_suffix(".json").unwrap_or(file_name);
+            if keep.contains(&set) {
+                continue;
+            }
+            let removed = if path.is_dir() {
+                fs::remove_dir_all(&path)
+            } else {
+                fs::remove_file(&path)
+            };
+            removed.map_err(io("removing", &path))?;
+        }
+        Ok(())
+    }
+
+    /// The checksum of set `name`, recomputed from the files on disk.
+    pub fn checksum_on_disk(&self, name: &str) -> Result<String> {
+        let dir = self.set_dir(name);
+        let mut files = BTreeMap::new();
+        read_tree(&dir, "", &mut files)?;
+        Ok(haptic_agent_client::protocol::checksum(files.iter().map(
+            |(path, content)| (path.as_str(), content.as_slice()),
+        )))
+    }
+}
+
+/// Reads every regular file under `dir` into `files`, keyed by its `/`-joined relative path.
+fn read_tree(dir: &Path, prefix: &str, files: &mut BTreeMap<String, Vec<u8>>) -> Result<()> {
+    for entry in fs::read_dir(dir).map_err(io("listing", dir))? {
+        let entry = entry.map_err(io("listing", dir))?;
+        let path = entry.path();
+        let name = entry
+            .file_name()
+            .into_string()
+            .map_err(|_| Error::Unexpected(path.clone()))?;
+        let relative = if prefix.is_empty() {
+            name
+        } else {
+            format!("{prefix}/{name}")
+        };
+        let kind = entry.file_type().map_err(io("inspecting", &path))?;
+        if kind.is_dir() {
+            read_tree(&path, &relative, files)?;
+        } else if kind.is_file() {
+            files.insert(relative, fs::read(&path).map_err(io("reading", &path))?);
+        } else {
+            return Err(Error::Unexpected(path));
+        }
+    }
+    Ok(())
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io("syncing", dir))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staged_set_reads_back_with_the_same_checksum() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let store = SetStore::open(root.path()).expect("open");
+        let files = FileSet::new()
+            .with("haproxy.cfg", "global\n")
+            .and_then(|s| s.with("maps/a/b.map", vec![0u8, 1, 2]))
+            .expect("set");
+        let checksum = files.checksum();
+        let (name, _) = store.stage(&files, &checksum).expect("stage");
+        let meta = SetMeta {
+            checksum: checksum.clone(),
+            generation: 1,
+            leader: "l".into(),
+            epoch: 1,
+        };
+        store.promote(&name, &meta).expect("promote");
+        assert_eq!(store.checksum_on_disk(&name).expect("sum"), checksum);
+        assert_eq!(store.meta(&name), Some(meta));
+
+        store.set_link(CURRENT, Some(&name)).expect("link");
+        assert_eq!(store.link(CURRENT).expect("read"), Some(name.clone()));
+        assert!(store.current_path().join("maps/a/b.map").is_file());
+
+        store.retain(&[]).expect("retain none");
+        assert!(!store.set_dir(&name).exists());
+        assert!(store.meta(&name).is_none());
+    }
+
+    #[test]
+    fn open_clears_staging_leftovers() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let leftover = root.path().join("staging/x");
+        fs::create_dir_all(&leftover).expect("mkdir");
+        SetStore::open(root.path()).expect("open");
+        assert!(!leftover.exists());
+    }
+}

@@ -1,0 +1,324 @@
+//! The supervised mode: the agent starts HAProxy itself in master-worker mode
+//! (`-W -S <socket> -C <data>/current -f <data>/current/haproxy.cfg`), forwards its log,
+//! restarts it when it dies, and stops it on shutdown.
+
+use std::{
+    collections::VecDeque,
+    path::PathBuf,
+    process::Stdio,
+    sync::{Arc, Mutex as StdMutex},
+    time::Duration,
+};
+
+use rustix::process::{Pid, Signal, kill_process};
+use tokio::{
+    io::{AsyncBufReadExt as _, AsyncRead, BufReader},
+    process::Command,
+    sync::{Mutex, watch},
+    task::JoinHandle,
+    time::Instant,
+};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::haproxy::Haproxy;
+
+/// Errors of this module.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// HAProxy could not be spawned.
+    #[error("spawning {bin}")]
+    Spawn {
+        /// The binary.
+        bin: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// HAProxy exited while starting.
+    #[error("HAProxy failed to start: {0}")]
+    Exited(String),
+    /// HAProxy did not answer on its master socket with a worker in time.
+    #[error("HAProxy did not come up within {0:?}")]
+    Timeout(Duration),
+}
+
+/// Result type of this module.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The last lines HAProxy printed, numbered, so a caller can ask for what came after a mark.
+#[derive(Debug, Default)]
+pub struct LogTail {
+    lines: VecDeque<(u64, String)>,
+    next: u64,
+}
+
+impl LogTail {
+    const KEEP: usize = 200;
+
+    fn push(&mut self, line: String) {
+        if self.lines.len() == Self::KEEP {
+            self.lines.pop_front();
+        }
+        self.lines.push_back((self.next, line));
+        self.next += 1;
+    }
+
+    /// A mark: lines printed from now on are after it.
+    pub fn mark(&self) -> u64 {
+        self.next
+    }
+
+    /// The alerts printed since `mark`, or all lines since it when there is no alert.
+    pub fn since(&self, mark: u64) -> Option<String> {
+        let recent: Vec<&str> = self
+            .lines
+            .iter()
+            .filter(|(seq, _)| *seq >= mark)
+            .map(|(_, line)| line.as_str())
+            .collect();
+        let alerts: Vec<&str> = recent
+            .iter()
+            .copied()
+            .filter(|line| line.contains("[ALERT]"))
+            .collect();
+        let chosen = if alerts.is_empty() { recent } else { alerts };
+        (!chosen.is_empty()).then(|| chosen.join("\n"))
+    }
+}
+
+struct Running {
+    pid: u32,
+    stop: CancellationToken,
+    exited: watch::Receiver<Option<String>>,
+    task: JoinHandle<()>,
+}
+
+/// Starts, watches and stops one HAProxy master process.
+#[derive(Clone)]
+pub struct Supervisor {
+    haproxy: Haproxy,
+    current: PathBuf,
+    start_timeout: Duration,
+    running: Arc<Mutex<Option<Running>>>,
+    tail: Arc<StdMutex<LogTail>>,
+    exits: Arc<tokio::sync::Notify>,
+}
+
+impl std::fmt::Debug for Supervisor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Supervisor")
+            .field("haproxy", &self.haproxy)
+            .field("current", &self.current)
+            .finish()
+    }
+}
+
+impl Supervisor {
+    /// A supervisor for HAProxy running the set linked at `current`.
+    pub fn new(haproxy: Haproxy, current: PathBuf, start_timeout: Duration) -> Self {
+        Self {
+            haproxy,
+            current,
+            start_timeout,
+            running: Arc::new(Mutex::new(None)),
+            tail: Arc::new(StdMutex::new(LogTail::default())),
+            exits: Arc::new(tokio::sync::Notify::new()),
+        }
+    }
+
+    /// A mark in HAProxy's log (see [`LogTail::mark`]).
+    pub fn log_mark(&self) -> u64 {
+        self.tail.lock().map(|tail| tail.mark()).unwrap_or(0)
+    }
+
+    /// What HAProxy printed since `mark` (alerts first).
+    pub fn log_since(&self, mark: u64) -> Option<String> {
+        self.tail.lock().ok().and_then(|tail| tail.since(mark))
+    }
+
+    /// Whether a master process is running.
+    pub async fn is_running(&self) -> bool {
+        let running = self.running.lock().await;
+        running
+            .as_ref()
+            .is_some_and(|child| child.exited.borrow().is_none())
+    }
+
+    /// Starts HAProxy unless it runs, and waits until its master socket lists a worker.
+    pub async fn start(&self) -> Result<()> {
+        let mut running = self.running.lock().await;
+        if let Some(child) = running.as_ref()
+            && child.exited.borrow().is_none()
+        {
+            return Ok(());
+        }
+        let mark = self.log_mark();
+        let _ = std::fs::remove_file(&self.haproxy.master_socket);
+        let mut command = Command::new(&self.haproxy.bin);
+        command
+            .arg("-W")
+            .arg("-S")
+            .arg(&self.haproxy.master_socket)
+            .arg("-C")
+            .arg(&self.current)
+            .arg("-f")
+            .arg(
+                self.current
+                    .join(haptic_agent_client::protocol::MAIN_CONFIG),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // If the agent dies without stopping it, the runtime's drop still kills the
+            // master, and its workers exit with it.
+            .kill_on_drop(true);
+        let mut child = command.spawn().map_err(|source| Error::Spawn {
+            bin: self.haproxy.bin.clone(),
+            source,
+        })?;
+        let pid = child.id().unwrap_or_default();
+        info!(pid, "HAProxy master started");
+        if let Some(stdout) = child.stdout.take() {
+            tokio::spawn(forward(stdout, self.tail.clone()));
+        }
+        if let Some(stderr) = child.stderr.take() {
+            tokio::spawn(forward(stderr, self.tail.clone()));
+        }
+        let (exited_tx, exited) = watch::channel(None);
+        let stop = CancellationToken::new();
+        // Set once the master answered with a worker: only then is an exit worth a restart.
+        let confirmed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let task = tokio::spawn({
+            let stop = stop.clone();
+            let exits = self.exits.clone();
+            let confirmed = confirmed.clone();
+            async move {
+                let status = tokio::select! {
+                    status = child.wait() => status,
+                    () = stop.cancelled() => terminate(&mut child, pid).await,
+                };
+                let description = match status {
+                    Ok(status) => status.to_string(),
+                    Err(error) => error.to_string(),
+                };
+                let _ = exited_tx.send(Some(description));
+                if confirmed.load(std::sync::atomic::Ordering::SeqCst) && !stop.is_cancelled() {
+                    exits.notify_one();
+                }
+            }
+        });
+        let mut exited_rx = exited.clone();
+        *running = Some(Running {
+            pid,
+            stop,
+            exited,
+            task,
+        });
+        drop(running);
+
+        let deadline = Instant::now() + self.start_timeout;
+        loop {
+            if let Some(status) = exited_rx.borrow_and_update().clone() {
+                let log = self.log_since(mark).unwrap_or_default();
+                return Err(Error::Exited(format!("{status}: {log}")));
+            }
+            if let Ok(table) = self.haproxy.show_proc(Duration::from_secs(1)).await
+                && !table.workers.is_empty()
+            {
+                confirmed.store(true, std::sync::atomic::Ordering::SeqCst);
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                self.stop().await;
+                return Err(Error::Timeout(self.start_timeout));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Stops HAProxy: SIGTERM to the master (which stops its workers), SIGKILL after 5 s.
+    pub async fn stop(&self) {
+        let taken = self.running.lock().await.take();
+        if let Some(child) = taken {
+            child.stop.cancel();
+            let _ = child.task.await;
+            info!(pid = child.pid, "HAProxy master stopped");
+        }
+    }
+
+    /// Restarts HAProxy whenever it exits on its own, with a growing pause, until `shutdown`
+    /// is cancelled; then stops it. Run it as a task.
+    pub async fn watch(self, shutdown: CancellationToken) {
+        let mut pause = Duration::from_millis(200);
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                () = self.exits.notified() => {}
+            }
+            if self.is_running().await || !self.current.exists() {
+                continue;
+            }
+            warn!(?pause, "HAProxy exited; restarting");
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                () = tokio::time::sleep(pause) => {}
+            }
+            match self.start().await {
+                Ok(()) => pause = Duration::from_millis(200),
+                Err(error) => {
+                    warn!(%error, "restarting HAProxy failed");
+                    pause = (pause * 2).min(Duration::from_secs(30));
+                }
+            }
+        }
+        self.stop().await;
+    }
+}
+
+async fn terminate(
+    child: &mut tokio::process::Child,
+    pid: u32,
+) -> std::io::Result<std::process::ExitStatus> {
+    if let Some(pid) = i32::try_from(pid).ok().and_then(Pid::from_raw) {
+        let _ = kill_process(pid, Signal::TERM);
+    }
+    match tokio::time::timeout(Duration::from_secs(5), child.wait()).await {
+        Ok(status) => status,
+        Err(_) => {
+            let _ = child.start_kill();
+            child.wait().await
+        }
+    }
+}
+
+async fn forward(stream: impl AsyncRead + Unpin, tail: Arc<StdMutex<LogTail>>) {
+    let mut lines = BufReader::new(stream).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        if line.contains("[ALERT]") {
+            warn!(target: "haproxy", "{line}");
+        } else {
+            info!(target: "haproxy", "{line}");
+        }
+        if let Ok(mut tail) = tail.lock() {
+            tail.push(line);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_tail_prefers_alerts_after_the_mark() {
+        let mut tail = LogTail::default();
+        tail.push("[ALERT] old".into());
+        let mark = tail.mark();
+        assert_eq!(tail.since(mark), None);
+        tail.push("[NOTICE] reloading".into());
+        assert_eq!(tail.since(mark).as_deref(), Some("[NOTICE] reloading"));
+        tail.push("[ALERT] cannot bind".into());
+        assert_eq!(tail.since(mark).as_deref(), Some("[ALERT] cannot bind"));
+    }
+}

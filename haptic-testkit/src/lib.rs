@@ -42,6 +42,7 @@
 //! graceful deletion are not modelled; deleting a namespace deletes its contents at once.
 
 mod faults;
+mod openapi;
 mod resources;
 mod router;
 mod selectors;

@@ -210,6 +210,26 @@ impl Registry {
             .any(|(g, v, _)| g == group && v == version)
     }
 
+    /// Every served (group, version), core first, in a stable order.
+    pub(crate) fn group_versions(&self) -> Vec<(String, String)> {
+        let mut out: Vec<(String, String)> = Vec::new();
+        for (group, version, _) in self.resources.keys() {
+            if !out.iter().any(|(g, v)| g == group && v == version) {
+                out.push((group.clone(), version.clone()));
+            }
+        }
+        out
+    }
+
+    /// The resources served at one group/version.
+    pub(crate) fn resources_at(&self, group: &str, version: &str) -> Vec<&ResourceInfo> {
+        self.resources
+            .iter()
+            .filter(|((g, v, _), _)| g == group && v == version)
+            .map(|(_, info)| info)
+            .collect()
+    }
+
     /// Registers the served versions of a CRD (replacing what an earlier version of it served).
     pub(crate) fn register_crd(&mut self, infos: Vec<ResourceInfo>) {
         if let Some(first) = infos.first() {

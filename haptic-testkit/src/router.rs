@@ -11,6 +11,7 @@ use tokio::time::Instant;
 
 use crate::{
     faults::{Decision, RequestRecord},
+    openapi,
     resources::ResourceInfo,
     selectors::{FieldSelector, LabelSelector},
     server::Shared,
@@ -134,6 +135,12 @@ fn resolve(store: &Store, path: &str, address: &str) -> Target {
             }));
         }
         ["healthz"] | ["livez"] | ["readyz"] => return Target::Document(json!("ok")),
+        ["openapi", "v3"] => return Target::Document(openapi::index(registry)),
+        ["openapi", "v3", rest @ ..] => {
+            return openapi::document(registry, rest)
+                .map(Target::Document)
+                .unwrap_or(Target::Missing);
+        }
         ["apis", group] => {
             return registry
                 .api_group(group)

@@ -79,8 +79,14 @@ pub(crate) struct Preconditions {
 
 type Objects = BTreeMap<(String, String), Value>;
 
-/// The events a new watch sends first, and the receiver of every later one.
-pub(crate) type WatchStart = (Vec<Arc<Event>>, broadcast::Receiver<Arc<Event>>);
+/// How a new watch begins: the events it sends first, the resourceVersion it has reached once
+/// they are sent, and the receiver of every later event.
+#[derive(Debug)]
+pub(crate) struct WatchStart {
+    pub(crate) initial: Vec<Arc<Event>>,
+    pub(crate) rv: u64,
+    pub(crate) events: broadcast::Receiver<Arc<Event>>,
+}
 
 /// Everything the server stores.
 #[derive(Debug)]
@@ -772,7 +778,17 @@ impl Store {
                     .collect()
             }
         };
-        Ok((initial, self.tx.subscribe()))
+        // A watch that starts from the current state is at the store's resourceVersion even
+        // when nothing matches (its first bookmark must not say "0").
+        let rv = match from {
+            None | Some(0) => self.rv,
+            Some(rv) => rv,
+        };
+        Ok(WatchStart {
+            initial,
+            rv,
+            events: self.tx.subscribe(),
+        })
     }
 }
 

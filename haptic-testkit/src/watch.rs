@@ -16,7 +16,7 @@ use crate::{
     router::Body,
     server::Shared,
     status::ApiError,
-    store::{Event, EventType, Selection, Store},
+    store::{Event, EventType, Selection, Store, WatchStart},
 };
 
 type Chunk = Result<Frame<Bytes>, io::Error>;
@@ -114,23 +114,15 @@ pub(crate) fn start(
 
     let begin = match from {
         Some(Err(_)) => Err(ApiError::bad_request("invalid resourceVersion for a watch")),
-        Some(Ok(rv)) if initial_end => shared
-            .lock_store()
-            .watch_start(&info, &selection, None)
-            .map(|s| (s, rv)),
-        Some(Ok(rv)) => shared
-            .lock_store()
-            .watch_start(&info, &selection, Some(rv))
-            .map(|s| (s, rv)),
-        None => shared
-            .lock_store()
-            .watch_start(&info, &selection, None)
-            .map(|s| (s, 0)),
+        Some(Ok(_)) if initial_end => shared.lock_store().watch_start(&info, &selection, None),
+        Some(Ok(rv)) => shared.lock_store().watch_start(&info, &selection, Some(rv)),
+        None => shared.lock_store().watch_start(&info, &selection, None),
     };
+    let synthetic = matches!(from, None | Some(Ok(0))) || initial_end;
     let token = shared.token.clone();
     let tracker = shared.tracker.clone();
     tracker.spawn(async move {
-        let ((initial, mut events), start_rv) = match begin {
+        let WatchStart { initial, rv: start_rv, mut events } = match begin {
             Ok(started) => started,
             Err(err) => {
                 // As the real server: the watch opens, then carries one ERROR event and ends.
@@ -141,7 +133,7 @@ pub(crate) fn start(
         let mut last_rv = start_rv;
         for event in &initial {
             last_rv = last_rv.max(event.rv);
-            let bytes = if from.is_none() || initial_end || start_rv == 0 {
+            let bytes = if synthetic {
                 Some(line("ADDED", &Store::present(&info, &event.object)))
             } else {
                 translate(&info, &selection, event)

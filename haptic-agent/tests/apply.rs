@@ -1,0 +1,442 @@
+//! The apply protocol against the real HAProxy: traffic through it, validation, fencing,
+//! no-op applies, rollback, authentication and path rules.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use haptic_agent_client::{Error, Outcome, protocol::APPLY_PATH};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_valid_set_serves_traffic_and_a_second_set_reroutes_it() {
+    let (a, b) = (Backend::start("a").await, Backend::start("b").await);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let agent = TestAgent::start(dir.path()).await;
+    let client = client();
+    let port = free_port();
+    let backends = [("a", a.addr), ("b", b.addr)];
+
+    let first = request(1, "leader-0", 1, config(port, "a", &backends));
+    let report = client.apply(&agent.url, &first).await.expect("first apply");
+    assert_eq!(report.outcome, Outcome::Applied);
+    assert_eq!(report.checksum, first.checksum);
+    assert_eq!(await_body(port, "backend a").await, "backend a");
+
+    let second = request(1, "leader-0", 2, config(port, "b", &backends));
+    let report = client
+        .apply(&agent.url, &second)
+        .await
+        .expect("second apply");
+    assert_eq!(report.outcome, Outcome::Applied);
+    assert!(report.timing.reload_us > 0 && report.timing.check_us > 0);
+    assert_eq!(await_body(port, "backend b").await, "backend b");
+
+    let state = client.state(&agent.url).await.expect("state");
+    assert_eq!(
+        state.live_checksum.as_deref(),
+        Some(second.checksum.as_str())
+    );
+    assert_eq!(state.generation, Some(2));
+    assert_eq!(state.leader.as_deref(), Some("leader-0"));
+    assert_eq!(
+        state.last_known_good_checksum.as_deref(),
+        Some(first.checksum.as_str())
+    );
+    assert_eq!(state.fence, Some(1));
+    assert!(state.haproxy_pid.is_some() && !state.worker_pids.is_empty());
+    assert!(
+        state
+            .haproxy_version
+            .unwrap_or_default()
+            .contains("HAProxy")
+    );
+    assert!(state.last_reload.expect("a reload").ok);
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_set_returns_haproxys_message_and_the_live_set_keeps_serving() {
+    let a = Backend::start("a").await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let agent = TestAgent::start(dir.path()).await;
+    let client = client();
+    let port = free_port();
+    let good = request(1, "leader-0", 1, config(port, "a", &[("a", a.addr)]));
+    client.apply(&agent.url, &good).await.expect("good apply");
+    assert_eq!(await_body(port, "backend a").await, "backend a");
+    let before = listing(&dir.path().join("sets"));
+
+    let mut broken = config(port, "a", &[("a", a.addr)]);
+    let cfg = String::from_utf8_lossy(broken.get("haproxy.cfg").expect("cfg")).into_owned();
+    broken = haptic_agent_client::FileSet::new()
+        .with("haproxy.cfg", format!("{cfg}  frobnicate-the-widget yes\n"))
+        .and_then(|set| set.with("maps/routes.map", "/ be_a\n"))
+        .expect("set");
+    let bad = request(1, "leader-0", 2, broken);
+    match client.apply(&agent.url, &bad).await {
+        Err(Error::Invalid { check_output }) => {
+            assert!(
+                check_output.contains("frobnicate-the-widget"),
+                "HAProxy's own message names the keyword: {check_output}"
+            );
+        }
+        other => panic!("expected Invalid, got {other:?}"),
+    }
+    let state = client.state(&agent.url).await.expect("state");
+    assert_eq!(state.live_checksum.as_deref(), Some(good.checksum.as_str()));
+    assert_eq!(listing(&dir.path().join("sets")), before, "sets untouched");
+    assert!(
+        listing(&dir.path().join("staging")).is_empty(),
+        "staging cleaned"
+    );
+    assert_eq!(get_once(port).await, "backend a");
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lower_epoch_is_refused_with_the_fence_and_nothing_is_written() {
+    let a = Backend::start("a").await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let agent = TestAgent::start(dir.path()).await;
+    let client = client();
+    let port = free_port();
+    let current = request(5, "leader-new", 1, config(port, "a", &[("a", a.addr)]));
+    client.apply(&agent.url, &current).await.expect("epoch 5");
+    let before = listing(dir.path());
+    let fence_before = std::fs::read(dir.path().join("fence")).expect("fence file");
+
+    let stale = request(4, "leader-old", 9, config(port, "none", &[("a", a.addr)]));
+    match client.apply(&agent.url, &stale).await {
+        Err(Error::Fenced { fence, epoch }) => assert_eq!((fence, epoch), (5, 4)),
+        other => panic!("expected Fenced, got {other:?}"),
+    }
+    assert_eq!(listing(dir.path()), before, "nothing written");
+    assert_eq!(
+        std::fs::read(dir.path().join("fence")).expect("fence file"),
+        fence_before
+    );
+    assert_eq!(get_once(port).await, "backend a");
+    let metrics = agent.agent.metrics();
+    assert_eq!(metrics.applies("fenced"), 1);
+    assert_eq!(metrics.applies("applied"), 1);
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_leaders_applying_concurrently_only_the_higher_epoch_is_ever_live() {
+    let (a, b) = (Backend::start("a").await, Backend::start("b").await);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let agent = TestAgent::start(dir.path()).await;
+    let client = client();
+    let port = free_port();
+    let backends = [("a", a.addr), ("b", b.addr)];
+    // Distinct sets per leader and generation: the map line differs.
+    let set = |leader: &str, generation: u64| {
+        let mut files = config(port, leader, &backends);
+        files = haptic_agent_client::FileSet::new()
+            .with(
+                "haproxy.cfg",
+                files.get("haproxy.cfg").expect("cfg").clone(),
+            )
+            .and_then(|set| {
+                set.with(
+                    "maps/routes.map",
+                    format!("/ be_{leader}\n/gen{generation} be_{leader}\n"),
+                )
+            })
+            .expect("set");
+        files
+    };
+    let old: Vec<_> = (1..=4).map(|g| request(1, "old", g, set("a", g))).collect();
+    let new: Vec<_> = (1..=4).map(|g| request(2, "new", g, set("b", g))).collect();
+    let old_sums: Vec<String> = old.iter().map(|r| r.checksum.clone()).collect();
+    let new_sums: Vec<String> = new.iter().map(|r| r.checksum.clone()).collect();
+
+    let done = tokio_util::sync::CancellationToken::new();
+    let observer = tokio::spawn({
+        let (client, url, done) = (client.clone(), agent.url.clone(), done.clone());
+        async move {
+            let mut seen = Vec::new();
+            while !done.is_cancelled() {
+                if let Ok(state) = client.state(&url).await
+                    && let Some(sum) = state.live_checksum
+                    && seen.last() != Some(&sum)
+                {
+                    seen.push(sum);
+                }
+            }
+            seen
+        }
+    });
+    let run = |requests: Vec<haptic_agent_client::ApplyRequest>| {
+        let (client, url) = (client.clone(), agent.url.clone());
+        tokio::spawn(async move {
+            let mut results = Vec::new();
+            for request in requests {
+                results.push(client.apply(&url, &request).await);
+            }
+            results
+        })
+    };
+    let (old_results, new_results) = tokio::join!(run(old.clone()), run(new.clone()));
+    let (old_results, new_results) = (old_results.expect("old"), new_results.expect("new"));
+    // One more from the old leader, certainly after the new one's applies.
+    let late = client.apply(&agent.url, &old[0]).await;
+    done.cancel();
+    let seen = observer.await.expect("observer");
+
+    for result in &new_results {
+        assert!(
+            result.is_ok(),
+            "the higher epoch is never refused: {result:?}"
+        );
+    }
+    assert!(matches!(late, Err(Error::Fenced { fence: 2, epoch: 1 })));
+    for result in &old_results {
+        assert!(
+            matches!(result, Ok(_) | Err(Error::Fenced { fence: 2, epoch: 1 })),
+            "{result:?}"
+        );
+    }
+    // Once a set of the higher epoch was live, no set of the lower one ever was again.
+    if let Some(first_new) = seen.iter().position(|sum| new_sums.contains(sum)) {
+        for sum in &seen[first_new..] {
+            assert!(
+                !old_sums.contains(sum),
+                "a stale set went live after the new leader's"
+            );
+        }
+    }
+    let state = client.state(&agent.url).await.expect("state");
+    assert_eq!(state.live_checksum.as_ref(), new_sums.last());
+    assert_eq!(state.fence, Some(2));
+    assert_eq!(await_body(port, "backend b").await, "backend b");
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_checksum_is_unchanged_and_does_not_reload() {
+    let a = Backend::start("a").await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let agent = TestAgent::start(dir.path()).await;
+    let client = client();
+    let port = free_port();
+    let set = request(3, "leader-0", 1, config(port, "a", &[("a", a.addr)]));
+    client.apply(&agent.url, &set).await.expect("apply");
+    let before = client.state(&agent.url).await.expect("state");
+
+    let again = request(3, "leader-0", 2, set.files.clone());
+    let report = client.apply(&agent.url, &again).await.expect("again");
+    assert_eq!(report.outcome, Outcome::Unchanged);
+    let after = client.state(&agent.url).await.expect("state");
+    assert_eq!(
+        after.worker_pids, before.worker_pids,
+        "same worker: no reload"
+    );
+    assert_eq!(after.last_reload, before.last_reload);
+    assert_eq!(
+        after.generation,
+        Some(1),
+        "nothing written, not even metadata"
+    );
+
+    let http = traffic_client();
+    let metrics = http
+        .get(agent.url.join("/metrics").expect("url"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    assert!(metrics.contains("haptic_agent_applies_total{outcome=\"unchanged\"} 1"));
+    assert!(metrics.contains("haptic_agent_applies_total{outcome=\"applied\"} 1"));
+    assert!(metrics.contains("haptic_agent_reload_duration_seconds_count 1"));
+    assert!(metrics.contains("haptic_agent_fence 3"));
+    let health = http
+        .get(agent.url.join("/healthz").expect("url"))
+        .send()
+        .await
+        .expect("healthz");
+    assert_eq!(health.status(), 200);
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_that_fails_to_load_is_rolled_back_to_last_known_good() {
+    let a = Backend::start("a").await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let agent = TestAgent::start(dir.path()).await;
+    let client = client();
+    let port = free_port();
+    let good = request(1, "leader-0", 1, config(port, "a", &[("a", a.addr)]));
+    client.apply(&agent.url, &good).await.expect("good");
+    assert_eq!(await_body(port, "backend a").await, "backend a");
+
+    // `haproxy -c` does not bind, so a second bind on a taken port passes the check and
+    // fails only when HAProxy loads the set.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("hold a port");
+    let taken_port = taken.local_addr().expect("addr").port();
+    let files = config(port, "a", &[("a", a.addr)]);
+    let cfg = String::from_utf8_lossy(files.get("haproxy.cfg").expect("cfg")).replace(
+        &format!("bind 127.0.0.1:{port}\n"),
+        &format!("bind 127.0.0.1:{port}\n  bind 127.0.0.1:{taken_port}\n"),
+    );
+    let bad = request(
+        1,
+        "leader-0",
+        2,
+        haptic_agent_client::FileSet::new()
+            .with("haproxy.cfg", cfg)
+            .and_then(|set| set.with("maps/routes.map", "/ be_a\n"))
+            .expect("set"),
+    );
+    match client.apply(&agent.url, &bad).await {
+        Err(Error::RolledBack {
+            live_checksum,
+            reason,
+        }) => {
+            assert_eq!(live_checksum.as_deref(), Some(good.checksum.as_str()));
+            assert!(reason.contains("bind"), "HAProxy's reason: {reason}");
+        }
+        other => panic!("expected RolledBack, got {other:?}"),
+    }
+    let state = client.state(&agent.url).await.expect("state");
+    assert_eq!(state.live_checksum.as_deref(), Some(good.checksum.as_str()));
+    let last = state.last_reload.expect("last reload");
+    assert!(last.ok && last.checksum == good.checksum, "{last:?}");
+    assert_eq!(get_once(port).await, "backend a");
+    assert_eq!(agent.agent.metrics().applies("rolled_back"), 1);
+
+    // And the agent still applies: the next good set goes live.
+    let next = request(1, "leader-0", 3, config(port, "none", &[("a", a.addr)]));
+    client.apply(&agent.url, &next).await.expect("next");
+    assert_eq!(await_body(port, "no route").await, "no route");
+    drop(taken);
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_paths_are_400_and_tokens_are_checked() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let agent = TestAgent::start(dir.path()).await;
+    let http = traffic_client();
+    let url = agent.url.join(APPLY_PATH).expect("url");
+    let before = listing(dir.path());
+    for path in ["../escape.cfg", "/etc/haptic-evil", "maps/../../x", "a//b"] {
+        let body = serde_json::json!({
+            "epoch": 99, "leader": "l", "generation": 1,
+            "checksum": haptic_agent_client::protocol::checksum([
+                (path, b"x".as_slice()), ("haproxy.cfg", b"global\n".as_slice()),
+            ]),
+            "files": [
+                {"path": "haproxy.cfg", "text": "global\n"},
+                {"path": path, "text": "x"},
+            ],
+        });
+        let response = http
+            .post(url.clone())
+            .bearer_auth(TOKEN)
+            .json_body(&body)
+            .send()
+            .await
+            .expect("post");
+        assert_eq!(response.status(), 400, "{path}");
+        let text = response.text().await.expect("body");
+        assert!(text.contains("refused"), "{text}");
+    }
+    assert_eq!(
+        listing(dir.path()),
+        before,
+        "nothing written, fence not raised"
+    );
+    assert!(
+        !dir.path()
+            .parent()
+            .expect("parent")
+            .join("escape.cfg")
+            .exists()
+    );
+
+    let state_url = agent.url.join("/v1/state").expect("url");
+    let status = |response: reqwest::Response| response.status().as_u16();
+    assert_eq!(
+        status(http.get(state_url.clone()).send().await.expect("get")),
+        401
+    );
+    assert_eq!(
+        status(
+            http.get(state_url.clone())
+                .bearer_auth("wrong-token")
+                .send()
+                .await
+                .expect("get")
+        ),
+        401
+    );
+    assert_eq!(
+        status(
+            http.post(url.clone())
+                .body("{}")
+                .send()
+                .await
+                .expect("post")
+        ),
+        401,
+        "no body is read without a token"
+    );
+    assert_eq!(
+        status(
+            http.get(state_url)
+                .bearer_auth(TOKEN)
+                .send()
+                .await
+                .expect("get")
+        ),
+        200
+    );
+    assert!(matches!(
+        haptic_agent_client::AgentClient::new(haptic_agent_client::ClientConfig::new("nope"))
+            .expect("client")
+            .state(&agent.url)
+            .await,
+        Err(Error::Unauthorized)
+    ));
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_body_is_413() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut config = haptic_agent::AgentConfig::new(dir.path(), TOKEN)
+        .with_listen(([127, 0, 0, 1], 0).into())
+        .with_haproxy_bin(haproxy_bin());
+    config.max_body_bytes = 1024;
+    config.max_inflated_bytes = 1024;
+    let agent = TestAgent::start_with(config).await;
+    let set = haptic_agent_client::FileSet::new()
+        .with("haproxy.cfg", "x".repeat(4096))
+        .expect("set");
+    let client = haptic_agent_client::AgentClient::new(
+        haptic_agent_client::ClientConfig::new(TOKEN).with_retries(1, Duration::ZERO),
+    )
+    .expect("client");
+    match client.apply(&agent.url, &request(1, "l", 1, set)).await {
+        Err(Error::Rejected { status: 413, .. }) => {}
+        other => panic!("expected 413, got {other:?}"),
+    }
+    agent.stop().await;
+}
+
+/// `reqwest` is built without its `json` feature here; this adds the one call the tests use.
+trait JsonBody {
+    fn json_body(self, value: &serde_json::Value) -> Self;
+}
+
+impl JsonBody for reqwest::RequestBuilder {
+    fn json_body(self, value: &serde_json::Value) -> Self {
+        self.header("content-type", "application/json")
+            .body(serde_json::to_vec(value).expect("json"))
+    }
+}

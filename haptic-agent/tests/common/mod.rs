@@ -1,0 +1,221 @@
+//! Test support: agents with their own supervised HAProxy on loopback, a small HTTP backend,
+//! and HAProxy configurations that route through a relative map file.
+#![allow(dead_code, unreachable_pub)]
+
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use haptic_agent::{Agent, AgentConfig};
+use haptic_agent_client::{AgentClient, ApplyRequest, ClientConfig, FileSet};
+use reqwest::Url;
+use tokio::{net::TcpListener, task::JoinHandle};
+use tokio_util::sync::CancellationToken;
+
+pub const TOKEN: &str = "test-token-0123456789";
+
+/// The HAProxy binary, or a panic that says how to get it: these tests never skip.
+pub fn haproxy_bin() -> PathBuf {
+    haptic_agent::haproxy::find_binary(Path::new("haproxy")).unwrap_or_else(|| {
+        panic!(
+            "HAProxy is required by these tests and was found neither on PATH nor in /usr/sbin: \
+             run `cargo xtask setup` (or `apt-get install haproxy`)"
+        )
+    })
+}
+
+/// A loopback port free at the time of asking.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|addr| addr.port())
+        .expect("a free loopback port")
+}
+
+/// A small HTTP backend answering `backend <name>` on every path.
+pub struct Backend {
+    pub addr: SocketAddr,
+    task: JoinHandle<()>,
+}
+
+impl Backend {
+    pub async fn start(name: &'static str) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind backend");
+        let addr = listener.local_addr().expect("backend addr");
+        let app = axum::Router::new().fallback(move || async move { format!("backend {name}") });
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Self { addr, task }
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// HAProxy configuration text: a frontend on `port` routing every path through
+/// `maps/routes.map` (a relative path, resolved inside the set) to one backend per entry.
+pub fn config(port: u16, route_to: &str, backends: &[(&str, SocketAddr)]) -> FileSet {
+    let mut cfg = format!(
+        "global\n  nbthread 1\n  log stderr format raw local0 warning\n\
+         defaults\n  mode http\n  timeout connect 2s\n  timeout client 10s\n  timeout server 10s\n\
+         frontend fe\n  bind 127.0.0.1:{port}\n  use_backend %[path,map_beg(maps/routes.map,be_none)]\n\
+         backend be_none\n  http-request return status 404 content-type text/plain string \"no route\"\n"
+    );
+    for (name, addr) in backends {
+        cfg.push_str(&format!("backend be_{name}\n  server s1 {addr}\n"));
+    }
+    FileSet::new()
+        .with("haproxy.cfg", cfg)
+        .and_then(|set| set.with("maps/routes.map", format!("/ be_{route_to}\n")))
+        .expect("valid set")
+}
+
+/// An in-process agent in supervised mode on its own data directory and loopback port.
+pub struct TestAgent {
+    pub agent: Agent,
+    pub url: Url,
+    pub data: PathBuf,
+    shutdown: CancellationToken,
+    task: Option<JoinHandle<()>>,
+}
+
+impl TestAgent {
+    pub async fn start(data: &Path) -> Self {
+        let config = AgentConfig::new(data, TOKEN)
+            .with_listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+            .with_haproxy_bin(haproxy_bin())
+            .with_supervise(true);
+        Self::start_with(config).await
+    }
+
+    pub async fn start_with(mut config: AgentConfig) -> Self {
+        config.check_timeout = Duration::from_secs(30);
+        config.reload_timeout = Duration::from_secs(30);
+        let data = config.data_dir.clone();
+        let agent = Agent::open(config).await.expect("open agent");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind agent");
+        let url =
+            Url::parse(&format!("http://{}/", listener.local_addr().expect("addr"))).expect("url");
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn({
+            let (agent, shutdown) = (agent.clone(), shutdown.clone());
+            async move {
+                haptic_agent::serve(agent, listener, shutdown, Duration::from_secs(10))
+                    .await
+                    .expect("serve");
+            }
+        });
+        Self {
+            agent,
+            url,
+            data,
+            shutdown,
+            task: Some(task),
+        }
+    }
+
+    /// Stops the server and its HAProxy, and waits for both (bounded).
+    pub async fn stop(mut self) {
+        self.shutdown.cancel();
+        if let Some(task) = self.task.take() {
+            tokio::time::timeout(Duration::from_secs(20), task)
+                .await
+                .expect("agent stops within 20 s")
+                .expect("agent task");
+        }
+    }
+}
+
+impl Drop for TestAgent {
+    fn drop(&mut self) {
+        // On a panic the runtime's drop kills HAProxy (kill_on_drop); this ends the server.
+        self.shutdown.cancel();
+    }
+}
+
+pub fn client() -> AgentClient {
+    AgentClient::new(
+        ClientConfig::new(TOKEN)
+            .with_request_timeout(Duration::from_secs(60))
+            .with_retries(3, Duration::from_millis(50)),
+    )
+    .expect("client")
+}
+
+pub fn request(epoch: u64, leader: &str, generation: u64, files: FileSet) -> ApplyRequest {
+    ApplyRequest::new(epoch, leader, generation, files).expect("request")
+}
+
+/// A plain HTTP client that opens a fresh connection per request, so that a reload is seen
+/// by the next request rather than by a kept-alive connection to an old worker.
+pub fn traffic_client() -> reqwest::Client {
+    // reqwest is built without a bundled crypto provider.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .timeout(Duration::from_secs(5))
+        .build()
+        .expect("traffic client")
+}
+
+/// GETs `http://127.0.0.1:<port>/` until the body equals `want` (or 20 s pass), and returns
+/// the last body seen.
+pub async fn await_body(port: u16, want: &str) -> String {
+    let http = traffic_client();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let mut last = String::new();
+    while tokio::time::Instant::now() < deadline {
+        if let Ok(response) = http.get(format!("http://127.0.0.1:{port}/")).send().await {
+            last = response.text().await.unwrap_or_default();
+            if last == want {
+                return last;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    last
+}
+
+/// One GET through HAProxy; the body or the error text.
+pub async fn get_once(port: u16) -> String {
+    match traffic_client()
+        .get(format!("http://127.0.0.1:{port}/"))
+        .send()
+        .await
+    {
+        Ok(response) => response.text().await.unwrap_or_default(),
+        Err(error) => format!("error: {error}"),
+    }
+}
+
+/// Every path under `dir`, relative, sorted; for "nothing was written" checks.
+pub fn listing(dir: &Path) -> Vec<String> {
+    fn walk(dir: &Path, root: &Path, out: &mut Vec<String>) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            out.push(
+                path.strip_prefix(root)
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default(),
+            );
+            if path.is_dir() && !path.is_symlink() {
+                walk(&path, root, out);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(dir, dir, &mut out);
+    out.sort();
+    out
+}

@@ -1,0 +1,168 @@
+//! The `haptic-agent` binary across restarts: flags and environment, the durable fence,
+//! HAProxy started again on the live set, and a corrupt fence reported as not ready.
+
+mod common;
+
+use std::{
+    os::unix::process::CommandExt as _,
+    path::Path,
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use common::*;
+use haptic_agent_client::{AgentClient, ClientConfig, Error};
+use reqwest::Url;
+
+/// The agent binary in its own process group, so that dropping the guard (also on a panic)
+/// kills the agent and the HAProxy processes it started.
+struct AgentProcess {
+    child: Child,
+    url: Url,
+}
+
+impl AgentProcess {
+    fn start(data: &Path) -> Self {
+        let token_file = data.parent().expect("parent").join("token");
+        std::fs::write(&token_file, format!("{TOKEN}\n")).expect("token file");
+        let port = free_port();
+        let child = Command::new(env!("CARGO_BIN_EXE_haptic-agent"))
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--token-file")
+            .arg(&token_file)
+            .arg("--supervise")
+            .env("HAPTIC_AGENT_DATA_DIR", data)
+            .env("HAPTIC_AGENT_HAPROXY", haproxy_bin())
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .expect("spawn haptic-agent");
+        let url = Url::parse(&format!("http://127.0.0.1:{port}/")).expect("url");
+        Self { child, url }
+    }
+
+    /// SIGTERM to the agent, and waits until it exits (bounded).
+    async fn stop(mut self) {
+        let pid = self.child.id().to_string();
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .expect("kill -TERM");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while self.child.try_wait().expect("try_wait").is_none() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "agent did not stop on SIGTERM"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let group = format!("-{}", self.child.id());
+            let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Waits until `/readyz` answers `want` (or 20 s pass); returns the last status.
+async fn await_ready(url: &Url, want: u16) -> u16 {
+    let http = traffic_client();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let mut last = 0;
+    while tokio::time::Instant::now() < deadline {
+        if let Ok(response) = http.get(url.join("/readyz").expect("url")).send().await {
+            last = response.status().as_u16();
+            if last == want {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    last
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fence_and_the_live_set_survive_an_agent_restart() {
+    let a = Backend::start("a").await;
+    let root = tempfile::tempdir().expect("tempdir");
+    let data = root.path().join("data");
+    let client = client();
+    let port = free_port();
+    let set = request(7, "leader-7", 1, config(port, "a", &[("a", a.addr)]));
+
+    let agent = AgentProcess::start(&data);
+    assert_eq!(await_ready(&agent.url, 200).await, 200);
+    client.apply(&agent.url, &set).await.expect("apply");
+    assert_eq!(await_body(port, "backend a").await, "backend a");
+    agent.stop().await;
+    assert!(
+        get_once(port).await.starts_with("error"),
+        "HAProxy stopped with the agent"
+    );
+
+    let agent = AgentProcess::start(&data);
+    assert_eq!(await_ready(&agent.url, 200).await, 200);
+    assert_eq!(
+        await_body(port, "backend a").await,
+        "backend a",
+        "the live set is served again"
+    );
+    let state = client.state(&agent.url).await.expect("state");
+    assert_eq!(state.fence, Some(7));
+    assert_eq!(state.live_checksum.as_deref(), Some(set.checksum.as_str()));
+    let stale = request(6, "leader-6", 1, config(port, "none", &[("a", a.addr)]));
+    assert!(matches!(
+        client.apply(&agent.url, &stale).await,
+        Err(Error::Fenced { fence: 7, epoch: 6 })
+    ));
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_fence_file_means_not_ready_and_no_apply() {
+    let a = Backend::start("a").await;
+    let root = tempfile::tempdir().expect("tempdir");
+    let data = root.path().join("data");
+    std::fs::create_dir_all(&data).expect("mkdir");
+    std::fs::write(data.join("fence"), "12abc\n").expect("corrupt fence");
+
+    let agent = AgentProcess::start(&data);
+    assert_eq!(await_ready(&agent.url, 503).await, 503);
+    let health = traffic_client()
+        .get(agent.url.join("/healthz").expect("url"))
+        .send()
+        .await
+        .expect("healthz");
+    assert_eq!(health.status(), 200, "alive, just not ready");
+
+    let client =
+        AgentClient::new(ClientConfig::new(TOKEN).with_retries(2, Duration::from_millis(10)))
+            .expect("client");
+    let set = request(100, "leader", 1, config(free_port(), "a", &[("a", a.addr)]));
+    match client.apply(&agent.url, &set).await {
+        Err(Error::Unavailable {
+            attempts: 2,
+            message,
+        }) => {
+            assert!(message.contains("corrupt"), "{message}");
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    assert_eq!(
+        std::fs::read_to_string(data.join("fence")).expect("fence"),
+        "12abc\n",
+        "the agent does not guess or overwrite"
+    );
+    assert!(listing(&data.join("sets")).is_empty());
+    let state = client.state(&agent.url).await.expect("state");
+    assert_eq!(state.fence, None);
+    assert!(state.fence_error.expect("fence error").contains("corrupt"));
+    agent.stop().await;
+}

@@ -43,12 +43,14 @@ fn template(source: &str) -> Template {
 
 /// The reference template set.
 ///
-/// Outputs: `haproxy.cfg`; `maps/host-path-exact.map`, `maps/host-path-prefix.map`,
-/// `maps/path-exact.map`, `maps/path-prefix.map` (routing); `maps/certs.list` (the HTTPS
-/// crt-list); `ssl/<namespace>_<secret>.pem` for every usable TLS Secret.
+/// Outputs: `haproxy.cfg`; `maps/routes-exact.map` and `maps/routes-prefix.map` (routing);
+/// `maps/certs.list` (the HTTPS crt-list); `ssl/<namespace>_<secret>.pem` for every usable
+/// TLS Secret.
 ///
 /// `extraContext.haproxy` holds the tunables: `maxconn` (50000), `http_port` (80),
-/// `https_port` (443), `timeout_connect` (5s), `timeout_client` and `timeout_server` (50s).
+/// `https_port` (443), `timeout_connect` (5s), `timeout_client` and `timeout_server` (50s),
+/// `stats_socket` (none: a path adds an admin `stats socket`), `route_debug` (false: true
+/// answers requests carrying `x-haptic-route-debug` with the backend they would go to).
 pub fn template_set() -> TemplateSet {
     let mut set = TemplateSet {
         haproxy_config: template(include_str!("../templates/haproxy.cfg.tera")),
@@ -56,20 +58,12 @@ pub fn template_set() -> TemplateSet {
     };
     for (name, source) in [
         (
-            "host-path-exact.map",
-            include_str!("../templates/maps/host-path-exact.map.tera"),
+            "routes-exact.map",
+            include_str!("../templates/maps/routes-exact.map.tera"),
         ),
         (
-            "host-path-prefix.map",
-            include_str!("../templates/maps/host-path-prefix.map.tera"),
-        ),
-        (
-            "path-exact.map",
-            include_str!("../templates/maps/path-exact.map.tera"),
-        ),
-        (
-            "path-prefix.map",
-            include_str!("../templates/maps/path-prefix.map.tera"),
+            "routes-prefix.map",
+            include_str!("../templates/maps/routes-prefix.map.tera"),
         ),
         (
             "certs.list",
@@ -112,6 +106,8 @@ pub fn template_set() -> TemplateSet {
             "timeout_connect": "5s",
             "timeout_client": "50s",
             "timeout_server": "50s",
+            "stats_socket": null,
+            "route_debug": false,
         }),
     );
     set

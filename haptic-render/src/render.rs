@@ -2,6 +2,8 @@
 
 use std::collections::BTreeMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tera::{Context, ErrorKind, Tera, Value};
 use tracing::instrument;
@@ -10,7 +12,7 @@ use crate::fileset::FileSet;
 use crate::functions::{self, GET_VAR, INDEX_VAR};
 use crate::set::{self, Output, TemplateSet};
 use crate::store::Stores;
-use crate::value::{map_value, to_tera};
+use crate::value::{Interner, map_value, to_tera};
 
 /// Template sources larger than this are refused before they reach the engine.
 pub const MAX_TEMPLATE_BYTES: usize = 4 << 20;
@@ -150,6 +152,7 @@ pub struct Renderer {
     tera: Tera,
     outputs: Vec<Output>,
     extra: Vec<(String, Value)>,
+    threads: usize,
 }
 
 impl Renderer {
@@ -192,13 +195,26 @@ impl Renderer {
         let extra = set
             .extra_context
             .iter()
-            .map(|(k, v)| (k.clone(), to_tera(v)))
+            .map(|(k, v)| (k.clone(), to_tera(v, &mut Interner::default())))
             .collect();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
         Ok(Self {
             tera,
             outputs,
             extra,
+            threads,
         })
+    }
+
+    /// Renders on at most `threads` threads (at least one; 1 renders on the calling thread).
+    ///
+    /// Default: the machine's available parallelism, at most 8. Outputs (and chunks of
+    /// per-item certificates) are independent, so they render in parallel; the result is the
+    /// same bytes whatever the number of threads.
+    #[must_use]
+    pub fn with_threads(mut self, threads: usize) -> Self {
+        self.threads = threads.max(1);
+        self
     }
 
     /// The context every template of a render sees.
@@ -248,48 +264,133 @@ impl Renderer {
     /// Renders every output against `stores`.
     ///
     /// The result depends only on the template set and the stores' contents: never on the
-    /// order in which resources were applied.
-    #[instrument(skip_all)]
+    /// order in which resources were applied, nor on how the work was spread over threads.
+    /// When several outputs fail, the error is the first one in output order.
+    #[instrument(skip_all, fields(threads = self.threads))]
     pub fn render(&self, stores: &Stores) -> Result<FileSet> {
         let context = self.context(stores);
-        let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+        let mut views = Vec::new();
         for output in &self.outputs {
-            let Some(store_name) = &output.for_each else {
-                let text = self.render_one(&output.template, &context, &output.path)?;
-                files.insert(output.path.clone(), text.into_bytes());
-                continue;
-            };
-            let Some(store) = stores.get(store_name) else {
-                return Err(Error::UnknownStore {
-                    entry: output.path.clone(),
-                    store: store_name.clone(),
-                    known: stores.iter().map(|(n, _)| n).collect::<Vec<_>>().join(", "),
-                });
-            };
-            let view = store.view();
-            for item in view.list.as_array().unwrap_or_default() {
-                let text_of = |path: &str| {
-                    item.get_from_path(path)
-                        .and_then(Value::as_str)
-                        .unwrap_or_default()
-                        .to_owned()
+            if let Some(store_name) = &output.for_each {
+                let Some(store) = stores.get(store_name) else {
+                    return Err(Error::UnknownStore {
+                        entry: output.path.clone(),
+                        store: store_name.clone(),
+                        known: stores.iter().map(|(n, _)| n).collect::<Vec<_>>().join(", "),
+                    });
                 };
-                let (namespace, name) = (text_of("metadata.namespace"), text_of("metadata.name"));
-                let mut item_context = context.clone();
-                item_context.insert_value("item", item.clone());
-                let label = format!("{} for {namespace}/{name}", output.template);
-                let text = self.render_one(&output.template, &item_context, &label)?;
-                if text.trim().is_empty() {
-                    continue;
-                }
-                let path = functions::ssl_file(&namespace, &name);
-                if files.insert(path.clone(), text.into_bytes()).is_some() {
+                views.push((output, store.view()));
+            }
+        }
+        // The main config comes first: it is usually the largest job, and starting it first
+        // keeps the other threads busy with the rest meanwhile.
+        let mut jobs: Vec<Job<'_>> = self
+            .outputs
+            .iter()
+            .filter(|o| o.for_each.is_none())
+            .map(Job::Single)
+            .collect();
+        for (output, view) in &views {
+            let items = view.list.as_array().unwrap_or_default();
+            jobs.extend(
+                items
+                    .chunks(ITEMS_PER_JOB)
+                    .map(|items| Job::Items { output, items }),
+            );
+        }
+        let results = self.run_jobs(&jobs, &context);
+        let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+        for result in results {
+            for (path, bytes) in result? {
+                if files.insert(path.clone(), bytes).is_some() {
                     return Err(Error::DuplicatePath(path));
                 }
             }
         }
         Ok(FileSet::new(files))
     }
+
+    /// Runs the jobs on up to `self.threads` threads; results come back in job order.
+    fn run_jobs(&self, jobs: &[Job<'_>], context: &Context) -> Vec<Result<Vec<(String, Vec<u8>)>>> {
+        let threads = self.threads.clamp(1, jobs.len().max(1));
+        if threads == 1 {
+            return jobs.iter().map(|job| self.run_job(job, context)).collect();
+        }
+        let next = AtomicUsize::new(0);
+        let slots: Vec<Mutex<Option<Result<Vec<(String, Vec<u8>)>>>>> =
+            jobs.iter().map(|_| Mutex::new(None)).collect();
+        std::thread::scope(|scope| {
+            for _ in 0..threads {
+                scope.spawn(|| {
+                    loop {
+                        let index = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(job) = jobs.get(index) else { break };
+                        let result = self.run_job(job, context);
+                        if let Ok(mut slot) = slots[index].lock() {
+                            *slot = Some(result);
+                        }
+                    }
+                });
+            }
+        });
+        slots
+            .into_iter()
+            .map(|slot| {
+                slot.into_inner().ok().flatten().unwrap_or_else(|| {
+                    Err(Error::Render {
+                        output: "render worker".to_owned(),
+                        template: String::new(),
+                        line: None,
+                        cause: "a render worker stopped without a result".to_owned(),
+                    })
+                })
+            })
+            .collect()
+    }
+
+    fn run_job(&self, job: &Job<'_>, context: &Context) -> Result<Vec<(String, Vec<u8>)>> {
+        match job {
+            Job::Single(output) => {
+                let text = self.render_one(&output.template, context, &output.path)?;
+                Ok(vec![(output.path.clone(), text.into_bytes())])
+            }
+            Job::Items { output, items } => {
+                let mut files = Vec::new();
+                for item in *items {
+                    let text_of = |path: &str| {
+                        item.get_from_path(path)
+                            .and_then(Value::as_str)
+                            .unwrap_or_default()
+                            .to_owned()
+                    };
+                    let (namespace, name) =
+                        (text_of("metadata.namespace"), text_of("metadata.name"));
+                    let mut item_context = context.clone();
+                    item_context.insert_value("item", item.clone());
+                    let label = format!("{} for {namespace}/{name}", output.template);
+                    let text = self.render_one(&output.template, &item_context, &label)?;
+                    if !text.trim().is_empty() {
+                        files.push((functions::ssl_file(&namespace, &name), text.into_bytes()));
+                    }
+                }
+                Ok(files)
+            }
+        }
+    }
+}
+
+/// Per-item outputs are rendered in chunks of this many items per job.
+const ITEMS_PER_JOB: usize = 128;
+
+/// A unit of render work.
+enum Job<'a> {
+    /// One output rendered once.
+    Single(&'a Output),
+    /// A per-item output rendered for a run of its store's items.
+    Items {
+        output: &'a Output,
+        items: &'a [Value],
+    },
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 use tera::Value;
 
-use crate::value::{map_value, to_tera};
+use crate::value::{Interner, map_value, to_tera};
 
 /// What can go wrong while configuring a store or putting a resource into it.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -180,6 +180,7 @@ pub struct Store {
     index: Vec<FieldPath>,
     items: BTreeMap<(String, String), Entry>,
     view: OnceLock<Arc<StoreView>>,
+    interner: Interner,
 }
 
 impl Store {
@@ -195,6 +196,7 @@ impl Store {
             index,
             items: BTreeMap::new(),
             view: OnceLock::new(),
+            interner: Interner::default(),
         })
     }
 
@@ -226,7 +228,7 @@ impl Store {
             .collect::<Option<Vec<_>>>()
             .map(|parts| parts.join("/"));
         let entry = Entry {
-            value: to_tera(resource),
+            value: to_tera(resource, &mut self.interner),
             index_key,
         };
         self.items

@@ -21,18 +21,17 @@ fn ten_ingresses_render_a_config_haproxy_accepts() {
     assert!(cfg.contains("backend team-00_app-00000_80\n    balance roundrobin\n    server "));
     assert!(cfg.contains(" 10.0.0.1:8080 check"), "{cfg}");
     // Ingresses 0, 4 and 8 have TLS: HTTPS is on.
-    assert!(cfg.contains("ssl crt-list maps/certs.list"), "{cfg}");
+    assert!(cfg.contains("ssl strict-sni crt-list maps/certs.list"), "{cfg}");
 
-    let exact = files.text("maps/host-path-exact.map").expect("exact map");
-    assert!(exact.contains("app-00003.team-03.example.com/healthz team-03_app-00003_80\n"));
-    // A Prefix path also matches itself exactly, without its trailing slash.
-    assert!(exact.contains("app-00003.team-03.example.com/metrics team-03_app-00003_9090\n"));
-    let prefix = files.text("maps/host-path-prefix.map").expect("prefix map");
-    assert!(prefix.contains("app-00003.team-03.example.com/ team-03_app-00003_80\n"));
-    assert!(prefix.contains("app-00003.team-03.example.com/metrics/ team-03_app-00003_9090\n"));
-    // Ingress 0 has a rule without a host.
-    let hostless = files.text("maps/path-prefix.map").expect("path prefix map");
-    assert_eq!(hostless.trim(), "/shared/app-00000/ team-00_app-00000_80");
+    let exact = files.text("maps/routes-exact.map").expect("exact map");
+    assert!(exact.contains("\napp-00003.team-03.example.com/healthz team-03_app-00003_80\n"));
+    assert_eq!(exact.trim().lines().count(), 10, "one Exact path per Ingress:\n{exact}");
+    let prefix = files.text("maps/routes-prefix.map").expect("prefix map");
+    assert!(prefix.contains("\napp-00003.team-03.example.com/ team-03_app-00003_80\n"));
+    // A Prefix path's trailing slash is normalized: `/metrics/` and `/metrics` are one key.
+    assert!(prefix.contains("\napp-00003.team-03.example.com/metrics/ team-03_app-00003_9090\n"));
+    // Ingress 0 has a rule without a host, keyed with `*`.
+    assert!(prefix.contains("\n*/shared/app-00000/ team-00_app-00000_80\n"), "{prefix}");
 
     let certs = files.text("maps/certs.list").expect("crt-list");
     assert_eq!(certs.trim().lines().count(), 3, "{certs}");
@@ -54,7 +53,7 @@ fn a_thousand_ingresses_render_a_config_haproxy_accepts() {
     let cfg = files.text("haproxy.cfg").expect("haproxy.cfg");
     assert_eq!(cfg.matches("\nbackend ").count(), 2001);
     assert_eq!(files.text("maps/certs.list").unwrap().trim().lines().count(), 250);
-    assert_eq!(files.len(), 6 + 250);
+    assert_eq!(files.len(), 4 + 250);
 }
 
 #[test]

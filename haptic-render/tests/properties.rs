@@ -146,11 +146,12 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
     /// Applying the same resources in any order, with some applied twice, renders the same
-    /// bytes and checksum as applying them in generation order.
+    /// bytes and checksum as applying them in generation order, on any number of threads.
     #[test]
     fn render_is_independent_of_event_order(
         events in Just(fixture_events()).prop_shuffle(),
         repeats in prop::collection::vec(any::<prop::sample::Index>(), 0..8),
+        threads in 1usize..5,
     ) {
         let mut stores = reference::stores().unwrap();
         for (store, resource) in &events {
@@ -160,7 +161,8 @@ proptest! {
             let (store, resource) = index.get(&events);
             stores.get_mut(store).unwrap().apply(resource).unwrap();
         }
-        let files = reference_renderer().render(&stores).unwrap();
+        let renderer = Renderer::compile(&reference::template_set()).unwrap().with_threads(threads);
+        let files = renderer.render(&stores).unwrap();
         prop_assert_eq!(files.checksum(), baseline().checksum());
         prop_assert_eq!(files.files(), baseline().files());
     }

@@ -1,0 +1,197 @@
+//! Render benchmarks: compile time of the reference template set, full renders of 10, 100, 1k
+//! and 10k Ingresses (time and output MB/s), peak memory of the 10k render, and the same
+//! templates rendered by minijinja as a peer, side by side.
+//!
+//! `cargo bench -p haptic-benches --bench render` runs criterion, then prints a summary table
+//! (medians of its own timed runs) with the ratios criterion does not compute.
+
+use std::time::Duration;
+
+use criterion::{BenchmarkId, Criterion, Throughput};
+use haptic_benches::measure::{median, peak_memory};
+use haptic_benches::peer::{PeerContext, PeerRenderer};
+use haptic_render::fixtures::{self, Fixtures};
+use haptic_render::{FileSet, Renderer, Stores, reference};
+
+const SIZES: [usize; 4] = [10, 100, 1_000, 10_000];
+
+struct Case {
+    n: usize,
+    fixtures: Fixtures,
+    stores: Stores,
+    peer: PeerContext,
+    bytes: usize,
+}
+
+fn case(n: usize, renderer: &Renderer, peer: &PeerRenderer) -> Case {
+    let fixtures = fixtures::generate(n);
+    let mut stores = reference::stores().expect("reference stores");
+    fixtures.load(&mut stores).expect("load fixtures");
+    let set = reference::template_set();
+    let context = PeerContext::new(&set, &fixtures);
+    let tera: FileSet = renderer.render(&stores).expect("tera renders");
+    let mini: FileSet = peer.render(&context).expect("minijinja renders");
+    // The comparison only means something if both engines produce the same bytes.
+    assert_eq!(
+        tera.checksum(),
+        mini.checksum(),
+        "tera and minijinja disagree at n={n}"
+    );
+    Case {
+        n,
+        bytes: tera.total_bytes(),
+        fixtures,
+        stores,
+        peer: context,
+    }
+}
+
+/// Marks every store changed, so the next render rebuilds their views (sorted lists and
+/// indexes): what a render after a watch event in each store costs.
+fn touch_all(stores: &mut Stores, fixtures: &Fixtures) {
+    let firsts = [
+        ("ingresses", fixtures.ingresses.first()),
+        ("services", fixtures.services.first()),
+        ("endpointslices", fixtures.endpoint_slices.first()),
+        ("secrets", fixtures.secrets.first()),
+    ];
+    for (store, first) in firsts {
+        if let (Some(store), Some(first)) = (stores.get_mut(store), first) {
+            store.apply(first).expect("re-apply");
+        }
+    }
+}
+
+fn mb_per_s(bytes: usize, time: Duration) -> f64 {
+    bytes as f64 / 1e6 / time.as_secs_f64()
+}
+
+fn ms(time: Duration) -> f64 {
+    time.as_secs_f64() * 1e3
+}
+
+fn main() {
+    let set = reference::template_set();
+    let renderer = Renderer::compile(&set).expect("reference set compiles");
+    let peer = PeerRenderer::compile(&set).expect("minijinja compiles the reference set");
+    let mut cases: Vec<Case> = SIZES.iter().map(|&n| case(n, &renderer, &peer)).collect();
+
+    let mut criterion = Criterion::default()
+        .configure_from_args()
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3));
+
+    let mut group = criterion.benchmark_group("compile");
+    group.bench_function("tera", |b| b.iter(|| Renderer::compile(&set).expect("compiles")));
+    group.bench_function("minijinja", |b| {
+        b.iter(|| PeerRenderer::compile(&set).expect("compiles"))
+    });
+    group.finish();
+
+    let mut group = criterion.benchmark_group("render");
+    for case in &mut cases {
+        group.throughput(Throughput::Bytes(case.bytes as u64));
+        group.bench_with_input(BenchmarkId::new("tera", case.n), &case.stores, |b, stores| {
+            b.iter(|| renderer.render(stores).expect("renders"))
+        });
+        group.bench_with_input(
+            BenchmarkId::new("tera-views-rebuilt", case.n),
+            &case.n,
+            |b, _| {
+                b.iter_batched_ref(
+                    || {
+                        let mut stores = case.stores.clone();
+                        touch_all(&mut stores, &case.fixtures);
+                        stores
+                    },
+                    |stores| renderer.render(stores).expect("renders"),
+                    criterion::BatchSize::LargeInput,
+                )
+            },
+        );
+        group.bench_with_input(
+            BenchmarkId::new("minijinja", case.n),
+            &case.peer,
+            |b, context| b.iter(|| peer.render(context).expect("renders")),
+        );
+    }
+    group.finish();
+    criterion.final_summary();
+
+    summary(&set, &renderer, &peer, &mut cases);
+}
+
+/// The table for the README: medians of our own runs, plus what criterion does not report.
+fn summary(
+    set: &haptic_render::TemplateSet,
+    renderer: &Renderer,
+    peer: &PeerRenderer,
+    cases: &mut [Case],
+) {
+    let compile_tera = median(20, || Renderer::compile(set).expect("compiles"));
+    let compile_mini = median(20, || PeerRenderer::compile(set).expect("compiles"));
+    println!("\n## render summary (medians; minijinja/tera > 1 means tera is faster)\n");
+    println!(
+        "compile the reference set: tera {:.3} ms, minijinja {:.3} ms\n",
+        ms(compile_tera),
+        ms(compile_mini)
+    );
+    println!(
+        "| Ingresses | output | tera | tera MB/s | tera, views rebuilt | minijinja | minijinja / tera |"
+    );
+    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let mut tera_times = Vec::new();
+    for case in cases.iter_mut() {
+        let runs = if case.n >= 10_000 { 9 } else { 21 };
+        let tera = median(runs, || renderer.render(&case.stores).expect("renders"));
+        let rebuilt = median(runs, || {
+            touch_all(&mut case.stores, &case.fixtures);
+            renderer.render(&case.stores).expect("renders")
+        });
+        let mini = median(runs, || peer.render(&case.peer).expect("renders"));
+        tera_times.push((case.n, tera));
+        println!(
+            "| {} | {:.2} MB | {:.2} ms | {:.0} | {:.2} ms | {:.2} ms | {:.2} |",
+            case.n,
+            case.bytes as f64 / 1e6,
+            ms(tera),
+            mb_per_s(case.bytes, tera),
+            ms(rebuilt),
+            ms(mini),
+            mini.as_secs_f64() / tera.as_secs_f64()
+        );
+    }
+    let time_of = |n| tera_times.iter().find(|(m, _)| *m == n).map(|(_, t)| *t);
+    if let (Some(t1k), Some(t10k)) = (time_of(1_000), time_of(10_000)) {
+        println!(
+            "\n10k / 1k render time ratio: {:.2} (linear is 10)",
+            t10k.as_secs_f64() / t1k.as_secs_f64()
+        );
+    }
+    if let Some(big) = cases.iter_mut().find(|c| c.n == 10_000) {
+        touch_all(&mut big.stores, &big.fixtures);
+        let (files, memory) = peak_memory(|| renderer.render(&big.stores).expect("renders"));
+        match memory {
+            Some(m) => println!(
+                "peak memory of the 10k render (views rebuilt): resident set +{:.1} MiB \
+                 (from {:.1} to {:.1} MiB; output {:.1} MB)",
+                m.growth_kib() as f64 / 1024.0,
+                m.before_kib as f64 / 1024.0,
+                m.peak_kib as f64 / 1024.0,
+                files.total_bytes() as f64 / 1e6
+            ),
+            None => println!("peak memory: not measurable here (needs Linux /proc)"),
+        }
+        let load = median(3, || {
+            let mut stores = reference::stores().expect("stores");
+            big.fixtures.load(&mut stores).expect("load");
+            stores
+        });
+        println!(
+            "loading the 10k fixtures into stores ({} resources, JSON -> template values, once per watch event in the controller): {:.1} ms",
+            big.fixtures.len(),
+            ms(load)
+        );
+    }
+}

@@ -1,0 +1,287 @@
+//! minijinja as a peer engine: the same template set, the same context shape, the same
+//! functions and filters (the ones from `haptic_render::functions`), for a side-by-side render
+//! time. Bench-only: the product renders with tera.
+
+use std::collections::BTreeMap;
+
+use haptic_render::fixtures::Fixtures;
+use haptic_render::functions::{
+    b64decode, backend_name, is_hostname, is_http_path, regex_escape, sanitize, ssl_file,
+};
+use haptic_render::{FileSet, TemplateSet, reference};
+use minijinja::value::{Kwargs, Value};
+use minijinja::{AutoEscape, Environment, Error, ErrorKind, State, context};
+use serde_json::Value as Json;
+
+/// A `Result` with minijinja's error.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+fn invalid(message: String) -> Error {
+    Error::new(ErrorKind::InvalidOperation, message)
+}
+
+/// Text of a key-like value: strings as they are, anything else in its display form.
+fn text(value: &Value) -> String {
+    value
+        .as_str()
+        .map_or_else(|| value.to_string(), ToOwned::to_owned)
+}
+
+fn store_lookup(state: &State, var: &str, store: &str, key: &str) -> Result<Value> {
+    let stores = state
+        .lookup(var)
+        .ok_or_else(|| invalid("the render context has no stores".into()))?;
+    let entries = stores.get_attr(store)?;
+    if entries.is_undefined() {
+        return Err(invalid(format!("unknown store `{store}`")));
+    }
+    entries.get_item(&Value::from(key))
+}
+
+/// Resolves a field path of the reference stores: dot-separated, with `["..."]` for keys.
+fn resolve<'a>(json: &'a Json, path: &str) -> Option<&'a Json> {
+    let mut value = json;
+    let mut rest = path;
+    while !rest.is_empty() {
+        let key;
+        if let Some(after) = rest.strip_prefix("[\"") {
+            let end = after.find("\"]")?;
+            key = &after[..end];
+            rest = &after[end + 2..];
+        } else {
+            let end = rest.find(['.', '[']).unwrap_or(rest.len());
+            key = &rest[..end];
+            rest = &rest[end..];
+        }
+        rest = rest.strip_prefix('.').unwrap_or(rest);
+        value = value.get(key)?;
+    }
+    Some(value)
+}
+
+/// The render context, built once from the resources (as the tera stores build their views
+/// once per change), so that the timed part is the render alone for both engines.
+#[derive(Debug, Clone)]
+pub struct PeerContext {
+    base: Value,
+    secrets: Vec<Value>,
+}
+
+impl PeerContext {
+    /// The context of the reference stores holding `fixtures`, with the set's extra context.
+    pub fn new(set: &TemplateSet, fixtures: &Fixtures) -> Self {
+        let mut lists: BTreeMap<&str, Vec<&Json>> = BTreeMap::new();
+        for (store, resource) in fixtures.resources() {
+            lists.entry(store).or_default().push(resource);
+        }
+        let meta = |r: &Json, field: &str| {
+            r.get("metadata")
+                .and_then(|m| m.get(field))
+                .and_then(Json::as_str)
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let (mut resources, mut by_name, mut by_index) =
+            (BTreeMap::new(), BTreeMap::new(), BTreeMap::new());
+        let mut secrets = Vec::new();
+        for (store, index_by) in reference::STORES {
+            let mut items = lists.remove(store).unwrap_or_default();
+            items.sort_by_key(|r| (meta(r, "namespace"), meta(r, "name")));
+            let values: Vec<Value> = items.iter().map(Value::from_serialize).collect();
+            let mut names = BTreeMap::new();
+            let mut index: BTreeMap<String, Vec<Value>> = BTreeMap::new();
+            for (item, value) in items.iter().zip(&values) {
+                let key = format!("{}/{}", meta(item, "namespace"), meta(item, "name"));
+                names.insert(key, value.clone());
+                let parts: Option<Vec<String>> = index_by
+                    .iter()
+                    .map(|path| match resolve(item, path)? {
+                        Json::String(s) => Some(s.clone()),
+                        other => Some(other.to_string()),
+                    })
+                    .collect();
+                if let Some(parts) = parts {
+                    index.entry(parts.join("/")).or_default().push(value.clone());
+                }
+            }
+            if store == "secrets" {
+                secrets.clone_from(&values);
+            }
+            resources.insert(store.to_owned(), Value::from(values));
+            by_name.insert(store.to_owned(), Value::from(names));
+            by_index.insert(
+                store.to_owned(),
+                Value::from(
+                    index
+                        .into_iter()
+                        .map(|(k, v)| (k, Value::from(v)))
+                        .collect::<BTreeMap<_, _>>(),
+                ),
+            );
+        }
+        let mut top: BTreeMap<String, Value> = set
+            .extra_context
+            .iter()
+            .map(|(k, v)| (k.clone(), Value::from_serialize(v)))
+            .collect();
+        top.insert("resources".into(), Value::from(resources));
+        top.insert("__haptic_get".into(), Value::from(by_name));
+        top.insert("__haptic_index".into(), Value::from(by_index));
+        Self {
+            base: Value::from(top),
+            secrets,
+        }
+    }
+}
+
+/// A template set compiled by minijinja, with haptic-render's functions, filters and tests
+/// registered under the same names and arguments.
+#[derive(Debug)]
+pub struct PeerRenderer {
+    env: Environment<'static>,
+    outputs: Vec<(String, String)>,
+    per_secret: Vec<String>,
+}
+
+impl PeerRenderer {
+    /// Compiles every template of the set (the reference set's per-item certificates are
+    /// rendered for each Secret).
+    pub fn compile(set: &TemplateSet) -> Result<Self> {
+        let mut env = Environment::new();
+        env.set_keep_trailing_newline(true);
+        env.set_auto_escape_callback(|_| AutoEscape::None);
+        register(&mut env);
+        let mut outputs = vec![("haproxyConfig".to_owned(), "haproxy.cfg".to_owned())];
+        env.add_template_owned("haproxyConfig", set.haproxy_config.template.clone())?;
+        for (name, t) in &set.maps {
+            env.add_template_owned(format!("maps.{name}"), t.template.clone())?;
+            outputs.push((format!("maps.{name}"), format!("maps/{name}")));
+        }
+        for (name, f) in &set.files {
+            env.add_template_owned(format!("files.{name}"), f.template.clone())?;
+            outputs.push((format!("files.{name}"), f.path.clone()));
+        }
+        let mut per_secret = Vec::new();
+        for (name, c) in &set.ssl_certificates {
+            let template = format!("sslCertificates.{name}");
+            env.add_template_owned(template.clone(), c.template.clone())?;
+            match c.for_each.as_deref() {
+                Some("secrets") => per_secret.push(template),
+                Some(other) => return Err(invalid(format!("forEach `{other}` unsupported"))),
+                None => outputs.push((template, format!("ssl/{name}.pem"))),
+            }
+        }
+        for (name, t) in &set.template_snippets {
+            env.add_template_owned(name.clone(), t.template.clone())?;
+        }
+        Ok(Self {
+            env,
+            outputs,
+            per_secret,
+        })
+    }
+
+    /// Renders the set into a file set, as `haptic_render::Renderer::render` does.
+    pub fn render(&self, context: &PeerContext) -> Result<FileSet> {
+        let mut files = BTreeMap::new();
+        for (template, path) in &self.outputs {
+            let text = self.env.get_template(template)?.render(&context.base)?;
+            files.insert(path.clone(), text.into_bytes());
+        }
+        for template in &self.per_secret {
+            let template = self.env.get_template(template)?;
+            for secret in &context.secrets {
+                let text = template.render(context! { item => secret, ..context.base.clone() })?;
+                if text.trim().is_empty() {
+                    continue;
+                }
+                let meta = secret.get_attr("metadata")?;
+                let path = ssl_file(
+                    &text_of(&meta.get_attr("namespace")?),
+                    &text_of(&meta.get_attr("name")?),
+                );
+                files.insert(path, text.into_bytes());
+            }
+        }
+        Ok(FileSet::new(files))
+    }
+}
+
+fn text_of(value: &Value) -> String {
+    if value.is_undefined() || value.is_none() {
+        String::new()
+    } else {
+        text(value)
+    }
+}
+
+fn register(env: &mut Environment<'static>) {
+    env.add_filter("sanitize", |s: &str| sanitize(s));
+    env.add_filter("regex_escape", |s: &str| regex_escape(s));
+    env.add_filter("b64decode", |s: &str, kwargs: Kwargs| -> Result<String> {
+        let default: Option<String> = kwargs.get("default")?;
+        kwargs.assert_all_used()?;
+        match (b64decode(s), default) {
+            (Ok(text), _) => Ok(text),
+            (Err(_), Some(default)) => Ok(default),
+            (Err(e), None) => Err(invalid(format!("b64decode: {e}"))),
+        }
+    });
+    env.add_filter("trim_end", |s: &str, kwargs: Kwargs| -> Result<String> {
+        let pat: Option<String> = kwargs.get("pat")?;
+        kwargs.assert_all_used()?;
+        Ok(match pat {
+            Some(pat) if !pat.is_empty() => s.trim_end_matches(pat.as_str()).to_owned(),
+            _ => s.trim_end().to_owned(),
+        })
+    });
+    env.add_test("http_path", |v: &Value| v.as_str().is_some_and(is_http_path));
+    env.add_test("hostname", |v: &Value| v.as_str().is_some_and(is_hostname));
+    env.add_function("backend_name", |kwargs: Kwargs| -> Result<String> {
+        let namespace: Value = kwargs.get("namespace")?;
+        let service: Value = kwargs.get("service")?;
+        let port: Value = kwargs.get("port")?;
+        Ok(backend_name(&text(&namespace), &text(&service), &text(&port)))
+    });
+    env.add_function("ssl_file", |kwargs: Kwargs| -> Result<String> {
+        let namespace: String = kwargs.get("namespace")?;
+        let name: String = kwargs.get("name")?;
+        Ok(ssl_file(&namespace, &name))
+    });
+    env.add_function("fail", |kwargs: Kwargs| -> Result<bool> {
+        let message: Value = kwargs.get("message")?;
+        Err(invalid(format!("template failed: {}", text(&message))))
+    });
+    env.add_function(
+        "get",
+        |state: &State, kwargs: Kwargs| -> Result<Value> {
+            let store: String = kwargs.get("store")?;
+            let namespace: Option<String> = kwargs.get("namespace")?;
+            let name: String = kwargs.get("name")?;
+            let key = format!("{}/{name}", namespace.unwrap_or_default());
+            let found = store_lookup(state, "__haptic_get", &store, &key)?;
+            Ok(if found.is_undefined() { Value::from(()) } else { found })
+        },
+    );
+    env.add_function(
+        "lookup",
+        |state: &State, kwargs: Kwargs| -> Result<Value> {
+            let store: String = kwargs.get("store")?;
+            let key: Value = kwargs.get("key")?;
+            let key = match key.as_str() {
+                Some(s) => s.to_owned(),
+                None => key
+                    .try_iter()?
+                    .map(|part| text(&part))
+                    .collect::<Vec<_>>()
+                    .join("/"),
+            };
+            let found = store_lookup(state, "__haptic_index", &store, &key)?;
+            Ok(if found.is_undefined() {
+                Value::from(Vec::<Value>::new())
+            } else {
+                found
+            })
+        },
+    );
+}

@@ -32,11 +32,12 @@ pub enum Fault {
     /// Non-watch requests are never answered: they hang until the client gives up; when the
     /// fault is lifted the connection is closed without the request taking effect.
     HangRequests,
-    /// Watches are accepted and then deliver nothing; open watches go silent. Lifting the
-    /// fault lets open watches deliver what they missed (as TCP would after a stall).
+    /// Watches are accepted and then deliver nothing, not even their end at `timeoutSeconds`;
+    /// open watches go silent. Lifting the fault lets them deliver what they missed (as TCP
+    /// would after a stall).
     HangWatches,
-    /// A full partition of this client: every request hangs as in [`Fault::HangRequests`] and
-    /// every watch goes silent as in [`Fault::HangWatches`].
+    /// A full partition of this client: every request, new watches included, hangs as in
+    /// [`Fault::HangRequests`], and open watches go silent as in [`Fault::HangWatches`].
     Partition,
 }
 
@@ -164,7 +165,6 @@ impl FaultTable {
                 Fault::Latency(d) => latency = Some(latency.unwrap_or_default() + *d),
                 Fault::Partition => decision = decision.or(Some(Decision::Hang)),
                 Fault::HangRequests if !is_watch => decision = decision.or(Some(Decision::Hang)),
-                Fault::HangWatches if is_watch => decision = decision.or(Some(Decision::Hang)),
                 Fault::DropConnections => decision = decision.or(Some(Decision::Drop)),
                 Fault::Error {
                     code,

@@ -122,6 +122,23 @@ pub(crate) fn start(
     let token = shared.token.clone();
     let tracker = shared.tracker.clone();
     tracker.spawn(async move {
+        let mut faults = shared.faults.subscribe();
+        // A watch opened during a stall delivers nothing, its first events included, until the
+        // fault is lifted.
+        loop {
+            match shared.faults.watch_state(&client) {
+                WatchState::Deliver => break,
+                WatchState::Cut => {
+                    let _ = tx.send(Err(io::Error::other("watch cut by an injected fault"))).await;
+                    return;
+                }
+                WatchState::Silent => tokio::select! {
+                    () = token.cancelled() => return,
+                    () = tx.closed() => return,
+                    changed = faults.changed() => if changed.is_err() { return },
+                },
+            }
+        }
         let WatchStart { initial, rv: start_rv, mut events } = match begin {
             Ok(started) => started,
             Err(err) => {
@@ -150,8 +167,8 @@ pub(crate) fn start(
                 return;
             }
         }
-        let mut faults = shared.faults.subscribe();
         let deadline = tokio::time::sleep(timeout);
+        let mut end_at: Option<u64> = None;
         tokio::pin!(deadline);
         let interval = shared.options.bookmark_interval;
         let mut next_bookmark = tokio::time::Instant::now() + interval;
@@ -162,9 +179,31 @@ pub(crate) fn start(
                 return;
             }
             let deliver = state == WatchState::Deliver;
+            if deliver && let Some(end) = end_at {
+                while let Ok(event) = events.try_recv() {
+                    if event.rv > end {
+                        break;
+                    }
+                    if event.rv > last_rv
+                        && let Some(bytes) = translate(&info, &selection, &event)
+                        && tx.send(Ok(Frame::data(bytes))).await.is_err()
+                    {
+                        return;
+                    }
+                    last_rv = last_rv.max(event.rv);
+                }
+                return;
+            }
             tokio::select! {
                 () = token.cancelled() => return,
-                () = &mut deadline => return,
+                () = &mut deadline, if end_at.is_none() => {
+                    if deliver {
+                        return;
+                    }
+                    // A stalled watch does not deliver its end either: the client sees silence
+                    // until the fault is lifted, then what came before the timeout, then the end.
+                    end_at = Some(shared.lock_store().resource_version());
+                }
                 () = tx.closed() => return,
                 changed = faults.changed() => if changed.is_err() { return },
                 () = tokio::time::sleep_until(next_bookmark), if bookmarks && deliver => {

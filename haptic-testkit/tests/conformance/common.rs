@@ -1,0 +1,154 @@
+//! Helpers shared by the conformance tests: raw requests, Status extraction, fixtures.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use haptic_testkit::ApiServer;
+use http::{HeaderMap, Method, Request, StatusCode};
+use http_body_util::BodyExt;
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use kube::core::Status;
+use serde_json::{Value, json};
+
+/// The bound on any single await that should complete promptly.
+pub const BOUND: Duration = Duration::from_secs(10);
+
+/// A raw answer: code, headers and the body parsed as JSON (Null when it is not JSON).
+#[derive(Debug)]
+pub struct Raw {
+    pub code: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Value,
+}
+
+/// Sends one raw request through a kube client and reads the whole answer.
+pub async fn raw(
+    client: &kube::Client,
+    method: Method,
+    path: &str,
+    content_type: Option<&str>,
+    body: impl Into<Bytes>,
+) -> Raw {
+    let mut builder = Request::builder().method(method).uri(path);
+    if let Some(ct) = content_type {
+        builder = builder.header(http::header::CONTENT_TYPE, ct);
+    }
+    let request = builder
+        .body(kube::client::Body::from(body.into().to_vec()))
+        .expect("request");
+    let response = tokio::time::timeout(BOUND, client.send(request))
+        .await
+        .expect("answered within the bound")
+        .expect("sent");
+    let (parts, body) = response.into_parts();
+    let bytes = tokio::time::timeout(BOUND, body.collect())
+        .await
+        .expect("body within the bound")
+        .expect("body")
+        .to_bytes();
+    Raw {
+        code: parts.status,
+        headers: parts.headers,
+        body: serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    }
+}
+
+/// GET a path and return the JSON body, asserting 200.
+pub async fn get_json(client: &kube::Client, path: &str) -> Value {
+    let answer = raw(client, Method::GET, path, None, Bytes::new()).await;
+    assert_eq!(answer.code, StatusCode::OK, "GET {path}: {}", answer.body);
+    answer.body
+}
+
+/// The Status of an API error, failing the test on any other outcome.
+pub fn status<T: std::fmt::Debug>(result: Result<T, kube::Error>) -> Status {
+    match result {
+        Err(kube::Error::Api(status)) => *status,
+        other => panic!("expected an API error, got {other:?}"),
+    }
+}
+
+/// Asserts a raw answer is a Failure Status whose `code` matches the HTTP code and whose
+/// reason is `reason`.
+pub fn assert_status(answer: &Raw, code: u16, reason: &str) {
+    assert_eq!(answer.code.as_u16(), code, "{}", answer.body);
+    let body = &answer.body;
+    assert_eq!(body["kind"], "Status", "{body}");
+    assert_eq!(body["apiVersion"], "v1", "{body}");
+    assert_eq!(body["status"], "Failure", "{body}");
+    assert_eq!(body["code"], code, "{body}");
+    assert_eq!(body["reason"], reason, "{body}");
+    assert!(
+        body["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{body}"
+    );
+}
+
+/// A Lease with a holder and a duration.
+pub fn lease(name: &str, holder: &str) -> Lease {
+    let mut lease = Lease::default();
+    lease.metadata.name = Some(name.to_owned());
+    lease.spec = Some(LeaseSpec {
+        holder_identity: Some(holder.to_owned()),
+        lease_duration_seconds: Some(15),
+        ..LeaseSpec::default()
+    });
+    lease
+}
+
+/// A CRD for `widgets.example.com` (namespaced, v1, optionally with a status subresource).
+pub fn widget_crd(status: bool) -> Value {
+    let mut version = json!({
+        "name": "v1", "served": true, "storage": true,
+        "schema": { "openAPIV3Schema": { "type": "object", "x-kubernetes-preserve-unknown-fields": true } },
+    });
+    if status {
+        version["subresources"] = json!({ "status": {} });
+    }
+    json!({
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": { "name": "widgets.example.com" },
+        "spec": {
+            "group": "example.com",
+            "scope": "Namespaced",
+            "names": { "plural": "widgets", "singular": "widget", "kind": "Widget", "shortNames": ["wd"] },
+            "versions": [version],
+        },
+    })
+}
+
+/// Registers the Widget CRD through the API and returns its ApiResource.
+pub async fn register_widgets(server: &ApiServer, status: bool) -> kube::core::ApiResource {
+    let client = server.client().expect("client");
+    let answer = raw(
+        &client,
+        Method::POST,
+        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+        Some("application/json"),
+        serde_json::to_vec(&widget_crd(status)).expect("json"),
+    )
+    .await;
+    assert_eq!(answer.code, StatusCode::CREATED, "{}", answer.body);
+    let gvk = kube::core::GroupVersionKind::gvk("example.com", "v1", "Widget");
+    kube::core::ApiResource::from_gvk_with_plural(&gvk, "widgets")
+}
+
+/// A Widget object.
+pub fn widget(name: &str, spec: Value) -> kube::core::DynamicObject {
+    serde_json::from_value(json!({
+        "apiVersion": "example.com/v1",
+        "kind": "Widget",
+        "metadata": { "name": name },
+        "spec": spec,
+    }))
+    .expect("widget")
+}
+
+/// A kube Config for `name` with kube's default retry of 429/503/504 turned off, so a test
+/// sees the code the server answered.
+pub fn no_retry_client(server: &ApiServer, name: &str) -> kube::Client {
+    let mut config = server.config_for(name).expect("config");
+    config.default_retry = false;
+    kube::Client::try_from(config).expect("client")
+}

@@ -1,0 +1,265 @@
+//! PATCH: JSON merge, JSON patch, strategic merge, server-side apply, and a resourceVersion
+//! inside a patch as a precondition.
+
+use haptic_testkit::ApiServer;
+use http::{Method, StatusCode};
+use k8s_openapi::api::{
+    coordination::v1::Lease,
+    core::v1::{ConfigMap, Pod},
+};
+use kube::{
+    Api,
+    api::{Patch, PatchParams, PostParams},
+};
+use serde_json::json;
+
+use crate::common::{lease, raw, status};
+
+#[tokio::test]
+async fn merge_json_and_strategic_patches() {
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client().unwrap();
+    let leases: Api<Lease> = Api::default_namespaced(client.clone());
+    let pp = PatchParams::default();
+    let created = leases
+        .create(&PostParams::default(), &lease("p", "a"))
+        .await
+        .unwrap();
+
+    let merged = leases
+        .patch(
+            "p",
+            &pp,
+            &Patch::Merge(json!({ "spec": { "holderIdentity": "b", "leaseTransitions": 1 } })),
+        )
+        .await
+        .unwrap();
+    let spec = merged.spec.as_ref().unwrap();
+    assert_eq!(spec.holder_identity.as_deref(), Some("b"));
+    assert_eq!(
+        spec.lease_duration_seconds,
+        Some(15),
+        "untouched fields stay"
+    );
+    assert!(merged.metadata.resource_version > created.metadata.resource_version);
+    let removed = leases
+        .patch(
+            "p",
+            &pp,
+            &Patch::Merge(json!({ "spec": { "leaseTransitions": null } })),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        removed.spec.unwrap().lease_transitions,
+        None,
+        "null removes a field"
+    );
+
+    let ops: json_patch::Patch = serde_json::from_value(json!([
+        { "op": "test", "path": "/spec/holderIdentity", "value": "b" },
+        { "op": "replace", "path": "/spec/holderIdentity", "value": "c" },
+        { "op": "add", "path": "/metadata/labels", "value": { "k": "v" } },
+    ]))
+    .unwrap();
+    let jp = leases
+        .patch("p", &pp, &Patch::<()>::Json(ops))
+        .await
+        .unwrap();
+    assert_eq!(jp.spec.unwrap().holder_identity.as_deref(), Some("c"));
+    assert_eq!(jp.metadata.labels.unwrap()["k"], "v");
+    let failing: json_patch::Patch = serde_json::from_value(
+        json!([{ "op": "test", "path": "/spec/holderIdentity", "value": "zzz" }]),
+    )
+    .unwrap();
+    let err = status(leases.patch("p", &pp, &Patch::<()>::Json(failing)).await);
+    assert!(err.code == 422 || err.code == 409, "{err:?}");
+
+    // Strategic merge: lists of containers merge by name; `$patch: delete` removes one.
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": { "name": "web", "labels": { "a": "1" } },
+        "spec": { "containers": [
+            { "name": "app", "image": "app:1" },
+            { "name": "sidecar", "image": "side:1" },
+        ] },
+    }))
+    .unwrap();
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+    let patched = pods
+        .patch(
+            "web",
+            &pp,
+            &Patch::Strategic(json!({
+                "metadata": { "labels": { "b": "2" } },
+                "spec": { "containers": [
+                    { "name": "app", "image": "app:2" },
+                    { "name": "extra", "image": "extra:1" },
+                ] },
+            })),
+        )
+        .await
+        .unwrap();
+    let images: Vec<(String, String)> = patched
+        .spec
+        .as_ref()
+        .unwrap()
+        .containers
+        .iter()
+        .map(|c| (c.name.clone(), c.image.clone().unwrap()))
+        .collect();
+    assert_eq!(
+        images,
+        [
+            ("app".into(), "app:2".into()),
+            ("sidecar".into(), "side:1".into()),
+            ("extra".into(), "extra:1".into())
+        ]
+    );
+    let labels = patched.metadata.labels.unwrap();
+    assert_eq!((labels["a"].as_str(), labels["b"].as_str()), ("1", "2"));
+    let deleted = pods
+        .patch(
+            "web",
+            &pp,
+            &Patch::Strategic(
+                json!({ "spec": { "containers": [{ "name": "sidecar", "$patch": "delete" }] } }),
+            ),
+        )
+        .await
+        .unwrap();
+    let names: Vec<String> = deleted
+        .spec
+        .unwrap()
+        .containers
+        .into_iter()
+        .map(|c| c.name)
+        .collect();
+    assert_eq!(names, ["app", "extra"]);
+
+    // An unknown patch content type is 415; a missing object is 404.
+    let answer = raw(
+        &client,
+        Method::PATCH,
+        "/apis/coordination.k8s.io/v1/namespaces/default/leases/p",
+        Some("application/json"),
+        "{}",
+    )
+    .await;
+    assert_eq!(answer.code, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    assert_eq!(answer.body["code"], 415);
+    let err = status(leases.patch("missing", &pp, &Patch::Merge(json!({}))).await);
+    assert_eq!(
+        (err.code, err.message.as_str()),
+        (404, r#"leases.coordination.k8s.io "missing" not found"#)
+    );
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn server_side_apply_needs_a_field_manager_creates_and_merges() {
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client().unwrap();
+    let cms: Api<ConfigMap> = Api::default_namespaced(client.clone());
+    let applied = json!({
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": { "name": "ssa" },
+        "data": { "a": "1" },
+    });
+    // Without a field manager the real server refuses an apply patch.
+    let answer = raw(
+        &client,
+        Method::PATCH,
+        "/api/v1/namespaces/default/configmaps/ssa",
+        Some("application/apply-patch+yaml"),
+        serde_json::to_vec(&applied).unwrap(),
+    )
+    .await;
+    assert_eq!(answer.code, StatusCode::BAD_REQUEST, "{}", answer.body);
+    assert_eq!(answer.body["reason"], "BadRequest");
+
+    let ssa = PatchParams::apply("haptic-test");
+    let created = cms
+        .patch("ssa", &ssa, &Patch::Apply(&applied))
+        .await
+        .unwrap();
+    assert_eq!(
+        created.data.unwrap()["a"],
+        "1",
+        "apply creates a missing object"
+    );
+    let second = json!({
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": { "name": "ssa" },
+        "data": { "b": "2" },
+    });
+    let merged = cms
+        .patch("ssa", &ssa.clone().force(), &Patch::Apply(&second))
+        .await
+        .unwrap();
+    let data = merged.data.unwrap();
+    assert_eq!(
+        (data.get("a").map(String::as_str), data["b"].as_str()),
+        (Some("1"), "2")
+    );
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn resource_version_inside_a_patch_is_a_precondition() {
+    let server = ApiServer::start().await.unwrap();
+    let leases: Api<Lease> = Api::default_namespaced(server.client().unwrap());
+    let created = leases
+        .create(&PostParams::default(), &lease("rv", "a"))
+        .await
+        .unwrap();
+    let old_rv = created.metadata.resource_version.clone().unwrap();
+    let pp = PatchParams::default();
+    let ok = leases
+        .patch(
+            "rv",
+            &pp,
+            &Patch::Merge(json!({ "metadata": { "resourceVersion": old_rv }, "spec": { "holderIdentity": "b" } })),
+        )
+        .await
+        .unwrap();
+    assert_eq!(ok.spec.unwrap().holder_identity.as_deref(), Some("b"));
+    for patch in [
+        Patch::Merge(
+            json!({ "metadata": { "resourceVersion": old_rv }, "spec": { "holderIdentity": "c" } }),
+        ),
+        Patch::Strategic(
+            json!({ "metadata": { "resourceVersion": old_rv }, "spec": { "holderIdentity": "c" } }),
+        ),
+    ] {
+        let err = status(leases.patch("rv", &pp, &patch).await);
+        assert_eq!((err.code, err.reason.as_str()), (409, "Conflict"));
+        assert_eq!(
+            err.message,
+            r#"Operation cannot be fulfilled on leases.coordination.k8s.io "rv": the object has been modified; please apply your changes to the latest version and try again"#
+        );
+    }
+    let apply = json!({
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": { "name": "rv", "resourceVersion": old_rv },
+        "spec": { "holderIdentity": "c" },
+    });
+    let err = status(
+        leases
+            .patch("rv", &PatchParams::apply("t"), &Patch::Apply(&apply))
+            .await,
+    );
+    assert_eq!(err.code, 409);
+    assert_eq!(
+        leases
+            .get("rv")
+            .await
+            .unwrap()
+            .spec
+            .unwrap()
+            .holder_identity
+            .as_deref(),
+        Some("b")
+    );
+    server.shutdown().await;
+}

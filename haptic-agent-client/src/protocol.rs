@@ -635,7 +635,12 @@ mod tests {
     fn tampered_content_fails_the_checksum() {
         let request = ApplyRequest::new(1, "l", 1, set()).expect("request");
         let mut wire = request.to_wire();
-        wire.files[0].text = Some("tampered".to_owned());
+        let cfg = wire
+            .files
+            .iter_mut()
+            .find(|file| file.path == MAIN_CONFIG)
+            .expect("main config");
+        cfg.text = Some("tampered".to_owned());
         assert!(matches!(wire.into_request(), Err(Error::Checksum { .. })));
     }
 

@@ -162,7 +162,8 @@ async fn refusals_are_never_retried_and_are_typed() {
         reason: "cannot bind".into(),
         timing: Timing::default(),
     };
-    let cases: Vec<((u16, String), fn(&Error) -> bool)> = vec![
+    type Case = ((u16, String), fn(&Error) -> bool);
+    let cases: Vec<Case> = vec![
         ((409, serde_json::to_string(&fenced).expect("json")), |e| {
             matches!(e, Error::Fenced { fence: 9, epoch: 3 })
         }),

@@ -84,6 +84,22 @@ impl ApiError {
         )
     }
 
+    /// 409 Conflict for a failed DELETE precondition. The real server's delete path names the
+    /// kind, not the resource (`Lease.coordination.k8s.io "x"`, details.kind `Lease`).
+    pub(crate) fn delete_precondition_failed(info: &ResourceInfo, name: &str, cause: &str) -> Self {
+        let mut details = Self::details(info, name);
+        details["kind"] = json!(info.kind);
+        Self::new(
+            409,
+            "Conflict",
+            format!(
+                "Operation cannot be fulfilled on {} \"{name}\": {cause}",
+                info.kind_qualified()
+            ),
+            Some(details),
+        )
+    }
+
     /// 422 Invalid with field causes: `(field, message)` pairs, message already prefixed with
     /// the Go error type text (e.g. `Invalid value: 0: must be greater than 0`).
     pub(crate) fn invalid(info: &ResourceInfo, name: &str, causes: &[(String, String)]) -> Self {

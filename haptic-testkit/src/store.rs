@@ -645,11 +645,11 @@ impl Store {
         if let Some(uid) = &pre.uid {
             let actual = existing["metadata"]["uid"].as_str().unwrap_or_default();
             if uid != actual {
-                return Err(ApiError::conflict_because(
+                return Err(ApiError::delete_precondition_failed(
                     info,
                     name,
                     &format!(
-                        "Precondition failed: UID in precondition: {uid}, UID in object meta: {actual}"
+                        "the UID in the precondition ({uid}) does not match the UID in record ({actual}). The object might have been deleted and then recreated"
                     ),
                 ));
             }
@@ -657,11 +657,11 @@ impl Store {
         if let Some(rv) = &pre.resource_version {
             let actual = rv_of(&existing);
             if rv != actual {
-                return Err(ApiError::conflict_because(
+                return Err(ApiError::delete_precondition_failed(
                     info,
                     name,
                     &format!(
-                        "Precondition failed: ResourceVersion in precondition: {rv}, ResourceVersion in object meta: {actual}"
+                        "the ResourceVersion in the precondition ({rv}) does not match the ResourceVersion in record ({actual}). The object might have been modified"
                     ),
                 ));
             }

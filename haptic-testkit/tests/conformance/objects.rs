@@ -439,14 +439,27 @@ async fn delete_honours_uid_and_resource_version_preconditions() {
         ..DeleteParams::default()
     };
     let err = status(leases.delete("d", &with(Some("wrong"), None)).await);
+    let uid = created.metadata.uid.clone().unwrap();
     assert_eq!((err.code, err.reason.as_str()), (409, "Conflict"));
-    assert!(err.message.starts_with(r#"Operation cannot be fulfilled on leases.coordination.k8s.io "d": Precondition failed: UID in precondition: wrong"#), "{}", err.message);
+    assert_eq!(
+        err.message,
+        format!(
+            r#"Operation cannot be fulfilled on Lease.coordination.k8s.io "d": the UID in the precondition (wrong) does not match the UID in record ({uid}). The object might have been deleted and then recreated"#
+        )
+    );
+    let details = err.details.unwrap();
+    assert_eq!(
+        (details.kind.as_str(), details.group.as_str()),
+        ("Lease", "coordination.k8s.io")
+    );
+    let current = created.metadata.resource_version.clone().unwrap();
     let err = status(leases.delete("d", &with(None, Some("1"))).await);
     assert_eq!((err.code, err.reason.as_str()), (409, "Conflict"));
-    assert!(
-        err.message.contains("ResourceVersion in precondition: 1"),
-        "{}",
-        err.message
+    assert_eq!(
+        err.message,
+        format!(
+            r#"Operation cannot be fulfilled on Lease.coordination.k8s.io "d": the ResourceVersion in the precondition (1) does not match the ResourceVersion in record ({current}). The object might have been modified"#
+        )
     );
     assert!(leases.get("d").await.is_ok());
 

@@ -87,6 +87,23 @@ impl ResourceInfo {
         (self.group.clone(), self.plural.clone())
     }
 
+    /// The etcd key the real server stores an object under, as its storage errors show it.
+    pub(crate) fn storage_path(&self, namespace: Option<&str>, name: &str) -> String {
+        let mut path = "/registry/".to_owned();
+        if self.custom {
+            path.push_str(&self.group);
+            path.push('/');
+        }
+        path.push_str(&self.plural);
+        path.push('/');
+        if let Some(ns) = namespace.filter(|_| self.namespaced) {
+            path.push_str(ns);
+            path.push('/');
+        }
+        path.push_str(name);
+        path
+    }
+
     /// Whether the server keeps `metadata.generation` for this resource.
     pub(crate) fn tracks_generation(&self) -> bool {
         self.custom || self.status

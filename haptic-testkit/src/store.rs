@@ -446,6 +446,22 @@ impl Store {
             }
             return Err(ApiError::not_found(info, name));
         };
+        // A uid in the body is a precondition (the real server's storage checks it first and
+        // reports it as a storage error inside a Conflict).
+        let existing_uid = existing["metadata"]["uid"].as_str().unwrap_or_default();
+        if let Some(uid) = object["metadata"]["uid"].as_str()
+            && !uid.is_empty()
+            && uid != existing_uid
+        {
+            return Err(ApiError::conflict_because(
+                info,
+                name,
+                &format!(
+                    "StorageError: invalid object, Code: 4, Key: {}, ResourceVersion: 0, AdditionalErrorMsg: Precondition failed: UID in precondition: {uid}, UID in object meta: {existing_uid}",
+                    info.storage_path(ns, name)
+                ),
+            ));
+        }
         let body_rv = rv_of(&object).to_owned();
         if body_rv.is_empty() {
             if !info.unconditional_update {

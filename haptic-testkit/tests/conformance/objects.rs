@@ -101,14 +101,29 @@ async fn server_sets_uid_creation_timestamp_and_generation() {
         .await
         .unwrap();
     assert_ne!(f.metadata.uid.as_deref(), Some("forged"));
+    // On update a uid in the body is a precondition; without one the stored uid is kept.
     let mut upd = got.clone();
     upd.metadata.uid = Some("other".into());
     upd.spec.as_mut().unwrap().holder_identity = Some("y".into());
+    let err = status(leases.replace("l", &PostParams::default(), &upd).await);
+    assert_eq!((err.code, err.reason.as_str()), (409, "Conflict"));
+    assert!(
+        err.message.ends_with(&format!(
+            "Precondition failed: UID in precondition: other, UID in object meta: {uid}"
+        )),
+        "{}",
+        err.message
+    );
+    upd.metadata.uid = None;
     let upd = leases
         .replace("l", &PostParams::default(), &upd)
         .await
         .unwrap();
     assert_eq!(upd.metadata.uid.as_deref(), Some(&*uid));
+    assert_eq!(
+        upd.metadata.creation_timestamp,
+        got.metadata.creation_timestamp
+    );
 
     // Custom resources: generation 1 on create, bumped by spec changes only.
     let ar = register_widgets(&server, true).await;

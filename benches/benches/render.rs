@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use haptic_benches::measure::{median, peak_memory};
+use haptic_benches::measure::median;
 use haptic_benches::peer::{PeerContext, PeerRenderer};
 use haptic_render::fixtures::{self, Fixtures};
 use haptic_render::{FileSet, Renderer, Stores, reference};
@@ -83,7 +83,9 @@ fn main() {
         .measurement_time(Duration::from_secs(3));
 
     let mut group = criterion.benchmark_group("compile");
-    group.bench_function("tera", |b| b.iter(|| Renderer::compile(&set).expect("compiles")));
+    group.bench_function("tera", |b| {
+        b.iter(|| Renderer::compile(&set).expect("compiles"))
+    });
     group.bench_function("minijinja", |b| {
         b.iter(|| PeerRenderer::compile(&set).expect("compiles"))
     });
@@ -92,9 +94,11 @@ fn main() {
     let mut group = criterion.benchmark_group("render");
     for case in &mut cases {
         group.throughput(Throughput::Bytes(case.bytes as u64));
-        group.bench_with_input(BenchmarkId::new("tera", case.n), &case.stores, |b, stores| {
-            b.iter(|| renderer.render(stores).expect("renders"))
-        });
+        group.bench_with_input(
+            BenchmarkId::new("tera", case.n),
+            &case.stores,
+            |b, stores| b.iter(|| renderer.render(stores).expect("renders")),
+        );
         group.bench_with_input(
             BenchmarkId::new("tera-views-rebuilt", case.n),
             &case.n,
@@ -170,19 +174,7 @@ fn summary(
         );
     }
     if let Some(big) = cases.iter_mut().find(|c| c.n == 10_000) {
-        touch_all(&mut big.stores, &big.fixtures);
-        let (files, memory) = peak_memory(|| renderer.render(&big.stores).expect("renders"));
-        match memory {
-            Some(m) => println!(
-                "peak memory of the 10k render (views rebuilt): resident set +{:.1} MiB \
-                 (from {:.1} to {:.1} MiB; output {:.1} MB)",
-                m.growth_kib() as f64 / 1024.0,
-                m.before_kib as f64 / 1024.0,
-                m.peak_kib as f64 / 1024.0,
-                files.total_bytes() as f64 / 1e6
-            ),
-            None => println!("peak memory: not measurable here (needs Linux /proc)"),
-        }
+        print_peak_memory(big.n);
         let load = median(3, || {
             let mut stores = reference::stores().expect("stores");
             big.fixtures.load(&mut stores).expect("load");
@@ -194,4 +186,43 @@ fn summary(
             ms(load)
         );
     }
+}
+
+/// Runs the render-peak-memory binary (its own process, with a counting allocator) and prints
+/// what it measured.
+fn print_peak_memory(n: usize) {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_render-peak-memory"))
+        .arg(n.to_string())
+        .output();
+    let text = match output {
+        Ok(output) if output.status.success() => {
+            String::from_utf8_lossy(&output.stdout).into_owned()
+        }
+        Ok(output) => {
+            println!(
+                "peak memory: render-peak-memory failed: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+            return;
+        }
+        Err(e) => {
+            println!("peak memory: cannot run render-peak-memory: {e}");
+            return;
+        }
+    };
+    let value = |key: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(key)?.strip_prefix('='))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(f64::NAN)
+    };
+    let mib = |bytes: f64| bytes / (1024.0 * 1024.0);
+    println!(
+        "peak heap of the {n}-Ingress render above what was allocated before it (output included): \
+         tera {:.1} MiB, minijinja {:.1} MiB; the loaded stores hold {:.1} MiB; output {:.1} MB",
+        mib(value("tera_render_peak_bytes")),
+        mib(value("minijinja_render_peak_bytes")),
+        mib(value("stores_bytes")),
+        value("output_bytes") / 1e6,
+    );
 }

@@ -1,5 +1,6 @@
 //! Support code for the HAPTIC benchmarks: the minijinja peer of the renderer, and the
-//! measurements criterion does not make (peak memory, medians for the summary table).
+//! measurements criterion does not make (medians for the summary table; peak memory is the
+//! `render-peak-memory` binary's job).
 //!
 //! ```
 //! use haptic_benches::peer::{PeerContext, PeerRenderer};

@@ -1,49 +1,7 @@
-//! Measurements criterion does not make: peak resident memory of one call, and a median time
-//! for the summary table.
+//! Measurements criterion does not make: a median time for the summary table. (Peak memory
+//! is measured by the `render-peak-memory` binary, in its own process.)
 
 use std::time::{Duration, Instant};
-
-/// A field of /proc/self/status in KiB (`VmRSS`, `VmHWM`), on Linux.
-fn status_kib(field: &str) -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
-        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
-}
-
-/// Peak memory of one call, from the kernel's resident-set high-water mark.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PeakMemory {
-    /// Resident set before the call, KiB.
-    pub before_kib: u64,
-    /// Highest resident set during the call, KiB.
-    pub peak_kib: u64,
-}
-
-impl PeakMemory {
-    /// How far the call raised the resident set above where it started, KiB.
-    pub fn growth_kib(&self) -> u64 {
-        self.peak_kib.saturating_sub(self.before_kib)
-    }
-}
-
-/// Runs `f` once and reports the resident-set high-water mark during it: the mark is reset
-/// first (`/proc/self/clear_refs`, Linux 4.0+). `None` where that is not available.
-pub fn peak_memory<T>(f: impl FnOnce() -> T) -> (T, Option<PeakMemory>) {
-    let reset = std::fs::write("/proc/self/clear_refs", "5").is_ok();
-    let before = status_kib("VmRSS");
-    let out = f();
-    let peak = status_kib("VmHWM");
-    let memory = match (reset, before, peak) {
-        (true, Some(before_kib), Some(peak_kib)) => Some(PeakMemory {
-            before_kib,
-            peak_kib,
-        }),
-        _ => None,
-    };
-    (out, memory)
-}
 
 /// The median duration of `runs` calls of `f` (at least one), after one warm-up call.
 pub fn median<T>(runs: usize, mut f: impl FnMut() -> T) -> Duration {
@@ -60,21 +18,9 @@ pub fn median<T>(runs: usize, mut f: impl FnMut() -> T) -> Duration {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn peak_memory_sees_a_large_allocation() {
-        let (len, memory) = peak_memory(|| {
-            let v = vec![1u8; 64 << 20];
-            std::hint::black_box(&v);
-            v.len()
-        });
-        assert_eq!(len, 64 << 20);
-        if let Some(m) = memory {
-            assert!(m.growth_kib() >= 60 << 10, "{m:?}");
-        }
-    }
 
     #[test]
     fn median_takes_the_middle_run() {

@@ -101,7 +101,10 @@ impl PeerContext {
                     })
                     .collect();
                 if let Some(parts) = parts {
-                    index.entry(parts.join("/")).or_default().push(value.clone());
+                    index
+                        .entry(parts.join("/"))
+                        .or_default()
+                        .push(value.clone());
                 }
             }
             if store == "secrets" {
@@ -235,13 +238,19 @@ fn register(env: &mut Environment<'static>) {
             _ => s.trim_end().to_owned(),
         })
     });
-    env.add_test("http_path", |v: &Value| v.as_str().is_some_and(is_http_path));
+    env.add_test("http_path", |v: &Value| {
+        v.as_str().is_some_and(is_http_path)
+    });
     env.add_test("hostname", |v: &Value| v.as_str().is_some_and(is_hostname));
     env.add_function("backend_name", |kwargs: Kwargs| -> Result<String> {
         let namespace: Value = kwargs.get("namespace")?;
         let service: Value = kwargs.get("service")?;
         let port: Value = kwargs.get("port")?;
-        Ok(backend_name(&text(&namespace), &text(&service), &text(&port)))
+        Ok(backend_name(
+            &text(&namespace),
+            &text(&service),
+            &text(&port),
+        ))
     });
     env.add_function("ssl_file", |kwargs: Kwargs| -> Result<String> {
         let namespace: String = kwargs.get("namespace")?;
@@ -252,36 +261,34 @@ fn register(env: &mut Environment<'static>) {
         let message: Value = kwargs.get("message")?;
         Err(invalid(format!("template failed: {}", text(&message))))
     });
-    env.add_function(
-        "get",
-        |state: &State, kwargs: Kwargs| -> Result<Value> {
-            let store: String = kwargs.get("store")?;
-            let namespace: Option<String> = kwargs.get("namespace")?;
-            let name: String = kwargs.get("name")?;
-            let key = format!("{}/{name}", namespace.unwrap_or_default());
-            let found = store_lookup(state, "__haptic_get", &store, &key)?;
-            Ok(if found.is_undefined() { Value::from(()) } else { found })
-        },
-    );
-    env.add_function(
-        "lookup",
-        |state: &State, kwargs: Kwargs| -> Result<Value> {
-            let store: String = kwargs.get("store")?;
-            let key: Value = kwargs.get("key")?;
-            let key = match key.as_str() {
-                Some(s) => s.to_owned(),
-                None => key
-                    .try_iter()?
-                    .map(|part| text(&part))
-                    .collect::<Vec<_>>()
-                    .join("/"),
-            };
-            let found = store_lookup(state, "__haptic_index", &store, &key)?;
-            Ok(if found.is_undefined() {
-                Value::from(Vec::<Value>::new())
-            } else {
-                found
-            })
-        },
-    );
+    env.add_function("get", |state: &State, kwargs: Kwargs| -> Result<Value> {
+        let store: String = kwargs.get("store")?;
+        let namespace: Option<String> = kwargs.get("namespace")?;
+        let name: String = kwargs.get("name")?;
+        let key = format!("{}/{name}", namespace.unwrap_or_default());
+        let found = store_lookup(state, "__haptic_get", &store, &key)?;
+        Ok(if found.is_undefined() {
+            Value::from(())
+        } else {
+            found
+        })
+    });
+    env.add_function("lookup", |state: &State, kwargs: Kwargs| -> Result<Value> {
+        let store: String = kwargs.get("store")?;
+        let key: Value = kwargs.get("key")?;
+        let key = match key.as_str() {
+            Some(s) => s.to_owned(),
+            None => key
+                .try_iter()?
+                .map(|part| text(&part))
+                .collect::<Vec<_>>()
+                .join("/"),
+        };
+        let found = store_lookup(state, "__haptic_index", &store, &key)?;
+        Ok(if found.is_undefined() {
+            Value::from(Vec::<Value>::new())
+        } else {
+            found
+        })
+    });
 }

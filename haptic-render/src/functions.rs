@@ -152,7 +152,10 @@ pub fn ssl_file(namespace: &str, name: &str) -> String {
 /// assert!(!haptic_render::functions::is_http_path("/a b"));
 /// ```
 pub fn is_http_path(path: &str) -> bool {
-    path.starts_with('/') && !path.chars().any(|c| c.is_whitespace() || c.is_control() || c == '#')
+    path.starts_with('/')
+        && !path
+            .chars()
+            .any(|c| c.is_whitespace() || c.is_control() || c == '#')
 }
 
 /// Whether `host` is a plain DNS name usable as a map key and an SNI filter: 1 to 253
@@ -186,7 +189,10 @@ fn compare(a: Option<&Value>, b: Option<&Value>) -> Ordering {
         (Some(a), Some(b)) => match (a.as_f64(), b.as_f64(), a.as_str(), b.as_str()) {
             (Some(x), Some(y), _, _) => x.total_cmp(&y),
             (_, _, Some(x), Some(y)) => x.cmp(y),
-            _ => a.name().cmp(b.name()).then_with(|| a.to_string().cmp(&b.to_string())),
+            _ => a
+                .name()
+                .cmp(b.name())
+                .then_with(|| a.to_string().cmp(&b.to_string())),
         },
     }
 }
@@ -207,7 +213,12 @@ fn tera_error(e: impl std::fmt::Display) -> tera::Error {
 }
 
 /// Looks `key` up in the per-store map held in the context variable `var`.
-fn store_lookup(state: &State, var: &str, store: &str, key: &str) -> tera::TeraResult<Option<Value>> {
+fn store_lookup(
+    state: &State,
+    var: &str,
+    store: &str,
+    key: &str,
+) -> tera::TeraResult<Option<Value>> {
     let stores: Value = state
         .get(var)?
         .ok_or_else(|| tera_error("the render context has no stores"))?;
@@ -319,17 +330,26 @@ pub(crate) fn register(tera: &mut Tera) {
             Ok(ssl_file(namespace, name))
         },
     );
-    tera.register_function("fail", |kwargs: Kwargs, _: &State| -> tera::TeraResult<bool> {
-        let message: Value = kwargs.must_get("message")?;
-        Err(tera_error(format!("template failed: {}", key_text(&message))))
-    });
-    tera.register_function("get", |kwargs: Kwargs, state: &State| -> tera::TeraResult<Value> {
-        let store: &str = kwargs.must_get("store")?;
-        let namespace: &str = kwargs.get("namespace")?.unwrap_or("");
-        let name: &str = kwargs.must_get("name")?;
-        let key = format!("{namespace}/{name}");
-        Ok(store_lookup(state, GET_VAR, store, &key)?.unwrap_or_else(Value::none))
-    });
+    tera.register_function(
+        "fail",
+        |kwargs: Kwargs, _: &State| -> tera::TeraResult<bool> {
+            let message: Value = kwargs.must_get("message")?;
+            Err(tera_error(format!(
+                "template failed: {}",
+                key_text(&message)
+            )))
+        },
+    );
+    tera.register_function(
+        "get",
+        |kwargs: Kwargs, state: &State| -> tera::TeraResult<Value> {
+            let store: &str = kwargs.must_get("store")?;
+            let namespace: &str = kwargs.get("namespace")?.unwrap_or("");
+            let name: &str = kwargs.must_get("name")?;
+            let key = format!("{namespace}/{name}");
+            Ok(store_lookup(state, GET_VAR, store, &key)?.unwrap_or_else(Value::none))
+        },
+    );
     tera.register_function(
         "lookup",
         |kwargs: Kwargs, state: &State| -> tera::TeraResult<Value> {
@@ -342,6 +362,7 @@ pub(crate) fn register(tera: &mut Tera) {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -85,7 +85,10 @@ pub fn template_set() -> TemplateSet {
             "tls-entries",
             include_str!("../templates/snippets/tls-entries.tera"),
         ),
-        ("tls-pem", include_str!("../templates/snippets/tls-pem.tera")),
+        (
+            "tls-pem",
+            include_str!("../templates/snippets/tls-pem.tera"),
+        ),
     ] {
         set.template_snippets
             .insert(name.to_owned(), template(source));

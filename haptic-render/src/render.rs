@@ -311,13 +311,13 @@ impl Renderer {
     }
 
     /// Runs the jobs on up to `self.threads` threads; results come back in job order.
-    fn run_jobs(&self, jobs: &[Job<'_>], context: &Context) -> Vec<Result<Vec<(String, Vec<u8>)>>> {
+    fn run_jobs(&self, jobs: &[Job<'_>], context: &Context) -> Vec<Result<Rendered>> {
         let threads = self.threads.clamp(1, jobs.len().max(1));
         if threads == 1 {
             return jobs.iter().map(|job| self.run_job(job, context)).collect();
         }
         let next = AtomicUsize::new(0);
-        let slots: Vec<Mutex<Option<Result<Vec<(String, Vec<u8>)>>>>> =
+        let slots: Vec<Mutex<Option<Result<Rendered>>>> =
             jobs.iter().map(|_| Mutex::new(None)).collect();
         std::thread::scope(|scope| {
             for _ in 0..threads {
@@ -348,7 +348,7 @@ impl Renderer {
             .collect()
     }
 
-    fn run_job(&self, job: &Job<'_>, context: &Context) -> Result<Vec<(String, Vec<u8>)>> {
+    fn run_job(&self, job: &Job<'_>, context: &Context) -> Result<Rendered> {
         match job {
             Job::Single(output) => {
                 let text = self.render_one(&output.template, context, &output.path)?;
@@ -379,6 +379,9 @@ impl Renderer {
     }
 }
 
+/// What one job produced: paths and bytes.
+type Rendered = Vec<(String, Vec<u8>)>;
+
 /// Per-item outputs are rendered in chunks of this many items per job.
 const ITEMS_PER_JOB: usize = 128;
 
@@ -394,6 +397,7 @@ enum Job<'a> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use crate::set::{CertificateTemplate, Template};
@@ -485,7 +489,11 @@ mod tests {
     fn unknown_store_is_a_render_error_listing_known_stores() {
         let renderer = compile("{{ get(store=\"servics\", name=\"x\") }}").unwrap();
         let err = renderer.render(&stores()).unwrap_err();
-        assert!(err.to_string().contains("unknown store `servics` (known: services)"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("unknown store `servics` (known: services)"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -496,7 +504,10 @@ mod tests {
         };
         set.extra_context
             .insert("tuning".into(), json!({"maxconn": 5000}));
-        let files = Renderer::compile(&set).unwrap().render(&Stores::new()).unwrap();
+        let files = Renderer::compile(&set)
+            .unwrap()
+            .render(&Stores::new())
+            .unwrap();
         assert_eq!(files.text("haproxy.cfg"), Some("5000"));
     }
 
@@ -516,7 +527,10 @@ mod tests {
         assert_eq!(files.text("ssl/b_web.pem"), Some("PEM b"));
 
         set.ssl_certificates.get_mut("services").unwrap().for_each = Some("secrets".into());
-        let err = Renderer::compile(&set).unwrap().render(&stores()).unwrap_err();
+        let err = Renderer::compile(&set)
+            .unwrap()
+            .render(&stores())
+            .unwrap_err();
         assert!(matches!(err, Error::UnknownStore { .. }), "{err}");
     }
 

@@ -141,7 +141,9 @@ fn is_relative_path(path: &str) -> bool {
     !path.is_empty()
         && !path.starts_with('/')
         && !path.contains(['\\', '\0'])
-        && path.split('/').all(|s| !s.is_empty() && s != "." && s != "..")
+        && path
+            .split('/')
+            .all(|s| !s.is_empty() && s != "." && s != "..")
 }
 
 impl TemplateSet {
@@ -152,7 +154,10 @@ impl TemplateSet {
 
     /// Every template by its engine name, snippets included.
     pub(crate) fn sources(&self) -> Vec<(String, &str)> {
-        let mut out = vec![(HAPROXY_CONFIG.to_owned(), self.haproxy_config.template.as_str())];
+        let mut out = vec![(
+            HAPROXY_CONFIG.to_owned(),
+            self.haproxy_config.template.as_str(),
+        )];
         out.extend(
             self.maps
                 .iter()
@@ -258,6 +263,7 @@ impl TemplateSet {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -280,8 +286,14 @@ mod tests {
         }))
         .unwrap();
         let paths: Vec<String> = set.outputs().unwrap().into_iter().map(|o| o.path).collect();
-        assert_eq!(paths, ["haproxy.cfg", "maps/host.map", "errors/503.http", "tls"]);
-        assert_eq!(set.ssl_certificates["tls"].for_each.as_deref(), Some("secrets"));
+        assert_eq!(
+            paths,
+            ["haproxy.cfg", "maps/host.map", "errors/503.http", "tls"]
+        );
+        assert_eq!(
+            set.ssl_certificates["tls"].for_each.as_deref(),
+            Some("secrets")
+        );
     }
 
     #[test]

@@ -355,6 +355,7 @@ impl fmt::Display for FieldPath {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use serde_json::json;
@@ -362,10 +363,7 @@ mod tests {
     #[test]
     fn field_paths_parse_dots_and_quoted_keys() {
         let path = FieldPath::parse(r#"metadata.labels["kubernetes.io/service-name"]"#).unwrap();
-        assert_eq!(
-            path.0,
-            ["metadata", "labels", "kubernetes.io/service-name"]
-        );
+        assert_eq!(path.0, ["metadata", "labels", "kubernetes.io/service-name"]);
         let path = FieldPath::parse("a['b.c'].d").unwrap();
         assert_eq!(path.0, ["a", "b.c", "d"]);
         for bad in ["", "a..b", ".a", "a.", "a[b]", "a['b'", "a['b']c", "a['b"] {
@@ -377,7 +375,10 @@ mod tests {
     fn apply_requires_a_named_object() {
         let mut store = Store::new(StoreConfig::default()).unwrap();
         assert_eq!(store.apply(&json!([1])), Err(Error::NotAnObject));
-        assert_eq!(store.apply(&json!({"metadata": {}})), Err(Error::MissingName));
+        assert_eq!(
+            store.apply(&json!({"metadata": {}})),
+            Err(Error::MissingName)
+        );
         store.apply(&json!({"metadata": {"name": "n"}})).unwrap();
         assert!(store.contains("", "n"));
     }
@@ -396,7 +397,9 @@ mod tests {
         store.apply(&slice("b", "s2", "web")).unwrap();
         store.apply(&slice("a", "s9", "web")).unwrap();
         store.apply(&slice("a", "s1", "web")).unwrap();
-        store.apply(&json!({"metadata": {"namespace": "a", "name": "unlabelled"}})).unwrap();
+        store
+            .apply(&json!({"metadata": {"namespace": "a", "name": "unlabelled"}}))
+            .unwrap();
         let view = store.view();
         let names: Vec<String> = view
             .list
@@ -421,12 +424,12 @@ mod tests {
     #[test]
     fn store_names_must_be_identifiers() {
         let mut stores = Stores::new();
-        assert!(stores.add("endpoint-slices", StoreConfig::default()).is_err());
         assert!(
             stores
-                .add("svc", StoreConfig { index_by: vec![] })
+                .add("endpoint-slices", StoreConfig::default())
                 .is_err()
         );
+        assert!(stores.add("svc", StoreConfig { index_by: vec![] }).is_err());
         assert!(stores.add("endpointslices", StoreConfig::default()).is_ok());
     }
 }

@@ -86,6 +86,7 @@ where
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use serde_json::json;
@@ -96,7 +97,11 @@ mod tests {
         let map = value.as_map().expect("a map");
         let keys: Vec<String> = map.keys().map(|k| k.to_string()).collect();
         assert_eq!(keys, ["a", "b", "c"]);
-        let inner = map.values().next().and_then(|v| v.as_map()).expect("inner map");
+        let inner = map
+            .values()
+            .next()
+            .and_then(|v| v.as_map())
+            .expect("inner map");
         let keys: Vec<String> = inner.keys().map(|k| k.to_string()).collect();
         assert_eq!(keys, ["c", "z"]);
     }

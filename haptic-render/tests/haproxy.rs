@@ -1,6 +1,8 @@
 //! The reference template set rendered for generated and broken Ingresses, checked by the real
 //! `haproxy -c`.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use common::{haproxy_check, reference_stores, render_reference};
@@ -17,21 +19,35 @@ fn ten_ingresses_render_a_config_haproxy_accepts() {
     assert_eq!(cfg.matches("\nbackend ").count(), 21, "{cfg}");
     // Three endpoints per slice, the third not ready in every 5th slice (0 and 5): the ready
     // ones are servers of both port backends.
-    assert_eq!(cfg.matches("    server ").count(), (10 * 3 - 2) * 2, "{cfg}");
+    assert_eq!(
+        cfg.matches("    server ").count(),
+        (10 * 3 - 2) * 2,
+        "{cfg}"
+    );
     assert!(cfg.contains("backend team-00_app-00000_80\n    balance roundrobin\n    server "));
     assert!(cfg.contains(" 10.0.0.1:8080 check"), "{cfg}");
     // Ingresses 0, 4 and 8 have TLS: HTTPS is on.
-    assert!(cfg.contains("ssl strict-sni crt-list maps/certs.list"), "{cfg}");
+    assert!(
+        cfg.contains("ssl strict-sni crt-list maps/certs.list"),
+        "{cfg}"
+    );
 
     let exact = files.text("maps/routes-exact.map").expect("exact map");
     assert!(exact.contains("\napp-00003.team-03.example.com/healthz team-03_app-00003_80\n"));
-    assert_eq!(exact.trim().lines().count(), 10, "one Exact path per Ingress:\n{exact}");
+    assert_eq!(
+        exact.trim().lines().count(),
+        10,
+        "one Exact path per Ingress:\n{exact}"
+    );
     let prefix = files.text("maps/routes-prefix.map").expect("prefix map");
     assert!(prefix.contains("\napp-00003.team-03.example.com/ team-03_app-00003_80\n"));
     // A Prefix path's trailing slash is normalized: `/metrics/` and `/metrics` are one key.
     assert!(prefix.contains("\napp-00003.team-03.example.com/metrics/ team-03_app-00003_9090\n"));
     // Ingress 0 has a rule without a host, keyed with `*`.
-    assert!(prefix.contains("\n*/shared/app-00000/ team-00_app-00000_80\n"), "{prefix}");
+    assert!(
+        prefix.contains("\n*/shared/app-00000/ team-00_app-00000_80\n"),
+        "{prefix}"
+    );
 
     let certs = files.text("maps/certs.list").expect("crt-list");
     assert_eq!(certs.trim().lines().count(), 3, "{certs}");
@@ -39,10 +55,15 @@ fn ten_ingresses_render_a_config_haproxy_accepts() {
     for n in ["00000", "00004", "00008"] {
         let ns = &n[3..];
         let path = format!("ssl/team-{ns}_app-{n}-tls.pem");
-        let pem = files.text(&path).unwrap_or_else(|| panic!("{path} missing"));
+        let pem = files
+            .text(&path)
+            .unwrap_or_else(|| panic!("{path} missing"));
         assert!(pem.starts_with("-----BEGIN CERTIFICATE-----") && pem.contains("PRIVATE KEY"));
     }
-    assert_eq!(files.iter().filter(|(p, _)| p.starts_with("ssl/")).count(), 3);
+    assert_eq!(
+        files.iter().filter(|(p, _)| p.starts_with("ssl/")).count(),
+        3
+    );
 }
 
 #[test]
@@ -52,7 +73,15 @@ fn a_thousand_ingresses_render_a_config_haproxy_accepts() {
     haproxy_check(&files);
     let cfg = files.text("haproxy.cfg").expect("haproxy.cfg");
     assert_eq!(cfg.matches("\nbackend ").count(), 2001);
-    assert_eq!(files.text("maps/certs.list").unwrap().trim().lines().count(), 250);
+    assert_eq!(
+        files
+            .text("maps/certs.list")
+            .unwrap()
+            .trim()
+            .lines()
+            .count(),
+        250
+    );
     assert_eq!(files.len(), 4 + 250);
 }
 
@@ -73,35 +102,66 @@ fn without_tls_there_is_no_https_bind() {
 #[test]
 fn broken_ingresses_never_produce_an_invalid_config() {
     let mut stores = reference_stores(2);
-    let ingress = |name: &str, spec: serde_json::Value| {
-        json!({"metadata": {"namespace": "broken", "name": name}, "spec": spec})
-    };
+    let ingress = |name: &str, spec: serde_json::Value| json!({"metadata": {"namespace": "broken", "name": name}, "spec": spec});
     let rule = |host: &str, path: &str, path_type: &str, service: &str, port: serde_json::Value| {
         json!({"host": host, "http": {"paths": [{"path": path, "pathType": path_type,
             "backend": {"service": {"name": service, "port": port}}}]}})
     };
     let broken = [
         // The Service does not exist.
-        ingress("missing-svc", json!({"rules": [rule("a.broken.example.com", "/", "Prefix", "nope", json!({"number": 80}))]})),
+        ingress(
+            "missing-svc",
+            json!({"rules": [rule("a.broken.example.com", "/", "Prefix", "nope", json!({"number": 80}))]}),
+        ),
         // Paths that would break a map file or are not absolute.
-        ingress("bad-path-1", json!({"rules": [rule("b.broken.example.com", "no-slash", "Prefix", "web", json!({"number": 80}))]})),
-        ingress("bad-path-2", json!({"rules": [rule("c.broken.example.com", "/with space", "Exact", "web", json!({"number": 80}))]})),
-        ingress("bad-path-3", json!({"rules": [rule("d.broken.example.com", "/a\nb", "Exact", "web", json!({"number": 80}))]})),
+        ingress(
+            "bad-path-1",
+            json!({"rules": [rule("b.broken.example.com", "no-slash", "Prefix", "web", json!({"number": 80}))]}),
+        ),
+        ingress(
+            "bad-path-2",
+            json!({"rules": [rule("c.broken.example.com", "/with space", "Exact", "web", json!({"number": 80}))]}),
+        ),
+        ingress(
+            "bad-path-3",
+            json!({"rules": [rule("d.broken.example.com", "/a\nb", "Exact", "web", json!({"number": 80}))]}),
+        ),
         // A port the Service does not have, by number and by name.
-        ingress("bad-port-1", json!({"rules": [rule("e.broken.example.com", "/", "Prefix", "web", json!({"number": 81}))]})),
-        ingress("bad-port-2", json!({"rules": [rule("f.broken.example.com", "/", "Prefix", "web", json!({"name": "grpc"}))]})),
+        ingress(
+            "bad-port-1",
+            json!({"rules": [rule("e.broken.example.com", "/", "Prefix", "web", json!({"number": 81}))]}),
+        ),
+        ingress(
+            "bad-port-2",
+            json!({"rules": [rule("f.broken.example.com", "/", "Prefix", "web", json!({"name": "grpc"}))]}),
+        ),
         // Hosts that are not plain names.
-        ingress("bad-host-1", json!({"rules": [rule("*.wild.example.com", "/", "Prefix", "web", json!({"number": 80}))]})),
-        ingress("bad-host-2", json!({"rules": [rule("UPPER.example.com x", "/", "Prefix", "web", json!({"number": 80}))]})),
+        ingress(
+            "bad-host-1",
+            json!({"rules": [rule("*.wild.example.com", "/", "Prefix", "web", json!({"number": 80}))]}),
+        ),
+        ingress(
+            "bad-host-2",
+            json!({"rules": [rule("UPPER.example.com x", "/", "Prefix", "web", json!({"number": 80}))]}),
+        ),
         // No rules, empty rules, a rule without http, a resource backend.
         ingress("no-rules", json!({})),
         ingress("empty-rules", json!({"rules": []})),
-        ingress("no-http", json!({"rules": [{"host": "g.broken.example.com"}]})),
-        ingress("resource-backend", json!({"rules": [{"host": "h.broken.example.com", "http": {"paths": [
-            {"path": "/", "pathType": "Prefix", "backend": {"resource": {"kind": "Bucket", "name": "b"}}}]}}]})),
+        ingress(
+            "no-http",
+            json!({"rules": [{"host": "g.broken.example.com"}]}),
+        ),
+        ingress(
+            "resource-backend",
+            json!({"rules": [{"host": "h.broken.example.com", "http": {"paths": [
+            {"path": "/", "pathType": "Prefix", "backend": {"resource": {"kind": "Bucket", "name": "b"}}}]}}]}),
+        ),
         // TLS naming a missing Secret, a Secret of the wrong type, one with bad base64 and one
         // whose data is not PEM.
-        ingress("tls-missing", json!({"tls": [{"hosts": ["i.broken.example.com"], "secretName": "absent"}]})),
+        ingress(
+            "tls-missing",
+            json!({"tls": [{"hosts": ["i.broken.example.com"], "secretName": "absent"}]}),
+        ),
         ingress("tls-opaque", json!({"tls": [{"secretName": "opaque"}]})),
         ingress("tls-bad-b64", json!({"tls": [{"secretName": "bad-b64"}]})),
         ingress("tls-not-pem", json!({"tls": [{"secretName": "not-pem"}]})),
@@ -122,11 +182,20 @@ fn broken_ingresses_never_produce_an_invalid_config() {
     let slices = stores.get_mut("endpointslices").unwrap();
     // A slice without endpoints, one of FQDNs and one whose endpoints lack addresses.
     for (name, body) in [
-        ("web-a", json!({"addressType": "IPv4", "ports": [{"name": "http", "port": 8080}]})),
-        ("web-b", json!({"addressType": "FQDN", "ports": [{"name": "http", "port": 8080}],
-            "endpoints": [{"addresses": ["db.example.com"]}]})),
-        ("web-c", json!({"addressType": "IPv4", "ports": [{"name": "http", "port": 8080}],
-            "endpoints": [{"conditions": {"ready": true}}, {"addresses": ["10.9.9.9"]}]})),
+        (
+            "web-a",
+            json!({"addressType": "IPv4", "ports": [{"name": "http", "port": 8080}]}),
+        ),
+        (
+            "web-b",
+            json!({"addressType": "FQDN", "ports": [{"name": "http", "port": 8080}],
+            "endpoints": [{"addresses": ["db.example.com"]}]}),
+        ),
+        (
+            "web-c",
+            json!({"addressType": "IPv4", "ports": [{"name": "http", "port": 8080}],
+            "endpoints": [{"conditions": {"ready": true}}, {"addresses": ["10.9.9.9"]}]}),
+        ),
     ] {
         let mut slice = body;
         slice["metadata"] = json!({"namespace": "broken", "name": name,
@@ -135,8 +204,10 @@ fn broken_ingresses_never_produce_an_invalid_config() {
     }
     let secrets = stores.get_mut("secrets").unwrap();
     secrets
-        .apply(&json!({"metadata": {"namespace": "broken", "name": "opaque"}, "type": "Opaque",
-            "data": {"tls.crt": "eA==", "tls.key": "eA=="}}))
+        .apply(
+            &json!({"metadata": {"namespace": "broken", "name": "opaque"}, "type": "Opaque",
+            "data": {"tls.crt": "eA==", "tls.key": "eA=="}}),
+        )
         .unwrap();
     secrets
         .apply(&json!({"metadata": {"namespace": "broken", "name": "bad-b64"}, "type": "kubernetes.io/tls",
@@ -155,18 +226,31 @@ fn broken_ingresses_never_produce_an_invalid_config() {
         .filter(|(p, _)| p.starts_with("maps/"))
         .map(|(_, b)| String::from_utf8_lossy(b).into_owned())
         .collect();
-    assert!(maps.contains("good.broken.example.com/ broken_web_80\n"), "{maps}");
+    assert!(
+        maps.contains("good.broken.example.com/ broken_web_80\n"),
+        "{maps}"
+    );
     for host in ["a", "b", "c", "d", "e", "f", "h"] {
         let line_start = format!("\n{host}.broken.example.com");
-        assert!(!maps.contains(&line_start), "{host}.broken reached a map:\n{maps}");
+        assert!(
+            !maps.contains(&line_start),
+            "{host}.broken reached a map:\n{maps}"
+        );
     }
     for absent in ["wild", "UPPER", "with space", "no-slash", "ssl/broken_"] {
         assert!(!maps.contains(absent), "`{absent}` reached a map:\n{maps}");
     }
     assert!(!files.iter().any(|(p, _)| p.starts_with("ssl/broken_")));
     let cfg = files.text("haproxy.cfg").unwrap();
-    let web = cfg.split("backend broken_web_80\n").nth(1).expect("web backend");
+    let web = cfg
+        .split("backend broken_web_80\n")
+        .nth(1)
+        .expect("web backend");
     let web = web.split("\nbackend ").next().unwrap_or_default();
-    assert_eq!(web.matches("server ").count(), 1, "only 10.9.9.9 is a usable endpoint:\n{web}");
+    assert_eq!(
+        web.matches("server ").count(),
+        1,
+        "only 10.9.9.9 is a usable endpoint:\n{web}"
+    );
     assert!(web.contains("web-c_10.9.9.9 10.9.9.9:8080 check"), "{web}");
 }

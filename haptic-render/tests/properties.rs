@@ -1,6 +1,8 @@
 //! Property tests: renders are deterministic whatever order resources arrive in, and arbitrary
 //! template sources and resources never make the renderer panic.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::sync::OnceLock;

@@ -1,0 +1,54 @@
+//! Peak heap memory of one full render of the reference set, in its own process so that the
+//! counting allocator does not slow down the timed benchmarks.
+//!
+//! `render-peak-memory [INGRESSES]` prints `key=value` lines: `ingresses`, `output_bytes`,
+//! `stores_bytes` (heap held by the loaded stores), `tera_render_peak_bytes` and
+//! `minijinja_render_peak_bytes` (the most heap each render held at once above what was
+//! allocated before it started, output included).
+
+use haptic_benches::peer::{PeerContext, PeerRenderer};
+use haptic_render::{Renderer, fixtures, reference};
+use peak_alloc::PeakAlloc;
+
+#[global_allocator]
+static HEAP: PeakAlloc = PeakAlloc;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let n: usize = match std::env::args().nth(1) {
+        Some(arg) => arg.parse()?,
+        None => 10_000,
+    };
+    let set = reference::template_set();
+    let renderer = Renderer::compile(&set)?;
+    let peer = PeerRenderer::compile(&set)?;
+    let fixtures = fixtures::generate(n);
+
+    let before_stores = HEAP.current_usage();
+    let mut stores = reference::stores()?;
+    fixtures.load(&mut stores)?;
+    let stores_bytes = HEAP.current_usage().saturating_sub(before_stores);
+    // Build the store views (sorted lists, indexes) outside the measured render, as the
+    // minijinja context is built outside its own.
+    drop(renderer.render(&stores)?);
+
+    let before = HEAP.current_usage();
+    HEAP.reset_peak_usage();
+    let files = renderer.render(&stores)?;
+    let tera_peak = HEAP.peak_usage().saturating_sub(before);
+    let output_bytes = files.total_bytes();
+    drop(files);
+
+    let context = PeerContext::new(&set, &fixtures);
+    let before = HEAP.current_usage();
+    HEAP.reset_peak_usage();
+    let files = peer.render(&context)?;
+    let mini_peak = HEAP.peak_usage().saturating_sub(before);
+    drop(files);
+
+    println!("ingresses={n}");
+    println!("output_bytes={output_bytes}");
+    println!("stores_bytes={stores_bytes}");
+    println!("tera_render_peak_bytes={tera_peak}");
+    println!("minijinja_render_peak_bytes={mini_peak}");
+    Ok(())
+}

@@ -198,13 +198,30 @@ fn resolve(store: &Store, path: &str, address: &str) -> Target {
     }
 }
 
-fn client_of(req: &Request<Incoming>) -> String {
+/// The path prefix that names a client for programs that send no credentials over plain HTTP
+/// (client-go, hence kubectl, reads a kubeconfig's user only for TLS servers).
+pub(crate) const CLIENT_PREFIX: &str = "/clients/";
+
+/// Splits `/clients/{name}/rest` into the client name and `/rest`.
+fn split_client_prefix(path: &str) -> (Option<&str>, &str) {
+    let Some(rest) = path.strip_prefix(CLIENT_PREFIX) else {
+        return (None, path);
+    };
+    match rest.find('/') {
+        Some(i) => (Some(&rest[..i]).filter(|n| !n.is_empty()), &rest[i..]),
+        None => (Some(rest).filter(|n| !n.is_empty()), "/"),
+    }
+}
+
+/// The client's name: its bearer token, else the path prefix, else `anonymous`.
+fn client_of(req: &Request<Incoming>, from_path: Option<&str>) -> String {
     req.headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(|t| t.trim().to_owned())
         .filter(|t| !t.is_empty())
+        .or_else(|| from_path.map(str::to_owned))
         .unwrap_or_else(|| "anonymous".to_owned())
 }
 
@@ -229,10 +246,12 @@ pub(crate) async fn handle(
 ) -> Result<Response<Body>, DropConnection> {
     let arrived = Instant::now();
     let seq = shared.faults.next_seq();
-    let client = client_of(&req);
+    let (from_path, path) = split_client_prefix(req.uri().path());
+    let client = client_of(&req, from_path);
+    let path = path.to_owned();
     let query = parse_query(req.uri().query());
     let is_watch = matches!(query.get("watch").map(String::as_str), Some("true" | "1"));
-    let target = resolve(&shared.lock_store(), req.uri().path(), &shared.address);
+    let target = resolve(&shared.lock_store(), &path, &shared.address);
     let mut record = RequestRecord {
         seq,
         client: client.clone(),
@@ -258,7 +277,7 @@ pub(crate) async fn handle(
         record.name = name.clone().unwrap_or_default();
     }
     let is_watch = record.verb == "watch";
-    let outcome = serve(&shared, req, target, query, &client, is_watch).await;
+    let outcome = serve(&shared, req, target, query, &client, is_watch, &path).await;
     record.code = match &outcome {
         Ok(resp) => resp.status().as_u16(),
         Err(DropConnection) => 0,
@@ -274,6 +293,7 @@ async fn serve(
     query: HashMap<String, String>,
     client: &str,
     is_watch: bool,
+    path: &str,
 ) -> Result<Response<Body>, DropConnection> {
     match shared.faults.decide(client, is_watch) {
         Decision::Drop => return Err(DropConnection),
@@ -307,7 +327,7 @@ async fn serve(
                 error_response(&ApiError::method_not_allowed(req.method().as_str()))
             });
         }
-        Target::Missing => return Ok(error_response(&ApiError::path_not_found(req.uri().path()))),
+        Target::Missing => return Ok(error_response(&ApiError::path_not_found(path))),
         Target::Resource {
             info,
             namespace,

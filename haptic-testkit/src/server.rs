@@ -40,7 +40,8 @@ pub enum Error {
     /// A kube client could not be built.
     #[error("building a kube client: {0}")]
     Client(#[source] kube::Error),
-    /// A client name that cannot be used as a bearer token.
+    /// A client name that cannot be used as a bearer token (or, in a kubeconfig, a URL path
+    /// segment).
     #[error("client name {0:?} cannot be used as a bearer token")]
     ClientName(String),
 }
@@ -184,6 +185,11 @@ impl ApiServer {
 
     /// Writes a kubeconfig for client `name` (in a directory removed with the server) and
     /// returns its path, for child processes such as `kubectl` or the daemon.
+    ///
+    /// The server URL in it ends in `/clients/{name}` and the user's token is `name`: kube
+    /// sends the token, but client-go (kubectl) sends no credentials to a plain-HTTP server, so
+    /// the path prefix is how the server tells such a client apart. Names must then be URL-safe
+    /// (ASCII letters, digits, `-`, `_`, `.`).
     pub fn kubeconfig_for(&self, name: &str) -> Result<PathBuf> {
         let path = self.kubeconfigs.path().join(format!("{name}.kubeconfig"));
         self.write_kubeconfig(name, &path)?;
@@ -192,14 +198,18 @@ impl ApiServer {
 
     /// Writes a kubeconfig for client `name` at `path`.
     pub fn write_kubeconfig(&self, name: &str, path: &Path) -> Result<()> {
-        if name.is_empty() || name.contains(char::is_whitespace) {
+        let url_safe = name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+        if name.is_empty() || !url_safe {
             return Err(Error::ClientName(name.to_owned()));
         }
+        let server = format!("{}{}{name}", self.url(), router::CLIENT_PREFIX);
         // JSON is valid YAML, and kubectl and kube read it as such.
         let doc = json!({
             "apiVersion": "v1",
             "kind": "Config",
-            "clusters": [{ "name": "haptic-testkit", "cluster": { "server": self.url() } }],
+            "clusters": [{ "name": "haptic-testkit", "cluster": { "server": server } }],
             "users": [{ "name": name, "user": { "token": name } }],
             "contexts": [{ "name": "haptic-testkit", "context": { "cluster": "haptic-testkit", "user": name, "namespace": "default" } }],
             "current-context": "haptic-testkit",

@@ -259,7 +259,10 @@ async fn hung_watches_go_silent_and_resume_when_lifted() {
         "{resumed:?}"
     );
     let ended = tokio::time::timeout(BOUND, open.next()).await.unwrap();
-    assert!(ended.is_none(), "then the end its timeout had reached: {ended:?}");
+    assert!(
+        ended.is_none(),
+        "then the end its timeout had reached: {ended:?}"
+    );
     let resumed = tokio::time::timeout(BOUND, fresh.next()).await.unwrap();
     assert!(
         matches!(resumed, Some(Ok(WatchEvent::Added(_)))),
@@ -427,5 +430,45 @@ async fn request_accounting_per_client_verb_and_resource() {
     assert_eq!(server.request_counts()[&key("anonymous", "list", lease)], 1);
     server.reset_accounting();
     assert!(server.request_counts().is_empty());
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn kubeconfig_clients_are_told_apart_with_or_without_a_token() {
+    let server = ApiServer::start().await.unwrap();
+    // kube reads the kubeconfig's token and server path.
+    let path = server.kubeconfig_for("daemon").unwrap();
+    let kubeconfig = kube::config::Kubeconfig::read_from(&path).unwrap();
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .unwrap();
+    let daemon = leases(kube::Client::try_from(config).unwrap());
+    daemon.list(&Default::default()).await.unwrap();
+    // client-go sends no token over plain HTTP: the path prefix alone names the client.
+    let anonymous = kube::Client::try_from(kube::Config::new(
+        format!("{}/clients/cli", server.url()).parse().unwrap(),
+    ))
+    .unwrap();
+    leases(anonymous).list(&Default::default()).await.unwrap();
+    let counts = server.request_counts();
+    let lease = "leases.coordination.k8s.io".to_owned();
+    assert_eq!(counts[&("daemon".into(), "list".into(), lease.clone())], 1);
+    assert_eq!(counts[&("cli".into(), "list".into(), lease)], 1);
+    // Faults address such a client by the same name.
+    server.inject(
+        "cli",
+        Fault::Error {
+            code: 500,
+            retry_after: None,
+            times: None,
+        },
+    );
+    let cli = kube::Client::try_from(kube::Config::new(
+        format!("{}/clients/cli", server.url()).parse().unwrap(),
+    ))
+    .unwrap();
+    assert_eq!(status(leases(cli).get("x").await).code, 500);
+    assert!(server.kubeconfig_for("has space").is_err());
+    assert!(server.kubeconfig_for("a/b").is_err());
     server.shutdown().await;
 }

@@ -252,6 +252,47 @@ fn register(env: &mut Environment<'static>) {
             &text(&port),
         ))
     });
+    env.add_filter("backend_name", |parts: Vec<Value>| -> Result<String> {
+        match parts.as_slice() {
+            [namespace, service, port] => {
+                Ok(backend_name(&text(namespace), &text(service), &text(port)))
+            }
+            _ => Err(invalid(format!(
+                "backend_name: expected 3 values, got {}",
+                parts.len()
+            ))),
+        }
+    });
+    env.add_filter("get", |state: &State, parts: Vec<Value>| -> Result<Value> {
+        let [store, namespace, name] = parts.as_slice() else {
+            return Err(invalid(format!(
+                "get: expected 3 values, got {}",
+                parts.len()
+            )));
+        };
+        let key = format!("{}/{}", text(namespace), text(name));
+        let found = store_lookup(state, "__haptic_get", &text(store), &key)?;
+        Ok(if found.is_undefined() {
+            Value::from(())
+        } else {
+            found
+        })
+    });
+    env.add_filter(
+        "lookup",
+        |state: &State, parts: Vec<Value>| -> Result<Value> {
+            let Some((store, key)) = parts.split_first() else {
+                return Err(invalid("lookup: expected [store, key parts...]".into()));
+            };
+            let key = key.iter().map(text).collect::<Vec<_>>().join("/");
+            let found = store_lookup(state, "__haptic_index", &text(store), &key)?;
+            Ok(if found.is_undefined() {
+                Value::from(Vec::<Value>::new())
+            } else {
+                found
+            })
+        },
+    );
     env.add_function("ssl_file", |kwargs: Kwargs| -> Result<String> {
         let namespace: String = kwargs.get("namespace")?;
         let name: String = kwargs.get("name")?;

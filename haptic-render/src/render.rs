@@ -475,13 +475,17 @@ mod tests {
              |{{ svc.metadata.namespace }}\
              |{{ get(store=\"services\", namespace=\"b\", name=\"nope\") is none }}\
              |{{ lookup(store=\"services\", key=[\"a\", \"api\"]) | length }}\
-             |{{ lookup(store=\"services\", key=\"a/zzz\") | length }}",
+             |{{ lookup(store=\"services\", key=\"a/zzz\") | length }}\
+             {% set fast = [\"services\", \"a\", \"web\"] | get %}|{{ fast.metadata.namespace }}\
+             |{{ [\"services\", \"a\", \"nope\"] | get is none }}\
+             |{{ [\"services\", \"a\", \"api\"] | lookup | length }}\
+             |{{ [\"a\", \"web\", 80] | backend_name }}",
         )
         .unwrap();
         let files = renderer.render(&stores()).unwrap();
         assert_eq!(
             files.text("haproxy.cfg").unwrap(),
-            "a/api a/web b/web |b|true|1|0"
+            "a/api a/web b/web |b|true|1|0|a|true|1|a_web_80"
         );
     }
 

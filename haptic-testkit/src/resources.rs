@@ -104,6 +104,16 @@ impl ResourceInfo {
         path
     }
 
+    /// Whether a DELETE answers with the deleted object. The real server does so for pods,
+    /// services, namespaces, CRDs and custom resources (`ReturnDeletedObject` or a custom
+    /// delete); for the rest it answers with a `Status` of `Success` naming the object.
+    pub(crate) fn returns_deleted_object(&self) -> bool {
+        self.custom
+            || (self.group.is_empty()
+                && matches!(self.plural.as_str(), "pods" | "services" | "namespaces"))
+            || (self.group == "apiextensions.k8s.io" && self.plural == "customresourcedefinitions")
+    }
+
     /// Whether the server keeps `metadata.generation` for this resource.
     pub(crate) fn tracks_generation(&self) -> bool {
         self.custom || self.status

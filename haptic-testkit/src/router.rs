@@ -449,10 +449,14 @@ async fn serve(
         }
         (Method::DELETE, Some(name)) => {
             let pre = preconditions(&body)?;
-            shared
+            let deleted = shared
                 .lock_store()
-                .delete(&info, ns, &name, &pre, dry_run)
-                .map(|o| (200, o))
+                .delete(&info, ns, &name, &pre, dry_run)?;
+            if info.returns_deleted_object() {
+                Ok((200, deleted))
+            } else {
+                Ok((200, delete_success(&info, &deleted)))
+            }
         }
         (Method::DELETE, None) => {
             let items = shared.lock_store().delete_collection(&info, &selection);
@@ -483,6 +487,25 @@ fn selection(
         namespace,
         labels,
         fields,
+    })
+}
+
+/// The `Status` a DELETE answers with for resources that do not return the deleted object.
+fn delete_success(info: &ResourceInfo, deleted: &Value) -> Value {
+    let mut details = json!({
+        "name": deleted["metadata"]["name"],
+        "kind": info.plural,
+        "uid": deleted["metadata"]["uid"],
+    });
+    if !info.group.is_empty() {
+        details["group"] = json!(info.group);
+    }
+    json!({
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Success",
+        "details": details,
     })
 }
 

@@ -479,7 +479,7 @@ async fn delete_honours_uid_and_resource_version_preconditions() {
     assert!(leases.get("d").await.is_ok());
 
     let rv_before = server.resource_version();
-    leases
+    let answer = leases
         .delete(
             "d",
             &with(
@@ -489,6 +489,22 @@ async fn delete_honours_uid_and_resource_version_preconditions() {
         )
         .await
         .unwrap();
+    // Leases, like most built-in resources, answer a DELETE with a Success Status.
+    let done = answer.right().expect("a Status");
+    assert_eq!(
+        done.status,
+        Some(kube::core::response::StatusSummary::Success)
+    );
+    let details = done.details.unwrap();
+    assert_eq!(
+        (
+            details.name.as_str(),
+            details.group.as_str(),
+            details.kind.as_str()
+        ),
+        ("d", "coordination.k8s.io", "leases")
+    );
+    assert_eq!(Some(details.uid), created.metadata.uid.clone());
     assert_eq!(
         server.resource_version(),
         rv_before + 1,
@@ -496,6 +512,22 @@ async fn delete_honours_uid_and_resource_version_preconditions() {
     );
     let err = status(leases.get("d").await);
     assert_eq!(err.code, 404);
+    let pods: Api<k8s_openapi::api::core::v1::Pod> =
+        Api::default_namespaced(server.client().unwrap());
+    let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(
+        json!({ "metadata": { "name": "p" }, "spec": { "containers": [] } }),
+    )
+    .unwrap();
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+    let gone = pods.delete("p", &DeleteParams::default()).await.unwrap();
+    assert_eq!(
+        gone.left()
+            .expect("pods return the deleted object")
+            .metadata
+            .name
+            .as_deref(),
+        Some("p")
+    );
     let err = status(leases.delete("d", &DeleteParams::default()).await);
     assert_eq!(
         (err.code, err.message.as_str()),

@@ -373,6 +373,15 @@ async fn serve(
         Err(e) => return Ok(error_response(&e)),
     };
     if is_watch {
+        // The real server parses the resourceVersion before it starts streaming.
+        if let Some(rv) = query.get("resourceVersion")
+            && !rv.is_empty()
+            && let Err(e) = rv.parse::<u64>()
+        {
+            return Ok(error_response(&ApiError::invalid_resource_version(
+                &info, rv, &e,
+            )));
+        }
         if name.is_some() {
             // A watch on one object is a list watch with a name field selector.
             let mut s = selection;

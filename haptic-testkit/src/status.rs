@@ -149,6 +149,38 @@ impl ApiError {
         )
     }
 
+    /// 422 Invalid for a resourceVersion that is not a number, as the storage layer reports it
+    /// (the group and resource stand in the kind's place, and the name is empty).
+    pub(crate) fn invalid_resource_version(
+        info: &ResourceInfo,
+        rv: &str,
+        error: &std::num::ParseIntError,
+    ) -> Self {
+        let message = format!(
+            "Invalid value: \"{rv}\": strconv.ParseUint: parsing \"{rv}\": {}",
+            if matches!(error.kind(), std::num::IntErrorKind::PosOverflow) {
+                "value out of range"
+            } else {
+                "invalid syntax"
+            }
+        );
+        let mut details = json!({ "kind": info.plural, "causes": [
+            { "reason": "FieldValueInvalid", "message": message, "field": "resourceVersion" },
+        ] });
+        if !info.group.is_empty() {
+            details["group"] = json!(info.group);
+        }
+        Self::new(
+            422,
+            "Invalid",
+            format!(
+                "{} \"\" is invalid: resourceVersion: {message}",
+                info.qualified()
+            ),
+            Some(details),
+        )
+    }
+
     /// 400 BadRequest.
     pub(crate) fn bad_request(message: impl Into<String>) -> Self {
         Self::new(400, "BadRequest", message.into(), None)

@@ -79,10 +79,11 @@ pub(crate) fn start(
     query: &HashMap<String, String>,
     client: String,
 ) -> Response<Body> {
+    // The router refuses a resourceVersion that is not a number before the watch starts.
     let from = query
         .get("resourceVersion")
         .filter(|s| !s.is_empty())
-        .map(|s| s.parse::<u64>());
+        .and_then(|s| s.parse::<u64>().ok());
     let bookmarks = matches!(
         query.get("allowWatchBookmarks").map(String::as_str),
         Some("true" | "1")
@@ -113,12 +114,11 @@ pub(crate) fn start(
     );
 
     let begin = match from {
-        Some(Err(_)) => Err(ApiError::bad_request("invalid resourceVersion for a watch")),
-        Some(Ok(_)) if initial_end => shared.lock_store().watch_start(&info, &selection, None),
-        Some(Ok(rv)) => shared.lock_store().watch_start(&info, &selection, Some(rv)),
+        Some(_) if initial_end => shared.lock_store().watch_start(&info, &selection, None),
+        Some(rv) => shared.lock_store().watch_start(&info, &selection, Some(rv)),
         None => shared.lock_store().watch_start(&info, &selection, None),
     };
-    let synthetic = matches!(from, None | Some(Ok(0))) || initial_end;
+    let synthetic = matches!(from, None | Some(0)) || initial_end;
     let token = shared.token.clone();
     let tracker = shared.tracker.clone();
     tracker.spawn(async move {

@@ -430,3 +430,23 @@ async fn runtime_watcher_applies_objects() {
     assert_eq!(first.metadata.name.as_deref(), Some("w"));
     server.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_resource_version_that_is_not_a_number_is_refused_before_streaming() {
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client().unwrap();
+    let answer = crate::common::raw(
+        &client,
+        Method::GET,
+        "/apis/coordination.k8s.io/v1/namespaces/default/leases?watch=true&resourceVersion=abc",
+        None,
+        "",
+    )
+    .await;
+    crate::common::assert_status(&answer, 422, "Invalid");
+    assert_eq!(
+        answer.body["message"],
+        r#"leases.coordination.k8s.io "" is invalid: resourceVersion: Invalid value: "abc": strconv.ParseUint: parsing "abc": invalid syntax"#
+    );
+    server.shutdown().await;
+}

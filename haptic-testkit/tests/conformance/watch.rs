@@ -450,3 +450,110 @@ async fn a_resource_version_that_is_not_a_number_is_refused_before_streaming() {
     );
     server.shutdown().await;
 }
+
+#[tokio::test]
+async fn selector_watches_turn_leaving_and_entering_into_deleted_and_added() {
+    let server = ApiServer::start().await.unwrap();
+    let leases: Api<Lease> = Api::default_namespaced(server.client().unwrap());
+    let mut labelled = lease("sel", "a");
+    labelled.metadata.labels = Some([("role".to_owned(), "leader".to_owned())].into());
+    leases
+        .create(&PostParams::default(), &labelled)
+        .await
+        .unwrap();
+    leases
+        .create(&PostParams::default(), &lease("other", "a"))
+        .await
+        .unwrap();
+    let from = server.resource_version().to_string();
+    let mut stream = leases
+        .watch(
+            &WatchParams::default()
+                .labels("role=leader")
+                .disable_bookmarks(),
+            &from,
+        )
+        .await
+        .unwrap()
+        .boxed();
+    let relabel =
+        |value: Option<&str>| Patch::Merge(json!({ "metadata": { "labels": { "role": value } } }));
+    let pp = PatchParams::default();
+    leases
+        .patch(
+            "other",
+            &pp,
+            &Patch::Merge(json!({ "spec": { "holderIdentity": "x" } })),
+        )
+        .await
+        .unwrap();
+    leases.patch("sel", &pp, &relabel(None)).await.unwrap();
+    leases
+        .patch("sel", &pp, &relabel(Some("leader")))
+        .await
+        .unwrap();
+    leases
+        .patch(
+            "sel",
+            &pp,
+            &Patch::Merge(json!({ "spec": { "holderIdentity": "b" } })),
+        )
+        .await
+        .unwrap();
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let event = tokio::time::timeout(BOUND, stream.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        seen.extend(summary(&[event]));
+    }
+    assert_eq!(seen, ["DELETED sel", "ADDED sel", "MODIFIED sel"]);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn runtime_watcher_streaming_list_gets_initial_events_and_their_end() {
+    let server = ApiServer::start().await.unwrap();
+    let leases: Api<Lease> = Api::default_namespaced(server.client().unwrap());
+    leases
+        .create(&PostParams::default(), &lease("s1", "a"))
+        .await
+        .unwrap();
+    leases
+        .create(&PostParams::default(), &lease("s2", "a"))
+        .await
+        .unwrap();
+    let mut events = watcher(leases.clone(), watcher::Config::default().streaming_lists()).boxed();
+    let mut seen = Vec::new();
+    loop {
+        match tokio::time::timeout(BOUND, events.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap()
+        {
+            watcher::Event::Init => seen.push("Init".to_owned()),
+            watcher::Event::InitApply(l) => seen.push(l.metadata.name.unwrap()),
+            watcher::Event::InitDone => break,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(seen, ["Init", "s1", "s2"]);
+    leases
+        .create(&PostParams::default(), &lease("s3", "a"))
+        .await
+        .unwrap();
+    let next = tokio::time::timeout(BOUND, events.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(matches!(next, watcher::Event::Apply(l) if l.metadata.name.as_deref() == Some("s3")));
+    assert!(
+        server.requests().iter().all(|r| r.verb != "list"),
+        "no list call in streaming mode"
+    );
+    server.shutdown().await;
+}

@@ -116,6 +116,10 @@ impl ApiError {
             .map(|(field, message)| {
                 let reason = if message.starts_with("Required value") {
                     "FieldValueRequired"
+                } else if message.starts_with("Unsupported value") {
+                    "FieldValueNotSupported"
+                } else if message.starts_with("Forbidden") {
+                    "FieldValueForbidden"
                 } else {
                     "FieldValueInvalid"
                 };

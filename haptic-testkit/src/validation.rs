@@ -121,8 +121,12 @@ pub(crate) fn decode_check(info: &ResourceInfo, object: &Value) -> Result<(), St
                 }
             }
         }
-        if !matches!(spec["holderIdentity"], Value::Null | Value::String(_)) {
-            return Err("json: cannot unmarshal into Go struct field LeaseSpec.spec.holderIdentity of type string".to_owned());
+        for field in ["holderIdentity", "strategy", "preferredHolder"] {
+            if !matches!(spec[field], Value::Null | Value::String(_)) {
+                return Err(format!(
+                    "json: cannot unmarshal into Go struct field LeaseSpec.spec.{field} of type string"
+                ));
+            }
         }
     }
     let meta = &object["metadata"];
@@ -165,6 +169,29 @@ pub(crate) fn field_causes(info: &ResourceInfo, object: &Value) -> Vec<(String, 
             causes.push((
                 "spec.leaseTransitions".to_owned(),
                 format!("Invalid value: {t}: must be greater than or equal to 0"),
+            ));
+        }
+        // Coordinated leader election: a Kubernetes strategy, or a custom `prefix/name` one.
+        let strategy = spec["strategy"].as_str();
+        if let Some(strategy) = strategy
+            && !strategy.contains('/')
+            && strategy != "OldestEmulationVersion"
+        {
+            causes.push((
+                "spec.strategy".to_owned(),
+                format!(
+                    "Unsupported value: \"{strategy}\": supported values: \"OldestEmulationVersion\""
+                ),
+            ));
+        }
+        if spec["preferredHolder"]
+            .as_str()
+            .is_some_and(|h| !h.is_empty())
+            && strategy.is_none_or(str::is_empty)
+        {
+            causes.push((
+                "spec.preferredHolder".to_owned(),
+                "Forbidden: may only be specified if `strategy` is defined".to_owned(),
             ));
         }
     }

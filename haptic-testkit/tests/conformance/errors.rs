@@ -173,6 +173,59 @@ async fn lease_validation_matches_the_real_server() {
             ("spec.leaseDurationSeconds", "FieldValueInvalid")
         );
     }
+    // Coordinated election fields: a known strategy, and a preferred holder only with one.
+    let with_spec = |name: &str, spec: serde_json::Value| {
+        json!({ "apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": { "name": name }, "spec": spec })
+            .to_string()
+    };
+    let answer = raw(
+        &client,
+        Method::POST,
+        LEASES,
+        Some("application/json"),
+        with_spec("s1", json!({ "strategy": "Newest" })),
+    )
+    .await;
+    assert_status(&answer, 422, "Invalid");
+    assert_eq!(
+        answer.body["details"]["causes"][0]["reason"],
+        "FieldValueNotSupported"
+    );
+    assert_eq!(
+        answer.body["message"],
+        r#"Lease.coordination.k8s.io "s1" is invalid: spec.strategy: Unsupported value: "Newest": supported values: "OldestEmulationVersion""#
+    );
+    let answer = raw(
+        &client,
+        Method::POST,
+        LEASES,
+        Some("application/json"),
+        with_spec("s2", json!({ "preferredHolder": "a" })),
+    )
+    .await;
+    assert_status(&answer, 422, "Invalid");
+    assert_eq!(
+        answer.body["details"]["causes"][0]["reason"],
+        "FieldValueForbidden"
+    );
+    for (name, spec) in [
+        (
+            "s3",
+            json!({ "strategy": "OldestEmulationVersion", "preferredHolder": "a" }),
+        ),
+        ("s4", json!({ "strategy": "example.com/mine" })),
+    ] {
+        let answer = raw(
+            &client,
+            Method::POST,
+            LEASES,
+            Some("application/json"),
+            with_spec(name, spec),
+        )
+        .await;
+        assert_eq!(answer.code.as_u16(), 201, "{}", answer.body);
+    }
+
     // Updates are validated too.
     let created = leases
         .create(&PostParams::default(), &lease("v", "a"))

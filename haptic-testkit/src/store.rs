@@ -333,6 +333,7 @@ impl Store {
             return Err(ApiError::already_exists(info, &name));
         }
         Self::validate(info, &name, &object)?;
+        validation::normalize(info, &mut object);
         if info.namespaced {
             let ns = ns.unwrap_or_default();
             let exists = self
@@ -520,6 +521,7 @@ impl Store {
         dry_run: bool,
     ) -> Result<Value, ApiError> {
         Self::validate(info, name, &new)?;
+        validation::normalize(info, &mut new);
         let old_meta = existing["metadata"].clone();
         {
             let meta = meta_mut(&mut new);

@@ -84,6 +84,23 @@ pub(crate) fn micro_time_ok(value: &str) -> bool {
     zone_ok && value.parse::<jiff::Timestamp>().is_ok()
 }
 
+/// Rewrites fields to the form the real server stores them in: a MicroTime is decoded and
+/// encoded again, so it comes back in UTC with `Z` whatever offset it was sent with.
+pub(crate) fn normalize(info: &ResourceInfo, object: &mut Value) {
+    if info.group != "coordination.k8s.io" || info.plural != "leases" {
+        return;
+    }
+    for field in ["acquireTime", "renewTime"] {
+        let Some(time) = object["spec"][field].as_str() else {
+            continue;
+        };
+        if let Ok(ts) = time.parse::<jiff::Timestamp>() {
+            let utc = ts.strftime("%Y-%m-%dT%H:%M:%S%.6fZ").to_string();
+            object["spec"][field] = Value::String(utc);
+        }
+    }
+}
+
 /// Type-level checks (a 400 decode error on the real server) for fields of known types.
 pub(crate) fn decode_check(info: &ResourceInfo, object: &Value) -> Result<(), String> {
     if info.group == "coordination.k8s.io" && info.plural == "leases" {
@@ -211,6 +228,21 @@ mod tests {
         assert!(!micro_time_ok("2026-11-29T08:00:00.1234567Z"));
         assert!(!micro_time_ok("2026-13-29T08:00:00.123456Z"));
         assert!(!micro_time_ok("yesterday"));
+    }
+
+    #[test]
+    fn micro_time_is_stored_in_utc() {
+        let info = crate::resources::Registry::builtin()
+            .get("coordination.k8s.io", "v1", "leases")
+            .cloned()
+            .expect("leases");
+        let mut lease = serde_json::json!({ "spec": {
+            "renewTime": "2026-11-29T08:00:00.123456+01:00",
+            "acquireTime": "2026-11-29T08:00:00.000001Z",
+        } });
+        normalize(&info, &mut lease);
+        assert_eq!(lease["spec"]["renewTime"], "2026-11-29T07:00:00.123456Z");
+        assert_eq!(lease["spec"]["acquireTime"], "2026-11-29T08:00:00.000001Z");
     }
 
     #[test]

@@ -23,9 +23,21 @@ async fn a_valid_set_serves_traffic_and_a_second_set_reroutes_it() {
     assert_eq!(report.checksum, first.checksum);
     assert_eq!(await_body(port, "backend a").await, "backend a");
 
-    let second = request(1, "leader-0", 2, config(port, "b", &backends));
+    // The second set carries a large map: its body goes gzipped.
+    let mut files = config(port, "b", &backends);
+    let big: String = (0..20_000)
+        .map(|i| format!("host-{i}.example.com be_b\n"))
+        .collect();
+    files.insert("maps/unused.map", big).expect("big map");
+    let second = request(1, "leader-0", 2, files);
+    let prepared = client.prepare(&second);
+    assert!(prepared.json_len() > client.config().compress_threshold);
+    assert!(
+        prepared.wire_len() < prepared.json_len() / 4,
+        "sent gzipped"
+    );
     let report = client
-        .apply(&agent.url, &second)
+        .apply_prepared(&agent.url, &prepared)
         .await
         .expect("second apply");
     assert_eq!(report.outcome, Outcome::Applied);

@@ -595,3 +595,62 @@ async fn status_subresource_writes_only_status_and_main_ignores_status() {
     assert_eq!(plain.code, StatusCode::NOT_FOUND);
     server.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_writers_see_exactly_one_winner() {
+    let server = ApiServer::start().await.unwrap();
+    let clients: Vec<Api<Lease>> = (0..8)
+        .map(|i| Api::default_namespaced(server.client_for(&format!("r{i}")).unwrap()))
+        .collect();
+    // Racing creates: one 201, the rest 409 AlreadyExists.
+    let creates =
+        futures::future::join_all(clients.iter().enumerate().map(|(i, api)| async move {
+            api.create(&PostParams::default(), &lease("race", &format!("r{i}")))
+                .await
+        }))
+        .await;
+    assert_eq!(creates.iter().filter(|r| r.is_ok()).count(), 1);
+    for result in creates.into_iter().filter(Result::is_err) {
+        assert_eq!(status(result).reason, "AlreadyExists");
+    }
+    // Racing updates from the same resourceVersion: one wins, the rest 409 Conflict.
+    let base = clients[0].get("race").await.unwrap();
+    let updates = futures::future::join_all(clients.iter().enumerate().map(|(i, api)| {
+        let mut mine = base.clone();
+        mine.spec.as_mut().unwrap().holder_identity = Some(format!("r{i}"));
+        async move { api.replace("race", &PostParams::default(), &mine).await }
+    }))
+    .await;
+    let winners: Vec<&Lease> = updates.iter().filter_map(|r| r.as_ref().ok()).collect();
+    assert_eq!(winners.len(), 1);
+    let stored = clients[0].get("race").await.unwrap();
+    assert_eq!(stored.spec, winners[0].spec);
+    for result in updates.into_iter().filter(Result::is_err) {
+        assert_eq!(status(result).reason, "Conflict");
+    }
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn lease_micro_times_come_back_in_utc() {
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client().unwrap();
+    let body = json!({
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": { "name": "tz" },
+        "spec": { "renewTime": "2026-11-29T09:00:00.500000+01:00" },
+    });
+    let answer = raw(
+        &client,
+        Method::POST,
+        "/apis/coordination.k8s.io/v1/namespaces/default/leases",
+        Some("application/json"),
+        body.to_string(),
+    )
+    .await;
+    assert_eq!(answer.code, StatusCode::CREATED, "{}", answer.body);
+    assert_eq!(
+        answer.body["spec"]["renewTime"],
+        "2026-11-29T08:00:00.500000Z"
+    );
+    server.shutdown().await;
+}

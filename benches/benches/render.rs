@@ -135,16 +135,21 @@ fn summary(
 ) {
     let compile_tera = median(20, || Renderer::compile(set).expect("compiles"));
     let compile_mini = median(20, || PeerRenderer::compile(set).expect("compiles"));
-    println!("\n## render summary (medians; minijinja/tera > 1 means tera is faster)\n");
+    println!(
+        "\n## render summary (medians; tera renders outputs on all cores, minijinja on one; \
+         minijinja / tera > 1 means tera is faster)\n"
+    );
     println!(
         "compile the reference set: tera {:.3} ms, minijinja {:.3} ms\n",
         ms(compile_tera),
         ms(compile_mini)
     );
+    let single = Renderer::compile(set).expect("compiles").with_threads(1);
+    println!("load average before: {}", load_average());
     println!(
-        "| Ingresses | output | tera | tera MB/s | tera, views rebuilt | minijinja | minijinja / tera |"
+        "| Ingresses | output | tera | tera MB/s | tera, views rebuilt | tera, 1 thread | minijinja (1 thread) | minijinja / tera 1 thread |"
     );
-    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     let mut tera_times = Vec::new();
     for case in cases.iter_mut() {
         let runs = if case.n >= 10_000 { 9 } else { 21 };
@@ -153,17 +158,19 @@ fn summary(
             touch_all(&mut case.stores, &case.fixtures);
             renderer.render(&case.stores).expect("renders")
         });
+        let one = median(runs, || single.render(&case.stores).expect("renders"));
         let mini = median(runs, || peer.render(&case.peer).expect("renders"));
         tera_times.push((case.n, tera));
         println!(
-            "| {} | {:.2} MB | {:.2} ms | {:.0} | {:.2} ms | {:.2} ms | {:.2} |",
+            "| {} | {:.2} MB | {:.2} ms | {:.0} | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} |",
             case.n,
             case.bytes as f64 / 1e6,
             ms(tera),
             mb_per_s(case.bytes, tera),
             ms(rebuilt),
+            ms(one),
             ms(mini),
-            mini.as_secs_f64() / tera.as_secs_f64()
+            mini.as_secs_f64() / one.as_secs_f64()
         );
     }
     let time_of = |n| tera_times.iter().find(|(m, _)| *m == n).map(|(_, t)| *t);
@@ -173,6 +180,7 @@ fn summary(
             t10k.as_secs_f64() / t1k.as_secs_f64()
         );
     }
+    println!("load average after: {}", load_average());
     if let Some(big) = cases.iter_mut().find(|c| c.n == 10_000) {
         print_peak_memory(big.n);
         let load = median(3, || {
@@ -225,4 +233,12 @@ fn print_peak_memory(n: usize) {
         mib(value("stores_bytes")),
         value("output_bytes") / 1e6,
     );
+}
+
+/// The machine's load averages, to read the table against: other work on the machine slows
+/// every column.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".to_owned())
 }

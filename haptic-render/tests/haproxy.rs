@@ -196,6 +196,12 @@ fn broken_ingresses_never_produce_an_invalid_config() {
             json!({"addressType": "IPv4", "ports": [{"name": "http", "port": 8080}],
             "endpoints": [{"conditions": {"ready": true}}, {"addresses": ["10.9.9.9"]}]}),
         ),
+        // Not broken: IPv6 endpoints are written in brackets.
+        (
+            "web-d",
+            json!({"addressType": "IPv6", "ports": [{"name": "http", "port": 8080}],
+            "endpoints": [{"addresses": ["fd00::1"], "conditions": {"ready": true}}]}),
+        ),
     ] {
         let mut slice = body;
         slice["metadata"] = json!({"namespace": "broken", "name": name,
@@ -249,8 +255,15 @@ fn broken_ingresses_never_produce_an_invalid_config() {
     let web = web.split("\nbackend ").next().unwrap_or_default();
     assert_eq!(
         web.matches("server ").count(),
-        1,
-        "only 10.9.9.9 is a usable endpoint:\n{web}"
+        2,
+        "10.9.9.9 and fd00::1 only:\n{web}"
     );
-    assert!(web.contains("web-c_10.9.9.9 10.9.9.9:8080 check"), "{web}");
+    assert!(
+        web.contains("server web-c_10.9.9.9 10.9.9.9:8080 check"),
+        "{web}"
+    );
+    assert!(
+        web.contains("server web-d_fd00__1 [fd00::1]:8080 check"),
+        "{web}"
+    );
 }

@@ -613,11 +613,13 @@ async fn concurrent_writers_see_exactly_one_winner() {
     for result in creates.into_iter().filter(Result::is_err) {
         assert_eq!(status(result).reason, "AlreadyExists");
     }
-    // Racing updates from the same resourceVersion: one wins, the rest 409 Conflict.
+    // Racing updates from the same resourceVersion: one wins, the rest 409 Conflict. (Each
+    // update changes the object: one that did not would be a no-op success, as on the real
+    // server, leaving the resourceVersion for another writer.)
     let base = clients[0].get("race").await.unwrap();
     let updates = futures::future::join_all(clients.iter().enumerate().map(|(i, api)| {
         let mut mine = base.clone();
-        mine.spec.as_mut().unwrap().holder_identity = Some(format!("r{i}"));
+        mine.spec.as_mut().unwrap().holder_identity = Some(format!("u{i}"));
         async move { api.replace("race", &PostParams::default(), &mine).await }
     }))
     .await;

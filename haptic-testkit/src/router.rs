@@ -17,7 +17,7 @@ use crate::{
     server::Shared,
     status::ApiError,
     store::{PatchKind, Preconditions, Selection, Store, Sub},
-    watch,
+    validation, watch,
 };
 
 /// The response body type: whole documents and watch streams alike.
@@ -406,6 +406,12 @@ async fn serve(
             client.to_owned(),
         ));
     }
+    // Unset, the real server warns about unknown fields and drops them.
+    let field_validation = query
+        .get("fieldValidation")
+        .cloned()
+        .unwrap_or_else(|| "Warn".to_owned());
+    let mut warnings = Vec::new();
     let result: Result<(u16, Value), ApiError> = (|| match (method, name) {
         (Method::GET, Some(name)) => shared.lock_store().get(&info, ns, &name).map(|o| (200, o)),
         (Method::GET, None) => {
@@ -414,6 +420,8 @@ async fn serve(
         }
         (Method::POST, None) => {
             let object = parse_object(&info, &body)?;
+            let object =
+                validation::unknown_fields(&info, object, &field_validation, &mut warnings)?;
             shared
                 .lock_store()
                 .create(&info, ns, object, dry_run)
@@ -421,6 +429,8 @@ async fn serve(
         }
         (Method::PUT, Some(name)) => {
             let object = parse_object(&info, &body)?;
+            let object =
+                validation::unknown_fields(&info, object, &field_validation, &mut warnings)?;
             let (o, created) = shared
                 .lock_store()
                 .update(&info, ns, &name, object, sub, dry_run)?;
@@ -474,10 +484,21 @@ async fn serve(
         }
         (m, _) => Err(ApiError::method_not_allowed(m.as_str())),
     })();
-    Ok(match result {
+    let mut response = match result {
         Ok((code, value)) => json_response(code, &value),
         Err(err) => error_response(&err),
-    })
+    };
+    for warning in warnings {
+        // The real server's form: `299 - "unknown field \"spec.foo\""`.
+        let text = format!(
+            "299 - {}",
+            serde_json::to_string(&warning).unwrap_or_default()
+        );
+        if let Ok(value) = HeaderValue::from_str(&text) {
+            response.headers_mut().append(header::WARNING, value);
+        }
+    }
+    Ok(response)
 }
 
 fn selection(

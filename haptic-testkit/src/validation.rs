@@ -3,7 +3,7 @@
 
 use serde_json::Value;
 
-use crate::resources::ResourceInfo;
+use crate::{resources::ResourceInfo, status::ApiError};
 
 const SUBDOMAIN_MSG: &str = "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character (e.g. 'example.com', regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')";
 const LABEL_MSG: &str = "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start and end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?')";
@@ -97,6 +97,145 @@ pub(crate) fn normalize(info: &ResourceInfo, object: &mut Value) {
         if let Ok(ts) = time.parse::<jiff::Timestamp>() {
             let utc = ts.strftime("%Y-%m-%dT%H:%M:%S%.6fZ").to_string();
             object["spec"][field] = Value::String(utc);
+        }
+    }
+}
+
+/// The object as the built-in type it should be, re-encoded; None for custom resources, CRDs
+/// (whose schemas this server does not model) and bodies the type cannot decode (the store's
+/// own checks answer those).
+fn typed_round_trip(info: &ResourceInfo, object: &Value) -> Option<Value> {
+    use k8s_openapi::api::{
+        coordination::v1::Lease,
+        core::v1::{ConfigMap, Event, Namespace, Pod, Secret, Service},
+        discovery::v1::EndpointSlice,
+        networking::v1::{Ingress, IngressClass},
+    };
+    fn round_trip<T: serde::de::DeserializeOwned + serde::Serialize>(v: &Value) -> Option<Value> {
+        serde_json::from_value::<T>(v.clone())
+            .ok()
+            .and_then(|t| serde_json::to_value(t).ok())
+    }
+    if info.custom {
+        return None;
+    }
+    let mut typed = object.clone();
+    typed["apiVersion"] = Value::String(info.api_version());
+    typed["kind"] = Value::String(info.kind.clone());
+    match (info.group.as_str(), info.plural.as_str()) {
+        ("", "namespaces") => round_trip::<Namespace>(&typed),
+        ("", "pods") => round_trip::<Pod>(&typed),
+        ("", "services") => round_trip::<Service>(&typed),
+        ("", "secrets") => round_trip::<Secret>(&typed),
+        ("", "configmaps") => round_trip::<ConfigMap>(&typed),
+        ("", "events") => round_trip::<Event>(&typed),
+        ("coordination.k8s.io", "leases") => round_trip::<Lease>(&typed),
+        ("discovery.k8s.io", "endpointslices") => round_trip::<EndpointSlice>(&typed),
+        ("networking.k8s.io", "ingresses") => round_trip::<Ingress>(&typed),
+        ("networking.k8s.io", "ingressclasses") => round_trip::<IngressClass>(&typed),
+        _ => None,
+    }
+}
+
+/// Collects the paths (`spec.containers[0].foo`) present in `sent` but not in `typed`.
+fn collect_unknown(sent: &Value, typed: &Value, path: &str, out: &mut Vec<String>) {
+    match (sent, typed) {
+        (Value::Object(sent), Value::Object(typed)) => {
+            for (key, value) in sent {
+                if value.is_null() {
+                    continue;
+                }
+                let here = if path.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{path}.{key}")
+                };
+                match typed.get(key) {
+                    None => out.push(here),
+                    Some(known) => collect_unknown(value, known, &here, out),
+                }
+            }
+        }
+        (Value::Array(sent), Value::Array(typed)) => {
+            for (i, (value, known)) in sent.iter().zip(typed).enumerate() {
+                collect_unknown(value, known, &format!("{path}[{i}]"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Removes the field at a path `collect_unknown` produced.
+fn remove_path(object: &mut Value, path: &str) {
+    let mut target = object;
+    let mut parts = path.split('.').peekable();
+    while let Some(part) = parts.next() {
+        let (key, indices) = match part.find('[') {
+            Some(i) => (&part[..i], &part[i..]),
+            None => (part, ""),
+        };
+        if parts.peek().is_none() && indices.is_empty() {
+            if let Some(map) = target.as_object_mut() {
+                map.remove(key);
+            }
+            return;
+        }
+        let Some(next) = target.get_mut(key) else {
+            return;
+        };
+        target = next;
+        for index in indices
+            .split(['[', ']'])
+            .filter(|s| !s.is_empty())
+            .filter_map(|s| s.parse::<usize>().ok())
+        {
+            let Some(next) = target.get_mut(index) else {
+                return;
+            };
+            target = next;
+        }
+    }
+}
+
+/// Field validation of a POST or PUT body for built-in types, by the `fieldValidation`
+/// directive: `Strict` refuses unknown fields (400), `Warn` (the default) and `Ignore` drop
+/// them, `Warn` adding a warning each.
+pub(crate) fn unknown_fields(
+    info: &ResourceInfo,
+    mut object: Value,
+    directive: &str,
+    warnings: &mut Vec<String>,
+) -> Result<Value, ApiError> {
+    if !matches!(directive, "Strict" | "Warn" | "Ignore") {
+        return Err(ApiError::bad_request(format!(
+            "fieldValidation: Invalid value: \"{directive}\": must be one of Ignore, Warn, or Strict"
+        )));
+    }
+    let Some(typed) = typed_round_trip(info, &object) else {
+        return Ok(object);
+    };
+    let mut unknown = Vec::new();
+    collect_unknown(&object, &typed, "", &mut unknown);
+    if unknown.is_empty() {
+        return Ok(object);
+    }
+    let listed: Vec<String> = unknown
+        .iter()
+        .map(|p| format!("unknown field \"{p}\""))
+        .collect();
+    match directive {
+        "Strict" => Err(ApiError::bad_request(decode_error(
+            info,
+            &format!("strict decoding error: {}", listed.join(", ")),
+        ))),
+        _ => {
+            if directive == "Warn" {
+                warnings.extend(listed);
+            }
+            for path in &unknown {
+                remove_path(&mut object, path);
+            }
+            Ok(object)
         }
     }
 }

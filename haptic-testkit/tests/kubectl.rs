@@ -319,6 +319,17 @@ async fn kubectl_create_get_replace_and_delete() {
         "{out:?}"
     );
 
+    // kubectl asks for strict field validation; unknown fields are refused by the server.
+    let typo = json!({ "apiVersion": "v1", "kind": "ConfigMap", "metadata": { "name": "typo" }, "dta": { "a": "b" } });
+    let typo_path = write(dir.path(), "typo.json", &typo);
+    let out = kubectl.run(&["create", "-f", &typo_path]).await;
+    assert!(
+        out.stderr.contains(&format!(
+            r#"Error from server (BadRequest): error when creating "{typo_path}": ConfigMap in version "v1" cannot be handled as a ConfigMap: strict decoding error: unknown field "dta""#
+        )),
+        "{out:?}"
+    );
+
     // delete, then the real NotFound text.
     let out = kubectl.ok(&["delete", "configmap", "demo"]).await;
     assert_eq!(out.trim(), r#"configmap "demo" deleted"#);

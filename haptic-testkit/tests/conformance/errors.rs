@@ -377,3 +377,106 @@ async fn odd_requests_never_panic_or_hang() {
     assert!(server.client().unwrap().apiserver_version().await.is_ok());
     server.shutdown().await;
 }
+
+#[tokio::test]
+async fn field_validation_strict_refuses_and_warn_drops_unknown_fields() {
+    let server = ApiServer::start().await.unwrap();
+    let client = server.client().unwrap();
+    let path = "/api/v1/namespaces/default/configmaps";
+    let body = |name: &str| {
+        json!({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": { "name": name, "bogus": 1 },
+            "data": { "k": "v" },
+            "spec": { "x": 1 },
+        })
+        .to_string()
+    };
+    let json = Some("application/json");
+    let strict = raw(
+        &client,
+        Method::POST,
+        &format!("{path}?fieldValidation=Strict"),
+        json,
+        body("s"),
+    )
+    .await;
+    assert_status(&strict, 400, "BadRequest");
+    assert_eq!(
+        strict.body["message"],
+        r#"ConfigMap in version "v1" cannot be handled as a ConfigMap: strict decoding error: unknown field "metadata.bogus", unknown field "spec""#
+    );
+
+    let warned = raw(&client, Method::POST, path, json, body("w")).await;
+    assert_eq!(warned.code.as_u16(), 201, "{}", warned.body);
+    let warnings: Vec<&str> = warned
+        .headers
+        .get_all("warning")
+        .iter()
+        .map(|v| v.to_str().unwrap())
+        .collect();
+    assert_eq!(
+        warnings,
+        [
+            r#"299 - "unknown field \"metadata.bogus\"""#,
+            r#"299 - "unknown field \"spec\"""#
+        ]
+    );
+    assert!(warned.body.get("spec").is_none() && warned.body["metadata"].get("bogus").is_none());
+    assert_eq!(warned.body["data"]["k"], "v");
+
+    let ignored = raw(
+        &client,
+        Method::POST,
+        &format!("{path}?fieldValidation=Ignore"),
+        json,
+        body("i"),
+    )
+    .await;
+    assert_eq!(ignored.code.as_u16(), 201);
+    assert!(ignored.headers.get("warning").is_none());
+    assert!(ignored.body.get("spec").is_none());
+
+    // Nested paths, as in a container list; PUT is checked the same way.
+    let pod = json!({ "metadata": { "name": "p" }, "spec": { "containers": [{ "name": "c", "image": "i", "imagePolicy": "x" }] } });
+    let answer = raw(
+        &client,
+        Method::POST,
+        "/api/v1/namespaces/default/pods?fieldValidation=Strict",
+        json,
+        pod.to_string(),
+    )
+    .await;
+    assert_status(&answer, 400, "BadRequest");
+    assert!(
+        answer.body["message"]
+            .as_str()
+            .unwrap()
+            .ends_with(r#"unknown field "spec.containers[0].imagePolicy""#),
+        "{}",
+        answer.body
+    );
+    let mut current = raw(&client, Method::GET, &format!("{path}/w"), None, "")
+        .await
+        .body;
+    current["extra"] = json!(true);
+    let answer = raw(
+        &client,
+        Method::PUT,
+        &format!("{path}/w?fieldValidation=Strict"),
+        json,
+        current.to_string(),
+    )
+    .await;
+    assert_status(&answer, 400, "BadRequest");
+    let answer = raw(
+        &client,
+        Method::POST,
+        &format!("{path}?fieldValidation=Loose"),
+        json,
+        body("l"),
+    )
+    .await;
+    assert_status(&answer, 400, "BadRequest");
+    server.shutdown().await;
+}

@@ -39,10 +39,10 @@
 //! (no field ownership, `force` ignored); strategic merge patch merges lists of objects by
 //! `name` (or `type`, `port`, ...) keys and honours `$patch: delete`; `limit`/`continue` paging
 //! is not implemented (the whole list is one page, which the API allows) and lists are always
-//! of the latest state; `fieldValidation` is accepted but unknown fields are kept; the OpenAPI
-//! documents (served so kubectl validates on the server side) carry no schemas; finalizers and
-//! graceful deletion are not modelled; deleting a namespace deletes its contents at once. The
-//! crate's README lists the rest.
+//! of the latest state; `fieldValidation` applies to POST and PUT of built-in types only; the
+//! OpenAPI documents (served so kubectl validates on the server side) carry no schemas;
+//! finalizers and graceful deletion are not modelled; deleting a namespace deletes its contents
+//! at once. The crate's README lists the rest.
 
 mod faults;
 mod openapi;

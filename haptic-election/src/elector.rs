@@ -516,8 +516,9 @@ impl LeaderElector {
             let expiry = self.expiry(observed);
             let clock = self.clock.0.clone();
             // client-go's followers look at expiry only when they poll; so does poll_only.
+            // While a re-read is pending, the retry timer drives the loop, not the expiry.
             let until_expiry = expiry
-                .filter(|_| !self.config.poll_only)
+                .filter(|_| !self.config.poll_only && !need_get)
                 .map(|at| at.saturating_duration_since(clock.now()));
             let expiry_sleep = async move {
                 match until_expiry {

@@ -10,4 +10,5 @@ mod errors;
 mod faults;
 mod objects;
 mod patch;
+mod standalone;
 mod watch;

@@ -699,10 +699,9 @@ impl LeaderElector {
             record.duration_secs = self.config.lease_duration_seconds();
             record.renew = Some(now_micros());
             let sent_at = Instant::now();
-            let result = tokio::select! {
-                () = token.cancelled() => return StopReason::GracefulShutdown,
-                result = self.lock.update(cached, &record, timeout) => result,
-            };
+            // Not raced with the token: the request is bounded by its timeout, and a renew that
+            // succeeded must update the cache, or the release would carry a stale version.
+            let result = self.lock.update(cached, &record, timeout).await;
             match result {
                 Ok(lease) => {
                     *cached = lease;
@@ -718,11 +717,7 @@ impl LeaderElector {
                         .config
                         .request_timeout
                         .min(deadline.saturating_duration_since(self.now()));
-                    let read = tokio::select! {
-                        () = token.cancelled() => return StopReason::GracefulShutdown,
-                        read = self.lock.get(timeout) => read,
-                    };
-                    match read {
+                    match self.lock.get(timeout).await {
                         Ok(Some(lease)) => {
                             let holder = Record::of(&lease).holder;
                             if holder != self.config.identity {

@@ -24,9 +24,21 @@ async fn server() -> ApiServer {
 async fn assert_steady_single_leader(server: &ApiServer, replicas: &[Replica], period: Duration) {
     let end = Instant::now() + period;
     while Instant::now() < end {
-        let leaders: Vec<&str> = replicas.iter().filter(|r| r.is_leader()).map(|r| r.name.as_str()).collect();
-        assert_eq!(leaders.len(), 1, "exactly one leader at any moment, got {leaders:?}");
-        assert_eq!(holder(server).await.as_deref(), Some(leaders[0]), "the Lease names the leader");
+        let leaders: Vec<&str> = replicas
+            .iter()
+            .filter(|r| r.is_leader())
+            .map(|r| r.name.as_str())
+            .collect();
+        assert_eq!(
+            leaders.len(),
+            1,
+            "exactly one leader at any moment, got {leaders:?}"
+        );
+        assert_eq!(
+            holder(server).await.as_deref(),
+            Some(leaders[0]),
+            "the Lease names the leader"
+        );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
@@ -36,16 +48,31 @@ async fn single_replica_leads_and_writes_client_go_fields() {
     let server = server().await;
     let a = Replica::start(&server, config("pod-a"));
     a.wait_for(secs(10), "leader", |s| s.is_leader).await;
-    let first = lease(&server).await.expect("lease exists").spec.expect("spec");
+    let first = lease(&server)
+        .await
+        .expect("lease exists")
+        .spec
+        .expect("spec");
     assert_eq!(first.holder_identity.as_deref(), Some("pod-a"));
     assert_eq!(first.lease_duration_seconds, Some(15));
     assert_eq!(first.lease_transitions, Some(0));
     assert!(first.acquire_time.is_some());
     tokio::time::sleep(secs(7)).await;
     let later = lease(&server).await.expect("lease").spec.expect("spec");
-    assert!(later.renew_time.expect("renew").0 > first.renew_time.expect("renew").0, "the leader renews");
-    assert_eq!(later.acquire_time, first.acquire_time, "a renew keeps acquireTime");
-    assert!(a.seen().iter().any(|(_, s)| *s == Seen::NewLeader("pod-a".into(), true)), "new leader is reported for self");
+    assert!(
+        later.renew_time.expect("renew").0 > first.renew_time.expect("renew").0,
+        "the leader renews"
+    );
+    assert_eq!(
+        later.acquire_time, first.acquire_time,
+        "a renew keeps acquireTime"
+    );
+    assert!(
+        a.seen()
+            .iter()
+            .any(|(_, s)| *s == Seen::NewLeader("pod-a".into(), true)),
+        "new leader is reported for self"
+    );
     a.stop().await;
 }
 
@@ -53,13 +80,29 @@ async fn single_replica_leads_and_writes_client_go_fields() {
 async fn one_two_and_three_replicas_have_exactly_one_leader() {
     for n in 1..=3 {
         let server = server().await;
-        let replicas: Vec<Replica> = (0..n).map(|i| Replica::start(&server, config(&format!("pod-{i}")))).collect();
+        let replicas: Vec<Replica> = (0..n)
+            .map(|i| Replica::start(&server, config(&format!("pod-{i}"))))
+            .collect();
         one_leader(&replicas, secs(10)).await;
         assert_steady_single_leader(&server, &replicas, secs(60)).await;
-        let leader = replicas.iter().find(|r| r.is_leader()).map(|r| r.name.clone()).expect("leader");
+        let leader = replicas
+            .iter()
+            .find(|r| r.is_leader())
+            .map(|r| r.name.clone())
+            .expect("leader");
         for r in &replicas {
-            assert_eq!(r.state.borrow().holder.as_deref(), Some(leader.as_str()), "{} knows the leader", r.name);
-            assert_eq!(r.starts().len(), usize::from(r.name == leader), "no other term started on {}", r.name);
+            assert_eq!(
+                r.state.borrow().holder.as_deref(),
+                Some(leader.as_str()),
+                "{} knows the leader",
+                r.name
+            );
+            assert_eq!(
+                r.starts().len(),
+                usize::from(r.name == leader),
+                "no other term started on {}",
+                r.name
+            );
         }
         for r in replicas {
             r.stop().await;
@@ -70,7 +113,10 @@ async fn one_two_and_three_replicas_have_exactly_one_leader() {
 #[tokio::test(start_paused = true)]
 async fn graceful_handoff_with_release_is_immediate_and_releases_after_work() {
     let server = server().await;
-    let replicas = vec![Replica::start(&server, config("pod-a")), Replica::start(&server, config("pod-b"))];
+    let replicas = vec![
+        Replica::start(&server, config("pod-a")),
+        Replica::start(&server, config("pod-b")),
+    ];
     let l = one_leader(&replicas, secs(10)).await;
     tokio::time::sleep(secs(5)).await;
     let mut replicas = replicas;
@@ -80,8 +126,13 @@ async fn graceful_handoff_with_release_is_immediate_and_releases_after_work() {
     let leader_name = leader.name.clone();
     let stopped_at = Instant::now();
     leader.stop().await;
-    follower.wait_for(secs(2), "leader after a release", |s| s.is_leader).await;
-    assert!(Instant::now() - stopped_at < secs(2), "the follower took over on the release, not after expiry");
+    follower
+        .wait_for(secs(2), "leader after a release", |s| s.is_leader)
+        .await;
+    assert!(
+        Instant::now() - stopped_at < secs(2),
+        "the follower took over on the release, not after expiry"
+    );
     // The release (a PUT from the old leader) came after its work had returned.
     let work_ended = seen
         .lock()
@@ -92,16 +143,31 @@ async fn graceful_handoff_with_release_is_immediate_and_releases_after_work() {
     let last_put = server
         .requests()
         .into_iter()
-        .filter(|r| r.client == leader_name && r.verb == "update")
-        .last()
+        .rev()
+        .find(|r| r.client == leader_name && r.verb == "update")
         .expect("release PUT");
-    assert!(last_put.arrived >= work_ended, "released only after the leader's work returned");
-    let events: Vec<Seen> = seen.lock().expect("lock").iter().map(|(_, s)| s.clone()).collect();
+    assert!(
+        last_put.arrived >= work_ended,
+        "released only after the leader's work returned"
+    );
+    let events: Vec<Seen> = seen
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|(_, s)| s.clone())
+        .collect();
     let pos = |e: &Seen| events.iter().position(|x| x == e).expect("event");
     assert!(pos(&Seen::WorkEnded) < pos(&Seen::Stopped(StopReason::GracefulShutdown)));
     let spec = lease(&server).await.expect("lease").spec.expect("spec");
-    assert_eq!(spec.holder_identity.as_deref(), Some(follower.name.as_str()));
-    assert_eq!(spec.lease_transitions, Some(1), "a holder change increments leaseTransitions");
+    assert_eq!(
+        spec.holder_identity.as_deref(),
+        Some(follower.name.as_str())
+    );
+    assert_eq!(
+        spec.lease_transitions,
+        Some(1),
+        "a holder change increments leaseTransitions"
+    );
     follower.stop().await;
 }
 
@@ -119,19 +185,31 @@ async fn graceful_handoff_without_release_waits_for_expiry() {
     tokio::time::sleep(secs(3)).await;
     let stopped_at = Instant::now();
     leader.stop().await;
-    assert_eq!(holder(&server).await.as_deref(), Some(if l == 0 { "pod-a" } else { "pod-b" }), "not released");
-    follower.wait_for(secs(20), "leader after expiry", |s| s.is_leader).await;
+    assert_eq!(
+        holder(&server).await.as_deref(),
+        Some(if l == 0 { "pod-a" } else { "pod-b" }),
+        "not released"
+    );
+    follower
+        .wait_for(secs(20), "leader after expiry", |s| s.is_leader)
+        .await;
     let waited = Instant::now() - stopped_at;
     // It waited out the Lease: 15 s from its last observed renew, which was at most one jittered
     // RetryPeriod (2.4 s) before the stop.
-    assert!(waited >= secs(12), "took over after {waited:?}, before the Lease expired");
+    assert!(
+        waited >= secs(12),
+        "took over after {waited:?}, before the Lease expired"
+    );
     follower.stop().await;
 }
 
 #[tokio::test(start_paused = true)]
 async fn crashed_leader_is_replaced_after_expiry() {
     let server = server().await;
-    let replicas = vec![Replica::start(&server, config("pod-a")), Replica::start(&server, config("pod-b"))];
+    let replicas = vec![
+        Replica::start(&server, config("pod-a")),
+        Replica::start(&server, config("pod-b")),
+    ];
     let l = one_leader(&replicas, secs(10)).await;
     let mut replicas = replicas;
     let leader = replicas.remove(l);
@@ -139,17 +217,28 @@ async fn crashed_leader_is_replaced_after_expiry() {
     tokio::time::sleep(secs(4)).await;
     leader.handle.abort();
     let crashed_at = Instant::now();
-    follower.wait_for(secs(20), "leader after the crash", |s| s.is_leader).await;
+    follower
+        .wait_for(secs(20), "leader after the crash", |s| s.is_leader)
+        .await;
     let waited = Instant::now() - crashed_at;
-    assert!(waited >= secs(12) && waited <= secs(16), "failover after {waited:?}");
-    assert_eq!(holder(&server).await.as_deref(), Some(follower.name.as_str()));
+    assert!(
+        waited >= secs(12) && waited <= secs(16),
+        "failover after {waited:?}"
+    );
+    assert_eq!(
+        holder(&server).await.as_deref(),
+        Some(follower.name.as_str())
+    );
     follower.stop().await;
 }
 
 #[tokio::test(start_paused = true)]
 async fn partitioned_leader_steps_down_before_another_acquires_and_follows_when_healed() {
     let server = server().await;
-    let replicas = vec![Replica::start(&server, config("pod-a")), Replica::start(&server, config("pod-b"))];
+    let replicas = vec![
+        Replica::start(&server, config("pod-a")),
+        Replica::start(&server, config("pod-b")),
+    ];
     let l = one_leader(&replicas, secs(10)).await;
     let mut replicas = replicas;
     let leader = replicas.remove(l);
@@ -157,19 +246,38 @@ async fn partitioned_leader_steps_down_before_another_acquires_and_follows_when_
     tokio::time::sleep(secs(3)).await;
     server.inject(&leader.name, Fault::Partition);
     let partitioned_at = Instant::now();
-    leader.wait_for(secs(12), "stepped down", |s| !s.is_leader).await;
+    leader
+        .wait_for(secs(12), "stepped down", |s| !s.is_leader)
+        .await;
     let stepped_down = Instant::now();
-    assert!(stepped_down - partitioned_at <= secs(10), "stepped down within RenewDeadline");
-    assert_eq!(leader.stops().last().map(|(_, r)| *r), Some(StopReason::LeaseExpired));
+    assert!(
+        stepped_down - partitioned_at <= secs(10),
+        "stepped down within RenewDeadline"
+    );
+    assert_eq!(
+        leader.stops().last().map(|(_, r)| *r),
+        Some(StopReason::LeaseExpired)
+    );
     follower.wait_for(secs(20), "leader", |s| s.is_leader).await;
     let took_over = follower.starts()[0];
     let stepped = leader.stops()[0].0;
-    assert!(stepped < took_over, "the old leader stepped down ({stepped:?}) before the new one started ({took_over:?})");
+    assert!(
+        stepped < took_over,
+        "the old leader stepped down ({stepped:?}) before the new one started ({took_over:?})"
+    );
     server.lift(&leader.name);
-    leader.wait_for(secs(15), "following the new leader", |s| s.holder.as_deref() == Some(follower.name.as_str())).await;
+    leader
+        .wait_for(secs(15), "following the new leader", |s| {
+            s.holder.as_deref() == Some(follower.name.as_str())
+        })
+        .await;
     tokio::time::sleep(secs(20)).await;
     assert!(!leader.is_leader() && follower.is_leader());
-    assert_eq!(leader.starts().len(), 1, "the healed replica did not take the Lease back");
+    assert_eq!(
+        leader.starts().len(),
+        1,
+        "the healed replica did not take the Lease back"
+    );
     leader.stop().await;
     follower.stop().await;
 }
@@ -177,12 +285,18 @@ async fn partitioned_leader_steps_down_before_another_acquires_and_follows_when_
 #[tokio::test(start_paused = true)]
 async fn outage_shorter_than_renew_deadline_changes_nothing() {
     let server = server().await;
-    let replicas = vec![Replica::start(&server, config("pod-a")), Replica::start(&server, config("pod-b"))];
+    let replicas = vec![
+        Replica::start(&server, config("pod-a")),
+        Replica::start(&server, config("pod-b")),
+    ];
     let l = one_leader(&replicas, secs(10)).await;
     tokio::time::sleep(secs(3)).await;
     server.outage(secs(6));
     tokio::time::sleep(secs(40)).await;
-    assert!(replicas[l].is_leader(), "the leader kept the Lease through a short outage");
+    assert!(
+        replicas[l].is_leader(),
+        "the leader kept the Lease through a short outage"
+    );
     for r in &replicas {
         assert!(r.stops().is_empty(), "{} saw no transition", r.name);
         assert_eq!(r.starts().len(), usize::from(r.is_leader()));
@@ -195,16 +309,24 @@ async fn outage_shorter_than_renew_deadline_changes_nothing() {
 #[tokio::test(start_paused = true)]
 async fn outage_longer_than_renew_deadline_steps_down_then_reelects() {
     let server = server().await;
-    let replicas = vec![Replica::start(&server, config("pod-a")), Replica::start(&server, config("pod-b"))];
+    let replicas = vec![
+        Replica::start(&server, config("pod-a")),
+        Replica::start(&server, config("pod-b")),
+    ];
     let l = one_leader(&replicas, secs(10)).await;
     tokio::time::sleep(secs(3)).await;
     server.outage(secs(25));
-    replicas[l].wait_for(secs(12), "stepped down", |s| !s.is_leader).await;
+    replicas[l]
+        .wait_for(secs(12), "stepped down", |s| !s.is_leader)
+        .await;
     assert_eq!(replicas[l].stops()[0].1, StopReason::LeaseExpired);
     tokio::time::sleep(secs(25)).await;
     let new = one_leader(&replicas, secs(30)).await;
     assert_steady_single_leader(&server, &replicas, secs(20)).await;
-    assert_eq!(holder(&server).await.as_deref(), Some(replicas[new].name.as_str()));
+    assert_eq!(
+        holder(&server).await.as_deref(),
+        Some(replicas[new].name.as_str())
+    );
     for r in replicas {
         r.stop().await;
     }
@@ -217,10 +339,17 @@ async fn a_fast_clock_never_takes_a_renewed_lease_nor_a_deposed_leaders_term() {
     a.wait_for(secs(10), "leader", |s| s.is_leader).await;
     // pod-b's clock runs 1.4x fast: below LeaseDuration / RenewDeadline = 1.5.
     let b = Replica::start_with(&server, config("pod-b"), Some(SkewedClock::new(1.4)));
-    let c = Replica::start_with(&server, config("pod-c").with_poll_only(true), Some(SkewedClock::new(1.4)));
+    let c = Replica::start_with(
+        &server,
+        config("pod-c").with_poll_only(true),
+        Some(SkewedClock::new(1.4)),
+    );
     tokio::time::sleep(secs(120)).await;
     assert!(a.is_leader());
-    assert!(b.starts().is_empty() && c.starts().is_empty(), "a fast clock took a Lease that was being renewed");
+    assert!(
+        b.starts().is_empty() && c.starts().is_empty(),
+        "a fast clock took a Lease that was being renewed"
+    );
     server.inject("pod-a", Fault::Partition);
     let b_or_c = [&b, &c];
     let deadline = Instant::now() + secs(30);
@@ -228,9 +357,20 @@ async fn a_fast_clock_never_takes_a_renewed_lease_nor_a_deposed_leaders_term() {
         assert!(Instant::now() < deadline, "nobody took over");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let stepped = a.stops().first().map(|(at, _)| *at).expect("pod-a stepped down");
-    let started = b_or_c.iter().flat_map(|r| r.starts()).min().expect("a new term");
-    assert!(stepped < started, "a fast clock started a term ({started:?}) before the old leader stepped down ({stepped:?})");
+    let stepped = a
+        .stops()
+        .first()
+        .map(|(at, _)| *at)
+        .expect("pod-a stepped down");
+    let started = b_or_c
+        .iter()
+        .flat_map(|r| r.starts())
+        .min()
+        .expect("a new term");
+    assert!(
+        stepped < started,
+        "a fast clock started a term ({started:?}) before the old leader stepped down ({stepped:?})"
+    );
     server.lift("pod-a");
     for r in [a, b, c] {
         r.stop().await;
@@ -244,10 +384,18 @@ async fn disabled_mode_leads_at_once_without_api_calls() {
     r.wait_for(secs(1), "leader", |s| s.is_leader).await;
     tokio::time::sleep(secs(30)).await;
     assert_eq!(r.starts().len(), 1);
-    assert!(server.requests().iter().all(|q| q.client != "solo"), "disabled mode made API calls");
+    assert!(
+        server.requests().iter().all(|q| q.client != "solo"),
+        "disabled mode made API calls"
+    );
     let seen = r.seen.clone();
     r.stop().await;
-    assert!(seen.lock().expect("lock").iter().any(|(_, s)| *s == Seen::Stopped(StopReason::GracefulShutdown)));
+    assert!(
+        seen.lock()
+            .expect("lock")
+            .iter()
+            .any(|(_, s)| *s == Seen::Stopped(StopReason::GracefulShutdown))
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -261,12 +409,15 @@ async fn a_taken_lease_steps_down_and_reenters_election_in_place() {
     let spec = l.spec.as_mut().expect("spec");
     spec.holder_identity = Some("intruder".into());
     spec.lease_duration_seconds = Some(15);
-    api.replace(LEASE, &PostParams::default(), &l).await.expect("overwrite");
+    api.replace(LEASE, &PostParams::default(), &l)
+        .await
+        .expect("overwrite");
     a.wait_for(secs(5), "stepped down", |s| !s.is_leader).await;
     assert_eq!(a.stops()[0].1, StopReason::LeaseTaken);
     assert_eq!(a.state.borrow().holder.as_deref(), Some("intruder"));
     // The intruder never renews: after its term runs out, pod-a leads again, in the same run.
-    a.wait_for(secs(25), "leader again", |s| s.is_leader && s.terms == 2).await;
+    a.wait_for(secs(25), "leader again", |s| s.is_leader && s.terms == 2)
+        .await;
     assert!(!a.handle.is_finished());
     a.stop().await;
 }
@@ -277,18 +428,43 @@ async fn keep_lease_on_stop_lets_a_successor_resume_without_vacancy_then_release
     let a = Replica::start(&server, config("pod-a").with_keep_lease_on_stop(true));
     a.wait_for(secs(10), "leader", |s| s.is_leader).await;
     let b = Replica::start(&server, config("pod-b"));
-    b.wait_for(secs(5), "following", |s| s.holder.as_deref() == Some("pod-a")).await;
+    b.wait_for(secs(5), "following", |s| {
+        s.holder.as_deref() == Some("pod-a")
+    })
+    .await;
     a.stop().await;
-    assert_eq!(holder(&server).await.as_deref(), Some("pod-a"), "kept on stop");
+    assert_eq!(
+        holder(&server).await.as_deref(),
+        Some("pod-a"),
+        "kept on stop"
+    );
     let a2 = Replica::start(&server, config("pod-a").with_keep_lease_on_stop(true));
-    a2.wait_for(secs(1), "leader at once", |s| s.is_leader).await;
+    a2.wait_for(secs(1), "leader at once", |s| s.is_leader)
+        .await;
     tokio::time::sleep(secs(30)).await;
     assert!(b.starts().is_empty(), "pod-b never saw a vacancy");
-    assert_eq!(lease(&server).await.expect("lease").spec.expect("spec").lease_transitions, Some(0));
+    assert_eq!(
+        lease(&server)
+            .await
+            .expect("lease")
+            .spec
+            .expect("spec")
+            .lease_transitions,
+        Some(0)
+    );
     a2.stop().await;
-    let released = release_lease(server.client_for("pod-a").expect("client"), NS, LEASE, "pod-a", secs(2)).await.expect("release");
+    let released = release_lease(
+        server.client_for("pod-a").expect("client"),
+        NS,
+        LEASE,
+        "pod-a",
+        secs(2),
+    )
+    .await
+    .expect("release");
     assert!(released);
-    b.wait_for(secs(2), "leader after release_lease", |s| s.is_leader).await;
+    b.wait_for(secs(2), "leader after release_lease", |s| s.is_leader)
+        .await;
     b.stop().await;
 }
 
@@ -320,7 +496,9 @@ async fn health_check_fails_a_leader_that_stopped_renewing() {
     tokio::time::sleep(secs(19)).await;
     assert_eq!(health.check(), Ok(()), "within LeaseDuration + tolerance");
     tokio::time::sleep(secs(2)).await;
-    let err = health.check().expect_err("stale leader must fail the health check");
+    let err = health
+        .check()
+        .expect_err("stale leader must fail the health check");
     assert!(err.contains("has not renewed"), "{err}");
     token.cancel();
     let _ = tokio::time::timeout(secs(30), run).await;
@@ -332,18 +510,35 @@ async fn api_errors_back_off_instead_of_spinning() {
     let a = Replica::start(&server, config("pod-a"));
     a.wait_for(secs(10), "leader", |s| s.is_leader).await;
     for code in [500, 503, 429] {
-        server.inject("pod-b", Fault::Error { code, retry_after: Some(1), times: None });
+        server.inject(
+            "pod-b",
+            Fault::Error {
+                code,
+                retry_after: Some(1),
+                times: None,
+            },
+        );
     }
     server.reset_accounting();
     let b = Replica::start(&server, config("pod-b"));
     tokio::time::sleep(secs(60)).await;
-    let from_b = server.requests().iter().filter(|r| r.client == "pod-b").count();
+    let from_b = server
+        .requests()
+        .iter()
+        .filter(|r| r.client == "pod-b")
+        .count();
     assert!(from_b > 0, "pod-b kept trying");
     // Backoff grows from 200 ms to RetryPeriod (2 s); kube's own retry of 429/503 adds a few.
-    assert!(from_b <= 150, "pod-b sent {from_b} requests in a minute of errors: it spins");
+    assert!(
+        from_b <= 150,
+        "pod-b sent {from_b} requests in a minute of errors: it spins"
+    );
     assert!(a.is_leader() && b.starts().is_empty());
     server.lift("pod-b");
-    b.wait_for(secs(10), "following", |s| s.holder.as_deref() == Some("pod-a")).await;
+    b.wait_for(secs(10), "following", |s| {
+        s.holder.as_deref() == Some("pod-a")
+    })
+    .await;
     a.stop().await;
     b.stop().await;
 }
@@ -351,20 +546,46 @@ async fn api_errors_back_off_instead_of_spinning() {
 #[tokio::test(start_paused = true)]
 async fn steady_state_load_is_one_write_per_retry_period_and_followers_are_quiet() {
     let server = server().await;
-    let replicas: Vec<Replica> = (0..3).map(|i| Replica::start(&server, config(&format!("pod-{i}")))).collect();
+    let replicas: Vec<Replica> = (0..3)
+        .map(|i| Replica::start(&server, config(&format!("pod-{i}"))))
+        .collect();
     let l = one_leader(&replicas, secs(10)).await;
     tokio::time::sleep(secs(10)).await;
     server.reset_accounting();
     tokio::time::sleep(secs(300)).await;
     let counts = server.request_counts();
-    let count = |client: &str, verb: &str| counts.get(&(client.to_owned(), verb.to_owned(), "leases.coordination.k8s.io".to_owned())).copied().unwrap_or(0);
+    let count = |client: &str, verb: &str| {
+        counts
+            .get(&(
+                client.to_owned(),
+                verb.to_owned(),
+                "leases.coordination.k8s.io".to_owned(),
+            ))
+            .copied()
+            .unwrap_or(0)
+    };
     let leader = &replicas[l].name;
-    assert_eq!(count(leader, "get") + count(leader, "list") + count(leader, "watch"), 0, "the leader reads nothing");
-    assert!(count(leader, "update") <= 150, "at most one write per RetryPeriod (2 s) in 300 s");
+    assert_eq!(
+        count(leader, "get") + count(leader, "list") + count(leader, "watch"),
+        0,
+        "the leader reads nothing"
+    );
+    assert!(
+        count(leader, "update") <= 150,
+        "at most one write per RetryPeriod (2 s) in 300 s"
+    );
     assert!(count(leader, "update") >= 100, "the leader kept renewing");
     for r in replicas.iter().filter(|r| &r.name != leader) {
-        let total: u64 = counts.iter().filter(|((c, _, _), _)| c == &r.name).map(|(_, n)| n).sum();
-        assert!(total <= 10, "{} made {total} requests in 5 minutes (at most 2 a minute)", r.name);
+        let total: u64 = counts
+            .iter()
+            .filter(|((c, _, _), _)| c == &r.name)
+            .map(|(_, n)| n)
+            .sum();
+        assert!(
+            total <= 10,
+            "{} made {total} requests in 5 minutes (at most 2 a minute)",
+            r.name
+        );
     }
     for r in replicas {
         r.stop().await;

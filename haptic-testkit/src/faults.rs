@@ -11,6 +11,9 @@ use tokio::{sync::watch, time::Instant};
 use crate::status::ApiError;
 
 /// A fault a test injects for one client (see [`crate::ApiServer::inject`]).
+///
+/// Faults add up, whatever the order they were injected in: dropped connections come first,
+/// then hangs, then error answers; latencies add up and delay error answers too.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Fault {
     /// Every request (and the start of every watch) waits this long before it is served.
@@ -45,7 +48,7 @@ pub enum Fault {
 #[derive(Debug)]
 pub(crate) enum Decision {
     Proceed(Option<Duration>),
-    Fail(ApiError),
+    Fail(ApiError, Option<Duration>),
     Drop,
     Hang,
 }
@@ -149,7 +152,9 @@ impl FaultTable {
         lock(&self.outage_until).filter(|until| Instant::now() < *until)
     }
 
-    /// Decides the fate of one request from `client`.
+    /// Decides the fate of one request from `client`. Whatever the order faults were injected
+    /// in, network faults come first (a dropped or hung request never reaches the server), then
+    /// error answers; latencies add up and delay error answers too.
     pub(crate) fn decide(&self, client: &str, is_watch: bool) -> Decision {
         if self.in_outage() {
             return Decision::Drop;
@@ -158,31 +163,43 @@ impl FaultTable {
         let Some(entry) = clients.get_mut(client) else {
             return Decision::Proceed(None);
         };
-        let mut latency = None;
-        let mut decision = None;
-        for fault in entry.faults.iter_mut() {
-            match fault {
-                Fault::Latency(d) => latency = Some(latency.unwrap_or_default() + *d),
-                Fault::Partition => decision = decision.or(Some(Decision::Hang)),
-                Fault::HangRequests if !is_watch => decision = decision.or(Some(Decision::Hang)),
-                Fault::DropConnections => decision = decision.or(Some(Decision::Drop)),
-                Fault::Error {
-                    code,
-                    retry_after,
-                    times,
-                } if decision.is_none() && times.is_none_or(|t| t > 0) => {
-                    if let Some(t) = times.as_mut() {
-                        *t -= 1;
-                    }
-                    decision = Some(Decision::Fail(ApiError::injected(*code, *retry_after)));
-                }
-                _ => {}
-            }
+        let faults = &mut entry.faults;
+        if faults.iter().any(|f| matches!(f, Fault::DropConnections)) {
+            return Decision::Drop;
         }
-        entry
-            .faults
-            .retain(|f| !matches!(f, Fault::Error { times: Some(0), .. }));
-        decision.unwrap_or(Decision::Proceed(latency))
+        let hung = faults.iter().any(|f| match f {
+            Fault::Partition => true,
+            Fault::HangRequests => !is_watch,
+            _ => false,
+        });
+        if hung {
+            return Decision::Hang;
+        }
+        let latency = faults
+            .iter()
+            .filter_map(|f| match f {
+                Fault::Latency(d) => Some(*d),
+                _ => None,
+            })
+            .reduce(|a, b| a + b);
+        let error = faults.iter_mut().find_map(|f| match f {
+            Fault::Error {
+                code,
+                retry_after,
+                times,
+            } if times.is_none_or(|t| t > 0) => {
+                if let Some(t) = times.as_mut() {
+                    *t -= 1;
+                }
+                Some(ApiError::injected(*code, *retry_after))
+            }
+            _ => None,
+        });
+        faults.retain(|f| !matches!(f, Fault::Error { times: Some(0), .. }));
+        match error {
+            Some(error) => Decision::Fail(error, latency),
+            None => Decision::Proceed(latency),
+        }
     }
 
     /// Whether a hung request of `client` must keep hanging.

@@ -297,7 +297,15 @@ async fn serve(
 ) -> Result<Response<Body>, DropConnection> {
     match shared.faults.decide(client, is_watch) {
         Decision::Drop => return Err(DropConnection),
-        Decision::Fail(err) => return Ok(error_response(&err)),
+        Decision::Fail(err, latency) => {
+            if let Some(latency) = latency {
+                tokio::select! {
+                    () = shared.token.cancelled() => return Err(DropConnection),
+                    () = tokio::time::sleep(latency) => {}
+                }
+            }
+            return Ok(error_response(&err));
+        }
         Decision::Hang => {
             let mut changes = shared.faults.subscribe();
             loop {

@@ -105,6 +105,21 @@ async fn error_faults_answer_a_status_with_retry_after() {
         assert!(leases(flaky.clone()).get("e").await.is_ok());
     }
 
+    // Latency delays error answers too.
+    server.inject("flaky", Fault::Latency(Duration::from_secs(4)));
+    server.inject(
+        "flaky",
+        Fault::Error {
+            code: 500,
+            retry_after: None,
+            times: Some(1),
+        },
+    );
+    let started = Instant::now();
+    assert_eq!(status(leases(flaky.clone()).get("e").await).code, 500);
+    assert!(started.elapsed() >= Duration::from_secs(4));
+    server.lift("flaky");
+
     // `times` bounds the failures.
     server.inject(
         "flaky",
@@ -291,6 +306,15 @@ async fn partition_isolates_one_client_only() {
         .unwrap()
         .boxed();
 
+    // A partition wins over an error answer injected before it: the request never arrives.
+    server.inject(
+        "a",
+        Fault::Error {
+            code: 500,
+            retry_after: None,
+            times: None,
+        },
+    );
     server.inject("a", Fault::Partition);
     assert!(
         tokio::time::timeout(Duration::from_secs(60), a.get("p"))

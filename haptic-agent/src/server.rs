@@ -72,7 +72,11 @@ async fn authorize(expected: [u8; 32], request: Request, next: Next) -> Response
     let presented = request
         .headers()
         .get(header::AUTHORIZATION)
-        .and_then(|value| value.as_bytes().strip_prefix(b"Bearer "))
+        .map(|value| value.as_bytes())
+        // The scheme is case-insensitive (RFC 9110); the token is not.
+        .and_then(|value| {
+            (value.len() > 7 && value[..7].eq_ignore_ascii_case(b"bearer ")).then(|| &value[7..])
+        })
         .map(|token| Sha256::digest(token.trim_ascii()));
     match presented {
         Some(digest) if bool::from(digest.as_slice().ct_eq(&expected)) => next.run(request).await,

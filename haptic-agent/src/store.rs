@@ -150,23 +150,27 @@ impl SetStore {
         );
         let dir = self.root.join("staging").join(&name);
         fs::create_dir(&dir).map_err(io("creating", &dir))?;
-        let mut dirs = vec![dir.clone()];
+        // Every directory the set creates, so each can be fsynced once its entries exist.
+        let mut dirs = std::collections::BTreeSet::new();
         for (path, content) in files.iter() {
             // Paths were validated by the protocol: relative, no `..`, no empty component.
             let target = dir.join(path);
-            if let Some(parent) = target.parent()
-                && !parent.exists()
-            {
-                fs::create_dir_all(parent).map_err(io("creating", parent))?;
-                dirs.push(parent.to_path_buf());
+            for (i, _) in path.match_indices('/') {
+                if dirs.insert(path[..i].to_owned()) {
+                    let created = dir.join(&path[..i]);
+                    if !created.is_dir() {
+                        fs::create_dir(&created).map_err(io("creating", &created))?;
+                    }
+                }
             }
             let mut file = fs::File::create(&target).map_err(io("creating", &target))?;
             file.write_all(content).map_err(io("writing", &target))?;
             file.sync_all().map_err(io("syncing", &target))?;
         }
-        for dir in dirs.iter().rev() {
-            sync_dir(dir)?;
+        for relative in dirs.iter().rev() {
+            sync_dir(&dir.join(relative))?;
         }
+        sync_dir(&dir)?;
         Ok((name, dir))
     }
 

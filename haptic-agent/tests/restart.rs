@@ -34,7 +34,7 @@ impl AgentProcess {
             .arg("--supervise")
             .env("HAPTIC_AGENT_DATA_DIR", data)
             .env("HAPTIC_AGENT_HAPROXY", haproxy_bin())
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", "error")
             .stdin(Stdio::null())
             .process_group(0)
             .spawn()

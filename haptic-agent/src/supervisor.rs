@@ -145,7 +145,8 @@ impl Supervisor {
             .is_some_and(|child| child.exited.borrow().is_none())
     }
 
-    /// Starts HAProxy unless it runs, and waits until its master socket lists a worker.
+    /// Starts HAProxy unless it runs, and waits until its master socket lists a worker (or
+    /// the master exits, or the start timeout passes and it is stopped).
     pub async fn start(&self) -> Result<()> {
         let mut running = self.running.lock().await;
         if let Some(child) = running.as_ref()
@@ -215,8 +216,8 @@ impl Supervisor {
             exited,
             task,
         });
-        drop(running);
-
+        // The lock stays held until the start is judged, so a concurrent caller (an apply and
+        // the restart watcher) waits for this outcome instead of seeing a half-started master.
         let deadline = Instant::now() + self.start_timeout;
         loop {
             if let Some(status) = exited_rx.borrow_and_update().clone() {
@@ -230,7 +231,10 @@ impl Supervisor {
                 return Ok(());
             }
             if Instant::now() >= deadline {
-                self.stop().await;
+                if let Some(child) = running.take() {
+                    child.stop.cancel();
+                    let _ = child.task.await;
+                }
                 return Err(Error::Timeout(self.start_timeout));
             }
             tokio::time::sleep(Duration::from_millis(10)).await;

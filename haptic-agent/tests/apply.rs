@@ -452,3 +452,32 @@ impl JsonBody for reqwest::RequestBuilder {
             .body(serde_json::to_vec(value).expect("json"))
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_set_that_fails_to_load_leaves_nothing_live_and_the_next_one_works() {
+    let a = Backend::start("a").await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let agent = TestAgent::start(dir.path()).await;
+    let client = client();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("hold a port");
+    let taken_port = taken.local_addr().expect("addr").port();
+    let first = request(1, "leader-0", 1, config(taken_port, "a", &[("a", a.addr)]));
+    match client.apply(&agent.url, &first).await {
+        Err(Error::RolledBack {
+            live_checksum: None,
+            reason,
+        }) => assert!(reason.contains("bind"), "HAProxy's reason: {reason}"),
+        other => panic!("expected RolledBack with nothing live, got {other:?}"),
+    }
+    let state = client.state(&agent.url).await.expect("state");
+    assert_eq!(state.live_checksum, None);
+    assert_eq!(state.haproxy_pid, None, "no HAProxy left running");
+    assert!(listing(&dir.path().join("sets")).is_empty());
+
+    let port = free_port();
+    let next = request(1, "leader-0", 2, config(port, "a", &[("a", a.addr)]));
+    client.apply(&agent.url, &next).await.expect("next");
+    assert_eq!(await_body(port, "backend a").await, "backend a");
+    drop(taken);
+    agent.stop().await;
+}

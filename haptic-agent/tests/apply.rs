@@ -69,22 +69,21 @@ async fn a_valid_set_serves_traffic_and_a_second_set_reroutes_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_invalid_set_returns_haproxys_message_and_the_live_set_keeps_serving() {
-    let a = Backend::start("a").await;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let agent = TestAgent::start(dir.path()).await;
-    let client = client();
-    let port = free_port();
-    let good = request(1, "leader-0", 1, config(port, "a", &[("a", a.addr)]));
-    client.apply(&agent.url, &good).await.expect("good apply");
-    assert_eq!(await_body(port, "backend a").await, "backend a");
+    let serving = Serving::start(1).await;
+    let Serving {
+        dir,
+        agent,
+        client,
+        port,
+        live: good,
+        ..
+    } = &serving;
+    let port = *port;
     let before = listing(&dir.path().join("sets"));
 
-    let mut broken = config(port, "a", &[("a", a.addr)]);
-    let cfg = String::from_utf8_lossy(broken.get("haproxy.cfg").expect("cfg")).into_owned();
-    broken = haptic_agent_client::FileSet::new()
-        .with("haproxy.cfg", format!("{cfg}  frobnicate-the-widget yes\n"))
-        .and_then(|set| set.with("maps/routes.map", "/ be_a\n"))
-        .expect("set");
+    let broken = rewrite(&good.files, "haproxy.cfg", |cfg| {
+        format!("{cfg}  frobnicate-the-widget yes\n")
+    });
     let bad = request(1, "leader-0", 2, broken);
     match client.apply(&agent.url, &bad).await {
         Err(Error::Invalid { check_output }) => {
@@ -103,22 +102,23 @@ async fn an_invalid_set_returns_haproxys_message_and_the_live_set_keeps_serving(
         "staging cleaned"
     );
     assert_eq!(get_once(port).await, "backend a");
-    agent.stop().await;
+    serving.agent.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lower_epoch_is_refused_with_the_fence_and_nothing_is_written() {
-    let a = Backend::start("a").await;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let agent = TestAgent::start(dir.path()).await;
-    let client = client();
-    let port = free_port();
-    let current = request(5, "leader-new", 1, config(port, "a", &[("a", a.addr)]));
-    client.apply(&agent.url, &current).await.expect("epoch 5");
+    let serving = Serving::start(5).await;
+    let Serving {
+        dir,
+        agent,
+        client,
+        port,
+        ..
+    } = &serving;
     let before = listing(dir.path());
     let fence_before = std::fs::read(dir.path().join("fence")).expect("fence file");
 
-    let stale = request(4, "leader-old", 9, config(port, "none", &[("a", a.addr)]));
+    let stale = request(4, "leader-old", 9, serving.set_routing_to("none"));
     match client.apply(&agent.url, &stale).await {
         Err(Error::Fenced { fence, epoch }) => assert_eq!((fence, epoch), (5, 4)),
         other => panic!("expected Fenced, got {other:?}"),
@@ -128,11 +128,11 @@ async fn a_lower_epoch_is_refused_with_the_fence_and_nothing_is_written() {
         std::fs::read(dir.path().join("fence")).expect("fence file"),
         fence_before
     );
-    assert_eq!(get_once(port).await, "backend a");
+    assert_eq!(get_once(*port).await, "backend a");
     let metrics = agent.agent.metrics();
     assert_eq!(metrics.applies("fenced"), 1);
     assert_eq!(metrics.applies("applied"), 1);
-    agent.stop().await;
+    serving.agent.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -145,20 +145,9 @@ async fn two_leaders_applying_concurrently_only_the_higher_epoch_is_ever_live() 
     let backends = [("a", a.addr), ("b", b.addr)];
     // Distinct sets per leader and generation: the map line differs.
     let set = |leader: &str, generation: u64| {
-        let mut files = config(port, leader, &backends);
-        files = haptic_agent_client::FileSet::new()
-            .with(
-                "haproxy.cfg",
-                files.get("haproxy.cfg").expect("cfg").clone(),
-            )
-            .and_then(|set| {
-                set.with(
-                    "maps/routes.map",
-                    format!("/ be_{leader}\n/gen{generation} be_{leader}\n"),
-                )
-            })
-            .expect("set");
-        files
+        rewrite(&config(port, leader, &backends), "maps/routes.map", |_| {
+            format!("/ be_{leader}\n/gen{generation} be_{leader}\n")
+        })
     };
     let old: Vec<_> = (1..=4).map(|g| request(1, "old", g, set("a", g))).collect();
     let new: Vec<_> = (1..=4).map(|g| request(2, "new", g, set("b", g))).collect();
@@ -229,13 +218,13 @@ async fn two_leaders_applying_concurrently_only_the_higher_epoch_is_ever_live() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_checksum_is_unchanged_and_does_not_reload() {
-    let a = Backend::start("a").await;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let agent = TestAgent::start(dir.path()).await;
-    let client = client();
-    let port = free_port();
-    let set = request(3, "leader-0", 1, config(port, "a", &[("a", a.addr)]));
-    client.apply(&agent.url, &set).await.expect("apply");
+    let serving = Serving::start(3).await;
+    let Serving {
+        agent,
+        client,
+        live: set,
+        ..
+    } = &serving;
     let before = client.state(&agent.url).await.expect("state");
 
     let again = request(3, "leader-0", 2, set.files.clone());
@@ -272,37 +261,35 @@ async fn the_same_checksum_is_unchanged_and_does_not_reload() {
         .await
         .expect("healthz");
     assert_eq!(health.status(), 200);
-    agent.stop().await;
+    serving.agent.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_set_that_fails_to_load_is_rolled_back_to_last_known_good() {
-    let a = Backend::start("a").await;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let agent = TestAgent::start(dir.path()).await;
-    let client = client();
-    let port = free_port();
-    let good = request(1, "leader-0", 1, config(port, "a", &[("a", a.addr)]));
-    client.apply(&agent.url, &good).await.expect("good");
-    assert_eq!(await_body(port, "backend a").await, "backend a");
+    let serving = Serving::start(1).await;
+    let Serving {
+        agent,
+        client,
+        port,
+        live: good,
+        ..
+    } = &serving;
+    let port = *port;
 
     // `haproxy -c` does not bind, so a second bind on a taken port passes the check and
     // fails only when HAProxy loads the set.
     let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("hold a port");
     let taken_port = taken.local_addr().expect("addr").port();
-    let files = config(port, "a", &[("a", a.addr)]);
-    let cfg = String::from_utf8_lossy(files.get("haproxy.cfg").expect("cfg")).replace(
-        &format!("bind 127.0.0.1:{port}\n"),
-        &format!("bind 127.0.0.1:{port}\n  bind 127.0.0.1:{taken_port}\n"),
-    );
     let bad = request(
         1,
         "leader-0",
         2,
-        haptic_agent_client::FileSet::new()
-            .with("haproxy.cfg", cfg)
-            .and_then(|set| set.with("maps/routes.map", "/ be_a\n"))
-            .expect("set"),
+        rewrite(&good.files, "haproxy.cfg", |cfg| {
+            cfg.replace(
+                &format!("bind 127.0.0.1:{port}\n"),
+                &format!("bind 127.0.0.1:{port}\n  bind 127.0.0.1:{taken_port}\n"),
+            )
+        }),
     );
     match client.apply(&agent.url, &bad).await {
         Err(Error::RolledBack {
@@ -322,11 +309,11 @@ async fn a_set_that_fails_to_load_is_rolled_back_to_last_known_good() {
     assert_eq!(agent.agent.metrics().applies("rolled_back"), 1);
 
     // And the agent still applies: the next good set goes live.
-    let next = request(1, "leader-0", 3, config(port, "none", &[("a", a.addr)]));
+    let next = request(1, "leader-0", 3, serving.set_routing_to("none"));
     client.apply(&agent.url, &next).await.expect("next");
     assert_eq!(await_body(port, "no route").await, "no route");
     drop(taken);
-    agent.stop().await;
+    serving.agent.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,14 +11,14 @@ use rustix::process::{Pid, Signal, kill_process};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_haproxy_is_restarted_on_the_live_set() {
-    let a = Backend::start("a").await;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let agent = TestAgent::start(dir.path()).await;
-    let client = client();
-    let port = free_port();
-    let set = request(1, "leader-0", 1, config(port, "a", &[("a", a.addr)]));
-    client.apply(&agent.url, &set).await.expect("apply");
-    assert_eq!(await_body(port, "backend a").await, "backend a");
+    let serving = Serving::start(1).await;
+    let Serving {
+        agent,
+        client,
+        port,
+        ..
+    } = &serving;
+    let port = *port;
     let master = client
         .state(&agent.url)
         .await
@@ -47,7 +47,7 @@ async fn a_dead_haproxy_is_restarted_on_the_live_set() {
     };
     assert_ne!(restarted, master);
     assert_eq!(await_body(port, "backend a").await, "backend a");
-    agent.stop().await;
+    serving.agent.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

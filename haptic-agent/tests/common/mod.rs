@@ -219,3 +219,59 @@ pub fn listing(dir: &Path) -> Vec<String> {
     out.sort();
     out
 }
+
+/// `files` with the content of `path` replaced by `edit` of the old one (or added).
+pub fn rewrite(files: &FileSet, path: &str, edit: impl FnOnce(&str) -> String) -> FileSet {
+    let old = files
+        .get(path)
+        .map(|content| String::from_utf8_lossy(content).into_owned())
+        .unwrap_or_default();
+    let mut out = FileSet::new();
+    for (name, content) in files.iter().filter(|(name, _)| *name != path) {
+        out.insert(name, content.clone()).expect("valid path");
+    }
+    out.insert(path, edit(&old)).expect("valid path");
+    out
+}
+
+/// The common starting point: a supervised agent whose HAProxy serves `backend a` on `port`,
+/// from the set `live` applied at `epoch`.
+pub struct Serving {
+    pub backend: Backend,
+    pub dir: tempfile::TempDir,
+    pub agent: TestAgent,
+    pub client: AgentClient,
+    pub port: u16,
+    pub live: ApplyRequest,
+}
+
+impl Serving {
+    pub async fn start(epoch: u64) -> Self {
+        let backend = Backend::start("a").await;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let agent = TestAgent::start(dir.path()).await;
+        let client = client();
+        let port = free_port();
+        let live = request(
+            epoch,
+            "leader-0",
+            1,
+            config(port, "a", &[("a", backend.addr)]),
+        );
+        client.apply(&agent.url, &live).await.expect("first apply");
+        assert_eq!(await_body(port, "backend a").await, "backend a");
+        Self {
+            backend,
+            dir,
+            agent,
+            client,
+            port,
+            live,
+        }
+    }
+
+    /// The routes of `live`, pointed at `route_to`.
+    pub fn set_routing_to(&self, route_to: &str) -> FileSet {
+        config(self.port, route_to, &[("a", self.backend.addr)])
+    }
+}

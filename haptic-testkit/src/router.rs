@@ -344,6 +344,12 @@ async fn serve(
         } => (info, namespace, name, sub),
     };
     let method = req.method().clone();
+    // kube's metadata-only calls (and metadata watchers) ask for PartialObjectMetadata[List].
+    let metadata_only = req
+        .headers()
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|accept| accept.contains("as=PartialObjectMetadata"));
     let content_type = req
         .headers()
         .get(header::CONTENT_TYPE)
@@ -404,6 +410,7 @@ async fn serve(
                 s,
                 &query,
                 client.to_owned(),
+                metadata_only,
             ));
         }
         return Ok(watch::start(
@@ -412,6 +419,7 @@ async fn serve(
             selection,
             &query,
             client.to_owned(),
+            metadata_only,
         ));
     }
     // Unset, the real server warns about unknown fields and drops them.
@@ -421,10 +429,24 @@ async fn serve(
         .unwrap_or_else(|| "Warn".to_owned());
     let mut warnings = Vec::new();
     let result: Result<(u16, Value), ApiError> = (|| match (method, name) {
-        (Method::GET, Some(name)) => shared.lock_store().get(&info, ns, &name).map(|o| (200, o)),
+        (Method::GET, Some(name)) => {
+            let object = shared.lock_store().get(&info, ns, &name)?;
+            Ok((
+                200,
+                if metadata_only {
+                    Store::partial(&object)
+                } else {
+                    object
+                },
+            ))
+        }
         (Method::GET, None) => {
             let (items, rv) = shared.lock_store().list(&info, &selection);
-            Ok((200, list_document(&info, items, rv)))
+            if metadata_only {
+                Ok((200, partial_list(items, rv)))
+            } else {
+                Ok((200, list_document(&info, items, rv)))
+            }
         }
         (Method::POST, None) => {
             let object = parse_object(&info, &body)?;
@@ -544,6 +566,16 @@ fn delete_success(info: &ResourceInfo, deleted: &Value) -> Value {
         "metadata": {},
         "status": "Success",
         "details": details,
+    })
+}
+
+/// A `PartialObjectMetadataList` of the given objects.
+fn partial_list(items: Vec<Value>, rv: u64) -> Value {
+    json!({
+        "kind": "PartialObjectMetadataList",
+        "apiVersion": "meta.k8s.io/v1",
+        "metadata": { "resourceVersion": rv.to_string() },
+        "items": items.iter().map(Store::partial).collect::<Vec<_>>(),
     })
 }
 

@@ -199,6 +199,16 @@ impl Store {
         out
     }
 
+    /// The `PartialObjectMetadata` view of an object, for clients that ask for metadata only
+    /// (`Accept: application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1`).
+    pub(crate) fn partial(object: &Value) -> Value {
+        json!({
+            "kind": "PartialObjectMetadata",
+            "apiVersion": "meta.k8s.io/v1",
+            "metadata": object["metadata"],
+        })
+    }
+
     fn check_type(info: &ResourceInfo, object: &Value) -> Result<(), ApiError> {
         if let Some(api_version) = object.get("apiVersion").and_then(Value::as_str) {
             let expected_group = info.group.as_str();

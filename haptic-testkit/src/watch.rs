@@ -32,8 +32,22 @@ fn line(kind: &str, object: &Value) -> Bytes {
     Bytes::from(bytes)
 }
 
+/// How a watch shows objects: whole, or as `PartialObjectMetadata`.
+fn view(info: &ResourceInfo, object: &Value, metadata_only: bool) -> Value {
+    if metadata_only {
+        Store::partial(object)
+    } else {
+        Store::present(info, object)
+    }
+}
+
 /// What a client of this selection sees of one event: ADDED, MODIFIED, DELETED or nothing.
-fn translate(info: &ResourceInfo, selection: &Selection, event: &Event) -> Option<Bytes> {
+fn translate(
+    info: &ResourceInfo,
+    selection: &Selection,
+    event: &Event,
+    metadata_only: bool,
+) -> Option<Bytes> {
     if event.key != info.storage_key() {
         return None;
     }
@@ -52,17 +66,25 @@ fn translate(info: &ResourceInfo, selection: &Selection, event: &Event) -> Optio
         }
         _ => return None,
     };
-    Some(line(kind, &Store::present(info, &event.object)))
+    Some(line(kind, &view(info, &event.object, metadata_only)))
 }
 
-fn bookmark(info: &ResourceInfo, rv: u64, initial_end: bool) -> Bytes {
+fn bookmark(info: &ResourceInfo, rv: u64, initial_end: bool, metadata_only: bool) -> Bytes {
     let mut metadata = json!({ "resourceVersion": rv.to_string() });
     if initial_end {
         metadata["annotations"] = json!({ "k8s.io/initial-events-end": "true" });
     }
+    let (kind, api_version) = if metadata_only {
+        (
+            "PartialObjectMetadata".to_owned(),
+            "meta.k8s.io/v1".to_owned(),
+        )
+    } else {
+        (info.kind.clone(), info.api_version())
+    };
     line(
         "BOOKMARK",
-        &json!({ "kind": info.kind, "apiVersion": info.api_version(), "metadata": metadata }),
+        &json!({ "kind": kind, "apiVersion": api_version, "metadata": metadata }),
     )
 }
 
@@ -78,6 +100,7 @@ pub(crate) fn start(
     selection: Selection,
     query: &HashMap<String, String>,
     client: String,
+    metadata_only: bool,
 ) -> Response<Body> {
     // The router refuses a resourceVersion that is not a number before the watch starts.
     let from = query
@@ -151,9 +174,9 @@ pub(crate) fn start(
         for event in &initial {
             last_rv = last_rv.max(event.rv);
             let bytes = if synthetic {
-                Some(line("ADDED", &Store::present(&info, &event.object)))
+                Some(line("ADDED", &view(&info, &event.object, metadata_only)))
             } else {
-                translate(&info, &selection, event)
+                translate(&info, &selection, event, metadata_only)
             };
             if let Some(bytes) = bytes
                 && tx.send(Ok(Frame::data(bytes))).await.is_err() {
@@ -163,7 +186,7 @@ pub(crate) fn start(
         if initial_end {
             let rv = shared.lock_store().resource_version().max(last_rv);
             last_rv = rv;
-            if tx.send(Ok(Frame::data(bookmark(&info, rv, true)))).await.is_err() {
+            if tx.send(Ok(Frame::data(bookmark(&info, rv, true, metadata_only)))).await.is_err() {
                 return;
             }
         }
@@ -185,7 +208,7 @@ pub(crate) fn start(
                         break;
                     }
                     if event.rv > last_rv
-                        && let Some(bytes) = translate(&info, &selection, &event)
+                        && let Some(bytes) = translate(&info, &selection, &event, metadata_only)
                         && tx.send(Ok(Frame::data(bytes))).await.is_err()
                     {
                         return;
@@ -208,7 +231,7 @@ pub(crate) fn start(
                 changed = faults.changed() => if changed.is_err() { return },
                 () = tokio::time::sleep_until(next_bookmark), if bookmarks && deliver => {
                     next_bookmark = tokio::time::Instant::now() + interval;
-                    if tx.send(Ok(Frame::data(bookmark(&info, last_rv, false)))).await.is_err() {
+                    if tx.send(Ok(Frame::data(bookmark(&info, last_rv, false, metadata_only)))).await.is_err() {
                         return;
                     }
                 }
@@ -218,7 +241,7 @@ pub(crate) fn start(
                             continue;
                         }
                         last_rv = event.rv;
-                        if let Some(bytes) = translate(&info, &selection, &event)
+                        if let Some(bytes) = translate(&info, &selection, &event, metadata_only)
                             && tx.send(Ok(Frame::data(bytes))).await.is_err() {
                                 return;
                             }

@@ -656,3 +656,35 @@ async fn lease_micro_times_come_back_in_utc() {
     );
     server.shutdown().await;
 }
+
+#[tokio::test]
+async fn metadata_only_requests_work_with_kube() {
+    let server = ApiServer::start().await.unwrap();
+    let leases: Api<Lease> = Api::default_namespaced(server.client().unwrap());
+    let created = leases
+        .create(&PostParams::default(), &lease("meta", "a"))
+        .await
+        .unwrap();
+    // The server answers with PartialObjectMetadata, as the real one does.
+    let got = leases.get_metadata("meta").await.unwrap();
+    assert_eq!(got.metadata.uid, created.metadata.uid);
+    assert_eq!(got.types.as_ref().unwrap().kind, "PartialObjectMetadata");
+    assert_eq!(got.types.as_ref().unwrap().api_version, "meta.k8s.io/v1");
+    let list = leases.list_metadata(&ListParams::default()).await.unwrap();
+    assert_eq!(list.items.len(), 1);
+    assert_eq!(list.types.kind, "PartialObjectMetadataList");
+    assert!(list.metadata.resource_version.is_some());
+    let stream = leases
+        .watch_metadata(&kube::api::WatchParams::default(), "0")
+        .await
+        .unwrap();
+    futures::pin_mut!(stream);
+    let first = futures::StreamExt::next(&mut stream)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(matches!(first, kube::api::WatchEvent::Added(m)
+            if m.metadata.name.as_deref() == Some("meta")
+                && m.types.as_ref().is_some_and(|t| t.kind == "PartialObjectMetadata")));
+    server.shutdown().await;
+}

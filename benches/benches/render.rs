@@ -160,7 +160,7 @@ fn summary(
         });
         let one = median(runs, || single.render(&case.stores).expect("renders"));
         let mini = median(runs, || peer.render(&case.peer).expect("renders"));
-        tera_times.push((case.n, tera));
+        tera_times.push((case.n, tera, one));
         println!(
             "| {} | {:.2} MB | {:.2} ms | {:.0} | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} |",
             case.n,
@@ -173,11 +173,17 @@ fn summary(
             mini.as_secs_f64() / one.as_secs_f64()
         );
     }
-    let time_of = |n| tera_times.iter().find(|(m, _)| *m == n).map(|(_, t)| *t);
-    if let (Some(t1k), Some(t10k)) = (time_of(1_000), time_of(10_000)) {
+    let time_of = |n| {
+        tera_times
+            .iter()
+            .find(|(m, _, _)| *m == n)
+            .map(|(_, t, o)| (*t, *o))
+    };
+    if let (Some((t1k, o1k)), Some((t10k, o10k))) = (time_of(1_000), time_of(10_000)) {
         println!(
-            "\n10k / 1k render time ratio: {:.2} (linear is 10)",
-            t10k.as_secs_f64() / t1k.as_secs_f64()
+            "\n10k / 1k render time ratio: {:.2} on all cores, {:.2} on one thread (linear is 10)",
+            t10k.as_secs_f64() / t1k.as_secs_f64(),
+            o10k.as_secs_f64() / o1k.as_secs_f64()
         );
     }
     println!("load average after: {}", load_average());

@@ -17,6 +17,9 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// A path is absolute or climbs out of the target directory.
+    #[error("refusing to write `{0}`: not a relative path inside the target directory")]
+    UnsafePath(String),
 }
 
 /// A `Result` with this module's [`Error`].
@@ -95,9 +98,18 @@ impl FileSet {
 
     /// Writes every file under `dir`, creating directories as needed.
     ///
-    /// Not atomic: the agent stages and swaps; this is for tools and tests. Paths are those the
-    /// renderer produced, which are relative and never contain `..`.
+    /// Not atomic: the agent stages and swaps; this is for tools and tests. The renderer only
+    /// produces relative paths without `..`; a set built by hand with anything else is refused
+    /// before anything is written.
     pub fn write_to(&self, dir: &Path) -> Result<()> {
+        let unsafe_path = self.files.keys().find(|path| {
+            path.is_empty()
+                || Path::new(path).is_absolute()
+                || path.split(['/', '\\']).any(|s| s.is_empty() || s == "..")
+        });
+        if let Some(path) = unsafe_path {
+            return Err(Error::UnsafePath(path.clone()));
+        }
         for (path, bytes) in &self.files {
             let target = dir.join(path);
             if let Some(parent) = target.parent() {
@@ -154,5 +166,18 @@ mod tests {
             "a b\n"
         );
         assert_eq!(s.total_bytes(), 11);
+    }
+
+    #[test]
+    fn refuses_paths_outside_the_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        for bad in ["../x", "/etc/x", "a/../../x", "", "a//b"] {
+            let err = set(&[("ok", "1"), (bad, "2")]).write_to(dir.path());
+            assert!(matches!(err, Err(Error::UnsafePath(_))), "{bad:?}");
+        }
+        assert!(
+            !dir.path().join("ok").exists(),
+            "nothing is written when a path is refused"
+        );
     }
 }

@@ -210,10 +210,10 @@ impl Store {
     }
 
     fn check_type(info: &ResourceInfo, object: &Value) -> Result<(), ApiError> {
-        if let Some(api_version) = object.get("apiVersion").and_then(Value::as_str) {
-            let expected_group = info.group.as_str();
-            let group = api_version.rsplit_once('/').map(|(g, _)| g).unwrap_or("");
-            if group != expected_group {
+        if let Some(api_version) = object.get("apiVersion").and_then(Value::as_str)
+            && !api_version.is_empty()
+        {
+            if api_version != info.api_version() {
                 return Err(ApiError::bad_request(format!(
                     "the API version in the data ({api_version}) does not match the expected API version ({})",
                     info.api_version()

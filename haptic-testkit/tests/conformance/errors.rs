@@ -109,6 +109,14 @@ async fn a_body_of_the_wrong_kind_or_type_is_refused() {
     let cm = json!({ "apiVersion": "v1", "kind": "ConfigMap", "metadata": { "name": "c" } });
     let answer = raw(&client, Method::POST, LEASES, json, cm.to_string()).await;
     assert_status(&answer, 400, "BadRequest");
+    // Right group, wrong version.
+    let v2 = json!({ "apiVersion": "coordination.k8s.io/v2", "kind": "Lease", "metadata": { "name": "c" } });
+    let answer = raw(&client, Method::POST, LEASES, json, v2.to_string()).await;
+    assert_status(&answer, 400, "BadRequest");
+    assert_eq!(
+        answer.body["message"],
+        "the API version in the data (coordination.k8s.io/v2) does not match the expected API version (coordination.k8s.io/v1)"
+    );
     // Right group, wrong kind.
     let wrong = json!({ "apiVersion": "coordination.k8s.io/v1", "kind": "Pod", "metadata": { "name": "c" } });
     let answer = raw(&client, Method::POST, LEASES, json, wrong.to_string()).await;

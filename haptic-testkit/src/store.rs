@@ -212,13 +212,12 @@ impl Store {
     fn check_type(info: &ResourceInfo, object: &Value) -> Result<(), ApiError> {
         if let Some(api_version) = object.get("apiVersion").and_then(Value::as_str)
             && !api_version.is_empty()
+            && api_version != info.api_version()
         {
-            if api_version != info.api_version() {
-                return Err(ApiError::bad_request(format!(
-                    "the API version in the data ({api_version}) does not match the expected API version ({})",
-                    info.api_version()
-                )));
-            }
+            return Err(ApiError::bad_request(format!(
+                "the API version in the data ({api_version}) does not match the expected API version ({})",
+                info.api_version()
+            )));
         }
         if let Some(kind) = object.get("kind").and_then(Value::as_str)
             && kind != info.kind

@@ -239,6 +239,14 @@ async fn resource_version_inside_a_patch_is_a_precondition() {
             r#"Operation cannot be fulfilled on leases.coordination.k8s.io "rv": the object has been modified; please apply your changes to the latest version and try again"#
         );
     }
+    // JSON patch: an op that sets the resourceVersion sets a precondition too.
+    let ops: json_patch::Patch = serde_json::from_value(json!([
+        { "op": "replace", "path": "/metadata/resourceVersion", "value": old_rv },
+        { "op": "replace", "path": "/spec/holderIdentity", "value": "c" },
+    ]))
+    .unwrap();
+    let err = status(leases.patch("rv", &pp, &Patch::<()>::Json(ops)).await);
+    assert_eq!((err.code, err.reason.as_str()), (409, "Conflict"));
     let apply = json!({
         "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
         "metadata": { "name": "rv", "resourceVersion": old_rv },

@@ -195,7 +195,7 @@ impl Renderer {
         let extra = set
             .extra_context
             .iter()
-            .map(|(k, v)| (k.clone(), to_tera(v, &mut Interner::default())))
+            .map(|(k, v)| (k.clone(), to_tera(v, &mut Interner::default(), &[])))
             .collect();
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
         Ok(Self {

@@ -57,11 +57,40 @@ pub struct StoreConfig {
     /// Default: `["metadata.namespace", "metadata.name"]`.
     #[serde(default = "StoreConfig::default_index_by")]
     pub index_by: Vec<String>,
+    /// Field paths dropped from every resource as it arrives: templates never see them and
+    /// the store does not hold them. Same path syntax as `index_by`.
+    ///
+    /// Default: `metadata.managedFields` and the
+    /// `kubectl.kubernetes.io/last-applied-configuration` annotation, which together are often
+    /// larger than the rest of a resource and mean nothing to HAProxy.
+    #[serde(default = "StoreConfig::default_ignore_fields")]
+    pub ignore_fields: Vec<String>,
 }
 
 impl StoreConfig {
     fn default_index_by() -> Vec<String> {
         vec!["metadata.namespace".into(), "metadata.name".into()]
+    }
+
+    fn default_ignore_fields() -> Vec<String> {
+        vec![
+            "metadata.managedFields".into(),
+            r#"metadata.annotations["kubectl.kubernetes.io/last-applied-configuration"]"#.into(),
+        ]
+    }
+
+    /// Checks that `index_by` is not empty and that every path parses; the error names the
+    /// broken rule or path.
+    pub fn validate(&self) -> Result<()> {
+        if self.index_by.is_empty() {
+            return Err(Error::EmptyIndex {
+                store: String::new(),
+            });
+        }
+        for path in self.index_by.iter().chain(&self.ignore_fields) {
+            FieldPath::parse(path)?;
+        }
+        Ok(())
     }
 
     /// A config indexing by the given field paths.
@@ -72,6 +101,7 @@ impl StoreConfig {
     {
         Self {
             index_by: fields.into_iter().map(Into::into).collect(),
+            ignore_fields: Self::default_ignore_fields(),
         }
     }
 }
@@ -80,13 +110,14 @@ impl Default for StoreConfig {
     fn default() -> Self {
         Self {
             index_by: Self::default_index_by(),
+            ignore_fields: Self::default_ignore_fields(),
         }
     }
 }
 
 /// One segment-by-segment path into a JSON object.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct FieldPath(Vec<String>);
+pub(crate) struct FieldPath(pub(crate) Vec<String>);
 
 impl FieldPath {
     /// Parses `a.b["c.d/e"].f`.
@@ -178,22 +209,28 @@ pub(crate) struct StoreView {
 pub struct Store {
     config: StoreConfig,
     index: Vec<FieldPath>,
+    ignore: Vec<FieldPath>,
     items: BTreeMap<(String, String), Entry>,
     view: OnceLock<Arc<StoreView>>,
     interner: Interner,
 }
 
 impl Store {
-    /// An empty store with the given index configuration.
+    /// An empty store with the given configuration (checked with [`StoreConfig::validate`]).
     pub fn new(config: StoreConfig) -> Result<Self> {
-        let index = config
-            .index_by
-            .iter()
-            .map(|path| FieldPath::parse(path))
-            .collect::<Result<Vec<_>>>()?;
+        config.validate()?;
+        let parse = |paths: &[String]| {
+            paths
+                .iter()
+                .map(|path| FieldPath::parse(path))
+                .collect::<Result<Vec<_>>>()
+        };
+        let index = parse(&config.index_by)?;
+        let ignore = parse(&config.ignore_fields)?;
         Ok(Self {
             config,
             index,
+            ignore,
             items: BTreeMap::new(),
             view: OnceLock::new(),
             interner: Interner::default(),
@@ -228,7 +265,7 @@ impl Store {
             .collect::<Option<Vec<_>>>()
             .map(|parts| parts.join("/"));
         let entry = Entry {
-            value: to_tera(resource, &mut self.interner),
+            value: to_tera(resource, &mut self.interner, &self.ignore),
             index_key,
         };
         self.items
@@ -312,10 +349,12 @@ impl Stores {
         if !is_identifier(&name) {
             return Err(Error::InvalidStoreName(name));
         }
-        if config.index_by.is_empty() {
-            return Err(Error::EmptyIndex { store: name });
-        }
-        let store = Store::new(config)?;
+        let store = Store::new(config).map_err(|e| match e {
+            Error::EmptyIndex { .. } => Error::EmptyIndex {
+                store: name.clone(),
+            },
+            other => other,
+        })?;
         Ok(match self.stores.entry(name) {
             btree_map::Entry::Vacant(slot) => slot.insert(store),
             btree_map::Entry::Occupied(mut slot) => {
@@ -422,6 +461,35 @@ mod tests {
     }
 
     #[test]
+    fn ignored_fields_are_dropped_on_arrival() {
+        let mut store = Store::new(StoreConfig::default()).unwrap();
+        store
+            .apply(
+                &json!({"metadata": {"name": "n", "managedFields": [{"manager": "kubectl"}],
+                "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{...}",
+                    "keep": "me"}}, "spec": {"managedFields": "not metadata"}}),
+            )
+            .unwrap();
+        let item = store.view().list.as_array().unwrap()[0].clone();
+        assert!(item.get_from_path("metadata.managedFields").is_none());
+        let annotations = item.get_from_path("metadata.annotations").unwrap();
+        assert_eq!(
+            annotations.as_map().unwrap().len(),
+            1,
+            "only `keep` is left"
+        );
+        assert!(item.get_from_path("spec.managedFields").is_some());
+        let bad = StoreConfig {
+            ignore_fields: vec!["a..b".into()],
+            ..StoreConfig::default()
+        };
+        assert!(matches!(
+            bad.validate(),
+            Err(Error::InvalidFieldPath { .. })
+        ));
+    }
+
+    #[test]
     fn store_names_must_be_identifiers() {
         let mut stores = Stores::new();
         assert!(
@@ -429,7 +497,14 @@ mod tests {
                 .add("endpoint-slices", StoreConfig::default())
                 .is_err()
         );
-        assert!(stores.add("svc", StoreConfig { index_by: vec![] }).is_err());
+        let empty = StoreConfig {
+            index_by: vec![],
+            ..StoreConfig::default()
+        };
+        assert!(matches!(
+            stores.add("svc", empty),
+            Err(Error::EmptyIndex { store }) if store == "svc"
+        ));
         assert!(stores.add("endpointslices", StoreConfig::default()).is_ok());
     }
 }

@@ -5,6 +5,8 @@ use std::sync::Arc;
 
 use serde_json::Value as Json;
 use tera::value::Key;
+
+use crate::store::FieldPath;
 use tera::{Map, Value};
 
 /// Shares one allocation per distinct map key among the resources of a store.
@@ -39,7 +41,15 @@ impl Interner {
 /// serde_json may or may not preserve insertion order depending on features enabled elsewhere
 /// in the build, so the order is imposed here rather than inherited: the same object always
 /// gives the same iteration order in a template, whatever order its keys arrived in.
-pub(crate) fn to_tera(json: &Json, interner: &mut Interner) -> Value {
+///
+/// Keys at the `ignore` paths are left out.
+pub(crate) fn to_tera(json: &Json, interner: &mut Interner, ignore: &[FieldPath]) -> Value {
+    let active: Vec<&[String]> = ignore.iter().map(|p| p.0.as_slice()).collect();
+    convert(json, interner, &active)
+}
+
+/// `active` holds the rest of every ignore path that matched the keys on the way down.
+fn convert(json: &Json, interner: &mut Interner, active: &[&[String]]) -> Value {
     match json {
         Json::Null => Value::none(),
         Json::Bool(b) => Value::from(*b),
@@ -56,7 +66,7 @@ pub(crate) fn to_tera(json: &Json, interner: &mut Interner) -> Value {
         Json::Array(items) => Value::from(
             items
                 .iter()
-                .map(|item| to_tera(item, interner))
+                .map(|item| convert(item, interner, active))
                 .collect::<Vec<_>>(),
         ),
         Json::Object(object) => {
@@ -64,7 +74,21 @@ pub(crate) fn to_tera(json: &Json, interner: &mut Interner) -> Value {
             entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
             let mut map = Map::with_capacity(entries.len());
             for (key, value) in entries {
-                map.insert(interner.key(key), to_tera(value, interner));
+                if active.is_empty() {
+                    map.insert(interner.key(key), convert(value, interner, &[]));
+                    continue;
+                }
+                let below: Vec<&[String]> = active
+                    .iter()
+                    .filter_map(|path| match path.split_first() {
+                        Some((first, rest)) if first == key => Some(rest),
+                        _ => None,
+                    })
+                    .collect();
+                if below.iter().any(|rest| rest.is_empty()) {
+                    continue;
+                }
+                map.insert(interner.key(key), convert(value, interner, &below));
             }
             Value::from(map)
         }
@@ -107,7 +131,7 @@ mod tests {
     }
 
     fn tera(json: &Json) -> Value {
-        to_tera(json, &mut Interner::default())
+        to_tera(json, &mut Interner::default(), &[])
     }
 
     #[test]
@@ -120,8 +144,8 @@ mod tests {
     #[test]
     fn equal_keys_share_one_allocation() {
         let mut interner = Interner::default();
-        let a = to_tera(&json!({"metadata": 1}), &mut interner);
-        let b = to_tera(&json!({"metadata": 2}), &mut interner);
+        let a = to_tera(&json!({"metadata": 1}), &mut interner, &[]);
+        let b = to_tera(&json!({"metadata": 2}), &mut interner, &[]);
         let key = |v: &Value| match v.as_map().and_then(|m| m.keys().next()).cloned() {
             Some(Key::String(s)) => s,
             other => panic!("{other:?}"),

@@ -300,9 +300,9 @@ async fn forward(stream: impl AsyncRead + Unpin, tail: Arc<StdMutex<LogTail>>) {
     let mut lines = BufReader::new(stream).lines();
     while let Ok(Some(line)) = lines.next_line().await {
         if line.contains("[ALERT]") {
-            warn!(target: "haproxy", "{line}");
+            warn!(target: "haproxy", %line, "HAProxy alert");
         } else {
-            info!(target: "haproxy", "{line}");
+            info!(target: "haproxy", %line, "HAProxy");
         }
         if let Ok(mut tail) = tail.lock() {
             tail.push(line);

@@ -1,0 +1,460 @@
+//! The adapter: runs the elector, claims an epoch per term, publishes leader events on the
+//! bus, and builds and tears down leader-only components around each term.
+
+use std::{
+    fmt,
+    future::Future,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, SystemTime},
+};
+
+use futures::{FutureExt, future::BoxFuture};
+use haptic_election::{Callbacks, ElectionConfig, ElectionState, LeaderElector, StopReason};
+use haptic_epoch::{EpochStore, Term};
+use haptic_eventbus::EventBus;
+use kube::Client;
+use tokio::{sync::watch, task::JoinHandle};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::{
+    events::{
+        BecameLeader, LeaderElectionStarted, LeaderEvents, LostLeadership, NewLeaderObserved,
+    },
+    metrics::LeadershipMetrics,
+};
+
+/// Errors of the adapter.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The election config breaks a rule.
+    #[error(transparent)]
+    Election(#[from] haptic_election::Error),
+}
+
+/// Result with the adapter [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The reason published when a term gives the Lease up itself.
+pub const STOOD_DOWN: &str = "stood_down";
+
+type AllReplicaFn<E> =
+    Box<dyn FnOnce(EventBus<E>, CancellationToken) -> BoxFuture<'static, ()> + Send>;
+type LeaderOnlyFn<E> = Arc<dyn Fn(LeaderContext<E>) -> BoxFuture<'static, ()> + Send + Sync>;
+type BecameFn = Arc<dyn Fn(u64) + Send + Sync>;
+type LostFn = Arc<dyn Fn(&str) + Send + Sync>;
+type NewLeaderFn = Arc<dyn Fn(&str, bool) + Send + Sync>;
+
+/// What a leader-only component gets: the bus, a token cancelled when the term ends, and the
+/// term's fencing epoch.
+pub struct LeaderContext<E: LeaderEvents> {
+    bus: EventBus<E>,
+    token: CancellationToken,
+    identity: String,
+    term: Arc<TermState>,
+}
+
+impl<E: LeaderEvents> Clone for LeaderContext<E> {
+    fn clone(&self) -> Self {
+        Self {
+            bus: self.bus.clone(),
+            token: self.token.clone(),
+            identity: self.identity.clone(),
+            term: self.term.clone(),
+        }
+    }
+}
+
+impl<E: LeaderEvents> fmt::Debug for LeaderContext<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LeaderContext")
+            .field("identity", &self.identity)
+            .field("epoch", &self.epoch())
+            .finish()
+    }
+}
+
+struct TermState {
+    term: tokio::sync::Mutex<Option<Term>>,
+    epoch: AtomicU64,
+    stand_down: CancellationToken,
+    stand_down_reason: Mutex<String>,
+}
+
+impl TermState {
+    fn request_stand_down(&self, reason: &str) {
+        let mut r = self
+            .stand_down_reason
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if r.is_empty() {
+            *r = reason.to_owned();
+        }
+        self.stand_down.cancel();
+    }
+}
+
+impl<E: LeaderEvents> LeaderContext<E> {
+    /// The bus; subscribe with `subscribe_leader_only` in the component's builder, before it
+    /// returns its future, to receive the `BecameLeader` that woke it.
+    pub fn bus(&self) -> &EventBus<E> {
+        &self.bus
+    }
+
+    /// Cancelled when the term ends; the component must return soon after.
+    pub fn token(&self) -> &CancellationToken {
+        &self.token
+    }
+
+    /// This replica's identity.
+    pub fn identity(&self) -> &str {
+        &self.identity
+    }
+
+    /// The epoch every write of this term carries (it rises after a [`LeaderContext::reclaim`]).
+    pub fn epoch(&self) -> u64 {
+        self.term.epoch.load(Ordering::SeqCst)
+    }
+
+    /// A receiver refused our epoch with its fence `floor`: raise the epoch above it if the
+    /// Lease still names us (the counter regressed). On [`haptic_epoch::Error::ForeignLeader`]
+    /// the term stands down by itself; stop writing.
+    pub async fn reclaim(&self, floor: u64) -> Result<u64, haptic_epoch::Error> {
+        let mut guard = self.term.term.lock().await;
+        let Some(term) = guard.as_mut() else {
+            // Disabled mode (no fencing) or a term already standing down.
+            return Ok(self.epoch());
+        };
+        match term.reclaim(floor).await {
+            Ok(epoch) => {
+                self.term.epoch.store(epoch, Ordering::SeqCst);
+                Ok(epoch)
+            }
+            Err(error) => {
+                if matches!(error, haptic_epoch::Error::ForeignLeader { .. }) {
+                    self.term.request_stand_down(STOOD_DOWN);
+                }
+                Err(error)
+            }
+        }
+    }
+
+    /// Ends the term: leader-only components are cancelled and awaited, then the Lease is
+    /// released, so only a fresh acquisition (with a fresh epoch) continues. Returns at once;
+    /// the caller returns when its token is cancelled.
+    pub fn stand_down(&self, reason: &str) {
+        self.term.request_stand_down(reason);
+    }
+}
+
+/// Optional user hooks, each run right after the matching event was published.
+#[derive(Default, Clone)]
+struct Hooks {
+    became: Option<BecameFn>,
+    lost: Option<LostFn>,
+    new_leader: Option<NewLeaderFn>,
+}
+
+/// Elector + epoch + bus, with a lifecycle registry of all-replica and leader-only components.
+pub struct Leadership<E: LeaderEvents> {
+    client: Client,
+    config: ElectionConfig,
+    bus: EventBus<E>,
+    all_replica: Vec<(String, AllReplicaFn<E>)>,
+    leader_only: Vec<(String, LeaderOnlyFn<E>)>,
+    hooks: Hooks,
+    metrics: Arc<LeadershipMetrics>,
+    stop_timeout: Duration,
+}
+
+impl<E: LeaderEvents> fmt::Debug for Leadership<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Leadership")
+            .field("config", &self.config)
+            .field(
+                "all_replica",
+                &self.all_replica.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
+            .field(
+                "leader_only",
+                &self.leader_only.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+struct Shared<E: LeaderEvents> {
+    bus: EventBus<E>,
+    identity: String,
+    epochs: Option<EpochStore>,
+    client: Client,
+    config: ElectionConfig,
+    leader_only: Vec<(String, LeaderOnlyFn<E>)>,
+    hooks: Hooks,
+    metrics: Arc<LeadershipMetrics>,
+    stop_timeout: Duration,
+    state: watch::Receiver<ElectionState>,
+}
+
+impl<E: LeaderEvents> Leadership<E> {
+    /// An adapter for `config` publishing into `bus`. Refuses an invalid config.
+    pub fn new(client: Client, config: ElectionConfig, bus: EventBus<E>) -> Result<Self> {
+        config.validate().map_err(haptic_election::Error::from)?;
+        Ok(Self {
+            client,
+            config,
+            bus,
+            all_replica: Vec::new(),
+            leader_only: Vec::new(),
+            hooks: Hooks::default(),
+            metrics: Arc::new(LeadershipMetrics::new()),
+            stop_timeout: Duration::from_secs(10),
+        })
+    }
+
+    /// The metrics this adapter drives.
+    pub fn metrics(&self) -> Arc<LeadershipMetrics> {
+        self.metrics.clone()
+    }
+
+    /// How long a term's end waits for leader-only components (and shutdown for all-replica
+    /// ones) before aborting them. Default 10 s; keep it below the elector's
+    /// `work_stop_timeout`.
+    #[must_use]
+    pub fn with_stop_timeout(mut self, timeout: Duration) -> Self {
+        self.stop_timeout = timeout;
+        self
+    }
+
+    /// Registers a component that runs on every replica from start to shutdown. `build` runs
+    /// before the bus starts (subscribe there, not in the returned future).
+    #[must_use]
+    pub fn all_replicas<F, Fut>(mut self, name: &str, build: F) -> Self
+    where
+        F: FnOnce(EventBus<E>, CancellationToken) -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        self.all_replica.push((
+            name.to_owned(),
+            Box::new(move |bus, token| build(bus, token).boxed()),
+        ));
+        self
+    }
+
+    /// Registers a component built afresh for every term, after `BecameLeader` is published and
+    /// before the bus restarts (subscribe with `subscribe_leader_only` in `build`, not in the
+    /// returned future). Its token is cancelled when the term ends, and it is awaited, with a
+    /// bound, before the Lease is released.
+    #[must_use]
+    pub fn leader_only<F, Fut>(mut self, name: &str, build: F) -> Self
+    where
+        F: Fn(LeaderContext<E>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        self.leader_only
+            .push((name.to_owned(), Arc::new(move |ctx| build(ctx).boxed())));
+        self
+    }
+
+    /// A hook run after `BecameLeader` is published (before leader-only components are built).
+    #[must_use]
+    pub fn on_became_leader(mut self, f: impl Fn(u64) + Send + Sync + 'static) -> Self {
+        self.hooks.became = Some(Arc::new(f));
+        self
+    }
+
+    /// A hook run after `LostLeadership` is published (before leader-only components stop).
+    #[must_use]
+    pub fn on_lost_leadership(mut self, f: impl Fn(&str) + Send + Sync + 'static) -> Self {
+        self.hooks.lost = Some(Arc::new(f));
+        self
+    }
+
+    /// A hook run after `NewLeaderObserved` is published.
+    #[must_use]
+    pub fn on_new_leader(mut self, f: impl Fn(&str, bool) + Send + Sync + 'static) -> Self {
+        self.hooks.new_leader = Some(Arc::new(f));
+        self
+    }
+
+    /// Runs until `token` fires: publishes `LeaderElectionStarted`, builds the all-replica
+    /// components, starts the bus, and runs the election. On shutdown leader-only work stops
+    /// first, then the Lease is released (with `release_on_cancel`), then all-replica
+    /// components are awaited (bounded).
+    pub async fn run(self, token: CancellationToken) -> Result<()> {
+        let elector = LeaderElector::new(self.client.clone(), self.config.clone())?;
+        let identity = self.config.identity.clone();
+        let epochs = self.config.enabled.then(|| {
+            EpochStore::new(
+                self.client.clone(),
+                &self.config.lease_namespace,
+                &self.config.lease_name,
+                &identity,
+            )
+        });
+        let shared = Arc::new(Shared {
+            bus: self.bus.clone(),
+            identity: identity.clone(),
+            epochs,
+            client: self.client.clone(),
+            config: self.config.clone(),
+            leader_only: self.leader_only,
+            hooks: self.hooks,
+            metrics: self.metrics.clone(),
+            stop_timeout: self.stop_timeout,
+            state: elector.state(),
+        });
+        self.bus.publish(LeaderElectionStarted {
+            identity: identity.clone(),
+            lease_name: self.config.lease_name.clone(),
+            lease_namespace: self.config.lease_namespace.clone(),
+            at: SystemTime::now(),
+        });
+        let components_token = token.child_token();
+        let mut all_replica = Vec::new();
+        for (name, build) in self.all_replica {
+            all_replica.push((
+                name,
+                tokio::spawn(build(self.bus.clone(), components_token.clone())),
+            ));
+        }
+        self.bus.start();
+
+        let on_new = shared.clone();
+        let on_start = shared.clone();
+        let callbacks = Callbacks::new()
+            .on_new_leader(move |who, is_self| {
+                on_new.bus.publish(NewLeaderObserved {
+                    new_leader_identity: who.to_owned(),
+                    is_self,
+                    at: SystemTime::now(),
+                });
+                if let Some(hook) = &on_new.hooks.new_leader {
+                    hook(who, is_self);
+                }
+            })
+            .on_started_leading(move |term_token| run_term(on_start.clone(), term_token))
+            .on_stopped_leading(|reason| info!(%reason, "term over"));
+        elector.run(token.clone(), callbacks).await;
+        components_token.cancel();
+        await_bounded(all_replica, self.stop_timeout).await;
+        Ok(())
+    }
+}
+
+async fn await_bounded(tasks: Vec<(String, JoinHandle<()>)>, bound: Duration) {
+    let deadline = tokio::time::Instant::now() + bound;
+    for (name, mut handle) in tasks {
+        match tokio::time::timeout_at(deadline, &mut handle).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => warn!(component = %name, %error, "component ended with a panic"),
+            Err(_) => {
+                warn!(component = %name, timeout = ?bound, "component did not stop in time; aborting it");
+                handle.abort();
+            }
+        }
+    }
+}
+
+/// One term, from acquisition to the end of its leader-only work.
+async fn run_term<E: LeaderEvents>(shared: Arc<Shared<E>>, term_token: CancellationToken) {
+    let terms_at_start = shared.state.borrow().terms;
+    // A term dispatches nothing before its bump succeeded.
+    let term = match &shared.epochs {
+        None => None,
+        Some(epochs) => match epochs.bump().await {
+            Ok(term) => Some(term),
+            Err(error) => {
+                error!(%error, identity = %shared.identity, "claiming an epoch failed; standing down");
+                let released = haptic_election::release_lease(
+                    shared.client.clone(),
+                    &shared.config.lease_namespace,
+                    &shared.config.lease_name,
+                    &shared.identity,
+                    shared.config.request_timeout,
+                )
+                .await;
+                if let Err(error) = released {
+                    warn!(%error, "releasing the Lease after a failed bump failed; it expires instead");
+                }
+                return;
+            }
+        },
+    };
+    let epoch = term.as_ref().map_or(0, Term::epoch);
+    let state = Arc::new(TermState {
+        term: tokio::sync::Mutex::new(term),
+        epoch: AtomicU64::new(epoch),
+        stand_down: CancellationToken::new(),
+        stand_down_reason: Mutex::new(String::new()),
+    });
+    let components_token = term_token.child_token();
+    let ctx = LeaderContext {
+        bus: shared.bus.clone(),
+        token: components_token.clone(),
+        identity: shared.identity.clone(),
+        term: state.clone(),
+    };
+
+    // The leadership contract: pause -> publish -> build (they subscribe) -> start.
+    shared.bus.pause();
+    shared.metrics.became_leader();
+    shared.bus.publish(BecameLeader {
+        identity: shared.identity.clone(),
+        epoch,
+        at: SystemTime::now(),
+    });
+    if let Some(hook) = &shared.hooks.became {
+        hook(epoch);
+    }
+    let mut tasks = Vec::new();
+    for (name, build) in &shared.leader_only {
+        tasks.push((name.clone(), tokio::spawn(build(ctx.clone()))));
+    }
+    shared.bus.start();
+    info!(identity = %shared.identity, epoch, components = tasks.len(), "leading");
+
+    let stood_down = tokio::select! {
+        () = term_token.cancelled() => false,
+        () = state.stand_down.cancelled() => true,
+    };
+    let reason = if stood_down {
+        state
+            .stand_down_reason
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    } else {
+        let s = shared.state.borrow();
+        match s.last_stop {
+            // The elector records why before it cancels the term; a root cancellation reaches
+            // the term's token first.
+            Some(reason) if !s.is_leader && s.terms == terms_at_start + 1 => {
+                reason.as_str().to_owned()
+            }
+            _ => StopReason::GracefulShutdown.as_str().to_owned(),
+        }
+    };
+    shared.bus.publish(LostLeadership {
+        identity: shared.identity.clone(),
+        reason: reason.clone(),
+        at: SystemTime::now(),
+    });
+    shared.metrics.lost_leadership();
+    if let Some(hook) = &shared.hooks.lost {
+        hook(&reason);
+    }
+    components_token.cancel();
+    await_bounded(tasks, shared.stop_timeout).await;
+    if stood_down {
+        let term = state.term.lock().await.take();
+        if let Some(term) = term
+            && let Err(error) = term.stand_down(&reason).await
+        {
+            warn!(%error, "releasing the Lease on stand-down failed; it expires instead");
+        }
+    }
+}

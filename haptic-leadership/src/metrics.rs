@@ -1,0 +1,112 @@
+//! Leadership metrics under HAPTIC's names, kept in atomics and rendered as Prometheus text.
+
+use std::{
+    fmt::Write as _,
+    sync::{
+        Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+// tokio's clock is the monotonic clock in production, and the paused clock in tests.
+use tokio::time::Instant;
+
+/// `haptic_leader_election_is_leader`: 1 while this replica leads.
+pub const IS_LEADER: &str = "haptic_leader_election_is_leader";
+/// `haptic_leader_election_transitions_total`: terms started and ended on this replica.
+pub const TRANSITIONS_TOTAL: &str = "haptic_leader_election_transitions_total";
+/// `haptic_leader_election_time_as_leader_seconds_total`: time this replica has led.
+pub const TIME_AS_LEADER_SECONDS_TOTAL: &str =
+    "haptic_leader_election_time_as_leader_seconds_total";
+
+/// The metric hooks the adapter drives. Share it (`Arc`) with the metrics endpoint.
+#[derive(Debug, Default)]
+pub struct LeadershipMetrics {
+    is_leader: AtomicBool,
+    transitions: AtomicU64,
+    led_micros: AtomicU64,
+    since: Mutex<Option<Instant>>,
+}
+
+impl LeadershipMetrics {
+    /// Zeroed metrics.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub(crate) fn became_leader(&self) {
+        self.is_leader.store(true, Ordering::SeqCst);
+        self.transitions.fetch_add(1, Ordering::SeqCst);
+        *self
+            .since
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
+    }
+
+    pub(crate) fn lost_leadership(&self) {
+        if !self.is_leader.swap(false, Ordering::SeqCst) {
+            return;
+        }
+        self.transitions.fetch_add(1, Ordering::SeqCst);
+        if let Some(since) = self
+            .since
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+        {
+            let micros = u64::try_from(since.elapsed().as_micros()).unwrap_or(u64::MAX);
+            self.led_micros.fetch_add(micros, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether this replica leads.
+    pub fn is_leader(&self) -> bool {
+        self.is_leader.load(Ordering::SeqCst)
+    }
+
+    /// Transitions so far (each acquisition and each loss counts one).
+    pub fn transitions(&self) -> u64 {
+        self.transitions.load(Ordering::SeqCst)
+    }
+
+    /// Total time as leader, including the current term.
+    pub fn time_as_leader(&self) -> Duration {
+        let past = Duration::from_micros(self.led_micros.load(Ordering::SeqCst));
+        let current = self
+            .since
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .map(|s| s.elapsed())
+            .unwrap_or_default();
+        past + current
+    }
+
+    /// The three metrics in Prometheus text exposition format.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "# HELP {IS_LEADER} Whether this replica holds the leader Lease (1) or not (0)."
+        );
+        let _ = writeln!(out, "# TYPE {IS_LEADER} gauge");
+        let _ = writeln!(out, "{IS_LEADER} {}", u8::from(self.is_leader()));
+        let _ = writeln!(
+            out,
+            "# HELP {TRANSITIONS_TOTAL} Leadership transitions (acquisitions and losses) on this replica."
+        );
+        let _ = writeln!(out, "# TYPE {TRANSITIONS_TOTAL} counter");
+        let _ = writeln!(out, "{TRANSITIONS_TOTAL} {}", self.transitions());
+        let _ = writeln!(
+            out,
+            "# HELP {TIME_AS_LEADER_SECONDS_TOTAL} Seconds this replica has been the leader."
+        );
+        let _ = writeln!(out, "# TYPE {TIME_AS_LEADER_SECONDS_TOTAL} counter");
+        let _ = writeln!(
+            out,
+            "{TIME_AS_LEADER_SECONDS_TOTAL} {:.3}",
+            self.time_as_leader().as_secs_f64()
+        );
+        out
+    }
+}

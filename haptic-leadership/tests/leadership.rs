@@ -170,10 +170,10 @@ fn start(
                 record();
                 let listener_has_it = heard.lock().expect("lock").iter().any(|e| Some(e) == first.as_ref());
                 log.lock().expect("lock").push(format!("worker {who} woke on {first:?}; listener had it = {listener_has_it}"));
-                if let Some(flag) = stand_down {
-                    if !flag.swap(true, Ordering::SeqCst) {
-                        ctx.stand_down("test asked");
-                    }
+                if let Some(flag) = stand_down
+                    && !flag.swap(true, Ordering::SeqCst)
+                {
+                    ctx.stand_down("test asked");
                 }
                 let patch = Patch::Merge(serde_json::json!({ "data": { "writer": who, "epoch": ctx.epoch().to_string() } }));
                 loop {

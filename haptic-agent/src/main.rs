@@ -77,13 +77,17 @@ async fn main() -> Result<()> {
     let mut term = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
     tokio::spawn({
-        let shutdown = shutdown.clone();
+        let (shutdown, supervisor) = (shutdown.clone(), agent.supervisor().cloned());
         async move {
             tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
             info!("shutting down");
             shutdown.cancel();
             tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
             warn!("second signal: exiting now");
+            // An exiting process runs no destructors: take a supervised HAProxy down with it.
+            if let Some(supervisor) = supervisor {
+                supervisor.kill_now();
+            }
             std::process::exit(130);
         }
     });

@@ -251,6 +251,17 @@ impl Supervisor {
         }
     }
 
+    /// Kills HAProxy's master at once (SIGKILL; its workers exit with it), without waiting:
+    /// for a process about to exit on a second signal.
+    pub fn kill_now(&self) {
+        if let Ok(running) = self.running.try_lock()
+            && let Some(child) = running.as_ref()
+            && let Some(pid) = i32::try_from(child.pid).ok().and_then(Pid::from_raw)
+        {
+            let _ = kill_process(pid, Signal::KILL);
+        }
+    }
+
     /// Restarts HAProxy whenever it exits on its own, with a growing pause, until `shutdown`
     /// is cancelled; then stops it. Run it as a task.
     pub async fn watch(self, shutdown: CancellationToken) {

@@ -313,7 +313,9 @@ impl<E: LeaderEvents> Leadership<E> {
             lease_namespace: self.config.lease_namespace.clone(),
             at: SystemTime::now(),
         });
-        let components_token = token.child_token();
+        // Not a child of `token`: all-replica components keep running (and hear LostLeadership)
+        // until the elector has stopped leader-only work and released the Lease.
+        let components_token = CancellationToken::new();
         let mut all_replica = Vec::new();
         for (name, build) in self.all_replica {
             all_replica.push((

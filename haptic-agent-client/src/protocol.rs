@@ -226,14 +226,16 @@ impl FileSet {
 }
 
 /// The checksum of a file set: lowercase hex SHA-256 over, for each file in byte order of its
-/// path, the path's UTF-8 bytes, one NUL byte, the content length as a big-endian u64, and
-/// the content. `files` must come in path order (a [`FileSet`] iterates that way); the
-/// agent recomputes it from disk the same way.
+/// path, the path's length as a big-endian u64, the path's UTF-8 bytes, the content length
+/// as a big-endian u64, and the content. It is the framing of `haptic-render`'s `FileSet`
+/// checksum, so a rendered set's `checksum_hex()` can be sent as is. `files` must come in
+/// path order (a [`FileSet`] iterates that way); the agent recomputes it from disk the same
+/// way.
 pub fn checksum<'a>(files: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> String {
     let mut hasher = Sha256::new();
     for (path, content) in files {
+        hasher.update((path.len() as u64).to_be_bytes());
         hasher.update(path.as_bytes());
-        hasher.update([0u8]);
         hasher.update((content.len() as u64).to_be_bytes());
         hasher.update(content);
     }
@@ -661,6 +663,23 @@ mod tests {
             decode_apply(&body.bytes, true, 64 << 10),
             Err(Error::TooLarge { .. })
         ));
+    }
+
+    #[test]
+    fn checksum_has_the_documented_framing() {
+        // Computed independently: sha256 of u64be(len) path u64be(len) bytes, in path order.
+        let files = FileSet::new()
+            .with("maps/hosts.map", "a.example be_a\n")
+            .and_then(|s| s.with("haproxy.cfg", "global\n"))
+            .expect("set");
+        assert_eq!(
+            files.checksum(),
+            "dc1031d2a755ad712a8a84e8c4e6b31de9900376d7136e510cffbc73cdcb2031"
+        );
+        assert_eq!(
+            FileSet::new().checksum(),
+            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+        );
     }
 
     #[test]

@@ -489,6 +489,71 @@ mod tests {
         );
     }
 
+    /// Every function, filter and test as a template author writes it.
+    #[test]
+    fn functions_filters_and_tests_work_in_templates() {
+        let mut stores = stores();
+        let services = stores.get_mut("services").unwrap();
+        services
+            .apply(
+                &json!({"metadata": {"namespace": "a", "name": "zeta"}, "spec": {"priority": 5}}),
+            )
+            .unwrap();
+        services
+            .apply(&json!({"metadata": {"namespace": "b", "name": "mid"}, "spec": {"priority": 9}}))
+            .unwrap();
+        let cases = [
+            ("{{ \"shop/web:8080\" | sanitize }}", "shop_web_8080"),
+            (
+                "{{ backend_name(namespace=\"shop\", service=\"web\", port=80) }}",
+                "shop_web_80",
+            ),
+            (
+                "{{ [\"shop\", \"web\", \"http\"] | backend_name }}",
+                "shop_web_http",
+            ),
+            ("{{ \"/v1.0/(x)\" | regex_escape }}", "/v1\\.0/\\(x\\)"),
+            ("{{ \"aGk=\" | b64decode }}", "hi"),
+            ("[{{ \"%%%\" | b64decode(default=\"\") }}]", "[]"),
+            (
+                "{{ ssl_file(namespace=\"shop\", name=\"web-tls\") }}",
+                "ssl/shop_web-tls.pem",
+            ),
+            (
+                "{% for s in resources.services | sort_by(field=\"spec.priority\", reverse=true) %}{{ s.metadata.name }} {% endfor %}",
+                "mid zeta api web web ",
+            ),
+            (
+                "{% for s in resources.services | sort_by(field=\"metadata.name\") %}{{ s.metadata.name }} {% endfor %}",
+                "api mid web web zeta ",
+            ),
+            (
+                "{% for g in resources.services | group_by_field(field=\"metadata.namespace\") %}{{ g.key }}={{ g.items | length }} {% endfor %}",
+                "a=3 b=2 ",
+            ),
+            (
+                "{{ \"/api\" is http_path }} {{ \"api\" is http_path }} {{ 3 is http_path }}",
+                "true false false",
+            ),
+            (
+                "{{ \"a.example.com\" is hostname }} {{ \"*.example.com\" is hostname }}",
+                "true false",
+            ),
+        ];
+        for (source, want) in cases {
+            let files = compile(source).unwrap().render(&stores).unwrap();
+            assert_eq!(files.text("haproxy.cfg"), Some(want), "{source}");
+        }
+        let err = compile("{{ \"%%%\" | b64decode }}")
+            .unwrap()
+            .render(&stores)
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("b64decode: not valid base64"),
+            "{err}"
+        );
+    }
+
     #[test]
     fn unknown_store_is_a_render_error_listing_known_stores() {
         let renderer = compile("{{ get(store=\"servics\", name=\"x\") }}").unwrap();

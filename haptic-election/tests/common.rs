@@ -177,3 +177,23 @@ pub async fn one_leader(replicas: &[Replica], within: Duration) -> usize {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Starts two replicas and waits until one leads; returns (leader, follower).
+pub async fn elected_pair(
+    server: &ApiServer,
+    a: ElectionConfig,
+    b: ElectionConfig,
+) -> (Replica, Replica) {
+    let mut replicas = vec![Replica::start(server, a), Replica::start(server, b)];
+    let l = one_leader(&replicas, Duration::from_secs(10)).await;
+    let leader = replicas.remove(l);
+    let follower = replicas.remove(0);
+    (leader, follower)
+}
+
+/// Stops every replica (each bounded).
+pub async fn stop_all(replicas: Vec<Replica>) {
+    for r in replicas {
+        r.stop().await;
+    }
+}

@@ -104,24 +104,15 @@ async fn one_two_and_three_replicas_have_exactly_one_leader() {
                 r.name
             );
         }
-        for r in replicas {
-            r.stop().await;
-        }
+        stop_all(replicas).await;
     }
 }
 
 #[tokio::test(start_paused = true)]
 async fn graceful_handoff_with_release_is_immediate_and_releases_after_work() {
     let server = server().await;
-    let replicas = vec![
-        Replica::start(&server, config("pod-a")),
-        Replica::start(&server, config("pod-b")),
-    ];
-    let l = one_leader(&replicas, secs(10)).await;
+    let (leader, follower) = elected_pair(&server, config("pod-a"), config("pod-b")).await;
     tokio::time::sleep(secs(5)).await;
-    let mut replicas = replicas;
-    let leader = replicas.remove(l);
-    let follower = replicas.remove(0);
     let seen = leader.seen.clone();
     let leader_name = leader.name.clone();
     let stopped_at = Instant::now();
@@ -174,22 +165,17 @@ async fn graceful_handoff_with_release_is_immediate_and_releases_after_work() {
 #[tokio::test(start_paused = true)]
 async fn graceful_handoff_without_release_waits_for_expiry() {
     let server = server().await;
-    let replicas = vec![
-        Replica::start(&server, config("pod-a").with_release_on_cancel(false)),
-        Replica::start(&server, config("pod-b").with_release_on_cancel(false)),
-    ];
-    let l = one_leader(&replicas, secs(10)).await;
-    let mut replicas = replicas;
-    let leader = replicas.remove(l);
-    let follower = replicas.remove(0);
+    let (leader, follower) = elected_pair(
+        &server,
+        config("pod-a").with_release_on_cancel(false),
+        config("pod-b").with_release_on_cancel(false),
+    )
+    .await;
     tokio::time::sleep(secs(3)).await;
     let stopped_at = Instant::now();
+    let leader_name = leader.name.clone();
     leader.stop().await;
-    assert_eq!(
-        holder(&server).await.as_deref(),
-        Some(if l == 0 { "pod-a" } else { "pod-b" }),
-        "not released"
-    );
+    assert_eq!(holder(&server).await, Some(leader_name), "not released");
     follower
         .wait_for(secs(20), "leader after expiry", |s| s.is_leader)
         .await;
@@ -206,14 +192,7 @@ async fn graceful_handoff_without_release_waits_for_expiry() {
 #[tokio::test(start_paused = true)]
 async fn crashed_leader_is_replaced_after_expiry() {
     let server = server().await;
-    let replicas = vec![
-        Replica::start(&server, config("pod-a")),
-        Replica::start(&server, config("pod-b")),
-    ];
-    let l = one_leader(&replicas, secs(10)).await;
-    let mut replicas = replicas;
-    let leader = replicas.remove(l);
-    let follower = replicas.remove(0);
+    let (leader, follower) = elected_pair(&server, config("pod-a"), config("pod-b")).await;
     tokio::time::sleep(secs(4)).await;
     leader.handle.abort();
     let crashed_at = Instant::now();
@@ -235,14 +214,7 @@ async fn crashed_leader_is_replaced_after_expiry() {
 #[tokio::test(start_paused = true)]
 async fn partitioned_leader_steps_down_before_another_acquires_and_follows_when_healed() {
     let server = server().await;
-    let replicas = vec![
-        Replica::start(&server, config("pod-a")),
-        Replica::start(&server, config("pod-b")),
-    ];
-    let l = one_leader(&replicas, secs(10)).await;
-    let mut replicas = replicas;
-    let leader = replicas.remove(l);
-    let follower = replicas.remove(0);
+    let (leader, follower) = elected_pair(&server, config("pod-a"), config("pod-b")).await;
     tokio::time::sleep(secs(3)).await;
     server.inject(&leader.name, Fault::Partition);
     let partitioned_at = Instant::now();
@@ -301,9 +273,7 @@ async fn outage_shorter_than_renew_deadline_changes_nothing() {
         assert!(r.stops().is_empty(), "{} saw no transition", r.name);
         assert_eq!(r.starts().len(), usize::from(r.is_leader()));
     }
-    for r in replicas {
-        r.stop().await;
-    }
+    stop_all(replicas).await;
 }
 
 #[tokio::test(start_paused = true)]
@@ -327,9 +297,7 @@ async fn outage_longer_than_renew_deadline_steps_down_then_reelects() {
         holder(&server).await.as_deref(),
         Some(replicas[new].name.as_str())
     );
-    for r in replicas {
-        r.stop().await;
-    }
+    stop_all(replicas).await;
 }
 
 #[tokio::test(start_paused = true)]
@@ -587,7 +555,5 @@ async fn steady_state_load_is_one_write_per_retry_period_and_followers_are_quiet
             r.name
         );
     }
-    for r in replicas {
-        r.stop().await;
-    }
+    stop_all(replicas).await;
 }

@@ -39,6 +39,9 @@ pub enum Fault {
     /// open watches go silent. Lifting the fault lets them deliver what they missed (as TCP
     /// would after a stall).
     HangWatches,
+    /// Requests are served (a write takes effect at once) but each answer is held back this
+    /// long: a slow network on the way back. Watches are not delayed.
+    SlowResponse(Duration),
     /// A full partition of this client: every request, new watches included, hangs as in
     /// [`Fault::HangRequests`], and open watches go silent as in [`Fault::HangWatches`].
     Partition,
@@ -200,6 +203,19 @@ impl FaultTable {
             Some(error) => Decision::Fail(error, latency),
             None => Decision::Proceed(latency),
         }
+    }
+
+    /// How long the answer to a served request of `client` is held back.
+    pub(crate) fn response_delay(&self, client: &str) -> Option<Duration> {
+        lock(&self.clients).get(client).and_then(|c| {
+            c.faults
+                .iter()
+                .filter_map(|f| match f {
+                    Fault::SlowResponse(d) => Some(*d),
+                    _ => None,
+                })
+                .reduce(|a, b| a + b)
+        })
     }
 
     /// Whether a hung request of `client` must keep hanging.

@@ -277,7 +277,16 @@ pub(crate) async fn handle(
         record.name = name.clone().unwrap_or_default();
     }
     let is_watch = record.verb == "watch";
-    let outcome = serve(&shared, req, target, query, &client, is_watch, &path).await;
+    let mut outcome = serve(&shared, req, target, query, &client, is_watch, &path).await;
+    if outcome.is_ok()
+        && !is_watch
+        && let Some(delay) = shared.faults.response_delay(&client)
+    {
+        tokio::select! {
+            () = shared.token.cancelled() => outcome = Err(DropConnection),
+            () = tokio::time::sleep(delay) => {}
+        }
+    }
     record.code = match &outcome {
         Ok(resp) => resp.status().as_u16(),
         Err(DropConnection) => 0,

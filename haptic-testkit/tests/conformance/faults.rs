@@ -58,6 +58,27 @@ async fn latency_delays_only_the_faulted_client() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn slow_responses_take_effect_at_once_and_answer_late() {
+    let server = ApiServer::start().await.unwrap();
+    let slow = leases(server.client_for("slow").unwrap());
+    let observer = leases(server.client_for("observer").unwrap());
+    server.inject("slow", Fault::SlowResponse(Duration::from_secs(4)));
+    let started = Instant::now();
+    let create =
+        tokio::spawn(async move { slow.create(&PostParams::default(), &lease("s", "a")).await });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        observer.get_opt("s").await.unwrap().is_some(),
+        "the write took effect before its answer"
+    );
+    assert!(!create.is_finished(), "the answer is held back");
+    create.await.unwrap().unwrap();
+    assert!(started.elapsed() >= Duration::from_secs(4));
+    server.lift("slow");
+    server.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn error_faults_answer_a_status_with_retry_after() {
     let server = ApiServer::start().await.unwrap();
     let flaky = no_retry_client(&server, "flaky");

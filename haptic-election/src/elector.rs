@@ -203,6 +203,22 @@ struct Observed {
     reported: Option<String>,
 }
 
+/// When a write was sent, on the elector's clock (for deadlines) and on tokio's (for state).
+#[derive(Debug, Clone, Copy)]
+struct Sent {
+    clock: Instant,
+    tokio: Instant,
+}
+
+impl Sent {
+    fn now(elector: &LeaderElector) -> Self {
+        Self {
+            clock: elector.now(),
+            tokio: Instant::now(),
+        }
+    }
+}
+
 type LeaseEvents = Pin<Box<dyn Stream<Item = Result<WatchEvent<Lease>, kube::Error>> + Send>>;
 
 /// How long a follower's watch stays open before it is renewed (the server may close it
@@ -279,6 +295,18 @@ impl LeaderElector {
         base.mul_f64(1.0 + (JITTER_FACTOR - 1.0) * self.next_random())
     }
 
+    /// A follower's polling interval: client-go's `JitterUntil(RetryPeriod, 1.2)`, i.e. in
+    /// `[RetryPeriod, 2.2 x RetryPeriod)`, with `poll_only`; while a broken watch is being
+    /// re-established, `[RetryPeriod, 1.2 x RetryPeriod)`.
+    fn poll_interval(&mut self) -> Duration {
+        let base = self.config.retry_period;
+        if self.config.poll_only {
+            base.mul_f64(1.0 + JITTER_FACTOR * self.next_random())
+        } else {
+            self.jitter(base)
+        }
+    }
+
     fn backoff(&mut self, failures: u32) -> Duration {
         let base = Duration::from_millis(200).saturating_mul(1 << failures.min(6));
         self.jitter(base.min(self.config.retry_period))
@@ -294,10 +322,12 @@ impl LeaderElector {
         info!(identity = %self.config.identity, lease = %self.config.lease_name, namespace = %self.config.lease_namespace, "starting leader election");
         let mut observed = Observed::default();
         loop {
-            let Some(lease) = self.acquire(&token, &callbacks, &mut observed).await else {
+            let Some((lease, sent)) = self.acquire(&token, &callbacks, &mut observed).await else {
                 return;
             };
-            let reason = self.lead(&token, &callbacks, lease, &mut observed).await;
+            let reason = self
+                .lead(&token, &callbacks, lease, sent, &mut observed)
+                .await;
             if reason == StopReason::GracefulShutdown {
                 return;
             }
@@ -431,14 +461,14 @@ impl LeaderElector {
         token: &CancellationToken,
         callbacks: &Callbacks,
         observed: &mut Observed,
-    ) -> Option<Lease> {
+    ) -> Option<(Lease, Sent)> {
         let timeout = self.config.request_timeout;
         let mut need_get = observed.lease.is_none();
         let mut failures = 0u32;
         let mut watch: Option<LeaseEvents> = None;
         let mut watch_failures = 0u32;
         let mut watch_retry_at = Instant::now();
-        let mut poll_at = Instant::now() + self.jitter(self.config.retry_period);
+        let mut poll_at = Instant::now() + self.poll_interval();
         loop {
             if token.is_cancelled() {
                 return None;
@@ -453,8 +483,9 @@ impl LeaderElector {
                     Ok(None) => {
                         self.forget(observed);
                         let record = self.takeover_record(observed);
+                        let sent = Sent::now(self);
                         match self.lock.create(&record, timeout).await {
-                            Ok(lease) => return Some(lease),
+                            Ok(lease) => return Some((lease, sent)),
                             Err(LockError::AlreadyExists) => {
                                 debug!(lease = %self.config.lease_name, "another replica created the Lease first");
                                 continue;
@@ -479,8 +510,9 @@ impl LeaderElector {
                 let Some(current) = observed.lease.clone() else {
                     continue;
                 };
+                let sent = Sent::now(self);
                 match self.lock.update(&current, &record, timeout).await {
-                    Ok(lease) => return Some(lease),
+                    Ok(lease) => return Some((lease, sent)),
                     Err(LockError::Conflict) => {
                         debug!(lease = %self.config.lease_name, "lost the race for the Lease; re-reading");
                         need_get = true;
@@ -551,7 +583,7 @@ impl LeaderElector {
                 () = expiry_sleep => {}
                 () = retry_sleep => {}
                 () = tokio::time::sleep_until(poll_at), if polling => {
-                    poll_at = Instant::now() + self.jitter(self.config.retry_period);
+                    poll_at = Instant::now() + self.poll_interval();
                     need_get = true;
                 }
                 () = watch_reopen => {}
@@ -580,7 +612,7 @@ impl LeaderElector {
                         watch = None;
                         watch_failures += 1;
                         watch_retry_at = Instant::now() + self.backoff(watch_failures);
-                        poll_at = Instant::now() + self.jitter(self.config.retry_period);
+                        poll_at = Instant::now() + self.poll_interval();
                     }
                     None => {
                         // A normal end (the server's timeout): reopen from where it stopped.
@@ -598,10 +630,13 @@ impl LeaderElector {
         token: &CancellationToken,
         callbacks: &Callbacks,
         lease: Lease,
+        sent: Sent,
         observed: &mut Observed,
     ) -> StopReason {
         let identity = self.config.identity.clone();
-        let started = Instant::now();
+        // The term, and its renew deadline, count from when the acquiring write was sent: a slow
+        // answer or a slow callback must not lengthen the first deadline.
+        let started = sent.tokio;
         info!(%identity, lease = %self.config.lease_name, "started leading");
         self.observe(observed, lease.clone(), callbacks);
         self.state.send_modify(|s| {
@@ -617,8 +652,8 @@ impl LeaderElector {
             .as_ref()
             .map(|f| tokio::spawn(f(work_token.clone())));
         let mut cached = lease;
-        let reason = self.renew_loop(token, &mut cached).await;
-        info!(%identity, %reason, "stopped leading");
+        let reason = self.renew_loop(token, &mut cached, sent.clock).await;
+        info!(%identity, %reason, "stepping down: stopping the leader's work");
         self.state.send_modify(|s| {
             s.is_leader = false;
             s.last_stop = Some(reason);
@@ -665,8 +700,13 @@ impl LeaderElector {
     /// than it was sent, so stepping down at `last success + RenewDeadline` is before any of them
     /// can judge the Lease expired at `observed + LeaseDuration`, even on a clock running up to
     /// LeaseDuration / RenewDeadline times as fast.
-    async fn renew_loop(&mut self, token: &CancellationToken, cached: &mut Lease) -> StopReason {
-        let mut last_success = self.now();
+    async fn renew_loop(
+        &mut self,
+        token: &CancellationToken,
+        cached: &mut Lease,
+        acquired: Instant,
+    ) -> StopReason {
+        let mut last_success = acquired;
         let mut failures = 0u32;
         let mut immediate = false;
         loop {

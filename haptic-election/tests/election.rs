@@ -557,3 +557,50 @@ async fn steady_state_load_is_one_write_per_retry_period_and_followers_are_quiet
     }
     stop_all(replicas).await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_answer_to_the_acquiring_write_does_not_lengthen_the_first_deadline() {
+    let server = server().await;
+    let observer: Api<Lease> = Api::namespaced(server.client_for("observer").expect("client"), NS);
+    let mut ghost: Lease = serde_json::from_value(serde_json::json!({
+        "metadata": { "name": LEASE },
+        "spec": { "holderIdentity": "ghost", "leaseDurationSeconds": 15 }
+    }))
+    .expect("lease");
+    ghost = observer
+        .create(&PostParams::default(), &ghost)
+        .await
+        .expect("create");
+    // pod-b, whose clock runs 1.4x fast, follows the ghost by watch.
+    let b = Replica::start_with(&server, config("pod-b"), Some(SkewedClock::new(1.4)));
+    b.wait_for(secs(5), "following the ghost", |s| {
+        s.holder.as_deref() == Some("ghost")
+    })
+    .await;
+    // pod-b cannot write for now; pod-a's writes land at once but their answers come 1.5 s late.
+    server.inject("pod-b", Fault::HangRequests);
+    server.inject("pod-a", Fault::SlowResponse(Duration::from_millis(1500)));
+    let spec = ghost.spec.as_mut().expect("spec");
+    spec.holder_identity = Some(String::new());
+    spec.lease_duration_seconds = Some(1);
+    observer
+        .replace(LEASE, &PostParams::default(), &ghost)
+        .await
+        .expect("release");
+    let a = Replica::start(&server, config("pod-a"));
+    a.wait_for(secs(10), "leader", |s| s.is_leader).await;
+    server.lift("pod-a");
+    server.lift("pod-b");
+    server.inject("pod-a", Fault::Partition);
+    b.wait_for(secs(30), "leader", |s| s.is_leader).await;
+    // When pod-b starts its term, pod-a must already have stepped down.
+    let started = b.starts()[0];
+    let stepped = a.stops().first().map(|(at, _)| *at);
+    assert!(
+        stepped.is_some_and(|at| at < started),
+        "two leaders: pod-b started at {started:?}, pod-a stepped down at {stepped:?} (its first deadline ran from the late answer)"
+    );
+    server.lift("pod-a");
+    a.stop().await;
+    b.stop().await;
+}

@@ -178,6 +178,14 @@ pub async fn one_leader(replicas: &[Replica], within: Duration) -> usize {
     }
 }
 
+/// Starts one replica per identity, with the test durations.
+pub fn start_all(server: &ApiServer, identities: &[&str]) -> Vec<Replica> {
+    identities
+        .iter()
+        .map(|id| Replica::start(server, config(id)))
+        .collect()
+}
+
 /// Starts two replicas and waits until one leads; returns (leader, follower).
 pub async fn elected_pair(
     server: &ApiServer,

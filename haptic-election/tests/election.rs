@@ -257,10 +257,7 @@ async fn partitioned_leader_steps_down_before_another_acquires_and_follows_when_
 #[tokio::test(start_paused = true)]
 async fn outage_shorter_than_renew_deadline_changes_nothing() {
     let server = server().await;
-    let replicas = vec![
-        Replica::start(&server, config("pod-a")),
-        Replica::start(&server, config("pod-b")),
-    ];
+    let replicas = start_all(&server, &["pod-a", "pod-b"]);
     let l = one_leader(&replicas, secs(10)).await;
     tokio::time::sleep(secs(3)).await;
     server.outage(secs(6));
@@ -279,10 +276,7 @@ async fn outage_shorter_than_renew_deadline_changes_nothing() {
 #[tokio::test(start_paused = true)]
 async fn outage_longer_than_renew_deadline_steps_down_then_reelects() {
     let server = server().await;
-    let replicas = vec![
-        Replica::start(&server, config("pod-a")),
-        Replica::start(&server, config("pod-b")),
-    ];
+    let replicas = start_all(&server, &["pod-a", "pod-b"]);
     let l = one_leader(&replicas, secs(10)).await;
     tokio::time::sleep(secs(3)).await;
     server.outage(secs(25));

@@ -349,6 +349,7 @@ impl LeaderElector {
             f(&self.config.identity, true);
         }
         let work_token = token.child_token();
+        let _stop_work_on_drop = work_token.clone().drop_guard();
         let work = callbacks
             .started
             .as_ref()
@@ -647,6 +648,8 @@ impl LeaderElector {
             s.terms += 1;
         });
         let work_token = token.child_token();
+        // If this future is dropped (the elector's task aborted), the work is told to stop too.
+        let _stop_work_on_drop = work_token.clone().drop_guard();
         let work = callbacks
             .started
             .as_ref()

@@ -196,6 +196,14 @@ async fn crashed_leader_is_replaced_after_expiry() {
     tokio::time::sleep(secs(4)).await;
     leader.handle.abort();
     let crashed_at = Instant::now();
+    // The elector's task is gone; the work it started must not outlive it.
+    tokio::time::timeout(secs(1), async {
+        while !leader.seen().iter().any(|(_, s)| *s == Seen::WorkEnded) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the leader's work stopped with its elector");
     follower
         .wait_for(secs(20), "leader after the crash", |s| s.is_leader)
         .await;

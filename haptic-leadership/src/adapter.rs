@@ -316,6 +316,8 @@ impl<E: LeaderEvents> Leadership<E> {
         // Not a child of `token`: all-replica components keep running (and hear LostLeadership)
         // until the elector has stopped leader-only work and released the Lease.
         let components_token = CancellationToken::new();
+        // If `run` is dropped, the components are told to stop all the same.
+        let _stop_components_on_drop = components_token.clone().drop_guard();
         let mut all_replica = Vec::new();
         for (name, build) in self.all_replica {
             all_replica.push((

@@ -15,7 +15,7 @@ use tracing::{info, instrument, warn};
 use crate::{
     config::AgentConfig,
     fence::FenceFile,
-    haproxy::{self, Haproxy, ReloadOutcome},
+    haproxy::{self, Haproxy, ProcTable, ReloadOutcome},
     metrics::Metrics,
     store::{CURRENT, LAST_KNOWN_GOOD, SetMeta, SetStore},
     supervisor::Supervisor,
@@ -62,6 +62,9 @@ struct Shared {
     metrics: Metrics,
     apply_lock: Mutex<()>,
     status: StdMutex<Status>,
+    /// Set while a reload whose outcome was not seen in time may still be going on in
+    /// HAProxy (`show proc` from before it): the agent is not ready and takes no apply.
+    unsettled: StdMutex<Option<ProcTable>>,
 }
 
 /// The agent: cheap to clone, clones share everything.
@@ -125,6 +128,7 @@ impl Agent {
                     last_reload: None,
                     haproxy_version: version,
                 }),
+                unsettled: StdMutex::new(None),
             }),
         };
         if let Some(meta) = agent.live_meta() {
@@ -173,9 +177,20 @@ impl Agent {
 
     #[instrument(skip_all, fields(epoch = request.epoch, leader = %request.leader, generation = request.generation, checksum = %request.checksum))]
     async fn apply_serialized(&self, request: ApplyRequest) -> Result<ApplyResponse> {
-        let _one_at_a_time = self.shared.apply_lock.lock().await;
-        let started = Instant::now();
         let shared = &self.shared;
+        // While an apply waits for HAProxy to finish a reload whose outcome is unknown, others
+        // are answered 503 at once rather than queued behind it.
+        let _one_at_a_time = if self.unsettled().is_some() {
+            shared.apply_lock.try_lock().map_err(|_| {
+                Error::NotReady("HAProxy is still finishing a reload; retry later".to_owned())
+            })?
+        } else {
+            shared.apply_lock.lock().await
+        };
+        let started = Instant::now();
+        if let Some(before) = self.unsettled() {
+            self.resettle(&before).await?;
+        }
 
         // The fence first: a lower epoch is refused before anything is written, and a higher
         // one is durable before the agent acts on it.
@@ -278,7 +293,7 @@ impl Agent {
         })
         .await??;
 
-        let outcome = self.load(&request.checksum).await;
+        let outcome = self.load_settled(&request.checksum).await;
         match outcome {
             ReloadOutcome::Loaded { worker } => {
                 timing.reload_us = micros(phase.elapsed());
@@ -310,7 +325,112 @@ impl Agent {
                     timing,
                 })
             }
+            ReloadOutcome::Unknown { reason, .. } => {
+                warn!(%reason, "HAProxy has not finished the reload; the agent waits for it");
+                Err(Error::NotReady(format!(
+                    "HAProxy has not finished loading the set ({reason}); the agent takes no apply until it has"
+                )))
+            }
         }
+    }
+
+    fn unsettled(&self) -> Option<ProcTable> {
+        self.shared
+            .unsettled
+            .lock()
+            .ok()
+            .and_then(|unsettled| unsettled.clone())
+    }
+
+    fn set_unsettled(&self, value: Option<ProcTable>) {
+        if let Ok(mut unsettled) = self.shared.unsettled.lock() {
+            *unsettled = value;
+        }
+    }
+
+    /// With the apply lock held: waits (bounded) for a reload an earlier apply gave up on to
+    /// finish, then makes HAProxy load whatever `current` is. Not ready while it has not.
+    async fn resettle(&self, before: &ProcTable) -> Result<()> {
+        let shared = &self.shared;
+        let deadline = Instant::now() + shared.config.reload_timeout;
+        if shared
+            .haproxy
+            .await_reload(before, deadline)
+            .await
+            .is_none()
+        {
+            return Err(Error::NotReady(
+                "HAProxy has still not finished an earlier reload".to_owned(),
+            ));
+        }
+        self.set_unsettled(None);
+        let Some(name) = shared.store.link(CURRENT)? else {
+            return Ok(());
+        };
+        let checksum = shared
+            .store
+            .meta(&name)
+            .map(|meta| meta.checksum)
+            .unwrap_or_default();
+        match self.load_settled(&checksum).await {
+            ReloadOutcome::Loaded { .. } => Ok(()),
+            ReloadOutcome::Failed { reason } => {
+                warn!(%reason, "loading the current set after a late reload failed; restoring last-known-good");
+                let previous = shared.store.link(LAST_KNOWN_GOOD)?;
+                self.roll_back(previous.as_deref()).await?;
+                Ok(())
+            }
+            ReloadOutcome::Unknown { reason, .. } => Err(Error::NotReady(reason)),
+        }
+    }
+
+    /// [`Agent::load`], and when its outcome is unknown (the reload was sent but HAProxy had
+    /// not finished it in time) waits for HAProxy to finish it, up to `settle_timeout`; in
+    /// supervised mode a master that does not finish is restarted on `current`. The caller
+    /// holds the apply lock throughout, and the agent reports not ready meanwhile, so no
+    /// other set is swapped in while HAProxy may still be loading this one. `Unknown` comes
+    /// back only without a supervisor, when HAProxy never finished.
+    async fn load_settled(&self, checksum: &str) -> ReloadOutcome {
+        let shared = &self.shared;
+        let supervisor = shared.supervisor.as_ref();
+        let mark = supervisor.map_or(0, Supervisor::log_mark);
+        let started = Instant::now();
+        let outcome = self.load(checksum).await;
+        let ReloadOutcome::Unknown { reason, before } = outcome else {
+            return outcome;
+        };
+        warn!(%reason, "reload outcome unknown; waiting for HAProxy to finish it");
+        self.set_unsettled(Some(before.clone()));
+        let deadline = Instant::now() + shared.config.settle_timeout;
+        let outcome = match shared.haproxy.await_reload(&before, deadline).await {
+            Some(after) => haproxy::judge(&before, &after, || {
+                supervisor.and_then(|supervisor| supervisor.log_since(mark))
+            }),
+            None => match supervisor {
+                Some(supervisor) => {
+                    warn!("HAProxy did not finish the reload; restarting it on the current set");
+                    supervisor.stop().await;
+                    match supervisor.start().await {
+                        Ok(()) => ReloadOutcome::Loaded { worker: 0 },
+                        Err(error) => ReloadOutcome::Failed {
+                            reason: error.to_string(),
+                        },
+                    }
+                }
+                None => ReloadOutcome::Unknown {
+                    reason: format!(
+                        "HAProxy did not finish the reload within {:?}",
+                        shared.config.reload_timeout + shared.config.settle_timeout
+                    ),
+                    before,
+                },
+            },
+        };
+        if !matches!(outcome, ReloadOutcome::Unknown { .. }) {
+            self.set_unsettled(None);
+        }
+        self.record(checksum, &outcome, started.elapsed());
+        outcome
     }
 
     /// Points `current` back at `previous` (or removes it when there is none), reloads, and
@@ -322,9 +442,12 @@ impl Agent {
         let live = match previous {
             Some(previous) => {
                 let checksum = shared.store.meta(previous).map(|meta| meta.checksum);
-                match self.load(checksum.as_deref().unwrap_or_default()).await {
+                match self
+                    .load_settled(checksum.as_deref().unwrap_or_default())
+                    .await
+                {
                     ReloadOutcome::Loaded { .. } => checksum,
-                    ReloadOutcome::Failed { reason } => {
+                    ReloadOutcome::Failed { reason } | ReloadOutcome::Unknown { reason, .. } => {
                         warn!(%reason, "restoring last-known-good failed too");
                         None
                     }
@@ -368,14 +491,25 @@ impl Agent {
                     reason: error.to_string(),
                 }),
         };
-        let took = started.elapsed();
+        // An unknown outcome is recorded once it is known (`load_settled`).
+        if !matches!(outcome, ReloadOutcome::Unknown { .. }) {
+            self.record(checksum, &outcome, started.elapsed());
+        }
+        outcome
+    }
+
+    /// Records a reload's outcome (state and metrics).
+    fn record(&self, checksum: &str, outcome: &ReloadOutcome, took: Duration) {
+        let shared = &self.shared;
         shared.metrics.observe_reload(took);
         let record = ReloadRecord {
             ok: matches!(outcome, ReloadOutcome::Loaded { .. }),
             checksum: checksum.to_owned(),
-            message: match &outcome {
+            message: match outcome {
                 ReloadOutcome::Loaded { worker } => format!("loaded (worker {worker})"),
-                ReloadOutcome::Failed { reason } => reason.clone(),
+                ReloadOutcome::Failed { reason } | ReloadOutcome::Unknown { reason, .. } => {
+                    reason.clone()
+                }
             },
             duration_us: micros(took),
             unix_ms: SystemTime::now()
@@ -385,7 +519,6 @@ impl Agent {
         if let Ok(mut status) = shared.status.lock() {
             status.last_reload = Some(record);
         }
-        outcome
     }
 
     /// Starts HAProxy in supervised mode when a set is live (after a restart of the agent).
@@ -408,6 +541,9 @@ impl Agent {
     /// Why the agent is not ready, if it is not: the fence file is unreadable, or a set is
     /// live but HAProxy's master socket lists no worker.
     pub async fn readiness(&self) -> Result<(), String> {
+        if self.unsettled().is_some() {
+            return Err("HAProxy is still finishing a reload".to_owned());
+        }
         let fence = self.shared.fence.clone();
         blocking(move || fence.load())
             .await

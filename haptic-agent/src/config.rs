@@ -37,6 +37,11 @@ pub struct AgentConfig {
     pub check_timeout: Duration,
     /// Limit for a reload and its confirmation, or a supervised start (default 60 s).
     pub reload_timeout: Duration,
+    /// How much longer the agent waits, still holding the apply lock and reporting not
+    /// ready, for a master that had not finished a reload within `reload_timeout` (default
+    /// 60 s). In supervised mode a master that has not finished by then is restarted on the
+    /// current set.
+    pub settle_timeout: Duration,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -52,6 +57,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("max_inflated_bytes", &self.max_inflated_bytes)
             .field("check_timeout", &self.check_timeout)
             .field("reload_timeout", &self.reload_timeout)
+            .field("settle_timeout", &self.settle_timeout)
             .finish()
     }
 }
@@ -71,6 +77,7 @@ impl AgentConfig {
             max_inflated_bytes: 256 << 20,
             check_timeout: Duration::from_secs(60),
             reload_timeout: Duration::from_secs(60),
+            settle_timeout: Duration::from_secs(60),
         }
     }
 
@@ -109,7 +116,10 @@ impl AgentConfig {
                 "max_body_bytes must be above zero and max_inflated_bytes at least as large",
             ));
         }
-        if self.check_timeout.is_zero() || self.reload_timeout.is_zero() {
+        if self.check_timeout.is_zero()
+            || self.reload_timeout.is_zero()
+            || self.settle_timeout.is_zero()
+        {
             return Err(Error::Invalid("timeouts must be above zero"));
         }
         Ok(())

@@ -149,6 +149,14 @@ pub enum ReloadOutcome {
         /// What HAProxy said, as far as the agent could learn it.
         reason: String,
     },
+    /// The reload was sent but the master had not finished it by the deadline (or its socket
+    /// failed): it may still load the set. Wait with [`Haproxy::await_reload`] from `before`.
+    Unknown {
+        /// Why the outcome is unknown.
+        reason: String,
+        /// `show proc` before the reload was sent.
+        before: ProcTable,
+    },
 }
 
 /// Paths to the HAProxy binary and its master socket.
@@ -243,6 +251,12 @@ impl Haproxy {
     /// master's reload counter moved. The reload took when no failed reload was counted and a
     /// new worker runs. `stderr_tail` supplies HAProxy's recent log lines for the failure
     /// reason, when the agent has them.
+    ///
+    /// `show proc` before the reload is retried until the deadline (a master still busy with
+    /// an earlier reload refuses connections); when it never answers the reload is not sent
+    /// and the outcome is `Failed`. Once the reload was sent, a master that has not finished
+    /// by the deadline gives `Unknown`: it may still load the set, and the caller must wait
+    /// for it ([`Haproxy::await_reload`]) before acting on the outcome.
     #[instrument(skip(self, stderr_tail))]
     pub async fn reload(
         &self,
@@ -251,42 +265,79 @@ impl Haproxy {
     ) -> Result<ReloadOutcome> {
         let deadline = Instant::now() + timeout;
         let step = Duration::from_secs(2).min(timeout);
-        let before = self.show_proc(step).await?;
+        let before = loop {
+            match self.show_proc(step).await {
+                Ok(table) => break table,
+                Err(error) if Instant::now() >= deadline => {
+                    return Ok(ReloadOutcome::Failed {
+                        reason: format!(
+                            "the master did not answer `show proc` within {timeout:?}, so no reload was sent: {error}"
+                        ),
+                    });
+                }
+                Err(error) => debug!(%error, "master not answering yet"),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
         // The master re-executes itself on `reload`; HAProxy 2.7+ answers `Success=0|1`,
         // 2.6 closes the connection. Either way the table below is the judge.
         match self.command("reload", step).await {
             Ok(answer) => debug!(answer, "reload sent"),
             Err(error) => debug!(%error, "reload sent; the master dropped the connection"),
         }
-        let after = loop {
-            if Instant::now() >= deadline {
-                return Ok(ReloadOutcome::Failed {
-                    reason: format!("HAProxy did not finish the reload within {timeout:?}"),
-                });
+        match self.await_reload(&before, deadline).await {
+            Some(after) => Ok(judge(&before, &after, stderr_tail)),
+            None => Ok(ReloadOutcome::Unknown {
+                reason: format!("HAProxy did not finish the reload within {timeout:?}"),
+                before,
+            }),
+        }
+    }
+
+    /// Polls `show proc` until the master's reload counter moved past `before`'s, or the
+    /// deadline passes (none).
+    pub async fn await_reload(&self, before: &ProcTable, deadline: Instant) -> Option<ProcTable> {
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
             }
-            match self.show_proc(step).await {
-                Ok(table) if table.master.reloads > before.master.reloads => break table,
+            match self
+                .show_proc(left.clamp(Duration::from_millis(100), Duration::from_secs(2)))
+                .await
+            {
+                Ok(table) if table.master.reloads > before.master.reloads => return Some(table),
                 Ok(_) => {}
                 Err(error) => debug!(%error, "master busy reloading"),
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
-        };
-        let failed = match (before.failed_reloads, after.failed_reloads) {
-            (Some(before), Some(after)) => after > before,
-            _ => false,
-        };
-        let fresh = after.workers.iter().find(|worker| {
-            worker.reloads == 0 && !before.workers.iter().any(|w| w.pid == worker.pid)
-        });
-        match fresh {
-            Some(worker) if !failed => Ok(ReloadOutcome::Loaded { worker: worker.pid }),
-            _ => Ok(ReloadOutcome::Failed {
-                reason: stderr_tail().unwrap_or_else(|| {
-                    "HAProxy counted a failed reload; the previous workers keep running (see HAProxy's log)"
-                        .to_owned()
-                }),
-            }),
         }
+    }
+}
+
+/// Judges a finished reload from the tables before and after it: it took when HAProxy counted
+/// no failed reload and a new worker runs.
+pub fn judge(
+    before: &ProcTable,
+    after: &ProcTable,
+    stderr_tail: impl Fn() -> Option<String>,
+) -> ReloadOutcome {
+    let failed = match (before.failed_reloads, after.failed_reloads) {
+        (Some(before), Some(after)) => after > before,
+        _ => false,
+    };
+    let fresh = after
+        .workers
+        .iter()
+        .find(|worker| worker.reloads == 0 && !before.workers.iter().any(|w| w.pid == worker.pid));
+    match fresh {
+        Some(worker) if !failed => ReloadOutcome::Loaded { worker: worker.pid },
+        _ => ReloadOutcome::Failed {
+            reason: stderr_tail().unwrap_or_else(|| {
+                "HAProxy counted a failed reload; the previous workers keep running (see HAProxy's log)"
+                    .to_owned()
+            }),
+        },
     }
 }
 

@@ -99,6 +99,11 @@ impl TestAgent {
     pub async fn start_with(mut config: AgentConfig) -> Self {
         config.check_timeout = Duration::from_secs(30);
         config.reload_timeout = Duration::from_secs(30);
+        Self::start_exact(config).await
+    }
+
+    /// Like [`TestAgent::start_with`], with the configuration's timeouts as given.
+    pub async fn start_exact(config: AgentConfig) -> Self {
         let data = config.data_dir.clone();
         let agent = Agent::open(config).await.expect("open agent");
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind agent");

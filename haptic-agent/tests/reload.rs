@@ -1,0 +1,83 @@
+//! Reloads whose outcome the agent does not see in time, and sets HAProxy never loaded: the
+//! agent keeps what HAProxy runs and what it reports live the same.
+
+mod common;
+
+use std::{net::SocketAddr, time::Duration};
+
+use common::*;
+use haptic_agent::AgentConfig;
+use haptic_agent_client::{FileSet, Outcome};
+
+/// `files` with a Lua init that sleeps `seconds`: HAProxy's master takes that long to
+/// re-execute on the set (`haproxy -c` does not run it). No CPU is burnt.
+fn slow_to_load(files: &FileSet, seconds: u32) -> FileSet {
+    let mut out = rewrite(files, "haproxy.cfg", |cfg| {
+        cfg.replacen("global\n", "global\n  lua-load slow.lua\n", 1)
+    });
+    out.insert(
+        "slow.lua",
+        format!("core.register_init(function() os.execute(\"sleep {seconds}\") end)\n"),
+    )
+    .expect("valid path");
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_slower_than_its_timeout_is_waited_for_before_the_next_apply() {
+    let (a, b, c) = (
+        Backend::start("a").await,
+        Backend::start("b").await,
+        Backend::start("c").await,
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut settings = AgentConfig::new(dir.path(), TOKEN)
+        .with_listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .with_haproxy_bin(haproxy_bin())
+        .with_supervise(true);
+    settings.reload_timeout = Duration::from_secs(2);
+    let agent = TestAgent::start_exact(settings).await;
+    let client = client();
+    let port = free_port();
+    let backends = [("a", a.addr), ("b", b.addr), ("c", c.addr)];
+
+    let first = request(1, "leader-1", 1, config(port, "a", &backends));
+    client.apply(&agent.url, &first).await.expect("first apply");
+    assert_eq!(await_body(port, "backend a").await, "backend a");
+
+    // HAProxy needs longer than the reload timeout to load this set; it does load it.
+    let slow = request(
+        5,
+        "leader-5",
+        1,
+        slow_to_load(&config(port, "b", &backends), 4),
+    );
+    let report = client.apply(&agent.url, &slow).await.expect("slow apply");
+    assert_eq!(report.outcome, Outcome::Applied);
+    assert_eq!(get_once(port).await, "backend b");
+
+    // A higher epoch after it goes live, and stays: no late reload of the slow set follows.
+    let next = request(6, "leader-6", 1, config(port, "c", &backends));
+    let report = client.apply(&agent.url, &next).await.expect("next apply");
+    assert_eq!(report.outcome, Outcome::Applied);
+    assert_eq!(await_body(port, "backend c").await, "backend c");
+    let state = client.state(&agent.url).await.expect("state");
+    assert_eq!(state.live_checksum.as_deref(), Some(next.checksum.as_str()));
+    let last = state.last_reload.expect("a reload");
+    assert!(last.ok && last.checksum == next.checksum, "{last:?}");
+    assert_eq!(
+        haptic_agent::haproxy::Haproxy {
+            bin: haproxy_bin(),
+            master_socket: dir.path().join("master.sock"),
+        }
+        .show_proc(Duration::from_secs(5))
+        .await
+        .expect("the master answers: no reload in progress")
+        .master
+        .reloads,
+        2,
+        "exactly the two reloads the agent confirmed"
+    );
+    assert_eq!(get_once(port).await, "backend c");
+    agent.stop().await;
+}

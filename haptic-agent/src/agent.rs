@@ -65,6 +65,19 @@ struct Shared {
     /// Set while a reload whose outcome was not seen in time may still be going on in
     /// HAProxy (`show proc` from before it): the agent is not ready and takes no apply.
     unsettled: StdMutex<Option<ProcTable>>,
+    /// Checksum of the set HAProxy was last confirmed to have loaded (by this process: none
+    /// after a restart until a load is confirmed). `unchanged` needs it to match.
+    loaded: StdMutex<Option<String>>,
+}
+
+/// A set just made `current`, to be loaded.
+struct Swapped {
+    checksum: String,
+    generation: u64,
+    /// The set's name in the store.
+    name: String,
+    /// The set to restore when it fails to load.
+    previous: Option<String>,
 }
 
 /// The agent: cheap to clone, clones share everything.
@@ -129,6 +142,7 @@ impl Agent {
                     haproxy_version: version,
                 }),
                 unsettled: StdMutex::new(None),
+                loaded: StdMutex::new(None),
             }),
         };
         if let Some(meta) = agent.live_meta() {
@@ -225,15 +239,38 @@ impl Agent {
         if let Some((name, checksum)) = &live
             && *checksum == request.checksum
         {
-            let generation = shared.store.meta(name).map_or(0, |meta| meta.generation);
-            return Ok(ApplyResponse::Unchanged {
-                checksum: checksum.clone(),
-                generation,
-                timing: Timing {
-                    total_us: micros(started.elapsed()),
-                    ..Timing::default()
-                },
-            });
+            let running = match &shared.supervisor {
+                Some(supervisor) => supervisor.is_running().await,
+                None => true,
+            };
+            if running && self.loaded().as_deref() == Some(checksum.as_str()) {
+                let generation = shared.store.meta(name).map_or(0, |meta| meta.generation);
+                return Ok(ApplyResponse::Unchanged {
+                    checksum: checksum.clone(),
+                    generation,
+                    timing: Timing {
+                        total_us: micros(started.elapsed()),
+                        ..Timing::default()
+                    },
+                });
+            }
+            // The set is `current` on disk, but HAProxy was never confirmed to run it (a
+            // crash between the swap and the reload, a failed start): load it now, with the
+            // same rollback as a new set.
+            info!("the requested set is current on disk but not confirmed loaded; loading it");
+            let previous = shared
+                .store
+                .link(LAST_KNOWN_GOOD)?
+                .filter(|previous| previous != name);
+            let swapped = Swapped {
+                checksum: request.checksum,
+                generation: request.generation,
+                name: name.clone(),
+                previous,
+            };
+            return self
+                .finish_load(swapped, Timing::default(), started, Instant::now())
+                .await;
         }
         let previous = live.map(|(name, _)| name);
 
@@ -293,13 +330,38 @@ impl Agent {
         })
         .await??;
 
-        let outcome = self.load_settled(&request.checksum).await;
+        let swapped = Swapped {
+            checksum: request.checksum,
+            generation: request.generation,
+            name,
+            previous,
+        };
+        self.finish_load(swapped, timing, started, phase).await
+    }
+
+    /// Loads `current` (set `name`, holding `request`'s files) and answers: applied, or
+    /// rolled back to `previous` when HAProxy fails to load it.
+    async fn finish_load(
+        &self,
+        swapped: Swapped,
+        mut timing: Timing,
+        started: Instant,
+        phase: Instant,
+    ) -> Result<ApplyResponse> {
+        let shared = &self.shared;
+        let Swapped {
+            checksum,
+            generation,
+            name,
+            previous,
+        } = swapped;
+        let outcome = self.load_settled(&checksum).await;
         match outcome {
             ReloadOutcome::Loaded { worker } => {
                 timing.reload_us = micros(phase.elapsed());
                 timing.total_us = micros(started.elapsed());
                 info!(worker, ?timing, "applied");
-                shared.metrics.set_generation(request.generation);
+                shared.metrics.set_generation(generation);
                 let keep: Vec<&str> = [Some(name.as_str()), previous.as_deref()]
                     .into_iter()
                     .flatten()
@@ -308,8 +370,8 @@ impl Agent {
                     warn!(%error, "removing old sets failed");
                 }
                 Ok(ApplyResponse::Applied {
-                    checksum: request.checksum,
-                    generation: request.generation,
+                    checksum,
+                    generation,
                     timing,
                 })
             }
@@ -319,7 +381,7 @@ impl Agent {
                 timing.reload_us = micros(phase.elapsed());
                 timing.total_us = micros(started.elapsed());
                 Ok(ApplyResponse::RolledBack {
-                    checksum: request.checksum,
+                    checksum,
                     live_checksum,
                     reason,
                     timing,
@@ -332,6 +394,14 @@ impl Agent {
                 )))
             }
         }
+    }
+
+    fn loaded(&self) -> Option<String> {
+        self.shared
+            .loaded
+            .lock()
+            .ok()
+            .and_then(|loaded| loaded.clone())
     }
 
     fn unsettled(&self) -> Option<ProcTable> {
@@ -501,6 +571,9 @@ impl Agent {
     /// Records a reload's outcome (state and metrics).
     fn record(&self, checksum: &str, outcome: &ReloadOutcome, took: Duration) {
         let shared = &self.shared;
+        if let Ok(mut loaded) = shared.loaded.lock() {
+            *loaded = matches!(outcome, ReloadOutcome::Loaded { .. }).then(|| checksum.to_owned());
+        }
         shared.metrics.observe_reload(took);
         let record = ReloadRecord {
             ok: matches!(outcome, ReloadOutcome::Loaded { .. }),
@@ -526,16 +599,40 @@ impl Agent {
         let Some(supervisor) = &self.shared.supervisor else {
             return Ok(());
         };
-        if self.shared.store.link(CURRENT)?.is_none() {
+        let _one_at_a_time = self.shared.apply_lock.lock().await;
+        let Some(name) = self.shared.store.link(CURRENT)? else {
             return Ok(());
-        }
-        match supervisor.start().await {
-            Ok(()) => Ok(()),
-            Err(error) => {
-                warn!(%error, "starting HAProxy on the live set failed");
-                Ok(())
+        };
+        let store = self.shared.store.clone();
+        let on_disk = {
+            let name = name.clone();
+            blocking(move || store.checksum_on_disk(&name)).await?
+        };
+        let started = Instant::now();
+        let outcome = match supervisor.start().await {
+            Ok(()) => ReloadOutcome::Loaded { worker: 0 },
+            Err(error) => ReloadOutcome::Failed {
+                reason: error.to_string(),
+            },
+        };
+        // A set whose files no longer hash to its checksum is not recorded as loaded.
+        let checksum = on_disk.unwrap_or_default();
+        self.record(&checksum, &outcome, started.elapsed());
+        if let ReloadOutcome::Failed { reason } = outcome {
+            // `current` may be a set swapped in by an apply that never confirmed its reload.
+            let previous = self
+                .shared
+                .store
+                .link(LAST_KNOWN_GOOD)?
+                .filter(|previous| *previous != name);
+            warn!(%reason, ?previous, "starting HAProxy on the live set failed; restoring last-known-good");
+            let live = self.roll_back(previous.as_deref()).await?;
+            if let Some(meta) = self.live_meta() {
+                self.shared.metrics.set_generation(meta.generation);
             }
+            info!(?live, "after the failed start");
         }
+        Ok(())
     }
 
     /// Why the agent is not ready, if it is not: the fence file is unreadable, or a set is

@@ -81,3 +81,66 @@ async fn a_reload_slower_than_its_timeout_is_waited_for_before_the_next_apply() 
     assert_eq!(get_once(port).await, "backend c");
     agent.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_swapped_in_but_never_loaded_is_restored_at_start_and_never_unchanged() {
+    use haptic_agent::store::{CURRENT, LAST_KNOWN_GOOD, SetMeta, SetStore};
+
+    let a = Backend::start("a").await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let client = client();
+    let port = free_port();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("hold a port");
+    let taken_port = taken.local_addr().expect("addr").port();
+    let good = request(5, "leader-5", 1, config(port, "a", &[("a", a.addr)]));
+    let agent = TestAgent::start(dir.path()).await;
+    client.apply(&agent.url, &good).await.expect("good apply");
+    assert_eq!(await_body(port, "backend a").await, "backend a");
+    agent.stop().await;
+
+    // What an apply of a set that cannot load (it binds a taken port) does up to the swap;
+    // the agent dies before the reload.
+    let bad = request(5, "leader-5", 2, config(taken_port, "a", &[("a", a.addr)]));
+    let store = SetStore::open(dir.path()).expect("store");
+    let previous = store.link(CURRENT).expect("link");
+    let (name, _) = store.stage(&bad.files, &bad.checksum).expect("stage");
+    store
+        .promote(
+            &name,
+            &SetMeta {
+                checksum: bad.checksum.clone(),
+                generation: 2,
+                leader: "leader-5".into(),
+                epoch: 5,
+            },
+        )
+        .expect("promote");
+    store
+        .set_link(LAST_KNOWN_GOOD, previous.as_deref())
+        .expect("lkg");
+    store.set_link(CURRENT, Some(&name)).expect("swap");
+
+    // At start HAProxy cannot run the swapped-in set: last-known-good goes back in.
+    let agent = TestAgent::start(dir.path()).await;
+    assert_eq!(await_body(port, "backend a").await, "backend a");
+    let state = client.state(&agent.url).await.expect("state");
+    assert_eq!(state.live_checksum.as_deref(), Some(good.checksum.as_str()));
+
+    // The leader retries the apply: it is loaded (and rolled back), never "unchanged".
+    match client.apply(&agent.url, &bad).await {
+        Err(haptic_agent_client::Error::RolledBack {
+            live_checksum,
+            reason,
+        }) => {
+            assert_eq!(live_checksum.as_deref(), Some(good.checksum.as_str()));
+            assert!(reason.contains("bind"), "HAProxy's reason: {reason}");
+        }
+        other => panic!("expected RolledBack, got {other:?}"),
+    }
+    assert_eq!(get_once(port).await, "backend a");
+    // The good set, confirmed loaded, is unchanged.
+    let report = client.apply(&agent.url, &good).await.expect("good again");
+    assert_eq!(report.outcome, Outcome::Unchanged);
+    drop(taken);
+    agent.stop().await;
+}

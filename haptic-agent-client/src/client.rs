@@ -18,9 +18,10 @@ use crate::protocol::{
 /// retries are spent.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The agent's fence is above our epoch: another leader took over, or our epoch counter
-    /// regressed. Hand `fence` to the epoch's `reclaim`.
-    #[error("fenced: the agent accepted epoch {fence}, above ours ({epoch})")]
+    /// The agent's fence is above our epoch, or equal to it and held by another leader
+    /// identity: another leader took over, or our epoch counter regressed. Hand `fence` to
+    /// the epoch's `reclaim`.
+    #[error("fenced: the agent accepted epoch {fence} (ours: {epoch}) from another leader")]
     Fenced {
         /// The agent's fence.
         fence: u64,

@@ -11,7 +11,7 @@
 //! |---------------|--------|----------------------------------------------------------------|
 //! | `applied`     | 200    | the set is live and HAProxy confirmed the reload               |
 //! | `unchanged`   | 200    | the set was already live; nothing was written or reloaded      |
-//! | `fenced`      | 409    | the epoch is below the agent's fence; nothing was written      |
+//! | `fenced`      | 409    | the epoch is below the agent's fence, or equal to it from another leader identity; nothing was written |
 //! | `invalid`     | 422    | `haproxy -c` refused the set; the live set is untouched        |
 //! | `rolled_back` | 500    | the set passed the check but failed to load; last-known-good is live again |
 //!
@@ -245,9 +245,11 @@ pub fn checksum<'a>(files: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> Str
 /// One apply: who sends it, under which fencing epoch, and the whole set.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApplyRequest {
-    /// The sender's fencing epoch; the agent refuses it when below its fence.
+    /// The sender's fencing epoch; the agent refuses it when below its fence, or equal to it
+    /// when the fence is held by another `leader`.
     pub epoch: u64,
-    /// The sender's identity (the leader's pod name), for logs and state.
+    /// The sender's identity (the leader's pod name): the agent records it with the fence, and
+    /// only this identity may apply at that epoch.
     pub leader: String,
     /// The sender's generation counter for this set (monotonic within a term).
     pub generation: u64,
@@ -465,7 +467,8 @@ pub enum ApplyResponse {
         /// Time spent.
         timing: Timing,
     },
-    /// The epoch is below the agent's fence; nothing was written.
+    /// The epoch is below the agent's fence, or equal to it and the fence is held by another
+    /// leader identity; nothing was written.
     Fenced {
         /// The agent's fence: the highest epoch it accepted.
         fence: u64,

@@ -14,7 +14,7 @@ use tracing::{info, instrument, warn};
 
 use crate::{
     config::AgentConfig,
-    fence::FenceFile,
+    fence::{Fence, FenceFile},
     haproxy::{self, Haproxy, ProcTable, ReloadOutcome},
     metrics::Metrics,
     store::{CURRENT, LAST_KNOWN_GOOD, SetMeta, SetStore},
@@ -206,25 +206,34 @@ impl Agent {
             self.resettle(&before).await?;
         }
 
-        // The fence first: a lower epoch is refused before anything is written, and a higher
-        // one is durable before the agent acts on it.
+        // The fence first: a lower epoch, or the same epoch from another leader identity, is
+        // refused before anything is written; a higher one (or the first identity seen at
+        // this epoch) is durable before the agent acts on it.
         let fence = shared.fence.clone();
-        let current = blocking(move || fence.load())
+        let current = blocking(move || fence.load_fence())
             .await?
             .map_err(|error| Error::NotReady(error.to_string()))?;
-        if request.epoch < current {
-            info!(fence = current, "refused: epoch below the fence");
+        let foreign = request.epoch == current.epoch
+            && current
+                .leader
+                .as_ref()
+                .is_some_and(|holder| *holder != request.leader);
+        if request.epoch < current.epoch || foreign {
+            info!(fence = current.epoch, holder = ?current.leader, "refused: epoch below the fence, or held by another leader");
             return Ok(ApplyResponse::Fenced {
-                fence: current,
+                fence: current.epoch,
                 epoch: request.epoch,
             });
         }
-        if request.epoch > current {
+        if request.epoch > current.epoch || current.leader.is_none() {
             let fence = shared.fence.clone();
-            let epoch = request.epoch;
-            blocking(move || fence.store(epoch)).await??;
-            shared.metrics.set_fence(epoch);
-            info!(from = current, to = epoch, "fence raised");
+            let record = Fence {
+                epoch: request.epoch,
+                leader: Some(request.leader.clone()),
+            };
+            blocking(move || fence.store_fence(&record)).await??;
+            shared.metrics.set_fence(request.epoch);
+            info!(from = current.epoch, to = request.epoch, "fence raised");
         }
 
         let store = shared.store.clone();

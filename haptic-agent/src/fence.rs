@@ -1,5 +1,6 @@
-//! The durable fence: the highest fencing epoch this agent accepted, kept in one file written
-//! with write, fsync, rename and a directory fsync, so it survives a crash or restart.
+//! The durable fence: the highest fencing epoch this agent accepted and the leader identity
+//! that holds it, kept in one file written with write, fsync, rename and a directory fsync,
+//! so it survives a crash or restart.
 
 use std::{
     fs,
@@ -32,7 +33,19 @@ pub enum Error {
 /// Result type of this module.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// The fence file: one decimal u64 and a newline. A missing file means fence 0.
+/// The fence: the highest epoch accepted, and the leader identity that holds it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Fence {
+    /// The highest epoch accepted.
+    pub epoch: u64,
+    /// The leader that applied under `epoch` first; none in a fence file written before the
+    /// identity was recorded (the next apply at that epoch records its own).
+    pub leader: Option<String>,
+}
+
+/// The fence file: the epoch as a canonical decimal u64 and a newline, then optionally the
+/// leader identity as a JSON string and a newline (a file of the first form alone, as older
+/// agents wrote it, still loads). A missing file means fence 0 with no holder.
 #[derive(Debug, Clone)]
 pub struct FenceFile {
     path: PathBuf,
@@ -49,11 +62,19 @@ impl FenceFile {
         &self.path
     }
 
-    /// Reads the fence: 0 when the file does not exist, an error when it is not an epoch.
+    /// Reads the fence's epoch: 0 when the file does not exist, an error when it is corrupt.
     pub fn load(&self) -> Result<u64> {
+        self.load_fence().map(|fence| fence.epoch)
+    }
+
+    /// Reads the fence: epoch 0 and no holder when the file does not exist, an error when it
+    /// is not in the format above.
+    pub fn load_fence(&self) -> Result<Fence> {
         let bytes = match fs::read(&self.path) {
             Ok(bytes) => bytes,
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(Fence::default());
+            }
             Err(source) => {
                 return Err(Error::Io {
                     path: self.path.clone(),
@@ -64,12 +85,21 @@ impl FenceFile {
         std::str::from_utf8(&bytes)
             .ok()
             .and_then(|text| text.strip_suffix('\n'))
-            .and_then(|digits| {
+            .and_then(|text| {
+                let (digits, leader) = match text.split_once('\n') {
+                    Some((digits, holder)) => {
+                        // A JSON string holds no raw newline: exactly one line.
+                        let holder = serde_json::from_str::<String>(holder).ok()?;
+                        (digits, Some(holder))
+                    }
+                    None => (text, None),
+                };
                 // Only canonical decimals: what `store` writes and nothing else.
                 let canonical = !digits.is_empty()
                     && digits.bytes().all(|b| b.is_ascii_digit())
                     && (digits == "0" || !digits.starts_with('0'));
-                canonical.then(|| digits.parse::<u64>().ok()).flatten()
+                let epoch = canonical.then(|| digits.parse::<u64>().ok()).flatten()?;
+                Some(Fence { epoch, leader })
             })
             .ok_or_else(|| Error::Corrupt {
                 path: self.path.clone(),
@@ -77,9 +107,17 @@ impl FenceFile {
             })
     }
 
-    /// Durably records `epoch`: writes a temporary file beside the fence, fsyncs it, renames
-    /// it over the fence and fsyncs the directory.
+    /// Durably records `epoch` with no holder (see [`FenceFile::store_fence`]).
     pub fn store(&self, epoch: u64) -> Result<()> {
+        self.store_fence(&Fence {
+            epoch,
+            leader: None,
+        })
+    }
+
+    /// Durably records `fence`: writes a temporary file beside the fence, fsyncs it, renames
+    /// it over the fence and fsyncs the directory.
+    pub fn store_fence(&self, fence: &Fence) -> Result<()> {
         let io = |source| Error::Io {
             path: self.path.clone(),
             source,
@@ -87,8 +125,13 @@ impl FenceFile {
         let dir = self.path.parent().unwrap_or(Path::new("."));
         let tmp = self.path.with_extension("tmp");
         let mut file = fs::File::create(&tmp).map_err(io)?;
-        file.write_all(format!("{epoch}\n").as_bytes())
-            .map_err(io)?;
+        let mut text = format!("{}\n", fence.epoch);
+        if let Some(leader) = &fence.leader {
+            // Serializing a string cannot fail.
+            text.push_str(&serde_json::to_string(leader).unwrap_or_default());
+            text.push('\n');
+        }
+        file.write_all(text.as_bytes()).map_err(io)?;
         file.sync_all().map_err(io)?;
         drop(file);
         fs::rename(&tmp, &self.path).map_err(io)?;
@@ -114,6 +157,27 @@ mod tests {
     }
 
     #[test]
+    fn the_holder_is_kept_and_an_old_file_without_it_loads() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let fence = FenceFile::new(dir.path().join("fence"));
+        fs::write(fence.path(), "9\n").expect("old format");
+        assert_eq!(
+            fence.load_fence().expect("old format loads"),
+            Fence {
+                epoch: 9,
+                leader: None
+            }
+        );
+        let held = Fence {
+            epoch: 10,
+            leader: Some("haptic-0 \"odd\"\nname".to_owned()),
+        };
+        fence.store_fence(&held).expect("store");
+        assert_eq!(fence.load_fence().expect("load"), held);
+        assert_eq!(fence.load().expect("epoch"), 10);
+    }
+
+    #[test]
     fn anything_but_a_canonical_epoch_is_corrupt() {
         let dir = tempfile::tempdir().expect("tempdir");
         let fence = FenceFile::new(dir.path().join("fence"));
@@ -126,6 +190,10 @@ mod tests {
             "012\n",
             "1 \n",
             "99999999999999999999\n",
+            "7\nleader\n",
+            "7\n\"leader\"",
+            "7\n\"a\"\n\"b\"\n",
+            "7\n\n",
         ] {
             fs::write(fence.path(), bad).expect("write");
             assert!(

@@ -468,3 +468,54 @@ async fn a_first_set_that_fails_to_load_leaves_nothing_live_and_the_next_one_wor
     drop(taken);
     agent.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_equal_epoch_from_another_leader_is_fenced_and_nothing_is_written() {
+    let serving = Serving::start(3).await;
+    let Serving {
+        dir,
+        agent,
+        client,
+        port,
+        ..
+    } = &serving;
+    let port = *port;
+    let before = listing(dir.path());
+    let fence_path = dir.path().join("fence");
+    let fence_before = std::fs::read(&fence_path).expect("fence file");
+
+    let rival = request(3, "leader-rival", 2, serving.set_routing_to("none"));
+    match client.apply(&agent.url, &rival).await {
+        Err(Error::Fenced { fence, epoch }) => assert_eq!((fence, epoch), (3, 3)),
+        other => panic!("expected Fenced, got {other:?}"),
+    }
+    assert_eq!(listing(dir.path()), before, "nothing written");
+    assert_eq!(std::fs::read(&fence_path).expect("fence"), fence_before);
+    assert_eq!(get_once(port).await, "backend a");
+
+    // The holder goes on at its epoch.
+    let next = request(3, "leader-0", 2, serving.set_routing_to("none"));
+    let report = client.apply(&agent.url, &next).await.expect("holder");
+    assert_eq!(report.outcome, Outcome::Applied);
+    assert_eq!(await_body(port, "no route").await, "no route");
+
+    // A fence file as older agents wrote it (the number alone) still loads; the first
+    // identity that applies at that epoch holds it from then on.
+    std::fs::write(&fence_path, "3\n").expect("old fence format");
+    let state = client.state(&agent.url).await.expect("state");
+    assert_eq!(state.fence, Some(3));
+    let report = client
+        .apply(
+            &agent.url,
+            &request(3, "leader-0", 3, serving.set_routing_to("a")),
+        )
+        .await
+        .expect("claims the old fence");
+    assert_eq!(report.outcome, Outcome::Applied);
+    assert!(matches!(
+        client.apply(&agent.url, &rival).await,
+        Err(Error::Fenced { fence: 3, epoch: 3 })
+    ));
+    assert_eq!(await_body(port, "backend a").await, "backend a");
+    serving.agent.stop().await;
+}

@@ -34,6 +34,8 @@ pub const MAIN_CONFIG: &str = "haproxy.cfg";
 pub const MAX_PATH_LEN: usize = 1024;
 /// Deepest directory nesting accepted (number of `/`-separated components).
 pub const MAX_PATH_DEPTH: usize = 16;
+/// Longest path component accepted, in bytes (Linux's `NAME_MAX`).
+pub const MAX_COMPONENT_LEN: usize = 255;
 
 /// Errors of this module: a malformed set or wire message.
 #[derive(Debug, thiserror::Error)]
@@ -90,7 +92,8 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Checks that `path` is a plain relative path that stays inside the directory it is written
 /// to: not empty, not absolute, no `..` or `.` component, no empty component, no backslash or
-/// NUL, at most [`MAX_PATH_LEN`] bytes and [`MAX_PATH_DEPTH`] components.
+/// NUL, at most [`MAX_PATH_LEN`] bytes, [`MAX_PATH_DEPTH`] components and
+/// [`MAX_COMPONENT_LEN`] bytes a component.
 pub fn validate_path(path: &str) -> Result<()> {
     let refuse = |rule| {
         Err(Error::Path {
@@ -116,6 +119,9 @@ pub fn validate_path(path: &str) -> Result<()> {
         match component {
             "" => return refuse("empty component"),
             "." | ".." => return refuse("contains a `.` or `..` component"),
+            long if long.len() > MAX_COMPONENT_LEN => {
+                return refuse("a component is longer than 255 bytes");
+            }
             _ => {}
         }
     }
@@ -594,12 +600,15 @@ mod tests {
             ".",
             "a\\b",
             "x\0",
+            &"a".repeat(256),
+            &format!("maps/{}", "é".repeat(128)),
         ] {
             assert!(validate_path(bad).is_err(), "{bad:?} should be refused");
         }
         for good in ["haproxy.cfg", "maps/a.map", ".hidden", "a..b/c"] {
             validate_path(good).expect(good);
         }
+        validate_path(&format!("maps/{}", "a".repeat(255))).expect("255 bytes");
     }
 
     #[test]

@@ -150,6 +150,8 @@ impl SetStore {
         );
         let dir = self.root.join("staging").join(&name);
         fs::create_dir(&dir).map_err(io("creating", &dir))?;
+        // Any failure below removes the half-written directory.
+        let mut guard = RemoveOnDrop(Some(dir.clone()));
         // Every directory the set creates, so each can be fsynced once its entries exist.
         let mut dirs = std::collections::BTreeSet::new();
         for (path, content) in files.iter() {
@@ -171,6 +173,7 @@ impl SetStore {
             sync_dir(&dir.join(relative))?;
         }
         sync_dir(&dir)?;
+        guard.0 = None;
         Ok((name, dir))
     }
 
@@ -261,6 +264,17 @@ fn read_tree(dir: &Path, prefix: &str, files: &mut BTreeMap<String, Vec<u8>>) ->
         }
     }
     Ok(())
+}
+
+/// Removes a directory tree when dropped, unless disarmed (its path taken).
+struct RemoveOnDrop(Option<PathBuf>);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if let Some(dir) = self.0.take() {
+            let _ = fs::remove_dir_all(dir);
+        }
+    }
 }
 
 fn sync_dir(dir: &Path) -> Result<()> {

@@ -519,3 +519,35 @@ async fn an_equal_epoch_from_another_leader_is_fenced_and_nothing_is_written() {
     assert_eq!(await_body(port, "backend a").await, "backend a");
     serving.agent.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_path_component_over_255_bytes_is_400_and_nothing_is_written() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let agent = TestAgent::start(dir.path()).await;
+    let http = traffic_client();
+    let url = agent.url.join(APPLY_PATH).expect("url");
+    let before = listing(dir.path());
+    let path = format!("maps/{}", "a".repeat(256));
+    let body = serde_json::json!({
+        "epoch": 1, "leader": "l", "generation": 1,
+        "checksum": haptic_agent_client::protocol::checksum([
+            ("haproxy.cfg", b"global\n".as_slice()), (path.as_str(), b"x".as_slice()),
+        ]),
+        "files": [
+            {"path": "haproxy.cfg", "text": "global\n"},
+            {"path": path, "text": "x"},
+        ],
+    });
+    let response = http
+        .post(url)
+        .bearer_auth(TOKEN)
+        .json_body(&body)
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(response.status(), 400);
+    let text = response.text().await.expect("body");
+    assert!(text.contains("255"), "{text}");
+    assert_eq!(listing(dir.path()), before, "nothing written");
+    agent.stop().await;
+}

@@ -23,10 +23,28 @@ struct AgentProcess {
 
 impl AgentProcess {
     fn start(data: &Path) -> Self {
+        Self::start_in(data, Command::new(env!("CARGO_BIN_EXE_haptic-agent")))
+    }
+
+    /// The agent with files it writes limited to `kib` KiB (`ulimit -f`; SIGXFSZ ignored, so
+    /// a write past it fails with EFBIG instead of killing the agent).
+    fn start_with_file_limit(data: &Path, kib: u32) -> Self {
+        let mut command = Command::new("sh");
+        command
+            .arg("-c")
+            .arg(format!(
+                "trap '' XFSZ; ulimit -f {}; exec \"$0\" \"$@\"",
+                kib * 2
+            ))
+            .arg(env!("CARGO_BIN_EXE_haptic-agent"));
+        Self::start_in(data, command)
+    }
+
+    fn start_in(data: &Path, mut command: Command) -> Self {
         let token_file = data.parent().expect("parent").join("token");
         std::fs::write(&token_file, format!("{TOKEN}\n")).expect("token file");
         let port = free_port();
-        let child = Command::new(env!("CARGO_BIN_EXE_haptic-agent"))
+        let child = command
             .arg("--listen")
             .arg(format!("127.0.0.1:{port}"))
             .arg("--token-file")
@@ -164,5 +182,38 @@ async fn a_corrupt_fence_file_means_not_ready_and_no_apply() {
     let state = client.state(&agent.url).await.expect("state");
     assert_eq!(state.fence, None);
     assert!(state.fence_error.expect("fence error").contains("corrupt"));
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_staging_write_leaves_no_staging_directory() {
+    let a = Backend::start("a").await;
+    let root = tempfile::tempdir().expect("tempdir");
+    let data = root.path().join("data");
+    let agent = AgentProcess::start_with_file_limit(&data, 64);
+    assert_eq!(await_ready(&agent.url, 200).await, 200);
+
+    // A map larger than the agent may write: staging fails half-way.
+    let mut files = config(free_port(), "a", &[("a", a.addr)]);
+    files
+        .insert("maps/big.map", "x".repeat(256 << 10))
+        .expect("big map");
+    let client =
+        AgentClient::new(ClientConfig::new(TOKEN).with_retries(1, Duration::from_millis(10)))
+            .expect("client");
+    match client
+        .apply(&agent.url, &request(1, "leader", 1, files))
+        .await
+    {
+        Err(Error::Unexpected { status: 500, body }) => {
+            assert!(body.contains("big.map"), "{body}");
+        }
+        other => panic!("expected a 500, got {other:?}"),
+    }
+    assert!(
+        listing(&data.join("staging")).is_empty(),
+        "the half-written staging directory was removed"
+    );
+    assert!(listing(&data.join("sets")).is_empty());
     agent.stop().await;
 }

@@ -13,8 +13,8 @@ use crate::protocol::{
     Timing, encode_apply,
 };
 
-/// Errors of the client. Refusals (`Fenced`, `Invalid`, `RolledBack`, `Unauthorized`,
-/// `Rejected`) are never retried; `Unavailable` and `Transport` are returned once the
+/// Errors of the client. Refusals (`Fenced`, `Superseded`, `Invalid`, `RolledBack`,
+/// `Unauthorized`, `Rejected`) are never retried; `Unavailable` and `Transport` are returned once the
 /// retries are spent.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -27,6 +27,15 @@ pub enum Error {
         fence: u64,
         /// The epoch we sent.
         epoch: u64,
+    },
+    /// A newer generation of the same epoch is live on the agent: this set is stale and was
+    /// not applied. Not retried; the sender should push its newest set instead.
+    #[error("superseded: generation {live_generation} is live, above ours ({generation})")]
+    Superseded {
+        /// The generation we sent.
+        generation: u64,
+        /// The generation live on the agent.
+        live_generation: u64,
     },
     /// `haproxy -c` refused the set; the agent's live set is untouched.
     #[error("HAProxy refused the set: {check_output}")]
@@ -384,6 +393,14 @@ impl AgentClient {
                 attempts,
             }),
             Ok(ApplyResponse::Fenced { fence, epoch }) => Err(Error::Fenced { fence, epoch }),
+            Ok(ApplyResponse::Superseded {
+                generation,
+                live_generation,
+                ..
+            }) => Err(Error::Superseded {
+                generation,
+                live_generation,
+            }),
             Ok(ApplyResponse::Invalid { check_output, .. }) => Err(Error::Invalid { check_output }),
             Ok(ApplyResponse::RolledBack {
                 live_checksum,

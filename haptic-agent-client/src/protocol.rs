@@ -12,6 +12,7 @@
 //! | `applied`     | 200    | the set is live and HAProxy confirmed the reload               |
 //! | `unchanged`   | 200    | the set was already live; nothing was written or reloaded      |
 //! | `fenced`      | 409    | the epoch is below the agent's fence, or equal to it from another leader identity; nothing was written |
+//! | `superseded`  | 409    | same epoch as the live set, older generation; nothing was written |
 //! | `invalid`     | 422    | `haproxy -c` refused the set; the live set is untouched        |
 //! | `rolled_back` | 500    | the set passed the check but failed to load; last-known-good is live again |
 //!
@@ -481,6 +482,16 @@ pub enum ApplyResponse {
         /// The epoch the request carried.
         epoch: u64,
     },
+    /// The epoch equals the live set's and the generation is below the live set's: a newer
+    /// set of the same leader is already live, so this one is stale; nothing was written.
+    Superseded {
+        /// The generation the request carried.
+        generation: u64,
+        /// The generation of the live set.
+        live_generation: u64,
+        /// The epoch of both.
+        epoch: u64,
+    },
     /// `haproxy -c` refused the set; the live set is untouched.
     Invalid {
         /// Checksum of the refused set.
@@ -508,7 +519,7 @@ impl ApplyResponse {
     pub fn status(&self) -> u16 {
         match self {
             Self::Applied { .. } | Self::Unchanged { .. } => 200,
-            Self::Fenced { .. } => 409,
+            Self::Fenced { .. } | Self::Superseded { .. } => 409,
             Self::Invalid { .. } => 422,
             Self::RolledBack { .. } => 500,
         }
@@ -520,6 +531,7 @@ impl ApplyResponse {
             Self::Applied { .. } => "applied",
             Self::Unchanged { .. } => "unchanged",
             Self::Fenced { .. } => "fenced",
+            Self::Superseded { .. } => "superseded",
             Self::Invalid { .. } => "invalid",
             Self::RolledBack { .. } => "rolled_back",
         }

@@ -151,6 +151,11 @@ async fn a_503_that_persists_ends_as_unavailable_after_the_attempts() {
 #[tokio::test]
 async fn refusals_are_never_retried_and_are_typed() {
     let fenced = ApplyResponse::Fenced { fence: 9, epoch: 3 };
+    let superseded = ApplyResponse::Superseded {
+        generation: 4,
+        live_generation: 5,
+        epoch: 3,
+    };
     let invalid = ApplyResponse::Invalid {
         checksum: "x".into(),
         check_output: "[ALERT] unknown keyword".into(),
@@ -167,6 +172,18 @@ async fn refusals_are_never_retried_and_are_typed() {
         ((409, serde_json::to_string(&fenced).expect("json")), |e| {
             matches!(e, Error::Fenced { fence: 9, epoch: 3 })
         }),
+        (
+            (409, serde_json::to_string(&superseded).expect("json")),
+            |e| {
+                matches!(
+                    e,
+                    Error::Superseded {
+                        generation: 4,
+                        live_generation: 5
+                    }
+                )
+            },
+        ),
         (
             (422, serde_json::to_string(&invalid).expect("json")),
             |e| matches!(e, Error::Invalid { check_output } if check_output.contains("unknown keyword")),

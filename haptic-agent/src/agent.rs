@@ -236,6 +236,23 @@ impl Agent {
             info!(from = current.epoch, to = request.epoch, "fence raised");
         }
 
+        // Within one epoch, generations only move forward: an older one than the live set's is
+        // stale (a delayed or re-sent request) and must not overwrite it.
+        if let Some(live) = self.live_meta()
+            && live.epoch == request.epoch
+            && request.generation < live.generation
+        {
+            info!(
+                live_generation = live.generation,
+                "refused: an older generation than the live set's"
+            );
+            return Ok(ApplyResponse::Superseded {
+                generation: request.generation,
+                live_generation: live.generation,
+                epoch: request.epoch,
+            });
+        }
+
         let store = shared.store.clone();
         let live = blocking(move || -> Result<_> {
             let Some(name) = store.link(CURRENT)? else {

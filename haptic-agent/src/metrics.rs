@@ -10,10 +10,11 @@ use std::{
 };
 
 /// Apply outcomes counted, in the order they are rendered.
-const OUTCOMES: [&str; 7] = [
+const OUTCOMES: [&str; 8] = [
     "applied",
     "unchanged",
     "fenced",
+    "superseded",
     "invalid",
     "rolled_back",
     "rejected",

@@ -551,3 +551,44 @@ async fn a_path_component_over_255_bytes_is_400_and_nothing_is_written() {
     assert_eq!(listing(dir.path()), before, "nothing written");
     agent.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_generation_of_the_live_epoch_is_superseded_and_nothing_is_written() {
+    let serving = Serving::start(2).await;
+    let Serving {
+        dir,
+        agent,
+        client,
+        port,
+        ..
+    } = &serving;
+    let port = *port;
+    let newer = request(2, "leader-0", 3, serving.set_routing_to("none"));
+    client
+        .apply(&agent.url, &newer)
+        .await
+        .expect("generation 3");
+    assert_eq!(await_body(port, "no route").await, "no route");
+    let before = listing(dir.path());
+
+    // Generation 2 arrives late (a delayed request, a retry): it must not overwrite 3.
+    let older = request(2, "leader-0", 2, serving.set_routing_to("a"));
+    match client.apply(&agent.url, &older).await {
+        Err(Error::Superseded {
+            generation,
+            live_generation,
+        }) => assert_eq!((generation, live_generation), (2, 3)),
+        other => panic!("expected Superseded, got {other:?}"),
+    }
+    assert_eq!(listing(dir.path()), before, "nothing written");
+    assert_eq!(get_once(port).await, "no route");
+    assert_eq!(agent.agent.metrics().applies("superseded"), 1);
+    // A higher epoch starts its generations afresh.
+    let next_term = request(3, "leader-1", 1, serving.set_routing_to("a"));
+    client
+        .apply(&agent.url, &next_term)
+        .await
+        .expect("next term");
+    assert_eq!(await_body(port, "backend a").await, "backend a");
+    serving.agent.stop().await;
+}

@@ -111,8 +111,12 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub struct ClientConfig {
     /// Bearer token sent on every request. Must not be empty.
     pub token: String,
-    /// Limit for one whole request, connect to last byte (default 30 s: a 10k-Ingress apply
-    /// checks and reloads a large configuration).
+    /// Limit for one whole request, connect to last byte (default 480 s). It must exceed the
+    /// agent's own bound on an apply, or the client gives up (and retries) while the agent is
+    /// still working: with the agent's default limits that bound is 420 s (`haproxy -c` 60 s,
+    /// then a load and possibly a rollback load of up to 60 s reload + 60 s waiting for an
+    /// unfinished reload + 60 s supervised restart each; `AgentConfig::apply_time_limit`).
+    /// A normal apply takes about a second.
     pub request_timeout: Duration,
     /// Limit for connecting (default 2 s).
     pub connect_timeout: Duration,
@@ -152,7 +156,7 @@ impl ClientConfig {
     pub fn new(token: impl Into<String>) -> Self {
         Self {
             token: token.into(),
-            request_timeout: Duration::from_secs(30),
+            request_timeout: Duration::from_secs(480),
             connect_timeout: Duration::from_secs(2),
             max_attempts: 4,
             backoff_initial: Duration::from_millis(100),

@@ -42,6 +42,10 @@ pub enum Error {
     /// A blocking task panicked or was cancelled.
     #[error("internal task failed: {0}")]
     Task(String),
+    /// The request is malformed (its checksum is not 64 lowercase hex digits, or does not
+    /// match its files); nothing was written.
+    #[error("bad request: {0}")]
+    BadRequest(String),
 }
 
 /// Result type of this module.
@@ -100,6 +104,35 @@ async fn blocking<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) 
         .map_err(|error| Error::Task(error.to_string()))
 }
 
+/// The checksum names files on disk: it must be exactly what [`FileSet::checksum`] produces.
+///
+/// [`FileSet::checksum`]: haptic_agent_client::FileSet::checksum
+fn check_request(request: ApplyRequest) -> Result<ApplyRequest> {
+    let well_formed = request.checksum.len() == 64
+        && request
+            .checksum
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    if !well_formed {
+        return Err(Error::BadRequest(format!(
+            "checksum {:?} is not 64 lowercase hex digits",
+            request.checksum.chars().take(80).collect::<String>()
+        )));
+    }
+    request
+        .files
+        .validate()
+        .map_err(|error| Error::BadRequest(error.to_string()))?;
+    let actual = request.files.checksum();
+    if actual != request.checksum {
+        return Err(Error::BadRequest(format!(
+            "checksum mismatch: request says {}, files hash to {actual}",
+            request.checksum
+        )));
+    }
+    Ok(request)
+}
+
 fn micros(duration: Duration) -> u64 {
     u64::try_from(duration.as_micros()).unwrap_or(u64::MAX)
 }
@@ -127,7 +160,10 @@ impl Agent {
             Ok(value) => metrics.set_fence(value),
             Err(error) => warn!(%error, "fence unreadable; refusing applies until it is repaired"),
         }
-        let version = haproxy.version().await.ok();
+        let version = haproxy
+            .version(config.check_timeout.min(Duration::from_secs(10)))
+            .await
+            .ok();
         let agent = Self {
             shared: Arc::new(Shared {
                 config,
@@ -173,13 +209,20 @@ impl Agent {
 
     /// Applies a whole set. Runs to completion even when the caller stops waiting (the work
     /// happens in its own task), so a dropped connection never leaves a half-done swap.
+    ///
+    /// The request's checksum must be 64 lowercase hex digits and match its files (as the
+    /// HTTP API checks; a library caller is held to the same rule): otherwise
+    /// [`Error::BadRequest`] and nothing is written.
     pub async fn apply(&self, request: ApplyRequest) -> Result<ApplyResponse> {
         let agent = self.clone();
         let started = Instant::now();
-        let result = tokio::spawn(async move { agent.apply_serialized(request).await })
-            .await
-            .map_err(|error| Error::Task(error.to_string()))
-            .and_then(|result| result);
+        let result = tokio::spawn(async move {
+            let request = blocking(move || check_request(request)).await??;
+            agent.apply_serialized(request).await
+        })
+        .await
+        .map_err(|error| Error::Task(error.to_string()))
+        .and_then(|result| result);
         let metrics = &self.shared.metrics;
         metrics.observe_apply(started.elapsed());
         match &result {

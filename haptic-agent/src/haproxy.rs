@@ -169,13 +169,22 @@ pub struct Haproxy {
 }
 
 impl Haproxy {
-    /// `haproxy -v`'s first line.
-    pub async fn version(&self) -> Result<String> {
+    /// `haproxy -v`'s first line; a binary that does not answer within `timeout` is killed.
+    pub async fn version(&self, timeout: Duration) -> Result<String> {
         let output = Command::new(&self.bin)
             .arg("-v")
+            .stdin(Stdio::null())
             .kill_on_drop(true)
-            .output()
+            .output();
+        let output = tokio::time::timeout(timeout, output)
             .await
+            .map_err(|_| Error::Spawn {
+                bin: self.bin.clone(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("`haproxy -v` did not answer within {timeout:?}"),
+                ),
+            })?
             .map_err(|source| Error::Spawn {
                 bin: self.bin.clone(),
                 source,

@@ -138,6 +138,9 @@ async fn apply(State(agent): State<Agent>, headers: HeaderMap, body: Bytes) -> R
         Err(agent::Error::NotReady(reason)) => {
             error(StatusCode::SERVICE_UNAVAILABLE, "not_ready", reason)
         }
+        Err(refusal @ agent::Error::BadRequest(_)) => {
+            error(StatusCode::BAD_REQUEST, "bad_request", refusal.to_string())
+        }
         Err(failure) => {
             warn!(error = %failure, "apply failed");
             error(

@@ -205,7 +205,7 @@ impl EpochStore {
     }
 
     /// Writes `epoch` on `lease` if it still names this holder; `Ok(None)` on a conflict.
-    async fn claim(&self, mut lease: Lease, epoch: u64) -> Result<Option<Term>> {
+    async fn claim(&self, mut lease: Lease, epoch: u64) -> Result<Option<u64>> {
         lease.metadata.managed_fields = None;
         lease
             .metadata
@@ -218,10 +218,7 @@ impl EpochStore {
         self.inner.current.store(epoch, Ordering::SeqCst);
         self.inner.highest.fetch_max(epoch, Ordering::SeqCst);
         info!(identity = %self.inner.identity, lease = %self.inner.name, epoch, "claimed epoch");
-        Ok(Some(Term {
-            store: self.clone(),
-            epoch,
-        }))
+        Ok(Some(epoch))
     }
 
     fn check_holder(&self, lease: &Lease) -> Result<()> {
@@ -253,7 +250,9 @@ impl EpochStore {
             let lease = self.get().await?;
             self.check_holder(&lease)?;
             let base = match floor {
-                Some(floor) => floor,
+                // A malformed annotation is ignored here (that is the recovery); a well-formed
+                // one still counts, so the epoch never goes backwards.
+                Some(floor) => floor.max(Self::epoch_of(&lease).unwrap_or(0)),
                 None => Self::epoch_of(&lease)?,
             };
             let next = base
@@ -261,7 +260,12 @@ impl EpochStore {
                 .checked_add(1)
                 .ok_or(Error::Exhausted)?;
             match self.claim(lease, next).await? {
-                Some(term) => return Ok(term),
+                Some(epoch) => {
+                    return Ok(Term {
+                        store: self.clone(),
+                        epoch,
+                    });
+                }
                 None => {
                     debug!(attempt, lease = %self.inner.name, "epoch bump conflicted; retrying");
                     conflict_pause(attempt).await;
@@ -269,6 +273,19 @@ impl EpochStore {
             }
         }
         Err(Error::TooManyConflicts(self.inner.attempts))
+    }
+}
+
+impl Drop for Term {
+    /// A term that ends (dropped, stood down, or deposed) no longer claims its epoch:
+    /// [`EpochStore::leader_epoch`] reads 0 again, unless a newer term has claimed one since.
+    fn drop(&mut self) {
+        let _ = self.store.inner.current.compare_exchange(
+            self.epoch,
+            0,
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        );
     }
 }
 
@@ -320,13 +337,13 @@ impl Term {
                 .max(store.inner.highest.load(Ordering::SeqCst))
                 .checked_add(1)
                 .ok_or(Error::Exhausted)?;
-            let Some(term) = store.claim(lease, next).await? else {
+            let Some(epoch) = store.claim(lease, next).await? else {
                 conflict_pause(1).await;
                 continue;
             };
             warn!(identity = %store.inner.identity, from = self.epoch, to = next, floor, "epoch regressed on the Lease; reclaimed above the receivers' fence");
-            self.epoch = term.epoch;
-            return Ok(self.epoch);
+            self.epoch = epoch;
+            return Ok(epoch);
         }
         Err(Error::TooManyConflicts(store.inner.attempts))
     }

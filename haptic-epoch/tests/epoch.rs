@@ -280,7 +280,18 @@ async fn stand_down_releases_and_the_next_term_claims_a_higher_epoch() {
     );
     hold(&server, "pod-b", None).await;
     let b = store(&server, "pod-b");
-    assert!(b.bump().await.expect("bump").epoch() > first);
+    let b_term = b.bump().await.expect("bump");
+    assert!(b_term.epoch() > first);
+    assert_eq!(b.leader_epoch(), b_term.epoch());
+    drop(b_term);
+    assert_eq!(
+        b.leader_epoch(),
+        0,
+        "a dropped (deposed) term claims nothing"
+    );
+    // bump_above never goes below a well-formed annotation.
+    hold(&server, "pod-a", Some("10")).await;
+    assert_eq!(a.bump_above(3).await.expect("bump").epoch(), 11);
 }
 
 /// One step of the property test's history.

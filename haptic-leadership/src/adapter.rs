@@ -434,11 +434,9 @@ async fn run_term<E: LeaderEvents>(shared: Arc<Shared<E>>, term_token: Cancellat
     } else {
         let s = shared.state.borrow();
         match s.last_stop {
-            // The elector records why before it cancels the term; a root cancellation reaches
-            // the term's token first.
-            Some(reason) if !s.is_leader && s.terms == terms_at_start + 1 => {
-                reason.as_str().to_owned()
-            }
+            // The elector records why (and still counts this term) before it cancels the term;
+            // a root cancellation reaches the term's token first, while it still leads.
+            Some(reason) if !s.is_leader && s.terms == terms_at_start => reason.as_str().to_owned(),
             _ => StopReason::GracefulShutdown.as_str().to_owned(),
         }
     };

@@ -144,3 +144,46 @@ async fn a_set_swapped_in_but_never_loaded_is_restored_at_start_and_never_unchan
     drop(taken);
     agent.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_supervised_master_that_never_finishes_a_reload_is_restarted_and_the_set_rolled_back() {
+    let a = Backend::start("a").await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut settings = AgentConfig::new(dir.path(), TOKEN)
+        .with_listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .with_haproxy_bin(haproxy_bin())
+        .with_supervise(true);
+    settings.reload_timeout = Duration::from_secs(1);
+    settings.settle_timeout = Duration::from_secs(1);
+    let agent = TestAgent::start_exact(settings).await;
+    let client = client();
+    let port = free_port();
+    let first = request(1, "leader-1", 1, config(port, "a", &[("a", a.addr)]));
+    client.apply(&agent.url, &first).await.expect("first apply");
+    assert_eq!(await_body(port, "backend a").await, "backend a");
+
+    // Loading takes longer than the reload, the wait after it and a fresh start allow.
+    let stuck = request(
+        1,
+        "leader-1",
+        2,
+        slow_to_load(&config(port, "none", &[("a", a.addr)]), 3),
+    );
+    match client.apply(&agent.url, &stuck).await {
+        Err(haptic_agent_client::Error::RolledBack { live_checksum, .. }) => {
+            assert_eq!(live_checksum.as_deref(), Some(first.checksum.as_str()));
+        }
+        other => panic!("expected RolledBack, got {other:?}"),
+    }
+    let state = client.state(&agent.url).await.expect("state");
+    assert_eq!(
+        state.live_checksum.as_deref(),
+        Some(first.checksum.as_str())
+    );
+    assert!(state.last_reload.expect("a reload").ok);
+    assert_eq!(await_body(port, "backend a").await, "backend a");
+    let next = request(1, "leader-1", 3, config(port, "none", &[("a", a.addr)]));
+    client.apply(&agent.url, &next).await.expect("next apply");
+    assert_eq!(await_body(port, "no route").await, "no route");
+    agent.stop().await;
+}

@@ -201,6 +201,8 @@ struct Observed {
     at: Option<Instant>,
     /// The holder last reported to `on_new_leader`.
     reported: Option<String>,
+    /// Where a reopened watch resumes, when a bookmark is newer than `lease`.
+    resume: Option<String>,
 }
 
 /// When a write was sent, on the elector's clock (for deadlines) and on tokio's (for state).
@@ -389,6 +391,7 @@ impl LeaderElector {
             observed.record = Some(record);
         }
         observed.lease = Some(lease);
+        observed.resume = None;
         changed
     }
 
@@ -434,9 +437,14 @@ impl LeaderElector {
 
     async fn open_watch(&self, observed: &Observed) -> Result<LeaseEvents, LockError> {
         let rv = observed
-            .lease
-            .as_ref()
-            .and_then(|l| l.metadata.resource_version.clone())
+            .resume
+            .clone()
+            .or_else(|| {
+                observed
+                    .lease
+                    .as_ref()
+                    .and_then(|l| l.metadata.resource_version.clone())
+            })
             .unwrap_or_else(|| "0".to_owned());
         let params = WatchParams::default()
             .fields(&format!("metadata.name={}", self.config.lease_name))
@@ -481,6 +489,11 @@ impl LeaderElector {
                         need_get = false;
                         failures = 0;
                     }
+                    Ok(None) if self.expiry(observed).is_some_and(|at| self.now() < at) => {
+                        // Deleted while another replica held it: wait out that term first.
+                        observed.lease = None;
+                        need_get = false;
+                    }
                     Ok(None) => {
                         self.forget(observed);
                         let record = self.takeover_record(observed);
@@ -502,6 +515,15 @@ impl LeaderElector {
                         warn!(%error, lease = %self.config.lease_name, identity = %self.config.identity, failures, "reading the Lease failed");
                     }
                 }
+            }
+            if !need_get
+                && observed.lease.is_none()
+                && observed.record.is_some()
+                && self.expiry(observed).is_none_or(|at| self.now() >= at)
+            {
+                // The Lease was deleted and its last holder's term has run out: create it.
+                need_get = true;
+                continue;
             }
             if !need_get
                 && observed.lease.is_some()
@@ -593,15 +615,18 @@ impl LeaderElector {
                         self.observe(observed, lease, callbacks);
                     }
                     Some(Ok(WatchEvent::Deleted(_))) => {
+                        // Deleting the Lease does not end its holder's term: that replica may
+                        // act until its observed expiry (and will recreate the Lease on its next
+                        // renew). Only a vacant, own or expired record is recreated at once.
                         debug!(lease = %self.config.lease_name, "the Lease was deleted");
-                        self.forget(observed);
-                        need_get = true;
+                        observed.lease = None;
+                        observed.resume = None;
+                        need_get = self.expiry(observed).is_none_or(|at| self.now() >= at);
                     }
                     Some(Ok(WatchEvent::Bookmark(bookmark))) => {
-                        if let Some(lease) = observed.lease.as_mut() {
-                            // Keep the resume point fresh; the object itself is unchanged.
-                            lease.metadata.resource_version = Some(bookmark.metadata.resource_version);
-                        }
+                        // A fresher resume point for the watch; the Lease's own
+                        // resourceVersion (what a takeover PUTs with) is unchanged.
+                        observed.resume = Some(bookmark.metadata.resource_version);
                     }
                     Some(Ok(WatchEvent::Error(status))) => {
                         debug!(code = status.code, message = %status.message, "Lease watch ended with an error; re-reading");
@@ -753,9 +778,11 @@ impl LeaderElector {
                     self.state.send_modify(|s| s.last_renew = Some(sent_at));
                     continue;
                 }
-                Err(LockError::Conflict) => {
+                Err(error) if error.needs_reread() => {
                     // Something else wrote the Lease (another holder, or an annotation such as
-                    // the fencing epoch): read it and decide.
+                    // the fencing epoch), or it was deleted and recreated under us (our cached
+                    // object no longer fits: 404 or 422): read it and decide.
+                    debug!(%error, identity = %self.config.identity, "renew refused; re-reading the Lease");
                     let timeout = self
                         .config
                         .request_timeout

@@ -29,6 +29,18 @@ pub(crate) enum LockError {
     Api(#[from] kube::Error),
 }
 
+impl LockError {
+    /// Whether the write was refused because our copy of the Lease is stale or gone (409, or
+    /// 404 / 422 after the Lease was deleted and recreated): re-read rather than retry blindly.
+    pub(crate) fn needs_reread(&self) -> bool {
+        match self {
+            Self::Conflict => true,
+            Self::Api(kube::Error::Api(status)) => status.code == 404 || status.code == 422,
+            _ => false,
+        }
+    }
+}
+
 /// The holder record kept in a Lease's spec.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub(crate) struct Record {

@@ -606,3 +606,38 @@ async fn a_slow_answer_to_the_acquiring_write_does_not_lengthen_the_first_deadli
     a.stop().await;
     b.stop().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_deleted_lease_is_not_taken_before_its_holders_term_runs_out() {
+    let server = server().await;
+    let (leader, follower) = elected_pair(&server, config("pod-a"), config("pod-b")).await;
+    tokio::time::sleep(secs(3)).await;
+    let observer: Api<Lease> = Api::namespaced(server.client_for("observer").expect("client"), NS);
+    observer
+        .delete(LEASE, &kube::api::DeleteParams::default())
+        .await
+        .expect("delete");
+    // The holder recreates it at its next renew and keeps leading; the follower never starts a
+    // term while the holder's term is still running.
+    let replicas = vec![leader, follower];
+    // One jittered RetryPeriod later the holder has renewed, recreating the Lease.
+    tokio::time::sleep(secs(3)).await;
+    assert_steady_single_leader(&server, &replicas, secs(30)).await;
+    let (leader, follower) = (&replicas[0], &replicas[1]);
+    assert!(leader.is_leader() && leader.stops().is_empty());
+    assert!(
+        follower.starts().is_empty(),
+        "the follower took a deleted Lease during the holder's term"
+    );
+    // With the holder gone too, the follower recreates it after the observed expiry.
+    let mut replicas = replicas;
+    let follower = replicas.pop().expect("follower");
+    let leader = replicas.pop().expect("leader");
+    leader.handle.abort();
+    observer
+        .delete(LEASE, &kube::api::DeleteParams::default())
+        .await
+        .expect("delete");
+    follower.wait_for(secs(20), "leader", |s| s.is_leader).await;
+    follower.stop().await;
+}

@@ -28,15 +28,19 @@ pub enum StopReason {
     LeaseExpired,
     /// A renew found another holder on the Lease.
     LeaseTaken,
+    /// The leader's own work gave the term up ([`Resign::resign`]); the Lease was released.
+    Resigned,
 }
 
 impl StopReason {
-    /// The reason as logs and metrics spell it: `graceful_shutdown`, `lease_expired`, `lease_taken`.
+    /// The reason as logs and metrics spell it: `graceful_shutdown`, `lease_expired`,
+    /// `lease_taken`, `resigned`.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::GracefulShutdown => "graceful_shutdown",
             Self::LeaseExpired => "lease_expired",
             Self::LeaseTaken => "lease_taken",
+            Self::Resigned => "resigned",
         }
     }
 }
@@ -180,7 +184,28 @@ pub struct LeaderElector {
     lock: LeaseLock,
     clock: SharedClock,
     state: watch::Sender<ElectionState>,
+    resign: Arc<watch::Sender<u64>>,
     rng: u64,
+}
+
+/// Lets the leader's own work give its term up (e.g. it cannot claim a fencing epoch): the
+/// elector steps down with [`StopReason::Resigned`], releases the Lease, waits a RetryPeriod
+/// so another replica can take it, and re-enters election. A request made while not leading
+/// is ignored. Cheap to clone.
+#[derive(Clone)]
+pub struct Resign(Arc<watch::Sender<u64>>);
+
+impl fmt::Debug for Resign {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Resign")
+    }
+}
+
+impl Resign {
+    /// Asks the current term to end.
+    pub fn resign(&self) {
+        self.0.send_modify(|n| *n = n.wrapping_add(1));
+    }
 }
 
 impl fmt::Debug for LeaderElector {
@@ -250,6 +275,7 @@ impl LeaderElector {
             config,
             clock: SharedClock(Arc::new(TokioClock)),
             state: watch::channel(ElectionState::default()).0,
+            resign: Arc::new(watch::channel(0).0),
             rng: seed | 1,
         })
     }
@@ -264,6 +290,11 @@ impl LeaderElector {
     /// The election state, updated on every transition: await `changed()` instead of polling.
     pub fn state(&self) -> watch::Receiver<ElectionState> {
         self.state.subscribe()
+    }
+
+    /// A handle the leader's work can use to give its term up.
+    pub fn resign_handle(&self) -> Resign {
+        Resign(self.resign.clone())
     }
 
     /// A health check for this elector.
@@ -332,6 +363,14 @@ impl LeaderElector {
                 .await;
             if reason == StopReason::GracefulShutdown {
                 return;
+            }
+            if reason == StopReason::Resigned {
+                // Give the other replicas a RetryPeriod to take the released Lease.
+                let pause = self.jitter(self.config.retry_period);
+                tokio::select! {
+                    () = token.cancelled() => return,
+                    () = tokio::time::sleep(pause) => {}
+                }
             }
             info!(identity = %self.config.identity, %reason, "re-entering election");
         }
@@ -672,6 +711,10 @@ impl LeaderElector {
             s.last_renew = Some(started);
             s.terms += 1;
         });
+        // Subscribed before the work starts, so a resignation it makes at once is seen; a
+        // request made before this term does not end it.
+        let mut resign = self.resign.subscribe();
+        resign.borrow_and_update();
         let work_token = token.child_token();
         // If this future is dropped (the elector's task aborted), the work is told to stop too.
         let _stop_work_on_drop = work_token.clone().drop_guard();
@@ -680,7 +723,9 @@ impl LeaderElector {
             .as_ref()
             .map(|f| tokio::spawn(f(work_token.clone())));
         let mut cached = lease;
-        let reason = self.renew_loop(token, &mut cached, sent.clock).await;
+        let reason = self
+            .renew_loop(token, &mut cached, sent.clock, resign)
+            .await;
         info!(%identity, %reason, "stepping down: stopping the leader's work");
         self.state.send_modify(|s| {
             s.is_leader = false;
@@ -690,10 +735,10 @@ impl LeaderElector {
             }
         });
         self.stop_work(work_token, work).await;
-        if reason == StopReason::GracefulShutdown
+        let release_on_shutdown = reason == StopReason::GracefulShutdown
             && self.config.release_on_cancel
-            && !self.config.keep_lease_on_stop
-        {
+            && !self.config.keep_lease_on_stop;
+        if release_on_shutdown || reason == StopReason::Resigned {
             self.release(&cached).await;
         }
         // Whatever happened, the next follower phase starts from a fresh read.
@@ -733,6 +778,7 @@ impl LeaderElector {
         token: &CancellationToken,
         cached: &mut Lease,
         acquired: Instant,
+        mut resign: watch::Receiver<u64>,
     ) -> StopReason {
         let mut last_success = acquired;
         let mut failures = 0u32;
@@ -751,6 +797,7 @@ impl LeaderElector {
             let clock = self.clock.0.clone();
             tokio::select! {
                 () = token.cancelled() => return StopReason::GracefulShutdown,
+                changed = resign.changed() => if changed.is_ok() { return StopReason::Resigned },
                 () = clock.sleep(wait) => {}
             }
             let sent = self.now();

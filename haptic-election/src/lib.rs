@@ -26,7 +26,9 @@
 //!
 //! [`StopReason::GracefulShutdown`]: the token fired; [`StopReason::LeaseExpired`]: no renew
 //! succeeded within RenewDeadline, so the leader stepped down before anyone else could take
-//! the Lease; [`StopReason::LeaseTaken`]: a renew found another holder.
+//! the Lease; [`StopReason::LeaseTaken`]: a renew found another holder;
+//! [`StopReason::Resigned`]: the leader's own work gave the term up through a [`Resign`]
+//! handle (the Lease is released and this replica waits a RetryPeriod before competing again).
 //!
 //! # A Lease alone is not fencing
 //!
@@ -70,5 +72,6 @@ mod lock;
 pub use clock::{Clock, SkewedClock, TokioClock};
 pub use config::{ConfigError, ElectionConfig, JITTER_FACTOR};
 pub use elector::{
-    Callbacks, ElectionState, Error, HealthCheck, LeaderElector, Result, StopReason, release_lease,
+    Callbacks, ElectionState, Error, HealthCheck, LeaderElector, Resign, Result, StopReason,
+    release_lease,
 };

@@ -641,3 +641,41 @@ async fn a_deleted_lease_is_not_taken_before_its_holders_term_runs_out() {
     follower.wait_for(secs(20), "leader", |s| s.is_leader).await;
     follower.stop().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_resigning_leader_releases_and_another_replica_takes_over() {
+    let server = server().await;
+    let client = server.client_for("pod-a").expect("client");
+    let elector = haptic_election::LeaderElector::new(client, config("pod-a")).expect("config");
+    let resign = elector.resign_handle();
+    let mut a_state = elector.state();
+    let token = tokio_util::sync::CancellationToken::new();
+    let once = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let callbacks = haptic_election::Callbacks::new().on_started_leading(move |_term| {
+        let (resign, once) = (resign.clone(), once.clone());
+        async move {
+            // The first term cannot do its work (say, no fencing epoch): it gives the term up.
+            if !once.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                resign.resign();
+            }
+        }
+    });
+    let run = tokio::spawn(elector.run(token.clone(), callbacks));
+    a_state
+        .wait_for(|s| s.terms == 1 && !s.is_leader)
+        .await
+        .expect("state");
+    assert_eq!(a_state.borrow().last_stop, Some(StopReason::Resigned));
+    let b = Replica::start(&server, config("pod-b"));
+    b.wait_for(secs(5), "leader after the resignation", |s| s.is_leader)
+        .await;
+    assert_eq!(holder(&server).await.as_deref(), Some("pod-b"));
+    tokio::time::sleep(secs(20)).await;
+    assert_eq!(a_state.borrow().terms, 1, "the resigned replica follows");
+    token.cancel();
+    tokio::time::timeout(secs(30), run)
+        .await
+        .expect("stops")
+        .expect("no panic");
+    b.stop().await;
+}

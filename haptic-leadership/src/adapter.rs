@@ -12,7 +12,9 @@ use std::{
 };
 
 use futures::{FutureExt, future::BoxFuture};
-use haptic_election::{Callbacks, ElectionConfig, ElectionState, LeaderElector, StopReason};
+use haptic_election::{
+    Callbacks, ElectionConfig, ElectionState, LeaderElector, Resign, StopReason,
+};
 use haptic_epoch::{EpochStore, Term};
 use haptic_eventbus::EventBus;
 use kube::Client;
@@ -190,13 +192,12 @@ struct Shared<E: LeaderEvents> {
     bus: EventBus<E>,
     identity: String,
     epochs: Option<EpochStore>,
-    client: Client,
-    config: ElectionConfig,
     leader_only: Vec<(String, LeaderOnlyFn<E>)>,
     hooks: Hooks,
     metrics: Arc<LeadershipMetrics>,
     stop_timeout: Duration,
     state: watch::Receiver<ElectionState>,
+    resign: Resign,
 }
 
 impl<E: LeaderEvents> Leadership<E> {
@@ -299,13 +300,15 @@ impl<E: LeaderEvents> Leadership<E> {
             bus: self.bus.clone(),
             identity: identity.clone(),
             epochs,
-            client: self.client.clone(),
-            config: self.config.clone(),
             leader_only: self.leader_only,
             hooks: self.hooks,
             metrics: self.metrics.clone(),
-            stop_timeout: self.stop_timeout,
+            // Leader-only work must be awaited before the elector gives up waiting for the term.
+            stop_timeout: self
+                .stop_timeout
+                .min(self.config.work_stop_timeout.mul_f64(0.9)),
             state: elector.state(),
+            resign: elector.resign_handle(),
         });
         self.bus.publish(LeaderElectionStarted {
             identity: identity.clone(),
@@ -320,10 +323,10 @@ impl<E: LeaderEvents> Leadership<E> {
         let _stop_components_on_drop = components_token.clone().drop_guard();
         let mut all_replica = Vec::new();
         for (name, build) in self.all_replica {
-            all_replica.push((
+            all_replica.push(Component {
                 name,
-                tokio::spawn(build(self.bus.clone(), components_token.clone())),
-            ));
+                handle: tokio::spawn(build(self.bus.clone(), components_token.clone())),
+            });
         }
         self.bus.start();
 
@@ -349,15 +352,30 @@ impl<E: LeaderEvents> Leadership<E> {
     }
 }
 
-async fn await_bounded(tasks: Vec<(String, JoinHandle<()>)>, bound: Duration) {
+/// A component's task, aborted if its owner is dropped before awaiting it.
+struct Component {
+    name: String,
+    handle: JoinHandle<()>,
+}
+
+impl Drop for Component {
+    fn drop(&mut self) {
+        // A no-op for a task that has finished.
+        self.handle.abort();
+    }
+}
+
+async fn await_bounded(tasks: Vec<Component>, bound: Duration) {
     let deadline = tokio::time::Instant::now() + bound;
-    for (name, mut handle) in tasks {
-        match tokio::time::timeout_at(deadline, &mut handle).await {
+    for mut component in tasks {
+        let name = component.name.clone();
+        let handle = &mut component.handle;
+        match tokio::time::timeout_at(deadline, handle).await {
             Ok(Ok(())) => {}
             Ok(Err(error)) => warn!(component = %name, %error, "component ended with a panic"),
             Err(_) => {
+                // Dropping `component` aborts it.
                 warn!(component = %name, timeout = ?bound, "component did not stop in time; aborting it");
-                handle.abort();
             }
         }
     }
@@ -372,18 +390,16 @@ async fn run_term<E: LeaderEvents>(shared: Arc<Shared<E>>, term_token: Cancellat
         Some(epochs) => match epochs.bump().await {
             Ok(term) => Some(term),
             Err(error) => {
-                error!(%error, identity = %shared.identity, "claiming an epoch failed; standing down");
-                let released = haptic_election::release_lease(
-                    shared.client.clone(),
-                    &shared.config.lease_namespace,
-                    &shared.config.lease_name,
-                    &shared.identity,
-                    shared.config.request_timeout,
-                )
-                .await;
-                if let Err(error) = released {
-                    warn!(%error, "releasing the Lease after a failed bump failed; it expires instead");
-                }
+                let hint = match error {
+                    haptic_epoch::Error::Malformed(_) => {
+                        "repair the annotation, or recover with EpochStore::bump_above(highest fence the agents report)"
+                    }
+                    _ => "another replica (or this one, after a RetryPeriod) will try again",
+                };
+                error!(%error, identity = %shared.identity, hint, "claiming an epoch failed; resigning the term");
+                // The elector releases the Lease with the object it holds and pauses before
+                // competing again.
+                shared.resign.resign();
                 return;
             }
         },
@@ -416,7 +432,10 @@ async fn run_term<E: LeaderEvents>(shared: Arc<Shared<E>>, term_token: Cancellat
     }
     let mut tasks = Vec::new();
     for (name, build) in &shared.leader_only {
-        tasks.push((name.clone(), tokio::spawn(build(ctx.clone()))));
+        tasks.push(Component {
+            name: name.clone(),
+            handle: tokio::spawn(build(ctx.clone())),
+        });
     }
     shared.bus.start();
     info!(identity = %shared.identity, epoch, components = tasks.len(), "leading");
@@ -452,11 +471,9 @@ async fn run_term<E: LeaderEvents>(shared: Arc<Shared<E>>, term_token: Cancellat
     components_token.cancel();
     await_bounded(tasks, shared.stop_timeout).await;
     if stood_down {
-        let term = state.term.lock().await.take();
-        if let Some(term) = term
-            && let Err(error) = term.stand_down(&reason).await
-        {
-            warn!(%error, "releasing the Lease on stand-down failed; it expires instead");
-        }
+        // Only now, with the leader-only work stopped, the elector releases the Lease; the term
+        // (and its epoch) ends here.
+        drop(state.term.lock().await.take());
+        shared.resign.resign();
     }
 }

@@ -395,3 +395,78 @@ async fn disabled_mode_publishes_became_leader_with_a_standalone_identity_and_no
         assert!(text.contains(name), "{text}");
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_taken_lease_is_reported_as_lease_taken() {
+    let server = server_with_configmap().await;
+    let log: Log = Arc::default();
+    let a = start(&server, config("pod-a"), log.clone(), None);
+    until("pod-a leads", Duration::from_secs(10), || a.leads()).await;
+    let api: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(server.client_for("intruder").expect("client"), "default");
+    let mut lease = api.get("haptic-leader").await.expect("lease");
+    lease.spec.as_mut().expect("spec").holder_identity = Some("intruder".into());
+    api.replace("haptic-leader", &PostParams::default(), &lease)
+        .await
+        .expect("overwrite");
+    until("pod-a lost it", Duration::from_secs(10), || {
+        a.heard()
+            .contains(&Ev::Lost("pod-a".into(), "lease_taken".into()))
+    })
+    .await;
+    a.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_epoch_bump_resigns_the_term_and_dispatches_nothing() {
+    let server = server_with_configmap().await;
+    // A malformed epoch annotation: no term can claim an epoch.
+    let api: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(server.client_for("setup").expect("client"), "default");
+    let lease = serde_json::from_value(serde_json::json!({
+        "metadata": { "name": "haptic-leader", "annotations": { "haptic.io/leader-epoch": "x" } },
+        "spec": { "holderIdentity": "", "leaseDurationSeconds": 1 }
+    }))
+    .expect("lease");
+    api.create(&PostParams::default(), &lease)
+        .await
+        .expect("create");
+    let log: Log = Arc::default();
+    let a = start(&server, config("pod-a"), log.clone(), None);
+    let mut released_seen = false;
+    let end = tokio::time::Instant::now() + Duration::from_secs(30);
+    while tokio::time::Instant::now() < end {
+        let holder = api
+            .get("haptic-leader")
+            .await
+            .expect("lease")
+            .spec
+            .and_then(|s| s.holder_identity);
+        released_seen |= holder.as_deref() == Some("");
+        assert!(!a.leads(), "a term without an epoch must not lead");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(released_seen, "the resigned term released the Lease");
+    assert!(
+        epochs(&a.heard()).is_empty(),
+        "no BecameLeader without an epoch: {:?}",
+        a.heard()
+    );
+    let writes = server
+        .requests()
+        .iter()
+        .filter(|r| r.client == "pod-a" && r.verb == "update")
+        .count();
+    assert!(
+        writes <= 60,
+        "pod-a wrote {writes} times in 30 s: resigning must pause, not spin"
+    );
+    assert!(
+        log.lock()
+            .expect("lock")
+            .iter()
+            .all(|l| !l.starts_with("worker")),
+        "no leader-only work ran"
+    );
+    a.stop().await;
+}

@@ -247,32 +247,55 @@ impl EpochStore {
 
     async fn bump_inner(&self, floor: Option<u64>) -> Result<Term> {
         for attempt in 1..=self.inner.attempts {
-            let lease = self.get().await?;
-            self.check_holder(&lease)?;
-            let base = match floor {
-                // A malformed annotation is ignored here (that is the recovery); a well-formed
-                // one still counts, so the epoch never goes backwards.
-                Some(floor) => floor.max(Self::epoch_of(&lease).unwrap_or(0)),
-                None => Self::epoch_of(&lease)?,
-            };
-            let next = base
-                .max(self.inner.highest.load(Ordering::SeqCst))
-                .checked_add(1)
-                .ok_or(Error::Exhausted)?;
-            match self.claim(lease, next).await? {
-                Some(epoch) => {
+            match self.try_bump(floor).await {
+                Ok(Some(epoch)) => {
                     return Ok(Term {
                         store: self.clone(),
                         epoch,
                     });
                 }
-                None => {
+                Ok(None) => {
                     debug!(attempt, lease = %self.inner.name, "epoch bump conflicted; retrying");
-                    conflict_pause(attempt).await;
                 }
+                // A timeout, a dropped connection, a 5xx or 429: worth another try. A write that
+                // landed although its answer was lost only makes the next claim one higher.
+                Err(error) if error.is_transient() && attempt < self.inner.attempts => {
+                    warn!(%error, attempt, lease = %self.inner.name, "epoch bump failed; retrying");
+                }
+                Err(error) => return Err(error),
             }
+            conflict_pause(attempt).await;
         }
         Err(Error::TooManyConflicts(self.inner.attempts))
+    }
+
+    /// One read-modify-write; `Ok(None)` on a conflict.
+    async fn try_bump(&self, floor: Option<u64>) -> Result<Option<u64>> {
+        let lease = self.get().await?;
+        self.check_holder(&lease)?;
+        let base = match floor {
+            // A malformed annotation is ignored here (that is the recovery); a well-formed
+            // one still counts, so the epoch never goes backwards.
+            Some(floor) => floor.max(Self::epoch_of(&lease).unwrap_or(0)),
+            None => Self::epoch_of(&lease)?,
+        };
+        let next = base
+            .max(self.inner.highest.load(Ordering::SeqCst))
+            .checked_add(1)
+            .ok_or(Error::Exhausted)?;
+        self.claim(lease, next).await
+    }
+}
+
+impl Error {
+    /// Whether another attempt may succeed: timeouts, transport errors, 5xx and 429.
+    fn is_transient(&self) -> bool {
+        match self {
+            Self::Timeout(_) => true,
+            Self::Api(kube::Error::Api(status)) => status.code >= 500 || status.code == 429,
+            Self::Api(_) => true,
+            _ => false,
+        }
     }
 }
 

@@ -372,3 +372,31 @@ proptest! {
         });
     }
 }
+
+#[tokio::test]
+async fn bump_retries_transient_errors() {
+    let server = ApiServer::start().await.expect("server");
+    hold(&server, "pod-a", None).await;
+    let a = store(&server, "pod-a");
+    server.inject(
+        "pod-a",
+        haptic_testkit::Fault::Error {
+            code: 500,
+            retry_after: None,
+            times: Some(2),
+        },
+    );
+    assert_eq!(a.bump().await.expect("bump after two 500s").epoch(), 1);
+    server.inject(
+        "pod-a",
+        haptic_testkit::Fault::Error {
+            code: 403,
+            retry_after: None,
+            times: Some(1),
+        },
+    );
+    assert!(
+        matches!(a.bump().await, Err(Error::Api(_))),
+        "a 403 is not retried"
+    );
+}

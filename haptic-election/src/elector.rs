@@ -668,7 +668,12 @@ impl LeaderElector {
                         observed.resume = Some(bookmark.metadata.resource_version);
                     }
                     Some(Ok(WatchEvent::Error(status))) => {
-                        debug!(code = status.code, message = %status.message, "Lease watch ended with an error; re-reading");
+                        // 410 Expired is routine (history compacted); anything else is worth a look.
+                        if status.code == 410 {
+                            debug!(code = status.code, message = %status.message, "Lease watch expired; re-reading");
+                        } else {
+                            warn!(code = status.code, reason = %status.reason, message = %status.message, "Lease watch ended with an error; re-reading");
+                        }
                         watch = None;
                         need_get = true;
                     }

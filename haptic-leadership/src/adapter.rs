@@ -49,6 +49,7 @@ type LeaderOnlyFn<E> = Arc<dyn Fn(LeaderContext<E>) -> BoxFuture<'static, ()> + 
 type BecameFn = Arc<dyn Fn(u64) + Send + Sync>;
 type LostFn = Arc<dyn Fn(&str) + Send + Sync>;
 type NewLeaderFn = Arc<dyn Fn(&str, bool) + Send + Sync>;
+type FloorFn = Arc<dyn Fn() -> BoxFuture<'static, Option<u64>> + Send + Sync>;
 
 /// What a leader-only component gets: the bus, a token cancelled when the term ends, and the
 /// term's fencing epoch.
@@ -158,6 +159,7 @@ struct Hooks {
     became: Option<BecameFn>,
     lost: Option<LostFn>,
     new_leader: Option<NewLeaderFn>,
+    epoch_floor: Option<FloorFn>,
 }
 
 /// Elector + epoch + bus, with a lifecycle registry of all-replica and leader-only components.
@@ -274,6 +276,21 @@ impl<E: LeaderEvents> Leadership<E> {
         self
     }
 
+    /// How to recover from a malformed epoch annotation: `floor` returns the highest epoch any
+    /// receiver has accepted (e.g. the agents' fences), and the term claims one above it with
+    /// `EpochStore::bump_above`, so the epoch never goes backwards. Without it (or when it
+    /// returns `None`) a term that finds the annotation malformed resigns, and nobody leads
+    /// until the annotation is repaired.
+    #[must_use]
+    pub fn with_epoch_floor<F, Fut>(mut self, floor: F) -> Self
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Option<u64>> + Send + 'static,
+    {
+        self.hooks.epoch_floor = Some(Arc::new(move || floor().boxed()));
+        self
+    }
+
     /// A hook run after `NewLeaderObserved` is published.
     #[must_use]
     pub fn on_new_leader(mut self, f: impl Fn(&str, bool) + Send + Sync + 'static) -> Self {
@@ -381,13 +398,34 @@ async fn await_bounded(tasks: Vec<Component>, bound: Duration) {
     }
 }
 
+/// Bumps the epoch; on a malformed annotation, recovers above the application's floor if it
+/// gave one.
+async fn claim_epoch(epochs: &EpochStore, hooks: &Hooks) -> haptic_epoch::Result<Term> {
+    match epochs.bump().await {
+        Err(haptic_epoch::Error::Malformed(malformed)) => {
+            let floor = match &hooks.epoch_floor {
+                Some(floor) => floor().await,
+                None => None,
+            };
+            match floor {
+                Some(floor) => {
+                    warn!(%malformed, floor, "recovering from a malformed epoch annotation above the receivers' fence");
+                    epochs.bump_above(floor).await
+                }
+                None => Err(haptic_epoch::Error::Malformed(malformed)),
+            }
+        }
+        other => other,
+    }
+}
+
 /// One term, from acquisition to the end of its leader-only work.
 async fn run_term<E: LeaderEvents>(shared: Arc<Shared<E>>, term_token: CancellationToken) {
     let terms_at_start = shared.state.borrow().terms;
     // A term dispatches nothing before its bump succeeded.
     let term = match &shared.epochs {
         None => None,
-        Some(epochs) => match epochs.bump().await {
+        Some(epochs) => match claim_epoch(epochs, &shared.hooks).await {
             Ok(term) => Some(term),
             Err(error) => {
                 let hint = match error {

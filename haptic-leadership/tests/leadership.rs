@@ -470,3 +470,45 @@ async fn a_failed_epoch_bump_resigns_the_term_and_dispatches_nothing() {
     );
     a.stop().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_malformed_epoch_is_recovered_above_the_floor_the_application_gives() {
+    let server = server_with_configmap().await;
+    let api: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(server.client_for("setup").expect("client"), "default");
+    let lease = serde_json::from_value(serde_json::json!({
+        "metadata": { "name": "haptic-leader", "annotations": { "haptic.io/leader-epoch": "-7" } },
+        "spec": { "holderIdentity": "", "leaseDurationSeconds": 1 }
+    }))
+    .expect("lease");
+    api.create(&PostParams::default(), &lease)
+        .await
+        .expect("create");
+    let bus = EventBus::<Ev>::new();
+    let mut events = bus.subscribe("listener", Filter::kind(Kind::Leader));
+    // The agents report fence 41: the recovered epoch must be above it.
+    let leadership = Leadership::new(
+        server.client_for("pod-a").expect("client"),
+        config("pod-a"),
+        bus,
+    )
+    .expect("config")
+    .with_epoch_floor(|| async { Some(41) });
+    let token = CancellationToken::new();
+    let run = tokio::spawn(leadership.run(token.clone()));
+    let first = tokio::time::timeout(Duration::from_secs(10), events.recv())
+        .await
+        .expect("a term within 10 s")
+        .expect("event");
+    assert_eq!(*first, Ev::Leader("pod-a".into(), 42));
+    let annotation = api
+        .get("haptic-leader")
+        .await
+        .expect("lease")
+        .metadata
+        .annotations
+        .and_then(|a| a.get("haptic.io/leader-epoch").cloned());
+    assert_eq!(annotation.as_deref(), Some("42"));
+    token.cancel();
+    run.await.expect("no panic").expect("ran");
+}

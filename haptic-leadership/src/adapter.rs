@@ -442,6 +442,10 @@ async fn run_term<E: LeaderEvents>(shared: Arc<Shared<E>>, term_token: Cancellat
             }
         },
     };
+    if term_token.is_cancelled() {
+        // The term ended while the epoch was being claimed: nothing was published, nothing is.
+        return;
+    }
     let epoch = term.as_ref().map_or(0, Term::epoch);
     let state = Arc::new(TermState {
         term: tokio::sync::Mutex::new(term),

@@ -3,7 +3,8 @@
 use std::collections::BTreeMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Instant;
 
 use tera::{Context, ErrorKind, Tera, Value};
 use tracing::instrument;
@@ -153,6 +154,9 @@ pub struct Renderer {
     outputs: Vec<Output>,
     extra: Vec<(String, Value)>,
     threads: usize,
+    /// How long each single output (by index in `outputs`) took in the last render, in
+    /// nanoseconds: the next render starts the longest first (0: not rendered yet).
+    costs: Vec<AtomicU64>,
 }
 
 impl Renderer {
@@ -198,11 +202,13 @@ impl Renderer {
             .map(|(k, v)| (k.clone(), to_tera(v, &mut Interner::default(), &[])))
             .collect();
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+        let costs = outputs.iter().map(|_| AtomicU64::new(0)).collect();
         Ok(Self {
             tera,
             outputs,
             extra,
             threads,
+            costs,
         })
     }
 
@@ -270,7 +276,7 @@ impl Renderer {
     pub fn render(&self, stores: &Stores) -> Result<FileSet> {
         let context = self.context(stores);
         let mut views = Vec::new();
-        for output in &self.outputs {
+        for (index, output) in self.outputs.iter().enumerate() {
             if let Some(store_name) = &output.for_each {
                 let Some(store) = stores.get(store_name) else {
                     return Err(Error::UnknownStore {
@@ -279,28 +285,51 @@ impl Renderer {
                         known: stores.iter().map(|(n, _)| n).collect::<Vec<_>>().join(", "),
                     });
                 };
-                views.push((output, store.view()));
+                views.push((index, output, store.view()));
             }
         }
-        // The main config comes first: it is usually the largest job, and starting it first
-        // keeps the other threads busy with the rest meanwhile.
-        let mut jobs: Vec<Job<'_>> = self
+        // Single outputs start longest first, by what each took in the previous render (the
+        // main config first on the first render: it is usually the largest job), so that one
+        // long output started last does not keep every other thread waiting for it; per-item
+        // chunks, small and many, fill in at the end.
+        let mut singles: Vec<(usize, &Output)> = self
             .outputs
             .iter()
-            .filter(|o| o.for_each.is_none())
-            .map(Job::Single)
+            .enumerate()
+            .filter(|(_, o)| o.for_each.is_none())
             .collect();
-        for (output, view) in &views {
+        singles.sort_by_key(|(index, _)| {
+            std::cmp::Reverse(
+                self.costs
+                    .get(*index)
+                    .map_or(0, |c| c.load(Ordering::Relaxed)),
+            )
+        });
+        let mut jobs: Vec<Job<'_>> = singles
+            .into_iter()
+            .map(|(index, output)| Job::Single { index, output })
+            .collect();
+        for (index, output, view) in &views {
             let items = view.list.as_array().unwrap_or_default();
             jobs.extend(
                 items
                     .chunks(ITEMS_PER_JOB)
-                    .map(|items| Job::Items { output, items }),
+                    .enumerate()
+                    .map(|(chunk, items)| Job::Items {
+                        index: *index,
+                        chunk,
+                        output,
+                        items,
+                    }),
             );
         }
         let results = self.run_jobs(&jobs, &context);
+        // Back in output order, so that the error reported is the same whatever the job order.
+        let mut results: Vec<((usize, usize), Result<Rendered>)> =
+            jobs.iter().map(Job::place).zip(results).collect();
+        results.sort_by_key(|(place, _)| *place);
         let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
-        for result in results {
+        for (_, result) in results {
             for (path, bytes) in result? {
                 if files.insert(path.clone(), bytes).is_some() {
                     return Err(Error::DuplicatePath(path));
@@ -350,11 +379,16 @@ impl Renderer {
 
     fn run_job(&self, job: &Job<'_>, context: &Context) -> Result<Rendered> {
         match job {
-            Job::Single(output) => {
+            Job::Single { index, output } => {
+                let started = Instant::now();
                 let text = self.render_one(&output.template, context, &output.path)?;
+                if let Some(cost) = self.costs.get(*index) {
+                    let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                    cost.store(nanos.max(1), Ordering::Relaxed);
+                }
                 Ok(vec![(output.path.clone(), text.into_bytes())])
             }
-            Job::Items { output, items } => {
+            Job::Items { output, items, .. } => {
                 let mut files = Vec::new();
                 for item in *items {
                     let text_of = |path: &str| {
@@ -387,13 +421,27 @@ const ITEMS_PER_JOB: usize = 128;
 
 /// A unit of render work.
 enum Job<'a> {
-    /// One output rendered once.
-    Single(&'a Output),
+    /// One output rendered once; `index` is its place in the renderer's outputs.
+    Single { index: usize, output: &'a Output },
     /// A per-item output rendered for a run of its store's items.
     Items {
+        /// The output's place in the renderer's outputs.
+        index: usize,
+        /// Which run of `ITEMS_PER_JOB` items.
+        chunk: usize,
         output: &'a Output,
         items: &'a [Value],
     },
+}
+
+impl Job<'_> {
+    /// Where the job's output comes in output order: the output's index, then the chunk.
+    fn place(&self) -> (usize, usize) {
+        match self {
+            Job::Single { index, .. } => (*index, 0),
+            Job::Items { index, chunk, .. } => (*index, *chunk),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -465,6 +513,34 @@ mod tests {
         assert_eq!(template, "check");
         assert_eq!(*line, Some(3));
         assert!(cause.contains("ingress shop/web has no rules"), "{cause}");
+    }
+
+    #[test]
+    fn the_error_reported_is_the_first_in_output_order_whatever_the_job_order() {
+        // The map is slower than haproxy.cfg, so after the first render it is started first.
+        let fail_if_any = "{% if resources.services %}{{ fail(message=\"no\") }}{% endif %}";
+        let mut set = TemplateSet {
+            haproxy_config: Template::new(fail_if_any),
+            ..TemplateSet::default()
+        };
+        set.maps.insert(
+            "slow.map".into(),
+            Template::new(format!(
+                "{fail_if_any}{{% for i in range(end=20000) %}}{{{{ i }}}}{{% endfor %}}"
+            )),
+        );
+        for threads in [1, 2] {
+            let renderer = Renderer::compile(&set).unwrap().with_threads(threads);
+            let mut empty = Stores::new();
+            empty.add("services", StoreConfig::default()).unwrap();
+            renderer.render(&empty).unwrap();
+            renderer.render(&empty).unwrap();
+            let err = renderer.render(&stores()).unwrap_err();
+            assert!(
+                matches!(&err, Error::Render { output, .. } if output == "haproxy.cfg"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

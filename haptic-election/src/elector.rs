@@ -246,6 +246,46 @@ impl Sent {
     }
 }
 
+/// The started-leading work of one term: its task and the token that ends it.
+struct Work {
+    /// Cancels the work if the term's future is dropped (the elector's task aborted).
+    token: tokio_util::sync::DropGuard,
+    handle: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Work {
+    fn start(term: &CancellationToken, callbacks: &Callbacks) -> Self {
+        let token = term.child_token();
+        let handle = callbacks
+            .started
+            .as_ref()
+            .map(|f| tokio::spawn(f(token.clone())));
+        Self {
+            token: token.drop_guard(),
+            handle,
+        }
+    }
+
+    /// Cancels the work and awaits it for at most `timeout`, then aborts it.
+    async fn stop(self, timeout: Duration) {
+        drop(self.token);
+        let Some(mut handle) = self.handle else {
+            return;
+        };
+        match tokio::time::timeout(timeout, &mut handle).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => warn!(%error, "the leader's work ended with a panic"),
+            Err(_) => {
+                warn!(
+                    ?timeout,
+                    "the leader's work did not stop in time; aborting it"
+                );
+                handle.abort();
+            }
+        }
+    }
+}
+
 type LeaseEvents = Pin<Box<dyn Stream<Item = Result<WatchEvent<Lease>, kube::Error>> + Send>>;
 
 /// How long a follower's watch stays open before it is renewed (the server may close it
@@ -389,14 +429,9 @@ impl LeaderElector {
         if let Some(f) = &callbacks.new_leader {
             f(&self.config.identity, true);
         }
-        let work_token = token.child_token();
-        let _stop_work_on_drop = work_token.clone().drop_guard();
-        let work = callbacks
-            .started
-            .as_ref()
-            .map(|f| tokio::spawn(f(work_token.clone())));
+        let work = Work::start(&token, callbacks);
         token.cancelled().await;
-        self.stop_work(work_token, work).await;
+        work.stop(self.config.work_stop_timeout).await;
         self.state.send_modify(|s| {
             s.is_leader = false;
             s.last_stop = Some(StopReason::GracefulShutdown);
@@ -720,13 +755,7 @@ impl LeaderElector {
         // request made before this term does not end it.
         let mut resign = self.resign.subscribe();
         resign.borrow_and_update();
-        let work_token = token.child_token();
-        // If this future is dropped (the elector's task aborted), the work is told to stop too.
-        let _stop_work_on_drop = work_token.clone().drop_guard();
-        let work = callbacks
-            .started
-            .as_ref()
-            .map(|f| tokio::spawn(f(work_token.clone())));
+        let work = Work::start(token, callbacks);
         let mut cached = lease;
         let reason = self
             .renew_loop(token, &mut cached, sent.clock, resign)
@@ -739,7 +768,7 @@ impl LeaderElector {
                 s.holder = None;
             }
         });
-        self.stop_work(work_token, work).await;
+        work.stop(self.config.work_stop_timeout).await;
         let release_on_shutdown = reason == StopReason::GracefulShutdown
             && self.config.release_on_cancel
             && !self.config.keep_lease_on_stop;
@@ -754,23 +783,6 @@ impl LeaderElector {
             f(reason);
         }
         reason
-    }
-
-    async fn stop_work(
-        &self,
-        work_token: CancellationToken,
-        work: Option<tokio::task::JoinHandle<()>>,
-    ) {
-        work_token.cancel();
-        let Some(mut handle) = work else { return };
-        match tokio::time::timeout(self.config.work_stop_timeout, &mut handle).await {
-            Ok(Ok(())) => {}
-            Ok(Err(error)) => warn!(%error, "the leader's work ended with a panic"),
-            Err(_) => {
-                warn!(timeout = ?self.config.work_stop_timeout, "the leader's work did not stop in time; aborting it");
-                handle.abort();
-            }
-        }
     }
 
     /// Renews until the term ends. The renew deadline runs from the send time of the last

@@ -28,7 +28,7 @@ fn case(n: usize, renderer: &Renderer, peer: &PeerRenderer) -> Case {
     let mut stores = reference::stores().expect("reference stores");
     fixtures.load(&mut stores).expect("load fixtures");
     let set = reference::template_set();
-    let context = PeerContext::new(&set, &fixtures);
+    let context = PeerContext::new(&set, &fixtures, &stores);
     let tera: FileSet = renderer.render(&stores).expect("tera renders");
     let mini: FileSet = peer.render(&context).expect("minijinja renders");
     // The comparison only means something if both engines produce the same bytes.
@@ -233,10 +233,12 @@ fn print_peak_memory(n: usize) {
     let mib = |bytes: f64| bytes / (1024.0 * 1024.0);
     println!(
         "peak heap of the {n}-Ingress render above what was allocated before it (output included): \
-         tera {:.1} MiB, minijinja {:.1} MiB; the loaded stores hold {:.1} MiB; output {:.1} MB",
+         tera {:.1} MiB, minijinja {:.1} MiB; the loaded stores hold {:.1} MiB, their views \
+         (sorted lists, indexes, derived views) {:.1} MiB more; output {:.1} MB",
         mib(value("tera_render_peak_bytes")),
         mib(value("minijinja_render_peak_bytes")),
         mib(value("stores_bytes")),
+        mib(value("views_bytes")),
         value("output_bytes") / 1e6,
     );
 }

@@ -11,7 +11,7 @@
 //! fixtures.load(&mut stores)?;
 //! let set = reference::template_set();
 //! let tera = Renderer::compile(&set)?.render(&stores)?;
-//! let peer = PeerRenderer::compile(&set)?.render(&PeerContext::new(&set, &fixtures))?;
+//! let peer = PeerRenderer::compile(&set)?.render(&PeerContext::new(&set, &fixtures, &stores))?;
 //! assert_eq!(tera.checksum(), peer.checksum());
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```

@@ -8,7 +8,7 @@ use haptic_render::fixtures::Fixtures;
 use haptic_render::functions::{
     b64decode, backend_name, is_hostname, is_http_path, regex_escape, sanitize, ssl_file,
 };
-use haptic_render::{FileSet, TemplateSet, reference};
+use haptic_render::{FileSet, Stores, TemplateSet, reference};
 use minijinja::value::{Kwargs, Value};
 use minijinja::{AutoEscape, Environment, Error, ErrorKind, State, context};
 use serde_json::Value as Json;
@@ -69,7 +69,10 @@ pub struct PeerContext {
 
 impl PeerContext {
     /// The context of the reference stores holding `fixtures`, with the set's extra context.
-    pub fn new(set: &TemplateSet, fixtures: &Fixtures) -> Self {
+    ///
+    /// `stores` are the reference stores loaded with the same fixtures: the derived views
+    /// (`derived.<name>`) are data, computed by haptic-render for both engines alike.
+    pub fn new(set: &TemplateSet, fixtures: &Fixtures, stores: &Stores) -> Self {
         let mut lists: BTreeMap<&str, Vec<&Json>> = BTreeMap::new();
         for (store, resource) in fixtures.resources() {
             lists.entry(store).or_default().push(resource);
@@ -130,6 +133,14 @@ impl PeerContext {
         top.insert("resources".into(), Value::from(resources));
         top.insert("__haptic_get".into(), Value::from(by_name));
         top.insert("__haptic_index".into(), Value::from(by_index));
+        let derived: BTreeMap<&str, Value> = reference::derivations()
+            .iter()
+            .map(|(name, _)| {
+                let rows = stores.derived_json(name).unwrap_or_default();
+                (*name, Value::from_serialize(&rows))
+            })
+            .collect();
+        top.insert("derived".into(), Value::from(derived));
         Self {
             base: Value::from(top),
             secrets,

@@ -38,6 +38,8 @@ use crate::value::map_value;
 pub(crate) const GET_VAR: &str = "__haptic_get";
 /// Context variable holding `store -> index key -> [resource]`.
 pub(crate) const INDEX_VAR: &str = "__haptic_index";
+/// Context variable holding the derived views by name (`derived.<name>` in templates).
+pub(crate) const DERIVED_VAR: &str = "derived";
 
 /// What a function given bad input reports.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

@@ -34,6 +34,7 @@
 //! The reference Ingress template set is [`reference::template_set`]; [`fixtures`] generates
 //! Ingresses, Services, EndpointSlices and Secrets for tests and benchmarks.
 
+pub mod derived;
 pub mod fileset;
 pub mod fixtures;
 pub mod functions;
@@ -43,6 +44,7 @@ pub mod set;
 pub mod store;
 mod value;
 
+pub use derived::Derivation;
 pub use fileset::FileSet;
 pub use render::Renderer;
 pub use set::{CertificateTemplate, FileTemplate, Template, TemplateSet};

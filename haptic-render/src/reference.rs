@@ -4,6 +4,7 @@
 
 use serde_json::json;
 
+use crate::derived::Derivation;
 use crate::set::{CertificateTemplate, Template, TemplateSet};
 use crate::store::{self, StoreConfig, Stores};
 
@@ -28,13 +29,42 @@ pub const STORES: [(&str, &[&str]); 4] = [
     ("secrets", &["metadata.namespace", "metadata.name"]),
 ];
 
-/// Empty stores configured as the reference set expects them ([`STORES`]).
+/// Empty stores configured as the reference set expects them ([`STORES`]), with the derived
+/// views its templates read:
+///
+/// | view | derivation |
+/// | --- | --- |
+/// | `derived.backends` | [`Derivation::ServiceBackends`] of `services` and `endpointslices` |
+/// | `derived.routes` | [`Derivation::IngressRoutes`] of `ingresses` and `services` |
 pub fn stores() -> Result<Stores, store::Error> {
     let mut stores = Stores::new();
     for (name, index) in STORES {
         stores.add(name, StoreConfig::index_by(index.iter().copied()))?;
     }
+    for (name, derivation) in derivations() {
+        stores.derive(name, derivation)?;
+    }
     Ok(stores)
+}
+
+/// The derived views of the reference set, by name.
+pub fn derivations() -> [(&'static str, Derivation); 2] {
+    [
+        (
+            "backends",
+            Derivation::ServiceBackends {
+                services: "services".to_owned(),
+                endpoint_slices: "endpointslices".to_owned(),
+            },
+        ),
+        (
+            "routes",
+            Derivation::IngressRoutes {
+                ingresses: "ingresses".to_owned(),
+                services: "services".to_owned(),
+            },
+        ),
+    ]
 }
 
 fn template(source: &str) -> Template {

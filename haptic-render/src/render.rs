@@ -10,7 +10,7 @@ use tera::{Context, ErrorKind, Tera, Value};
 use tracing::instrument;
 
 use crate::fileset::FileSet;
-use crate::functions::{self, GET_VAR, INDEX_VAR};
+use crate::functions::{self, DERIVED_VAR, GET_VAR, INDEX_VAR};
 use crate::set::{self, Output, TemplateSet};
 use crate::store::Stores;
 use crate::value::{Interner, map_value, to_tera};
@@ -229,7 +229,22 @@ impl Renderer {
         for (key, value) in &self.extra {
             context.insert_value(key.clone(), value.clone());
         }
-        let views: Vec<(&str, _)> = stores.iter().map(|(n, s)| (n, s.view())).collect();
+        let store_views =
+            || -> Vec<(&str, _)> { stores.iter().map(|(n, s)| (n, s.view())).collect() };
+        // After a watch event, the changed stores' views and the derived views that read them
+        // are rebuilt here, before any template runs: on two threads when there are two.
+        let (views, derived) = if self.threads > 1 {
+            std::thread::scope(|scope| {
+                let derived = scope.spawn(|| stores.derived_values());
+                let views = store_views();
+                match derived.join() {
+                    Ok(derived) => (views, derived),
+                    Err(panic) => std::panic::resume_unwind(panic),
+                }
+            })
+        } else {
+            (store_views(), stores.derived_values())
+        };
         context.insert_value(
             "resources",
             map_value(views.iter().map(|(n, v)| (*n, v.list.clone()))),
@@ -242,6 +257,7 @@ impl Renderer {
             INDEX_VAR,
             map_value(views.iter().map(|(n, v)| (*n, v.by_index.clone()))),
         );
+        context.insert_value(DERIVED_VAR, map_value(derived));
         context
     }
 

@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use crate::functions::{GET_VAR, INDEX_VAR};
+use crate::functions::{DERIVED_VAR, GET_VAR, INDEX_VAR};
 use crate::store::is_identifier;
 
 /// A template set that breaks one of the rules below.
@@ -196,6 +196,7 @@ impl TemplateSet {
             if !is_identifier(key)
                 || key == "resources"
                 || key == "item"
+                || key == DERIVED_VAR
                 || key.starts_with("__haptic")
                 || key == GET_VAR
                 || key == INDEX_VAR
@@ -333,7 +334,7 @@ mod tests {
             .insert("maps.x".into(), Template::new(""));
         assert!(matches!(s.validate(), Err(Error::ReservedSnippetName(_))));
 
-        for bad in ["resources", "item", "__haptic_get", "a-b", "1a"] {
+        for bad in ["resources", "item", "derived", "__haptic_get", "a-b", "1a"] {
             let mut s = set();
             s.extra_context.insert(bad.into(), serde_json::json!(1));
             assert!(

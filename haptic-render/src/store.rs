@@ -3,12 +3,14 @@
 
 use std::collections::{BTreeMap, btree_map};
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 use tera::Value;
 
+use crate::derived::{Derivation, DerivedView, Extracts};
 use crate::value::{Interner, map_value, to_tera};
 
 /// What can go wrong while configuring a store or putting a resource into it.
@@ -33,6 +35,21 @@ pub enum Error {
         "store name `{0}` is not usable in templates: use letters, digits and `_`, not starting with a digit"
     )]
     InvalidStoreName(String),
+    /// A derived view's name is not usable in templates or is taken.
+    #[error(
+        "derived view name `{0}` is not usable in templates (letters, digits and `_`, not starting with a digit) or is already taken"
+    )]
+    InvalidDerivedName(String),
+    /// A derived view reads a store that does not exist.
+    #[error("derived view `{view}` reads store `{store}`, which is not among the stores ({known})")]
+    UnknownStore {
+        /// The derived view.
+        view: String,
+        /// The store it names.
+        store: String,
+        /// The stores there are.
+        known: String,
+    },
     /// The resource is not a JSON object.
     #[error("resource is not a JSON object")]
     NotAnObject,
@@ -188,6 +205,8 @@ fn index_part(value: &Json) -> Option<String> {
 struct Entry {
     value: Value,
     index_key: Option<String>,
+    /// What derived views take from this resource, on first use.
+    extracts: Arc<Extracts>,
 }
 
 /// What a template sees of a store, built once after each change and shared by renders.
@@ -213,6 +232,15 @@ pub struct Store {
     items: BTreeMap<(String, String), Entry>,
     view: OnceLock<Arc<StoreView>>,
     interner: Interner,
+    /// Changes with every change of the contents, and is never the same for two different
+    /// stores: what derived views compare to know they are stale.
+    generation: u64,
+}
+
+/// Source of [`Store::generation`] values: unique across every store of the process.
+fn next_generation() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 impl Store {
@@ -234,6 +262,7 @@ impl Store {
             items: BTreeMap::new(),
             view: OnceLock::new(),
             interner: Interner::default(),
+            generation: next_generation(),
         })
     }
 
@@ -267,10 +296,11 @@ impl Store {
         let entry = Entry {
             value: to_tera(resource, &mut self.interner, &self.ignore),
             index_key,
+            extracts: Arc::default(),
         };
         self.items
             .insert((namespace.to_owned(), name.to_owned()), entry);
-        self.view = OnceLock::new();
+        self.changed();
         Ok(())
     }
 
@@ -281,7 +311,7 @@ impl Store {
             .remove(&(namespace.to_owned(), name.to_owned()))
             .is_some();
         if removed {
-            self.view = OnceLock::new();
+            self.changed();
         }
         removed
     }
@@ -300,6 +330,23 @@ impl Store {
     /// Whether the store is empty.
     pub fn is_empty(&self) -> bool {
         self.items.is_empty()
+    }
+
+    fn changed(&mut self) {
+        self.view = OnceLock::new();
+        self.generation = next_generation();
+    }
+
+    /// Resources as `((namespace, name), value, extracts)`, sorted by namespace then name.
+    pub(crate) fn entries(
+        &self,
+    ) -> impl Iterator<Item = (&(String, String), &Value, &Arc<Extracts>)> {
+        self.items.iter().map(|(k, e)| (k, &e.value, &e.extracts))
+    }
+
+    /// Changes with every change of the contents; never the same for two different stores.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// The template view, built on first use after a change.
@@ -329,10 +376,11 @@ impl Store {
     }
 }
 
-/// The watched resources by name: what a render reads.
+/// The watched resources by name, and the views derived from them: what a render reads.
 #[derive(Debug, Clone, Default)]
 pub struct Stores {
     stores: BTreeMap<String, Store>,
+    derived: BTreeMap<String, DerivedView>,
 }
 
 impl Stores {
@@ -377,6 +425,68 @@ impl Stores {
     /// Store names and stores, sorted by name.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Store)> {
         self.stores.iter().map(|(k, v)| (k.as_str(), v))
+    }
+
+    /// Adds a derived view, seen by templates as `derived.<name>` (see [`crate::derived`]).
+    ///
+    /// The stores it reads must have been added first. It is computed on the first render after
+    /// one of them changed, and shared by renders until then.
+    pub fn derive(&mut self, name: impl Into<String>, derivation: Derivation) -> Result<()> {
+        let name = name.into();
+        if !is_identifier(&name) || self.derived.contains_key(&name) {
+            return Err(Error::InvalidDerivedName(name));
+        }
+        for store in derivation.inputs() {
+            if !self.stores.contains_key(store) {
+                return Err(Error::UnknownStore {
+                    view: name,
+                    store: store.to_owned(),
+                    known: self.stores.keys().cloned().collect::<Vec<_>>().join(", "),
+                });
+            }
+        }
+        self.derived.insert(name, DerivedView::new(derivation));
+        Ok(())
+    }
+
+    /// The rows of the derived view `name` as JSON (computed if stale), for callers outside
+    /// templates; `None` when there is no such view.
+    pub fn derived_json(&self, name: &str) -> Option<Json> {
+        let view = self.derived.get(name)?;
+        serde_json::to_value(view.value(self.inputs(view)?)).ok()
+    }
+
+    /// The input stores of a derived view (they exist: `derive` checked, and stores are never
+    /// removed).
+    fn inputs(&self, view: &DerivedView) -> Option<[&Store; 2]> {
+        let [first, second] = view.derivation().inputs();
+        Some([self.stores.get(first)?, self.stores.get(second)?])
+    }
+
+    /// Derived view names and their template values, sorted by name; each recomputed only when
+    /// a store it reads changed since it was last computed.
+    pub(crate) fn derived_values(&self) -> Vec<(&str, Value)> {
+        let views: Vec<(&str, &DerivedView, [&Store; 2])> = self
+            .derived
+            .iter()
+            .filter_map(|(name, view)| Some((name.as_str(), view, self.inputs(view)?)))
+            .collect();
+        let stale: Vec<&(&str, &DerivedView, [&Store; 2])> = views
+            .iter()
+            .filter(|(_, view, inputs)| !view.is_fresh(*inputs))
+            .collect();
+        // Stale views are independent of each other: compute them in parallel.
+        if stale.len() > 1 {
+            std::thread::scope(|scope| {
+                for (_, view, inputs) in &stale {
+                    scope.spawn(|| view.value(*inputs));
+                }
+            });
+        }
+        views
+            .iter()
+            .map(|(name, view, inputs)| (*name, view.value(*inputs)))
+            .collect()
     }
 }
 

@@ -2,7 +2,8 @@
 //! counting allocator does not slow down the timed benchmarks.
 //!
 //! `render-peak-memory [INGRESSES]` prints `key=value` lines: `ingresses`, `output_bytes`,
-//! `stores_bytes` (heap held by the loaded stores), `tera_render_peak_bytes` and
+//! `stores_bytes` (heap held by the loaded stores), `views_bytes` (what the first render
+//! added to them and keeps: sorted lists, indexes, derived views), `tera_render_peak_bytes` and
 //! `minijinja_render_peak_bytes` (the most heap each render held at once above what was
 //! allocated before it started, output included).
 
@@ -27,9 +28,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut stores = reference::stores()?;
     fixtures.load(&mut stores)?;
     let stores_bytes = HEAP.current_usage().saturating_sub(before_stores);
-    // Build the store views (sorted lists, indexes) outside the measured render, as the
-    // minijinja context is built outside its own.
+    // Build the store views (sorted lists, indexes) and the derived views outside the measured
+    // render, as the minijinja context is built outside its own; what they hold is reported.
+    let before_views = HEAP.current_usage();
     drop(renderer.render(&stores)?);
+    let views_bytes = HEAP.current_usage().saturating_sub(before_views);
 
     let before = HEAP.current_usage();
     HEAP.reset_peak_usage();
@@ -38,7 +41,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let output_bytes = files.total_bytes();
     drop(files);
 
-    let context = PeerContext::new(&set, &fixtures);
+    let context = PeerContext::new(&set, &fixtures, &stores);
     let before = HEAP.current_usage();
     HEAP.reset_peak_usage();
     let files = peer.render(&context)?;
@@ -48,6 +51,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("ingresses={n}");
     println!("output_bytes={output_bytes}");
     println!("stores_bytes={stores_bytes}");
+    println!("views_bytes={views_bytes}");
     println!("tera_render_peak_bytes={tera_peak}");
     println!("minijinja_render_peak_bytes={mini_peak}");
     Ok(())

@@ -1,9 +1,9 @@
 //! Derived views: Kubernetes joins computed in Rust from the stores, after the stores they
 //! read change, and shared by every render until then.
 //!
-//! An Ingress template needs two joins that are the same in every controller: a Service port
-//! with the endpoints its EndpointSlices give it, and an Ingress path with the Service port it
-//! names. Written in a template, each join walks every resource on every render through the
+//! An Ingress template needs joins that are the same in every controller: a Service port with
+//! the endpoints its EndpointSlices give it, an Ingress path with the Service port it names, an
+//! Ingress TLS entry with its Secret. Written in a template, each join walks every resource on every render through the
 //! engine's interpreter (attribute lookups, loop steps, a `get` per path); here, what each
 //! resource contributes is taken from it once, when first needed after it arrived, and a view
 //! is recomputed from those small extracts only when a store it reads changed. The template is
@@ -49,6 +49,17 @@
 //! | `service` | the Service the path names |
 //! | `port` | the Service port it resolves to, by number or by name as the path asks; none when the Service or the port does not exist |
 //! | `backend` | that Service port's backend name (as a backend row's `name`); none when unresolved, so that a template decides what such a path gets |
+//!
+//! [`Derivation::IngressTls`]: a row per TLS entry of an Ingress (Ingresses sorted by namespace
+//! and name, entries in spec order).
+//!
+//! | field | value |
+//! | --- | --- |
+//! | `namespace`, `ingress` | the Ingress's |
+//! | `secret` | the entry's `secretName` (`""` when absent) |
+//! | `hosts` | the entry's hosts as written (not checked; `[]` when absent) |
+//! | `file` | `ssl_file(namespace, secret)`: where a per-Secret certificate output writes it |
+//! | `usable` | whether the Secret exists and is a `kubernetes.io/tls` Secret whose `tls.crt` and `tls.key` are base64 of a PEM certificate and a PEM private key |
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -57,7 +68,7 @@ use serde::{Deserialize, Serialize};
 use tera::Value;
 use tera::value::{Key, Map};
 
-use crate::functions::{backend_name, sanitize};
+use crate::functions::{b64decode, backend_name, sanitize, ssl_file};
 use crate::store::Store;
 
 /// A join computed from named stores.
@@ -89,6 +100,13 @@ pub enum Derivation {
         /// The store of v1 Services.
         services: String,
     },
+    /// A row per TLS entry of an Ingress, with whether its Secret holds a usable certificate.
+    IngressTls {
+        /// The store of networking.k8s.io/v1 Ingresses.
+        ingresses: String,
+        /// The store of v1 Secrets.
+        secrets: String,
+    },
 }
 
 impl Derivation {
@@ -103,6 +121,16 @@ impl Derivation {
                 ingresses,
                 services,
             } => [ingresses, services],
+            Self::IngressTls { ingresses, secrets } => [ingresses, secrets],
+        }
+    }
+
+    /// Which of a resource's row slots this view uses (one per kind of view).
+    fn slot(&self) -> usize {
+        match self {
+            Self::ServiceBackends { .. } => 0,
+            Self::IngressRoutes { .. } => 1,
+            Self::IngressTls { .. } => 2,
         }
     }
 }
@@ -145,8 +173,18 @@ pub(crate) struct Extracts {
     service: OnceLock<ServiceExtract>,
     slice: OnceLock<SliceExtract>,
     ingress: OnceLock<IngressExtract>,
-    /// The rows this resource last contributed to a view, and what they were joined with.
-    rows: Mutex<Option<(Deps, Vec<Value>)>>,
+    tls: OnceLock<Vec<TlsExtract>>,
+    secret: OnceLock<bool>,
+    /// The rows this resource last contributed to a view, and what they were joined with, per
+    /// kind of view ([`Derivation::slot`]).
+    rows: Mutex<[Option<(Deps, Vec<Value>)>; 3]>,
+}
+
+/// An Ingress TLS entry.
+#[derive(Debug)]
+struct TlsExtract {
+    secret: String,
+    hosts: Value,
 }
 
 /// A Service's ports: name, number and backend name.
@@ -217,6 +255,37 @@ impl Extracts {
                 service: text(slice, &["metadata", "labels", SERVICE_NAME_LABEL]).to_owned(),
                 ports,
             }
+        })
+    }
+
+    fn tls(&self, ing: &Value) -> &[TlsExtract] {
+        self.tls.get_or_init(|| {
+            list(ing, &["spec", "tls"])
+                .iter()
+                .map(|tls| TlsExtract {
+                    secret: text(tls, &["secretName"]).to_owned(),
+                    hosts: path(tls, &["hosts"])
+                        .filter(|h| h.is_array())
+                        .cloned()
+                        .unwrap_or_else(|| Value::from(Vec::<Value>::new())),
+                })
+                .collect()
+        })
+    }
+
+    /// Whether a Secret is a `kubernetes.io/tls` Secret whose `tls.crt` and `tls.key` are
+    /// base64 of a PEM certificate and a PEM private key.
+    fn usable_certificate(&self, secret: &Value) -> bool {
+        *self.secret.get_or_init(|| {
+            let pem = |key: &'static str, marker: &str| {
+                path(secret, &["data", key])
+                    .and_then(Value::as_str)
+                    .and_then(|b64| b64decode(b64).ok())
+                    .is_some_and(|text| text.contains(marker))
+            };
+            text(secret, &["type"]) == "kubernetes.io/tls"
+                && pem("tls.crt", "-----BEGIN CERTIFICATE-----")
+                && pem("tls.key", "PRIVATE KEY-----")
         })
     }
 
@@ -293,14 +362,25 @@ fn same_deps(a: &Deps, b: &Deps) -> bool {
 }
 
 impl Extracts {
-    /// Appends this resource's rows: the ones it last contributed when they were joined with
-    /// the same `deps`, otherwise `compute()`'s (then kept for the next time).
-    fn rows_into(&self, deps: Deps, out: &mut Vec<Value>, compute: impl FnOnce() -> Vec<Value>) {
-        let mut slot = self.rows.lock().unwrap_or_else(|poisoned| {
-            let mut slot = poisoned.into_inner();
-            *slot = None;
-            slot
+    /// Appends this resource's rows for the view of kind `slot`: the ones it last contributed
+    /// when they were joined with the same `deps`, otherwise `compute()`'s (then kept for the
+    /// next time).
+    fn rows_into(
+        &self,
+        slot: usize,
+        deps: Deps,
+        out: &mut Vec<Value>,
+        compute: impl FnOnce() -> Vec<Value>,
+    ) {
+        let mut slots = self.rows.lock().unwrap_or_else(|poisoned| {
+            let mut slots = poisoned.into_inner();
+            *slots = Default::default();
+            slots
         });
+        let Some(slot) = slots.get_mut(slot) else {
+            out.extend(compute());
+            return;
+        };
         match &*slot {
             Some((old, rows)) if same_deps(old, &deps) => out.extend(rows.iter().cloned()),
             _ => {
@@ -312,7 +392,7 @@ impl Extracts {
     }
 }
 
-fn service_backends(services: &Store, slices: &Store) -> Value {
+fn service_backends(slot: usize, services: &Store, slices: &Store) -> Value {
     // The slices of each Service, in the store's (namespace, name) order.
     let mut by_service: HashMap<(&str, &str), Vec<&Arc<Extracts>>> = HashMap::new();
     for ((namespace, _), slice, extracts) in slices.entries() {
@@ -330,7 +410,7 @@ fn service_backends(services: &Store, slices: &Store) -> Value {
             .get(&(namespace.as_str(), service.as_str()))
             .map_or(&[][..], Vec::as_slice);
         let deps: Deps = slices.iter().map(|e| Some(Arc::clone(e))).collect();
-        extracts.rows_into(deps, &mut rows, || {
+        extracts.rows_into(slot, deps, &mut rows, || {
             let ports = &extracts.service(namespace, service, svc).ports;
             ports
                 .iter()
@@ -371,7 +451,7 @@ fn service_backends(services: &Store, slices: &Store) -> Value {
     Value::from(rows)
 }
 
-fn ingress_routes(ingresses: &Store, services: &Store) -> Value {
+fn ingress_routes(slot: usize, ingresses: &Store, services: &Store) -> Value {
     let by_name: HashMap<(&str, &str), (&ServiceExtract, &Arc<Extracts>)> = services
         .entries()
         .map(|((namespace, name), svc, extracts)| {
@@ -396,7 +476,7 @@ fn ingress_routes(ingresses: &Store, services: &Store) -> Value {
             .iter()
             .map(|r| r.map(|(_, e)| Arc::clone(e)))
             .collect();
-        extracts.rows_into(deps, &mut rows, || {
+        extracts.rows_into(slot, deps, &mut rows, || {
             paths
                 .iter()
                 .zip(&resolved)
@@ -420,6 +500,50 @@ fn ingress_routes(ingresses: &Store, services: &Store) -> Value {
                         ("service", Value::from(p.service.as_str())),
                         ("port", port),
                         ("backend", backend),
+                    ])
+                })
+                .collect()
+        });
+    }
+    Value::from(rows)
+}
+
+fn ingress_tls(slot: usize, ingresses: &Store, secrets: &Store) -> Value {
+    let mut rows = Vec::new();
+    for ((namespace, ingress), ing, extracts) in ingresses.entries() {
+        let entries = extracts.tls(ing);
+        if entries.is_empty() {
+            continue;
+        }
+        let found: Vec<Option<(bool, &Arc<Extracts>)>> = entries
+            .iter()
+            .map(|tls| {
+                if tls.secret.is_empty() {
+                    return None;
+                }
+                let (secret, extracts) = secrets.get_entry(namespace, &tls.secret)?;
+                Some((extracts.usable_certificate(secret), extracts))
+            })
+            .collect();
+        let deps: Deps = found
+            .iter()
+            .map(|f| f.map(|(_, e)| Arc::clone(e)))
+            .collect();
+        extracts.rows_into(slot, deps, &mut rows, || {
+            entries
+                .iter()
+                .zip(&found)
+                .map(|(tls, found)| {
+                    row([
+                        ("namespace", Value::from(namespace.as_str())),
+                        ("ingress", Value::from(ingress.as_str())),
+                        ("secret", Value::from(tls.secret.as_str())),
+                        ("hosts", tls.hosts.clone()),
+                        ("file", Value::from(ssl_file(namespace, &tls.secret))),
+                        (
+                            "usable",
+                            Value::from(found.is_some_and(|(usable, _)| usable)),
+                        ),
                     ])
                 })
                 .collect()
@@ -489,9 +613,11 @@ impl DerivedView {
         let mut state = self.lock();
         if state.built_from != Some(generations) {
             let [first, second] = inputs;
+            let slot = self.derivation.slot();
             let value = match &self.derivation {
-                Derivation::ServiceBackends { .. } => service_backends(first, second),
-                Derivation::IngressRoutes { .. } => ingress_routes(first, second),
+                Derivation::ServiceBackends { .. } => service_backends(slot, first, second),
+                Derivation::IngressRoutes { .. } => ingress_routes(slot, first, second),
+                Derivation::IngressTls { .. } => ingress_tls(slot, first, second),
             };
             state.value = value;
             state.built_from = Some(generations);
@@ -512,6 +638,7 @@ fn row<const N: usize>(fields: [(&'static str, Value); N]) -> Value {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    use base64::Engine as _;
     use serde_json::{Value as Json, json};
 
     use crate::store::{Error, StoreConfig, Stores};
@@ -745,6 +872,75 @@ mod tests {
         // A slice is removed.
         assert!(s.get_mut("endpointslices").unwrap().remove("ns", "web-a"));
         assert_eq!(derived(&s, "backends")[0]["endpoints"], json!([]));
+    }
+
+    #[test]
+    fn tls_rows_say_whether_the_secret_holds_a_usable_certificate() {
+        let mut s = stores();
+        s.add("secrets", StoreConfig::default()).unwrap();
+        s.derive(
+            "tls",
+            Derivation::IngressTls {
+                ingresses: "ingresses".into(),
+                secrets: "secrets".into(),
+            },
+        )
+        .unwrap();
+        let tls = |name: &str, kind: &str, crt: &str| {
+            let b64 = |t: &str| base64::engine::general_purpose::STANDARD.encode(t);
+            json!({"metadata": {"namespace": "ns", "name": name}, "type": kind,
+                   "data": {"tls.crt": b64(crt), "tls.key": b64("-----BEGIN PRIVATE KEY-----\nx")}})
+        };
+        let cert = "-----BEGIN CERTIFICATE-----\nx";
+        apply(&mut s, "secrets", tls("good", "kubernetes.io/tls", cert));
+        apply(&mut s, "secrets", tls("opaque", "Opaque", cert));
+        apply(
+            &mut s,
+            "secrets",
+            tls("nopem", "kubernetes.io/tls", "hello"),
+        );
+        apply(
+            &mut s,
+            "ingresses",
+            json!({
+                "metadata": {"namespace": "ns", "name": "shop"},
+                "spec": {"tls": [
+                    {"secretName": "good", "hosts": ["a.example.com", "*.b.example.com"]},
+                    {"secretName": "opaque"}, {"secretName": "nopem"}, {"secretName": "missing"}, {},
+                ]},
+            }),
+        );
+        let rows = derived(&s, "tls");
+        let summary: Vec<(&str, bool)> = rows
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                (
+                    r["secret"].as_str().unwrap(),
+                    r["usable"].as_bool().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                ("good", true),
+                ("opaque", false),
+                ("nopem", false),
+                ("missing", false),
+                ("", false)
+            ]
+        );
+        assert_eq!(rows[0]["file"], "ssl/ns_good.pem");
+        assert_eq!(
+            rows[0]["hosts"],
+            json!(["a.example.com", "*.b.example.com"])
+        );
+        assert_eq!(rows[1]["hosts"], json!([]));
+        // The Secret is fixed: the row follows.
+        apply(&mut s, "secrets", tls("nopem", "kubernetes.io/tls", cert));
+        assert_eq!(derived(&s, "tls")[2]["usable"], true);
     }
 
     #[test]

@@ -36,6 +36,7 @@ pub const STORES: [(&str, &[&str]); 4] = [
 /// | --- | --- |
 /// | `derived.backends` | [`Derivation::ServiceBackends`] of `services` and `endpointslices` |
 /// | `derived.routes` | [`Derivation::IngressRoutes`] of `ingresses` and `services` |
+/// | `derived.tls` | [`Derivation::IngressTls`] of `ingresses` and `secrets` |
 pub fn stores() -> Result<Stores, store::Error> {
     let mut stores = Stores::new();
     for (name, index) in STORES {
@@ -48,7 +49,7 @@ pub fn stores() -> Result<Stores, store::Error> {
 }
 
 /// The derived views of the reference set, by name.
-pub fn derivations() -> [(&'static str, Derivation); 2] {
+pub fn derivations() -> [(&'static str, Derivation); 3] {
     [
         (
             "backends",
@@ -62,6 +63,13 @@ pub fn derivations() -> [(&'static str, Derivation); 2] {
             Derivation::IngressRoutes {
                 ingresses: "ingresses".to_owned(),
                 services: "services".to_owned(),
+            },
+        ),
+        (
+            "tls",
+            Derivation::IngressTls {
+                ingresses: "ingresses".to_owned(),
+                secrets: "secrets".to_owned(),
             },
         ),
     ]

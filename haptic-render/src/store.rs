@@ -344,6 +344,17 @@ impl Store {
         self.items.iter().map(|(k, e)| (k, &e.value, &e.extracts))
     }
 
+    /// The resource with this namespace and name, and its extracts.
+    pub(crate) fn get_entry(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Option<(&Value, &Arc<Extracts>)> {
+        self.items
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .map(|e| (&e.value, &e.extracts))
+    }
+
     /// Changes with every change of the contents; never the same for two different stores.
     pub(crate) fn generation(&self) -> u64 {
         self.generation

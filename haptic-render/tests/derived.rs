@@ -25,11 +25,16 @@ fn raw_renderer() -> &'static Renderer {
     static R: OnceLock<Renderer> = OnceLock::new();
     R.get_or_init(|| {
         let mut set = reference::template_set();
+        set.haproxy_config = Template::new(include_str!("raw-templates/haproxy.cfg.tera"));
         for (name, source) in [
             ("backends", include_str!("raw-templates/backends.tera")),
             (
                 "route-entries",
                 include_str!("raw-templates/route-entries.tera"),
+            ),
+            (
+                "tls-entries",
+                include_str!("raw-templates/tls-entries.tera"),
             ),
         ] {
             set.template_snippets
@@ -53,6 +58,8 @@ enum Event {
     Service(usize, u8),
     /// A changed version of generated Ingress `i`.
     Ingress(usize, u8),
+    /// A changed version of the TLS Secret of generated Ingress 0.
+    Secret(u8),
 }
 
 fn base(store: &str, i: usize) -> Json {
@@ -61,6 +68,8 @@ fn base(store: &str, i: usize) -> Json {
     match store {
         "ingresses" => f.ingresses[i].clone(),
         "services" => f.services[i].clone(),
+        // Generated Ingress 0 is the one with TLS (every 4th).
+        "secrets" => f.secrets[i % f.secrets.len()].clone(),
         _ => f.endpoint_slices[i].clone(),
     }
 }
@@ -111,9 +120,29 @@ fn resolve(event: &Event) -> (&'static str, Json, bool) {
                 1 => first["port"] = json!({"name": "metrics"}),
                 2 => first["name"] = json!("nope"),
                 3 => s["spec"]["rules"][0]["host"] = json!("*.wild.example.com"),
+                4 => {
+                    s["spec"]["tls"] = json!([
+                        {"secretName": "app-00000-tls", "hosts": ["Bad_Host", format!("h{i}.example.com")]},
+                        {"secretName": "missing"},
+                        {"hosts": ["x.example.com"]},
+                    ]);
+                }
                 _ => s["spec"] = json!({}),
             }
             ("ingresses", s, false)
+        }
+        Event::Secret(variant) => {
+            let mut s = base("secrets", 0);
+            match variant {
+                0 => s["type"] = json!("Opaque"),
+                1 => s["data"]["tls.key"] = json!("not base64!"),
+                2 => s["data"]["tls.crt"] = json!("aGVsbG8="),
+                _ => {
+                    // Same certificate under another name in another namespace.
+                    s["metadata"]["namespace"] = json!("team-01");
+                }
+            }
+            ("secrets", s, false)
         }
     }
 }
@@ -129,13 +158,14 @@ fn key(resource: &Json) -> (String, String) {
 }
 
 fn arb_event() -> impl Strategy<Value = Event> {
-    let store = prop::sample::select(vec!["ingresses", "services", "endpointslices"]);
+    let store = prop::sample::select(vec!["ingresses", "services", "endpointslices", "secrets"]);
     prop_oneof![
         (store.clone(), 0..N).prop_map(|(s, i)| Event::Base(s, i)),
         (store, 0..N).prop_map(|(s, i)| Event::Remove(s, i)),
         (0..N, 0u8..6).prop_map(|(i, v)| Event::Slice(i, v)),
         (0..N, 0u8..3).prop_map(|(i, v)| Event::Service(i, v)),
-        (0..N, 0u8..5).prop_map(|(i, v)| Event::Ingress(i, v)),
+        (0..N, 0u8..6).prop_map(|(i, v)| Event::Ingress(i, v)),
+        (0u8..4).prop_map(Event::Secret),
     ]
 }
 

@@ -177,7 +177,7 @@ pub(crate) struct Extracts {
     secret: OnceLock<bool>,
     /// The rows this resource last contributed to a view, and what they were joined with, per
     /// kind of view ([`Derivation::slot`]).
-    rows: Mutex<[Option<(Deps, Vec<Value>)>; 3]>,
+    rows: Mutex<[Option<Contribution>; 3]>,
 }
 
 /// An Ingress TLS entry.
@@ -351,6 +351,9 @@ fn endpoint_row(
 /// equality means "the same versions". (A resource's own extracts are never among them: a
 /// new version of it has new, empty extracts.)
 type Deps = Vec<Option<Arc<Extracts>>>;
+
+/// The rows a resource contributed to a view, and what they were joined with.
+type Contribution = (Deps, Vec<Value>);
 
 fn same_deps(a: &Deps, b: &Deps) -> bool {
     a.len() == b.len()

@@ -47,7 +47,7 @@ fn case(n: usize, renderer: &Renderer, peer: &PeerRenderer) -> Case {
 }
 
 /// Marks every store changed, so the next render rebuilds their views (sorted lists and
-/// indexes): what a render after a watch event in each store costs.
+/// indexes) and every derived view: what a render after a watch event in each store costs.
 fn touch_all(stores: &mut Stores, fixtures: &Fixtures) {
     let firsts = [
         ("ingresses", fixtures.ingresses.first()),
@@ -188,6 +188,26 @@ fn summary(
     }
     println!("load average after: {}", load_average());
     if let Some(big) = cases.iter_mut().find(|c| c.n == 10_000) {
+        println!(
+            "\nrender of the {} set after one watch event (a resource re-applied) in one store, on all cores:",
+            big.n
+        );
+        let firsts = [
+            ("ingresses", big.fixtures.ingresses.first()),
+            ("services", big.fixtures.services.first()),
+            ("endpointslices", big.fixtures.endpoint_slices.first()),
+            ("secrets", big.fixtures.secrets.first()),
+        ];
+        for (store, first) in firsts {
+            let Some(first) = first else { continue };
+            let time = median(9, || {
+                if let Some(store) = big.stores.get_mut(store) {
+                    store.apply(first).expect("re-apply");
+                }
+                renderer.render(&big.stores).expect("renders")
+            });
+            println!("- {store}: {:.2} ms", ms(time));
+        }
         print_peak_memory(big.n);
         let load = median(3, || {
             let mut stores = reference::stores().expect("stores");

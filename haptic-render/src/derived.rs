@@ -334,10 +334,10 @@ fn endpoint_row(
             "name",
             Value::from(format!("{slice_id}_{}", sanitize(address))),
         ),
-        ("address", Value::from(address)),
-        ("port", Value::from(port)),
         ("endpoint", Value::from(endpoint)),
         ("ready", Value::from(condition("ready") != Some(false))),
+        ("address", Value::from(address)),
+        ("port", Value::from(port)),
         (
             "terminating",
             Value::from(condition("terminating") == Some(true)),
@@ -441,11 +441,11 @@ fn service_backends(slot: usize, services: &Store, slices: &Store) -> Value {
                     };
                     row([
                         ("name", backend.clone()),
+                        ("endpoints", endpoints),
                         ("namespace", Value::from(namespace.as_str())),
                         ("service", Value::from(service.as_str())),
                         ("port", Value::from(*port)),
                         ("port_name", Value::from(port_name.as_str())),
-                        ("endpoints", endpoints),
                     ])
                 })
                 .collect()
@@ -495,14 +495,14 @@ fn ingress_routes(slot: usize, ingresses: &Store, services: &Store) -> Value {
                         None => (Value::none(), Value::none()),
                     };
                     row([
-                        ("namespace", Value::from(namespace.as_str())),
-                        ("ingress", Value::from(ingress.as_str())),
+                        ("backend", backend),
+                        ("path_type", p.path_type.clone()),
                         ("host", p.host.clone()),
                         ("path", p.path.clone()),
-                        ("path_type", p.path_type.clone()),
+                        ("namespace", Value::from(namespace.as_str())),
+                        ("ingress", Value::from(ingress.as_str())),
                         ("service", Value::from(p.service.as_str())),
                         ("port", port),
-                        ("backend", backend),
                     ])
                 })
                 .collect()
@@ -538,15 +538,15 @@ fn ingress_tls(slot: usize, ingresses: &Store, secrets: &Store) -> Value {
                 .zip(&found)
                 .map(|(tls, found)| {
                     row([
-                        ("namespace", Value::from(namespace.as_str())),
-                        ("ingress", Value::from(ingress.as_str())),
-                        ("secret", Value::from(tls.secret.as_str())),
-                        ("hosts", tls.hosts.clone()),
-                        ("file", Value::from(ssl_file(namespace, &tls.secret))),
                         (
                             "usable",
                             Value::from(found.is_some_and(|(usable, _)| usable)),
                         ),
+                        ("file", Value::from(ssl_file(namespace, &tls.secret))),
+                        ("hosts", tls.hosts.clone()),
+                        ("namespace", Value::from(namespace.as_str())),
+                        ("ingress", Value::from(ingress.as_str())),
+                        ("secret", Value::from(tls.secret.as_str())),
                     ])
                 })
                 .collect()
@@ -630,6 +630,9 @@ impl DerivedView {
 }
 
 /// Builds a map whose keys are static strings (no allocation per key), in the given order.
+///
+/// The engine finds an attribute of a small map by scanning its entries in order, so each
+/// row puts the fields the reference templates read first: fewer cache lines per lookup.
 fn row<const N: usize>(fields: [(&'static str, Value); N]) -> Value {
     let mut map = Map::with_capacity(N);
     for (key, value) in fields {

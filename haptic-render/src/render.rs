@@ -235,7 +235,7 @@ impl Renderer {
         // are rebuilt here, before any template runs: on two threads when there are two.
         let (views, derived) = if self.threads > 1 {
             std::thread::scope(|scope| {
-                let derived = scope.spawn(|| stores.derived_values());
+                let derived = scope.spawn(|| stores.derived_values(true));
                 let views = store_views();
                 match derived.join() {
                     Ok(derived) => (views, derived),
@@ -243,7 +243,7 @@ impl Renderer {
                 }
             })
         } else {
-            (store_views(), stores.derived_values())
+            (store_views(), stores.derived_values(false))
         };
         context.insert_value(
             "resources",

@@ -475,8 +475,9 @@ impl Stores {
     }
 
     /// Derived view names and their template values, sorted by name; each recomputed only when
-    /// a store it reads changed since it was last computed.
-    pub(crate) fn derived_values(&self) -> Vec<(&str, Value)> {
+    /// a store it reads changed since it was last computed (stale views in parallel when
+    /// `parallel`, otherwise on the calling thread).
+    pub(crate) fn derived_values(&self, parallel: bool) -> Vec<(&str, Value)> {
         let views: Vec<(&str, &DerivedView, [&Store; 2])> = self
             .derived
             .iter()
@@ -487,7 +488,7 @@ impl Stores {
             .filter(|(_, view, inputs)| !view.is_fresh(*inputs))
             .collect();
         // Stale views are independent of each other: compute them in parallel.
-        if stale.len() > 1 {
+        if parallel && stale.len() > 1 {
             std::thread::scope(|scope| {
                 for (_, view, inputs) in &stale {
                     scope.spawn(|| view.value(*inputs));

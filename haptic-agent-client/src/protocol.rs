@@ -444,7 +444,8 @@ pub fn decode_apply(body: &[u8], gzip: bool, limit: usize) -> Result<WireApply> 
 pub struct Timing {
     /// From the start of the apply (after the body was parsed) to the answer.
     pub total_us: u64,
-    /// Writing the set to staging (with fsync).
+    /// Writing the set to staging and making it durable. The agent fsyncs while `haproxy -c`
+    /// runs; only the wait for the fsync after the check ended counts here.
     pub write_us: u64,
     /// Running `haproxy -c` on staging.
     pub check_us: u64,

@@ -348,16 +348,31 @@ impl Agent {
         let store = shared.store.clone();
         let checksum = request.checksum.clone();
         let files = request.files;
-        let (name, staged) = blocking(move || store.stage(&files, &checksum)).await??;
-        timing.write_us = micros(phase.elapsed());
+        let (name, staged) = blocking(move || store.write_staged(&files, &checksum)).await??;
+        let written = phase.elapsed();
 
-        let phase = Instant::now();
-        let check = shared
-            .haproxy
-            .check(&staged, shared.config.check_timeout)
-            .await;
-        timing.check_us = micros(phase.elapsed());
-        shared.metrics.observe_check(phase.elapsed());
+        // `haproxy -c` reads the files from the page cache; making them durable (one fsync per
+        // file and directory) only has to be done before the swap, so it runs meanwhile.
+        let store = shared.store.clone();
+        let sync_name = name.clone();
+        let sync = blocking(move || store.sync_staged(&sync_name));
+        let check_phase = Instant::now();
+        let check = async {
+            let check = shared
+                .haproxy
+                .check(&staged, shared.config.check_timeout)
+                .await;
+            (check, check_phase.elapsed())
+        };
+        let (synced, (check, checked)) = tokio::join!(sync, check);
+        // Only the wait for the fsync beyond the check counts as writing.
+        timing.write_us = micros(written + check_phase.elapsed().saturating_sub(checked));
+        timing.check_us = micros(checked);
+        shared.metrics.observe_check(checked);
+        if let Err(error) = synced.and_then(|synced| synced.map_err(Error::from)) {
+            let _ = shared.store.discard_staged(&name);
+            return Err(error);
+        }
         let check = match check {
             Ok(check) => check,
             Err(haproxy::Error::CheckTimeout(limit)) => haproxy::CheckOutcome {
@@ -424,20 +439,29 @@ impl Agent {
             name,
             previous,
         } = swapped;
-        let outcome = self.load_settled(&checksum).await;
+        // Sets older than `previous` are never loaded again (a rollback restores `previous`),
+        // so they are removed while HAProxy loads the new set rather than after it.
+        let store = shared.store.clone();
+        let keep: Vec<String> = [Some(name.clone()), previous.clone()]
+            .into_iter()
+            .flatten()
+            .collect();
+        let cleanup = blocking(move || {
+            let keep: Vec<&str> = keep.iter().map(String::as_str).collect();
+            store.retain(&keep)
+        });
+        let (outcome, cleaned) = tokio::join!(self.load_settled(&checksum), cleanup);
+        match cleaned {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => warn!(%error, "removing old sets failed"),
+            Err(error) => warn!(%error, "removing old sets failed"),
+        }
         match outcome {
             ReloadOutcome::Loaded { worker } => {
                 timing.reload_us = micros(phase.elapsed());
                 timing.total_us = micros(started.elapsed());
                 info!(worker, ?timing, "applied");
                 shared.metrics.set_generation(generation);
-                let keep: Vec<&str> = [Some(name.as_str()), previous.as_deref()]
-                    .into_iter()
-                    .flatten()
-                    .collect();
-                if let Err(error) = shared.store.retain(&keep) {
-                    warn!(%error, "removing old sets failed");
-                }
                 Ok(ApplyResponse::Applied {
                     checksum,
                     generation,

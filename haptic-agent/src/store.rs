@@ -143,6 +143,19 @@ impl SetStore {
     /// Writes `files` into a fresh staging directory (each file and directory fsynced) and
     /// returns its name and path. Nothing outside `<data>/staging` is touched.
     pub fn stage(&self, files: &FileSet, checksum: &str) -> Result<(String, PathBuf)> {
+        let (name, dir) = self.write_staged(files, checksum)?;
+        if let Err(error) = self.sync_staged(&name) {
+            let _ = self.discard_staged(&name);
+            return Err(error);
+        }
+        Ok((name, dir))
+    }
+
+    /// Writes `files` into a fresh staging directory, without fsync, and returns its name and
+    /// path. A write that fails half-way removes the directory. The set must go through
+    /// [`SetStore::sync_staged`] before [`SetStore::promote`]: the agent runs that fsync while
+    /// `haproxy -c` reads the files, since the check needs them in the page cache, not on disk.
+    pub fn write_staged(&self, files: &FileSet, checksum: &str) -> Result<(String, PathBuf)> {
         let name = format!(
             "{}-{:016x}",
             &checksum[..checksum.len().min(16)],
@@ -152,7 +165,6 @@ impl SetStore {
         fs::create_dir(&dir).map_err(io("creating", &dir))?;
         // Any failure below removes the half-written directory.
         let mut guard = RemoveOnDrop(Some(dir.clone()));
-        // Every directory the set creates, so each can be fsynced once its entries exist.
         let mut dirs = std::collections::BTreeSet::new();
         for (path, content) in files.iter() {
             // Paths were validated by the protocol: relative, no `..`, no empty component.
@@ -167,14 +179,15 @@ impl SetStore {
             }
             let mut file = fs::File::create(&target).map_err(io("creating", &target))?;
             file.write_all(content).map_err(io("writing", &target))?;
-            file.sync_all().map_err(io("syncing", &target))?;
         }
-        for relative in dirs.iter().rev() {
-            sync_dir(&dir.join(relative))?;
-        }
-        sync_dir(&dir)?;
         guard.0 = None;
         Ok((name, dir))
+    }
+
+    /// Fsyncs every file and directory of staging set `name`, each directory after its
+    /// entries, so that the set is durable before it is promoted and linked.
+    pub fn sync_staged(&self, name: &str) -> Result<()> {
+        sync_tree(&self.root.join("staging").join(name))
     }
 
     /// Moves a checked staging directory into `sets/` and records its metadata beside it.
@@ -277,6 +290,23 @@ impl Drop for RemoveOnDrop {
     }
 }
 
+/// Fsyncs every regular file under `dir`, then each directory once its entries are synced.
+fn sync_tree(dir: &Path) -> Result<()> {
+    for entry in fs::read_dir(dir).map_err(io("listing", dir))? {
+        let entry = entry.map_err(io("listing", dir))?;
+        let path = entry.path();
+        let kind = entry.file_type().map_err(io("inspecting", &path))?;
+        if kind.is_dir() {
+            sync_tree(&path)?;
+        } else if kind.is_file() {
+            fs::File::open(&path)
+                .and_then(|file| file.sync_all())
+                .map_err(io("syncing", &path))?;
+        }
+    }
+    sync_dir(dir)
+}
+
 fn sync_dir(dir: &Path) -> Result<()> {
     fs::File::open(dir)
         .and_then(|d| d.sync_all())
@@ -314,6 +344,30 @@ mod tests {
         store.retain(&[]).expect("retain none");
         assert!(!store.set_dir(&name).exists());
         assert!(store.meta(&name).is_none());
+    }
+
+    #[test]
+    fn a_set_written_then_synced_promotes_like_a_staged_one() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let store = SetStore::open(root.path()).expect("open");
+        let files = FileSet::new()
+            .with("haproxy.cfg", "global\n")
+            .and_then(|s| s.with("maps/a/b.map", vec![0u8, 1, 2]))
+            .and_then(|s| s.with("ssl/c.pem", "pem"))
+            .expect("set");
+        let checksum = files.checksum();
+        let (name, dir) = store.write_staged(&files, &checksum).expect("write");
+        assert!(dir.join("maps/a/b.map").is_file());
+        store.sync_staged(&name).expect("sync");
+        let meta = SetMeta {
+            checksum: checksum.clone(),
+            generation: 1,
+            leader: "l".into(),
+            epoch: 1,
+        };
+        store.promote(&name, &meta).expect("promote");
+        assert_eq!(store.checksum_on_disk(&name).expect("sum"), checksum);
+        assert!(store.sync_staged(&name).is_err(), "no longer in staging");
     }
 
     #[test]

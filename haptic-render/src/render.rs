@@ -157,6 +157,9 @@ pub struct Renderer {
     /// How long each single output (by index in `outputs`) took in the last render, in
     /// nanoseconds: the next render starts the longest first (0: not rendered yet).
     costs: Vec<AtomicU64>,
+    /// How many bytes each output (by index) wrote in the last render (per-item outputs: the
+    /// last non-blank item): the next render's buffer starts that large.
+    sizes: Vec<AtomicUsize>,
 }
 
 impl Renderer {
@@ -203,12 +206,14 @@ impl Renderer {
             .collect();
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
         let costs = outputs.iter().map(|_| AtomicU64::new(0)).collect();
+        let sizes = outputs.iter().map(|_| AtomicUsize::new(0)).collect();
         Ok(Self {
             tera,
             outputs,
             extra,
             threads,
             costs,
+            sizes,
         })
     }
 
@@ -261,16 +266,28 @@ impl Renderer {
         context
     }
 
-    fn render_one(&self, template: &str, context: &Context, output: &str) -> Result<String> {
-        let rendered = catch_unwind(AssertUnwindSafe(|| self.tera.render(template, context)));
+    /// Renders `template` into a buffer of `capacity` bytes to start with (what the same output
+    /// took last time: no regrowth, no copies of a multi-megabyte output). `output` names what
+    /// was being rendered, for an error.
+    fn render_one(
+        &self,
+        template: &str,
+        context: &Context,
+        output: impl FnOnce() -> String,
+        capacity: usize,
+    ) -> Result<Vec<u8>> {
+        let mut bytes = Vec::with_capacity(capacity);
+        let rendered = catch_unwind(AssertUnwindSafe(|| {
+            self.tera.render_to(template, context, &mut bytes)
+        }));
         let error = |template: String, line, cause| Error::Render {
-            output: output.to_owned(),
+            output: output(),
             template,
             line,
             cause,
         };
         match rendered {
-            Ok(Ok(text)) => Ok(text),
+            Ok(Ok(())) => Ok(bytes),
             Ok(Err(e)) => {
                 let (template, line, cause) = locate(&e, template);
                 Err(error(template, line, cause))
@@ -397,15 +414,33 @@ impl Renderer {
         match job {
             Job::Single { index, output } => {
                 let started = Instant::now();
-                let text = self.render_one(&output.template, context, &output.path)?;
+                let size = self.sizes.get(*index);
+                let capacity = size.map_or(0, |s| s.load(Ordering::Relaxed));
+                let bytes = self.render_one(
+                    &output.template,
+                    context,
+                    || output.path.clone(),
+                    capacity + capacity / 8,
+                )?;
                 if let Some(cost) = self.costs.get(*index) {
                     let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
                     cost.store(nanos.max(1), Ordering::Relaxed);
                 }
-                Ok(vec![(output.path.clone(), text.into_bytes())])
+                if let Some(size) = size {
+                    size.store(bytes.len(), Ordering::Relaxed);
+                }
+                Ok(vec![(output.path.clone(), bytes)])
             }
-            Job::Items { output, items, .. } => {
+            Job::Items {
+                index,
+                output,
+                items,
+                ..
+            } => {
                 let mut files = Vec::new();
+                // One context per run of items; `item` is replaced for each.
+                let mut item_context = context.clone();
+                let size = self.sizes.get(*index);
                 for item in *items {
                     let text_of = |path: &str| {
                         item.get_from_path(path)
@@ -415,12 +450,17 @@ impl Renderer {
                     };
                     let (namespace, name) =
                         (text_of("metadata.namespace"), text_of("metadata.name"));
-                    let mut item_context = context.clone();
                     item_context.insert_value("item", item.clone());
-                    let label = format!("{} for {namespace}/{name}", output.template);
-                    let text = self.render_one(&output.template, &item_context, &label)?;
-                    if !text.trim().is_empty() {
-                        files.push((functions::ssl_file(&namespace, &name), text.into_bytes()));
+                    let label = || format!("{} for {namespace}/{name}", output.template);
+                    let capacity = size.map_or(0, |s| s.load(Ordering::Relaxed));
+                    let bytes =
+                        self.render_one(&output.template, &item_context, label, capacity)?;
+                    // A blank output writes no file.
+                    if !std::str::from_utf8(&bytes).is_ok_and(|text| text.trim().is_empty()) {
+                        if let Some(size) = size {
+                            size.store(bytes.len(), Ordering::Relaxed);
+                        }
+                        files.push((functions::ssl_file(&namespace, &name), bytes));
                     }
                 }
                 Ok(files)

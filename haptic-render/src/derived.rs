@@ -16,7 +16,8 @@
 //! of rows (maps). Their fields:
 //!
 //! [`Derivation::ServiceBackends`]: a row per Service port (Services sorted by namespace and
-//! name, ports in spec order; a port without a numeric `port` is left out).
+//! name, ports in spec order; a port without a numeric `port` is left out; with `routedBy`,
+//! only the ports a path of an Ingress in that store resolves to).
 //!
 //! | field | value |
 //! | --- | --- |
@@ -61,7 +62,7 @@
 //! | `file` | `ssl_file(namespace, secret)`: where a per-Secret certificate output writes it |
 //! | `usable` | whether the Secret exists and is a `kubernetes.io/tls` Secret whose `tls.crt` and `tls.key` are base64 of a PEM certificate and a PEM private key |
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use serde::{Deserialize, Serialize};
@@ -89,6 +90,12 @@ pub enum Derivation {
         services: String,
         /// The store of discovery.k8s.io/v1 EndpointSlices.
         endpoint_slices: String,
+        /// When set, a store of Ingresses: only the Service ports that a path of an Ingress
+        /// there resolves to (as in [`Derivation::IngressRoutes`]) get a row. A controller
+        /// watches every Service to resolve Ingress backends; without this, a cluster's
+        /// thousands of Services nobody routes to would each become a backend.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        routed_by: Option<String>,
     },
     /// A row per path of an Ingress rule whose backend is a Service, resolved against the
     /// Services: by port number or by port name, as the path asks. A path whose Service or
@@ -111,17 +118,22 @@ pub enum Derivation {
 
 impl Derivation {
     /// The stores this view reads, in a fixed order.
-    pub fn inputs(&self) -> [&str; 2] {
+    pub fn inputs(&self) -> Vec<&str> {
         match self {
             Self::ServiceBackends {
                 services,
                 endpoint_slices,
-            } => [services, endpoint_slices],
+                routed_by,
+            } => [Some(services), Some(endpoint_slices), routed_by.as_ref()]
+                .into_iter()
+                .flatten()
+                .map(String::as_str)
+                .collect(),
             Self::IngressRoutes {
                 ingresses,
                 services,
-            } => [ingresses, services],
-            Self::IngressTls { ingresses, secrets } => [ingresses, secrets],
+            } => vec![ingresses, services],
+            Self::IngressTls { ingresses, secrets } => vec![ingresses, secrets],
         }
     }
 
@@ -314,6 +326,16 @@ impl Extracts {
     }
 }
 
+impl ServiceExtract {
+    /// The port a path asks for: the first with its number, or with its name.
+    fn resolve(&self, path: &PathExtract) -> Option<&(String, i64, Value)> {
+        self.ports.iter().find(|(name, number, _)| {
+            path.want_number == Some(*number)
+                || (!path.want_name.is_empty() && *name == path.want_name)
+        })
+    }
+}
+
 /// The row of one endpoint of a slice port; none without an address.
 fn endpoint_row(
     ep: &Value,
@@ -375,27 +397,68 @@ impl Extracts {
         out: &mut Vec<Value>,
         compute: impl FnOnce() -> Vec<Value>,
     ) {
+        self.rows_into_if(slot, deps, out, compute, |_| true);
+    }
+
+    /// As [`Extracts::rows_into`], appending only the rows whose index `keep` accepts.
+    fn rows_into_if(
+        &self,
+        slot: usize,
+        deps: Deps,
+        out: &mut Vec<Value>,
+        compute: impl FnOnce() -> Vec<Value>,
+        keep: impl Fn(usize) -> bool,
+    ) {
+        let kept = |rows: &[Value]| {
+            rows.iter()
+                .enumerate()
+                .filter(|(i, _)| keep(*i))
+                .map(|(_, row)| row.clone())
+                .collect::<Vec<_>>()
+        };
         let mut slots = self.rows.lock().unwrap_or_else(|poisoned| {
             let mut slots = poisoned.into_inner();
             *slots = Default::default();
             slots
         });
         let Some(slot) = slots.get_mut(slot) else {
-            out.extend(compute());
+            out.extend(kept(&compute()));
             return;
         };
         match &*slot {
-            Some((old, rows)) if same_deps(old, &deps) => out.extend(rows.iter().cloned()),
+            Some((old, rows)) if same_deps(old, &deps) => out.extend(kept(rows)),
             _ => {
                 let rows = compute();
-                out.extend(rows.iter().cloned());
+                out.extend(kept(&rows));
                 *slot = Some((deps, rows));
             }
         }
     }
 }
 
-fn service_backends(slot: usize, services: &Store, slices: &Store) -> Value {
+/// The Service ports Ingress paths resolve to, as (namespace, service, port).
+fn routed_ports<'a>(ingresses: &'a Store, services: &'a Store) -> HashSet<(&'a str, &'a str, i64)> {
+    let mut routed = HashSet::new();
+    for ((namespace, _), ing, extracts) in ingresses.entries() {
+        for p in &extracts.ingress(ing).paths {
+            let Some((svc, extracts)) = services.get_entry(namespace, &p.service) else {
+                continue;
+            };
+            if let Some((_, port, _)) = extracts.service(namespace, &p.service, svc).resolve(p) {
+                routed.insert((namespace.as_str(), p.service.as_str(), *port));
+            }
+        }
+    }
+    routed
+}
+
+fn service_backends(
+    slot: usize,
+    services: &Store,
+    slices: &Store,
+    routed_by: Option<&Store>,
+) -> Value {
+    let routed = routed_by.map(|ingresses| routed_ports(ingresses, services));
     // The slices of each Service, in the store's (namespace, name) order.
     let mut by_service: HashMap<(&str, &str), Vec<&Arc<Extracts>>> = HashMap::new();
     for ((namespace, _), slice, extracts) in slices.entries() {
@@ -413,43 +476,57 @@ fn service_backends(slot: usize, services: &Store, slices: &Store) -> Value {
             .get(&(namespace.as_str(), service.as_str()))
             .map_or(&[][..], Vec::as_slice);
         let deps: Deps = slices.iter().map(|e| Some(Arc::clone(e))).collect();
-        extracts.rows_into(slot, deps, &mut rows, || {
-            let ports = &extracts.service(namespace, service, svc).ports;
-            ports
-                .iter()
-                .map(|(port_name, port, backend)| {
-                    let mut matching = slices
-                        .iter()
-                        // Extracted while grouping above.
-                        .filter_map(|e| e.slice.get())
-                        .flat_map(|slice| slice.ports.iter())
-                        .filter(|(name, _)| name == port_name)
-                        .map(|(_, endpoints)| endpoints);
-                    // One slice per Service is the common case: share its rows as they are.
-                    let endpoints = match (matching.next(), matching.next()) {
-                        (None, _) => Value::from(Vec::<Value>::new()),
-                        (Some(only), None) => only.clone(),
-                        (Some(first), Some(second)) => {
-                            let mut all: Vec<Value> = Vec::new();
-                            for endpoints in [first, second].into_iter().chain(matching) {
-                                all.extend(
-                                    endpoints.as_array().unwrap_or_default().iter().cloned(),
-                                );
+        let ports = &extracts.service(namespace, service, svc).ports;
+        // A row per port, in port order: row `i` is port `i`'s.
+        let keep = |i: usize| match (&routed, ports.get(i)) {
+            (None, _) => true,
+            (Some(routed), Some((_, port, _))) => {
+                routed.contains(&(namespace.as_str(), service.as_str(), *port))
+            }
+            (Some(_), None) => false,
+        };
+        extracts.rows_into_if(
+            slot,
+            deps,
+            &mut rows,
+            || {
+                ports
+                    .iter()
+                    .map(|(port_name, port, backend)| {
+                        let mut matching = slices
+                            .iter()
+                            // Extracted while grouping above.
+                            .filter_map(|e| e.slice.get())
+                            .flat_map(|slice| slice.ports.iter())
+                            .filter(|(name, _)| name == port_name)
+                            .map(|(_, endpoints)| endpoints);
+                        // One slice per Service is the common case: share its rows as they are.
+                        let endpoints = match (matching.next(), matching.next()) {
+                            (None, _) => Value::from(Vec::<Value>::new()),
+                            (Some(only), None) => only.clone(),
+                            (Some(first), Some(second)) => {
+                                let mut all: Vec<Value> = Vec::new();
+                                for endpoints in [first, second].into_iter().chain(matching) {
+                                    all.extend(
+                                        endpoints.as_array().unwrap_or_default().iter().cloned(),
+                                    );
+                                }
+                                Value::from(all)
                             }
-                            Value::from(all)
-                        }
-                    };
-                    row([
-                        ("name", backend.clone()),
-                        ("endpoints", endpoints),
-                        ("namespace", Value::from(namespace.as_str())),
-                        ("service", Value::from(service.as_str())),
-                        ("port", Value::from(*port)),
-                        ("port_name", Value::from(port_name.as_str())),
-                    ])
-                })
-                .collect()
-        });
+                        };
+                        row([
+                            ("name", backend.clone()),
+                            ("endpoints", endpoints),
+                            ("namespace", Value::from(namespace.as_str())),
+                            ("service", Value::from(service.as_str())),
+                            ("port", Value::from(*port)),
+                            ("port_name", Value::from(port_name.as_str())),
+                        ])
+                    })
+                    .collect()
+            },
+            keep,
+        );
     }
     Value::from(rows)
 }
@@ -484,12 +561,7 @@ fn ingress_routes(slot: usize, ingresses: &Store, services: &Store) -> Value {
                 .iter()
                 .zip(&resolved)
                 .map(|(p, svc)| {
-                    let port = svc.and_then(|(svc, _)| {
-                        svc.ports.iter().find(|(name, number, _)| {
-                            p.want_number == Some(*number)
-                                || (!p.want_name.is_empty() && *name == p.want_name)
-                        })
-                    });
+                    let port = svc.and_then(|(svc, _)| svc.resolve(p));
                     let (port, backend) = match port {
                         Some((_, number, backend)) => (Value::from(*number), backend.clone()),
                         None => (Value::none(), Value::none()),
@@ -565,7 +637,7 @@ pub(crate) struct DerivedView {
 #[derive(Debug, Clone)]
 struct ViewState {
     /// The input stores' generations the value was computed from.
-    built_from: Option<[u64; 2]>,
+    built_from: Option<Vec<u64>>,
     value: Value,
 }
 
@@ -604,23 +676,31 @@ impl DerivedView {
     }
 
     /// Whether the value is up to date with these input stores.
-    pub(crate) fn is_fresh(&self, inputs: [&Store; 2]) -> bool {
-        self.lock().built_from == Some(inputs.map(Store::generation))
+    pub(crate) fn is_fresh(&self, inputs: &[&Store]) -> bool {
+        let generations: Vec<u64> = inputs.iter().map(|s| s.generation()).collect();
+        self.lock().built_from.as_ref() == Some(&generations)
     }
 
     /// The rows as the template value `derived.<name>`, recomputed first if an input store
     /// changed since (reusing the rows of every resource that did not change and whose joins
     /// found the same resources).
-    pub(crate) fn value(&self, inputs: [&Store; 2]) -> Value {
-        let generations = inputs.map(Store::generation);
+    pub(crate) fn value(&self, inputs: &[&Store]) -> Value {
+        let generations: Vec<u64> = inputs.iter().map(|s| s.generation()).collect();
         let mut state = self.lock();
-        if state.built_from != Some(generations) {
-            let [first, second] = inputs;
+        if state.built_from.as_ref() != Some(&generations) {
             let slot = self.derivation.slot();
-            let value = match &self.derivation {
-                Derivation::ServiceBackends { .. } => service_backends(slot, first, second),
-                Derivation::IngressRoutes { .. } => ingress_routes(slot, first, second),
-                Derivation::IngressTls { .. } => ingress_tls(slot, first, second),
+            let value = match (&self.derivation, inputs) {
+                (Derivation::ServiceBackends { .. }, [services, slices, rest @ ..]) => {
+                    service_backends(slot, services, slices, rest.first().copied())
+                }
+                (Derivation::IngressRoutes { .. }, [ingresses, services]) => {
+                    ingress_routes(slot, ingresses, services)
+                }
+                (Derivation::IngressTls { .. }, [ingresses, secrets]) => {
+                    ingress_tls(slot, ingresses, secrets)
+                }
+                // `Stores` passes the stores `inputs()` names, so this does not happen.
+                _ => Value::from(Vec::<Value>::new()),
             };
             state.value = value;
             state.built_from = Some(generations);
@@ -662,6 +742,7 @@ mod tests {
                 Derivation::ServiceBackends {
                     services: "services".into(),
                     endpoint_slices: "endpointslices".into(),
+                    routed_by: None,
                 },
             )
             .unwrap();
@@ -947,6 +1028,61 @@ mod tests {
         // The Secret is fixed: the row follows.
         apply(&mut s, "secrets", tls("nopem", "kubernetes.io/tls", cert));
         assert_eq!(derived(&s, "tls")[2]["usable"], true);
+    }
+
+    #[test]
+    fn routed_by_keeps_only_the_service_ports_ingress_paths_resolve_to() {
+        let mut s = stores();
+        s.derive(
+            "routed",
+            Derivation::ServiceBackends {
+                services: "services".into(),
+                endpoint_slices: "endpointslices".into(),
+                routed_by: Some("ingresses".into()),
+            },
+        )
+        .unwrap();
+        let ports = json!([{"name": "http", "port": 80}, {"name": "metrics", "port": 9090}]);
+        service(&mut s, "web", ports.clone());
+        service(&mut s, "unused", ports);
+        let names = |s: &Stores| -> Vec<String> {
+            derived(s, "routed")
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| r["name"].as_str().unwrap().to_owned())
+                .collect()
+        };
+        assert!(names(&s).is_empty(), "no Ingress routes anywhere yet");
+        let ingress = |paths: Json| {
+            json!({"metadata": {"namespace": "ns", "name": "shop"},
+                   "spec": {"rules": [{"http": {"paths": paths}}]}})
+        };
+        apply(
+            &mut s,
+            "ingresses",
+            ingress(json!([
+                {"path": "/", "backend": {"service": {"name": "web", "port": {"name": "metrics"}}}},
+                {"path": "/x", "backend": {"service": {"name": "web", "port": {"number": 81}}}},
+                {"path": "/y", "backend": {"service": {"name": "gone", "port": {"number": 80}}}},
+            ])),
+        );
+        assert_eq!(names(&s), ["ns_web_9090"]);
+        // The Ingress changes: its paths resolve to web:80 and web:9090; the unfiltered view
+        // still has all four ports.
+        apply(
+            &mut s,
+            "ingresses",
+            ingress(json!([
+                {"path": "/", "backend": {"service": {"name": "web", "port": {"number": 80}}}},
+                {"path": "/m", "backend": {"service": {"name": "web", "port": {"name": "metrics"}}}},
+            ])),
+        );
+        assert_eq!(names(&s), ["ns_web_80", "ns_web_9090"]);
+        assert_eq!(derived(&s, "backends").as_array().unwrap().len(), 4);
+        // The Service loses the port the path names.
+        service(&mut s, "web", json!([{"name": "http", "port": 80}]));
+        assert_eq!(names(&s), ["ns_web_80"]);
     }
 
     #[test]

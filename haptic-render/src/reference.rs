@@ -34,7 +34,7 @@ pub const STORES: [(&str, &[&str]); 4] = [
 ///
 /// | view | derivation |
 /// | --- | --- |
-/// | `derived.backends` | [`Derivation::ServiceBackends`] of `services` and `endpointslices` |
+/// | `derived.backends` | [`Derivation::ServiceBackends`] of `services` and `endpointslices`, for the Service ports `ingresses` route to |
 /// | `derived.routes` | [`Derivation::IngressRoutes`] of `ingresses` and `services` |
 /// | `derived.tls` | [`Derivation::IngressTls`] of `ingresses` and `secrets` |
 pub fn stores() -> Result<Stores, store::Error> {
@@ -56,6 +56,7 @@ pub fn derivations() -> [(&'static str, Derivation); 3] {
             Derivation::ServiceBackends {
                 services: "services".to_owned(),
                 endpoint_slices: "endpointslices".to_owned(),
+                routed_by: Some("ingresses".to_owned()),
             },
         ),
         (

@@ -464,40 +464,43 @@ impl Stores {
     /// templates; `None` when there is no such view.
     pub fn derived_json(&self, name: &str) -> Option<Json> {
         let view = self.derived.get(name)?;
-        serde_json::to_value(view.value(self.inputs(view)?)).ok()
+        serde_json::to_value(view.value(&self.inputs(view)?)).ok()
     }
 
     /// The input stores of a derived view (they exist: `derive` checked, and stores are never
     /// removed).
-    fn inputs(&self, view: &DerivedView) -> Option<[&Store; 2]> {
-        let [first, second] = view.derivation().inputs();
-        Some([self.stores.get(first)?, self.stores.get(second)?])
+    fn inputs(&self, view: &DerivedView) -> Option<Vec<&Store>> {
+        view.derivation()
+            .inputs()
+            .into_iter()
+            .map(|name| self.stores.get(name))
+            .collect()
     }
 
     /// Derived view names and their template values, sorted by name; each recomputed only when
     /// a store it reads changed since it was last computed (stale views in parallel when
     /// `parallel`, otherwise on the calling thread).
     pub(crate) fn derived_values(&self, parallel: bool) -> Vec<(&str, Value)> {
-        let views: Vec<(&str, &DerivedView, [&Store; 2])> = self
+        let views: Vec<(&str, &DerivedView, Vec<&Store>)> = self
             .derived
             .iter()
             .filter_map(|(name, view)| Some((name.as_str(), view, self.inputs(view)?)))
             .collect();
-        let stale: Vec<&(&str, &DerivedView, [&Store; 2])> = views
+        let stale: Vec<&(&str, &DerivedView, Vec<&Store>)> = views
             .iter()
-            .filter(|(_, view, inputs)| !view.is_fresh(*inputs))
+            .filter(|(_, view, inputs)| !view.is_fresh(inputs))
             .collect();
         // Stale views are independent of each other: compute them in parallel.
         if parallel && stale.len() > 1 {
             std::thread::scope(|scope| {
                 for (_, view, inputs) in &stale {
-                    scope.spawn(|| view.value(*inputs));
+                    scope.spawn(|| view.value(inputs));
                 }
             });
         }
         views
             .iter()
-            .map(|(name, view, inputs)| (*name, view.value(*inputs)))
+            .map(|(name, view, inputs)| (*name, view.value(inputs)))
             .collect()
     }
 }

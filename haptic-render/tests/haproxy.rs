@@ -15,13 +15,16 @@ fn ten_ingresses_render_a_config_haproxy_accepts() {
     haproxy_check(&files);
 
     let cfg = files.text("haproxy.cfg").expect("haproxy.cfg");
-    // A backend per Service port: 10 Services x 2 ports, plus the default backend.
-    assert_eq!(cfg.matches("\nbackend ").count(), 21, "{cfg}");
+    // A backend per Service port an Ingress routes to: port 80 of the 10 Services, and port
+    // 9090 of every 3rd (0, 3, 6, 9), plus the default backend. Unrouted ports get none.
+    assert_eq!(cfg.matches("\nbackend ").count(), 10 + 4 + 1, "{cfg}");
+    assert!(!cfg.contains("backend team-01_app-00001_9090"), "{cfg}");
+    assert!(cfg.contains("backend team-03_app-00003_9090"), "{cfg}");
     // Three endpoints per slice, the third not ready in every 5th slice (0 and 5): the ready
-    // ones are servers of both port backends.
+    // ones are servers of the routed port backends.
     assert_eq!(
         cfg.matches("    server ").count(),
-        (10 * 3 - 2) * 2,
+        (10 * 3 - 2) + (4 * 3 - 1),
         "{cfg}"
     );
     assert!(cfg.contains("backend team-00_app-00000_80\n    balance roundrobin\n    server "));
@@ -72,7 +75,8 @@ fn a_thousand_ingresses_render_a_config_haproxy_accepts() {
     let files = render_reference(&stores);
     haproxy_check(&files);
     let cfg = files.text("haproxy.cfg").expect("haproxy.cfg");
-    assert_eq!(cfg.matches("\nbackend ").count(), 2001);
+    // Port 80 of every Service, port 9090 of every 3rd, the default backend.
+    assert_eq!(cfg.matches("\nbackend ").count(), 1000 + 334 + 1);
     assert_eq!(
         files
             .text("maps/certs.list")

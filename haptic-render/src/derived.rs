@@ -40,7 +40,7 @@
 //!
 //! [`Derivation::IngressRoutes`]: a row per path of an Ingress rule whose backend is a Service
 //! (Ingresses sorted by namespace and name, rules and paths in spec order; resource backends
-//! are left out).
+//! are left out; with `exact`, only the paths whose `pathType` is, or is not, `Exact`).
 //!
 //! | field | value |
 //! | --- | --- |
@@ -106,6 +106,10 @@ pub enum Derivation {
         ingresses: String,
         /// The store of v1 Services.
         services: String,
+        /// When set, only the paths whose `pathType` is `Exact` (true) or is not (false): one
+        /// view per kind of lookup, so that each map's template walks only its own rows.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        exact: Option<bool>,
     },
     /// A row per TLS entry of an Ingress, with whether its Secret holds a usable certificate.
     IngressTls {
@@ -132,6 +136,7 @@ impl Derivation {
             Self::IngressRoutes {
                 ingresses,
                 services,
+                ..
             } => vec![ingresses, services],
             Self::IngressTls { ingresses, secrets } => vec![ingresses, secrets],
         }
@@ -220,6 +225,8 @@ struct IngressExtract {
 
 #[derive(Debug)]
 struct PathExtract {
+    /// Whether `pathType` is `Exact`.
+    exact: bool,
     host: Value,
     path: Value,
     path_type: Value,
@@ -311,6 +318,7 @@ impl Extracts {
                         continue;
                     };
                     paths.push(PathExtract {
+                        exact: text(p, &["pathType"]) == "Exact",
                         host: host.clone(),
                         path: Value::from(text(p, &["path"])),
                         path_type: Value::from(text(p, &["pathType"])),
@@ -531,7 +539,7 @@ fn service_backends(
     Value::from(rows)
 }
 
-fn ingress_routes(slot: usize, ingresses: &Store, services: &Store) -> Value {
+fn ingress_routes(slot: usize, ingresses: &Store, services: &Store, exact: Option<bool>) -> Value {
     let by_name: HashMap<(&str, &str), (&ServiceExtract, &Arc<Extracts>)> = services
         .entries()
         .map(|((namespace, name), svc, extracts)| {
@@ -556,29 +564,39 @@ fn ingress_routes(slot: usize, ingresses: &Store, services: &Store) -> Value {
             .iter()
             .map(|r| r.map(|(_, e)| Arc::clone(e)))
             .collect();
-        extracts.rows_into(slot, deps, &mut rows, || {
-            paths
-                .iter()
-                .zip(&resolved)
-                .map(|(p, svc)| {
-                    let port = svc.and_then(|(svc, _)| svc.resolve(p));
-                    let (port, backend) = match port {
-                        Some((_, number, backend)) => (Value::from(*number), backend.clone()),
-                        None => (Value::none(), Value::none()),
-                    };
-                    row([
-                        ("backend", backend),
-                        ("path_type", p.path_type.clone()),
-                        ("host", p.host.clone()),
-                        ("path", p.path.clone()),
-                        ("namespace", Value::from(namespace.as_str())),
-                        ("ingress", Value::from(ingress.as_str())),
-                        ("service", Value::from(p.service.as_str())),
-                        ("port", port),
-                    ])
-                })
-                .collect()
-        });
+        // The cached rows are every path's (views of either kind share them); row `i` is path
+        // `i`'s.
+        let keep =
+            |i: usize| exact.is_none_or(|exact| paths.get(i).is_some_and(|p| p.exact == exact));
+        extracts.rows_into_if(
+            slot,
+            deps,
+            &mut rows,
+            || {
+                paths
+                    .iter()
+                    .zip(&resolved)
+                    .map(|(p, svc)| {
+                        let port = svc.and_then(|(svc, _)| svc.resolve(p));
+                        let (port, backend) = match port {
+                            Some((_, number, backend)) => (Value::from(*number), backend.clone()),
+                            None => (Value::none(), Value::none()),
+                        };
+                        row([
+                            ("backend", backend),
+                            ("path_type", p.path_type.clone()),
+                            ("host", p.host.clone()),
+                            ("path", p.path.clone()),
+                            ("namespace", Value::from(namespace.as_str())),
+                            ("ingress", Value::from(ingress.as_str())),
+                            ("service", Value::from(p.service.as_str())),
+                            ("port", port),
+                        ])
+                    })
+                    .collect()
+            },
+            keep,
+        );
     }
     Value::from(rows)
 }
@@ -693,8 +711,8 @@ impl DerivedView {
                 (Derivation::ServiceBackends { .. }, [services, slices, rest @ ..]) => {
                     service_backends(slot, services, slices, rest.first().copied())
                 }
-                (Derivation::IngressRoutes { .. }, [ingresses, services]) => {
-                    ingress_routes(slot, ingresses, services)
+                (Derivation::IngressRoutes { exact, .. }, [ingresses, services]) => {
+                    ingress_routes(slot, ingresses, services, *exact)
                 }
                 (Derivation::IngressTls { .. }, [ingresses, secrets]) => {
                     ingress_tls(slot, ingresses, secrets)
@@ -752,6 +770,7 @@ mod tests {
                 Derivation::IngressRoutes {
                     ingresses: "ingresses".into(),
                     services: "services".into(),
+                    exact: None,
                 },
             )
             .unwrap();
@@ -910,6 +929,26 @@ mod tests {
             (Some("ns"), Some("shop"))
         );
         assert_eq!(rows[2]["service"], "gone");
+
+        // Views of Exact paths and of the others split the same rows.
+        for (name, exact) in [("exact", true), ("others", false)] {
+            let view = Derivation::IngressRoutes {
+                ingresses: "ingresses".into(),
+                services: "services".into(),
+                exact: Some(exact),
+            };
+            s.derive(name, view).unwrap();
+        }
+        let paths = |name: &str| -> Vec<String> {
+            derived(&s, name)
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| r["path"].as_str().unwrap().to_owned())
+                .collect()
+        };
+        assert_eq!(paths("exact"), ["/m"]);
+        assert_eq!(paths("others"), ["/", "/gone", "/noport", "/any"]);
     }
 
     #[test]
@@ -1091,6 +1130,7 @@ mod tests {
         let d = Derivation::IngressRoutes {
             ingresses: "ingresses".into(),
             services: "svc".into(),
+            exact: None,
         };
         let err = s.derive("more", d.clone()).unwrap_err();
         assert!(
@@ -1105,6 +1145,7 @@ mod tests {
         let ok = Derivation::IngressRoutes {
             ingresses: "ingresses".into(),
             services: "services".into(),
+            exact: None,
         };
         for bad in ["routes", "a-b", "1x", ""] {
             assert!(

@@ -35,7 +35,7 @@ pub const STORES: [(&str, &[&str]); 4] = [
 /// | view | derivation |
 /// | --- | --- |
 /// | `derived.backends` | [`Derivation::ServiceBackends`] of `services` and `endpointslices`, for the Service ports `ingresses` route to |
-/// | `derived.routes` | [`Derivation::IngressRoutes`] of `ingresses` and `services` |
+/// | `derived.routes_exact`, `derived.routes_prefix` | [`Derivation::IngressRoutes`] of `ingresses` and `services`, Exact paths and the others |
 /// | `derived.tls` | [`Derivation::IngressTls`] of `ingresses` and `secrets` |
 pub fn stores() -> Result<Stores, store::Error> {
     let mut stores = Stores::new();
@@ -49,7 +49,7 @@ pub fn stores() -> Result<Stores, store::Error> {
 }
 
 /// The derived views of the reference set, by name.
-pub fn derivations() -> [(&'static str, Derivation); 3] {
+pub fn derivations() -> [(&'static str, Derivation); 4] {
     [
         (
             "backends",
@@ -60,10 +60,19 @@ pub fn derivations() -> [(&'static str, Derivation); 3] {
             },
         ),
         (
-            "routes",
+            "routes_exact",
             Derivation::IngressRoutes {
                 ingresses: "ingresses".to_owned(),
                 services: "services".to_owned(),
+                exact: Some(true),
+            },
+        ),
+        (
+            "routes_prefix",
+            Derivation::IngressRoutes {
+                ingresses: "ingresses".to_owned(),
+                services: "services".to_owned(),
+                exact: Some(false),
             },
         ),
         (

@@ -417,6 +417,13 @@ impl Extracts {
         compute: impl FnOnce() -> Vec<Value>,
         keep: impl Fn(usize) -> bool,
     ) {
+        // A view configured to join a store with itself could find this very resource among
+        // its joins: holding its own `Arc` would be a cycle that never frees. Its own version
+        // needs no tracking anyway (see `Deps`).
+        let deps: Deps = deps
+            .into_iter()
+            .map(|dep| dep.filter(|d| !std::ptr::eq(Arc::as_ptr(d), self)))
+            .collect();
         let kept = |rows: &[Value]| {
             rows.iter()
                 .enumerate()

@@ -181,10 +181,29 @@ fn summary(
     };
     if let (Some((t1k, o1k)), Some((t10k, o10k))) = (time_of(1_000), time_of(10_000)) {
         println!(
-            "\n10k / 1k render time ratio: {:.2} on all cores, {:.2} on one thread (linear is 10)",
+            "\n10k / 1k render time ratio, each size rendered back to back (the table): {:.2} on all \
+             cores, {:.2} on one thread (linear is 10)",
             t10k.as_secs_f64() / t1k.as_secs_f64(),
             o10k.as_secs_f64() / o1k.as_secs_f64()
         );
+        let small = cases.iter().position(|c| c.n == 1_000);
+        let big = cases.iter().position(|c| c.n == 10_000);
+        if let (Some(small), Some(big)) = (small, big) {
+            let (a1k, a10k) = interleaved(renderer, &cases[small].stores, &cases[big].stores);
+            let (b1k, b10k) = interleaved(&single, &cases[small].stores, &cases[big].stores);
+            println!(
+                "10k / 1k, the two sizes rendered alternately (neither finds its data left in the \
+                 caches by its own previous render, as in a controller whose renders are seconds \
+                 apart): 1k {:.2} ms, 10k {:.2} ms, ratio {:.2} on all cores; 1k {:.2} ms, 10k \
+                 {:.2} ms, ratio {:.2} on one thread",
+                ms(a1k),
+                ms(a10k),
+                a10k.as_secs_f64() / a1k.as_secs_f64(),
+                ms(b1k),
+                ms(b10k),
+                b10k.as_secs_f64() / b1k.as_secs_f64()
+            );
+        }
     }
     println!("load average after: {}", load_average());
     if let Some(big) = cases.iter_mut().find(|c| c.n == 10_000) {
@@ -220,6 +239,27 @@ fn summary(
             ms(load)
         );
     }
+}
+
+/// Median render times of `small` and `big` rendered alternately, 31 times each.
+///
+/// A small set rendered back to back keeps its whole working set in the caches (1k Ingresses:
+/// about 10 MB against a 32 MiB L3), which a 10k set (about 90 MB of rows) cannot; alternating
+/// gives both sizes the same conditions, so their ratio shows how the cost grows.
+fn interleaved(renderer: &Renderer, small: &Stores, big: &Stores) -> (Duration, Duration) {
+    let mut times = (Vec::new(), Vec::new());
+    let timed = |stores: &Stores| {
+        let start = std::time::Instant::now();
+        std::hint::black_box(renderer.render(stores).expect("renders"));
+        start.elapsed()
+    };
+    for _ in 0..31 {
+        times.0.push(timed(small));
+        times.1.push(timed(big));
+    }
+    times.0.sort_unstable();
+    times.1.sort_unstable();
+    (times.0[times.0.len() / 2], times.1[times.1.len() / 2])
 }
 
 /// Runs the render-peak-memory binary (its own process, with a counting allocator) and prints

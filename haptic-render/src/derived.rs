@@ -424,12 +424,13 @@ impl Extracts {
             .into_iter()
             .map(|dep| dep.filter(|d| !std::ptr::eq(Arc::as_ptr(d), self)))
             .collect();
-        let kept = |rows: &[Value]| {
-            rows.iter()
-                .enumerate()
-                .filter(|(i, _)| keep(*i))
-                .map(|(_, row)| row.clone())
-                .collect::<Vec<_>>()
+        let kept = |rows: &[Value], out: &mut Vec<Value>| {
+            out.extend(
+                rows.iter()
+                    .enumerate()
+                    .filter(|(i, _)| keep(*i))
+                    .map(|(_, row)| row.clone()),
+            );
         };
         let mut slots = self.rows.lock().unwrap_or_else(|poisoned| {
             let mut slots = poisoned.into_inner();
@@ -437,14 +438,14 @@ impl Extracts {
             slots
         });
         let Some(slot) = slots.get_mut(slot) else {
-            out.extend(kept(&compute()));
+            kept(&compute(), out);
             return;
         };
         match &*slot {
-            Some((old, rows)) if same_deps(old, &deps) => out.extend(kept(rows)),
+            Some((old, rows)) if same_deps(old, &deps) => kept(rows, out),
             _ => {
                 let rows = compute();
-                out.extend(kept(&rows));
+                kept(&rows, out);
                 *slot = Some((deps, rows));
             }
         }
@@ -453,18 +454,32 @@ impl Extracts {
 
 /// The Service ports Ingress paths resolve to, as (namespace, service, port).
 fn routed_ports<'a>(ingresses: &'a Store, services: &'a Store) -> HashSet<(&'a str, &'a str, i64)> {
+    let by_name = services_by_name(services);
     let mut routed = HashSet::new();
     for ((namespace, _), ing, extracts) in ingresses.entries() {
         for p in &extracts.ingress(ing).paths {
-            let Some((svc, extracts)) = services.get_entry(namespace, &p.service) else {
-                continue;
-            };
-            if let Some((_, port, _)) = extracts.service(namespace, &p.service, svc).resolve(p) {
+            let resolved = by_name
+                .get(&(namespace.as_str(), p.service.as_str()))
+                .and_then(|(svc, _)| svc.resolve(p));
+            if let Some((_, port, _)) = resolved {
                 routed.insert((namespace.as_str(), p.service.as_str(), *port));
             }
         }
     }
     routed
+}
+
+/// Each Service's extract (and extracts, for joins) by (namespace, name).
+fn services_by_name(services: &Store) -> HashMap<(&str, &str), (&ServiceExtract, &Arc<Extracts>)> {
+    services
+        .entries()
+        .map(|((namespace, name), svc, extracts)| {
+            (
+                (namespace.as_str(), name.as_str()),
+                (extracts.service(namespace, name, svc), extracts),
+            )
+        })
+        .collect()
 }
 
 fn service_backends(
@@ -547,15 +562,7 @@ fn service_backends(
 }
 
 fn ingress_routes(slot: usize, ingresses: &Store, services: &Store, exact: Option<bool>) -> Value {
-    let by_name: HashMap<(&str, &str), (&ServiceExtract, &Arc<Extracts>)> = services
-        .entries()
-        .map(|((namespace, name), svc, extracts)| {
-            (
-                (namespace.as_str(), name.as_str()),
-                (extracts.service(namespace, name, svc), extracts),
-            )
-        })
-        .collect();
+    let by_name = services_by_name(services);
     let mut rows = Vec::with_capacity(ingresses.len() * 2);
     for ((namespace, ingress), ing, extracts) in ingresses.entries() {
         let paths = &extracts.ingress(ing).paths;

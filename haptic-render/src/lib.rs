@@ -31,8 +31,14 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
-//! The reference Ingress template set is [`reference::template_set`]; [`fixtures`] generates
-//! Ingresses, Services, EndpointSlices and Secrets for tests and benchmarks.
+//! The Kubernetes joins every Ingress template needs (a Service port with its endpoints, an
+//! Ingress path with its Service port, a TLS entry with its Secret) are [`derived`] views,
+//! computed in Rust when the stores they read change and seen by templates as
+//! `derived.<name>` ([`Stores::derive`]).
+//!
+//! The reference Ingress template set is [`reference::template_set`], with its stores and derived
+//! views from [`reference::stores`]; [`fixtures`] generates Ingresses, Services, EndpointSlices
+//! and Secrets for tests and benchmarks.
 
 pub mod derived;
 pub mod fileset;

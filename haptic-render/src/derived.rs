@@ -15,9 +15,9 @@
 //! [`Stores::derive`](crate::Stores::derive) and seen by templates as `derived.<name>`, a list
 //! of rows (maps). Their fields:
 //!
-//! [`Derivation::ServiceBackends`]: a row per Service port (Services sorted by namespace and
-//! name, ports in spec order; a port without a numeric `port` is left out; with `routedBy`,
-//! only the ports a path of an Ingress in that store resolves to).
+//! [`Derivation::ServiceBackends`]: a row per TCP Service port (Services sorted by namespace
+//! and name, ports in spec order; a port without a numeric `port` is left out; with
+//! `routedBy`, only the ports a path of an Ingress in that store resolves to).
 //!
 //! | field | value |
 //! | --- | --- |
@@ -45,7 +45,7 @@
 //! | field | value |
 //! | --- | --- |
 //! | `namespace`, `ingress` | the Ingress's |
-//! | `host` | the rule's host as written, `""` for a rule without one (not checked) |
+//! | `host` | the rule's host as written, `""` for a rule without one (not checked; a rule whose host is not a string is left out) |
 //! | `path`, `path_type` | as written, `""` when absent (not checked) |
 //! | `service` | the Service the path names |
 //! | `port` | the Service port it resolves to, by number or by name as the path asks; none when the Service or the port does not exist |
@@ -63,7 +63,7 @@
 //! | `usable` | whether the Secret exists and is a `kubernetes.io/tls` Secret whose `tls.crt` and `tls.key` are base64 of a PEM certificate and a PEM private key |
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use serde::{Deserialize, Serialize};
 use tera::Value;
@@ -77,14 +77,17 @@ use crate::store::Store;
 #[serde(
     tag = "kind",
     rename_all = "camelCase",
-    rename_all_fields = "camelCase"
+    rename_all_fields = "camelCase",
+    deny_unknown_fields
 )]
 pub enum Derivation {
     /// A row per Service port: its backend name and the endpoints of the Service's
     /// EndpointSlices (label `kubernetes.io/service-name`, same namespace) whose port has the
     /// Service port's name, in slice order (sorted by name), then port, then endpoint order.
     /// FQDN slices and endpoints without addresses are left out; an endpoint's first address
-    /// is used. A Service port without a numeric `port` is left out.
+    /// is used. A Service port without a numeric `port`, and UDP and SCTP ports (of the
+    /// Service and of the slices), are left out: backends speak TCP, and a UDP port may share
+    /// a TCP port's number.
     ServiceBackends {
         /// The store of v1 Services.
         services: String,
@@ -98,7 +101,8 @@ pub enum Derivation {
         routed_by: Option<String>,
     },
     /// A row per path of an Ingress rule whose backend is a Service, resolved against the
-    /// Services: by port number or by port name, as the path asks. A path whose Service or
+    /// Services' TCP ports: by port number or by port name, as the path asks (the first port
+    /// that matches either, should a path give both). A path whose Service or
     /// Service port does not exist is still a row, with `backend` none, so that a template can
     /// decide what such a path gets. Resource backends are left out.
     IngressRoutes {
@@ -182,6 +186,14 @@ fn integer(value: Option<&Value>) -> Option<i64> {
 
 const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 
+/// Whether a Service or EndpointSlice port speaks TCP (`protocol` absent means TCP, as the
+/// API defaults it). HAProxy backends connect over TCP; a UDP or SCTP port may share its
+/// number with a TCP one (443/TCP and 443/UDP for HTTP/3, 53 for DNS), and must not become a
+/// second backend of the same name.
+fn is_tcp(port: &Value) -> bool {
+    attr(port, "protocol").is_none_or(|p| p.as_str() == Some("TCP"))
+}
+
 /// What the derivations need of one resource, taken from it once (on first use after the
 /// resource arrived) and kept beside it: a derived view is then recomputed from these small
 /// extracts, not by walking every resource again.
@@ -240,6 +252,7 @@ impl Extracts {
         self.service.get_or_init(|| ServiceExtract {
             ports: list(svc, &["spec", "ports"])
                 .iter()
+                .filter(|sp| is_tcp(sp))
                 .filter_map(|sp| {
                     let port = integer(attr(sp, "port"))?;
                     let backend = backend_name(namespace, name, &port.to_string());
@@ -257,7 +270,7 @@ impl Extracts {
             let mut ports = Vec::new();
             // FQDN slices give no addresses a server line can use.
             if address_type != "FQDN" {
-                for epp in list(slice, &["ports"]) {
+                for epp in list(slice, &["ports"]).iter().filter(|epp| is_tcp(epp)) {
                     let Some(port) = integer(attr(epp, "port")).filter(|p| *p != 0) else {
                         continue;
                     };
@@ -312,7 +325,14 @@ impl Extracts {
         self.ingress.get_or_init(|| {
             let mut paths = Vec::new();
             for rule in list(ing, &["spec", "rules"]) {
-                let host = Value::from(text(rule, &["host"]));
+                // A rule without a host matches every host; one whose host is not a string
+                // (refused by the API server) is left out rather than taken for that.
+                let host = match attr(rule, "host") {
+                    None => Value::from(""),
+                    Some(host) if host.is_none() => Value::from(""),
+                    Some(host) if host.as_str().is_some() => host.clone(),
+                    Some(_) => continue,
+                };
                 for p in list(rule, &["http", "paths"]) {
                     let Some(backend) = path(p, &["backend", "service"]) else {
                         continue;
@@ -376,11 +396,12 @@ fn endpoint_row(
     ]))
 }
 
-/// What a resource's rows were joined with: the extracts of the other resources (none where a
-/// join found nothing). Holding the `Arc`s keeps their addresses from being reused, so pointer
-/// equality means "the same versions". (A resource's own extracts are never among them: a
-/// new version of it has new, empty extracts.)
-type Deps = Vec<Option<Arc<Extracts>>>;
+/// What a resource's rows were joined with: the extracts of the resources found (none where a
+/// join found nothing). A `Weak` keeps its allocation, so its address cannot be reused and
+/// pointer equality means "the same versions"; being weak, it keeps nothing alive, so joins
+/// that point at each other (a store joined with itself, views chained both ways) form no
+/// cycle. (A resource's own version needs no tracking: a new version has new, empty extracts.)
+type Deps = Vec<Option<Weak<Extracts>>>;
 
 /// The rows a resource contributed to a view, and what they were joined with.
 type Contribution = (Deps, Vec<Value>);
@@ -388,7 +409,7 @@ type Contribution = (Deps, Vec<Value>);
 fn same_deps(a: &Deps, b: &Deps) -> bool {
     a.len() == b.len()
         && a.iter().zip(b).all(|(x, y)| match (x, y) {
-            (Some(x), Some(y)) => Arc::ptr_eq(x, y),
+            (Some(x), Some(y)) => Weak::ptr_eq(x, y),
             (None, None) => true,
             _ => false,
         })
@@ -417,13 +438,6 @@ impl Extracts {
         compute: impl FnOnce() -> Vec<Value>,
         keep: impl Fn(usize) -> bool,
     ) {
-        // A view configured to join a store with itself could find this very resource among
-        // its joins: holding its own `Arc` would be a cycle that never frees. Its own version
-        // needs no tracking anyway (see `Deps`).
-        let deps: Deps = deps
-            .into_iter()
-            .map(|dep| dep.filter(|d| !std::ptr::eq(Arc::as_ptr(d), self)))
-            .collect();
         let kept = |rows: &[Value], out: &mut Vec<Value>| {
             out.extend(
                 rows.iter()
@@ -505,7 +519,7 @@ fn service_backends(
         let slices: &[&Arc<Extracts>] = by_service
             .get(&(namespace.as_str(), service.as_str()))
             .map_or(&[][..], Vec::as_slice);
-        let deps: Deps = slices.iter().map(|e| Some(Arc::clone(e))).collect();
+        let deps: Deps = slices.iter().map(|e| Some(Arc::downgrade(e))).collect();
         let ports = &extracts.service(namespace, service, svc).ports;
         // A row per port, in port order: row `i` is port `i`'s.
         let keep = |i: usize| match (&routed, ports.get(i)) {
@@ -576,7 +590,7 @@ fn ingress_routes(slot: usize, ingresses: &Store, services: &Store, exact: Optio
             .collect();
         let deps: Deps = resolved
             .iter()
-            .map(|r| r.map(|(_, e)| Arc::clone(e)))
+            .map(|r| r.map(|(_, e)| Arc::downgrade(e)))
             .collect();
         // The cached rows are every path's (views of either kind share them); row `i` is path
         // `i`'s.
@@ -634,7 +648,7 @@ fn ingress_tls(slot: usize, ingresses: &Store, secrets: &Store) -> Value {
             .collect();
         let deps: Deps = found
             .iter()
-            .map(|f| f.map(|(_, e)| Arc::clone(e)))
+            .map(|f| f.map(|(_, e)| Arc::downgrade(e)))
             .collect();
         extracts.rows_into(slot, deps, &mut rows, || {
             entries
@@ -1161,13 +1175,148 @@ mod tests {
             services: "services".into(),
             exact: None,
         };
-        for bad in ["routes", "a-b", "1x", ""] {
+        for bad in ["a-b", "1x", ""] {
             assert!(
                 matches!(s.derive(bad, ok.clone()), Err(Error::InvalidDerivedName(_))),
                 "{bad:?}"
             );
         }
+        let err = s.derive("routes", ok.clone()).unwrap_err();
+        assert!(
+            matches!(&err, Error::DuplicateDerivedName(n) if n == "routes"),
+            "{err}"
+        );
+        assert!(
+            err.to_string()
+                .contains("already a derived view named `routes`"),
+            "{err}"
+        );
         assert!(s.derived_json("nothing").is_none());
+    }
+
+    #[test]
+    fn views_of_one_kind_over_different_stores_and_a_store_joined_with_itself_stay_apart() {
+        let mut s = Stores::new();
+        for name in ["x", "y"] {
+            s.add(name, StoreConfig::default()).unwrap();
+        }
+        let routes = |services: &str| Derivation::IngressRoutes {
+            ingresses: "x".into(),
+            services: services.into(),
+            exact: None,
+        };
+        s.derive("selfjoin", routes("x")).unwrap();
+        s.derive("other", routes("y")).unwrap();
+        // One resource that is both an Ingress pointing at Service `a` and that Service.
+        apply(
+            &mut s,
+            "x",
+            json!({"metadata": {"namespace": "ns", "name": "a"},
+            "spec": {"ports": [{"port": 80}], "rules": [{"http": {"paths": [
+                {"path": "/", "backend": {"service": {"name": "a", "port": {"number": 80}}}}]}}]}}),
+        );
+        for _ in 0..2 {
+            assert_eq!(derived(&s, "selfjoin")[0]["backend"], "ns_a_80");
+            assert_eq!(
+                derived(&s, "other")[0]["backend"],
+                Json::Null,
+                "no Service `a` in y"
+            );
+        }
+        apply(
+            &mut s,
+            "y",
+            json!({"metadata": {"namespace": "ns", "name": "a"},
+            "spec": {"ports": [{"port": 80}]}}),
+        );
+        assert_eq!(derived(&s, "other")[0]["backend"], "ns_a_80");
+        assert_eq!(derived(&s, "selfjoin")[0]["backend"], "ns_a_80");
+    }
+
+    #[test]
+    fn joins_pointing_at_each_other_keep_nothing_alive() {
+        let mut s = Stores::new();
+        s.add("x", StoreConfig::default()).unwrap();
+        s.derive(
+            "selfjoin",
+            Derivation::IngressRoutes {
+                ingresses: "x".into(),
+                services: "x".into(),
+                exact: None,
+            },
+        )
+        .unwrap();
+        // `a` routes to `b` and `b` to `a`: each one's rows are joined with the other.
+        for (name, to) in [("a", "b"), ("b", "a")] {
+            apply(
+                &mut s,
+                "x",
+                json!({"metadata": {"namespace": "ns", "name": name},
+                "spec": {"ports": [{"port": 80}], "rules": [{"http": {"paths": [
+                    {"path": "/", "backend": {"service": {"name": to, "port": {"number": 80}}}}]}}]}}),
+            );
+        }
+        assert_eq!(derived(&s, "selfjoin").as_array().unwrap().len(), 2);
+        let extracts: Vec<std::sync::Weak<super::Extracts>> = s
+            .get("x")
+            .unwrap()
+            .entries()
+            .map(|(_, _, e)| std::sync::Arc::downgrade(e))
+            .collect();
+        drop(s);
+        assert!(
+            extracts.iter().all(|e| e.upgrade().is_none()),
+            "extracts outlived their stores"
+        );
+    }
+
+    #[test]
+    fn a_rule_whose_host_is_not_a_string_is_left_out() {
+        let mut s = stores();
+        service(&mut s, "web", json!([{"name": "http", "port": 80}]));
+        let path = json!({"path": "/", "pathType": "Prefix",
+                          "backend": {"service": {"name": "web", "port": {"number": 80}}}});
+        apply(
+            &mut s,
+            "ingresses",
+            json!({"metadata": {"namespace": "ns", "name": "shop"},
+            "spec": {"rules": [{"host": ["evil.example.com"], "http": {"paths": [path]}},
+                               {"host": null, "http": {"paths": [path]}}]}}),
+        );
+        let rows = derived(&s, "routes");
+        assert_eq!(rows.as_array().unwrap().len(), 1, "{rows}");
+        assert_eq!(rows[0]["host"], "", "a null host is a rule without one");
+    }
+
+    #[test]
+    fn udp_ports_sharing_a_tcp_port_number_are_left_out() {
+        let mut s = stores();
+        service(
+            &mut s,
+            "web",
+            json!([{"name": "h3", "port": 443, "protocol": "UDP"},
+                                       {"name": "https", "port": 443, "protocol": "TCP"}]),
+        );
+        slice(
+            &mut s,
+            "web-a",
+            "web",
+            json!({"ports": [
+            {"name": "h3", "port": 8443, "protocol": "UDP"}, {"name": "https", "port": 8443}]}),
+        );
+        let backends = derived(&s, "backends");
+        assert_eq!(backends.as_array().unwrap().len(), 1, "{backends}");
+        assert_eq!(backends[0]["port_name"], "https");
+        assert_eq!(backends[0]["endpoints"][0]["endpoint"], "10.0.0.1:8443");
+    }
+
+    #[test]
+    fn derivations_refuse_unknown_fields() {
+        let err = serde_json::from_value::<Derivation>(json!({
+            "kind": "serviceBackends", "services": "s", "endpointSlices": "e", "routedBY": "i"
+        }))
+        .unwrap_err();
+        assert!(err.to_string().contains("routedBY"), "{err}");
     }
 
     #[test]

@@ -237,10 +237,11 @@ impl Renderer {
         let store_views =
             || -> Vec<(&str, _)> { stores.iter().map(|(n, s)| (n, s.view())).collect() };
         // After a watch event, the changed stores' views and the derived views that read them
-        // are rebuilt here, before any template runs: on two threads when there are two.
+        // are rebuilt here, before any template runs: the store views on this thread, the
+        // derived views on the others (at most `threads` in all).
         let (views, derived) = if self.threads > 1 {
             std::thread::scope(|scope| {
-                let derived = scope.spawn(|| stores.derived_values(true));
+                let derived = scope.spawn(|| stores.derived_values(self.threads - 1));
                 let views = store_views();
                 match derived.join() {
                     Ok(derived) => (views, derived),
@@ -248,7 +249,7 @@ impl Renderer {
                 }
             })
         } else {
-            (store_views(), stores.derived_values(false))
+            (store_views(), stores.derived_values(1))
         };
         context.insert_value(
             "resources",

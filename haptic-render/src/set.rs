@@ -44,7 +44,7 @@ pub enum Error {
     ReservedSnippetName(String),
     /// An `extraContext` key is not an identifier or is reserved.
     #[error(
-        "extraContext.{0}: the key must be an identifier other than `resources`, `item` and `__haptic_*`"
+        "extraContext.{0}: the key must be an identifier other than `resources`, `derived`, `item` and `__haptic_*`"
     )]
     InvalidContextKey(String),
 }

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, btree_map};
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use serde::{Deserialize, Serialize};
@@ -35,11 +35,14 @@ pub enum Error {
         "store name `{0}` is not usable in templates: use letters, digits and `_`, not starting with a digit"
     )]
     InvalidStoreName(String),
-    /// A derived view's name is not usable in templates or is taken.
+    /// A derived view's name is not usable in templates.
     #[error(
-        "derived view name `{0}` is not usable in templates (letters, digits and `_`, not starting with a digit) or is already taken"
+        "derived view name `{0}` is not usable in templates: use letters, digits and `_`, not starting with a digit"
     )]
     InvalidDerivedName(String),
+    /// A derived view with this name exists already.
+    #[error("there is already a derived view named `{0}`")]
+    DuplicateDerivedName(String),
     /// A derived view reads a store that does not exist.
     #[error("derived view `{view}` reads store `{store}`, which is not among the stores ({known})")]
     UnknownStore {
@@ -444,8 +447,11 @@ impl Stores {
     /// one of them changed, and shared by renders until then.
     pub fn derive(&mut self, name: impl Into<String>, derivation: Derivation) -> Result<()> {
         let name = name.into();
-        if !is_identifier(&name) || self.derived.contains_key(&name) {
+        if !is_identifier(&name) {
             return Err(Error::InvalidDerivedName(name));
+        }
+        if self.derived.contains_key(&name) {
+            return Err(Error::DuplicateDerivedName(name));
         }
         for store in derivation.inputs() {
             if !self.stores.contains_key(store) {
@@ -461,7 +467,8 @@ impl Stores {
     }
 
     /// The rows of the derived view `name` as JSON (computed if stale), for callers outside
-    /// templates; `None` when there is no such view.
+    /// templates; `None` when there is no such view. (Rows are maps of strings, numbers,
+    /// booleans and lists: they always convert.)
     pub fn derived_json(&self, name: &str) -> Option<Json> {
         let view = self.derived.get(name)?;
         serde_json::to_value(view.value(&self.inputs(view)?)).ok()
@@ -478,9 +485,9 @@ impl Stores {
     }
 
     /// Derived view names and their template values, sorted by name; each recomputed only when
-    /// a store it reads changed since it was last computed (stale views in parallel when
-    /// `parallel`, otherwise on the calling thread).
-    pub(crate) fn derived_values(&self, parallel: bool) -> Vec<(&str, Value)> {
+    /// a store it reads changed since it was last computed, stale ones on up to `workers`
+    /// threads (this one included).
+    pub(crate) fn derived_values(&self, workers: usize) -> Vec<(&str, Value)> {
         let views: Vec<(&str, &DerivedView, Vec<&Store>)> = self
             .derived
             .iter()
@@ -490,14 +497,20 @@ impl Stores {
             .iter()
             .filter(|(_, view, inputs)| !view.is_fresh(inputs))
             .collect();
-        // Stale views are independent of each other: compute them in parallel.
-        if parallel && stale.len() > 1 {
-            std::thread::scope(|scope| {
-                for (_, view, inputs) in &stale {
-                    scope.spawn(|| view.value(inputs));
-                }
-            });
-        }
+        // Stale views are independent of each other: the workers take them in turn.
+        let helpers = workers.min(stale.len()).saturating_sub(1);
+        let next = AtomicUsize::new(0);
+        let work = || {
+            while let Some((_, view, inputs)) = stale.get(next.fetch_add(1, Ordering::Relaxed)) {
+                view.value(inputs);
+            }
+        };
+        std::thread::scope(|scope| {
+            for _ in 0..helpers {
+                scope.spawn(work);
+            }
+            work();
+        });
         views
             .iter()
             .map(|(name, view, inputs)| (*name, view.value(inputs)))

@@ -94,6 +94,12 @@ fn resolve(event: &Event) -> (&'static str, Json, bool) {
                 2 => s["endpoints"] = json!([]),
                 3 => s["ports"][0]["name"] = json!("web"),
                 4 => s["addressType"] = json!("FQDN"),
+                5 => {
+                    s["ports"] = json!([
+                        {"name": "h3", "port": 8443, "protocol": "UDP"},
+                        {"name": "http", "port": 8080, "protocol": "TCP"},
+                    ]);
+                }
                 _ => {
                     // A second slice of the same Service.
                     let name = format!("{}-extra", s["metadata"]["name"].as_str().unwrap());
@@ -108,6 +114,14 @@ fn resolve(event: &Event) -> (&'static str, Json, bool) {
             match variant {
                 0 => s["spec"]["ports"] = json!([{"name": "metrics", "port": 9090}]),
                 1 => s["spec"]["ports"][0]["port"] = json!(8080),
+                // HTTP/3 beside HTTPS: a UDP port with the number (and a name) of a TCP one.
+                2 => {
+                    s["spec"]["ports"] = json!([
+                        {"name": "h3", "port": 80, "protocol": "UDP"},
+                        {"name": "http", "port": 80, "protocol": "TCP"},
+                        {"name": "metrics", "port": 9090},
+                    ]);
+                }
                 _ => s["spec"]["ports"] = json!([]),
             }
             ("services", s, false)
@@ -118,6 +132,7 @@ fn resolve(event: &Event) -> (&'static str, Json, bool) {
             match variant {
                 0 => first["name"] = json!(format!("app-{:05}", (*i + 1) % N)),
                 1 => first["port"] = json!({"name": "metrics"}),
+                6 => first["port"] = json!({"name": "h3"}),
                 2 => first["name"] = json!("nope"),
                 3 => s["spec"]["rules"][0]["host"] = json!("*.wild.example.com"),
                 4 => {
@@ -162,9 +177,9 @@ fn arb_event() -> impl Strategy<Value = Event> {
     prop_oneof![
         (store.clone(), 0..N).prop_map(|(s, i)| Event::Base(s, i)),
         (store, 0..N).prop_map(|(s, i)| Event::Remove(s, i)),
-        (0..N, 0u8..6).prop_map(|(i, v)| Event::Slice(i, v)),
-        (0..N, 0u8..3).prop_map(|(i, v)| Event::Service(i, v)),
-        (0..N, 0u8..6).prop_map(|(i, v)| Event::Ingress(i, v)),
+        (0..N, 0u8..7).prop_map(|(i, v)| Event::Slice(i, v)),
+        (0..N, 0u8..4).prop_map(|(i, v)| Event::Service(i, v)),
+        (0..N, 0u8..7).prop_map(|(i, v)| Event::Ingress(i, v)),
         (0u8..4).prop_map(Event::Secret),
     ]
 }

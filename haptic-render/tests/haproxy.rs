@@ -169,6 +169,26 @@ fn broken_ingresses_never_produce_an_invalid_config() {
         ingress("tls-opaque", json!({"tls": [{"secretName": "opaque"}]})),
         ingress("tls-bad-b64", json!({"tls": [{"secretName": "bad-b64"}]})),
         ingress("tls-not-pem", json!({"tls": [{"secretName": "not-pem"}]})),
+        // A host that is not a string (the API server refuses it): left out, not "any host".
+        ingress(
+            "host-not-string",
+            json!({"rules": [{"host": ["evil.example.com"], "http": {"paths": [{"path": "/evil",
+                "pathType": "Prefix", "backend": {"service": {"name": "web", "port": {"number": 80}}}}]}}]}),
+        ),
+        // Not broken: HTTPS and HTTP/3 on one number (443/TCP, 443/UDP), routed by number and
+        // by either name: one backend, of the TCP port.
+        ingress(
+            "quic-by-number",
+            json!({"rules": [rule("q1.broken.example.com", "/", "Prefix", "quic", json!({"number": 443}))]}),
+        ),
+        ingress(
+            "quic-by-name",
+            json!({"rules": [rule("q2.broken.example.com", "/", "Prefix", "quic", json!({"name": "https"}))]}),
+        ),
+        ingress(
+            "quic-by-udp-name",
+            json!({"rules": [rule("q3.broken.example.com", "/", "Prefix", "quic", json!({"name": "h3"}))]}),
+        ),
     ];
     let ingresses = stores.get_mut("ingresses").unwrap();
     for resource in &broken {
@@ -182,6 +202,13 @@ fn broken_ingresses_never_produce_an_invalid_config() {
         .unwrap()
         .apply(&json!({"metadata": {"namespace": "broken", "name": "web"},
             "spec": {"ports": [{"name": "http", "port": 80}]}}))
+        .unwrap();
+    stores
+        .get_mut("services")
+        .unwrap()
+        .apply(&json!({"metadata": {"namespace": "broken", "name": "quic"},
+            "spec": {"ports": [{"name": "h3", "port": 443, "protocol": "UDP"},
+                               {"name": "https", "port": 443, "protocol": "TCP"}]}}))
         .unwrap();
     let slices = stores.get_mut("endpointslices").unwrap();
     // A slice without endpoints, one of FQDNs and one whose endpoints lack addresses.
@@ -200,6 +227,12 @@ fn broken_ingresses_never_produce_an_invalid_config() {
             json!({"addressType": "IPv4", "ports": [{"name": "http", "port": 8080}],
             "endpoints": [{"conditions": {"ready": true}}, {"addresses": ["10.9.9.9"]}]}),
         ),
+        (
+            "quic-a",
+            json!({"addressType": "IPv4", "ports": [{"name": "h3", "port": 8443, "protocol": "UDP"},
+                {"name": "https", "port": 8443, "protocol": "TCP"}],
+            "endpoints": [{"addresses": ["10.8.8.8"]}]}),
+        ),
         // Not broken: IPv6 endpoints are written in brackets.
         (
             "web-d",
@@ -208,8 +241,13 @@ fn broken_ingresses_never_produce_an_invalid_config() {
         ),
     ] {
         let mut slice = body;
+        let service = if name.starts_with("quic") {
+            "quic"
+        } else {
+            "web"
+        };
         slice["metadata"] = json!({"namespace": "broken", "name": name,
-            "labels": {"kubernetes.io/service-name": "web"}});
+            "labels": {"kubernetes.io/service-name": service}});
         slices.apply(&slice).unwrap();
     }
     let secrets = stores.get_mut("secrets").unwrap();
@@ -270,4 +308,22 @@ fn broken_ingresses_never_produce_an_invalid_config() {
         web.contains("server web-d_fd00__1 [fd00::1]:8080 check"),
         "{web}"
     );
+    // 443/TCP and 443/UDP: one backend, with the TCP slice port's endpoint; routed by number
+    // and by the TCP name, not by the UDP name.
+    assert_eq!(cfg.matches("backend broken_quic_443\n").count(), 1, "{cfg}");
+    assert!(
+        cfg.contains("server quic-a_10.8.8.8 10.8.8.8:8443 check"),
+        "{cfg}"
+    );
+    assert!(
+        maps.contains("q1.broken.example.com/ broken_quic_443\n"),
+        "{maps}"
+    );
+    assert!(
+        maps.contains("q2.broken.example.com/ broken_quic_443\n"),
+        "{maps}"
+    );
+    assert!(!maps.contains("q3.broken"), "{maps}");
+    // The rule whose host is not a string wrote nothing, under no host.
+    assert!(!maps.contains("/evil"), "{maps}");
 }

@@ -317,6 +317,16 @@ fn sync_dir(dir: &Path) -> Result<()> {
 mod tests {
     use super::*;
 
+    /// Metadata of a set applied by leader `l` at epoch 1, generation 1.
+    fn meta(checksum: &str) -> SetMeta {
+        SetMeta {
+            checksum: checksum.to_owned(),
+            generation: 1,
+            leader: "l".into(),
+            epoch: 1,
+        }
+    }
+
     #[test]
     fn staged_set_reads_back_with_the_same_checksum() {
         let root = tempfile::tempdir().expect("tempdir");
@@ -327,12 +337,7 @@ mod tests {
             .expect("set");
         let checksum = files.checksum();
         let (name, _) = store.stage(&files, &checksum).expect("stage");
-        let meta = SetMeta {
-            checksum: checksum.clone(),
-            generation: 1,
-            leader: "l".into(),
-            epoch: 1,
-        };
+        let meta = meta(&checksum);
         store.promote(&name, &meta).expect("promote");
         assert_eq!(store.checksum_on_disk(&name).expect("sum"), checksum);
         assert_eq!(store.meta(&name), Some(meta));
@@ -359,12 +364,7 @@ mod tests {
         let (name, dir) = store.write_staged(&files, &checksum).expect("write");
         assert!(dir.join("maps/a/b.map").is_file());
         store.sync_staged(&name).expect("sync");
-        let meta = SetMeta {
-            checksum: checksum.clone(),
-            generation: 1,
-            leader: "l".into(),
-            epoch: 1,
-        };
+        let meta = meta(&checksum);
         store.promote(&name, &meta).expect("promote");
         assert_eq!(store.checksum_on_disk(&name).expect("sum"), checksum);
         assert!(store.sync_staged(&name).is_err(), "no longer in staging");

@@ -1326,5 +1326,24 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(d.inputs(), ["s", "e"]);
+        // The reference views in the shape the README shows, and back.
+        let config = json!({
+            "backends": {"kind": "serviceBackends", "services": "services",
+                         "endpointSlices": "endpointslices", "routedBy": "ingresses"},
+            "routes_exact": {"kind": "ingressRoutes", "ingresses": "ingresses",
+                             "services": "services", "exact": true},
+            "routes_prefix": {"kind": "ingressRoutes", "ingresses": "ingresses",
+                              "services": "services", "exact": false},
+            "tls": {"kind": "ingressTls", "ingresses": "ingresses", "secrets": "secrets"},
+        });
+        for (name, derivation) in crate::reference::derivations() {
+            let parsed: Derivation = serde_json::from_value(config[name].clone()).unwrap();
+            assert_eq!(parsed, derivation, "{name}");
+            assert_eq!(
+                serde_json::to_value(&derivation).unwrap(),
+                config[name],
+                "{name}"
+            );
+        }
     }
 }

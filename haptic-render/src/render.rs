@@ -234,23 +234,11 @@ impl Renderer {
         for (key, value) in &self.extra {
             context.insert_value(key.clone(), value.clone());
         }
-        let store_views =
-            || -> Vec<(&str, _)> { stores.iter().map(|(n, s)| (n, s.view())).collect() };
         // After a watch event, the changed stores' views and the derived views that read them
-        // are rebuilt here, before any template runs: the store views on this thread, the
-        // derived views on the others (at most `threads` in all).
-        let (views, derived) = if self.threads > 1 {
-            std::thread::scope(|scope| {
-                let derived = scope.spawn(|| stores.derived_values(self.threads - 1));
-                let views = store_views();
-                match derived.join() {
-                    Ok(derived) => (views, derived),
-                    Err(panic) => std::panic::resume_unwind(panic),
-                }
-            })
-        } else {
-            (store_views(), stores.derived_values(1))
-        };
+        // are rebuilt here, before any template runs, on the render's threads.
+        stores.refresh(self.threads);
+        let views: Vec<(&str, _)> = stores.iter().map(|(n, s)| (n, s.view())).collect();
+        let derived = stores.derived_values();
         context.insert_value(
             "resources",
             map_value(views.iter().map(|(n, v)| (*n, v.list.clone()))),

@@ -484,36 +484,50 @@ impl Stores {
             .collect()
     }
 
-    /// Derived view names and their template values, sorted by name; each recomputed only when
-    /// a store it reads changed since it was last computed, stale ones on up to `workers`
-    /// threads (this one included).
-    pub(crate) fn derived_values(&self, workers: usize) -> Vec<(&str, Value)> {
-        let views: Vec<(&str, &DerivedView, Vec<&Store>)> = self
-            .derived
-            .iter()
-            .filter_map(|(name, view)| Some((name.as_str(), view, self.inputs(view)?)))
-            .collect();
-        let stale: Vec<&(&str, &DerivedView, Vec<&Store>)> = views
-            .iter()
-            .filter(|(_, view, inputs)| !view.is_fresh(inputs))
-            .collect();
-        // Stale views are independent of each other: the workers take them in turn.
-        let helpers = workers.min(stale.len()).saturating_sub(1);
+    /// Rebuilds, on up to `workers` threads (this one included), every store view and every
+    /// derived view that a change made stale: after a watch event, the changed store's view
+    /// and the derived views that read it. The derived views go first: they are the longer
+    /// jobs.
+    pub(crate) fn refresh(&self, workers: usize) {
+        enum Job<'a> {
+            Derived(&'a DerivedView, Vec<&'a Store>),
+            Store(&'a Store),
+        }
+        let derived = self.derived.values().filter_map(|view| {
+            let inputs = self.inputs(view)?;
+            (!view.is_fresh(&inputs)).then_some(Job::Derived(view, inputs))
+        });
+        let stores = self
+            .stores
+            .values()
+            .filter(|store| store.view.get().is_none())
+            .map(Job::Store);
+        let jobs: Vec<Job<'_>> = derived.chain(stores).collect();
+        // The jobs are independent of each other: the workers take them in turn.
         let next = AtomicUsize::new(0);
         let work = || {
-            while let Some((_, view, inputs)) = stale.get(next.fetch_add(1, Ordering::Relaxed)) {
-                view.value(inputs);
+            while let Some(job) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
+                match job {
+                    Job::Derived(view, inputs) => drop(view.value(inputs)),
+                    Job::Store(store) => drop(store.view()),
+                }
             }
         };
+        let helpers = workers.min(jobs.len()).saturating_sub(1);
         std::thread::scope(|scope| {
             for _ in 0..helpers {
                 scope.spawn(work);
             }
             work();
         });
-        views
+    }
+
+    /// Derived view names and their template values, sorted by name (each recomputed first if
+    /// a store it reads changed since: [`Stores::refresh`] does that ahead, in parallel).
+    pub(crate) fn derived_values(&self) -> Vec<(&str, Value)> {
+        self.derived
             .iter()
-            .map(|(name, view, inputs)| (*name, view.value(inputs)))
+            .filter_map(|(name, view)| Some((name.as_str(), view.value(&self.inputs(view)?))))
             .collect()
     }
 }

@@ -406,34 +406,42 @@ type Deps = Vec<Option<Weak<Extracts>>>;
 /// The rows a resource contributed to a view, and what they were joined with.
 type Contribution = (Deps, Vec<Value>);
 
-fn same_deps(a: &Deps, b: &Deps) -> bool {
-    a.len() == b.len()
-        && a.iter().zip(b).all(|(x, y)| match (x, y) {
-            (Some(x), Some(y)) => Weak::ptr_eq(x, y),
-            (None, None) => true,
+/// Whether `joined` are the versions `deps` recorded (by address, without touching counts).
+fn same_deps<'a>(deps: &Deps, joined: impl Iterator<Item = Option<&'a Arc<Extracts>>>) -> bool {
+    let mut count = 0;
+    for (i, now) in joined.enumerate() {
+        count = i + 1;
+        let same = match (deps.get(i), now) {
+            (Some(Some(then)), Some(now)) => std::ptr::eq(then.as_ptr(), Arc::as_ptr(now)),
+            (Some(None), None) => true,
             _ => false,
-        })
+        };
+        if !same {
+            return false;
+        }
+    }
+    count == deps.len()
 }
 
 impl Extracts {
     /// Appends this resource's rows for the view of kind `slot`: the ones it last contributed
-    /// when they were joined with the same `deps`, otherwise `compute()`'s (then kept for the
-    /// next time).
-    fn rows_into(
+    /// when they were joined with the same versions of the same resources (`joined`, none
+    /// where a join found nothing), otherwise `compute()`'s (then kept for the next time).
+    fn rows_into<'a>(
         &self,
         slot: usize,
-        deps: Deps,
+        joined: impl Iterator<Item = Option<&'a Arc<Extracts>>> + Clone,
         out: &mut Vec<Value>,
         compute: impl FnOnce() -> Vec<Value>,
     ) {
-        self.rows_into_if(slot, deps, out, compute, |_| true);
+        self.rows_into_if(slot, joined, out, compute, |_| true);
     }
 
     /// As [`Extracts::rows_into`], appending only the rows whose index `keep` accepts.
-    fn rows_into_if(
+    fn rows_into_if<'a>(
         &self,
         slot: usize,
-        deps: Deps,
+        joined: impl Iterator<Item = Option<&'a Arc<Extracts>>> + Clone,
         out: &mut Vec<Value>,
         compute: impl FnOnce() -> Vec<Value>,
         keep: impl Fn(usize) -> bool,
@@ -456,10 +464,11 @@ impl Extracts {
             return;
         };
         match &*slot {
-            Some((old, rows)) if same_deps(old, &deps) => kept(rows, out),
+            Some((deps, rows)) if same_deps(deps, joined.clone()) => kept(rows, out),
             _ => {
                 let rows = compute();
                 kept(&rows, out);
+                let deps = joined.map(|dep| dep.map(Arc::downgrade)).collect();
                 *slot = Some((deps, rows));
             }
         }
@@ -519,7 +528,6 @@ fn service_backends(
         let slices: &[&Arc<Extracts>] = by_service
             .get(&(namespace.as_str(), service.as_str()))
             .map_or(&[][..], Vec::as_slice);
-        let deps: Deps = slices.iter().map(|e| Some(Arc::downgrade(e))).collect();
         let ports = &extracts.service(namespace, service, svc).ports;
         // A row per port, in port order: row `i` is port `i`'s.
         let keep = |i: usize| match (&routed, ports.get(i)) {
@@ -531,7 +539,7 @@ fn service_backends(
         };
         extracts.rows_into_if(
             slot,
-            deps,
+            slices.iter().map(|e| Some(*e)),
             &mut rows,
             || {
                 ports
@@ -588,17 +596,14 @@ fn ingress_routes(slot: usize, ingresses: &Store, services: &Store, exact: Optio
                     .copied()
             })
             .collect();
-        let deps: Deps = resolved
-            .iter()
-            .map(|r| r.map(|(_, e)| Arc::downgrade(e)))
-            .collect();
+        let joined = resolved.iter().map(|r| r.map(|(_, e)| e));
         // The cached rows are every path's (views of either kind share them); row `i` is path
         // `i`'s.
         let keep =
             |i: usize| exact.is_none_or(|exact| paths.get(i).is_some_and(|p| p.exact == exact));
         extracts.rows_into_if(
             slot,
-            deps,
+            joined,
             &mut rows,
             || {
                 paths
@@ -646,11 +651,8 @@ fn ingress_tls(slot: usize, ingresses: &Store, secrets: &Store) -> Value {
                 Some((extracts.usable_certificate(secret), extracts))
             })
             .collect();
-        let deps: Deps = found
-            .iter()
-            .map(|f| f.map(|(_, e)| Arc::downgrade(e)))
-            .collect();
-        extracts.rows_into(slot, deps, &mut rows, || {
+        let joined = found.iter().map(|f| f.map(|(_, e)| e));
+        extracts.rows_into(slot, joined, &mut rows, || {
             entries
                 .iter()
                 .zip(&found)

@@ -62,7 +62,7 @@
 //! | `file` | `ssl_file(namespace, secret)`: where a per-Secret certificate output writes it |
 //! | `usable` | whether the Secret exists and is a `kubernetes.io/tls` Secret whose `tls.crt` and `tls.key` are base64 of a PEM certificate and a PEM private key |
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use serde::{Deserialize, Serialize};
@@ -475,21 +475,39 @@ impl Extracts {
     }
 }
 
-/// The Service ports Ingress paths resolve to, as (namespace, service, port).
-fn routed_ports<'a>(ingresses: &'a Store, services: &'a Store) -> HashSet<(&'a str, &'a str, i64)> {
+/// The Service ports Ingress paths resolve to: namespace -> Service -> port numbers. Owned,
+/// so that a view keeps it while only its slices change (the commonest event: Pods come and
+/// go), and looked up by `&str` without allocating.
+type Routed = HashMap<String, HashMap<String, Vec<i64>>>;
+
+fn routed_ports(ingresses: &Store, services: &Store) -> Routed {
     let by_name = services_by_name(services);
-    let mut routed = HashSet::new();
+    let mut routed = Routed::new();
     for ((namespace, _), ing, extracts) in ingresses.entries() {
         for p in &extracts.ingress(ing).paths {
             let resolved = by_name
                 .get(&(namespace.as_str(), p.service.as_str()))
                 .and_then(|(svc, _)| svc.resolve(p));
             if let Some((_, port, _)) = resolved {
-                routed.insert((namespace.as_str(), p.service.as_str(), *port));
+                let ports = routed
+                    .entry(namespace.clone())
+                    .or_default()
+                    .entry(p.service.clone())
+                    .or_default();
+                if !ports.contains(port) {
+                    ports.push(*port);
+                }
             }
         }
     }
     routed
+}
+
+fn is_routed(routed: &Routed, namespace: &str, service: &str, port: i64) -> bool {
+    routed
+        .get(namespace)
+        .and_then(|services| services.get(service))
+        .is_some_and(|ports| ports.contains(&port))
 }
 
 /// Each Service's extract (and extracts, for joins) by (namespace, name).
@@ -509,9 +527,8 @@ fn service_backends(
     slot: usize,
     services: &Store,
     slices: &Store,
-    routed_by: Option<&Store>,
+    routed: Option<&Routed>,
 ) -> Value {
-    let routed = routed_by.map(|ingresses| routed_ports(ingresses, services));
     // The slices of each Service, in the store's (namespace, name) order.
     let mut by_service: HashMap<(&str, &str), Vec<&Arc<Extracts>>> = HashMap::new();
     for ((namespace, _), slice, extracts) in slices.entries() {
@@ -532,9 +549,7 @@ fn service_backends(
         // A row per port, in port order: row `i` is port `i`'s.
         let keep = |i: usize| match (&routed, ports.get(i)) {
             (None, _) => true,
-            (Some(routed), Some((_, port, _))) => {
-                routed.contains(&(namespace.as_str(), service.as_str(), *port))
-            }
+            (Some(routed), Some((_, port, _))) => is_routed(routed, namespace, service, *port),
             (Some(_), None) => false,
         };
         extracts.rows_into_if(
@@ -687,6 +702,9 @@ struct ViewState {
     /// The input stores' generations the value was computed from.
     built_from: Option<Vec<u64>>,
     value: Value,
+    /// For `routedBy`: the routed ports, and the generations of the Ingresses and Services
+    /// they were computed from.
+    routed: Option<([u64; 2], Routed)>,
 }
 
 impl Clone for DerivedView {
@@ -705,6 +723,7 @@ impl DerivedView {
             state: Mutex::new(ViewState {
                 built_from: None,
                 value: Value::none(),
+                routed: None,
             }),
         }
     }
@@ -719,6 +738,7 @@ impl DerivedView {
         self.state.lock().unwrap_or_else(|poisoned| {
             let mut state = poisoned.into_inner();
             state.built_from = None;
+            state.routed = None;
             state
         })
     }
@@ -739,7 +759,21 @@ impl DerivedView {
             let slot = self.derivation.slot();
             let value = match (&self.derivation, inputs) {
                 (Derivation::ServiceBackends { .. }, [services, slices, rest @ ..]) => {
-                    service_backends(slot, services, slices, rest.first().copied())
+                    let routed = match rest.first() {
+                        None => None,
+                        Some(ingresses) => {
+                            let from = [ingresses.generation(), services.generation()];
+                            if state
+                                .routed
+                                .as_ref()
+                                .is_none_or(|(built, _)| *built != from)
+                            {
+                                state.routed = Some((from, routed_ports(ingresses, services)));
+                            }
+                            state.routed.as_ref().map(|(_, routed)| routed)
+                        }
+                    };
+                    service_backends(slot, services, slices, routed)
                 }
                 (Derivation::IngressRoutes { exact, .. }, [ingresses, services]) => {
                     ingress_routes(slot, ingresses, services, *exact)

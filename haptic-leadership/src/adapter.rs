@@ -13,7 +13,7 @@ use std::{
 
 use futures::{FutureExt, future::BoxFuture};
 use haptic_election::{
-    Callbacks, ElectionConfig, ElectionState, LeaderElector, Resign, StopReason,
+    Callbacks, ElectionConfig, ElectionState, HealthCheck, LeaderElector, Resign, StopReason,
 };
 use haptic_epoch::{EpochStore, Term};
 use haptic_eventbus::EventBus;
@@ -58,6 +58,8 @@ pub struct LeaderContext<E: LeaderEvents> {
     token: CancellationToken,
     identity: String,
     term: Arc<TermState>,
+    state: watch::Receiver<ElectionState>,
+    fresh_for: Option<Duration>,
 }
 
 impl<E: LeaderEvents> Clone for LeaderContext<E> {
@@ -67,6 +69,8 @@ impl<E: LeaderEvents> Clone for LeaderContext<E> {
             token: self.token.clone(),
             identity: self.identity.clone(),
             term: self.term.clone(),
+            state: self.state.clone(),
+            fresh_for: self.fresh_for,
         }
     }
 }
@@ -145,6 +149,22 @@ impl<E: LeaderEvents> LeaderContext<E> {
         }
     }
 
+    /// Whether this replica may still act as the leader right now, judged on its own monotonic
+    /// clock: the term is not over and the last successful renew is younger than RenewDeadline
+    /// (always true in disabled mode). A leader that was frozen (SIGSTOP, a long GC-like pause)
+    /// past its deadline sees `false` at once on waking, before the elector has noticed; use it
+    /// to guard writes that no fence protects, such as status updates.
+    pub fn lease_is_fresh(&self) -> bool {
+        if self.token.is_cancelled() {
+            return false;
+        }
+        let Some(limit) = self.fresh_for else {
+            return true;
+        };
+        let state = self.state.borrow();
+        state.is_leader && state.last_renew.is_some_and(|at| at.elapsed() < limit)
+    }
+
     /// Ends the term: leader-only components are cancelled and awaited, then the Lease is
     /// released, so only a fresh acquisition (with a fresh epoch) continues. Returns at once;
     /// the caller returns when its token is cancelled.
@@ -166,6 +186,7 @@ struct Hooks {
 pub struct Leadership<E: LeaderEvents> {
     client: Client,
     config: ElectionConfig,
+    elector: LeaderElector,
     bus: EventBus<E>,
     all_replica: Vec<(String, AllReplicaFn<E>)>,
     leader_only: Vec<(String, LeaderOnlyFn<E>)>,
@@ -200,15 +221,18 @@ struct Shared<E: LeaderEvents> {
     stop_timeout: Duration,
     state: watch::Receiver<ElectionState>,
     resign: Resign,
+    fresh_for: Option<Duration>,
 }
 
 impl<E: LeaderEvents> Leadership<E> {
     /// An adapter for `config` publishing into `bus`. Refuses an invalid config.
     pub fn new(client: Client, config: ElectionConfig, bus: EventBus<E>) -> Result<Self> {
         config.validate().map_err(haptic_election::Error::from)?;
+        let elector = LeaderElector::new(client.clone(), config.clone())?;
         Ok(Self {
             client,
             config,
+            elector,
             bus,
             all_replica: Vec::new(),
             leader_only: Vec::new(),
@@ -216,6 +240,16 @@ impl<E: LeaderEvents> Leadership<E> {
             metrics: Arc::new(LeadershipMetrics::new()),
             stop_timeout: Duration::from_secs(10),
         })
+    }
+
+    /// The election state, updated on every transition (for probes and debug state).
+    pub fn election_state(&self) -> watch::Receiver<ElectionState> {
+        self.elector.state()
+    }
+
+    /// The elector's health check, for a `/healthz` handler.
+    pub fn health(&self) -> HealthCheck {
+        self.elector.health()
     }
 
     /// The metrics this adapter drives.
@@ -303,7 +337,7 @@ impl<E: LeaderEvents> Leadership<E> {
     /// first, then the Lease is released (with `release_on_cancel`), then all-replica
     /// components are awaited (bounded).
     pub async fn run(self, token: CancellationToken) -> Result<()> {
-        let elector = LeaderElector::new(self.client.clone(), self.config.clone())?;
+        let elector = self.elector;
         let identity = self.config.identity.clone();
         let epochs = self.config.enabled.then(|| {
             EpochStore::new(
@@ -326,6 +360,7 @@ impl<E: LeaderEvents> Leadership<E> {
                 .min(self.config.work_stop_timeout.mul_f64(0.9)),
             state: elector.state(),
             resign: elector.resign_handle(),
+            fresh_for: self.config.enabled.then_some(self.config.renew_deadline),
         });
         self.bus.publish(LeaderElectionStarted {
             identity: identity.clone(),
@@ -459,6 +494,8 @@ async fn run_term<E: LeaderEvents>(shared: Arc<Shared<E>>, term_token: Cancellat
         token: components_token.clone(),
         identity: shared.identity.clone(),
         term: state.clone(),
+        state: shared.state.clone(),
+        fresh_for: shared.fresh_for,
     };
 
     // The leadership contract: pause -> publish -> build (they subscribe) -> start.

@@ -330,6 +330,14 @@ impl Store {
         self.items.len()
     }
 
+    /// The namespace and name of every stored resource, sorted: what a watcher compares with a
+    /// fresh list to remove the resources that disappeared while it was not watching.
+    pub fn keys(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.items
+            .keys()
+            .map(|(ns, name)| (ns.as_str(), name.as_str()))
+    }
+
     /// Whether the store is empty.
     pub fn is_empty(&self) -> bool {
         self.items.is_empty()
@@ -424,6 +432,22 @@ impl Stores {
                 slot.into_mut()
             }
         })
+    }
+
+    /// Puts a store made elsewhere (for instance one kept from an earlier [`Stores`] whose
+    /// watcher goes on) under `name`, replacing any there; returns the one replaced.
+    pub fn insert(&mut self, name: impl Into<String>, store: Store) -> Result<Option<Store>> {
+        let name = name.into();
+        if !is_identifier(&name) {
+            return Err(Error::InvalidStoreName(name));
+        }
+        Ok(self.stores.insert(name, store))
+    }
+
+    /// Takes the stores out, by name, dropping the derived views (they belong to a config):
+    /// how a new config keeps the stores whose watched resource did not change.
+    pub fn into_stores(self) -> BTreeMap<String, Store> {
+        self.stores
     }
 
     /// The store with this name.

@@ -391,7 +391,7 @@ async fn serve(
         Sub::Main
     };
     let ns = namespace.as_deref();
-    let selection = match selection(&query, namespace.clone()) {
+    let selection = match selection(&query, namespace.clone(), &info.plural) {
         Ok(s) => s,
         Err(e) => return Ok(error_response(&e)),
     };
@@ -543,13 +543,14 @@ async fn serve(
 fn selection(
     query: &HashMap<String, String>,
     namespace: Option<String>,
+    plural: &str,
 ) -> Result<Selection, ApiError> {
     let labels = match query.get("labelSelector") {
         Some(s) => LabelSelector::parse(s).map_err(ApiError::bad_request)?,
         None => LabelSelector::default(),
     };
     let fields = match query.get("fieldSelector") {
-        Some(s) => FieldSelector::parse(s).map_err(ApiError::bad_request)?,
+        Some(s) => FieldSelector::parse_for(s, plural).map_err(ApiError::bad_request)?,
         None => FieldSelector::default(),
     };
     Ok(Selection {

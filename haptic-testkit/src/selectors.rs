@@ -125,6 +125,18 @@ impl FieldSelector {
     /// Parses the `fieldSelector` query parameter; only the metadata fields every resource
     /// supports are accepted, as on the real server.
     pub(crate) fn parse(input: &str) -> Result<Self, String> {
+        Self::parse_for(input, "")
+    }
+
+    /// Parses a `fieldSelector` for a resource (by plural): besides the metadata fields, the
+    /// few fields the real server accepts for it (Secrets `type`; Pods `spec.nodeName` and
+    /// `status.phase`).
+    pub(crate) fn parse_for(input: &str, plural: &str) -> Result<Self, String> {
+        let extra: &[&str] = match plural {
+            "secrets" => &["type"],
+            "pods" => &["spec.nodeName", "status.phase"],
+            _ => &[],
+        };
         let mut terms = Vec::new();
         for raw in split_top_level(input) {
             let (field, equal, value) = if let Some((k, v)) = raw.split_once("!=") {
@@ -139,7 +151,8 @@ impl FieldSelector {
                 ));
             };
             let field = field.trim();
-            if field != "metadata.name" && field != "metadata.namespace" {
+            if field != "metadata.name" && field != "metadata.namespace" && !extra.contains(&field)
+            {
                 return Err(format!("field label not supported: {field}"));
             }
             terms.push((field.to_owned(), equal, value.trim().to_owned()));
@@ -150,11 +163,11 @@ impl FieldSelector {
     /// Whether the object satisfies every term.
     pub(crate) fn matches(&self, object: &Value) -> bool {
         self.0.iter().all(|(field, equal, value)| {
-            let actual = match field.as_str() {
-                "metadata.name" => object["metadata"]["name"].as_str(),
-                _ => object["metadata"]["namespace"].as_str(),
-            }
-            .unwrap_or_default();
+            let actual = field
+                .split('.')
+                .try_fold(object, |v, part| v.get(part))
+                .and_then(Value::as_str)
+                .unwrap_or_default();
             (actual == value) == *equal
         })
     }
@@ -212,6 +225,18 @@ mod tests {
         assert!(LabelSelector::parse("a b=c").is_err());
         assert!(FieldSelector::parse("spec.nodeName=x").is_err());
         assert!(FieldSelector::parse("metadata.name").is_err());
+    }
+
+    #[test]
+    fn resource_specific_field_selectors() {
+        assert!(FieldSelector::parse_for("type=kubernetes.io/tls", "services").is_err());
+        let tls = FieldSelector::parse_for("type=kubernetes.io/tls", "secrets").expect("parses");
+        assert!(tls.matches(&json!({"metadata": {"name": "a"}, "type": "kubernetes.io/tls"})));
+        assert!(!tls.matches(&json!({"metadata": {"name": "a"}, "type": "Opaque"})));
+        let running = FieldSelector::parse_for("status.phase=Running", "pods").expect("parses");
+        assert!(
+            running.matches(&json!({"metadata": {"name": "a"}, "status": {"phase": "Running"}}))
+        );
     }
 
     #[test]

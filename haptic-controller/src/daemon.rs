@@ -1,0 +1,137 @@
+//! The daemon: the components wired on the bus through haptic-leadership, in the order the
+//! design asks (components subscribe, the bus starts, the elector starts last), and stopped in
+//! the reverse order when the root token fires: leader-only work, then the Lease, then the rest.
+
+use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
+
+use haptic_eventbus::{Config as BusConfig, EventBus};
+use haptic_leadership::Leadership;
+use kube::Client;
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+use crate::{
+    config_loader::{self, ConfigRef},
+    coordinator, credentials, drift,
+    events::{ControllerEvent, STICKY},
+    health::{self, Probes},
+    pod_discovery, reconciler,
+    render_gate::{self, GateSettings},
+    scheduler,
+    state::StateCache,
+    status, watchers,
+};
+
+/// How long shutdown waits for each group of components (leader-only work, then all-replica
+/// work) before aborting them. With the Lease release between them (one request, bounded by
+/// the elector's request timeout), SIGTERM to exit takes at most about [`SHUTDOWN_BOUND`].
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The documented bound from SIGTERM to exit; the binary exits by itself once it passes.
+pub const SHUTDOWN_BOUND: Duration = Duration::from_secs(20);
+
+/// Errors of the daemon.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The health server could not bind.
+    #[error("binding the health server on {addr}")]
+    Health {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The leadership adapter refused the election settings.
+    #[error(transparent)]
+    Leadership(#[from] haptic_leadership::Error),
+}
+
+/// What the daemon runs with.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The HTC to read.
+    pub config: ConfigRef,
+    /// This replica's identity (the pod name).
+    pub identity: String,
+    /// Where the probes listen.
+    pub health_addr: SocketAddr,
+    /// The render gate's `haproxy` binary (none: no gate).
+    pub haproxy: Option<PathBuf>,
+    /// The reconciler's coalescing window.
+    pub reconcile_window: Duration,
+}
+
+/// Runs the controller until `token` fires.
+pub async fn run(client: Client, options: Options, token: CancellationToken) -> Result<(), Error> {
+    let cache = StateCache::new();
+    let probes = Arc::new(Probes {
+        cache: cache.clone(),
+        election: Default::default(),
+    });
+    let health_token = CancellationToken::new();
+    let (_, health) = health::serve(options.health_addr, probes.clone(), health_token.clone())
+        .await
+        .map_err(|source| Error::Health {
+            addr: options.health_addr,
+            source,
+        })?;
+
+    let Some(election) =
+        config_loader::initial_election(client.clone(), &options.config, &token).await
+    else {
+        health_token.cancel();
+        let _ = health.await;
+        return Ok(());
+    };
+    let election_config = election.election_config(&options.identity, &options.config.namespace);
+    let bus =
+        EventBus::<ControllerEvent>::with_config(BusConfig::default().with_sticky_kinds(STICKY));
+
+    let ns = options.config.namespace.clone();
+    let leadership = Leadership::new(client.clone(), election_config, bus)?
+        .with_stop_timeout(STOP_TIMEOUT)
+        .all_replicas("config-loader", {
+            let (client, at) = (client.clone(), options.config.clone());
+            move |bus, token| config_loader::component(client, at, bus, token)
+        })
+        .all_replicas("resource-watchers", {
+            let (client, cache) = (client.clone(), cache.clone());
+            move |bus, token| watchers::component(client, cache, bus, token)
+        })
+        .all_replicas("credentials-loader", {
+            let (client, ns) = (client.clone(), ns.clone());
+            move |bus, token| credentials::component(client, ns, bus, token)
+        })
+        .all_replicas("pod-discovery", {
+            let (client, ns) = (client.clone(), ns.clone());
+            move |bus, token| pod_discovery::component(client, ns, bus, token)
+        })
+        .all_replicas("reconciler", {
+            let window = options.reconcile_window;
+            move |bus, token| reconciler::component(window, bus, token)
+        })
+        .leader_only("coordinator", {
+            let cache = cache.clone();
+            move |ctx| coordinator::component(cache.clone(), ctx)
+        })
+        .leader_only("render-gate", {
+            let settings = GateSettings {
+                haproxy: options.haproxy.clone(),
+            };
+            move |ctx| render_gate::component(settings.clone(), ctx)
+        })
+        .leader_only("deployer", scheduler::component)
+        .leader_only("drift-prevention", drift::component)
+        .leader_only("status-updater", {
+            let (client, name, ns) = (client.clone(), options.config.name.clone(), ns.clone());
+            move |ctx| status::component(client.clone(), name.clone(), ns.clone(), ctx)
+        });
+    let _ = probes.election.set(leadership.health());
+    info!(identity = %options.identity, "starting");
+    let result = leadership.run(token).await;
+    health_token.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(1), health).await;
+    info!("stopped");
+    result.map_err(Error::from)
+}

@@ -1,0 +1,71 @@
+//! The health server: `/healthz` (the process serves and its elector is healthy) and `/readyz`
+//! (a config is loaded and every store finished its first list; a follower is ready too: it
+//! keeps the hot cache a failover needs).
+
+use std::{
+    net::SocketAddr,
+    sync::{Arc, OnceLock},
+};
+
+use axum::{Router, extract::State, http::StatusCode, routing::get};
+use haptic_election::HealthCheck;
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+use crate::state::StateCache;
+
+/// What the probes read.
+#[derive(Debug, Default)]
+pub struct Probes {
+    /// The state cache.
+    pub cache: Arc<StateCache>,
+    /// The elector's check, once the elector exists.
+    pub election: OnceLock<HealthCheck>,
+}
+
+/// Binds `addr` and serves the probes until `token` fires. Returns the bound address (for
+/// `:0`) once listening.
+pub async fn serve(
+    addr: SocketAddr,
+    probes: Arc<Probes>,
+    token: CancellationToken,
+) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    info!(addr = %bound, "health server listening");
+    let app = Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .with_state(probes);
+    let handle = tokio::spawn(async move {
+        let _ = axum::serve(listener, app)
+            .with_graceful_shutdown(async move { token.cancelled().await })
+            .await;
+    });
+    Ok((bound, handle))
+}
+
+async fn healthz(State(probes): State<Arc<Probes>>) -> (StatusCode, String) {
+    match probes.election.get().map(HealthCheck::check) {
+        Some(Err(why)) => (StatusCode::SERVICE_UNAVAILABLE, why),
+        _ => (StatusCode::OK, "ok".to_owned()),
+    }
+}
+
+async fn readyz(State(probes): State<Arc<Probes>>) -> (StatusCode, String) {
+    let state = probes.cache.read();
+    if state.config.is_none() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no valid config loaded yet".to_owned(),
+        );
+    }
+    if !state.unsynced.is_empty() {
+        let waiting: Vec<&str> = state.unsynced.iter().map(String::as_str).collect();
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("waiting for the first list of: {}", waiting.join(", ")),
+        );
+    }
+    (StatusCode::OK, "ready".to_owned())
+}

@@ -1,0 +1,44 @@
+//! haptic-controller: the HAPTIC daemon. Every replica watches the HAProxyTemplateConfig and the
+//! resources it names, keeping a hot cache; the replica holding the Lease renders the HAProxy
+//! file set, checks it with `haproxy -c` off the reconcile path, and deploys it to the agent
+//! beside every HAProxy pod under its fencing epoch, so a stale leader can never overwrite its
+//! successor.
+//!
+//! One module per component, named as in the design (`CONTROLLER.md`): [`config_loader`],
+//! [`credentials`], [`watchers`] (resource watchers), [`reconciler`], [`pod_discovery`],
+//! [`state`] (state cache), [`health`]; leader only: [`coordinator`], [`render_gate`],
+//! [`scheduler`] (deployment scheduler and deployer), [`drift`], [`status`]. [`daemon`] wires
+//! them on a haptic-eventbus bus through haptic-leadership; [`crd`] is the custom resource.
+//!
+//! ```
+//! use haptic_controller::{config, crd::HAProxyTemplateConfig, reference};
+//! use kube::CustomResourceExt;
+//!
+//! // The reference Ingress config passes every check the config loader makes.
+//! let valid = config::validate(&reference::spec(), 1, "1").expect("valid");
+//! assert_eq!(valid.stores.len(), 4);
+//! assert_eq!(HAProxyTemplateConfig::crd_name(), "haproxytemplateconfigs.haproxy-haptic.org");
+//! ```
+
+pub mod config;
+pub mod config_loader;
+pub mod coordinator;
+pub mod crd;
+pub mod credentials;
+pub mod daemon;
+pub mod drift;
+pub mod duration;
+pub mod events;
+pub mod health;
+pub mod pod_discovery;
+pub mod reconciler;
+pub mod reference;
+pub mod render_gate;
+pub mod scheduler;
+pub mod state;
+pub mod status;
+mod tasks;
+pub mod watchers;
+
+pub use crd::{HAProxyTemplateConfig, HAProxyTemplateConfigSpec, HAProxyTemplateConfigStatus};
+pub use daemon::{Options, run};

@@ -1,0 +1,174 @@
+//! `haptic-controller`: `run` the daemon, print the `crd`, or the `version`.
+
+use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use haptic_controller::{config_loader::ConfigRef, daemon};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+#[derive(Parser)]
+#[command(
+    name = "haptic-controller",
+    about = "HAPTIC: HAProxy configuration from Kubernetes resources, deployed fenced to every HAProxy pod"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the controller.
+    Run(RunArgs),
+    /// Print the HAProxyTemplateConfig CustomResourceDefinition (YAML).
+    Crd,
+    /// Print the version.
+    Version,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Parser)]
+struct RunArgs {
+    /// Kubeconfig file (default: in-cluster config, else $KUBECONFIG or ~/.kube/config).
+    #[arg(long, env = "KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
+    /// Name of the HAProxyTemplateConfig in the controller's namespace.
+    #[arg(long, env = "CONFIG_NAME", default_value = "haptic-config")]
+    config_name: String,
+    /// This replica's identity (the pod name).
+    #[arg(long, env = "POD_NAME")]
+    pod_name: String,
+    /// The controller's namespace.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    namespace: String,
+    /// Where /healthz and /readyz listen.
+    #[arg(long, env = "HEALTH_ADDR", default_value = "0.0.0.0:8080")]
+    health_addr: SocketAddr,
+    /// Log format.
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
+    log_format: LogFormat,
+    /// The haproxy binary of the render gate; `none` turns the gate off.
+    #[arg(long, env = "HAPTIC_HAPROXY", default_value = "haproxy")]
+    haproxy: String,
+    /// The reconciler's coalescing window in milliseconds.
+    #[arg(long, env = "HAPTIC_RECONCILE_WINDOW_MS", default_value_t = 150)]
+    reconcile_window_ms: u64,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Crd => match haptic_controller::crd::crd_yaml() {
+            Ok(yaml) => {
+                print!("{yaml}");
+                ExitCode::SUCCESS
+            }
+            Err(error) => {
+                eprintln!("haptic-controller: {error}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Version => {
+            println!("haptic-controller {}", env!("CARGO_PKG_VERSION"));
+            ExitCode::SUCCESS
+        }
+        Command::Run(args) => {
+            init_logging(args.log_format);
+            match run(args) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(error) => {
+                    error!(error = format!("{error:#}"), "haptic-controller failed");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.with_ansi(false).init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn run(args: RunArgs) -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    runtime.block_on(async move {
+        let client = client(args.kubeconfig.as_deref()).await?;
+        let token = CancellationToken::new();
+        tokio::spawn(signals(token.clone()));
+        let options = daemon::Options {
+            config: ConfigRef {
+                name: args.config_name,
+                namespace: args.namespace,
+            },
+            identity: args.pod_name,
+            health_addr: args.health_addr,
+            haproxy: (args.haproxy != "none").then(|| PathBuf::from(args.haproxy)),
+            reconcile_window: Duration::from_millis(args.reconcile_window_ms),
+        };
+        daemon::run(client, options, token)
+            .await
+            .context("running the controller")
+    })?;
+    // Whatever a component left behind, the process ends here.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    Ok(())
+}
+
+async fn client(kubeconfig: Option<&std::path::Path>) -> Result<kube::Client> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &Default::default())
+                .await
+                .with_context(|| format!("using kubeconfig {}", path.display()))?
+        }
+        None => kube::Config::infer()
+            .await
+            .context("finding a cluster (in-cluster, KUBECONFIG or ~/.kube/config)")?,
+    };
+    kube::Client::try_from(config).context("building the Kubernetes client")
+}
+
+/// First SIGTERM or SIGINT: drain (leader-only work stops, the Lease is released, the rest
+/// stops), with [`daemon::SHUTDOWN_BOUND`] as a hard limit. A second signal exits at once.
+async fn signals(token: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        warn!("cannot install signal handlers");
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    info!(bound = ?daemon::SHUTDOWN_BOUND, "shutting down: stopping leader-only work, then releasing the Lease");
+    token.cancel();
+    tokio::select! {
+        _ = term.recv() => warn!("second signal: exiting now"),
+        _ = int.recv() => warn!("second signal: exiting now"),
+        () = tokio::time::sleep(daemon::SHUTDOWN_BOUND) => warn!("shutdown bound passed: exiting now"),
+    }
+    std::process::exit(130);
+}

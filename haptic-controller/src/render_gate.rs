@@ -1,0 +1,159 @@
+//! The render gate (leader only): `haproxy -c` on each rendered set, off the reconcile path.
+//!
+//! The gate starts optimistic: a render goes on to the scheduler at once and is checked
+//! meanwhile, because every agent validates a set before it swaps it in and keeps its
+//! last-known-good set, so a bad set cannot go live either way. When a check refuses a set,
+//! the refusal is reported once (status, log) and the gate closes: later renders are checked
+//! first and go on only when one passes, which opens the gate again. A new leader starts
+//! optimistic. The check runs on a scratch copy laid out as the agent lays a set out (`-C` at
+//! the set's directory), so relative map and certificate paths resolve the same.
+
+use std::{path::PathBuf, process::Stdio, sync::Arc, time::Duration};
+
+use haptic_eventbus::Filter;
+use haptic_leadership::LeaderContext;
+use tokio::process::Command;
+use tracing::{error, info, warn};
+
+use crate::events::{ControllerEvent, GateVerdict, Kind, RenderedSet};
+
+/// How long one `haproxy -c` may take.
+pub const CHECK_TIMEOUT: Duration = Duration::from_secs(60);
+/// How much of HAProxy's output a refusal keeps (the end, where the alerts are).
+const OUTPUT_CAP: usize = 4096;
+
+/// The gate's settings.
+#[derive(Debug, Clone)]
+pub struct GateSettings {
+    /// The `haproxy` binary; none disables the check (the agents still validate).
+    pub haproxy: Option<PathBuf>,
+}
+
+/// The component: subscribe now, run the returned future.
+pub fn component(
+    settings: GateSettings,
+    ctx: LeaderContext<ControllerEvent>,
+) -> impl Future<Output = ()> + Send + 'static {
+    let mut renders = ctx.bus().subscribe_leader_only(
+        "render-gate",
+        Filter::kinds([Kind::Rendered, Kind::BecameLeader]),
+    );
+    async move {
+        // The term's stamp (`BecameLeader.at`); renders of earlier terms (the sticky last
+        // render arrives first) are not this term's to deploy.
+        let mut term = None;
+        let mut open = true;
+        let mut reported: Option<String> = None;
+        loop {
+            let event = tokio::select! {
+                () = ctx.token().cancelled() => return,
+                event = renders.recv() => event,
+            };
+            let Some(mut event) = event else { return };
+            // Latest wins: a check is only worth running on the newest render.
+            while let Some(newer) = renders.try_recv() {
+                if let ControllerEvent::BecameLeader(became) = &*newer {
+                    term = Some(became.at);
+                } else {
+                    event = newer;
+                }
+            }
+            let set = match &*event {
+                ControllerEvent::BecameLeader(became) => {
+                    term = Some(became.at);
+                    continue;
+                }
+                ControllerEvent::Rendered(set) if Some(set.term) == term => set,
+                _ => continue,
+            };
+            if open {
+                ctx.bus().publish(ControllerEvent::Deployable(set.clone()));
+            }
+            let refused = tokio::select! {
+                () = ctx.token().cancelled() => return,
+                refused = check(&settings, set) => refused,
+            };
+            ctx.bus()
+                .publish(ControllerEvent::GateVerdict(Arc::new(GateVerdict {
+                    checksum: set.checksum.clone(),
+                    config_generation: set.config_generation,
+                    refused: refused.clone(),
+                })));
+            match refused {
+                None => {
+                    if !open {
+                        info!(checksum = %set.checksum, "a render passed haproxy -c again; the gate is open");
+                        ctx.bus().publish(ControllerEvent::Deployable(set.clone()));
+                    }
+                    open = true;
+                    reported = None;
+                }
+                Some(output) => {
+                    if reported.as_deref() != Some(&output) {
+                        error!(checksum = %set.checksum, output = %output, "haproxy -c refused the rendered config; holding later renders until one passes");
+                        reported = Some(output);
+                    }
+                    open = false;
+                }
+            }
+        }
+    }
+}
+
+/// Runs the check; `None` when it passed (or cannot run), else HAProxy's output.
+pub async fn check(settings: &GateSettings, set: &RenderedSet) -> Option<String> {
+    let haproxy = settings.haproxy.as_ref()?;
+    let scratch = match tempfile::Builder::new().prefix("haptic-gate-").tempdir() {
+        Ok(dir) => dir,
+        Err(error) => {
+            warn!(%error, "the render gate cannot create a scratch directory; skipping the check");
+            return None;
+        }
+    };
+    let dir = scratch.path().join("set");
+    let files = set.files.clone();
+    let target = dir.clone();
+    match tokio::task::spawn_blocking(move || files.write_to(&target)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => return Some(format!("writing the scratch copy failed: {error}")),
+        Err(error) => return Some(format!("writing the scratch copy panicked: {error}")),
+    }
+    let run = Command::new(haproxy)
+        .arg("-c")
+        .arg("-C")
+        .arg(&dir)
+        .arg("-f")
+        .arg(dir.join("haproxy.cfg"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .output();
+    match tokio::time::timeout(CHECK_TIMEOUT, run).await {
+        Err(_) => Some(format!(
+            "haproxy -c did not finish within {CHECK_TIMEOUT:?}"
+        )),
+        Ok(Err(error)) => {
+            warn!(%error, haproxy = %haproxy.display(), "the render gate cannot run haproxy; skipping the check");
+            None
+        }
+        Ok(Ok(output)) if output.status.success() => None,
+        Ok(Ok(output)) => {
+            let mut text = String::from_utf8_lossy(&output.stdout).into_owned();
+            text.push_str(&String::from_utf8_lossy(&output.stderr));
+            let text = text.replace(&format!("{}/", dir.display()), "");
+            Some(tail(text.trim(), OUTPUT_CAP))
+        }
+    }
+}
+
+fn tail(text: &str, cap: usize) -> String {
+    if text.len() <= cap {
+        return text.to_owned();
+    }
+    let mut start = text.len() - cap;
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    format!("...{}", &text[start..])
+}

@@ -1,0 +1,464 @@
+//! The deployment scheduler and deployer (leader only).
+//!
+//! Each pod is its own pipeline, so one slow or failing pod never holds up the others: the
+//! scheduler starts an apply of the latest deployable set on every pod whose live set (as the
+//! last answer said) differs from it and has nothing in flight, at least
+//! `minDeploymentInterval` after that pod's previous apply. That gives every rule at once:
+//! unchanged sets and pod sets are skipped (nothing differs), one pending slot with the latest
+//! set winning (only the newest set is ever sent next), a pod that appears gets the last good
+//! set with no re-render, and a failing pod is retried with backoff. Each apply runs under a
+//! watchdog of `deploymentTimeout`.
+//!
+//! Every apply carries the term's epoch, this replica's identity and a generation that rises
+//! with every new set (microseconds since the Unix epoch, or one more than the last: it keeps
+//! rising across restarts, which matters in disabled mode where the epoch stays 0). A fenced
+//! refusal above our epoch gets one `reclaim`; a second, or `ForeignLeader`, ends the term.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use haptic_agent_client::{
+    AgentClient, ApplyRequest, ClientConfig, Error as ClientError, FileSet, Target,
+    client::{ApplyReport, PreparedApply},
+};
+use haptic_eventbus::Filter;
+use haptic_leadership::LeaderContext;
+use tokio::{task::JoinSet, time::Instant};
+use tracing::{error, info, warn};
+
+use crate::{
+    config::AgentSettings,
+    events::{
+        ControllerEvent, DeploymentReport, Kind, PodOutcome, PodSet, RenderedSet, TokenState,
+    },
+};
+
+/// Backoff of a failing pod: doubling from this...
+const BACKOFF_INITIAL: Duration = Duration::from_millis(500);
+/// ...up to this.
+const BACKOFF_MAX: Duration = Duration::from_secs(30);
+
+/// The component: subscribe now, run the returned future.
+pub fn component(ctx: LeaderContext<ControllerEvent>) -> impl Future<Output = ()> + Send + 'static {
+    let events = ctx.bus().subscribe_leader_only(
+        "deployer",
+        Filter::kinds([
+            Kind::BecameLeader,
+            Kind::Deployable,
+            Kind::PodSet,
+            Kind::AgentToken,
+            Kind::ConfigValidated,
+            Kind::DriftDetected,
+        ]),
+    );
+    async move {
+        let mut scheduler = Scheduler::new(ctx);
+        scheduler.run(events).await;
+    }
+}
+
+struct Failure {
+    checksum: String,
+    attempts: u32,
+    /// None: not retried for this checksum (the agent refused the set itself).
+    retry_at: Option<Instant>,
+    message: String,
+}
+
+struct Prepared {
+    checksum: String,
+    epoch: u64,
+    body: Arc<PreparedApply>,
+}
+
+type Answer = (String, String, Result<ApplyReport, ClientError>);
+
+struct Scheduler {
+    ctx: LeaderContext<ControllerEvent>,
+    term: Option<SystemTime>,
+    desired: Option<Arc<RenderedSet>>,
+    prepared: Option<Prepared>,
+    pods: Arc<PodSet>,
+    client: Option<AgentClient>,
+    token: Option<Arc<TokenState>>,
+    settings: Option<AgentSettings>,
+    live: BTreeMap<String, String>,
+    failed: BTreeMap<String, Failure>,
+    started: BTreeMap<String, Instant>,
+    in_flight: BTreeSet<String>,
+    tasks: JoinSet<Answer>,
+    generation: u64,
+    reclaimed_above: Option<u64>,
+    targets: BTreeMap<String, Target>,
+}
+
+impl Scheduler {
+    fn new(ctx: LeaderContext<ControllerEvent>) -> Self {
+        Self {
+            ctx,
+            term: None,
+            desired: None,
+            prepared: None,
+            pods: Arc::default(),
+            client: None,
+            token: None,
+            settings: None,
+            live: BTreeMap::new(),
+            failed: BTreeMap::new(),
+            started: BTreeMap::new(),
+            in_flight: BTreeSet::new(),
+            tasks: JoinSet::new(),
+            generation: 0,
+            reclaimed_above: None,
+            targets: BTreeMap::new(),
+        }
+    }
+
+    async fn run(&mut self, mut events: haptic_eventbus::Subscription<ControllerEvent>) {
+        loop {
+            self.dispatch();
+            let wake = self.next_wake();
+            tokio::select! {
+                () = self.ctx.token().cancelled() => return,
+                event = events.recv() => {
+                    let Some(event) = event else { return };
+                    self.on_event(&event);
+                }
+                Some(joined) = self.tasks.join_next(), if !self.tasks.is_empty() => {
+                    match joined {
+                        Ok(answer) => {
+                            if !self.on_answer(answer).await {
+                                return;
+                            }
+                        }
+                        Err(error) => error!(%error, "an apply task panicked"),
+                    }
+                    self.report();
+                }
+                () = sleep_until(wake) => {}
+            }
+        }
+    }
+
+    fn on_event(&mut self, event: &ControllerEvent) {
+        match event {
+            ControllerEvent::BecameLeader(became) => self.term = Some(became.at),
+            ControllerEvent::Deployable(set) if Some(set.term) == self.term => {
+                self.desired = Some(set.clone());
+                self.report();
+            }
+            ControllerEvent::PodSet(pods) => {
+                self.pods = pods.clone();
+                self.targets.retain(|name, _| pods.pods.contains_key(name));
+                self.live.retain(|name, _| pods.pods.contains_key(name));
+                self.failed.retain(|name, _| pods.pods.contains_key(name));
+                self.report();
+            }
+            ControllerEvent::AgentToken(token) => {
+                if self.token.as_ref() == Some(token) {
+                    return;
+                }
+                self.token = Some(token.clone());
+                self.rebuild_client();
+            }
+            ControllerEvent::ConfigValidated(config) => {
+                let changed = self.settings.as_ref() != Some(&config.agent);
+                self.settings = Some(config.agent.clone());
+                if changed {
+                    self.rebuild_client();
+                }
+            }
+            ControllerEvent::DriftDetected { pod, live } => {
+                info!(%pod, live = ?live, "drift: re-applying the last deployed set");
+                self.live.remove(&**pod);
+                self.failed.remove(&**pod);
+            }
+            _ => {}
+        }
+    }
+
+    fn rebuild_client(&mut self) {
+        self.prepared = None;
+        self.failed.clear();
+        let (Some(token), Some(settings)) = (&self.token, &self.settings) else {
+            return;
+        };
+        self.client = match &**token {
+            TokenState::Present(token) => {
+                let config = ClientConfig::new(token.clone())
+                    .with_request_timeout(settings.deployment_timeout)
+                    .with_retries(2, Duration::from_millis(200));
+                match AgentClient::new(config) {
+                    Ok(client) => Some(client),
+                    Err(error) => {
+                        error!(%error, "cannot build the agent client; deployments wait");
+                        None
+                    }
+                }
+            }
+            TokenState::Missing { reason } => {
+                warn!(%reason, "no agent token: deployments wait for it");
+                None
+            }
+        };
+    }
+
+    /// The request for the desired set at the current epoch, encoded once for every pod.
+    fn prepared(&mut self) -> Option<Arc<PreparedApply>> {
+        let desired = self.desired.clone()?;
+        let client = self.client.clone()?;
+        let epoch = self.ctx.epoch();
+        if let Some(p) = &self.prepared
+            && p.checksum == desired.checksum
+            && p.epoch == epoch
+        {
+            return Some(p.body.clone());
+        }
+        let mut files = FileSet::new();
+        for (path, content) in desired.files.iter() {
+            if let Err(error) = files.insert(path, content.to_vec()) {
+                error!(%error, "the rendered set breaks the apply protocol's rules; not deploying it");
+                self.desired = None;
+                return None;
+            }
+        }
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64);
+        self.generation = now.max(self.generation + 1);
+        let request = match ApplyRequest::new(epoch, self.ctx.identity(), self.generation, files) {
+            Ok(request) => request,
+            Err(error) => {
+                error!(%error, "the rendered set cannot be sent; not deploying it");
+                self.desired = None;
+                return None;
+            }
+        };
+        let body = Arc::new(client.prepare(&request));
+        self.prepared = Some(Prepared {
+            checksum: desired.checksum.clone(),
+            epoch,
+            body: body.clone(),
+        });
+        Some(body)
+    }
+
+    fn target(&mut self, pod: &str) -> Option<Target> {
+        let url = &self.pods.pods.get(pod)?.url;
+        if let Some(t) = self.targets.get(pod).filter(|t| t.url.as_str() == url) {
+            return Some(t.clone());
+        }
+        match Target::new(pod, url) {
+            Ok(t) => {
+                self.targets.insert(pod.to_owned(), t.clone());
+                Some(t)
+            }
+            Err(error) => {
+                warn!(%pod, %error, "the pod's agent URL is invalid");
+                None
+            }
+        }
+    }
+
+    /// Starts an apply on every pod that needs one and may get one now.
+    fn dispatch(&mut self) {
+        let Some(desired) = self.desired.clone() else {
+            return;
+        };
+        let Some(settings) = self.settings.clone() else {
+            return;
+        };
+        // No freshness guard here on purpose: the agents' fence is what keeps a stale leader's
+        // set from going live, and the tests exercise it through this very path.
+        if self.client.is_none() {
+            return;
+        }
+        let now = Instant::now();
+        let pods: Vec<String> = self.pods.pods.keys().cloned().collect();
+        for pod in pods {
+            if settings.max_parallel > 0 && self.in_flight.len() >= settings.max_parallel {
+                break;
+            }
+            if self.in_flight.contains(&pod) || self.live.get(&pod) == Some(&desired.checksum) {
+                continue;
+            }
+            if let Some(f) = self.failed.get(&pod)
+                && f.checksum == desired.checksum
+                && f.retry_at.is_none_or(|at| at > now)
+            {
+                continue;
+            }
+            if self
+                .started
+                .get(&pod)
+                .is_some_and(|at| *at + settings.min_deployment_interval > now)
+            {
+                continue;
+            }
+            let (Some(body), Some(target)) = (self.prepared(), self.target(&pod)) else {
+                continue;
+            };
+            let Some(client) = self.client.clone() else {
+                return;
+            };
+            let checksum = desired.checksum.clone();
+            let watchdog = settings.deployment_timeout;
+            self.in_flight.insert(pod.clone());
+            self.started.insert(pod.clone(), now);
+            self.tasks.spawn(async move {
+                let result =
+                    match tokio::time::timeout(watchdog, client.apply_prepared(&target.url, &body))
+                        .await
+                    {
+                        Ok(result) => result,
+                        Err(_) => Err(ClientError::Unavailable {
+                            attempts: 1,
+                            message: format!("deployment watchdog: no answer within {watchdog:?}"),
+                        }),
+                    };
+                (target.name, checksum, result)
+            });
+        }
+    }
+
+    fn next_wake(&self) -> Option<Instant> {
+        let desired = self.desired.as_ref()?;
+        let settings = self.settings.as_ref()?;
+        self.client.as_ref()?;
+        self.pods
+            .pods
+            .keys()
+            .filter(|p| {
+                !self.in_flight.contains(*p) && self.live.get(*p) != Some(&desired.checksum)
+            })
+            .filter_map(|p| {
+                let interval = self
+                    .started
+                    .get(p)
+                    .map(|at| *at + settings.min_deployment_interval);
+                let backoff = match self.failed.get(p) {
+                    Some(f) if f.checksum == desired.checksum => Some(f.retry_at?),
+                    _ => None,
+                };
+                Some(
+                    interval
+                        .into_iter()
+                        .chain(backoff)
+                        .max()
+                        .unwrap_or_else(Instant::now),
+                )
+            })
+            .min()
+    }
+
+    /// Handles one pod's answer; false when the term must end.
+    async fn on_answer(&mut self, (pod, checksum, result): Answer) -> bool {
+        self.in_flight.remove(&pod);
+        let error = match result {
+            Ok(report) => {
+                self.live.insert(pod.clone(), report.checksum);
+                self.failed.remove(&pod);
+                return true;
+            }
+            Err(error) => error,
+        };
+        let (retry, message) = match &error {
+            ClientError::Fenced { fence, epoch } => {
+                if self.reclaimed_above.is_some_and(|f| f >= *fence) {
+                    error!(%pod, fence, epoch, "fenced again after reclaiming: another leader; standing down");
+                    self.ctx.stand_down(haptic_leadership::STOOD_DOWN);
+                    return false;
+                }
+                self.reclaimed_above = Some(*fence);
+                match self.ctx.reclaim(*fence).await {
+                    Ok(new) => {
+                        warn!(%pod, fence, new_epoch = new, "an agent holds a higher fence; reclaimed the epoch above it");
+                        self.prepared = None;
+                        self.started.remove(&pod);
+                        return true;
+                    }
+                    Err(haptic_epoch::Error::ForeignLeader { .. }) => {
+                        warn!(%pod, fence, "another replica leads: stopping every write of this term");
+                        return false;
+                    }
+                    Err(e) => (true, format!("fenced at {fence}; reclaiming failed: {e}")),
+                }
+            }
+            ClientError::Invalid { check_output } => (
+                false,
+                format!("the agent's haproxy -c refused the set: {check_output}"),
+            ),
+            ClientError::RolledBack { reason, .. } => (
+                false,
+                format!("the set failed to load and was rolled back: {reason}"),
+            ),
+            ClientError::Superseded { .. } => {
+                // A newer generation of this epoch is live there: send the set afresh.
+                self.prepared = None;
+                (true, error.to_string())
+            }
+            other => (true, other.to_string()),
+        };
+        warn!(%pod, %checksum, error = %message, retry, "apply failed");
+        let attempts = self
+            .failed
+            .get(&pod)
+            .filter(|f| f.checksum == checksum)
+            .map_or(0, |f| f.attempts)
+            + 1;
+        let retry_at = retry.then(|| {
+            Instant::now() + (BACKOFF_INITIAL * 2u32.saturating_pow(attempts - 1)).min(BACKOFF_MAX)
+        });
+        self.failed.insert(
+            pod,
+            Failure {
+                checksum,
+                attempts,
+                retry_at,
+                message,
+            },
+        );
+        true
+    }
+
+    fn report(&self) {
+        let Some(desired) = &self.desired else { return };
+        let pods = self
+            .pods
+            .pods
+            .keys()
+            .map(|p| {
+                let outcome = if self.live.get(p) == Some(&desired.checksum) {
+                    PodOutcome::Live
+                } else if let Some(f) = self
+                    .failed
+                    .get(p)
+                    .filter(|f| f.checksum == desired.checksum)
+                {
+                    PodOutcome::Failed(f.message.clone())
+                } else {
+                    PodOutcome::Pending
+                };
+                (p.clone(), outcome)
+            })
+            .collect();
+        self.ctx
+            .bus()
+            .publish(ControllerEvent::Deployed(Arc::new(DeploymentReport {
+                checksum: desired.checksum.clone(),
+                config_generation: desired.config_generation,
+                pods,
+                live: self.live.clone(),
+            })));
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}

@@ -95,7 +95,9 @@ fn template(source: &str) -> Template {
 /// `maps/certs.list` (the HTTPS crt-list); `ssl/<namespace>_<secret>.pem` for every usable
 /// TLS Secret.
 ///
-/// `extraContext.haproxy` holds the tunables: `maxconn` (50000), `http_port` (80),
+/// `extraContext.haproxy` holds the tunables: `maxconn` (50000), `bind_address` (empty: every
+/// address; `${POD_IP}` binds each pod to its own, HAProxy expanding the variable from its
+/// environment), `http_port` (80),
 /// `https_port` (443), `timeout_connect` (5s), `timeout_client` and `timeout_server` (50s),
 /// `stats_socket` (none: a path adds an admin `stats socket`), `route_debug` (false: true
 /// answers requests carrying `x-haptic-route-debug` with the backend they would go to).
@@ -152,6 +154,7 @@ pub fn template_set() -> TemplateSet {
         "haproxy".to_owned(),
         json!({
             "maxconn": 50000,
+            "bind_address": "",
             "http_port": 80,
             "https_port": 443,
             "timeout_connect": "5s",

@@ -1,0 +1,577 @@
+//! Test support: the haptic-testkit API server in this process; the controller and the real
+//! `haptic-agent` (with supervised HAProxy) as child processes; small HTTP backends; and the
+//! Kubernetes objects an Ingress needs. Each agent plays a pod on its own loopback address
+//! (127.0.0.N), so every HAProxy binds the same ports on its own address, as pods do.
+#![allow(dead_code, unreachable_pub)]
+
+use std::{
+    collections::BTreeMap,
+    future::Future,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::Stdio,
+    time::Duration,
+};
+
+use haptic_agent_client::{AgentClient, AgentState, ClientConfig, Target};
+use haptic_controller::{HAProxyTemplateConfig, HAProxyTemplateConfigSpec, reference};
+use haptic_testkit::ApiServer;
+use k8s_openapi::{
+    api::{
+        coordination::v1::Lease,
+        core::v1::{Pod, Secret, Service},
+        discovery::v1::EndpointSlice,
+        networking::v1::Ingress,
+    },
+    apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+};
+use kube::{
+    CustomResourceExt,
+    api::{Api, DeleteParams, Patch, PatchParams, PostParams},
+};
+use serde_json::json;
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpStream},
+    process::{Child, Command},
+    task::JoinHandle,
+};
+
+pub const NS: &str = "default";
+pub const TOKEN: &str = "agent-token-for-tests-0123456789";
+pub const HTC: &str = "haptic-config";
+
+/// A loopback port free at the time of asking.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+/// A binary of this workspace, next to the test executable's directory.
+pub fn workspace_bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps");
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build it first (`cargo build -p {name}`; `cargo xtask test` and `cargo test --workspace` do)",
+        path.display()
+    );
+    path
+}
+
+pub fn haproxy_bin() -> PathBuf {
+    for candidate in [
+        "/usr/sbin/haproxy",
+        "/usr/bin/haproxy",
+        "/usr/local/sbin/haproxy",
+    ] {
+        if Path::new(candidate).exists() {
+            return candidate.into();
+        }
+    }
+    panic!(
+        "HAProxy is required by these tests: run `cargo xtask setup` (or `apt-get install haproxy`)"
+    );
+}
+
+/// Polls `check` every 50 ms until it returns `Some`, at most `bound`; panics naming `what`.
+pub async fn eventually<T, F, Fut>(what: &str, bound: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + bound;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!("timed out after {bound:?} waiting for: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The API server, with the CRD installed.
+pub struct Cluster {
+    pub server: ApiServer,
+    pub client: kube::Client,
+    pub dir: tempfile::TempDir,
+}
+
+impl Cluster {
+    pub async fn start() -> Self {
+        let server = ApiServer::start().await.expect("API server");
+        let client = server.client_for("test").expect("client");
+        let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+        crds.create(&PostParams::default(), &HAProxyTemplateConfig::crd())
+            .await
+            .expect("CRD created");
+        let mut dir = tempfile::tempdir().expect("tempdir");
+        if std::env::var_os("HAPTIC_TEST_KEEP").is_some() {
+            // Logs and data stay for a look after a failure.
+            dir.disable_cleanup(true);
+            eprintln!("test data in {}", dir.path().display());
+        }
+        Self {
+            server,
+            client,
+            dir,
+        }
+    }
+
+    pub fn api<K>(&self) -> Api<K>
+    where
+        K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
+    {
+        Api::namespaced(self.client.clone(), NS)
+    }
+
+    pub async fn create_token(&self) {
+        let secret: Secret = serde_json::from_value(json!({
+            "metadata": {"name": "haptic-agent-token", "namespace": NS},
+            "stringData": {"token": TOKEN},
+            "data": {"token": base64(TOKEN)},
+        }))
+        .expect("secret");
+        self.api::<Secret>()
+            .create(&PostParams::default(), &secret)
+            .await
+            .expect("token secret");
+    }
+
+    pub async fn apply_htc(&self, spec: &HAProxyTemplateConfigSpec) {
+        let htc = HAProxyTemplateConfig::new(HTC, spec.clone());
+        let api = self.api::<HAProxyTemplateConfig>();
+        match api.get_opt(HTC).await.expect("get HTC") {
+            None => {
+                api.create(&PostParams::default(), &htc)
+                    .await
+                    .expect("HTC created");
+            }
+            Some(_) => {
+                api.patch(
+                    HTC,
+                    &PatchParams::default(),
+                    &Patch::Merge(&json!({"spec": spec})),
+                )
+                .await
+                .expect("HTC patched");
+            }
+        }
+    }
+
+    pub async fn htc_status(&self) -> Option<serde_json::Value> {
+        let htc = self.api::<HAProxyTemplateConfig>().get(HTC).await.ok()?;
+        serde_json::to_value(htc.status?).ok()
+    }
+
+    pub async fn leader(&self) -> Option<String> {
+        let lease = self.api::<Lease>().get_opt("haptic-leader").await.ok()??;
+        lease.spec?.holder_identity.filter(|h| !h.is_empty())
+    }
+
+    pub async fn lease_epoch(&self) -> Option<u64> {
+        let lease = self.api::<Lease>().get_opt("haptic-leader").await.ok()??;
+        lease
+            .metadata
+            .annotations?
+            .get("haptic.io/leader-epoch")?
+            .parse()
+            .ok()
+    }
+
+    /// A Service `name` with port 80 (`http`), its EndpointSlice to `backend`.
+    pub async fn service(&self, name: &str, backend: SocketAddr) {
+        let service: Service = serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {"ports": [{"name": "http", "port": 80, "targetPort": backend.port(), "protocol": "TCP"}]},
+        }))
+        .expect("service");
+        self.api::<Service>()
+            .create(&PostParams::default(), &service)
+            .await
+            .expect("service created");
+        let slice: EndpointSlice = serde_json::from_value(json!({
+            "metadata": {"name": format!("{name}-1"), "namespace": NS, "labels": {"kubernetes.io/service-name": name}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": backend.port(), "protocol": "TCP"}],
+            "endpoints": [{"addresses": [backend.ip().to_string()], "conditions": {"ready": true}}],
+        }))
+        .expect("slice");
+        self.api::<EndpointSlice>()
+            .create(&PostParams::default(), &slice)
+            .await
+            .expect("slice created");
+    }
+
+    /// An Ingress routing `host` + `path` (Prefix) to `service` port `http`.
+    pub async fn ingress(&self, name: &str, host: &str, path: &str, service: &str) {
+        let ingress = ingress(name, host, path, service);
+        let api = self.api::<Ingress>();
+        if api.get_opt(name).await.expect("get ingress").is_some() {
+            api.patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(&serde_json::to_value(&ingress).expect("json")),
+            )
+            .await
+            .expect("ingress patched");
+        } else {
+            api.create(&PostParams::default(), &ingress)
+                .await
+                .expect("ingress created");
+        }
+    }
+
+    pub async fn delete_ingress(&self, name: &str) {
+        self.api::<Ingress>()
+            .delete(name, &DeleteParams::default())
+            .await
+            .expect("ingress deleted");
+    }
+}
+
+pub fn ingress(name: &str, host: &str, path: &str, service: &str) -> Ingress {
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"rules": [{"host": host, "http": {"paths": [{
+            "path": path, "pathType": "Prefix",
+            "backend": {"service": {"name": service, "port": {"name": "http"}}},
+        }]}}]},
+    }))
+    .expect("ingress")
+}
+
+fn base64(text: &str) -> String {
+    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let b = text.as_bytes();
+    let mut out = String::new();
+    for chunk in b.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, &x)| n | (u32::from(x) << (16 - 8 * i)));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(T[((n >> (18 - 6 * i)) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// The reference config for tests: HAProxy on `http_port` at each pod's own address, short
+/// Lease timings, a fast scheduler and drift check.
+pub fn spec(agent_port: u16, http_port: u16) -> HAProxyTemplateConfigSpec {
+    let mut spec = reference::spec();
+    spec.pod_selector.match_labels = BTreeMap::from([("app".to_owned(), "haproxy".to_owned())]);
+    let le = &mut spec.controller.leader_election;
+    le.lease_duration = "3s".into();
+    le.renew_deadline = "2s".into();
+    le.retry_period = "500ms".into();
+    let agent = &mut spec.agent;
+    agent.port = agent_port;
+    agent.min_deployment_interval = "100ms".into();
+    agent.drift_prevention_interval = "1s".into();
+    agent.deployment_timeout = "20s".into();
+    let haproxy = spec
+        .templating_settings
+        .extra_context
+        .get_mut("haproxy")
+        .and_then(|v| v.as_object_mut())
+        .expect("reference tunables");
+    haproxy.insert("bind_address".into(), json!("${POD_IP}"));
+    // The reference's 50000 needs a nofile limit above this machine's.
+    haproxy.insert("maxconn".into(), json!(1000));
+    haproxy.insert("http_port".into(), json!(http_port));
+    haproxy.insert("https_port".into(), json!(http_port + 1));
+    spec
+}
+
+/// A small HTTP backend answering `backend <name>`.
+pub struct Backend {
+    pub addr: SocketAddr,
+    task: JoinHandle<()>,
+}
+
+impl Backend {
+    pub async fn start(name: &'static str) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind backend");
+        let addr = listener.local_addr().expect("addr");
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((mut stream, _)) = listener.accept().await else {
+                    return;
+                };
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 1024];
+                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match stream.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    let body = format!("backend {name}");
+                    let reply = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = stream.write_all(reply.as_bytes()).await;
+                });
+            }
+        });
+        Self { addr, task }
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// One GET through HAProxy: (status, body), or none when nothing answers.
+pub async fn get(addr: &str, host: &str, path: &str) -> Option<(u16, String)> {
+    let mut stream = tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(addr))
+        .await
+        .ok()?
+        .ok()?;
+    let request = format!("GET {path} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.ok()?;
+    let mut response = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut response))
+        .await
+        .ok()?
+        .ok()?;
+    let text = String::from_utf8_lossy(&response).into_owned();
+    let status = text.split(' ').nth(1)?.parse().ok()?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Some((status, body))
+}
+
+/// The `haptic-agent` binary with supervised HAProxy, playing pod `name` at 127.0.0.`index`.
+pub struct Agent {
+    pub name: String,
+    pub ip: String,
+    pub agent_port: u16,
+    pub http_port: u16,
+    pub data: PathBuf,
+    child: Option<Child>,
+}
+
+impl Agent {
+    pub async fn start(cluster: &Cluster, index: u8, agent_port: u16, http_port: u16) -> Self {
+        let name = format!("haproxy-{index}");
+        let ip = format!("127.0.0.{}", index + 1);
+        let dir = cluster.dir.path().join(&name);
+        std::fs::create_dir_all(&dir).expect("agent dir");
+        let token_file = dir.join("token");
+        std::fs::write(&token_file, TOKEN).expect("token file");
+        let data = dir.join("data");
+        let log = std::fs::File::create(dir.join("agent.log")).expect("agent log");
+        let child = Command::new(workspace_bin("haptic-agent"))
+            .arg("--listen")
+            .arg(format!("{ip}:{agent_port}"))
+            .arg("--token-file")
+            .arg(&token_file)
+            .arg("--data-dir")
+            .arg(&data)
+            .arg("--haproxy")
+            .arg(haproxy_bin())
+            .arg("--supervise")
+            .arg("--drain-seconds")
+            .arg("1")
+            .env("POD_IP", &ip)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .expect("agent starts");
+        let agent = Self {
+            name,
+            ip,
+            agent_port,
+            http_port,
+            data,
+            child: Some(child),
+        };
+        eventually(
+            "the agent answers /healthz",
+            Duration::from_secs(10),
+            || async {
+                TcpStream::connect(agent.agent_addr())
+                    .await
+                    .ok()
+                    .map(|_| ())
+            },
+        )
+        .await;
+        agent.register(cluster).await;
+        agent
+    }
+
+    pub fn agent_addr(&self) -> String {
+        format!("{}:{}", self.ip, self.agent_port)
+    }
+
+    pub fn http_addr(&self) -> String {
+        format!("{}:{}", self.ip, self.http_port)
+    }
+
+    /// The Pod object, Running and ready, with this agent's address.
+    async fn register(&self, cluster: &Cluster) {
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": self.name, "namespace": NS, "labels": {"app": "haproxy"}},
+            "spec": {"containers": [{"name": "haproxy", "image": "haproxy"}, {"name": "haptic-agent", "image": "haptic-agent"}]},
+        }))
+        .expect("pod");
+        let api = cluster.api::<Pod>();
+        api.create(&PostParams::default(), &pod)
+            .await
+            .expect("pod created");
+        let status = json!({"status": {
+            "phase": "Running",
+            "podIP": self.ip,
+            "containerStatuses": [
+                {"name": "haproxy", "ready": true, "restartCount": 0, "image": "haproxy", "imageID": ""},
+                {"name": "haptic-agent", "ready": true, "restartCount": 0, "image": "haptic-agent", "imageID": ""},
+            ],
+        }});
+        api.patch_status(&self.name, &PatchParams::default(), &Patch::Merge(&status))
+            .await
+            .expect("pod status");
+    }
+
+    pub async fn state(&self) -> Option<AgentState> {
+        let client =
+            AgentClient::new(ClientConfig::new(TOKEN).with_retries(1, Duration::from_millis(10)))
+                .ok()?;
+        let target = Target::new(&self.name, &format!("http://{}/", self.agent_addr())).ok()?;
+        client.state(&target.url).await.ok()
+    }
+
+    /// Waits until a GET through this pod's HAProxy answers `want` (status, body).
+    pub async fn await_route(&self, host: &str, path: &str, want: (u16, &str)) {
+        let addr = self.http_addr();
+        eventually(
+            &format!("{} routes {host}{path} to {want:?}", self.name),
+            Duration::from_secs(30),
+            || async {
+                let got = get(&addr, host, path).await?;
+                (got.0 == want.0 && got.1.contains(want.1)).then_some(())
+            },
+        )
+        .await;
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.child {
+            // The agent stops its HAProxy on SIGTERM; a kill -9 here would orphan it.
+            if let Some(pid) = child.id() {
+                let _ = std::process::Command::new("kill")
+                    .arg("-TERM")
+                    .arg(pid.to_string())
+                    .status();
+                for _ in 0..100 {
+                    if matches!(child.try_wait(), Ok(Some(_))) {
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                let _ = child.start_kill();
+            }
+        }
+    }
+}
+
+/// The `haptic-controller` binary as replica `name`.
+pub struct Controller {
+    pub name: String,
+    pub log: PathBuf,
+    pub health: u16,
+    child: Child,
+}
+
+impl Controller {
+    pub async fn start(cluster: &Cluster, name: &str) -> Self {
+        let kubeconfig = cluster.server.kubeconfig_for(name).expect("kubeconfig");
+        let log = cluster.dir.path().join(format!("{name}.log"));
+        let file = std::fs::File::create(&log).expect("log file");
+        let health = free_port();
+        let child = Command::new(workspace_bin("haptic-controller"))
+            .arg("run")
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .arg("--pod-name")
+            .arg(name)
+            .arg("--namespace")
+            .arg(NS)
+            .arg("--health-addr")
+            .arg(format!("127.0.0.1:{health}"))
+            .arg("--haproxy")
+            .arg(haproxy_bin())
+            .env("RUST_LOG", "info,haptic_controller=debug")
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().expect("log"))
+            .stderr(file)
+            .kill_on_drop(true)
+            .spawn()
+            .expect("controller starts");
+        Self {
+            name: name.to_owned(),
+            log,
+            health,
+            child,
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id().map_or(0, |p| p as i32)
+    }
+
+    pub fn signal(&self, signal: &str) {
+        let status = std::process::Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.pid().to_string())
+            .status()
+            .expect("kill runs");
+        assert!(status.success(), "kill -{signal} {}", self.pid());
+    }
+
+    /// Waits for the process to exit, at most `bound`.
+    pub async fn exited(&mut self, bound: Duration) -> std::process::ExitStatus {
+        tokio::time::timeout(bound, self.child.wait())
+            .await
+            .unwrap_or_else(|_| panic!("{} did not exit within {bound:?}", self.name))
+            .expect("wait")
+    }
+
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub async fn probe(&self, path: &str) -> Option<u16> {
+        get(&format!("127.0.0.1:{}", self.health), "localhost", path)
+            .await
+            .map(|(s, _)| s)
+    }
+}

@@ -76,5 +76,124 @@ async fn ingress_to_haproxy_on_every_pod() {
         assert_eq!(c.probe("/readyz").await, Some(200), "{} ready", c.name);
         assert_eq!(c.probe("/healthz").await, Some(200), "{} healthy", c.name);
     }
-    drop((c1, c2, agents));
+
+    // A third pod started later gets the current set, with no change to render.
+    cluster.ingress("shop", "shop.example", "/", "web-a").await;
+    agents[0]
+        .await_route("shop.example", "/", (200, "backend a"))
+        .await;
+    let third = Agent::start(&cluster, 3, agent_port, http_port).await;
+    third
+        .await_route("shop.example", "/", (200, "backend a"))
+        .await;
+
+    // A file changed by hand in a pod's live set is put back by drift prevention.
+    let live = agents[0]
+        .data
+        .join("current")
+        .join("maps")
+        .join("routes-prefix.map");
+    let good = std::fs::read_to_string(&live).expect("live map");
+    std::fs::write(
+        &live,
+        format!("{good}tampered.example/ default_default-backend\n"),
+    )
+    .expect("tamper");
+    eventually(
+        "drift prevention restores the live map",
+        Duration::from_secs(20),
+        || async {
+            let now =
+                std::fs::read_to_string(agents[0].data.join("current/maps/routes-prefix.map"))
+                    .ok()?;
+            (now == good).then_some(())
+        },
+    )
+    .await;
+    agents[0]
+        .await_route("shop.example", "/", (200, "backend a"))
+        .await;
+
+    // A template that does not compile: Invalid, naming the template and line; HAProxy serves on.
+    let before = checksums(vec![&agents[0], &agents[1], &third]).await;
+    let mut broken = spec(agent_port, http_port);
+    broken
+        .maps
+        .get_mut("routes-exact.map")
+        .expect("map")
+        .template
+        .push_str("\n{% if %}\n");
+    cluster.apply_htc(&broken).await;
+    let status = await_status(&cluster, 2, "Invalid").await;
+    let errors = status["validationErrors"].to_string();
+    assert!(
+        errors.contains("maps.routes-exact.map") && errors.contains("line"),
+        "{status}"
+    );
+    for agent in [&agents[0], &agents[1], &third] {
+        agent
+            .await_route("shop.example", "/", (200, "backend a"))
+            .await;
+    }
+
+    // A config that renders but that HAProxy refuses: Invalid with HAProxy's words, no pod's
+    // live set changes, and later renders are held until one passes.
+    let mut refused = spec(agent_port, http_port);
+    refused
+        .haproxy_config
+        .template
+        .push_str("\nbackend refused\n    no-such-keyword-here\n");
+    cluster.apply_htc(&refused).await;
+    let status = await_status(&cluster, 3, "Invalid").await;
+    assert!(
+        status["validationMessage"]
+            .as_str()
+            .unwrap_or("")
+            .contains("no-such-keyword-here"),
+        "{status}"
+    );
+    cluster.ingress("held", "held.example", "/", "web-b").await;
+    // An absence cannot be awaited: give a render and a deployment ample time to happen.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(
+        checksums(vec![&agents[0], &agents[1], &third]).await,
+        before,
+        "no live set changed"
+    );
+    assert_eq!(
+        get(&agents[0].http_addr(), "held.example", "/")
+            .await
+            .map(|r| r.0),
+        Some(404)
+    );
+    // Fixed: the held change goes out.
+    cluster.apply_htc(&spec(agent_port, http_port)).await;
+    await_status(&cluster, 4, "Valid").await;
+    for agent in [&agents[0], &agents[1], &third] {
+        agent
+            .await_route("held.example", "/", (200, "backend b"))
+            .await;
+    }
+    drop((c1, c2, agents, third));
+}
+
+async fn await_status(cluster: &Cluster, generation: i64, validation: &str) -> serde_json::Value {
+    eventually(
+        &format!("status {validation} for generation {generation}"),
+        Duration::from_secs(20),
+        || async {
+            let status = cluster.htc_status().await?;
+            (status["observedGeneration"] == generation && status["validationStatus"] == validation)
+                .then_some(status)
+        },
+    )
+    .await
+}
+
+async fn checksums(agents: Vec<&Agent>) -> Vec<Option<String>> {
+    let mut out = Vec::new();
+    for agent in agents {
+        out.push(agent.state().await.and_then(|s| s.live_checksum));
+    }
+    out
 }

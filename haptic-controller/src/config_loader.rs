@@ -89,14 +89,14 @@ fn election_settings(htc: &HAProxyTemplateConfig) -> Result<ElectionSettings, Ve
     config::validate(&spec, 0, "").map(|c| c.election)
 }
 
-/// The config loader's component: subscribe now (nothing), run the returned future.
-pub fn component(
+/// The config loader's component (it subscribes to nothing).
+pub async fn component(
     client: Client,
     at: ConfigRef,
     bus: EventBus<ControllerEvent>,
     token: CancellationToken,
-) -> impl Future<Output = ()> + Send + 'static {
-    async move {
+) {
+    {
         let objects = stream(client, &at);
         futures::pin_mut!(objects);
         let mut last: Option<(i64, String)> = None;

@@ -78,8 +78,7 @@ fn render(cache: &StateCache, term: SystemTime) -> Option<Result<RenderedSet, Re
     let started = Instant::now();
     Some(match config.renderer.render(&state.stores) {
         Ok(files) => {
-            let checksum =
-                haptic_agent_client::protocol::checksum(files.iter().map(|(p, c)| (p, c)));
+            let checksum = haptic_agent_client::protocol::checksum(files.iter());
             Ok(RenderedSet {
                 files,
                 checksum,

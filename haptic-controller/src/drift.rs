@@ -48,11 +48,11 @@ pub fn component(ctx: LeaderContext<ControllerEvent>) -> impl Future<Output = ()
                                 TokenState::Missing { .. } => None,
                             };
                         }
-                        ControllerEvent::ConfigValidated(config) => {
-                            if config.agent.drift_prevention_interval != interval {
-                                interval = config.agent.drift_prevention_interval;
-                                next = tokio::time::Instant::now() + interval;
-                            }
+                        ControllerEvent::ConfigValidated(config)
+                            if config.agent.drift_prevention_interval != interval =>
+                        {
+                            interval = config.agent.drift_prevention_interval;
+                            next = tokio::time::Instant::now() + interval;
                         }
                         _ => {}
                     }

@@ -98,12 +98,10 @@ async fn watch_pods(
         match next {
             Ok(watcher::Event::Init) => listing = Some(BTreeMap::new()),
             Ok(watcher::Event::InitApply(pod)) => {
-                if let (Some(listing), Some((name, eligible))) =
+                if let (Some(listing), Some((name, Some(eligible)))) =
                     (&mut listing, judge(&pod, &selection))
                 {
-                    if let Some(eligible) = eligible {
-                        listing.insert(name, eligible);
-                    }
+                    listing.insert(name, eligible);
                 }
                 continue;
             }

@@ -515,7 +515,11 @@ impl Controller {
     pub async fn start(cluster: &Cluster, name: &str) -> Self {
         let kubeconfig = cluster.server.kubeconfig_for(name).expect("kubeconfig");
         let log = cluster.dir.path().join(format!("{name}.log"));
-        let file = std::fs::File::create(&log).expect("log file");
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .expect("log file");
         let health = free_port();
         let child = Command::new(workspace_bin("haptic-controller"))
             .arg("run")

@@ -1,0 +1,239 @@
+//! Leadership with real processes: crash and graceful failover, a stale leader fenced by the
+//! agents, disabled election, and a token Secret that appears after the controller started.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+struct Fleet {
+    cluster: Cluster,
+    agents: Vec<Agent>,
+    _backends: (Backend, Backend),
+}
+
+async fn fleet(
+    agents: u8,
+    token: bool,
+    tweak: impl FnOnce(&mut haptic_controller::HAProxyTemplateConfigSpec),
+) -> Fleet {
+    let cluster = Cluster::start().await;
+    let (agent_port, http_port) = (free_port(), free_port());
+    if token {
+        cluster.create_token().await;
+    }
+    let mut spec = spec(agent_port, http_port);
+    tweak(&mut spec);
+    cluster.apply_htc(&spec).await;
+    let mut started = Vec::new();
+    for i in 1..=agents {
+        started.push(Agent::start(&cluster, i, agent_port, http_port).await);
+    }
+    let a = Backend::start("a").await;
+    let b = Backend::start("b").await;
+    cluster.service("web-a", a.addr).await;
+    cluster.service("web-b", b.addr).await;
+    cluster.ingress("shop", "shop.example", "/", "web-a").await;
+    Fleet {
+        cluster,
+        agents: started,
+        _backends: (a, b),
+    }
+}
+
+async fn await_leader(cluster: &Cluster, not: Option<&str>) -> String {
+    eventually(
+        "a (new) leader holds the Lease",
+        Duration::from_secs(30),
+        || async { cluster.leader().await.filter(|l| Some(l.as_str()) != not) },
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_graceful_and_stale_leaders() {
+    let f = fleet(2, true, |_| {}).await;
+    let mut replicas = vec![
+        Controller::start(&f.cluster, "controller-1").await,
+        Controller::start(&f.cluster, "controller-2").await,
+    ];
+    for agent in &f.agents {
+        agent
+            .await_route("shop.example", "/", (200, "backend a"))
+            .await;
+    }
+
+    // kill -9 of the leader: the other leads and deploys a change made after the kill.
+    let first = await_leader(&f.cluster, None).await;
+    let index = replicas
+        .iter()
+        .position(|c| c.name == first)
+        .expect("leader is ours");
+    let mut dead = replicas.remove(index);
+    dead.signal("KILL");
+    dead.exited(Duration::from_secs(5)).await;
+    f.cluster
+        .ingress("shop", "shop.example", "/", "web-b")
+        .await;
+    let second = await_leader(&f.cluster, Some(&first)).await;
+    for agent in &f.agents {
+        agent
+            .await_route("shop.example", "/", (200, "backend b"))
+            .await;
+    }
+    // The dead one comes back as a follower.
+    replicas.push(Controller::start(&f.cluster, &first).await);
+
+    // SIGTERM of the leader: it releases the Lease on its way out and the other leads.
+    let index = replicas
+        .iter()
+        .position(|c| c.name == second)
+        .expect("leader is ours");
+    let mut leaving = replicas.remove(index);
+    leaving.signal("TERM");
+    let exit = leaving.exited(Duration::from_secs(25)).await;
+    assert!(
+        exit.success(),
+        "graceful exit: {exit:?}\n{}",
+        leaving.logs()
+    );
+    assert!(leaving.logs().contains("releas"), "{}", leaving.logs());
+    let third = await_leader(&f.cluster, Some(&second)).await;
+    assert_eq!(third, first);
+    f.cluster
+        .ingress("shop", "shop.example", "/", "web-a")
+        .await;
+    for agent in &f.agents {
+        agent
+            .await_route("shop.example", "/", (200, "backend a"))
+            .await;
+    }
+    replicas.push(Controller::start(&f.cluster, &second).await);
+
+    // A stale leader: SIGSTOP it past its LeaseDuration; the other replica takes over and
+    // deploys; SIGCONT. Whatever it still sends is fenced, HAProxy keeps the new leader's set,
+    // and it steps down without writing status.
+    let stale_name = await_leader(&f.cluster, None).await;
+    let stale = replicas
+        .iter()
+        .find(|c| c.name == stale_name)
+        .expect("leader is ours");
+    let epoch_before = f.cluster.lease_epoch().await.expect("epoch");
+    stale.signal("STOP");
+    let successor = await_leader(&f.cluster, Some(&stale_name)).await;
+    f.cluster
+        .ingress("shop", "shop.example", "/", "web-b")
+        .await;
+    for agent in &f.agents {
+        agent
+            .await_route("shop.example", "/", (200, "backend b"))
+            .await;
+        let state = agent.state().await.expect("agent state");
+        assert_eq!(state.leader.as_deref(), Some(successor.as_str()));
+        assert!(state.fence.expect("fence") > epoch_before);
+    }
+    // A change only the stale leader's cache has not seen yet: it will render and send it.
+    f.cluster
+        .ingress("other", "other.example", "/", "web-a")
+        .await;
+    for agent in &f.agents {
+        agent
+            .await_route("other.example", "/", (200, "backend a"))
+            .await;
+    }
+    f.cluster.server.reset_accounting();
+    stale.signal("CONT");
+    eventually(
+        "the stale leader steps down",
+        Duration::from_secs(20),
+        || async {
+            let logs = stale.logs();
+            (logs.contains("term over") || logs.contains("stopping every write")).then_some(())
+        },
+    )
+    .await;
+    for agent in &f.agents {
+        let state = agent.state().await.expect("agent state");
+        assert_eq!(
+            state.leader.as_deref(),
+            Some(successor.as_str()),
+            "the new leader's set stays live"
+        );
+        agent
+            .await_route("shop.example", "/", (200, "backend b"))
+            .await;
+    }
+    let status_writes = f
+        .cluster
+        .server
+        .requests()
+        .into_iter()
+        .filter(|r| r.client == stale_name && r.subresource == "status" && r.verb == "patch")
+        .count();
+    assert_eq!(status_writes, 0, "the stale leader wrote no status");
+    assert_eq!(
+        f.cluster.leader().await.as_deref(),
+        Some(successor.as_str())
+    );
+    drop(replicas);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disabled_election_deploys_without_a_lease() {
+    let f = fleet(1, true, |spec| {
+        spec.controller.leader_election.enabled = false
+    })
+    .await;
+    let only = Controller::start(&f.cluster, "controller-1").await;
+    f.agents[0]
+        .await_route("shop.example", "/", (200, "backend a"))
+        .await;
+    assert_eq!(f.cluster.leader().await, None, "no Lease");
+    let leases = f
+        .cluster
+        .server
+        .requests()
+        .into_iter()
+        .filter(|r| r.client == only.name && r.resource.starts_with("leases"))
+        .count();
+    assert_eq!(leases, 0, "no Lease request at all");
+    drop(only);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_secret_created_later_is_waited_for() {
+    let f = fleet(1, false, |_| {}).await;
+    let controller = Controller::start(&f.cluster, "controller-1").await;
+    let status = eventually(
+        "status says the token is missing",
+        Duration::from_secs(20),
+        || async {
+            let status = f.cluster.htc_status().await?;
+            let deployed = status["conditions"]
+                .as_array()?
+                .iter()
+                .find(|c| c["type"] == "Deployed")?
+                .clone();
+            (deployed["reason"] == "TokenMissing").then_some(deployed)
+        },
+    )
+    .await;
+    assert!(
+        status["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("haptic-agent-token"),
+        "{status}"
+    );
+    assert!(
+        controller.logs().contains("no agent token"),
+        "{}",
+        controller.logs()
+    );
+    f.cluster.create_token().await;
+    f.agents[0]
+        .await_route("shop.example", "/", (200, "backend a"))
+        .await;
+    drop(controller);
+}

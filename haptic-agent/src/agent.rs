@@ -7,7 +7,8 @@ use std::{
 };
 
 use haptic_agent_client::{
-    AgentState, ApplyRequest, ApplyResponse, Timing, protocol::ReloadRecord,
+    AgentState, ApplyRequest, ApplyResponse, Timing,
+    protocol::{MAX_VIOLATIONS, ReloadRecord},
 };
 use tokio::{sync::Mutex, time::Instant};
 use tracing::{info, instrument, warn};
@@ -217,7 +218,32 @@ impl Agent {
         let agent = self.clone();
         let started = Instant::now();
         let result = tokio::spawn(async move {
-            let request = blocking(move || check_request(request)).await??;
+            let policy = agent.shared.config.policy.clone();
+            let (request, violations) = blocking(move || {
+                check_request(request).map(|request| {
+                    let violations = policy.violations(&request.files);
+                    (request, violations)
+                })
+            })
+            .await??;
+            // A set that breaks the policy is refused before the fence, staging or
+            // `haproxy -c` see it: a Lua file runs during the check already.
+            if !violations.is_empty() {
+                info!(
+                    checksum = %request.checksum,
+                    violations = violations.len(),
+                    first = %violations[0],
+                    "refused by the config policy"
+                );
+                let more = violations.len().saturating_sub(MAX_VIOLATIONS);
+                let mut violations = violations;
+                violations.truncate(MAX_VIOLATIONS);
+                return Ok(ApplyResponse::RefusedByPolicy {
+                    checksum: request.checksum,
+                    violations,
+                    more,
+                });
+            }
             agent.apply_serialized(request).await
         })
         .await
@@ -347,6 +373,11 @@ impl Agent {
         let phase = Instant::now();
         let store = shared.store.clone();
         let checksum = request.checksum.clone();
+        let paths: Vec<String> = request
+            .files
+            .iter()
+            .map(|(path, _)| path.to_owned())
+            .collect();
         let files = request.files;
         let (name, staged) = blocking(move || store.write_staged(&files, &checksum)).await??;
         let written = phase.elapsed();
@@ -401,6 +432,7 @@ impl Agent {
             generation: request.generation,
             leader: request.leader.clone(),
             epoch: request.epoch,
+            files: paths,
         };
         let store = shared.store.clone();
         let (swap_name, swap_previous) = (name.clone(), previous.clone());

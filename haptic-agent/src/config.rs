@@ -2,12 +2,17 @@
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
+use haptic_agent_client::policy::Policy;
+
 /// Errors of this module: a broken rule, named.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A setting breaks a rule.
     #[error("invalid agent configuration: {0}")]
     Invalid(&'static str),
+    /// The config policy's allow-lists are malformed.
+    #[error("invalid agent configuration")]
+    Policy(#[source] haptic_agent_client::PolicyError),
 }
 
 /// Result type of this module.
@@ -42,6 +47,11 @@ pub struct AgentConfig {
     /// 60 s). In supervised mode a master that has not finished by then is restarted on the
     /// current set.
     pub settle_timeout: Duration,
+    /// What a set may do (default [`Policy::default`], the strict one: no Lua, programs,
+    /// external checks, environment directives, no file outside the set, only the
+    /// environment variables `POD_IP`, `POD_NAME`, `POD_NAMESPACE`, `HOSTNAME`). Checked on
+    /// every apply before anything is written or `haproxy -c` runs.
+    pub policy: Policy,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -58,6 +68,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("check_timeout", &self.check_timeout)
             .field("reload_timeout", &self.reload_timeout)
             .field("settle_timeout", &self.settle_timeout)
+            .field("policy", &self.policy)
             .finish()
     }
 }
@@ -78,6 +89,7 @@ impl AgentConfig {
             check_timeout: Duration::from_secs(60),
             reload_timeout: Duration::from_secs(60),
             settle_timeout: Duration::from_secs(60),
+            policy: Policy::default(),
         }
     }
 
@@ -92,6 +104,13 @@ impl AgentConfig {
     #[must_use]
     pub fn with_supervise(mut self, supervise: bool) -> Self {
         self.supervise = supervise;
+        self
+    }
+
+    /// Sets [`AgentConfig::policy`].
+    #[must_use]
+    pub fn with_policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
         self
     }
 
@@ -133,6 +152,7 @@ impl AgentConfig {
         {
             return Err(Error::Invalid("timeouts must be above zero"));
         }
+        self.policy.validate().map_err(Error::Policy)?;
         Ok(())
     }
 }

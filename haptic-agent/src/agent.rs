@@ -2,6 +2,7 @@
 //! confirmation, and rollback to the last-known-good set. One apply at a time.
 
 use std::{
+    path::Path,
     sync::{Arc, Mutex as StdMutex},
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
@@ -16,7 +17,7 @@ use tracing::{info, instrument, warn};
 use crate::{
     config::AgentConfig,
     fence::{Fence, FenceFile},
-    haproxy::{self, Haproxy, ProcTable, ReloadOutcome},
+    haproxy::{self, Haproxy, ProcTable, ReloadOutcome, RunAs},
     metrics::Metrics,
     store::{CURRENT, LAST_KNOWN_GOOD, SetMeta, SetStore},
     supervisor::Supervisor,
@@ -134,6 +135,20 @@ fn check_request(request: ApplyRequest) -> Result<ApplyRequest> {
     Ok(request)
 }
 
+/// Creates `dir` (0700) for HAProxy's master socket, owned by the user HAProxy runs as.
+fn prepare_socket_dir(dir: &Path, user: RunAs) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let failed = |source: std::io::Error| crate::store::Error::Io {
+        action: "preparing the master socket directory",
+        path: dir.to_path_buf(),
+        source,
+    };
+    std::fs::create_dir_all(dir).map_err(failed)?;
+    std::os::unix::fs::chown(dir, Some(user.uid), Some(user.gid)).map_err(failed)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(failed)?;
+    Ok(())
+}
+
 fn micros(duration: Duration) -> u64 {
     u64::try_from(duration.as_micros()).unwrap_or(u64::MAX)
 }
@@ -147,11 +162,25 @@ impl Agent {
             config.haproxy_bin = found;
         }
         let root = config.data_dir.clone();
-        let store = blocking(move || SetStore::open(&root)).await??;
+        let run_as = config.haproxy_user;
+        let socket_dir = config.master_socket.parent().map(Path::to_path_buf);
+        let store = blocking(move || -> Result<SetStore> {
+            let store = SetStore::open_shared(&root, run_as.map(|user| user.gid))?;
+            // HAProxy creates its master socket: as another user, in a directory it owns.
+            if let (Some(user), Some(dir)) = (run_as, socket_dir)
+                && dir.starts_with(&root)
+                && dir != root
+            {
+                prepare_socket_dir(&dir, user)?;
+            }
+            Ok(store)
+        })
+        .await??;
         let fence = FenceFile::new(config.data_dir.join("fence"));
         let haproxy = Haproxy {
             bin: config.haproxy_bin.clone(),
             master_socket: config.master_socket.clone(),
+            run_as: config.haproxy_user,
         };
         let supervisor = config
             .supervise

@@ -4,6 +4,8 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use haptic_agent_client::policy::Policy;
 
+use crate::haproxy::RunAs;
+
 /// Errors of this module: a broken rule, named.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -52,6 +54,12 @@ pub struct AgentConfig {
     /// environment variables `POD_IP`, `POD_NAME`, `POD_NAMESPACE`, `HOSTNAME`). Checked on
     /// every apply before anything is written or `haproxy -c` runs.
     pub policy: Policy,
+    /// The user HAProxy and `haproxy -c` run as (default none: the agent's own). Set it when
+    /// the agent runs as root. The data directory and the sets are then given this user's
+    /// group, readable and not writable (0750 directories, 0640 files), and the master
+    /// socket, by default, moves to `<data_dir>/run/master.sock` (a directory the user owns,
+    /// since HAProxy creates the socket).
+    pub haproxy_user: Option<RunAs>,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -69,6 +77,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("reload_timeout", &self.reload_timeout)
             .field("settle_timeout", &self.settle_timeout)
             .field("policy", &self.policy)
+            .field("haproxy_user", &self.haproxy_user)
             .finish()
     }
 }
@@ -90,6 +99,7 @@ impl AgentConfig {
             reload_timeout: Duration::from_secs(60),
             settle_timeout: Duration::from_secs(60),
             policy: Policy::default(),
+            haproxy_user: None,
         }
     }
 
@@ -111,6 +121,17 @@ impl AgentConfig {
     #[must_use]
     pub fn with_policy(mut self, policy: Policy) -> Self {
         self.policy = policy;
+        self
+    }
+
+    /// Sets [`AgentConfig::haproxy_user`]; a master socket still at its default moves to
+    /// `<data_dir>/run/master.sock`.
+    #[must_use]
+    pub fn with_haproxy_user(mut self, user: RunAs) -> Self {
+        if self.master_socket == self.data_dir.join("master.sock") {
+            self.master_socket = self.data_dir.join("run").join("master.sock");
+        }
+        self.haproxy_user = Some(user);
         self
     }
 

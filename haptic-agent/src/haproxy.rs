@@ -41,6 +41,9 @@ pub enum Error {
     /// `show proc` answered something this module cannot read.
     #[error("unreadable `show proc` output: {0}")]
     ProcTable(String),
+    /// The user HAProxy should run as is unknown.
+    #[error("unknown HAProxy user {0:?} (a name in /etc/passwd, or uid:gid)")]
+    User(String),
 }
 
 /// Result type of this module.
@@ -159,19 +162,73 @@ pub enum ReloadOutcome {
     },
 }
 
-/// Paths to the HAProxy binary and its master socket.
+/// The unprivileged user (and group) HAProxy and `haproxy -c` run as, when the agent runs as
+/// root: a set's Lua, if allowed, then runs without the agent's privileges, and HAProxy
+/// cannot read the agent's token or change the sets it is given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunAs {
+    /// User id.
+    pub uid: u32,
+    /// Group id (the user's primary group when resolved from a name).
+    pub gid: u32,
+}
+
+impl RunAs {
+    /// Resolves `spec`: a user name from `/etc/passwd`, or `uid:gid`.
+    pub fn resolve(spec: &str) -> Result<Self> {
+        let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+        Self::resolve_with(spec, &passwd)
+    }
+
+    /// Resolves `spec` against the text of a passwd file.
+    pub fn resolve_with(spec: &str, passwd: &str) -> Result<Self> {
+        let unknown = || Error::User(spec.to_owned());
+        if let Some((uid, gid)) = spec.split_once(':') {
+            return Ok(Self {
+                uid: uid.trim().parse().map_err(|_| unknown())?,
+                gid: gid.trim().parse().map_err(|_| unknown())?,
+            });
+        }
+        passwd
+            .lines()
+            .map(|line| line.split(':').collect::<Vec<_>>())
+            .find(|fields| fields.len() >= 4 && fields[0] == spec)
+            .and_then(|fields| {
+                Some(Self {
+                    uid: fields[2].parse().ok()?,
+                    gid: fields[3].parse().ok()?,
+                })
+            })
+            .ok_or_else(unknown)
+    }
+}
+
+/// Paths to the HAProxy binary and its master socket, and the user it runs as.
 #[derive(Debug, Clone)]
 pub struct Haproxy {
     /// The `haproxy` binary.
     pub bin: PathBuf,
     /// The master CLI socket (`-S`).
     pub master_socket: PathBuf,
+    /// The user HAProxy runs as (none: the agent's own).
+    pub run_as: Option<RunAs>,
 }
 
 impl Haproxy {
+    /// A command running the HAProxy binary as [`Haproxy::run_as`] (supplementary groups
+    /// dropped).
+    pub fn process(&self) -> Command {
+        let mut command = Command::new(&self.bin);
+        if let Some(run_as) = self.run_as {
+            command.uid(run_as.uid).gid(run_as.gid);
+        }
+        command
+    }
+
     /// `haproxy -v`'s first line; a binary that does not answer within `timeout` is killed.
     pub async fn version(&self, timeout: Duration) -> Result<String> {
-        let output = Command::new(&self.bin)
+        let output = self
+            .process()
             .arg("-v")
             .stdin(Stdio::null())
             .kill_on_drop(true)
@@ -200,7 +257,8 @@ impl Haproxy {
     /// relative map and certificate paths resolve inside it.
     #[instrument(skip(self))]
     pub async fn check(&self, dir: &Path, timeout: Duration) -> Result<CheckOutcome> {
-        let child = Command::new(&self.bin)
+        let child = self
+            .process()
             .arg("-c")
             .arg("-C")
             .arg(dir)
@@ -397,6 +455,25 @@ mod tests {
                 reloads: 1
             }]
         );
+    }
+
+    #[test]
+    fn users_resolve_by_name_or_number() {
+        let passwd =
+            "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/usr/sbin/nologin\n";
+        assert_eq!(
+            RunAs::resolve_with("nobody", passwd).expect("nobody"),
+            RunAs {
+                uid: 65534,
+                gid: 65534
+            }
+        );
+        assert_eq!(
+            RunAs::resolve_with("101:102", passwd).expect("numbers"),
+            RunAs { uid: 101, gid: 102 }
+        );
+        assert!(RunAs::resolve_with("haproxy", passwd).is_err());
+        assert!(RunAs::resolve_with("a:b", passwd).is_err());
     }
 
     #[test]

@@ -4,7 +4,7 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use anyhow::{Context as _, Result};
 use clap::Parser;
-use haptic_agent::{Agent, AgentConfig};
+use haptic_agent::{Agent, AgentConfig, haproxy::RunAs};
 use haptic_agent_client::policy::Policy;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
@@ -38,6 +38,10 @@ struct Args {
     /// Seconds requests in flight may take to finish after SIGTERM.
     #[arg(long, env = "HAPTIC_AGENT_DRAIN_SECONDS", default_value_t = 30)]
     drain_seconds: u64,
+    /// Run HAProxy and `haproxy -c` as this user (a name, or uid:gid); set it when the agent
+    /// runs as root. The master socket then defaults to <data-dir>/run/master.sock.
+    #[arg(long, env = "HAPTIC_AGENT_HAPROXY_USER")]
+    haproxy_user: Option<String>,
     /// Capabilities a set may use, comma-separated: lua, program, external-check, env,
     /// ssl-engine [default: none].
     #[arg(long, env = "HAPTIC_AGENT_ALLOW", value_delimiter = ',')]
@@ -74,6 +78,12 @@ async fn main() -> Result<()> {
         .with_listen(args.listen)
         .with_haproxy_bin(args.haproxy)
         .with_supervise(args.supervise);
+    if let Some(user) = &args.haproxy_user {
+        let user = RunAs::resolve(user).context("resolving --haproxy-user")?;
+        config = config.with_haproxy_user(user);
+    } else if rustix::process::geteuid().is_root() {
+        warn!("the agent runs as root and so would HAProxy and its checks: set --haproxy-user");
+    }
     if let Some(socket) = args.master_socket {
         config.master_socket = socket;
     }

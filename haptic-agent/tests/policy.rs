@@ -333,3 +333,81 @@ async fn what_haproxy_writes_at_run_time_never_changes_the_live_set_and_files_ar
     assert_eq!(mode(&serving.agent.data.join("staging")), 0o700);
     serving.agent.stop().await;
 }
+
+/// The `Uid:` line of `/proc/<pid>/status`: real, effective, saved and filesystem uid.
+fn uids(pid: u32) -> Vec<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("Uid:"))
+        .expect("Uid line")
+        .split_whitespace()
+        .map(|uid| uid.parse().expect("uid"))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn haproxy_and_its_check_run_as_the_unprivileged_user() {
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("not root: the agent cannot run HAProxy as another user; nothing to test");
+        return;
+    }
+    let nobody = haptic_agent::haproxy::RunAs::resolve("nobody").expect("a nobody user");
+    let backend = Backend::start("a").await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    // Lua (allowed here) records who runs it: `haproxy -c`, then the master.
+    let marks = tempfile::tempdir().expect("marks");
+    std::fs::set_permissions(marks.path(), std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let marker = marks.path().join("uids");
+    let config = AgentConfig::new(dir.path(), TOKEN)
+        .with_listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .with_haproxy_bin(haproxy_bin())
+        .with_supervise(true)
+        .with_policy(Policy::default().with_capability(Capability::Lua))
+        .with_haproxy_user(nobody);
+    assert_eq!(config.master_socket, dir.path().join("run/master.sock"));
+    let agent = TestAgent::start_with(config).await;
+    let client = client();
+    let port = free_port();
+    let mut files = with_global(&config_routing(port, &backend), "lua-load who.lua");
+    files
+        .insert(
+            "who.lua",
+            format!("os.execute(\"id -u >> {}\")\n", marker.display()),
+        )
+        .expect("path");
+    let report = client
+        .apply(&agent.url, &request(1, "leader-0", 1, files))
+        .await
+        .expect("applied");
+    assert_eq!(report.outcome, Outcome::Applied);
+    assert_eq!(await_body(port, "backend a").await, "backend a");
+
+    let seen = std::fs::read_to_string(&marker).expect("the Lua file ran");
+    let seen: Vec<&str> = seen.lines().collect();
+    assert!(seen.len() >= 2, "the check and the master: {seen:?}");
+    assert!(seen.iter().all(|uid| *uid == "65534"), "{seen:?}");
+    let state = client.state(&agent.url).await.expect("state");
+    let master = state.haproxy_pid.expect("a master");
+    assert!(uids(master).iter().all(|uid| *uid == nobody.uid));
+    for worker in &state.worker_pids {
+        assert!(uids(*worker).iter().all(|uid| *uid == nobody.uid));
+    }
+    // HAProxy's group can read the set and not change it.
+    let set_dir = std::fs::canonicalize(dir.path().join("current")).expect("current");
+    for (path, mode) in [
+        (set_dir.clone(), 0o750),
+        (set_dir.join("haproxy.cfg"), 0o640),
+    ] {
+        let meta = std::fs::metadata(&path).expect("metadata");
+        assert_eq!(meta.permissions().mode() & 0o777, mode, "{path:?}");
+        assert_eq!(meta.gid(), nobody.gid, "{path:?}");
+        assert_eq!(meta.uid(), 0, "{path:?}");
+    }
+    agent.stop().await;
+}
+
+fn config_routing(port: u16, backend: &Backend) -> FileSet {
+    config(port, "a", &[("a", backend.addr)])
+}

@@ -74,6 +74,7 @@ async fn a_reload_slower_than_its_timeout_is_waited_for_before_the_next_apply() 
         haptic_agent::haproxy::Haproxy {
             bin: haproxy_bin(),
             master_socket: dir.path().join("master.sock"),
+            run_as: None,
         }
         .show_proc(Duration::from_secs(5))
         .await

@@ -74,7 +74,12 @@ struct Shared {
     /// Checksum of the set HAProxy was last confirmed to have loaded (by this process: none
     /// after a restart until a load is confirmed). `unchanged` needs it to match.
     loaded: StdMutex<Option<String>>,
+    /// The last readiness probe and when it ran.
+    ready: Mutex<Option<(Instant, Result<(), String>)>>,
 }
+
+/// How long a readiness probe's answer is served from the cache.
+pub const READY_TTL: Duration = Duration::from_secs(1);
 
 /// A set just made `current`, to be loaded.
 struct Swapped {
@@ -177,11 +182,11 @@ impl Agent {
         })
         .await??;
         let fence = FenceFile::new(config.data_dir.join("fence"));
-        let haproxy = Haproxy {
-            bin: config.haproxy_bin.clone(),
-            master_socket: config.master_socket.clone(),
-            run_as: config.haproxy_user,
-        };
+        let haproxy = Haproxy::new(
+            config.haproxy_bin.clone(),
+            config.master_socket.clone(),
+            config.haproxy_user,
+        );
         let supervisor = config
             .supervise
             .then(|| Supervisor::new(haproxy.clone(), store.current_path(), config.reload_timeout));
@@ -209,6 +214,7 @@ impl Agent {
                 }),
                 unsettled: StdMutex::new(None),
                 loaded: StdMutex::new(None),
+                ready: Mutex::new(None),
             }),
         };
         if let Some(meta) = agent.live_meta() {
@@ -225,6 +231,11 @@ impl Agent {
     /// The metrics.
     pub fn metrics(&self) -> &Metrics {
         &self.shared.metrics
+    }
+
+    /// HAProxy as the agent drives it (its master CLI use among others).
+    pub fn haproxy(&self) -> &Haproxy {
+        &self.shared.haproxy
     }
 
     /// The supervisor, in supervised mode.
@@ -278,6 +289,7 @@ impl Agent {
         .await
         .map_err(|error| Error::Task(error.to_string()))
         .and_then(|result| result);
+        self.forget_readiness().await;
         let metrics = &self.shared.metrics;
         metrics.observe_apply(started.elapsed());
         match &result {
@@ -791,27 +803,57 @@ impl Agent {
 
     /// Why the agent is not ready, if it is not: the fence file is unreadable, or a set is
     /// live but HAProxy's master socket lists no worker.
+    ///
+    /// Answered from a cache refreshed at most once a [`READY_TTL`], by one caller at a time
+    /// on the master CLI's probe slot: a flood of probes makes at most one master CLI
+    /// connection a second and never takes the slot an apply needs. The reason names no
+    /// path and quotes no file content (the probe is unauthenticated); the log has the
+    /// details.
     pub async fn readiness(&self) -> Result<(), String> {
         if self.unsettled().is_some() {
             return Err("HAProxy is still finishing a reload".to_owned());
         }
+        let mut cache = self.shared.ready.lock().await;
+        if let Some((at, result)) = &*cache
+            && at.elapsed() < READY_TTL
+        {
+            return result.clone();
+        }
+        let result = self.probe_readiness().await;
+        *cache = Some((Instant::now(), result.clone()));
+        result
+    }
+
+    /// Forgets the cached readiness (after an apply changed what is live).
+    async fn forget_readiness(&self) {
+        *self.shared.ready.lock().await = None;
+    }
+
+    async fn probe_readiness(&self) -> Result<(), String> {
         let fence = self.shared.fence.clone();
-        blocking(move || fence.load())
-            .await
-            .map_err(|error| error.to_string())?
-            .map_err(|error| error.to_string())?;
-        let live = self
-            .shared
-            .store
-            .link(CURRENT)
-            .map_err(|error| error.to_string())?;
+        let loaded = blocking(move || fence.load()).await;
+        match loaded {
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => {
+                warn!(%error, "not ready: fence unreadable");
+                return Err("the fence file is unreadable or corrupt".to_owned());
+            }
+            Err(error) => return Err(error.to_string()),
+        }
+        let live = self.shared.store.link(CURRENT).map_err(|error| {
+            warn!(%error, "not ready: the live set link is unreadable");
+            "the live set link is unreadable".to_owned()
+        })?;
         if live.is_some() {
             let table = self
                 .shared
                 .haproxy
-                .show_proc(Duration::from_secs(2))
+                .show_proc_probe(Duration::from_secs(2))
                 .await
-                .map_err(|error| error.to_string())?;
+                .map_err(|error| {
+                    warn!(%error, "not ready: HAProxy's master CLI does not answer");
+                    "HAProxy's master CLI does not answer".to_owned()
+                })?;
             if table.workers.is_empty() {
                 return Err("HAProxy runs no worker".to_owned());
             }
@@ -857,7 +899,7 @@ impl Agent {
             state.last_reload = status.last_reload.clone();
             state.haproxy_version = status.haproxy_version.clone();
         }
-        if let Ok(table) = shared.haproxy.show_proc(Duration::from_secs(1)).await {
+        if let Ok(table) = shared.haproxy.show_proc_probe(Duration::from_secs(1)).await {
             state.haproxy_pid = Some(table.master.pid);
             state.worker_pids = table.workers.iter().map(|worker| worker.pid).collect();
         }

@@ -71,16 +71,12 @@ async fn a_reload_slower_than_its_timeout_is_waited_for_before_the_next_apply() 
     let last = state.last_reload.expect("a reload");
     assert!(last.ok && last.checksum == next.checksum, "{last:?}");
     assert_eq!(
-        haptic_agent::haproxy::Haproxy {
-            bin: haproxy_bin(),
-            master_socket: dir.path().join("master.sock"),
-            run_as: None,
-        }
-        .show_proc(Duration::from_secs(5))
-        .await
-        .expect("the master answers: no reload in progress")
-        .master
-        .reloads,
+        haptic_agent::haproxy::Haproxy::new(haproxy_bin(), dir.path().join("master.sock"), None)
+            .show_proc(Duration::from_secs(5))
+            .await
+            .expect("the master answers: no reload in progress")
+            .master
+            .reloads,
         2,
         "exactly the two reloads the agent confirmed"
     );

@@ -159,6 +159,20 @@ async fn a_corrupt_fence_file_means_not_ready_and_no_apply() {
         .await
         .expect("healthz");
     assert_eq!(health.status(), 200, "alive, just not ready");
+    // The unauthenticated probe names no path and quotes no file content.
+    let ready = traffic_client()
+        .get(agent.url.join("/readyz").expect("url"))
+        .send()
+        .await
+        .expect("readyz")
+        .text()
+        .await
+        .expect("body");
+    assert!(ready.contains("corrupt"), "{ready}");
+    assert!(
+        !ready.contains("12abc") && !ready.contains(&*root.path().to_string_lossy()),
+        "{ready}"
+    );
 
     let client =
         AgentClient::new(ClientConfig::new(TOKEN).with_retries(2, Duration::from_millis(10)))

@@ -13,7 +13,7 @@ use crate::protocol::{
     Timing, encode_apply,
 };
 
-/// Errors of the client. Refusals (`Fenced`, `Superseded`, `Invalid`, `RolledBack`,
+/// Errors of the client. Refusals (`Fenced`, `Superseded`, `Invalid`, `RefusedByPolicy`, `RolledBack`,
 /// `Unauthorized`, `Rejected`) are never retried; `Unavailable` and `Transport` are returned once the
 /// retries are spent.
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +42,16 @@ pub enum Error {
     Invalid {
         /// HAProxy's own output.
         check_output: String,
+    },
+    /// The agent's config policy refused the set (422 `refused_by_policy`): it would run a
+    /// program or read a file outside the set. Nothing was written; not retried. The
+    /// controller runs the same [`crate::policy::Policy::check`] before it sends a set.
+    #[error("the agent's config policy refused the set: {}", violations.first().map(ToString::to_string).unwrap_or_default())]
+    RefusedByPolicy {
+        /// The violations the agent listed (at most `protocol::MAX_VIOLATIONS`).
+        violations: Vec<crate::policy::Violation>,
+        /// How many more it found.
+        more: usize,
     },
     /// The set failed to load; the agent restored its last-known-good set.
     #[error("reload failed and was rolled back (live: {live_checksum:?}): {reason}")]
@@ -406,6 +416,9 @@ impl AgentClient {
                 live_generation,
             }),
             Ok(ApplyResponse::Invalid { check_output, .. }) => Err(Error::Invalid { check_output }),
+            Ok(ApplyResponse::RefusedByPolicy {
+                violations, more, ..
+            }) => Err(Error::RefusedByPolicy { violations, more }),
             Ok(ApplyResponse::RolledBack {
                 live_checksum,
                 reason,

@@ -5,7 +5,9 @@
 //! agent refuses an epoch below its fence. [`protocol`] holds the wire types, the checksum
 //! and the path rules both sides enforce; [`client`] holds the HTTP client (reqwest with
 //! rustls on `ring`, bearer token, timeouts, retries of transport failures and 503 only,
-//! typed errors, parallel fan-out).
+//! typed errors, parallel fan-out); [`policy`] holds the config policy (no Lua, programs,
+//! external checks or files outside the set unless the operator allows them) that the
+//! controller's render gate and the agent both apply.
 //!
 //! ```
 //! use haptic_agent_client::{AgentClient, ApplyRequest, ClientConfig, FileSet};
@@ -24,7 +26,9 @@
 //! ```
 
 pub mod client;
+pub mod policy;
 pub mod protocol;
 
 pub use client::{AgentClient, ApplyReport, ClientConfig, Error, Outcome, PodResult, Target};
+pub use policy::{Policy, PolicyError, Violation};
 pub use protocol::{AgentState, ApplyRequest, ApplyResponse, FileSet, Timing};

@@ -14,6 +14,7 @@
 //! | `fenced`      | 409    | the epoch is below the agent's fence, or equal to it from another leader identity; nothing was written |
 //! | `superseded`  | 409    | same epoch as the live set, older generation; nothing was written |
 //! | `invalid`     | 422    | `haproxy -c` refused the set; the live set is untouched        |
+//! | `refused_by_policy` | 422 | the set breaks the agent's config policy ([`crate::policy`]); nothing was written and `haproxy -c` did not run |
 //! | `rolled_back` | 500    | the set passed the check but failed to load; last-known-good is live again |
 //!
 //! Other failures (401, 400, 413, 503) carry an [`ErrorBody`].
@@ -37,6 +38,8 @@ pub const MAX_PATH_LEN: usize = 1024;
 pub const MAX_PATH_DEPTH: usize = 16;
 /// Longest path component accepted, in bytes (Linux's `NAME_MAX`).
 pub const MAX_COMPONENT_LEN: usize = 255;
+/// Most violations a `refused_by_policy` answer lists (the rest are counted in `more`).
+pub const MAX_VIOLATIONS: usize = 100;
 
 /// Errors of this module: a malformed set or wire message.
 #[derive(Debug, thiserror::Error)]
@@ -502,6 +505,18 @@ pub enum ApplyResponse {
         /// Time spent.
         timing: Timing,
     },
+    /// The set breaks the agent's config policy (see [`crate::policy`]): it would run a
+    /// program or read a file outside the set. Nothing was written and `haproxy -c` did not
+    /// run.
+    RefusedByPolicy {
+        /// Checksum of the refused set.
+        checksum: String,
+        /// The violations, at most [`MAX_VIOLATIONS`] of them.
+        violations: Vec<crate::policy::Violation>,
+        /// How many more violations were found and left out of `violations`.
+        #[serde(default)]
+        more: usize,
+    },
     /// The set passed the check but HAProxy failed to load it; the previous set was restored.
     RolledBack {
         /// Checksum of the set that failed to load.
@@ -521,7 +536,7 @@ impl ApplyResponse {
         match self {
             Self::Applied { .. } | Self::Unchanged { .. } => 200,
             Self::Fenced { .. } | Self::Superseded { .. } => 409,
-            Self::Invalid { .. } => 422,
+            Self::Invalid { .. } | Self::RefusedByPolicy { .. } => 422,
             Self::RolledBack { .. } => 500,
         }
     }
@@ -534,6 +549,7 @@ impl ApplyResponse {
             Self::Fenced { .. } => "fenced",
             Self::Superseded { .. } => "superseded",
             Self::Invalid { .. } => "invalid",
+            Self::RefusedByPolicy { .. } => "refused_by_policy",
             Self::RolledBack { .. } => "rolled_back",
         }
     }

@@ -161,6 +161,16 @@ async fn refusals_are_never_retried_and_are_typed() {
         check_output: "[ALERT] unknown keyword".into(),
         timing: Timing::default(),
     };
+    let refused = ApplyResponse::RefusedByPolicy {
+        checksum: "x".into(),
+        violations: vec![haptic_agent_client::Violation {
+            file: "haproxy.cfg".into(),
+            line: 2,
+            keyword: "lua-load".into(),
+            why: "Lua is not allowed".into(),
+        }],
+        more: 3,
+    };
     let rolled_back = ApplyResponse::RolledBack {
         checksum: "x".into(),
         live_checksum: Some("old".into()),
@@ -188,6 +198,10 @@ async fn refusals_are_never_retried_and_are_typed() {
             (422, serde_json::to_string(&invalid).expect("json")),
             |e| matches!(e, Error::Invalid { check_output } if check_output.contains("unknown keyword")),
         ),
+        ((422, serde_json::to_string(&refused).expect("json")), |e| {
+            matches!(e, Error::RefusedByPolicy { violations, more: 3 }
+                    if violations[0].to_string() == "haproxy.cfg:2: lua-load: Lua is not allowed")
+        }),
         (
             (500, serde_json::to_string(&rolled_back).expect("json")),
             |e| matches!(e, Error::RolledBack { live_checksum: Some(live), .. } if live == "old"),

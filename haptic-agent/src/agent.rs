@@ -2,12 +2,14 @@
 //! confirmation, and rollback to the last-known-good set. One apply at a time.
 
 use std::{
+    path::Path,
     sync::{Arc, Mutex as StdMutex},
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
 use haptic_agent_client::{
-    AgentState, ApplyRequest, ApplyResponse, Timing, protocol::ReloadRecord,
+    AgentState, ApplyRequest, ApplyResponse, Timing,
+    protocol::{MAX_VIOLATIONS, ReloadRecord},
 };
 use tokio::{sync::Mutex, time::Instant};
 use tracing::{info, instrument, warn};
@@ -15,7 +17,7 @@ use tracing::{info, instrument, warn};
 use crate::{
     config::AgentConfig,
     fence::{Fence, FenceFile},
-    haproxy::{self, Haproxy, ProcTable, ReloadOutcome},
+    haproxy::{self, Haproxy, ProcTable, ReloadOutcome, RunAs},
     metrics::Metrics,
     store::{CURRENT, LAST_KNOWN_GOOD, SetMeta, SetStore},
     supervisor::Supervisor,
@@ -72,7 +74,12 @@ struct Shared {
     /// Checksum of the set HAProxy was last confirmed to have loaded (by this process: none
     /// after a restart until a load is confirmed). `unchanged` needs it to match.
     loaded: StdMutex<Option<String>>,
+    /// The last readiness probe and when it ran.
+    ready: Mutex<Option<(Instant, Result<(), String>)>>,
 }
+
+/// How long a readiness probe's answer is served from the cache.
+pub const READY_TTL: Duration = Duration::from_secs(1);
 
 /// A set just made `current`, to be loaded.
 struct Swapped {
@@ -133,6 +140,20 @@ fn check_request(request: ApplyRequest) -> Result<ApplyRequest> {
     Ok(request)
 }
 
+/// Creates `dir` (0700) for HAProxy's master socket, owned by the user HAProxy runs as.
+fn prepare_socket_dir(dir: &Path, user: RunAs) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let failed = |source: std::io::Error| crate::store::Error::Io {
+        action: "preparing the master socket directory",
+        path: dir.to_path_buf(),
+        source,
+    };
+    std::fs::create_dir_all(dir).map_err(failed)?;
+    std::os::unix::fs::chown(dir, Some(user.uid), Some(user.gid)).map_err(failed)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(failed)?;
+    Ok(())
+}
+
 fn micros(duration: Duration) -> u64 {
     u64::try_from(duration.as_micros()).unwrap_or(u64::MAX)
 }
@@ -146,12 +167,26 @@ impl Agent {
             config.haproxy_bin = found;
         }
         let root = config.data_dir.clone();
-        let store = blocking(move || SetStore::open(&root)).await??;
+        let run_as = config.haproxy_user;
+        let socket_dir = config.master_socket.parent().map(Path::to_path_buf);
+        let store = blocking(move || -> Result<SetStore> {
+            let store = SetStore::open_shared(&root, run_as.map(|user| user.gid))?;
+            // HAProxy creates its master socket: as another user, in a directory it owns.
+            if let (Some(user), Some(dir)) = (run_as, socket_dir)
+                && dir.starts_with(&root)
+                && dir != root
+            {
+                prepare_socket_dir(&dir, user)?;
+            }
+            Ok(store)
+        })
+        .await??;
         let fence = FenceFile::new(config.data_dir.join("fence"));
-        let haproxy = Haproxy {
-            bin: config.haproxy_bin.clone(),
-            master_socket: config.master_socket.clone(),
-        };
+        let haproxy = Haproxy::new(
+            config.haproxy_bin.clone(),
+            config.master_socket.clone(),
+            config.haproxy_user,
+        );
         let supervisor = config
             .supervise
             .then(|| Supervisor::new(haproxy.clone(), store.current_path(), config.reload_timeout));
@@ -179,6 +214,7 @@ impl Agent {
                 }),
                 unsettled: StdMutex::new(None),
                 loaded: StdMutex::new(None),
+                ready: Mutex::new(None),
             }),
         };
         if let Some(meta) = agent.live_meta() {
@@ -195,6 +231,11 @@ impl Agent {
     /// The metrics.
     pub fn metrics(&self) -> &Metrics {
         &self.shared.metrics
+    }
+
+    /// HAProxy as the agent drives it (its master CLI use among others).
+    pub fn haproxy(&self) -> &Haproxy {
+        &self.shared.haproxy
     }
 
     /// The supervisor, in supervised mode.
@@ -217,12 +258,38 @@ impl Agent {
         let agent = self.clone();
         let started = Instant::now();
         let result = tokio::spawn(async move {
-            let request = blocking(move || check_request(request)).await??;
+            let policy = agent.shared.config.policy.clone();
+            let (request, violations) = blocking(move || {
+                check_request(request).map(|request| {
+                    let violations = policy.violations(&request.files);
+                    (request, violations)
+                })
+            })
+            .await??;
+            // A set that breaks the policy is refused before the fence, staging or
+            // `haproxy -c` see it: a Lua file runs during the check already.
+            if !violations.is_empty() {
+                info!(
+                    checksum = %request.checksum,
+                    violations = violations.len(),
+                    first = %violations[0],
+                    "refused by the config policy"
+                );
+                let more = violations.len().saturating_sub(MAX_VIOLATIONS);
+                let mut violations = violations;
+                violations.truncate(MAX_VIOLATIONS);
+                return Ok(ApplyResponse::RefusedByPolicy {
+                    checksum: request.checksum,
+                    violations,
+                    more,
+                });
+            }
             agent.apply_serialized(request).await
         })
         .await
         .map_err(|error| Error::Task(error.to_string()))
         .and_then(|result| result);
+        self.forget_readiness().await;
         let metrics = &self.shared.metrics;
         metrics.observe_apply(started.elapsed());
         match &result {
@@ -347,6 +414,11 @@ impl Agent {
         let phase = Instant::now();
         let store = shared.store.clone();
         let checksum = request.checksum.clone();
+        let paths: Vec<String> = request
+            .files
+            .iter()
+            .map(|(path, _)| path.to_owned())
+            .collect();
         let files = request.files;
         let (name, staged) = blocking(move || store.write_staged(&files, &checksum)).await??;
         let written = phase.elapsed();
@@ -401,6 +473,7 @@ impl Agent {
             generation: request.generation,
             leader: request.leader.clone(),
             epoch: request.epoch,
+            files: paths,
         };
         let store = shared.store.clone();
         let (swap_name, swap_previous) = (name.clone(), previous.clone());
@@ -730,27 +803,57 @@ impl Agent {
 
     /// Why the agent is not ready, if it is not: the fence file is unreadable, or a set is
     /// live but HAProxy's master socket lists no worker.
+    ///
+    /// Answered from a cache refreshed at most once a [`READY_TTL`], by one caller at a time
+    /// on the master CLI's probe slot: a flood of probes makes at most one master CLI
+    /// connection a second and never takes the slot an apply needs. The reason names no
+    /// path and quotes no file content (the probe is unauthenticated); the log has the
+    /// details.
     pub async fn readiness(&self) -> Result<(), String> {
         if self.unsettled().is_some() {
             return Err("HAProxy is still finishing a reload".to_owned());
         }
+        let mut cache = self.shared.ready.lock().await;
+        if let Some((at, result)) = &*cache
+            && at.elapsed() < READY_TTL
+        {
+            return result.clone();
+        }
+        let result = self.probe_readiness().await;
+        *cache = Some((Instant::now(), result.clone()));
+        result
+    }
+
+    /// Forgets the cached readiness (after an apply changed what is live).
+    async fn forget_readiness(&self) {
+        *self.shared.ready.lock().await = None;
+    }
+
+    async fn probe_readiness(&self) -> Result<(), String> {
         let fence = self.shared.fence.clone();
-        blocking(move || fence.load())
-            .await
-            .map_err(|error| error.to_string())?
-            .map_err(|error| error.to_string())?;
-        let live = self
-            .shared
-            .store
-            .link(CURRENT)
-            .map_err(|error| error.to_string())?;
+        let loaded = blocking(move || fence.load()).await;
+        match loaded {
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => {
+                warn!(%error, "not ready: fence unreadable");
+                return Err("the fence file is unreadable or corrupt".to_owned());
+            }
+            Err(error) => return Err(error.to_string()),
+        }
+        let live = self.shared.store.link(CURRENT).map_err(|error| {
+            warn!(%error, "not ready: the live set link is unreadable");
+            "the live set link is unreadable".to_owned()
+        })?;
         if live.is_some() {
             let table = self
                 .shared
                 .haproxy
-                .show_proc(Duration::from_secs(2))
+                .show_proc_probe(Duration::from_secs(2))
                 .await
-                .map_err(|error| error.to_string())?;
+                .map_err(|error| {
+                    warn!(%error, "not ready: HAProxy's master CLI does not answer");
+                    "HAProxy's master CLI does not answer".to_owned()
+                })?;
             if table.workers.is_empty() {
                 return Err("HAProxy runs no worker".to_owned());
             }
@@ -796,7 +899,7 @@ impl Agent {
             state.last_reload = status.last_reload.clone();
             state.haproxy_version = status.haproxy_version.clone();
         }
-        if let Ok(table) = shared.haproxy.show_proc(Duration::from_secs(1)).await {
+        if let Ok(table) = shared.haproxy.show_proc_probe(Duration::from_secs(1)).await {
             state.haproxy_pid = Some(table.master.pid);
             state.worker_pids = table.workers.iter().map(|worker| worker.pid).collect();
         }

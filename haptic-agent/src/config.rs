@@ -2,12 +2,19 @@
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
+use haptic_agent_client::policy::Policy;
+
+use crate::haproxy::RunAs;
+
 /// Errors of this module: a broken rule, named.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A setting breaks a rule.
     #[error("invalid agent configuration: {0}")]
     Invalid(&'static str),
+    /// The config policy's allow-lists are malformed.
+    #[error("invalid agent configuration")]
+    Policy(#[source] haptic_agent_client::PolicyError),
 }
 
 /// Result type of this module.
@@ -42,6 +49,17 @@ pub struct AgentConfig {
     /// 60 s). In supervised mode a master that has not finished by then is restarted on the
     /// current set.
     pub settle_timeout: Duration,
+    /// What a set may do (default [`Policy::default`], the strict one: no Lua, programs,
+    /// external checks, environment directives, no file outside the set, only the
+    /// environment variables `POD_IP`, `POD_NAME`, `POD_NAMESPACE`, `HOSTNAME`). Checked on
+    /// every apply before anything is written or `haproxy -c` runs.
+    pub policy: Policy,
+    /// The user HAProxy and `haproxy -c` run as (default none: the agent's own). Set it when
+    /// the agent runs as root. The data directory and the sets are then given this user's
+    /// group, readable and not writable (0750 directories, 0640 files), and the master
+    /// socket, by default, moves to `<data_dir>/run/master.sock` (a directory the user owns,
+    /// since HAProxy creates the socket).
+    pub haproxy_user: Option<RunAs>,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -58,6 +76,8 @@ impl std::fmt::Debug for AgentConfig {
             .field("check_timeout", &self.check_timeout)
             .field("reload_timeout", &self.reload_timeout)
             .field("settle_timeout", &self.settle_timeout)
+            .field("policy", &self.policy)
+            .field("haproxy_user", &self.haproxy_user)
             .finish()
     }
 }
@@ -78,6 +98,8 @@ impl AgentConfig {
             check_timeout: Duration::from_secs(60),
             reload_timeout: Duration::from_secs(60),
             settle_timeout: Duration::from_secs(60),
+            policy: Policy::default(),
+            haproxy_user: None,
         }
     }
 
@@ -92,6 +114,24 @@ impl AgentConfig {
     #[must_use]
     pub fn with_supervise(mut self, supervise: bool) -> Self {
         self.supervise = supervise;
+        self
+    }
+
+    /// Sets [`AgentConfig::policy`].
+    #[must_use]
+    pub fn with_policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Sets [`AgentConfig::haproxy_user`]; a master socket still at its default moves to
+    /// `<data_dir>/run/master.sock`.
+    #[must_use]
+    pub fn with_haproxy_user(mut self, user: RunAs) -> Self {
+        if self.master_socket == self.data_dir.join("master.sock") {
+            self.master_socket = self.data_dir.join("run").join("master.sock");
+        }
+        self.haproxy_user = Some(user);
         self
     }
 
@@ -133,6 +173,7 @@ impl AgentConfig {
         {
             return Err(Error::Invalid("timeouts must be above zero"));
         }
+        self.policy.validate().map_err(Error::Policy)?;
         Ok(())
     }
 }

@@ -4,6 +4,10 @@
 use std::{
     path::{Path, PathBuf},
     process::Stdio,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
@@ -11,6 +15,7 @@ use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::UnixStream,
     process::Command,
+    sync::Semaphore,
     time::Instant,
 };
 use tracing::{debug, instrument};
@@ -41,6 +46,18 @@ pub enum Error {
     /// `show proc` answered something this module cannot read.
     #[error("unreadable `show proc` output: {0}")]
     ProcTable(String),
+    /// A command never reached the master CLI: connecting or writing failed, or the slot
+    /// stayed busy.
+    #[error("master socket {socket}: command not sent: {reason}")]
+    NotSent {
+        /// The socket path.
+        socket: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The user HAProxy should run as is unknown.
+    #[error("unknown HAProxy user {0:?} (a name in /etc/passwd, or uid:gid)")]
+    User(String),
 }
 
 /// Result type of this module.
@@ -159,19 +176,114 @@ pub enum ReloadOutcome {
     },
 }
 
-/// Paths to the HAProxy binary and its master socket.
+/// The unprivileged user (and group) HAProxy and `haproxy -c` run as, when the agent runs as
+/// root: a set's Lua, if allowed, then runs without the agent's privileges, and HAProxy
+/// cannot read the agent's token or change the sets it is given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunAs {
+    /// User id.
+    pub uid: u32,
+    /// Group id (the user's primary group when resolved from a name).
+    pub gid: u32,
+}
+
+impl RunAs {
+    /// Resolves `spec`: a user name from `/etc/passwd`, or `uid:gid`.
+    pub fn resolve(spec: &str) -> Result<Self> {
+        let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+        Self::resolve_with(spec, &passwd)
+    }
+
+    /// Resolves `spec` against the text of a passwd file.
+    pub fn resolve_with(spec: &str, passwd: &str) -> Result<Self> {
+        let unknown = || Error::User(spec.to_owned());
+        if let Some((uid, gid)) = spec.split_once(':') {
+            return Ok(Self {
+                uid: uid.trim().parse().map_err(|_| unknown())?,
+                gid: gid.trim().parse().map_err(|_| unknown())?,
+            });
+        }
+        passwd
+            .lines()
+            .map(|line| line.split(':').collect::<Vec<_>>())
+            .find(|fields| fields.len() >= 4 && fields[0] == spec)
+            .and_then(|fields| {
+                Some(Self {
+                    uid: fields[2].parse().ok()?,
+                    gid: fields[3].parse().ok()?,
+                })
+            })
+            .ok_or_else(unknown)
+    }
+}
+
+/// The agent's connections to the master CLI: one at a time for the apply path (reloads,
+/// their confirmation, supervised starts), and one at a time for everything else (`/v1/state`,
+/// `/readyz`), so that no amount of probing takes the slot an apply needs.
+#[derive(Debug)]
+struct Slots {
+    apply: Semaphore,
+    other: Semaphore,
+    /// Connections made, for the metrics and tests.
+    connections: AtomicU64,
+}
+
+/// Paths to the HAProxy binary and its master socket, the user it runs as, and the bounded
+/// use of its master CLI. Clones share the bound.
 #[derive(Debug, Clone)]
 pub struct Haproxy {
     /// The `haproxy` binary.
     pub bin: PathBuf,
     /// The master CLI socket (`-S`).
     pub master_socket: PathBuf,
+    /// The user HAProxy runs as (none: the agent's own).
+    pub run_as: Option<RunAs>,
+    slots: Arc<Slots>,
+}
+
+/// Which slot of the master CLI a command takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Slot {
+    /// The apply path: reloads, their confirmation, starts.
+    Apply,
+    /// Probes and state: never in the way of an apply.
+    Other,
 }
 
 impl Haproxy {
+    /// HAProxy at `bin`, with its master CLI at `master_socket`, run as `run_as`.
+    pub fn new(bin: PathBuf, master_socket: PathBuf, run_as: Option<RunAs>) -> Self {
+        Self {
+            bin,
+            master_socket,
+            run_as,
+            slots: Arc::new(Slots {
+                apply: Semaphore::new(1),
+                other: Semaphore::new(1),
+                connections: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// Connections made to the master CLI so far.
+    pub fn cli_connections(&self) -> u64 {
+        self.slots.connections.load(Ordering::Relaxed)
+    }
+
+    /// A command running the HAProxy binary as [`Haproxy::run_as`] (supplementary groups
+    /// dropped).
+    pub fn process(&self) -> Command {
+        let mut command = Command::new(&self.bin);
+        if let Some(run_as) = self.run_as {
+            command.uid(run_as.uid).gid(run_as.gid);
+        }
+        command
+    }
+
     /// `haproxy -v`'s first line; a binary that does not answer within `timeout` is killed.
     pub async fn version(&self, timeout: Duration) -> Result<String> {
-        let output = Command::new(&self.bin)
+        let output = self
+            .process()
             .arg("-v")
             .stdin(Stdio::null())
             .kill_on_drop(true)
@@ -200,7 +312,8 @@ impl Haproxy {
     /// relative map and certificate paths resolve inside it.
     #[instrument(skip(self))]
     pub async fn check(&self, dir: &Path, timeout: Duration) -> Result<CheckOutcome> {
-        let child = Command::new(&self.bin)
+        let child = self
+            .process()
             .arg("-c")
             .arg("-C")
             .arg(dir)
@@ -230,30 +343,63 @@ impl Haproxy {
         })
     }
 
-    /// Sends one command to the master CLI and returns its whole answer.
+    /// Sends one command to the master CLI on the apply slot and returns its whole answer.
     pub async fn command(&self, command: &str, timeout: Duration) -> Result<String> {
+        self.command_on(Slot::Apply, command, timeout).await
+    }
+
+    /// Sends one command to the master CLI on `slot` (waiting for it, within `timeout`) and
+    /// returns its whole answer. A connect or write that failed is [`Error::NotSent`]: the
+    /// master never saw the command.
+    pub async fn command_on(&self, slot: Slot, command: &str, timeout: Duration) -> Result<String> {
         let socket_error = |reason: String| Error::MasterSocket {
             socket: self.master_socket.clone(),
             reason,
         };
-        let exchange = async {
+        let not_sent = |reason: String| Error::NotSent {
+            socket: self.master_socket.clone(),
+            reason,
+        };
+        let deadline = Instant::now() + timeout;
+        let semaphore = match slot {
+            Slot::Apply => &self.slots.apply,
+            Slot::Other => &self.slots.other,
+        };
+        let _permit = tokio::time::timeout_at(deadline, semaphore.acquire())
+            .await
+            .map_err(|_| not_sent(format!("the master CLI stayed busy for {timeout:?}")))?
+            .map_err(|_| not_sent("closed".to_owned()))?;
+        self.slots.connections.fetch_add(1, Ordering::Relaxed);
+        let send = async {
             let mut stream = UnixStream::connect(&self.master_socket).await?;
             stream.write_all(format!("{command}\n").as_bytes()).await?;
             // The master CLI answers once it sees the end of the request.
             stream.shutdown().await?;
+            Ok::<_, std::io::Error>(stream)
+        };
+        let mut stream = tokio::time::timeout_at(deadline, send)
+            .await
+            .map_err(|_| not_sent(format!("`{command}` could not be sent in time")))?
+            .map_err(|error| not_sent(error.to_string()))?;
+        let receive = async {
             let mut answer = Vec::new();
             stream.read_to_end(&mut answer).await?;
             Ok::<_, std::io::Error>(String::from_utf8_lossy(&answer).into_owned())
         };
-        tokio::time::timeout(timeout, exchange)
+        tokio::time::timeout_at(deadline, receive)
             .await
             .map_err(|_| socket_error(format!("`{command}` timed out")))?
             .map_err(|error| socket_error(error.to_string()))
     }
 
-    /// `show proc`, parsed.
+    /// `show proc`, parsed, on the apply slot.
     pub async fn show_proc(&self, timeout: Duration) -> Result<ProcTable> {
         ProcTable::parse(&self.command("show proc", timeout).await?)
+    }
+
+    /// `show proc`, parsed, on the slot for probes and state.
+    pub async fn show_proc_probe(&self, timeout: Duration) -> Result<ProcTable> {
+        ProcTable::parse(&self.command_on(Slot::Other, "show proc", timeout).await?)
     }
 
     /// Asks the master to reload and waits (up to `timeout`) until it has finished: the
@@ -289,10 +435,26 @@ impl Haproxy {
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
         // The master re-executes itself on `reload`; HAProxy 2.7+ answers `Success=0|1`,
-        // 2.6 closes the connection. Either way the table below is the judge.
-        match self.command("reload", step).await {
-            Ok(answer) => debug!(answer, "reload sent"),
-            Err(error) => debug!(%error, "reload sent; the master dropped the connection"),
+        // 2.6 closes the connection. Either way the table below is the judge. A reload that
+        // never reached the master (connect or write failed) is sent again.
+        loop {
+            match self.command("reload", step).await {
+                Ok(answer) => debug!(answer, "reload sent"),
+                Err(Error::NotSent { reason, .. }) if Instant::now() < deadline => {
+                    debug!(%reason, "reload not sent; retrying");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                }
+                Err(Error::NotSent { reason, .. }) => {
+                    return Ok(ReloadOutcome::Failed {
+                        reason: format!(
+                            "the reload never reached the master within {timeout:?}: {reason}"
+                        ),
+                    });
+                }
+                Err(error) => debug!(%error, "reload sent; the master dropped the connection"),
+            }
+            break;
         }
         match self.await_reload(&before, deadline).await {
             Some(after) => Ok(judge(&before, &after, stderr_tail)),
@@ -397,6 +559,84 @@ mod tests {
                 reloads: 1
             }]
         );
+    }
+
+    #[test]
+    fn users_resolve_by_name_or_number() {
+        let passwd =
+            "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/usr/sbin/nologin\n";
+        assert_eq!(
+            RunAs::resolve_with("nobody", passwd).expect("nobody"),
+            RunAs {
+                uid: 65534,
+                gid: 65534
+            }
+        );
+        assert_eq!(
+            RunAs::resolve_with("101:102", passwd).expect("numbers"),
+            RunAs { uid: 101, gid: 102 }
+        );
+        assert!(RunAs::resolve_with("haproxy", passwd).is_err());
+        assert!(RunAs::resolve_with("a:b", passwd).is_err());
+    }
+
+    /// A fake master CLI at `socket`: it answers `show proc` with one worker, and after a
+    /// `reload` with the reload counted and a new worker.
+    async fn fake_master(socket: PathBuf) {
+        use tokio::net::UnixListener;
+        let table = |reloads: u64, worker: u32| {
+            format!(
+                "#<PID> <type> <reloads> <uptime> <version>\n1 master {reloads} [failed: 0] 0d00h00m01s 2.6\n\
+                 # workers\n{worker} worker 0 0d00h00m01s 2.6\n"
+            )
+        };
+        async fn read_command(conn: &mut UnixStream) -> String {
+            let mut command = Vec::new();
+            let _ = conn.read_to_end(&mut command).await;
+            String::from_utf8_lossy(&command).into_owned()
+        }
+        let listener = UnixListener::bind(&socket).expect("bind");
+        let (mut conn, _) = listener.accept().await.expect("accept");
+        read_command(&mut conn).await;
+        // The socket goes away before the first answer: the next connect (the reload) fails.
+        drop(listener);
+        std::fs::remove_file(&socket).expect("remove");
+        conn.write_all(table(0, 10).as_bytes())
+            .await
+            .expect("answer");
+        drop(conn);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let listener = UnixListener::bind(&socket).expect("bind again");
+        let mut reloaded = false;
+        loop {
+            let (mut conn, _) = listener.accept().await.expect("accept");
+            if read_command(&mut conn).await.starts_with("reload") {
+                reloaded = true;
+            } else {
+                let answer = if reloaded { table(1, 11) } else { table(0, 10) };
+                let _ = conn.write_all(answer.as_bytes()).await;
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_reload_that_never_reached_the_master_is_sent_again() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("master.sock");
+        let master = tokio::spawn(fake_master(socket.clone()));
+        // Wait (bounded) for the fake master to listen.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !socket.exists() {
+            assert!(Instant::now() < deadline, "fake master did not start");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let haproxy = Haproxy::new(PathBuf::from("haproxy"), socket, None);
+        let outcome = haproxy
+            .reload(Duration::from_secs(5), || None)
+            .await
+            .expect("reload");
+        assert_eq!(outcome, ReloadOutcome::Loaded { worker: 11 });
+        master.abort();
     }
 
     #[test]

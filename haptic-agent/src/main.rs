@@ -4,7 +4,8 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use anyhow::{Context as _, Result};
 use clap::Parser;
-use haptic_agent::{Agent, AgentConfig};
+use haptic_agent::{Agent, AgentConfig, haproxy::RunAs};
+use haptic_agent_client::policy::Policy;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -37,6 +38,22 @@ struct Args {
     /// Seconds requests in flight may take to finish after SIGTERM.
     #[arg(long, env = "HAPTIC_AGENT_DRAIN_SECONDS", default_value_t = 30)]
     drain_seconds: u64,
+    /// Run HAProxy and `haproxy -c` as this user (a name, or uid:gid); set it when the agent
+    /// runs as root. The master socket then defaults to <data-dir>/run/master.sock.
+    #[arg(long, env = "HAPTIC_AGENT_HAPROXY_USER")]
+    haproxy_user: Option<String>,
+    /// Capabilities a set may use, comma-separated: lua, program, external-check, env,
+    /// ssl-engine [default: none].
+    #[arg(long, env = "HAPTIC_AGENT_ALLOW", value_delimiter = ',')]
+    allow: Vec<String>,
+    /// Absolute path prefixes a set may name (comma-separated or repeated), e.g.
+    /// /etc/ssl/certs [default: none: every file inside the set].
+    #[arg(long, env = "HAPTIC_AGENT_ALLOW_PATHS", value_delimiter = ',')]
+    allow_path: Vec<String>,
+    /// Environment variables a set may read with "${NAME}" or env(NAME), beyond POD_IP,
+    /// POD_NAME, POD_NAMESPACE and HOSTNAME (comma-separated or repeated).
+    #[arg(long, env = "HAPTIC_AGENT_ALLOW_ENV", value_delimiter = ',')]
+    allow_env: Vec<String>,
 }
 
 #[tokio::main]
@@ -61,9 +78,30 @@ async fn main() -> Result<()> {
         .with_listen(args.listen)
         .with_haproxy_bin(args.haproxy)
         .with_supervise(args.supervise);
+    if let Some(user) = &args.haproxy_user {
+        let user = RunAs::resolve(user).context("resolving --haproxy-user")?;
+        config = config.with_haproxy_user(user);
+    } else if rustix::process::geteuid().is_root() {
+        warn!("the agent runs as root and so would HAProxy and its checks: set --haproxy-user");
+    }
     if let Some(socket) = args.master_socket {
         config.master_socket = socket;
     }
+    config.policy.allow =
+        Policy::parse_capabilities(&args.allow.join(",")).context("parsing --allow")?;
+    config.policy.allowed_path_prefixes = args
+        .allow_path
+        .iter()
+        .map(|p| p.trim().to_owned())
+        .filter(|p| !p.is_empty())
+        .collect();
+    config.policy.allowed_env.extend(
+        args.allow_env
+            .iter()
+            .map(|name| name.trim().to_owned())
+            .filter(|name| !name.is_empty()),
+    );
+    info!(policy = ?config.policy, "config policy");
     config.max_body_bytes = args.max_body_bytes;
     config.max_inflated_bytes = config.max_inflated_bytes.max(args.max_body_bytes);
 

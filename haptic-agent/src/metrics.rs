@@ -10,12 +10,13 @@ use std::{
 };
 
 /// Apply outcomes counted, in the order they are rendered.
-const OUTCOMES: [&str; 8] = [
+const OUTCOMES: [&str; 9] = [
     "applied",
     "unchanged",
     "fenced",
     "superseded",
     "invalid",
+    "refused_by_policy",
     "rolled_back",
     "rejected",
     "error",

@@ -13,6 +13,7 @@ use std::{
     collections::BTreeMap,
     fs,
     io::Write as _,
+    os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _},
     path::{Path, PathBuf},
 };
 
@@ -60,6 +61,12 @@ pub struct SetMeta {
     pub leader: String,
     /// The sender's epoch.
     pub epoch: u64,
+    /// The set's files, as written: the live checksum is recomputed over exactly these, so
+    /// what HAProxy writes beside them at run time (a unix socket, a pidfile) never changes
+    /// what the agent reports live. Empty in metadata written by older agents: every regular
+    /// file of the set's directory is read then.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub files: Vec<String>,
 }
 
 /// The name of the symlink HAProxy runs from.
@@ -68,27 +75,77 @@ pub const CURRENT: &str = "current";
 pub const LAST_KNOWN_GOOD: &str = "last-known-good";
 
 /// The agent's data directory.
+///
+/// A set holds private keys: its files are created 0600 and its directories 0700 (owned by
+/// the agent), or, when HAProxy runs as another user ([`SetStore::open_shared`]), 0640 and
+/// 0750 with that user's group, so HAProxy can read them and not change them.
 #[derive(Debug, Clone)]
 pub struct SetStore {
     root: PathBuf,
+    group: Option<u32>,
 }
 
 impl SetStore {
     /// Opens (creating) the data directory at `root`, which must be absolute, and removes
-    /// staging leftovers of an interrupted apply.
+    /// staging leftovers of an interrupted apply. Sets are readable by the agent's user only.
     pub fn open(root: &Path) -> Result<Self> {
+        Self::open_shared(root, None)
+    }
+
+    /// Like [`SetStore::open`], and when `group` is given, the data directory, `sets`,
+    /// `staging` and every set are readable (not writable) by that group: HAProxy's, when it
+    /// runs as an unprivileged user.
+    pub fn open_shared(root: &Path, group: Option<u32>) -> Result<Self> {
+        let store = Self {
+            root: root.to_path_buf(),
+            group,
+        };
+        if group.is_some() {
+            store.restrict(root, true)?;
+        }
         for dir in ["sets", "staging"] {
             let path = root.join(dir);
             fs::create_dir_all(&path).map_err(io("creating", &path))?;
+            // Directories made by older agents were 0755.
+            store.restrict(&path, true)?;
         }
         let staging = root.join("staging");
         for entry in fs::read_dir(&staging).map_err(io("listing", &staging))? {
             let path = entry.map_err(io("listing", &staging))?.path();
             fs::remove_dir_all(&path).map_err(io("removing", &path))?;
         }
-        Ok(Self {
-            root: root.to_path_buf(),
-        })
+        Ok(store)
+    }
+
+    /// The modes of a set's directories and files.
+    fn modes(&self) -> (u32, u32) {
+        match self.group {
+            Some(_) => (0o750, 0o640),
+            None => (0o700, 0o600),
+        }
+    }
+
+    /// Gives `path` the store's group (if any) and mode, for a directory or a file.
+    fn restrict(&self, path: &Path, dir: bool) -> Result<()> {
+        let (dir_mode, file_mode) = self.modes();
+        if let Some(gid) = self.group {
+            std::os::unix::fs::chown(path, None, Some(gid))
+                .map_err(io("changing the group of", path))?;
+        }
+        let mode = if dir { dir_mode } else { file_mode };
+        fs::set_permissions(path, fs::Permissions::from_mode(mode))
+            .map_err(io("changing the mode of", path))
+    }
+
+    fn create_dir(&self, path: &Path) -> Result<()> {
+        fs::DirBuilder::new()
+            .mode(self.modes().0)
+            .create(path)
+            .map_err(io("creating", path))?;
+        if self.group.is_some() {
+            self.restrict(path, true)?;
+        }
+        Ok(())
     }
 
     /// The data directory.
@@ -162,7 +219,7 @@ impl SetStore {
             rand::random::<u64>()
         );
         let dir = self.root.join("staging").join(&name);
-        fs::create_dir(&dir).map_err(io("creating", &dir))?;
+        self.create_dir(&dir)?;
         // Any failure below removes the half-written directory.
         let mut guard = RemoveOnDrop(Some(dir.clone()));
         let mut dirs = std::collections::BTreeSet::new();
@@ -173,11 +230,20 @@ impl SetStore {
                 if dirs.insert(path[..i].to_owned()) {
                     let created = dir.join(&path[..i]);
                     if !created.is_dir() {
-                        fs::create_dir(&created).map_err(io("creating", &created))?;
+                        self.create_dir(&created)?;
                     }
                 }
             }
-            let mut file = fs::File::create(&target).map_err(io("creating", &target))?;
+            let mut file = fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(self.modes().1)
+                .open(&target)
+                .map_err(io("creating", &target))?;
+            if let Some(gid) = self.group {
+                std::os::unix::fs::fchown(&file, None, Some(gid))
+                    .map_err(io("changing the group of", &target))?;
+            }
             file.write_all(content).map_err(io("writing", &target))?;
         }
         guard.0 = None;
@@ -196,7 +262,13 @@ impl SetStore {
         let to = self.set_dir(name);
         fs::rename(&from, &to).map_err(io("moving", &from))?;
         let meta_path = self.meta_path(name);
-        let mut file = fs::File::create(&meta_path).map_err(io("creating", &meta_path))?;
+        let mut file = fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&meta_path)
+            .map_err(io("creating", &meta_path))?;
         // Serializing a plain struct of strings and integers cannot fail.
         file.write_all(&serde_json::to_vec(meta).unwrap_or_default())
             .map_err(io("writing", &meta_path))?;
@@ -242,18 +314,38 @@ impl SetStore {
         Ok(())
     }
 
-    /// The checksum of set `name`, recomputed from the files on disk.
+    /// The checksum of set `name`, recomputed from the files on disk: those its metadata
+    /// lists (what HAProxy writes beside them does not count), or every regular file of its
+    /// directory for a set whose metadata lists none.
     pub fn checksum_on_disk(&self, name: &str) -> Result<String> {
         let dir = self.set_dir(name);
         let mut files = BTreeMap::new();
-        read_tree(&dir, "", &mut files)?;
+        match self.meta(name).map(|meta| meta.files) {
+            Some(listed) if !listed.is_empty() => {
+                for path in listed {
+                    // Paths were validated when the set was written; a `..` in a tampered
+                    // metadata file is not followed.
+                    haptic_agent_client::protocol::validate_path(&path)
+                        .map_err(|_| Error::Unexpected(dir.join(&path)))?;
+                    let full = dir.join(&path);
+                    let kind = fs::symlink_metadata(&full).map_err(io("inspecting", &full))?;
+                    if !kind.is_file() {
+                        return Err(Error::Unexpected(full));
+                    }
+                    let content = fs::read(&full).map_err(io("reading", &full))?;
+                    files.insert(path, content);
+                }
+            }
+            _ => read_tree(&dir, "", &mut files)?,
+        }
         Ok(haptic_agent_client::protocol::checksum(files.iter().map(
             |(path, content)| (path.as_str(), content.as_slice()),
         )))
     }
 }
 
-/// Reads every regular file under `dir` into `files`, keyed by its `/`-joined relative path.
+/// Reads every regular file under `dir` into `files`, keyed by its `/`-joined relative path;
+/// sockets and other special files (HAProxy's, made at run time) are not part of a set.
 fn read_tree(dir: &Path, prefix: &str, files: &mut BTreeMap<String, Vec<u8>>) -> Result<()> {
     for entry in fs::read_dir(dir).map_err(io("listing", dir))? {
         let entry = entry.map_err(io("listing", dir))?;
@@ -272,8 +364,6 @@ fn read_tree(dir: &Path, prefix: &str, files: &mut BTreeMap<String, Vec<u8>>) ->
             read_tree(&path, &relative, files)?;
         } else if kind.is_file() {
             files.insert(relative, fs::read(&path).map_err(io("reading", &path))?);
-        } else {
-            return Err(Error::Unexpected(path));
         }
     }
     Ok(())
@@ -324,6 +414,7 @@ mod tests {
             generation: 1,
             leader: "l".into(),
             epoch: 1,
+            files: Vec::new(),
         }
     }
 

@@ -13,7 +13,6 @@ use std::{
 use rustix::process::{Pid, Signal, kill_process};
 use tokio::{
     io::{AsyncBufReadExt as _, AsyncRead, BufReader},
-    process::Command,
     sync::{Mutex, watch},
     task::JoinHandle,
     time::Instant,
@@ -156,7 +155,7 @@ impl Supervisor {
         }
         let mark = self.log_mark();
         let _ = std::fs::remove_file(&self.haproxy.master_socket);
-        let mut command = Command::new(&self.haproxy.bin);
+        let mut command = self.haproxy.process();
         command
             .arg("-W")
             .arg("-S")

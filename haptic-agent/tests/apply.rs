@@ -592,3 +592,45 @@ async fn an_older_generation_of_the_live_epoch_is_superseded_and_nothing_is_writ
     assert_eq!(await_body(port, "backend a").await, "backend a");
     serving.agent.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_readiness_probes_is_answered_from_the_cache() {
+    let serving = Serving::start(1).await;
+    let haproxy = serving.agent.agent.haproxy().clone();
+    let http = traffic_client();
+    let url = serving.agent.url.join("/readyz").expect("url");
+    let before = haproxy.cli_connections();
+    let started = tokio::time::Instant::now();
+    let probes = futures::future::join_all((0..400).map(|_| {
+        let (http, url) = (http.clone(), url.clone());
+        async move { http.get(url).send().await.map(|r| r.status().as_u16()) }
+    }))
+    .await;
+    let took = started.elapsed();
+    assert!(
+        probes.iter().all(|status| matches!(status, Ok(200))),
+        "{probes:?}"
+    );
+    let made = haproxy.cli_connections() - before;
+    // One probe per READY_TTL (1 s) at most, plus the one in flight when the run started.
+    let bound = took.as_secs() + 2;
+    assert!(
+        made <= bound,
+        "{made} master CLI connections for 400 probes in {took:?}"
+    );
+    // An apply still goes through while probes keep coming.
+    let flood = tokio::spawn(async move {
+        for _ in 0..200 {
+            let _ = http.get(url.clone()).send().await;
+        }
+    });
+    let next = request(1, "leader-0", 2, serving.set_routing_to("none"));
+    let report = serving
+        .client
+        .apply(&serving.agent.url, &next)
+        .await
+        .expect("applied during the flood");
+    assert_eq!(report.outcome, haptic_agent_client::Outcome::Applied);
+    flood.abort();
+    serving.agent.stop().await;
+}

@@ -7,7 +7,10 @@ use std::{net::SocketAddr, time::Duration};
 
 use common::*;
 use haptic_agent::AgentConfig;
-use haptic_agent_client::{FileSet, Outcome};
+use haptic_agent_client::{
+    FileSet, Outcome,
+    policy::{Capability, Policy},
+};
 
 /// `files` with a Lua init that sleeps `seconds`: HAProxy's master takes that long to
 /// re-execute on the set (`haproxy -c` does not run it). No CPU is burnt.
@@ -34,7 +37,9 @@ async fn a_reload_slower_than_its_timeout_is_waited_for_before_the_next_apply() 
     let mut settings = AgentConfig::new(dir.path(), TOKEN)
         .with_listen(SocketAddr::from(([127, 0, 0, 1], 0)))
         .with_haproxy_bin(haproxy_bin())
-        .with_supervise(true);
+        .with_supervise(true)
+        // The slow set loads Lua from itself.
+        .with_policy(Policy::default().with_capability(Capability::Lua));
     settings.reload_timeout = Duration::from_secs(2);
     let agent = TestAgent::start_exact(settings).await;
     let client = client();
@@ -66,15 +71,12 @@ async fn a_reload_slower_than_its_timeout_is_waited_for_before_the_next_apply() 
     let last = state.last_reload.expect("a reload");
     assert!(last.ok && last.checksum == next.checksum, "{last:?}");
     assert_eq!(
-        haptic_agent::haproxy::Haproxy {
-            bin: haproxy_bin(),
-            master_socket: dir.path().join("master.sock"),
-        }
-        .show_proc(Duration::from_secs(5))
-        .await
-        .expect("the master answers: no reload in progress")
-        .master
-        .reloads,
+        haptic_agent::haproxy::Haproxy::new(haproxy_bin(), dir.path().join("master.sock"), None)
+            .show_proc(Duration::from_secs(5))
+            .await
+            .expect("the master answers: no reload in progress")
+            .master
+            .reloads,
         2,
         "exactly the two reloads the agent confirmed"
     );
@@ -112,6 +114,7 @@ async fn a_set_swapped_in_but_never_loaded_is_restored_at_start_and_never_unchan
                 generation: 2,
                 leader: "leader-5".into(),
                 epoch: 5,
+                files: Vec::new(),
             },
         )
         .expect("promote");
@@ -152,7 +155,8 @@ async fn a_supervised_master_that_never_finishes_a_reload_is_restarted_and_the_s
     let mut settings = AgentConfig::new(dir.path(), TOKEN)
         .with_listen(SocketAddr::from(([127, 0, 0, 1], 0)))
         .with_haproxy_bin(haproxy_bin())
-        .with_supervise(true);
+        .with_supervise(true)
+        .with_policy(Policy::default().with_capability(Capability::Lua));
     settings.reload_timeout = Duration::from_secs(1);
     settings.settle_timeout = Duration::from_secs(1);
     let agent = TestAgent::start_exact(settings).await;

@@ -159,6 +159,20 @@ async fn a_corrupt_fence_file_means_not_ready_and_no_apply() {
         .await
         .expect("healthz");
     assert_eq!(health.status(), 200, "alive, just not ready");
+    // The unauthenticated probe names no path and quotes no file content.
+    let ready = traffic_client()
+        .get(agent.url.join("/readyz").expect("url"))
+        .send()
+        .await
+        .expect("readyz")
+        .text()
+        .await
+        .expect("body");
+    assert!(ready.contains("corrupt"), "{ready}");
+    assert!(
+        !ready.contains("12abc") && !ready.contains(&*root.path().to_string_lossy()),
+        "{ready}"
+    );
 
     let client =
         AgentClient::new(ClientConfig::new(TOKEN).with_retries(2, Duration::from_millis(10)))
@@ -215,5 +229,71 @@ async fn a_failed_staging_write_leaves_no_staging_directory() {
         "the half-written staging directory was removed"
     );
     assert!(listing(&data.join("sets")).is_empty());
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_takes_its_policy_from_flags_and_environment() {
+    let a = Backend::start("a").await;
+    let root = tempfile::tempdir().expect("tempdir");
+    let data = root.path().join("data");
+    let client = client();
+    let port = free_port();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_haptic-agent"));
+    command
+        .args(["--allow", "lua"])
+        .env("HAPTIC_AGENT_ALLOW_ENV", "FLEET_COLOUR")
+        .env("FLEET_COLOUR", "blue")
+        .env("POD_IP", "127.0.0.1")
+        .env("NODE_SECRET", "s3cr3t");
+    let agent = AgentProcess::start_in(&data, command);
+    assert_eq!(await_ready(&agent.url, 200).await, 200);
+
+    // Every pod of a fleet gets the same configuration and binds to its own address; Lua
+    // from the set is allowed by `--allow lua`, and FLEET_COLOUR by the environment.
+    let files = rewrite(&config(port, "a", &[("a", a.addr)]), "haproxy.cfg", |cfg| {
+        cfg.replace(
+                &format!("bind 127.0.0.1:{port}"),
+                &format!(
+                    "bind \"${{POD_IP}}:{port}\"\n  http-response set-header x-colour \"${{FLEET_COLOUR}}\""
+                ),
+            )
+            .replacen("global\n", "global\n  lua-load empty.lua\n", 1)
+    });
+    let mut files = files;
+    files.insert("empty.lua", "-- nothing\n").expect("path");
+    client
+        .apply(&agent.url, &request(1, "leader-1", 1, files.clone()))
+        .await
+        .expect("applied");
+    let response = traffic_client()
+        .get(format!("http://127.0.0.1:{port}/"))
+        .send()
+        .await
+        .expect("served on POD_IP");
+    assert_eq!(
+        response
+            .headers()
+            .get("x-colour")
+            .and_then(|v| v.to_str().ok()),
+        Some("blue")
+    );
+
+    // Any other variable of the agent's environment stays out of reach.
+    let leaky = rewrite(&files, "haproxy.cfg", |cfg| {
+        cfg.replace("${FLEET_COLOUR}", "${NODE_SECRET}")
+    });
+    match client
+        .apply(&agent.url, &request(1, "leader-1", 2, leaky))
+        .await
+    {
+        Err(Error::RefusedByPolicy { violations, .. }) => {
+            assert!(
+                violations[0].why.contains("\"NODE_SECRET\""),
+                "{violations:?}"
+            );
+        }
+        other => panic!("expected RefusedByPolicy, got {other:?}"),
+    }
     agent.stop().await;
 }

@@ -1,0 +1,1230 @@
+//! The config policy: what a set may make HAProxy do, checked before `haproxy -c` ever runs.
+//!
+//! A set is code. HAProxy runs Lua while it parses (`haproxy -c` included), forks `program`
+//! sections and external checks, and reads or writes any file its configuration names: an
+//! `errorfile /etc/passwd`, a `map(/run/haptic/token)` or a `bind /etc/shadow` (a unix socket
+//! is renamed over its path) would let whoever writes a template read or clobber the node.
+//! [`Policy::check`] refuses, by default:
+//!
+//! - Lua (`lua-load`, `lua-load-per-thread`, `lua-prepend-path`): [`Capability::Lua`];
+//! - `program` sections: [`Capability::Program`];
+//! - external checks and forking (`external-check`, `option external-check`,
+//!   `insecure-fork-wanted`, `insecure-setuid-wanted`): [`Capability::ExternalCheck`];
+//! - environment directives (`setenv`, `presetenv`, `resetenv`, `unsetenv`): [`Capability::Env`];
+//! - crypto engines and providers, which load shared libraries (`ssl-engine`,
+//!   `ssl-provider`, `ssl-provider-path`): [`Capability::SslEngine`];
+//! - `daemon` (a daemonised master outlives whoever supervises it), `default-path parent`,
+//!   network namespaces (`namespace`), inherited descriptors (`fd@`, `sockpair@`) outside
+//!   `log`;
+//! - every file or unix socket a configuration names that does not resolve inside the set: an
+//!   absolute path (unless under one of [`Policy::allowed_path_prefixes`]), a `..` component,
+//!   or a name built from an environment variable;
+//! - environment variables read by the configuration (`"${NAME}"` expansion, the `env(NAME)`
+//!   sample fetch) other than [`Policy::allowed_env`] (default [`DEFAULT_ALLOWED_ENV`]): the
+//!   agent's environment may hold secrets.
+//!
+//! The file-taking keywords of HAProxy 2.6 it knows: `errorfile`, `return`/`deny`/`tarpit`/
+//! `http-error` with `file`/`lf-file`/`errorfile`, ACL and map files (`-f`, `map*()`
+//! converters, `set-map()`/`del-map()`/`add-acl()`/`del-acl()`), `crt`, `crt-list` (whose
+//! lines are checked too when the list is in the set), `ca-file`, `ca-verify-file`,
+//! `ca-sign-file`, `crl-file`, `tls-ticket-keys`, `ssl-dh-param-file`, `issuers-chain-path`,
+//! `crt-base`, `ca-base`, `chroot`, `pidfile`, `default-path origin`, `server-state-base`,
+//! `server-state-file`, `h1-case-adjust-file`, `httpclient.ssl.ca-file`, `unix-bind prefix`,
+//! `filter spoe ... config`, `ring` `backing-file`, the device-detection data files, and unix
+//! socket addresses (`/path`, `unix@`, `uxst@`, `uxdg@`) of `bind`, `server`, `log`,
+//! `stats socket`, `peer`, `nameserver`, `mailer` and `dgram-bind`.
+//!
+//! Both sides run the very same check: the controller's render gate and admission webhook
+//! (a refused set never leaves the controller) and the agent, which answers
+//! `refused_by_policy` (422) before it writes anything.
+//!
+//! ```
+//! use haptic_agent_client::{FileSet, policy::{Capability, Policy}};
+//!
+//! let files = FileSet::new().with(
+//!     "haproxy.cfg",
+//!     "global\n  lua-load /etc/haproxy/x.lua\nfrontend f\n  bind \"${POD_IP}:80\"\n",
+//! )?;
+//! let refused = Policy::default().check(&files).expect_err("Lua is off by default");
+//! assert_eq!(
+//!     refused.violations()[0].to_string(),
+//!     "haproxy.cfg:2: lua-load: Lua is not allowed by the agent's policy (allow it with `lua`)"
+//! );
+//! // Allowing Lua still keeps the file inside the set.
+//! let lua = Policy::default().with_capability(Capability::Lua);
+//! assert!(lua.check(&files).is_err());
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use std::{collections::BTreeSet, fmt, str::FromStr};
+
+use serde::{Deserialize, Serialize};
+
+use crate::protocol::{FileSet, MAIN_CONFIG};
+
+/// Environment variables a configuration may read by default: what a pod of a fleet needs to
+/// bind to its own address with the same configuration as its peers (`bind "${POD_IP}:80"`).
+pub const DEFAULT_ALLOWED_ENV: [&str; 4] = ["POD_IP", "POD_NAME", "POD_NAMESPACE", "HOSTNAME"];
+
+/// Variables HAProxy defines itself while it parses, always allowed.
+const BUILTIN_ENV: [&str; 4] = [".FILE", ".LINE", ".SECTION", "HAPROXY_LOCALPEER"];
+
+/// Errors of this module.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    /// The set breaks the policy; each violation names the file, the line and why.
+    #[error("{}", refused_text(violations))]
+    Refused {
+        /// Every violation found, in file and line order.
+        violations: Vec<Violation>,
+    },
+    /// A capability name is not one of [`Capability::ALL`].
+    #[error("unknown capability {0:?} (known: lua, program, external-check, env, ssl-engine)")]
+    UnknownCapability(String),
+    /// An allowed path prefix is not an absolute path without `..`.
+    #[error("allowed path prefix {0:?} must be absolute and without `..`")]
+    BadPrefix(String),
+    /// An allowed environment variable name is not a valid HAProxy variable name.
+    #[error("allowed environment variable {0:?} is not a valid name (letters, digits, `_`)")]
+    BadEnvName(String),
+}
+
+fn refused_text(violations: &[Violation]) -> String {
+    const SHOWN: usize = 20;
+    let mut text = format!(
+        "the set breaks the config policy ({} violation{})",
+        violations.len(),
+        if violations.len() == 1 { "" } else { "s" }
+    );
+    for violation in violations.iter().take(SHOWN) {
+        text.push_str("\n  ");
+        text.push_str(&violation.to_string());
+    }
+    if violations.len() > SHOWN {
+        text.push_str(&format!("\n  ... and {} more", violations.len() - SHOWN));
+    }
+    text
+}
+
+impl PolicyError {
+    /// The violations of a [`PolicyError::Refused`] (empty for the other variants).
+    pub fn violations(&self) -> &[Violation] {
+        match self {
+            Self::Refused { violations } => violations,
+            _ => &[],
+        }
+    }
+}
+
+/// Result type of this module.
+pub type Result<T, E = PolicyError> = std::result::Result<T, E>;
+
+/// One thing a set may do only when the operator allows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Capability {
+    /// `lua-load`, `lua-load-per-thread`, `lua-prepend-path` (files still inside the set
+    /// unless under an allowed prefix). Lua runs during `haproxy -c` and can run programs.
+    Lua,
+    /// `program` sections: HAProxy's master forks and runs the command.
+    Program,
+    /// `external-check`, `option external-check`, `insecure-fork-wanted`,
+    /// `insecure-setuid-wanted`: health checks that run binaries.
+    ExternalCheck,
+    /// `setenv`, `presetenv`, `resetenv`, `unsetenv`.
+    Env,
+    /// `ssl-engine`, `ssl-provider`, `ssl-provider-path`: OpenSSL loads shared libraries.
+    SslEngine,
+}
+
+impl Capability {
+    /// Every capability.
+    pub const ALL: [Capability; 5] = [
+        Self::Lua,
+        Self::Program,
+        Self::ExternalCheck,
+        Self::Env,
+        Self::SslEngine,
+    ];
+
+    /// The name used in flags and messages: `lua`, `program`, `external-check`, `env`,
+    /// `ssl-engine`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Lua => "lua",
+            Self::Program => "program",
+            Self::ExternalCheck => "external-check",
+            Self::Env => "env",
+            Self::SslEngine => "ssl-engine",
+        }
+    }
+
+    fn what(self) -> &'static str {
+        match self {
+            Self::Lua => "Lua",
+            Self::Program => "a program section",
+            Self::ExternalCheck => "an external check or forking",
+            Self::Env => "changing the environment",
+            Self::SslEngine => "an OpenSSL engine or provider",
+        }
+    }
+}
+
+impl fmt::Display for Capability {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Capability {
+    type Err = PolicyError;
+
+    fn from_str(name: &str) -> Result<Self> {
+        let name = name.trim();
+        Self::ALL
+            .into_iter()
+            .find(|capability| capability.name().eq_ignore_ascii_case(name))
+            .ok_or_else(|| PolicyError::UnknownCapability(name.to_owned()))
+    }
+}
+
+/// One reason a set is refused: `<file>:<line>: <keyword>: <why>` when displayed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Violation {
+    /// The file of the set, as its path in the set.
+    pub file: String,
+    /// The line, 1-based.
+    pub line: usize,
+    /// The keyword (or converter, fetch, option) at fault.
+    pub keyword: String,
+    /// Why it is refused.
+    pub why: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}:{}: {}: {}",
+            self.file, self.line, self.keyword, self.why
+        )
+    }
+}
+
+/// The config policy. [`Policy::default`] is the strict one: no capability, no absolute
+/// path, the environment variables of [`DEFAULT_ALLOWED_ENV`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Policy {
+    /// Capabilities the operator enabled (default none).
+    pub allow: BTreeSet<Capability>,
+    /// Absolute path prefixes a configuration may name, matched by whole components
+    /// (`/etc/ssl` allows `/etc/ssl/certs/x.pem`, not `/etc/sslx`; default none).
+    pub allowed_path_prefixes: Vec<String>,
+    /// Environment variables a configuration may read with `"${NAME}"` or `env(NAME)`
+    /// (default [`DEFAULT_ALLOWED_ENV`]).
+    pub allowed_env: BTreeSet<String>,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            allow: BTreeSet::new(),
+            allowed_path_prefixes: Vec::new(),
+            allowed_env: DEFAULT_ALLOWED_ENV
+                .iter()
+                .map(|s| (*s).to_owned())
+                .collect(),
+        }
+    }
+}
+
+impl Policy {
+    /// The strict default, the same as [`Policy::default`].
+    pub fn strict() -> Self {
+        Self::default()
+    }
+
+    /// Adds a capability.
+    #[must_use]
+    pub fn with_capability(mut self, capability: Capability) -> Self {
+        self.allow.insert(capability);
+        self
+    }
+
+    /// Adds an allowed absolute path prefix (see [`Policy::allowed_path_prefixes`]).
+    #[must_use]
+    pub fn with_path_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.allowed_path_prefixes.push(prefix.into());
+        self
+    }
+
+    /// Adds an allowed environment variable.
+    #[must_use]
+    pub fn with_env(mut self, name: impl Into<String>) -> Self {
+        self.allowed_env.insert(name.into());
+        self
+    }
+
+    /// Parses a comma-separated capability list (`lua,program`; empty allows nothing).
+    pub fn parse_capabilities(list: &str) -> Result<BTreeSet<Capability>> {
+        list.split(',')
+            .map(str::trim)
+            .filter(|name| !name.is_empty())
+            .map(Capability::from_str)
+            .collect()
+    }
+
+    /// Checks the rules: every prefix absolute without `..`, every variable name valid.
+    pub fn validate(&self) -> Result<()> {
+        for prefix in &self.allowed_path_prefixes {
+            if !prefix.starts_with('/') || prefix.split('/').any(|c| c == "..") {
+                return Err(PolicyError::BadPrefix(prefix.clone()));
+            }
+        }
+        for name in &self.allowed_env {
+            let valid = name
+                .chars()
+                .next()
+                .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if !valid {
+                return Err(PolicyError::BadEnvName(name.clone()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks `files` (its `haproxy.cfg`, and the crt-lists it names that are in the set):
+    /// `Ok` when nothing breaks the policy, else every violation.
+    pub fn check(&self, files: &FileSet) -> Result<()> {
+        let violations = self.violations(files);
+        if violations.is_empty() {
+            Ok(())
+        } else {
+            Err(PolicyError::Refused { violations })
+        }
+    }
+
+    /// Every violation in `files`, in file and line order (empty: the set passes).
+    pub fn violations(&self, files: &FileSet) -> Vec<Violation> {
+        let mut checker = Checker {
+            policy: self,
+            violations: Vec::new(),
+            crt_lists: BTreeSet::new(),
+            file: MAIN_CONFIG.to_owned(),
+            line: 0,
+        };
+        if let Some(config) = files.get(MAIN_CONFIG) {
+            checker.config(&String::from_utf8_lossy(config));
+        }
+        let lists = std::mem::take(&mut checker.crt_lists);
+        for list in lists {
+            // HAProxy resolves a crt-list against the set's root (`-C`, `default-path config`)
+            // or `crt-base`; a list it cannot find there is not in the set.
+            if let Some(content) = files.get(&list) {
+                checker.file = list;
+                checker.crt_list(&String::from_utf8_lossy(content));
+            }
+        }
+        checker.violations
+    }
+
+    /// Why `path` does not resolve inside the set or under an allowed prefix, if it does not.
+    fn path_refusal(&self, path: &str) -> Option<String> {
+        if path.split('/').any(|component| component == "..") {
+            return Some(format!("{path:?} leaves the set (`..`)"));
+        }
+        if path.starts_with('/') {
+            let allowed = self.allowed_path_prefixes.iter().any(|prefix| {
+                let prefix = prefix.trim_end_matches('/');
+                prefix.is_empty()
+                    || path == prefix
+                    || path
+                        .strip_prefix(prefix)
+                        .is_some_and(|rest| rest.starts_with('/'))
+            });
+            if !allowed {
+                return Some(format!(
+                    "{path:?} is an absolute path outside the set (not under an allowed prefix)"
+                ));
+            }
+        }
+        None
+    }
+
+    fn env_allowed(&self, name: &str) -> bool {
+        BUILTIN_ENV.contains(&name) || self.allowed_env.contains(name)
+    }
+}
+
+/// One word of a configuration line, after HAProxy's quoting and escaping.
+#[derive(Debug, Default)]
+struct Word {
+    /// The text, with `${NAME}` expansions left as written.
+    text: String,
+    /// The variables expanded in it.
+    env: Vec<String>,
+}
+
+/// Splits a line the way HAProxy 2.6's parser does: blanks separate words; `#` outside quotes
+/// starts a comment (also in the middle of a word); single quotes are literal; double quotes
+/// expand `$NAME`, `${NAME}` and `${NAME-default}` (`\$` is a literal `$`); a backslash
+/// outside single quotes escapes a blank, `#`, `\`, a quote or `$` and writes `\r`, `\n`,
+/// `\t`, `\xHH`.
+fn words(line: &str) -> Vec<Word> {
+    let mut out = Vec::new();
+    let mut word: Option<Word> = None;
+    let mut chars = line.chars().peekable();
+    let (mut single, mut double) = (false, false);
+    while let Some(c) = chars.next() {
+        if !single && !double && c.is_ascii_whitespace() {
+            if let Some(done) = word.take() {
+                out.push(done);
+            }
+            continue;
+        }
+        if !single && !double && c == '#' {
+            break;
+        }
+        let current = word.get_or_insert_with(Word::default);
+        match c {
+            '\'' if !double => single = !single,
+            '"' if !single => double = !double,
+            '\\' if !single => match chars.peek().copied() {
+                Some(next @ (' ' | '\t' | '#' | '\\' | '\'' | '"')) => {
+                    current.text.push(next);
+                    chars.next();
+                }
+                Some('$') if double => {
+                    current.text.push('$');
+                    chars.next();
+                }
+                Some('x') => {
+                    // `\xHH` is a byte: decoded, so that `\x2e\x2e` reads as the `..` it is.
+                    let mut ahead = chars.clone();
+                    ahead.next();
+                    let hex: String = ahead.by_ref().take(2).collect();
+                    match u8::from_str_radix(&hex, 16) {
+                        Ok(byte) if hex.len() == 2 => {
+                            current.text.push(char::from(byte));
+                            chars = ahead;
+                        }
+                        _ => current.text.push('\\'),
+                    }
+                }
+                Some('r') => {
+                    current.text.push('\r');
+                    chars.next();
+                }
+                Some('n') => {
+                    current.text.push('\n');
+                    chars.next();
+                }
+                Some('t') => {
+                    current.text.push('\t');
+                    chars.next();
+                }
+                _ => current.text.push('\\'),
+            },
+            '$' if double => {
+                let braced = chars.peek() == Some(&'{');
+                if braced {
+                    chars.next();
+                }
+                let mut name = String::new();
+                while let Some(&next) = chars.peek() {
+                    let valid = next.is_ascii_alphanumeric() || next == '_' || next == '.';
+                    if !valid {
+                        break;
+                    }
+                    name.push(next);
+                    chars.next();
+                }
+                if braced {
+                    // `${NAME[*]}` and `${NAME-default}`: skip to the closing brace.
+                    let mut rest = String::new();
+                    for next in chars.by_ref() {
+                        if next == '}' {
+                            break;
+                        }
+                        rest.push(next);
+                    }
+                    current.text.push_str(&format!("${{{name}{rest}}}"));
+                } else {
+                    current.text.push('$');
+                    current.text.push_str(&name);
+                }
+                current.env.push(name);
+            }
+            other => current.text.push(other),
+        }
+    }
+    if let Some(done) = word {
+        out.push(done);
+    }
+    out
+}
+
+/// Where a configuration line is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Section {
+    Global,
+    Proxy,
+    Program,
+    Ring,
+    Other,
+}
+
+struct Checker<'a> {
+    policy: &'a Policy,
+    violations: Vec<Violation>,
+    crt_lists: BTreeSet<String>,
+    file: String,
+    line: usize,
+}
+
+/// Bind and server options that name a file.
+const FILE_OPTIONS: [&str; 8] = [
+    "crt",
+    "crt-list",
+    "ca-file",
+    "ca-verify-file",
+    "ca-sign-file",
+    "crl-file",
+    "tls-ticket-keys",
+    "issuers-chain-path",
+];
+
+/// Global keywords whose first argument is a file or directory.
+const GLOBAL_FILES: [&str; 14] = [
+    "chroot",
+    "ca-base",
+    "crt-base",
+    "pidfile",
+    "server-state-base",
+    "server-state-file",
+    "ssl-dh-param-file",
+    "issuers-chain-path",
+    "h1-case-adjust-file",
+    "httpclient.ssl.ca-file",
+    "51degrees-data-file",
+    "wurfl-data-file",
+    "deviceatlas-json-file",
+    "ssl-provider-path",
+];
+
+impl Checker<'_> {
+    fn refuse(&mut self, keyword: &str, why: impl Into<String>) {
+        self.violations.push(Violation {
+            file: self.file.clone(),
+            line: self.line,
+            keyword: keyword.to_owned(),
+            why: why.into(),
+        });
+    }
+
+    fn needs(&mut self, keyword: &str, capability: Capability) {
+        if !self.policy.allow.contains(&capability) {
+            self.refuse(
+                keyword,
+                format!(
+                    "{} is not allowed by the agent's policy (allow it with `{}`)",
+                    capitalized(capability.what()),
+                    capability.name()
+                ),
+            );
+        }
+    }
+
+    /// Checks a word naming a file or directory.
+    fn path(&mut self, keyword: &str, word: Option<&Word>) {
+        let Some(word) = word else { return };
+        if !word.env.is_empty() {
+            self.refuse(
+                keyword,
+                format!(
+                    "{:?}: a file name must not depend on an environment variable",
+                    word.text
+                ),
+            );
+            return;
+        }
+        if keyword.ends_with("ca-file") && word.text == "@system-ca" {
+            return;
+        }
+        if let Some(why) = self.policy.path_refusal(&word.text) {
+            self.refuse(keyword, why);
+        }
+    }
+
+    /// Checks an address: unix socket paths must stay inside the set, inherited descriptors
+    /// are refused except for `log`.
+    fn address(&mut self, keyword: &str, word: Option<&Word>) {
+        let Some(word) = word else { return };
+        for address in word.text.split(',') {
+            let lower = address.to_ascii_lowercase();
+            let path = ["unix@", "uxst@", "uxdg@"]
+                .iter()
+                .find_map(|prefix| lower.starts_with(prefix).then(|| &address[prefix.len()..]))
+                .or_else(|| address.starts_with('/').then_some(address));
+            if let Some(path) = path {
+                let socket = Word {
+                    text: path.to_owned(),
+                    env: word.env.clone(),
+                };
+                self.path(keyword, Some(&socket));
+            } else if (lower.starts_with("fd@") && keyword != "log")
+                || lower.starts_with("sockpair@")
+            {
+                self.refuse(
+                    keyword,
+                    format!("{address:?}: inherited file descriptors are the agent's"),
+                );
+            }
+        }
+    }
+
+    /// Checks every word for expansions, `env()` fetches and map/ACL file converters.
+    fn expressions(&mut self, keyword: &str, words: &[Word]) {
+        for word in words {
+            for name in &word.env {
+                if !self.policy.env_allowed(name) {
+                    self.refuse(
+                        keyword,
+                        format!(
+                            "environment variable {name:?} is not allowed by the agent's policy"
+                        ),
+                    );
+                }
+            }
+            for (function, argument) in calls(&word.text) {
+                if function == "env" {
+                    if !self.policy.env_allowed(&argument) {
+                        self.refuse(
+                            "env",
+                            format!("environment variable {argument:?} is not allowed by the agent's policy"),
+                        );
+                    }
+                } else {
+                    let env = if argument.contains('$') {
+                        word.env.clone()
+                    } else {
+                        Vec::new()
+                    };
+                    let file = Word {
+                        text: argument,
+                        env,
+                    };
+                    self.path(&function, Some(&file));
+                }
+            }
+        }
+    }
+
+    fn config(&mut self, text: &str) {
+        let mut section = Section::Other;
+        for (index, line) in text.lines().enumerate() {
+            self.line = index + 1;
+            let words = words(line);
+            let Some(first) = words.first() else { continue };
+            // `no option x` and `default option x` name the same keyword as `option x`.
+            let skip = usize::from(matches!(first.text.as_str(), "no" | "default"));
+            let args = &words[skip..];
+            let Some(keyword) = args.first().map(|word| word.text.clone()) else {
+                continue;
+            };
+            let arg = |i: usize| args.get(i);
+            match keyword.as_str() {
+                "global" => section = Section::Global,
+                "defaults" | "frontend" | "backend" | "listen" | "peers" | "resolvers"
+                | "mailers" | "log-forward" | "http-errors" => section = Section::Proxy,
+                "ring" => section = Section::Ring,
+                "program" => {
+                    section = Section::Program;
+                    self.needs("program", Capability::Program);
+                }
+                "userlist" | "cache" | "fcgi-app" => section = Section::Other,
+                _ => {}
+            }
+            if section == Section::Program {
+                // A program's command line is not HAProxy configuration.
+                continue;
+            }
+            self.expressions(&keyword, &words);
+            match keyword.as_str() {
+                "lua-load" | "lua-load-per-thread" | "lua-prepend-path" => {
+                    self.needs(&keyword, Capability::Lua);
+                    self.path(&keyword, arg(1));
+                }
+                "setenv" | "presetenv" | "resetenv" | "unsetenv" => {
+                    self.needs(&keyword, Capability::Env);
+                }
+                "external-check" | "insecure-fork-wanted" | "insecure-setuid-wanted" => {
+                    self.needs(&keyword, Capability::ExternalCheck);
+                }
+                "option" if arg(1).is_some_and(|w| w.text == "external-check") => {
+                    self.needs("option external-check", Capability::ExternalCheck);
+                }
+                "ssl-engine" | "ssl-provider" => self.needs(&keyword, Capability::SslEngine),
+                "ssl-provider-path" => {
+                    self.needs(&keyword, Capability::SslEngine);
+                    self.path(&keyword, arg(1));
+                }
+                "daemon" if section == Section::Global => self.refuse(
+                    "daemon",
+                    "a daemonised HAProxy outlives the agent that supervises it",
+                ),
+                "default-path" => match arg(1).map(|w| w.text.as_str()) {
+                    Some("origin") => self.path("default-path origin", arg(2)),
+                    Some("parent") => self.refuse(
+                        "default-path",
+                        "`parent` resolves relative paths outside the set",
+                    ),
+                    _ => {}
+                },
+                "unix-bind" => {
+                    if let Some(i) = args.iter().position(|w| w.text == "prefix") {
+                        self.path("unix-bind prefix", arg(i + 1));
+                    }
+                }
+                "stats" if arg(1).is_some_and(|w| w.text == "socket") => {
+                    self.address("stats socket", arg(2));
+                }
+                "log" => self.address("log", arg(1)),
+                "bind" | "dgram-bind" => {
+                    self.address(&keyword, arg(1));
+                    self.options(&keyword, &args[1..]);
+                }
+                "server" | "peer" | "nameserver" | "mailer" => {
+                    self.address(&keyword, arg(2));
+                    self.options(&keyword, &args[2..]);
+                }
+                "default-server" | "server-template" => self.options(&keyword, &args[1..]),
+                "errorfile" => self.path("errorfile", arg(2)),
+                "backing-file" if section == Section::Ring => self.path(&keyword, arg(1)),
+                "http-request" | "http-response" | "http-after-response" | "http-error" => {
+                    let answers = keyword == "http-error"
+                        || arg(1).is_some_and(|w| {
+                            matches!(w.text.as_str(), "return" | "deny" | "tarpit")
+                        });
+                    if answers {
+                        for (i, word) in args.iter().enumerate() {
+                            if matches!(word.text.as_str(), "file" | "lf-file" | "errorfile") {
+                                self.path(&format!("{keyword} {}", word.text), arg(i + 1));
+                            }
+                        }
+                    }
+                }
+                "filter" if arg(1).is_some_and(|w| w.text == "spoe") => {
+                    if let Some(i) = args.iter().position(|w| w.text == "config") {
+                        self.path("filter spoe config", arg(i + 1));
+                    }
+                }
+                known if section == Section::Global && GLOBAL_FILES.contains(&known) => {
+                    self.path(known, arg(1));
+                }
+                "server-state-file" => self.path(&keyword, arg(1)),
+                _ => {}
+            }
+            // ACL and map files (`acl x ... -f file`, `if { ... -f file }`).
+            for (i, word) in words.iter().enumerate() {
+                if word.text == "-f" {
+                    self.path("-f", words.get(i + 1));
+                }
+            }
+        }
+    }
+
+    /// Checks the options of a `bind` or `server` line.
+    fn options(&mut self, keyword: &str, words: &[Word]) {
+        for (i, word) in words.iter().enumerate() {
+            let option = word.text.as_str();
+            if FILE_OPTIONS.contains(&option) {
+                self.path(&format!("{keyword} {option}"), words.get(i + 1));
+                if option == "crt-list"
+                    && let Some(list) = words.get(i + 1)
+                    && list.env.is_empty()
+                {
+                    self.crt_lists
+                        .insert(list.text.trim_start_matches("./").to_owned());
+                }
+            } else if option == "namespace" {
+                self.refuse(
+                    &format!("{keyword} namespace"),
+                    "network namespaces are the node's",
+                );
+            }
+        }
+    }
+
+    /// Checks a crt-list: `<crtfile> [[<ssl options>]] [<sni filters>]` a line.
+    fn crt_list(&mut self, text: &str) {
+        for (index, line) in text.lines().enumerate() {
+            self.line = index + 1;
+            let words = words(line);
+            let Some(first) = words.first() else { continue };
+            self.expressions("crt-list", &words);
+            self.path("crt-list certificate", Some(first));
+            for (i, word) in words.iter().enumerate() {
+                let option = word.text.trim_start_matches('[');
+                if FILE_OPTIONS.contains(&option) {
+                    let file = words.get(i + 1).map(|w| Word {
+                        text: w.text.trim_end_matches(']').to_owned(),
+                        env: w.env.clone(),
+                    });
+                    self.path(&format!("crt-list {option}"), file.as_ref());
+                }
+            }
+        }
+    }
+}
+
+fn capitalized(text: &str) -> String {
+    let mut chars = text.chars();
+    chars
+        .next()
+        .map(|first| first.to_uppercase().chain(chars).collect())
+        .unwrap_or_default()
+}
+
+/// The calls in a word that read a file or the environment: `env(NAME)`, the map converters
+/// (`map`, `map_beg`, `map_str_int`, ...) and `set-map`/`del-map`/`add-acl`/`del-acl`, each
+/// with its first argument (quotes removed). A converter argument that is quoted is read to
+/// its closing quote, so a comma inside it does not hide the rest of the name.
+fn calls(text: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let bytes = text.as_bytes();
+    let mut start = 0;
+    while let Some(offset) = text[start..].find('(') {
+        let open = start + offset;
+        start = open + 1;
+        // The function name: the identifier characters right before the parenthesis.
+        let name_start = text[..open]
+            .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.'))
+            .map_or(0, |i| i + 1);
+        let name = &text[name_start..open];
+        let file_taking = name == "map"
+            || name.starts_with("map_")
+            || matches!(name, "set-map" | "del-map" | "add-acl" | "del-acl");
+        if name != "env" && !file_taking {
+            continue;
+        }
+        let mut argument = String::new();
+        let mut i = open + 1;
+        let quote = match bytes.get(i) {
+            Some(&q @ (b'"' | b'\'')) => {
+                i += 1;
+                Some(q)
+            }
+            _ => None,
+        };
+        while let Some(&b) = bytes.get(i) {
+            match quote {
+                Some(q) if b == q => break,
+                Some(_) if b == b'\\' => {
+                    i += 1;
+                    if let Some(&escaped) = bytes.get(i) {
+                        argument.push(char::from(escaped));
+                    }
+                }
+                None if b == b',' || b == b')' => break,
+                _ => {
+                    // Multibyte characters are copied whole.
+                    let ch = text[i..].chars().next().unwrap_or('\u{fffd}');
+                    argument.push(ch);
+                    i += ch.len_utf8();
+                    continue;
+                }
+            }
+            i += 1;
+        }
+        out.push((name.to_owned(), argument.trim().to_owned()));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(config: &str) -> FileSet {
+        FileSet::new()
+            .with(MAIN_CONFIG, config.to_owned())
+            .expect("valid set")
+    }
+
+    fn refusals(policy: &Policy, config: &str) -> Vec<String> {
+        policy
+            .violations(&set(config))
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    }
+
+    fn strict(config: &str) -> Vec<String> {
+        refusals(&Policy::default(), config)
+    }
+
+    #[test]
+    fn words_follow_haproxys_quoting() {
+        let texts =
+            |line: &str| -> Vec<String> { words(line).into_iter().map(|w| w.text).collect() };
+        assert_eq!(texts("  bind :80 # comment"), ["bind", ":80"]);
+        assert_eq!(texts("a#b c"), ["a"]);
+        assert_eq!(texts("x 'a b' \"c#d\" e\\ f"), ["x", "a b", "c#d", "e f"]);
+        assert_eq!(texts("x a\"b\"'c'"), ["x", "abc"]);
+        assert_eq!(texts("crt \\x2fetc '\\x2f'"), ["crt", "/etc", "\\x2f"]);
+        let word = &words("x \"${POD_IP}:80\" '${HOME}' \"\\${HOME}\"")[1..];
+        assert_eq!(word[0].env, ["POD_IP"]);
+        assert!(word[1].env.is_empty(), "single quotes do not expand");
+        assert!(word[2].env.is_empty(), "an escaped dollar does not expand");
+        assert_eq!(word[2].text, "${HOME}");
+        assert_eq!(words("x \"$HOME/a\"")[1].env, ["HOME"]);
+        assert_eq!(words("x \"${A-def}\"")[1].env, ["A"]);
+    }
+
+    #[test]
+    fn each_capability_is_refused_by_default_and_allowed_by_name() {
+        let cases = [
+            ("global\n  lua-load x.lua\n", Capability::Lua, "lua-load"),
+            (
+                "global\n  lua-load-per-thread x.lua\n",
+                Capability::Lua,
+                "lua-load-per-thread",
+            ),
+            (
+                "global\n  lua-prepend-path lua/?.lua\n",
+                Capability::Lua,
+                "lua-prepend-path",
+            ),
+            (
+                "program p\n  command sh -c 'sleep 100'\n",
+                Capability::Program,
+                "program",
+            ),
+            (
+                "global\n  external-check\n",
+                Capability::ExternalCheck,
+                "external-check",
+            ),
+            (
+                "global\n  insecure-fork-wanted\n",
+                Capability::ExternalCheck,
+                "insecure-fork-wanted",
+            ),
+            (
+                "global\n  insecure-setuid-wanted\n",
+                Capability::ExternalCheck,
+                "insecure-setuid-wanted",
+            ),
+            (
+                "backend b\n  option external-check\n",
+                Capability::ExternalCheck,
+                "option external-check",
+            ),
+            (
+                "backend b\n  external-check command /bin/true\n",
+                Capability::ExternalCheck,
+                "external-check",
+            ),
+            ("global\n  setenv A b\n", Capability::Env, "setenv"),
+            ("global\n  presetenv A b\n", Capability::Env, "presetenv"),
+            ("global\n  resetenv A\n", Capability::Env, "resetenv"),
+            ("global\n  unsetenv A\n", Capability::Env, "unsetenv"),
+            (
+                "global\n  ssl-engine rdrand\n",
+                Capability::SslEngine,
+                "ssl-engine",
+            ),
+            (
+                "global\n  ssl-provider legacy\n",
+                Capability::SslEngine,
+                "ssl-provider",
+            ),
+        ];
+        for (config, capability, keyword) in cases {
+            let found = strict(config);
+            assert_eq!(found.len(), 1, "{config}: {found:?}");
+            let line = if config.starts_with("program") { 1 } else { 2 };
+            assert!(
+                found[0].starts_with(&format!("haproxy.cfg:{line}: {keyword}: ")),
+                "{found:?}"
+            );
+            assert!(found[0].contains(capability.name()), "{found:?}");
+            let allowed = Policy::default().with_capability(capability);
+            assert_eq!(refusals(&allowed, config), Vec::<String>::new(), "{config}");
+        }
+    }
+
+    #[test]
+    fn files_outside_the_set_are_refused_with_file_line_and_keyword() {
+        let cases = [
+            ("global\n  chroot /var/empty\n", "chroot"),
+            ("global\n  ca-base /etc/ssl\n", "ca-base"),
+            ("global\n  crt-base ../x\n", "crt-base"),
+            ("global\n  pidfile /run/haproxy.pid\n", "pidfile"),
+            (
+                "global\n  server-state-base /var/state\n",
+                "server-state-base",
+            ),
+            (
+                "global\n  server-state-file /var/state/s\n",
+                "server-state-file",
+            ),
+            (
+                "backend b\n  server-state-file /var/state/s\n",
+                "server-state-file",
+            ),
+            (
+                "global\n  ssl-dh-param-file /etc/dh.pem\n",
+                "ssl-dh-param-file",
+            ),
+            (
+                "global\n  issuers-chain-path /etc/chains\n",
+                "issuers-chain-path",
+            ),
+            (
+                "global\n  h1-case-adjust-file /etc/h1\n",
+                "h1-case-adjust-file",
+            ),
+            (
+                "global\n  httpclient.ssl.ca-file /etc/ca.pem\n",
+                "httpclient.ssl.ca-file",
+            ),
+            (
+                "global\n  default-path origin /etc\n",
+                "default-path origin",
+            ),
+            ("global\n  default-path parent\n", "default-path"),
+            (
+                "global\n  unix-bind prefix /etc mode 600\n",
+                "unix-bind prefix",
+            ),
+            (
+                "global\n  stats socket /run/admin.sock level admin\n",
+                "stats socket",
+            ),
+            (
+                "global\n  stats socket unix@../admin.sock\n",
+                "stats socket",
+            ),
+            ("global\n  log /dev/log local0\n", "log"),
+            ("defaults\n  errorfile 503 /etc/passwd\n", "errorfile"),
+            (
+                "http-errors e\n  errorfile 404 ../../etc/passwd\n",
+                "errorfile",
+            ),
+            (
+                "frontend f\n  http-request return status 200 file /etc/passwd\n",
+                "http-request file",
+            ),
+            (
+                "frontend f\n  http-request deny deny_status 403 lf-file /etc/passwd\n",
+                "http-request lf-file",
+            ),
+            (
+                "frontend f\n  http-response return errorfile /etc/passwd\n",
+                "http-response errorfile",
+            ),
+            (
+                "frontend f\n  http-error status 500 file /etc/passwd\n",
+                "http-error file",
+            ),
+            ("frontend f\n  acl bad src -f /etc/hosts.allow\n", "-f"),
+            ("frontend f\n  use_backend b if { src -f ../x.acl }\n", "-f"),
+            (
+                "frontend f\n  use_backend %[req.hdr(host),map(/run/haptic/token)]\n",
+                "map",
+            ),
+            (
+                "frontend f\n  use_backend %[req.hdr(host),lower,map_beg(\"/etc/x\",b)]\n",
+                "map_beg",
+            ),
+            (
+                "frontend f\n  use_backend %[src,map_ip_int(maps/../../x)]\n",
+                "map_ip_int",
+            ),
+            (
+                "frontend f\n  http-request set-header x \"%[src,map_str('a,/../../x')]\"\n",
+                "map_str",
+            ),
+            (
+                "frontend f\n  http-request set-map(/etc/x) %[src] %[src]\n",
+                "set-map",
+            ),
+            (
+                "frontend f\n  bind :443 ssl crt /etc/ssl/private/key.pem\n",
+                "bind crt",
+            ),
+            (
+                "frontend f\n  bind :443 ssl crt-list /etc/list\n",
+                "bind crt-list",
+            ),
+            (
+                "frontend f\n  bind :443 ssl crt \\x2fetc/key.pem\n",
+                "bind crt",
+            ),
+            (
+                "frontend f\n  bind :443 ssl crt a\\x2f\\x2e\\x2e/x.pem\n",
+                "bind crt",
+            ),
+            (
+                "frontend f\n  bind :443 ssl crt x.pem ca-file /etc/ca.pem verify required\n",
+                "bind ca-file",
+            ),
+            (
+                "frontend f\n  bind :443 ssl crt x.pem crl-file ../crl.pem\n",
+                "bind crl-file",
+            ),
+            (
+                "frontend f\n  bind :443 ssl crt x.pem tls-ticket-keys /etc/keys\n",
+                "bind tls-ticket-keys",
+            ),
+            ("frontend f\n  bind /etc/shadow\n", "bind"),
+            ("frontend f\n  bind unix@/etc/shadow,:80\n", "bind"),
+            ("frontend f\n  bind fd@3\n", "bind"),
+            ("frontend f\n  bind :80 namespace host\n", "bind namespace"),
+            ("backend b\n  server s /var/run/docker.sock\n", "server"),
+            (
+                "backend b\n  server s 10.0.0.1:443 ssl ca-file /etc/ca.pem\n",
+                "server ca-file",
+            ),
+            (
+                "backend b\n  server s 10.0.0.1:443 ssl crt /etc/client.pem\n",
+                "server crt",
+            ),
+            (
+                "backend b\n  default-server ssl crl-file /etc/crl.pem\n",
+                "default-server crl-file",
+            ),
+            (
+                "backend b\n  filter spoe engine e config /etc/spoe.conf\n",
+                "filter spoe config",
+            ),
+            ("ring r\n  backing-file /etc/ring\n", "backing-file"),
+            ("peers p\n  peer a unix@/run/peer.sock\n", "peer"),
+            ("global\n  lua-load /etc/x.lua\n", "lua-load"),
+        ];
+        let lua = Policy::default().with_capability(Capability::Lua);
+        for (config, keyword) in cases {
+            let found = refusals(&lua, config);
+            assert!(
+                found
+                    .iter()
+                    .any(|v| v.starts_with(&format!("haproxy.cfg:2: {keyword}: "))),
+                "{config:?} should be refused as {keyword}: {found:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn files_inside_the_set_and_allowed_prefixes_pass() {
+        let config = "global\n  default-path config\n  crt-base ssl\n  log stdout format raw local0\n  \
+            log stderr local0\n  log fd@2 local0\n  log 127.0.0.1:514 local0\n  stats socket unix@admin.sock\n  \
+            stats socket ipv4@127.0.0.1:9999\n  ca-base ssl\n  server-state-file state\n\
+            defaults\n  mode http\n  errorfile 503 errors/503.http\n\
+            frontend f\n  bind \"${POD_IP}:80\"\n  bind :443 ssl crt ssl/a.pem crt-list maps/certs.list ca-file @system-ca\n  \
+            bind abns@x\n  http-request return status 200 file pages/a.html\n  \
+            use_backend %[req.hdr(host),lower,map(maps/hosts.map,be)]\n  acl ok src -f maps/ok.acl\n  \
+            http-request set-header x \"%[env(POD_NAME)]\"\n\
+            backend b\n  server s 10.0.0.1:80\n  server t unix@sockets/t.sock\n";
+        assert_eq!(strict(config), Vec::<String>::new());
+        let allowed = Policy::default().with_path_prefix("/etc/ssl/");
+        let config =
+            "global\n  ca-base /etc/ssl\nfrontend f\n  bind :443 ssl crt /etc/ssl/certs/a.pem\n";
+        assert_eq!(refusals(&allowed, config), Vec::<String>::new());
+        let config = "global\n  ca-base /etc/sslx\n  crt-base /etc/ssl/../shadow\n";
+        assert_eq!(refusals(&allowed, config).len(), 2);
+    }
+
+    #[test]
+    fn environment_variables_are_bounded_by_the_allow_list() {
+        let config = "frontend f\n  bind \"${POD_IP}:80\"\n  bind \"$HOSTNAME:81\"\n  \
+            http-request return status 200 string \"${AGENT_TOKEN}\"\n  \
+            http-request set-header x %[env(AWS_SECRET_ACCESS_KEY)]\n  .notice \"$SECRET\"\n";
+        let found = strict(config);
+        assert_eq!(found.len(), 3, "{found:?}");
+        assert!(
+            found[0]
+                .starts_with("haproxy.cfg:4: http-request: environment variable \"AGENT_TOKEN\"")
+        );
+        assert!(found[1].starts_with("haproxy.cfg:5: env: "), "{found:?}");
+        assert!(
+            found[2].starts_with("haproxy.cfg:6: .notice: "),
+            "{found:?}"
+        );
+        let extended = Policy::default()
+            .with_env("AGENT_TOKEN")
+            .with_env("AWS_SECRET_ACCESS_KEY")
+            .with_env("SECRET");
+        assert_eq!(refusals(&extended, config), Vec::<String>::new());
+        // A file name built from a variable is refused even when the variable is allowed.
+        assert_eq!(
+            strict("frontend f\n  bind :443 ssl crt \"${POD_NAME}.pem\"\n").len(),
+            1
+        );
+    }
+
+    #[test]
+    fn crt_lists_in_the_set_are_checked_line_by_line() {
+        let files = set("frontend f\n  bind :443 ssl crt-list maps/certs.list\n")
+            .with(
+                "maps/certs.list",
+                "ssl/a.pem a.example\n# comment\n/etc/ssl/private/k.pem b.example\n\
+                 ssl/c.pem [ca-file /etc/ca.pem verify required] c.example\n",
+            )
+            .expect("set");
+        let found: Vec<String> = Policy::default()
+            .violations(&files)
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(found.len(), 2, "{found:?}");
+        assert!(found[0].starts_with("maps/certs.list:3: crt-list certificate: "));
+        assert!(found[1].starts_with("maps/certs.list:4: crt-list ca-file: "));
+    }
+
+    #[test]
+    fn capabilities_parse_and_rules_are_named() {
+        let parsed = Policy::parse_capabilities("lua, program,,External-Check").expect("parse");
+        assert_eq!(
+            parsed.into_iter().collect::<Vec<_>>(),
+            [
+                Capability::Lua,
+                Capability::Program,
+                Capability::ExternalCheck
+            ]
+        );
+        assert!(matches!(
+            Policy::parse_capabilities("lua,shell"),
+            Err(PolicyError::UnknownCapability(name)) if name == "shell"
+        ));
+        assert!(Policy::default().validate().is_ok());
+        assert!(
+            Policy::default()
+                .with_path_prefix("etc")
+                .validate()
+                .is_err()
+        );
+        assert!(
+            Policy::default()
+                .with_path_prefix("/a/../b")
+                .validate()
+                .is_err()
+        );
+        assert!(Policy::default().with_env("A-B").validate().is_err());
+    }
+
+    #[test]
+    fn the_refusal_text_lists_the_violations() {
+        let error = Policy::default()
+            .check(&set("global\n  lua-load a.lua\n  setenv A b\n"))
+            .expect_err("refused");
+        let text = error.to_string();
+        assert!(
+            text.starts_with("the set breaks the config policy (2 violations)"),
+            "{text}"
+        );
+        assert!(text.contains("\n  haproxy.cfg:3: setenv: "), "{text}");
+    }
+}

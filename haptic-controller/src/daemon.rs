@@ -56,8 +56,10 @@ pub struct Options {
     pub identity: String,
     /// Where the probes listen.
     pub health_addr: SocketAddr,
-    /// The render gate's `haproxy` binary (none: no gate).
+    /// The render gate's `haproxy` binary (none: no `haproxy -c`; the policy still applies).
     pub haproxy: Option<PathBuf>,
+    /// The config policy the render gate applies (the agents' own).
+    pub policy: haptic_agent_client::policy::Policy,
     /// The reconciler's coalescing window.
     pub reconcile_window: Duration,
 }
@@ -118,6 +120,7 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
         .leader_only("render-gate", {
             let settings = GateSettings {
                 haproxy: options.haproxy.clone(),
+                policy: options.policy.clone(),
             };
             move |ctx| render_gate::component(settings.clone(), ctx)
         })

@@ -4,6 +4,7 @@ use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
+use haptic_agent_client::policy::Policy;
 use haptic_controller::{config_loader::ConfigRef, daemon};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -57,6 +58,17 @@ struct RunArgs {
     /// The haproxy binary of the render gate; `none` turns the gate off.
     #[arg(long, env = "HAPTIC_HAPROXY", default_value = "haproxy")]
     haproxy: String,
+    /// Capabilities a rendered set may use, as the agents' --allow (lua, program,
+    /// external-check, env, ssl-engine; comma-separated) [default: none].
+    #[arg(long, env = "HAPTIC_ALLOW", value_delimiter = ',')]
+    allow: Vec<String>,
+    /// Absolute path prefixes a rendered set may name, as the agents' --allow-path.
+    #[arg(long, env = "HAPTIC_ALLOW_PATHS", value_delimiter = ',')]
+    allow_path: Vec<String>,
+    /// Environment variables a rendered set may read beyond POD_IP, POD_NAME, POD_NAMESPACE
+    /// and HOSTNAME, as the agents' --allow-env.
+    #[arg(long, env = "HAPTIC_ALLOW_ENV", value_delimiter = ',')]
+    allow_env: Vec<String>,
     /// The reconciler's coalescing window in milliseconds.
     #[arg(long, env = "HAPTIC_RECONCILE_WINDOW_MS", default_value_t = 150)]
     reconcile_window_ms: u64,
@@ -113,6 +125,12 @@ fn run(args: RunArgs) -> Result<()> {
         let client = client(args.kubeconfig.as_deref()).await?;
         let token = CancellationToken::new();
         tokio::spawn(signals(token.clone()));
+        let mut policy = Policy::default();
+        policy.allow =
+            Policy::parse_capabilities(&args.allow.join(",")).context("parsing --allow")?;
+        policy.allowed_path_prefixes = clean(&args.allow_path);
+        policy.allowed_env.extend(clean(&args.allow_env));
+        policy.validate().context("the config policy")?;
         let options = daemon::Options {
             config: ConfigRef {
                 name: args.config_name,
@@ -120,7 +138,8 @@ fn run(args: RunArgs) -> Result<()> {
             },
             identity: args.pod_name,
             health_addr: args.health_addr,
-            haproxy: (args.haproxy != "none").then(|| PathBuf::from(args.haproxy)),
+            haproxy: (args.haproxy != "none").then(|| haproxy_binary(&args.haproxy)),
+            policy,
             reconcile_window: Duration::from_millis(args.reconcile_window_ms),
         };
         daemon::run(client, options, token)
@@ -130,6 +149,29 @@ fn run(args: RunArgs) -> Result<()> {
     // Whatever a component left behind, the process ends here.
     runtime.shutdown_timeout(Duration::from_secs(1));
     Ok(())
+}
+
+fn clean(list: &[String]) -> Vec<String> {
+    list.iter()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+/// `haproxy` is looked up on PATH by the OS; Debian installs it in /usr/sbin, which a
+/// non-root PATH may lack.
+fn haproxy_binary(name: &str) -> PathBuf {
+    let path = PathBuf::from(name);
+    if path.components().count() == 1
+        && std::env::var_os("PATH")
+            .is_some_and(|p| !std::env::split_paths(&p).any(|dir| dir.join(name).exists()))
+    {
+        let sbin = PathBuf::from("/usr/sbin").join(name);
+        if sbin.exists() {
+            return sbin;
+        }
+    }
+    path
 }
 
 async fn client(kubeconfig: Option<&std::path::Path>) -> Result<kube::Client> {

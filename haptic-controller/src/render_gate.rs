@@ -6,10 +6,14 @@
 //! the refusal is reported once (status, log) and the gate closes: later renders are checked
 //! first and go on only when one passes, which opens the gate again. A new leader starts
 //! optimistic. The check runs on a scratch copy laid out as the agent lays a set out (`-C` at
-//! the set's directory), so relative map and certificate paths resolve the same.
+//! the set's directory), so relative map and certificate paths resolve the same, and only after
+//! the set passed the agents' own config policy ([`haptic_agent_client::policy`]: no Lua,
+//! programs, external checks or files outside the set unless allowed), so a set the policy
+//! refuses never runs `haproxy -c` here and never leaves the controller.
 
 use std::{path::PathBuf, process::Stdio, sync::Arc, time::Duration};
 
+use haptic_agent_client::policy::Policy;
 use haptic_eventbus::Filter;
 use haptic_leadership::LeaderContext;
 use tokio::process::Command;
@@ -27,6 +31,8 @@ const OUTPUT_CAP: usize = 4096;
 pub struct GateSettings {
     /// The `haproxy` binary; none disables the check (the agents still validate).
     pub haproxy: Option<PathBuf>,
+    /// The config policy, the same the agents apply (give it the agents' allow-list).
+    pub policy: Policy,
 }
 
 /// The component: subscribe now, run the returned future.
@@ -66,6 +72,21 @@ pub fn component(
                 ControllerEvent::Rendered(set) if Some(set.term) == term => set,
                 _ => continue,
             };
+            // The policy is cheap and certain: a set it refuses is never sent, gate open or not.
+            if let Err(refusal) = policy_check(&settings.policy, set) {
+                ctx.bus()
+                    .publish(ControllerEvent::GateVerdict(Arc::new(GateVerdict {
+                        checksum: set.checksum.clone(),
+                        config_generation: set.config_generation,
+                        refused: Some(refusal.clone()),
+                    })));
+                if reported.as_deref() != Some(&refusal) {
+                    error!(checksum = %set.checksum, %refusal, "the rendered config breaks the config policy; not deploying it");
+                    reported = Some(refusal);
+                }
+                open = false;
+                continue;
+            }
             if open {
                 ctx.bus().publish(ControllerEvent::Deployable(set.clone()));
             }
@@ -98,6 +119,24 @@ pub fn component(
             }
         }
     }
+}
+
+/// The agents' config policy on the rendered set; the error lists every violation.
+pub fn policy_check(policy: &Policy, set: &RenderedSet) -> Result<(), String> {
+    let mut files = haptic_agent_client::FileSet::new();
+    for (path, content) in set.files.iter() {
+        files
+            .insert(path, content.to_vec())
+            .map_err(|error| format!("the set breaks the apply protocol: {error}"))?;
+    }
+    policy.check(&files).map_err(|error| {
+        let lines: Vec<String> = error.violations().iter().map(ToString::to_string).collect();
+        if lines.is_empty() {
+            error.to_string()
+        } else {
+            format!("config policy: {}", lines.join("; "))
+        }
+    })
 }
 
 /// Runs the check; `None` when it passed (or cannot run), else HAProxy's output.

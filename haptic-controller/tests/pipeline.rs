@@ -174,6 +174,39 @@ async fn ingress_to_haproxy_on_every_pod() {
             .await_route("held.example", "/", (200, "backend b"))
             .await;
     }
+
+    // A set the config policy refuses (Lua from the host) is reported and never leaves the
+    // controller: no agent even sees it.
+    let serving = checksums(vec![&agents[0], &agents[1], &third]).await;
+    let mut lua = spec(agent_port, http_port);
+    lua.haproxy_config.template = lua.haproxy_config.template.replacen(
+        "global\n",
+        "global\n    lua-load /etc/haptic-evil.lua\n",
+        1,
+    );
+    cluster.apply_htc(&lua).await;
+    let status = await_status(&cluster, 5, "Invalid").await;
+    let message = status["validationMessage"].as_str().unwrap_or("");
+    assert!(
+        message.contains("config policy") && message.contains("lua-load"),
+        "{status}"
+    );
+    cluster.ingress("lua", "lua.example", "/", "web-a").await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    for agent in [&agents[0], &agents[1], &third] {
+        let log = std::fs::read_to_string(cluster.dir.path().join(&agent.name).join("agent.log"))
+            .unwrap_or_default();
+        assert!(
+            !log.contains("haptic-evil"),
+            "{} saw the refused set:\n{log}",
+            agent.name
+        );
+    }
+    assert_eq!(
+        checksums(vec![&agents[0], &agents[1], &third]).await,
+        serving,
+        "no live set changed"
+    );
     drop((c1, c2, agents, third));
 }
 

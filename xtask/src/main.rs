@@ -2,7 +2,7 @@
 //!
 //! - `test`: installs what the tests need (the Debian `haproxy` package), then runs
 //!   `cargo fmt --check`, clippy with `-D warnings` on all targets and the whole test suite.
-//! - `bench [election|agent|render|eventbus]`: runs the project's benchmarks.
+//! - `bench [election|agent|render|eventbus|controller]`: runs the project's benchmarks.
 //! - `apiserver`: runs the haptic-testkit API server until Ctrl-C and prints a kubeconfig path.
 
 use std::{
@@ -54,7 +54,7 @@ fn run() -> Result<()> {
 const HELP: &str = "usage: cargo xtask <task>
   test               install test tools if missing, then fmt --check, clippy -D warnings, all tests
   setup              only install the test tools (haproxy)
-  bench [NAME...]    run benchmarks: election, agent, render, eventbus (default: all)
+  bench [NAME...]    run benchmarks: election, agent, render, eventbus, controller (default: all)
   apiserver [ARGS]   run the haptic-testkit API server until Ctrl-C (prints the kubeconfig path)";
 
 fn root() -> PathBuf {
@@ -143,7 +143,7 @@ fn test(extra: &[String]) -> Result<()> {
 }
 
 fn bench(names: &[String]) -> Result<()> {
-    let all = ["eventbus", "render", "election", "agent"];
+    let all = ["eventbus", "render", "election", "agent", "controller"];
     let selected: Vec<&str> = if names.is_empty() {
         all.to_vec()
     } else {
@@ -168,6 +168,35 @@ fn bench(names: &[String]) -> Result<()> {
                 ],
                 &[],
             )?,
+            // Real processes: the agent and controller binaries must be built in release first.
+            "controller" => {
+                cargo(
+                    &[
+                        "build",
+                        "--release",
+                        "--quiet",
+                        "-p",
+                        "haptic-agent",
+                        "-p",
+                        "haptic-controller",
+                        "--bins",
+                    ],
+                    &[],
+                )?;
+                cargo(
+                    &[
+                        "run",
+                        "--release",
+                        "--quiet",
+                        "-p",
+                        "haptic-controller",
+                        "--example",
+                        "bench_controller",
+                        "--",
+                    ],
+                    &[],
+                )?
+            }
             other => bail!("unknown bench `{other}` (known: {})", all.join(", ")),
         }
     }

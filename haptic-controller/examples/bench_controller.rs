@@ -89,9 +89,16 @@ async fn all_route(agents: &[Agent], host: &str) {
     }
 }
 
-async fn all_accept(agents: &[Agent], leader: &str) {
+/// Until every agent's fence is above `epoch`: the new leader's first apply reached it (an
+/// apply raises the fence before anything else, also when its set is already live).
+async fn all_accept(agents: &[Agent], epoch: u64) {
     for agent in agents {
-        while agent.state().await.and_then(|s| s.leader).as_deref() != Some(leader) {
+        while agent
+            .state()
+            .await
+            .and_then(|s| s.fence)
+            .is_none_or(|f| f <= epoch)
+        {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
@@ -187,11 +194,11 @@ async fn main() {
 
         if Some(&n) == sizes.last() {
             // Graceful handoff: SIGTERM until every agent accepted the new leader.
-            let successor = replicas[follow].name.clone();
+            let epoch = cluster.lease_epoch().await.expect("epoch");
             let mut leaving = replicas.remove(lead);
             let start = Instant::now();
             leaving.signal("TERM");
-            all_accept(&agents, &successor).await;
+            all_accept(&agents, epoch).await;
             let handoff = start.elapsed();
             leaving.exited(Duration::from_secs(25)).await;
             rows.push(format!("| graceful handoff (SIGTERM to the new leader's apply on 3 agents), {n} Ingresses | {} | <= 1 s |", ms(handoff)));
@@ -205,10 +212,10 @@ async fn main() {
                 .iter()
                 .position(|c| c.name == leader)
                 .expect("ours");
-            let successor = replicas[1 - index].name.clone();
+            let epoch = cluster.lease_epoch().await.expect("epoch");
             let start = Instant::now();
             replicas[index].signal("KILL");
-            all_accept(&agents, &successor).await;
+            all_accept(&agents, epoch).await;
             let crash = start.elapsed().saturating_sub(Duration::from_secs(3));
             rows.push(format!("| crash (kill -9 to the new leader's apply on 3 agents) minus LeaseDuration 3 s, {n} Ingresses | {} | <= 1 s |", ms(crash)));
         }

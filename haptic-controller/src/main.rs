@@ -25,6 +25,15 @@ enum Command {
     Run(RunArgs),
     /// Print the HAProxyTemplateConfig CustomResourceDefinition (YAML).
     Crd,
+    /// Print the reference HAProxyTemplateConfig (the Ingress templates) as YAML.
+    ReferenceConfig {
+        /// Its name.
+        #[arg(long, default_value = "haptic-config")]
+        name: String,
+        /// Its namespace.
+        #[arg(long, default_value = "haptic-system")]
+        namespace: String,
+    },
     /// Print the version.
     Version,
 }
@@ -87,6 +96,18 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::ReferenceConfig { name, namespace } => {
+            match haptic_controller::reference::yaml(&name, &namespace) {
+                Ok(yaml) => {
+                    print!("{yaml}");
+                    ExitCode::SUCCESS
+                }
+                Err(error) => {
+                    eprintln!("haptic-controller: {error}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Version => {
             println!("haptic-controller {}", env!("CARGO_PKG_VERSION"));
             ExitCode::SUCCESS

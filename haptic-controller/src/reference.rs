@@ -4,8 +4,8 @@
 use std::collections::BTreeMap;
 
 use crate::crd::{
-    CertificateSource, HAProxyTemplateConfigSpec, PodSelector, TemplateSource, TemplatingSettings,
-    WatchedResource,
+    CertificateSource, HAProxyTemplateConfig, HAProxyTemplateConfigSpec, PodSelector,
+    TemplateSource, TemplatingSettings, WatchedResource,
 };
 
 /// The resource each reference store watches: (store, apiVersion, plural).
@@ -82,5 +82,25 @@ pub fn spec() -> HAProxyTemplateConfigSpec {
                 )
             })
             .collect(),
+    }
+}
+
+/// The reference config as an HAProxyTemplateConfig object in YAML, as `haptic-controller
+/// reference-config` prints it and `deploy/` ships it.
+pub fn yaml(name: &str, namespace: &str) -> Result<String, serde_saphyr::SerializeError> {
+    let mut htc = HAProxyTemplateConfig::new(name, spec());
+    htc.metadata.namespace = Some(namespace.to_owned());
+    serde_saphyr::to_string(&htc)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_yaml_reads_back_as_the_same_spec() {
+        let yaml = super::yaml("haptic-config", "haptic-system").expect("yaml");
+        let back: crate::crd::HAProxyTemplateConfig =
+            serde_saphyr::from_str(&yaml).expect("reads back");
+        assert_eq!(back.spec, super::spec());
+        assert_eq!(back.metadata.namespace.as_deref(), Some("haptic-system"));
     }
 }

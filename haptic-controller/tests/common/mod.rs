@@ -513,6 +513,10 @@ pub struct Controller {
 
 impl Controller {
     pub async fn start(cluster: &Cluster, name: &str) -> Self {
+        Self::start_with_env(cluster, name, &[]).await
+    }
+
+    pub async fn start_with_env(cluster: &Cluster, name: &str, env: &[(&str, &str)]) -> Self {
         let kubeconfig = cluster.server.kubeconfig_for(name).expect("kubeconfig");
         let log = cluster.dir.path().join(format!("{name}.log"));
         let file = std::fs::OpenOptions::new()
@@ -534,6 +538,7 @@ impl Controller {
             .arg("--haproxy")
             .arg(haproxy_bin())
             .env("RUST_LOG", "info,haptic_controller=debug")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(file.try_clone().expect("log"))
             .stderr(file)

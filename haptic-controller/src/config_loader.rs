@@ -99,7 +99,9 @@ pub async fn component(
     {
         let objects = stream(client, &at);
         futures::pin_mut!(objects);
-        let mut last: Option<(i64, String)> = None;
+        // (uid, generation) of the last version validated: a deleted and re-created HTC starts
+        // at generation 1 again, with a new uid.
+        let mut last: Option<(String, i64)> = None;
         let mut running_election: Option<ElectionSettings> = None;
         loop {
             let next = tokio::select! {

@@ -118,15 +118,16 @@ pub async fn component(
             };
             let generation = htc.metadata.generation.unwrap_or(0);
             let rv = htc.metadata.resource_version.clone().unwrap_or_default();
+            let uid = htc.metadata.uid.clone().unwrap_or_default();
             // Status writes change the resourceVersion, not the generation: only a new spec is
             // validated again.
             if last
                 .as_ref()
-                .is_some_and(|(g, _)| *g == generation && generation != 0)
+                .is_some_and(|(u, g)| *u == uid && *g == generation && generation != 0)
             {
                 continue;
             }
-            last = Some((generation, rv.clone()));
+            last = Some((uid, generation));
             let spec = htc.spec.clone();
             let verdict =
                 tokio::task::spawn_blocking(move || config::validate(&spec, generation, &rv)).await;

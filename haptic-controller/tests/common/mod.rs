@@ -177,6 +177,13 @@ impl Cluster {
         lease.spec?.holder_identity.filter(|h| !h.is_empty())
     }
 
+    /// The Lease's last `renewTime`, as wall-clock time.
+    pub async fn lease_renew_time(&self) -> Option<std::time::SystemTime> {
+        let lease = self.api::<Lease>().get_opt("haptic-leader").await.ok()??;
+        let renew = lease.spec?.renew_time?;
+        Some(std::time::SystemTime::from(renew.0))
+    }
+
     pub async fn lease_epoch(&self) -> Option<u64> {
         let lease = self.api::<Lease>().get_opt("haptic-leader").await.ok()??;
         lease

@@ -242,8 +242,9 @@ async fn reconcile(source: Arc<ConfigMap>, ctx: Arc<Ctx>) -> Result<Action, Erro
 
 fn error_policy(_source: Arc<ConfigMap>, error: &Error, _ctx: Arc<Ctx>) -> Action {
     match error {
-        // Retrying cannot help a stale leader; the term's loop below decides what to do.
-        Error::Fenced { .. } => Action::await_change(),
+        // The term's loop below reclaims first: if the term goes on at a raised epoch, this
+        // retry goes through; if another leader exists, the controller is gone before it.
+        Error::Fenced { .. } => Action::requeue(Duration::from_secs(1)),
         _ => Action::requeue(Duration::from_secs(5)),
     }
 }
@@ -293,8 +294,10 @@ async fn lead(term: CancellationToken, client: Client, config: ElectionConfig, r
                         warn!(%identity, raised, "the Lease's epoch had regressed; continuing above the fence");
                         ctx.epoch.store(raised, Ordering::SeqCst);
                     }
+                    // ForeignLeader, or no answer: either way this term cannot show it still
+                    // owns the epoch, so it stops writing (fails closed) and gives the term up.
                     Err(error) => {
-                        warn!(%identity, %error, "another leader exists: stopping the controller");
+                        warn!(%identity, %error, "stopping the controller and giving the term up");
                         resign.resign();
                         break;
                     }

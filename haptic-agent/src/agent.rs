@@ -638,11 +638,20 @@ impl Agent {
         warn!(%reason, "reload outcome unknown; waiting for HAProxy to finish it");
         self.set_unsettled(Some(before.clone()));
         let deadline = Instant::now() + shared.config.settle_timeout;
-        let outcome = match shared.haproxy.await_reload(&before, deadline).await {
-            Some(after) => haproxy::judge(&before, &after, || {
-                supervisor.and_then(|supervisor| supervisor.log_since(mark))
-            }),
-            None => match supervisor {
+        // Unknown below: still not finished by the deadline.
+        let settled = async {
+            match shared.haproxy.await_reload(&before, deadline).await {
+                Some(after) => haproxy::judge(&before, &after, || {
+                    supervisor.and_then(|supervisor| supervisor.log_since(mark))
+                }),
+                None => ReloadOutcome::Unknown {
+                    reason: String::new(),
+                    before: before.clone(),
+                },
+            }
+        };
+        let outcome = match self.unless_master_exits(settled, mark).await {
+            ReloadOutcome::Unknown { .. } => match supervisor {
                 Some(supervisor) => {
                     warn!("HAProxy did not finish the reload; restarting it on the current set");
                     supervisor.stop().await;
@@ -661,6 +670,7 @@ impl Agent {
                     before,
                 },
             },
+            finished => finished,
         };
         if !matches!(outcome, ReloadOutcome::Unknown { .. }) {
             self.set_unsettled(None);
@@ -717,21 +727,55 @@ impl Agent {
                     reason: error.to_string(),
                 },
             },
-            _ => shared
-                .haproxy
-                .reload(shared.config.reload_timeout, || {
-                    supervisor.and_then(|supervisor| supervisor.log_since(mark))
-                })
-                .await
-                .unwrap_or_else(|error| ReloadOutcome::Failed {
-                    reason: error.to_string(),
-                }),
+            _ => {
+                let reload = async {
+                    shared
+                        .haproxy
+                        .reload(shared.config.reload_timeout, || {
+                            supervisor.and_then(|supervisor| supervisor.log_since(mark))
+                        })
+                        .await
+                        .unwrap_or_else(|error| ReloadOutcome::Failed {
+                            reason: error.to_string(),
+                        })
+                };
+                self.unless_master_exits(reload, mark).await
+            }
         };
         // An unknown outcome is recorded once it is known (`load_settled`).
         if !matches!(outcome, ReloadOutcome::Unknown { .. }) {
             self.record(checksum, &outcome, started.elapsed());
         }
         outcome
+    }
+
+    /// `reload`, unless the supervised master exits first: then the load failed at once (a
+    /// master that exits on a reload is gone, and its workers with it), and the rollback
+    /// starts without waiting for the reload timeout.
+    async fn unless_master_exits(
+        &self,
+        reload: impl std::future::Future<Output = ReloadOutcome>,
+        mark: u64,
+    ) -> ReloadOutcome {
+        let Some(supervisor) = &self.shared.supervisor else {
+            return reload.await;
+        };
+        let Some(mut exited) = supervisor.exit_watch().await else {
+            return reload.await;
+        };
+        tokio::select! {
+            outcome = reload => outcome,
+            status = async {
+                let status = exited.wait_for(Option::is_some).await.ok().and_then(|s| s.clone());
+                status.unwrap_or_default()
+            } => {
+                let log = supervisor.log_since(mark).unwrap_or_default();
+                warn!(%status, "HAProxy's master exited during the reload");
+                ReloadOutcome::Failed {
+                    reason: format!("HAProxy's master exited during the reload ({status}): {log}"),
+                }
+            }
+        }
     }
 
     /// Records a reload's outcome (state and metrics).

@@ -144,6 +144,16 @@ impl Supervisor {
             .is_some_and(|child| child.exited.borrow().is_none())
     }
 
+    /// A watch of the running master's exit (`Some(status)` once it exited), or none when
+    /// no master runs.
+    pub async fn exit_watch(&self) -> Option<watch::Receiver<Option<String>>> {
+        let running = self.running.lock().await;
+        running
+            .as_ref()
+            .filter(|child| child.exited.borrow().is_none())
+            .map(|child| child.exited.clone())
+    }
+
     /// Starts HAProxy unless it runs, and waits until its master socket lists a worker (or
     /// the master exits, or the start timeout passes and it is stopped).
     pub async fn start(&self) -> Result<()> {

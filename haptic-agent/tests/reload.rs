@@ -191,3 +191,53 @@ async fn a_supervised_master_that_never_finishes_a_reload_is_restarted_and_the_s
     assert_eq!(await_body(port, "no route").await, "no route");
     agent.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_supervised_master_that_exits_on_a_reload_is_noticed_at_once_and_rolled_back() {
+    let (a, b) = (Backend::start("a").await, Backend::start("b").await);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut settings = AgentConfig::new(dir.path(), TOKEN)
+        .with_listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .with_haproxy_bin(haproxy_bin())
+        .with_supervise(true)
+        .with_policy(Policy::default().with_capability(Capability::Lua));
+    // Long enough that waiting for them would show.
+    settings.reload_timeout = Duration::from_secs(30);
+    settings.settle_timeout = Duration::from_secs(30);
+    let agent = TestAgent::start_exact(settings).await;
+    let client = client();
+    let port = free_port();
+    let backends = [("a", a.addr), ("b", b.addr)];
+    let first = request(1, "leader-1", 1, config(port, "a", &backends));
+    client.apply(&agent.url, &first).await.expect("first apply");
+    assert_eq!(await_body(port, "backend a").await, "backend a");
+
+    // Passes `haproxy -c` (no HAPROXY_MWORKER there); the re-executing master is killed
+    // (an exit HAProxy cannot catch, unlike a Lua `os.exit`, which it counts as a failed
+    // reload).
+    let mut exits = rewrite(&config(port, "b", &backends), "haproxy.cfg", |cfg| {
+        cfg.replacen("global\n", "global\n  lua-load exit.lua\n", 1)
+    });
+    exits
+        .insert(
+            "exit.lua",
+            "if os.getenv(\"HAPROXY_MWORKER\") then os.execute(\"kill -9 $PPID\") end\n",
+        )
+        .expect("path");
+    let started = tokio::time::Instant::now();
+    let error = client
+        .apply(&agent.url, &request(1, "leader-1", 2, exits))
+        .await
+        .expect_err("rolled back");
+    let took = started.elapsed();
+    assert!(
+        matches!(&error, haptic_agent_client::Error::RolledBack { live_checksum: Some(live), .. } if *live == first.checksum),
+        "{error:?}"
+    );
+    assert!(
+        took < Duration::from_secs(20),
+        "noticed at once, not after the reload timeout: {took:?}"
+    );
+    assert_eq!(await_body(port, "backend a").await, "backend a");
+    agent.stop().await;
+}

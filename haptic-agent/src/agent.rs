@@ -187,9 +187,10 @@ impl Agent {
             config.master_socket.clone(),
             config.haproxy_user,
         );
-        let supervisor = config
-            .supervise
-            .then(|| Supervisor::new(haproxy.clone(), store.current_path(), config.reload_timeout));
+        let supervisor = config.supervise.then(|| {
+            Supervisor::new(haproxy.clone(), store.current_path(), config.reload_timeout)
+                .with_pidfile(config.data_dir.join("haproxy-master.pid"))
+        });
         let metrics = Metrics::default();
         match fence.load() {
             Ok(value) => metrics.set_fence(value),

@@ -145,11 +145,13 @@ impl AgentConfig {
     /// The longest an apply can take with these limits, the client's timeout must exceed it:
     /// `haproxy -c`, then loading the set and, when it fails, restoring the previous one,
     /// each load bounded by a reload, the wait for a reload that did not finish in time and a
-    /// supervised restart (`check + 2 x (reload + settle + reload)`; 420 s with the
-    /// defaults). Without a supervisor, an apply that first waits for an earlier unfinished
-    /// reload can take one `reload_timeout` and one such load more.
+    /// supervised restart, itself a graceful stop (`supervisor::STOP_GRACE` and 5 s more) and
+    /// a start (`check + 2 x (reload + settle + stop + reload)`; 450 s with the defaults).
+    /// Without a supervisor, an apply that first waits for an earlier unfinished reload can
+    /// take one `reload_timeout` and one such load more.
     pub fn apply_time_limit(&self) -> Duration {
-        let load = self.reload_timeout + self.settle_timeout + self.reload_timeout;
+        let stop = crate::supervisor::STOP_GRACE + Duration::from_secs(5);
+        let load = self.reload_timeout + self.settle_timeout + stop + self.reload_timeout;
         self.check_timeout + load * 2
     }
 

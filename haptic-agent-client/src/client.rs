@@ -328,7 +328,9 @@ impl AgentClient {
         let mut builder = reqwest::Client::builder()
             .timeout(config.request_timeout)
             .connect_timeout(config.connect_timeout)
-            .pool_idle_timeout(Duration::from_secs(60))
+            // Below the agent's idle limit (15 s), so a pooled connection is not reused just as
+            // the agent closes it.
+            .pool_idle_timeout(Duration::from_secs(10))
             .tcp_nodelay(true)
             .tls_backend_rustls();
         if let Some(pem) = &config.ca_pem {

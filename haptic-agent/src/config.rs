@@ -60,6 +60,15 @@ pub struct AgentConfig {
     /// socket, by default, moves to `<data_dir>/run/master.sock` (a directory the user owns,
     /// since HAProxy creates the socket).
     pub haproxy_user: Option<RunAs>,
+    /// Most connections served at once (default 256); one more is closed at once, so slow or
+    /// idle clients cannot exhaust the agent's memory or file descriptors.
+    pub max_connections: usize,
+    /// Limit for a client to send a request's headers, also the idle limit of a kept-alive
+    /// connection between requests (default 15 s): a connection that sends nothing is closed.
+    pub header_read_timeout: Duration,
+    /// Limit for receiving a whole request body once the headers are in and the token checked
+    /// (default 120 s: 64 MiB at about 0.5 MiB/s); slower: 408.
+    pub body_timeout: Duration,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -78,6 +87,9 @@ impl std::fmt::Debug for AgentConfig {
             .field("settle_timeout", &self.settle_timeout)
             .field("policy", &self.policy)
             .field("haproxy_user", &self.haproxy_user)
+            .field("max_connections", &self.max_connections)
+            .field("header_read_timeout", &self.header_read_timeout)
+            .field("body_timeout", &self.body_timeout)
             .finish()
     }
 }
@@ -100,6 +112,9 @@ impl AgentConfig {
             settle_timeout: Duration::from_secs(60),
             policy: Policy::default(),
             haproxy_user: None,
+            max_connections: 256,
+            header_read_timeout: Duration::from_secs(15),
+            body_timeout: Duration::from_secs(120),
         }
     }
 
@@ -172,8 +187,13 @@ impl AgentConfig {
         if self.check_timeout.is_zero()
             || self.reload_timeout.is_zero()
             || self.settle_timeout.is_zero()
+            || self.header_read_timeout.is_zero()
+            || self.body_timeout.is_zero()
         {
             return Err(Error::Invalid("timeouts must be above zero"));
+        }
+        if self.max_connections == 0 {
+            return Err(Error::Invalid("max_connections must be at least 1"));
         }
         self.policy.validate().map_err(Error::Policy)?;
         Ok(())

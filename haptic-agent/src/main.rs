@@ -42,6 +42,9 @@ struct Args {
     /// runs as root. The master socket then defaults to <data-dir>/run/master.sock.
     #[arg(long, env = "HAPTIC_AGENT_HAPROXY_USER")]
     haproxy_user: Option<String>,
+    /// Most connections served at once; one more is closed at once.
+    #[arg(long, env = "HAPTIC_AGENT_MAX_CONNECTIONS", default_value_t = 256)]
+    max_connections: usize,
     /// Capabilities a set may use, comma-separated: lua, program, external-check, env,
     /// ssl-engine [default: none].
     #[arg(long, env = "HAPTIC_AGENT_ALLOW", value_delimiter = ',')]
@@ -103,6 +106,7 @@ async fn main() -> Result<()> {
     );
     info!(policy = ?config.policy, "config policy");
     config.max_body_bytes = args.max_body_bytes;
+    config.max_connections = args.max_connections;
     config.max_inflated_bytes = config.max_inflated_bytes.max(args.max_body_bytes);
 
     let agent = Agent::open(config).await.context("opening the agent")?;

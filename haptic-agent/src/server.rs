@@ -1,7 +1,13 @@
 //! The HTTP API: `/v1/apply` and `/v1/state` behind the bearer token, and the open probes
 //! `/healthz`, `/readyz` and `/metrics`.
+//!
+//! Connections are bounded so that nobody without the token can starve an apply: at most
+//! `max_connections` at once (one more is closed at once), each closed when it takes longer
+//! than `header_read_timeout` to send a request's headers or stays idle that long between
+//! requests, and a request body (after the token was checked) must arrive within
+//! `body_timeout`.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use axum::{
     Router,
@@ -13,11 +19,12 @@ use axum::{
     routing::{get, post},
 };
 use haptic_agent_client::protocol::{APPLY_PATH, ErrorBody, STATE_PATH, WireApply, decode_apply};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq as _;
-use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tokio::{net::TcpListener, sync::Semaphore};
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+use tracing::{debug, info, warn};
 
 use crate::agent::{self, Agent};
 
@@ -51,10 +58,14 @@ fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response
 /// The router of `agent`'s API.
 pub fn router(agent: Agent) -> Router {
     let token = Sha256::digest(agent.config().token.trim().as_bytes());
+    let (limit, body_timeout) = (agent.config().max_body_bytes, agent.config().body_timeout);
     let protected = Router::new()
         .route(APPLY_PATH, post(apply))
         .route(STATE_PATH, get(state))
-        .layer(DefaultBodyLimit::max(agent.config().max_body_bytes))
+        .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn(move |request: Request, next: Next| {
+            read_body(limit, body_timeout, request, next)
+        }))
         .layer(middleware::from_fn(move |request: Request, next: Next| {
             authorize(token.into(), request, next)
         }));
@@ -88,13 +99,60 @@ async fn authorize(expected: [u8; 32], request: Request, next: Next) -> Response
     }
 }
 
+/// Reads the whole body within `timeout` (408 otherwise) and at most `limit` bytes (413), so a
+/// client that sends it slowly holds no apply slot and no handler.
+async fn read_body(limit: usize, timeout: Duration, request: Request, next: Next) -> Response {
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<u64>().ok());
+    if declared.is_some_and(|length| length > limit as u64) {
+        return error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            format!("the body is larger than {limit} bytes"),
+        );
+    }
+    let (parts, body) = request.into_parts();
+    match tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await {
+        Ok(Ok(bytes)) => {
+            next.run(Request::from_parts(parts, axum::body::Body::from(bytes)))
+                .await
+        }
+        Ok(Err(failure)) => {
+            let too_large = std::error::Error::source(&failure)
+                .is_some_and(|source| source.is::<http_body_util::LengthLimitError>());
+            if too_large {
+                error(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "too_large",
+                    format!("the body is larger than {limit} bytes"),
+                )
+            } else {
+                error(
+                    StatusCode::BAD_REQUEST,
+                    "bad_request",
+                    "the body could not be read",
+                )
+            }
+        }
+        Err(_) => error(
+            StatusCode::REQUEST_TIMEOUT,
+            "body_timeout",
+            format!("the body did not arrive within {timeout:?}"),
+        ),
+    }
+}
+
 async fn apply(State(agent): State<Agent>, headers: HeaderMap, body: Bytes) -> Response {
-    let gzip = match headers
+    // Content codings are case-insensitive (RFC 9110 8.4.1).
+    let encoding = headers
         .get(header::CONTENT_ENCODING)
-        .map(|value| value.to_str().unwrap_or("?"))
-    {
+        .map(|value| value.to_str().unwrap_or("?").trim().to_ascii_lowercase());
+    let gzip = match encoding.as_deref() {
         None | Some("identity") => false,
-        Some("gzip") => true,
+        Some("gzip" | "x-gzip") => true,
         Some(other) => {
             agent.metrics().count_apply("rejected");
             return error(
@@ -194,18 +252,7 @@ pub async fn serve(
         .cloned()
         .map(|supervisor| tokio::spawn(supervisor.watch(stop_watch.clone())));
     info!(addr = ?listener.local_addr().ok(), "agent listening");
-    let server = axum::serve(listener, router(agent.clone()))
-        .with_graceful_shutdown(shutdown.clone().cancelled_owned());
-    let served = tokio::select! {
-        served = std::future::IntoFuture::into_future(server) => served,
-        () = async {
-            shutdown.cancelled().await;
-            tokio::time::sleep(drain).await;
-        } => {
-            warn!(?drain, "requests still in flight after the drain period; closing");
-            Ok(())
-        }
-    };
+    let served = accept_loop(agent.clone(), listener, shutdown, drain).await;
     stop_watch.cancel();
     match watcher {
         Some(watcher) => {
@@ -218,4 +265,71 @@ pub async fn serve(
         }
     }
     served.map_err(Error::Serve)
+}
+
+/// Accepts connections until `shutdown`, at most `max_connections` at once, each served by
+/// hyper with the header (and idle) deadline; then lets those in flight finish within
+/// `drain`.
+async fn accept_loop(
+    agent: Agent,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+    drain: Duration,
+) -> std::io::Result<()> {
+    let app = router(agent.clone());
+    let config = agent.config();
+    let slots = Arc::new(Semaphore::new(config.max_connections));
+    let header_read_timeout = config.header_read_timeout;
+    let connections = TaskTracker::new();
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    // Out of descriptors, for instance: back off rather than spin.
+                    warn!(%error, "accepting a connection failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = shutdown.cancelled() => break,
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            debug!(%peer, "connection cap reached; closing the new connection");
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let shutdown = shutdown.clone();
+        connections.spawn(async move {
+            let _slot = slot;
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_read_timeout);
+            let connection = builder.serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(connection);
+            let served = tokio::select! {
+                served = connection.as_mut() => served,
+                () = shutdown.cancelled() => {
+                    connection.as_mut().graceful_shutdown();
+                    connection.await
+                }
+            };
+            if let Err(error) = served {
+                debug!(%peer, %error, "connection ended");
+            }
+        });
+    }
+    connections.close();
+    if tokio::time::timeout(drain, connections.wait())
+        .await
+        .is_err()
+    {
+        warn!(
+            ?drain,
+            "requests still in flight after the drain period; closing"
+        );
+    }
+    Ok(())
 }

@@ -9,7 +9,7 @@ use std::{
 
 use haptic_agent_client::{
     AgentState, ApplyRequest, ApplyResponse, Timing,
-    protocol::{MAX_VIOLATIONS, ReloadRecord},
+    protocol::{MAX_FENCE_STEP, MAX_VIOLATIONS, ReloadRecord},
 };
 use tokio::{sync::Mutex, time::Instant};
 use tracing::{info, instrument, warn};
@@ -129,6 +129,8 @@ fn check_request(request: ApplyRequest) -> Result<ApplyRequest> {
     request
         .files
         .validate()
+        .map_err(|error| Error::BadRequest(error.to_string()))?;
+    haptic_agent_client::protocol::validate_leader(&request.leader)
         .map_err(|error| Error::BadRequest(error.to_string()))?;
     let actual = request.files.checksum();
     if actual != request.checksum {
@@ -300,7 +302,8 @@ impl Agent {
         result
     }
 
-    #[instrument(skip_all, fields(epoch = request.epoch, leader = %request.leader, generation = request.generation, checksum = %request.checksum))]
+    // The leader is a validated pod name; `?` escapes it in the log all the same.
+    #[instrument(skip_all, fields(epoch = request.epoch, leader = ?request.leader, generation = request.generation, checksum = %request.checksum))]
     async fn apply_serialized(&self, request: ApplyRequest) -> Result<ApplyResponse> {
         let shared = &self.shared;
         // While an apply waits for HAProxy to finish a reload whose outcome is unknown, others
@@ -335,6 +338,18 @@ impl Agent {
                 fence: current.epoch,
                 epoch: request.epoch,
             });
+        }
+        if request.epoch - current.epoch > MAX_FENCE_STEP {
+            warn!(
+                fence = current.epoch,
+                "refused: epoch too far above the fence"
+            );
+            return Err(Error::BadRequest(format!(
+                "epoch {} is more than 2^32 above the agent's fence {}: one apply may raise the \
+                 fence by at most {MAX_FENCE_STEP} (a corrupt epoch counter or a hostile sender \
+                 would otherwise lock every leader out for good)",
+                request.epoch, current.epoch
+            )));
         }
         if request.epoch > current.epoch || current.leader.is_none() {
             let fence = shared.fence.clone();
@@ -381,7 +396,7 @@ impl Agent {
                 None => true,
             };
             if running && self.loaded().as_deref() == Some(checksum.as_str()) {
-                let generation = shared.store.meta(name).map_or(0, |meta| meta.generation);
+                let generation = self.raise_generation(name, &request).await?;
                 return Ok(ApplyResponse::Unchanged {
                     checksum: checksum.clone(),
                     generation,
@@ -561,6 +576,32 @@ impl Agent {
                 )))
             }
         }
+    }
+
+    /// An `unchanged` at a newer (epoch, generation) than the live set's raises the live
+    /// set's high-water mark to it, so that a delayed older generation of the same epoch is
+    /// still `superseded` (gen 10 applied, gen 12 unchanged: gen 11 must not go live).
+    /// Returns the generation now recorded.
+    async fn raise_generation(&self, name: &str, request: &ApplyRequest) -> Result<u64> {
+        let Some(mut meta) = self.shared.store.meta(name) else {
+            return Ok(request.generation);
+        };
+        if (request.epoch, request.generation) <= (meta.epoch, meta.generation) {
+            return Ok(meta.generation);
+        }
+        meta.epoch = request.epoch;
+        meta.generation = request.generation;
+        meta.leader = request.leader.clone();
+        let store = self.shared.store.clone();
+        let set = name.to_owned();
+        let recorded = meta.clone();
+        blocking(move || store.write_meta(&set, &recorded)).await??;
+        self.shared.metrics.set_generation(meta.generation);
+        info!(
+            generation = meta.generation,
+            "unchanged at a newer generation: high-water mark raised"
+        );
+        Ok(meta.generation)
     }
 
     fn loaded(&self) -> Option<String> {

@@ -261,18 +261,32 @@ impl SetStore {
         let from = self.root.join("staging").join(name);
         let to = self.set_dir(name);
         fs::rename(&from, &to).map_err(io("moving", &from))?;
+        self.write_meta(name, meta)
+    }
+
+    /// Records `meta` beside set `name`, atomically (a temporary file fsynced and renamed over
+    /// it, then the directory fsynced).
+    pub fn write_meta(&self, name: &str, meta: &SetMeta) -> Result<()> {
         let meta_path = self.meta_path(name);
-        let mut file = fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&meta_path)
-            .map_err(io("creating", &meta_path))?;
-        // Serializing a plain struct of strings and integers cannot fail.
-        file.write_all(&serde_json::to_vec(meta).unwrap_or_default())
-            .map_err(io("writing", &meta_path))?;
-        file.sync_all().map_err(io("syncing", &meta_path))?;
+        let tmp = self.root.join("sets").join(format!(".{name}.json.tmp"));
+        let written = (|| {
+            let mut file = fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)
+                .map_err(io("creating", &tmp))?;
+            // Serializing a plain struct of strings and integers cannot fail.
+            file.write_all(&serde_json::to_vec(meta).unwrap_or_default())
+                .map_err(io("writing", &tmp))?;
+            file.sync_all().map_err(io("syncing", &tmp))?;
+            fs::rename(&tmp, &meta_path).map_err(io("renaming", &meta_path))
+        })();
+        if written.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        written?;
         sync_dir(&self.root.join("sets"))
     }
 

@@ -38,6 +38,9 @@ pub const MAX_PATH_LEN: usize = 1024;
 pub const MAX_PATH_DEPTH: usize = 16;
 /// Longest path component accepted, in bytes (Linux's `NAME_MAX`).
 pub const MAX_COMPONENT_LEN: usize = 255;
+/// Most files a set may hold (the reference set of 10,000 Ingresses with TLS on every fourth
+/// has about 2,500): a set of millions of tiny files would exhaust the agent's inodes.
+pub const MAX_FILES: usize = 20_000;
 /// Longest leader identity accepted (a Kubernetes object name: a DNS subdomain).
 pub const MAX_LEADER_LEN: usize = 253;
 /// How far one apply may raise an agent's fence above its current value (2^32). An epoch
@@ -68,6 +71,12 @@ pub enum Error {
     /// The set has no `haproxy.cfg` at its root.
     #[error("the set has no {MAIN_CONFIG} at its root")]
     NoMainConfig,
+    /// The set holds more than [`MAX_FILES`] files.
+    #[error("the set holds {count} files, more than {MAX_FILES}")]
+    TooManyFiles {
+        /// How many it holds.
+        count: usize,
+    },
     /// A file carries both or neither of `text` and `base64`, or invalid base64.
     #[error("file {path:?} has malformed content: {reason}")]
     Content {
@@ -236,8 +245,14 @@ impl FileSet {
         Ok(self)
     }
 
-    /// Checks the set is complete: it holds [`MAIN_CONFIG`] at its root.
+    /// Checks the set is complete and bounded: it holds [`MAIN_CONFIG`] at its root and at
+    /// most [`MAX_FILES`] files.
     pub fn validate(&self) -> Result<()> {
+        if self.files.len() > MAX_FILES {
+            return Err(Error::TooManyFiles {
+                count: self.files.len(),
+            });
+        }
         if self.files.contains_key(MAIN_CONFIG) {
             Ok(())
         } else {
@@ -804,6 +819,18 @@ mod tests {
             .to_wire();
         wire.leader = "x".repeat(300);
         assert!(matches!(wire.into_request(), Err(Error::Leader { .. })));
+    }
+
+    #[test]
+    fn a_set_of_too_many_files_is_refused() {
+        let mut files = FileSet::new().with(MAIN_CONFIG, "global\n").expect("set");
+        for i in 0..MAX_FILES {
+            files.insert(format!("m/{i}"), "").expect("path");
+        }
+        assert!(matches!(
+            ApplyRequest::new(1, "l", 1, files),
+            Err(Error::TooManyFiles { count }) if count == MAX_FILES + 1
+        ));
     }
 
     #[test]

@@ -76,6 +76,9 @@ struct Shared {
     loaded: StdMutex<Option<String>>,
     /// The last readiness probe and when it ran.
     ready: Mutex<Option<(Instant, Result<(), String>)>>,
+    /// Bodies being inflated and parsed at once: one per core, so that concurrent gzip
+    /// bodies cannot take every blocking thread and all memory at once.
+    decode: tokio::sync::Semaphore,
 }
 
 /// How long a readiness probe's answer is served from the cache.
@@ -218,6 +221,9 @@ impl Agent {
                 unsettled: StdMutex::new(None),
                 loaded: StdMutex::new(None),
                 ready: Mutex::new(None),
+                decode: tokio::sync::Semaphore::new(
+                    std::thread::available_parallelism().map_or(1, usize::from),
+                ),
             }),
         };
         if let Some(meta) = agent.live_meta() {
@@ -234,6 +240,11 @@ impl Agent {
     /// The metrics.
     pub fn metrics(&self) -> &Metrics {
         &self.shared.metrics
+    }
+
+    /// The bound on bodies decoded at once (one per core).
+    pub(crate) fn decode_slots(&self) -> &tokio::sync::Semaphore {
+        &self.shared.decode
     }
 
     /// HAProxy as the agent drives it (its master CLI use among others).

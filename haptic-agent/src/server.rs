@@ -163,7 +163,15 @@ async fn apply(State(agent): State<Agent>, headers: HeaderMap, body: Bytes) -> R
         }
     };
     let limit = agent.config().max_inflated_bytes;
-    // Inflating, parsing and hashing a large set is CPU work: keep it off the I/O threads.
+    // Inflating, parsing and hashing a large set is CPU work: keep it off the I/O threads,
+    // and at most one per core at once.
+    let Ok(_decoding) = agent.decode_slots().acquire().await else {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not_ready",
+            "shutting down",
+        );
+    };
     let decoded = tokio::task::spawn_blocking(move || {
         decode_apply(&body, gzip, limit).and_then(WireApply::into_request)
     })

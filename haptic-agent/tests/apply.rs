@@ -746,3 +746,37 @@ async fn a_leader_identity_that_is_not_a_pod_name_is_400() {
     );
     serving.agent.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn haproxys_check_output_is_capped_and_keeps_the_verdict() {
+    let serving = Serving::start(1).await;
+    // Two thousand notices of 200 bytes each (about 400 KiB of output), then an error.
+    let noisy = rewrite(&serving.set_routing_to("a"), "haproxy.cfg", |cfg| {
+        let notices: String = (0..2000)
+            .map(|i| format!("  .notice \"{i:05} {}\"\n", "x".repeat(190)))
+            .collect();
+        format!("{cfg}{notices}  no-such-keyword-at-the-end\n")
+    });
+    let error = serving
+        .client
+        .apply(&serving.agent.url, &request(1, "leader-0", 2, noisy))
+        .await
+        .expect_err("invalid");
+    let Error::Invalid { check_output } = error else {
+        panic!("expected Invalid, got {error:?}");
+    };
+    assert!(
+        check_output.len() <= haptic_agent::haproxy::CHECK_OUTPUT_CAP + 200,
+        "{} bytes",
+        check_output.len()
+    );
+    assert!(
+        check_output.contains("bytes of output cut"),
+        "{check_output}"
+    );
+    assert!(
+        check_output.contains("no-such-keyword-at-the-end"),
+        "the verdict is kept"
+    );
+    serving.agent.stop().await;
+}

@@ -311,6 +311,7 @@ impl Policy {
             policy: self,
             violations: Vec::new(),
             crt_lists: BTreeSet::new(),
+            bases: vec![String::new()],
             file: MAIN_CONFIG.to_owned(),
             line: 0,
         };
@@ -318,11 +319,25 @@ impl Policy {
             checker.config(&String::from_utf8_lossy(config));
         }
         let lists = std::mem::take(&mut checker.crt_lists);
-        for list in lists {
-            // HAProxy resolves a crt-list against the set's root (`-C`, `default-path config`)
-            // or `crt-base`; a list it cannot find there is not in the set.
-            if let Some(content) = files.get(&list) {
-                checker.file = list;
+        // HAProxy resolves a relative crt-list against the set's root (`-C`, `default-path
+        // config`), a `default-path origin` and `crt-base`: every place it could be found in
+        // the set is checked.
+        let mut found = BTreeSet::new();
+        for list in &lists {
+            for base in &checker.bases {
+                let path = if base.is_empty() {
+                    list.clone()
+                } else {
+                    format!("{}/{list}", base.trim_end_matches('/'))
+                };
+                if files.get(&path).is_some() {
+                    found.insert(path);
+                }
+            }
+        }
+        for path in found {
+            if let Some(content) = files.get(&path) {
+                checker.file = path;
                 checker.crt_list(&String::from_utf8_lossy(content));
             }
         }
@@ -479,6 +494,9 @@ struct Checker<'a> {
     policy: &'a Policy,
     violations: Vec<Violation>,
     crt_lists: BTreeSet<String>,
+    /// Directories of the set a relative crt-list may be resolved against: the root, and the
+    /// relative `crt-base` and `default-path origin` (and the one below the other).
+    bases: Vec<String>,
     file: String,
     line: usize,
 }
@@ -675,7 +693,10 @@ impl Checker<'_> {
                     "a daemonised HAProxy outlives the agent that supervises it",
                 ),
                 "default-path" => match arg(1).map(|w| w.text.as_str()) {
-                    Some("origin") => self.path("default-path origin", arg(2)),
+                    Some("origin") => {
+                        self.path("default-path origin", arg(2));
+                        self.base(arg(2));
+                    }
                     Some("parent") => self.refuse(
                         "default-path",
                         "`parent` resolves relative paths outside the set",
@@ -722,6 +743,9 @@ impl Checker<'_> {
                 }
                 known if section == Section::Global && GLOBAL_FILES.contains(&known) => {
                     self.path(known, arg(1));
+                    if known == "crt-base" {
+                        self.base(arg(1));
+                    }
                 }
                 "server-state-file" => self.path(&keyword, arg(1)),
                 _ => {}
@@ -733,6 +757,23 @@ impl Checker<'_> {
                 }
             }
         }
+    }
+
+    /// Records a relative base directory a crt-list may be resolved against.
+    fn base(&mut self, word: Option<&Word>) {
+        let Some(word) = word else { return };
+        let base = word.text.trim_start_matches("./").trim_end_matches('/');
+        if base.is_empty() || base.starts_with('/') || !word.env.is_empty() {
+            return;
+        }
+        let below: Vec<String> = self
+            .bases
+            .iter()
+            .filter(|known| !known.is_empty())
+            .map(|known| format!("{known}/{base}"))
+            .collect();
+        self.bases.push(base.to_owned());
+        self.bases.extend(below);
     }
 
     /// Checks the options of a `bind` or `server` line.
@@ -1182,6 +1223,25 @@ mod tests {
         assert_eq!(found.len(), 2, "{found:?}");
         assert!(found[0].starts_with("maps/certs.list:3: crt-list certificate: "));
         assert!(found[1].starts_with("maps/certs.list:4: crt-list ca-file: "));
+    }
+
+    #[test]
+    fn a_crt_list_under_crt_base_or_origin_is_checked_too() {
+        for (global, path) in [
+            ("crt-base ssl", "ssl/certs.list"),
+            ("default-path origin conf", "conf/certs.list"),
+        ] {
+            let files = set(&format!(
+                "global\n  {global}\nfrontend f\n  bind :443 ssl crt-list certs.list\n"
+            ))
+            .with(path, "/var/lib/kubelet/pki/kubelet.pem node.example\n")
+            .expect("set");
+            let found = Policy::default().violations(&files);
+            assert!(
+                found.len() == 1 && found[0].file == path,
+                "{global}: {found:?}"
+            );
+        }
     }
 
     #[test]

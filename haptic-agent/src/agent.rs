@@ -863,9 +863,32 @@ impl Agent {
             return Ok(());
         };
         let _one_at_a_time = self.shared.apply_lock.lock().await;
-        let Some(name) = self.shared.store.link(CURRENT)? else {
+        let Some(mut name) = self.shared.store.link(CURRENT)? else {
             return Ok(());
         };
+        // A set made live before the policy was (an older agent, a stricter policy now) is
+        // code all the same: one that breaks the policy is not started.
+        if let Some(why) = self.policy_refusal(&name).await {
+            let previous = match self.shared.store.link(LAST_KNOWN_GOOD)? {
+                Some(previous) if previous != name => match self.policy_refusal(&previous).await {
+                    None => Some(previous),
+                    Some(also) => {
+                        warn!(set = %previous, why = %also, "last-known-good breaks the config policy too");
+                        None
+                    }
+                },
+                _ => None,
+            };
+            warn!(set = %name, %why, ?previous, "the live set breaks the config policy; not starting it");
+            self.shared.store.set_link(CURRENT, previous.as_deref())?;
+            if let Some(meta) = previous.as_deref().and_then(|p| self.shared.store.meta(p)) {
+                self.shared.metrics.set_generation(meta.generation);
+            }
+            match previous {
+                Some(previous) => name = previous,
+                None => return Ok(()),
+            }
+        }
         let store = self.shared.store.clone();
         let on_disk = {
             let name = name.clone();
@@ -896,6 +919,21 @@ impl Agent {
             info!(?live, "after the failed start");
         }
         Ok(())
+    }
+
+    /// The first violation of the config policy in set `name` as it is on disk, if any (a
+    /// set that cannot be read counts as one).
+    async fn policy_refusal(&self, name: &str) -> Option<String> {
+        let store = self.shared.store.clone();
+        let policy = self.shared.config.policy.clone();
+        let name = name.to_owned();
+        let checked =
+            blocking(move || store.read_set(&name).map(|files| policy.violations(&files))).await;
+        match checked {
+            Ok(Ok(violations)) => violations.first().map(ToString::to_string),
+            Ok(Err(error)) => Some(error.to_string()),
+            Err(error) => Some(error.to_string()),
+        }
     }
 
     /// Why the agent is not ready, if it is not: the fence file is unreadable, or a set is

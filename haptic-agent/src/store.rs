@@ -332,6 +332,25 @@ impl SetStore {
     /// lists (what HAProxy writes beside them does not count), or every regular file of its
     /// directory for a set whose metadata lists none.
     pub fn checksum_on_disk(&self, name: &str) -> Result<String> {
+        let files = self.read_files(name)?;
+        Ok(haptic_agent_client::protocol::checksum(files.iter().map(
+            |(path, content)| (path.as_str(), content.as_slice()),
+        )))
+    }
+
+    /// The files of set `name` as they are on disk (those its metadata lists, or every
+    /// regular file of its directory), as a [`FileSet`].
+    pub fn read_set(&self, name: &str) -> Result<FileSet> {
+        let mut set = FileSet::new();
+        for (path, content) in self.read_files(name)? {
+            let full = self.set_dir(name).join(&path);
+            set.insert(path, content)
+                .map_err(|_| Error::Unexpected(full))?;
+        }
+        Ok(set)
+    }
+
+    fn read_files(&self, name: &str) -> Result<BTreeMap<String, Vec<u8>>> {
         let dir = self.set_dir(name);
         let mut files = BTreeMap::new();
         match self.meta(name).map(|meta| meta.files) {
@@ -352,9 +371,7 @@ impl SetStore {
             }
             _ => read_tree(&dir, "", &mut files)?,
         }
-        Ok(haptic_agent_client::protocol::checksum(files.iter().map(
-            |(path, content)| (path.as_str(), content.as_slice()),
-        )))
+        Ok(files)
     }
 }
 

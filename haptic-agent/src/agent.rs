@@ -324,7 +324,16 @@ impl Agent {
                 Error::NotReady("HAProxy is still finishing a reload; retry later".to_owned())
             })?
         } else {
-            shared.apply_lock.lock().await
+            // Behind another apply (a second leader's, a retry) for at most `lock_timeout`:
+            // the whole apply stays within `apply_time_limit`, and the client retries a 503.
+            tokio::time::timeout(shared.config.lock_timeout, shared.apply_lock.lock())
+                .await
+                .map_err(|_| {
+                    Error::NotReady(format!(
+                        "another apply has been in progress for over {:?}; retry later",
+                        shared.config.lock_timeout
+                    ))
+                })?
         };
         let started = Instant::now();
         if let Some(before) = self.unsettled() {

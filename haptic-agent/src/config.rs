@@ -69,6 +69,9 @@ pub struct AgentConfig {
     /// Limit for receiving a whole request body once the headers are in and the token checked
     /// (default 120 s: 64 MiB at about 0.5 MiB/s); slower: 408.
     pub body_timeout: Duration,
+    /// Longest an apply waits for another one in progress before it is answered 503
+    /// (default 30 s).
+    pub lock_timeout: Duration,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -90,6 +93,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("max_connections", &self.max_connections)
             .field("header_read_timeout", &self.header_read_timeout)
             .field("body_timeout", &self.body_timeout)
+            .field("lock_timeout", &self.lock_timeout)
             .finish()
     }
 }
@@ -115,6 +119,7 @@ impl AgentConfig {
             max_connections: 256,
             header_read_timeout: Duration::from_secs(15),
             body_timeout: Duration::from_secs(120),
+            lock_timeout: Duration::from_secs(30),
         }
     }
 
@@ -158,16 +163,17 @@ impl AgentConfig {
     }
 
     /// The longest an apply can take with these limits, the client's timeout must exceed it:
-    /// `haproxy -c`, then loading the set and, when it fails, restoring the previous one,
-    /// each load bounded by a reload, the wait for a reload that did not finish in time and a
-    /// supervised restart, itself a graceful stop (`supervisor::STOP_GRACE` and 5 s more) and
-    /// a start (`check + 2 x (reload + settle + stop + reload)`; 450 s with the defaults).
+    /// the wait for an apply in progress, `haproxy -c`, then loading the set and, when it
+    /// fails, restoring the previous one, each load bounded by a reload, the wait for a reload
+    /// that did not finish in time and a supervised restart, itself a graceful stop
+    /// (`supervisor::STOP_GRACE` and 5 s more) and a start
+    /// (`lock + check + 2 x (reload + settle + stop + reload)`; 470 s with the defaults).
     /// Without a supervisor, an apply that first waits for an earlier unfinished reload can
     /// take one `reload_timeout` and one such load more.
     pub fn apply_time_limit(&self) -> Duration {
         let stop = crate::supervisor::STOP_GRACE + Duration::from_secs(5);
         let load = self.reload_timeout + self.settle_timeout + stop + self.reload_timeout;
-        self.check_timeout + load * 2
+        self.lock_timeout + self.check_timeout + load * 2
     }
 
     /// Checks the rules: a token, an absolute data directory, non-zero limits, and an
@@ -189,6 +195,7 @@ impl AgentConfig {
             || self.settle_timeout.is_zero()
             || self.header_read_timeout.is_zero()
             || self.body_timeout.is_zero()
+            || self.lock_timeout.is_zero()
         {
             return Err(Error::Invalid("timeouts must be above zero"));
         }

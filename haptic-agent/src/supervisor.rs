@@ -95,7 +95,7 @@ struct Running {
 
 /// How long a stopping master gets to drain (SIGUSR1, HAProxy's soft stop: listeners are
 /// released at once, connections in flight finish) before SIGTERM, and SIGKILL 5 s later.
-pub const STOP_GRACE: Duration = Duration::from_secs(10);
+pub const STOP_GRACE: Duration = Duration::from_secs(5);
 
 /// Starts, watches and stops one HAProxy master process.
 ///

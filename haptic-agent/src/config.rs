@@ -72,6 +72,9 @@ pub struct AgentConfig {
     /// Longest an apply waits for another one in progress before it is answered 503
     /// (default 30 s).
     pub lock_timeout: Duration,
+    /// Serve the API over TLS with this certificate and key (default none: plain HTTP). The
+    /// files are read again when they change.
+    pub tls: Option<crate::tls::TlsFiles>,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -94,6 +97,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("header_read_timeout", &self.header_read_timeout)
             .field("body_timeout", &self.body_timeout)
             .field("lock_timeout", &self.lock_timeout)
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -120,6 +124,7 @@ impl AgentConfig {
             header_read_timeout: Duration::from_secs(15),
             body_timeout: Duration::from_secs(120),
             lock_timeout: Duration::from_secs(30),
+            tls: None,
         }
     }
 

@@ -34,6 +34,9 @@ pub enum Error {
     /// Serving failed.
     #[error("serving the agent API")]
     Serve(#[source] std::io::Error),
+    /// The TLS certificate or key is unusable.
+    #[error(transparent)]
+    Tls(#[from] crate::tls::Error),
 }
 
 /// Result type of this module.
@@ -259,8 +262,24 @@ pub async fn serve(
         .supervisor()
         .cloned()
         .map(|supervisor| tokio::spawn(supervisor.watch(stop_watch.clone())));
-    info!(addr = ?listener.local_addr().ok(), "agent listening");
-    let served = accept_loop(agent.clone(), listener, shutdown, drain).await;
+    let tls = match agent
+        .config()
+        .tls
+        .as_ref()
+        .map(crate::tls::acceptor)
+        .transpose()
+    {
+        Ok(tls) => tls,
+        Err(error) => {
+            stop_watch.cancel();
+            if let Some(watcher) = watcher {
+                let _ = watcher.await;
+            }
+            return Err(error.into());
+        }
+    };
+    info!(addr = ?listener.local_addr().ok(), tls = tls.is_some(), "agent listening");
+    let served = accept_loop(agent.clone(), listener, tls, shutdown, drain).await;
     stop_watch.cancel();
     match watcher {
         Some(watcher) => {
@@ -276,11 +295,12 @@ pub async fn serve(
 }
 
 /// Accepts connections until `shutdown`, at most `max_connections` at once, each served by
-/// hyper with the header (and idle) deadline; then lets those in flight finish within
-/// `drain`.
+/// hyper with the header (and idle) deadline (a TLS handshake included); then lets those in
+/// flight finish within `drain`.
 async fn accept_loop(
     agent: Agent,
     listener: TcpListener,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     shutdown: CancellationToken,
     drain: Duration,
 ) -> std::io::Result<()> {
@@ -308,20 +328,25 @@ async fn accept_loop(
         };
         let _ = stream.set_nodelay(true);
         let service = hyper_util::service::TowerToHyperService::new(app.clone());
-        let shutdown = shutdown.clone();
+        let (shutdown, tls) = (shutdown.clone(), tls.clone());
         connections.spawn(async move {
             let _slot = slot;
-            let mut builder = hyper::server::conn::http1::Builder::new();
-            builder
-                .timer(TokioTimer::new())
-                .header_read_timeout(header_read_timeout);
-            let connection = builder.serve_connection(TokioIo::new(stream), service);
-            tokio::pin!(connection);
-            let served = tokio::select! {
-                served = connection.as_mut() => served,
-                () = shutdown.cancelled() => {
-                    connection.as_mut().graceful_shutdown();
-                    connection.await
+            let served = match tls {
+                None => serve_connection(stream, service, header_read_timeout, shutdown).await,
+                Some(tls) => {
+                    match tokio::time::timeout(header_read_timeout, tls.accept(stream)).await {
+                        Ok(Ok(stream)) => {
+                            serve_connection(stream, service, header_read_timeout, shutdown).await
+                        }
+                        Ok(Err(error)) => {
+                            debug!(%peer, %error, "TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => {
+                            debug!(%peer, "TLS handshake timed out");
+                            return;
+                        }
+                    }
                 }
             };
             if let Err(error) = served {
@@ -340,4 +365,29 @@ async fn accept_loop(
         );
     }
     Ok(())
+}
+
+/// Serves one connection with hyper until it ends, or gracefully once `shutdown` fires.
+async fn serve_connection<S>(
+    stream: S,
+    service: hyper_util::service::TowerToHyperService<Router>,
+    header_read_timeout: Duration,
+    shutdown: CancellationToken,
+) -> Result<(), hyper::Error>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_read_timeout);
+    let connection = builder.serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(connection);
+    tokio::select! {
+        served = connection.as_mut() => served,
+        () = shutdown.cancelled() => {
+            connection.as_mut().graceful_shutdown();
+            connection.await
+        }
+    }
 }

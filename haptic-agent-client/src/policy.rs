@@ -56,7 +56,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-use std::{collections::BTreeSet, fmt, str::FromStr};
+use std::{borrow::Cow, collections::BTreeSet, fmt, str::FromStr};
 
 use serde::{Deserialize, Serialize};
 
@@ -374,9 +374,10 @@ impl Policy {
 
 /// One word of a configuration line, after HAProxy's quoting and escaping.
 #[derive(Debug, Default)]
-struct Word {
-    /// The text, with `${NAME}` expansions left as written.
-    text: String,
+struct Word<'a> {
+    /// The text, with `${NAME}` expansions left as written (borrowed from the line when
+    /// nothing in it was quoted or escaped).
+    text: Cow<'a, str>,
     /// The variables expanded in it.
     env: Vec<String>,
 }
@@ -386,7 +387,20 @@ struct Word {
 /// expand `$NAME`, `${NAME}` and `${NAME-default}` (`\$` is a literal `$`); a backslash
 /// outside single quotes escapes a blank, `#`, `\`, a quote or `$` and writes `\r`, `\n`,
 /// `\t`, `\xHH`.
-fn words(line: &str) -> Vec<Word> {
+fn words(line: &str) -> Vec<Word<'_>> {
+    // Most lines (servers, options, timeouts) quote, escape, expand and comment nothing.
+    if !line
+        .bytes()
+        .any(|b| matches!(b, b'\\' | b'\'' | b'"' | b'#' | b'$'))
+    {
+        return line
+            .split_ascii_whitespace()
+            .map(|text| Word {
+                text: Cow::Borrowed(text),
+                env: Vec::new(),
+            })
+            .collect();
+    }
     let mut out = Vec::new();
     let mut word: Option<Word> = None;
     let mut chars = line.chars().peekable();
@@ -407,11 +421,11 @@ fn words(line: &str) -> Vec<Word> {
             '"' if !single => double = !double,
             '\\' if !single => match chars.peek().copied() {
                 Some(next @ (' ' | '\t' | '#' | '\\' | '\'' | '"')) => {
-                    current.text.push(next);
+                    current.text.to_mut().push(next);
                     chars.next();
                 }
                 Some('$') if double => {
-                    current.text.push('$');
+                    current.text.to_mut().push('$');
                     chars.next();
                 }
                 Some('x') => {
@@ -421,25 +435,25 @@ fn words(line: &str) -> Vec<Word> {
                     let hex: String = ahead.by_ref().take(2).collect();
                     match u8::from_str_radix(&hex, 16) {
                         Ok(byte) if hex.len() == 2 => {
-                            current.text.push(char::from(byte));
+                            current.text.to_mut().push(char::from(byte));
                             chars = ahead;
                         }
-                        _ => current.text.push('\\'),
+                        _ => current.text.to_mut().push('\\'),
                     }
                 }
                 Some('r') => {
-                    current.text.push('\r');
+                    current.text.to_mut().push('\r');
                     chars.next();
                 }
                 Some('n') => {
-                    current.text.push('\n');
+                    current.text.to_mut().push('\n');
                     chars.next();
                 }
                 Some('t') => {
-                    current.text.push('\t');
+                    current.text.to_mut().push('\t');
                     chars.next();
                 }
-                _ => current.text.push('\\'),
+                _ => current.text.to_mut().push('\\'),
             },
             '$' if double => {
                 let braced = chars.peek() == Some(&'{');
@@ -464,14 +478,17 @@ fn words(line: &str) -> Vec<Word> {
                         }
                         rest.push(next);
                     }
-                    current.text.push_str(&format!("${{{name}{rest}}}"));
+                    current
+                        .text
+                        .to_mut()
+                        .push_str(&format!("${{{name}{rest}}}"));
                 } else {
-                    current.text.push('$');
-                    current.text.push_str(&name);
+                    current.text.to_mut().push('$');
+                    current.text.to_mut().push_str(&name);
                 }
                 current.env.push(name);
             }
-            other => current.text.push(other),
+            other => current.text.to_mut().push(other),
         }
     }
     if let Some(done) = word {
@@ -587,7 +604,7 @@ impl Checker<'_> {
                 .or_else(|| address.starts_with('/').then_some(address));
             if let Some(path) = path {
                 let socket = Word {
-                    text: path.to_owned(),
+                    text: Cow::Borrowed(path),
                     env: word.env.clone(),
                 };
                 self.path(keyword, Some(&socket));
@@ -630,7 +647,7 @@ impl Checker<'_> {
                         Vec::new()
                     };
                     let file = Word {
-                        text: argument,
+                        text: Cow::Owned(argument),
                         env,
                     };
                     self.path(&function, Some(&file));
@@ -646,13 +663,13 @@ impl Checker<'_> {
             let words = words(line);
             let Some(first) = words.first() else { continue };
             // `no option x` and `default option x` name the same keyword as `option x`.
-            let skip = usize::from(matches!(first.text.as_str(), "no" | "default"));
+            let skip = usize::from(matches!(first.text.as_ref(), "no" | "default"));
             let args = &words[skip..];
-            let Some(keyword) = args.first().map(|word| word.text.clone()) else {
+            let Some(keyword) = args.first().map(|word| word.text.as_ref()) else {
                 continue;
             };
             let arg = |i: usize| args.get(i);
-            match keyword.as_str() {
+            match keyword {
                 "global" => section = Section::Global,
                 "defaults" | "frontend" | "backend" | "listen" | "peers" | "resolvers"
                 | "mailers" | "log-forward" | "http-errors" => section = Section::Proxy,
@@ -668,31 +685,31 @@ impl Checker<'_> {
                 // A program's command line is not HAProxy configuration.
                 continue;
             }
-            self.expressions(&keyword, &words);
-            match keyword.as_str() {
+            self.expressions(keyword, &words);
+            match keyword {
                 "lua-load" | "lua-load-per-thread" | "lua-prepend-path" => {
-                    self.needs(&keyword, Capability::Lua);
-                    self.path(&keyword, arg(1));
+                    self.needs(keyword, Capability::Lua);
+                    self.path(keyword, arg(1));
                 }
                 "setenv" | "presetenv" | "resetenv" | "unsetenv" => {
-                    self.needs(&keyword, Capability::Env);
+                    self.needs(keyword, Capability::Env);
                 }
                 "external-check" | "insecure-fork-wanted" | "insecure-setuid-wanted" => {
-                    self.needs(&keyword, Capability::ExternalCheck);
+                    self.needs(keyword, Capability::ExternalCheck);
                 }
                 "option" if arg(1).is_some_and(|w| w.text == "external-check") => {
                     self.needs("option external-check", Capability::ExternalCheck);
                 }
-                "ssl-engine" | "ssl-provider" => self.needs(&keyword, Capability::SslEngine),
+                "ssl-engine" | "ssl-provider" => self.needs(keyword, Capability::SslEngine),
                 "ssl-provider-path" => {
-                    self.needs(&keyword, Capability::SslEngine);
-                    self.path(&keyword, arg(1));
+                    self.needs(keyword, Capability::SslEngine);
+                    self.path(keyword, arg(1));
                 }
                 "daemon" if section == Section::Global => self.refuse(
                     "daemon",
                     "a daemonised HAProxy outlives the agent that supervises it",
                 ),
-                "default-path" => match arg(1).map(|w| w.text.as_str()) {
+                "default-path" => match arg(1).map(|w| w.text.as_ref()) {
                     Some("origin") => {
                         self.path("default-path origin", arg(2));
                         self.base(arg(2));
@@ -713,24 +730,24 @@ impl Checker<'_> {
                 }
                 "log" => self.address("log", arg(1)),
                 "bind" | "dgram-bind" => {
-                    self.address(&keyword, arg(1));
-                    self.options(&keyword, &args[1..]);
+                    self.address(keyword, arg(1));
+                    self.options(keyword, &args[1..]);
                 }
                 "server" | "peer" | "nameserver" | "mailer" => {
-                    self.address(&keyword, arg(2));
-                    self.options(&keyword, &args[2..]);
+                    self.address(keyword, arg(2));
+                    self.options(keyword, &args[2..]);
                 }
-                "default-server" | "server-template" => self.options(&keyword, &args[1..]),
+                "default-server" | "server-template" => self.options(keyword, &args[1..]),
                 "errorfile" => self.path("errorfile", arg(2)),
-                "backing-file" if section == Section::Ring => self.path(&keyword, arg(1)),
+                "backing-file" if section == Section::Ring => self.path(keyword, arg(1)),
                 "http-request" | "http-response" | "http-after-response" | "http-error" => {
                     let answers = keyword == "http-error"
                         || arg(1).is_some_and(|w| {
-                            matches!(w.text.as_str(), "return" | "deny" | "tarpit")
+                            matches!(w.text.as_ref(), "return" | "deny" | "tarpit")
                         });
                     if answers {
                         for (i, word) in args.iter().enumerate() {
-                            if matches!(word.text.as_str(), "file" | "lf-file" | "errorfile") {
+                            if matches!(word.text.as_ref(), "file" | "lf-file" | "errorfile") {
                                 self.path(&format!("{keyword} {}", word.text), arg(i + 1));
                             }
                         }
@@ -747,7 +764,7 @@ impl Checker<'_> {
                         self.base(arg(1));
                     }
                 }
-                "server-state-file" => self.path(&keyword, arg(1)),
+                "server-state-file" => self.path(keyword, arg(1)),
                 _ => {}
             }
             // ACL and map files (`acl x ... -f file`, `if { ... -f file }`).
@@ -779,7 +796,7 @@ impl Checker<'_> {
     /// Checks the options of a `bind` or `server` line.
     fn options(&mut self, keyword: &str, words: &[Word]) {
         for (i, word) in words.iter().enumerate() {
-            let option = word.text.as_str();
+            let option = word.text.as_ref();
             if FILE_OPTIONS.contains(&option) {
                 self.path(&format!("{keyword} {option}"), words.get(i + 1));
                 if option == "crt-list"
@@ -810,7 +827,7 @@ impl Checker<'_> {
                 let option = word.text.trim_start_matches('[');
                 if FILE_OPTIONS.contains(&option) {
                     let file = words.get(i + 1).map(|w| Word {
-                        text: w.text.trim_end_matches(']').to_owned(),
+                        text: Cow::Borrowed(w.text.trim_end_matches(']')),
                         env: w.env.clone(),
                     });
                     self.path(&format!("crt-list {option}"), file.as_ref());
@@ -908,8 +925,12 @@ mod tests {
 
     #[test]
     fn words_follow_haproxys_quoting() {
-        let texts =
-            |line: &str| -> Vec<String> { words(line).into_iter().map(|w| w.text).collect() };
+        let texts = |line: &str| -> Vec<String> {
+            words(line)
+                .into_iter()
+                .map(|w| w.text.into_owned())
+                .collect()
+        };
         assert_eq!(texts("  bind :80 # comment"), ["bind", ":80"]);
         assert_eq!(texts("a#b c"), ["a"]);
         assert_eq!(texts("x 'a b' \"c#d\" e\\ f"), ["x", "a b", "c#d", "e f"]);

@@ -237,11 +237,14 @@ async fn readyz(State(agent): State<Agent>) -> Response {
 }
 
 async fn metrics(State(agent): State<Agent>) -> Response {
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        agent.metrics().render(),
-    )
-        .into_response()
+    let mut text = agent.metrics().render();
+    text.push_str(&format!(
+        "# HELP haptic_agent_master_cli_connections_total Connections made to HAProxy's master CLI.\n\
+         # TYPE haptic_agent_master_cli_connections_total counter\n\
+         haptic_agent_master_cli_connections_total {}\n",
+        agent.haproxy().cli_connections()
+    ));
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
 /// Serves `agent` on `listener` until `shutdown` is cancelled; in supervised mode starts

@@ -622,10 +622,31 @@ async fn a_flood_of_readiness_probes_is_answered_from_the_cache() {
         made <= bound,
         "{made} master CLI connections for 400 probes in {took:?}"
     );
-    // An apply still goes through while probes keep coming.
+    let metrics = traffic_client()
+        .get(serving.agent.url.join("/metrics").expect("url"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    assert!(
+        metrics.contains("\nhaptic_agent_master_cli_connections_total "),
+        "{metrics}"
+    );
+    // An apply still goes through while probes and state requests (the master CLI's other
+    // slot) keep coming.
     let flood = tokio::spawn(async move {
         for _ in 0..200 {
             let _ = http.get(url.clone()).send().await;
+        }
+    });
+    let states = tokio::spawn({
+        let (client, url) = (serving.client.clone(), serving.agent.url.clone());
+        async move {
+            for _ in 0..50 {
+                let _ = client.state(&url).await;
+            }
         }
     });
     let next = request(1, "leader-0", 2, serving.set_routing_to("none"));
@@ -636,6 +657,7 @@ async fn a_flood_of_readiness_probes_is_answered_from_the_cache() {
         .expect("applied during the flood");
     assert_eq!(report.outcome, haptic_agent_client::Outcome::Applied);
     flood.abort();
+    states.abort();
     serving.agent.stop().await;
 }
 

@@ -30,7 +30,8 @@
 //! `ca-sign-file`, `crl-file`, `tls-ticket-keys`, `ssl-dh-param-file`, `issuers-chain-path`,
 //! `crt-base`, `ca-base`, `chroot`, `pidfile`, `default-path origin`, `server-state-base`,
 //! `server-state-file`, `h1-case-adjust-file`, `httpclient.ssl.ca-file`, `unix-bind prefix`,
-//! `filter spoe ... config`, `ring` `backing-file`, the device-detection data files, and unix
+//! `filter spoe ... config` (whose file, when in the set, is checked too: its `log` lines and
+//! expansions), `ring` `backing-file`, the device-detection data files, and unix
 //! socket addresses (`/path`, `unix@`, `uxst@`, `uxdg@`) of `bind`, `server`, `log`,
 //! `stats socket`, `peer`, `nameserver`, `mailer` and `dgram-bind`.
 //!
@@ -311,6 +312,7 @@ impl Policy {
             policy: self,
             violations: Vec::new(),
             crt_lists: BTreeSet::new(),
+            spoe: BTreeSet::new(),
             bases: vec![String::new()],
             file: MAIN_CONFIG.to_owned(),
             line: 0,
@@ -319,26 +321,37 @@ impl Policy {
             checker.config(&String::from_utf8_lossy(config));
         }
         let lists = std::mem::take(&mut checker.crt_lists);
+        let spoe = std::mem::take(&mut checker.spoe);
         // HAProxy resolves a relative crt-list against the set's root (`-C`, `default-path
         // config`), a `default-path origin` and `crt-base`: every place it could be found in
         // the set is checked.
-        let mut found = BTreeSet::new();
-        for list in &lists {
-            for base in &checker.bases {
-                let path = if base.is_empty() {
-                    list.clone()
-                } else {
-                    format!("{}/{list}", base.trim_end_matches('/'))
-                };
-                if files.get(&path).is_some() {
-                    found.insert(path);
+        let in_set = |named: &BTreeSet<String>| {
+            let mut found = BTreeSet::new();
+            for name in named {
+                for base in &checker.bases {
+                    let path = if base.is_empty() {
+                        name.clone()
+                    } else {
+                        format!("{}/{name}", base.trim_end_matches('/'))
+                    };
+                    if files.get(&path).is_some() {
+                        found.insert(path);
+                    }
                 }
             }
-        }
-        for path in found {
+            found
+        };
+        let (lists, spoe) = (in_set(&lists), in_set(&spoe));
+        for path in lists {
             if let Some(content) = files.get(&path) {
                 checker.file = path;
                 checker.crt_list(&String::from_utf8_lossy(content));
+            }
+        }
+        for path in spoe {
+            if let Some(content) = files.get(&path) {
+                checker.file = path;
+                checker.spoe(&String::from_utf8_lossy(content));
             }
         }
         checker.violations
@@ -511,6 +524,8 @@ struct Checker<'a> {
     policy: &'a Policy,
     violations: Vec<Violation>,
     crt_lists: BTreeSet<String>,
+    /// SPOE configuration files named by `filter spoe ... config`.
+    spoe: BTreeSet<String>,
     /// Directories of the set a relative crt-list may be resolved against: the root, and the
     /// relative `crt-base` and `default-path origin` (and the one below the other).
     bases: Vec<String>,
@@ -756,6 +771,12 @@ impl Checker<'_> {
                 "filter" if arg(1).is_some_and(|w| w.text == "spoe") => {
                     if let Some(i) = args.iter().position(|w| w.text == "config") {
                         self.path("filter spoe config", arg(i + 1));
+                        if let Some(file) = arg(i + 1)
+                            && file.env.is_empty()
+                        {
+                            self.spoe
+                                .insert(file.text.trim_start_matches("./").to_owned());
+                        }
                     }
                 }
                 known if section == Section::Global && GLOBAL_FILES.contains(&known) => {
@@ -811,6 +832,21 @@ impl Checker<'_> {
                     &format!("{keyword} namespace"),
                     "network namespaces are the node's",
                 );
+            }
+        }
+    }
+
+    /// Checks an SPOE configuration file: HAProxy parses it like its own (quotes and
+    /// expansions), and its `log` lines name addresses.
+    fn spoe(&mut self, text: &str) {
+        for (index, line) in text.lines().enumerate() {
+            self.line = index + 1;
+            let words = words(line);
+            let Some(first) = words.first() else { continue };
+            let keyword = first.text.to_string();
+            self.expressions(&keyword, &words);
+            if keyword == "log" {
+                self.address("log", words.get(1));
             }
         }
     }
@@ -1263,6 +1299,24 @@ mod tests {
                 "{global}: {found:?}"
             );
         }
+    }
+
+    #[test]
+    fn an_spoe_configuration_in_the_set_is_checked_too() {
+        let files = set("backend b\n  filter spoe engine e config spoe/e.conf\n")
+            .with(
+                "spoe/e.conf",
+                "[e]\nspoe-agent a\n  log /dev/log local0\n  messages m\n  option var-prefix \"${SECRET}\"\n",
+            )
+            .expect("set");
+        let found: Vec<String> = Policy::default()
+            .violations(&files)
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(found.len(), 2, "{found:?}");
+        assert!(found[0].starts_with("spoe/e.conf:3: log: "), "{found:?}");
+        assert!(found[1].starts_with("spoe/e.conf:5: option: "), "{found:?}");
     }
 
     #[test]

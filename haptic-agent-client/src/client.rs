@@ -123,9 +123,11 @@ pub struct ClientConfig {
     pub token: String,
     /// Limit for one whole request, connect to last byte (default 480 s). It must exceed the
     /// agent's own bound on an apply, or the client gives up (and retries) while the agent is
-    /// still working: with the agent's default limits that bound is 420 s (`haproxy -c` 60 s,
+    /// still working: with the agent's default limits that bound is 470 s (30 s behind another
+    /// apply, `haproxy -c` 60 s,
     /// then a load and possibly a rollback load of up to 60 s reload + 60 s waiting for an
-    /// unfinished reload + 60 s supervised restart each; `AgentConfig::apply_time_limit`).
+    /// unfinished reload + a supervised restart (10 s graceful stop, 60 s start) each;
+    /// `AgentConfig::apply_time_limit`).
     /// A normal apply takes about a second.
     pub request_timeout: Duration,
     /// Limit for connecting (default 2 s).
@@ -327,7 +329,9 @@ impl AgentClient {
         let mut builder = reqwest::Client::builder()
             .timeout(config.request_timeout)
             .connect_timeout(config.connect_timeout)
-            .pool_idle_timeout(Duration::from_secs(60))
+            // Below the agent's idle limit (15 s), so a pooled connection is not reused just as
+            // the agent closes it.
+            .pool_idle_timeout(Duration::from_secs(10))
             .tcp_nodelay(true)
             .tls_backend_rustls();
         if let Some(pem) = &config.ca_pem {

@@ -30,7 +30,8 @@
 //! `ca-sign-file`, `crl-file`, `tls-ticket-keys`, `ssl-dh-param-file`, `issuers-chain-path`,
 //! `crt-base`, `ca-base`, `chroot`, `pidfile`, `default-path origin`, `server-state-base`,
 //! `server-state-file`, `h1-case-adjust-file`, `httpclient.ssl.ca-file`, `unix-bind prefix`,
-//! `filter spoe ... config`, `ring` `backing-file`, the device-detection data files, and unix
+//! `filter spoe ... config` (whose file, when in the set, is checked too: its `log` lines and
+//! expansions), `ring` `backing-file`, the device-detection data files, and unix
 //! socket addresses (`/path`, `unix@`, `uxst@`, `uxdg@`) of `bind`, `server`, `log`,
 //! `stats socket`, `peer`, `nameserver`, `mailer` and `dgram-bind`.
 //!
@@ -56,7 +57,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-use std::{collections::BTreeSet, fmt, str::FromStr};
+use std::{borrow::Cow, collections::BTreeSet, fmt, str::FromStr};
 
 use serde::{Deserialize, Serialize};
 
@@ -311,6 +312,8 @@ impl Policy {
             policy: self,
             violations: Vec::new(),
             crt_lists: BTreeSet::new(),
+            spoe: BTreeSet::new(),
+            bases: vec![String::new()],
             file: MAIN_CONFIG.to_owned(),
             line: 0,
         };
@@ -318,12 +321,37 @@ impl Policy {
             checker.config(&String::from_utf8_lossy(config));
         }
         let lists = std::mem::take(&mut checker.crt_lists);
-        for list in lists {
-            // HAProxy resolves a crt-list against the set's root (`-C`, `default-path config`)
-            // or `crt-base`; a list it cannot find there is not in the set.
-            if let Some(content) = files.get(&list) {
-                checker.file = list;
+        let spoe = std::mem::take(&mut checker.spoe);
+        // HAProxy resolves a relative crt-list against the set's root (`-C`, `default-path
+        // config`), a `default-path origin` and `crt-base`: every place it could be found in
+        // the set is checked.
+        let in_set = |named: &BTreeSet<String>| {
+            let mut found = BTreeSet::new();
+            for name in named {
+                for base in &checker.bases {
+                    let path = if base.is_empty() {
+                        name.clone()
+                    } else {
+                        format!("{}/{name}", base.trim_end_matches('/'))
+                    };
+                    if files.get(&path).is_some() {
+                        found.insert(path);
+                    }
+                }
+            }
+            found
+        };
+        let (lists, spoe) = (in_set(&lists), in_set(&spoe));
+        for path in lists {
+            if let Some(content) = files.get(&path) {
+                checker.file = path;
                 checker.crt_list(&String::from_utf8_lossy(content));
+            }
+        }
+        for path in spoe {
+            if let Some(content) = files.get(&path) {
+                checker.file = path;
+                checker.spoe(&String::from_utf8_lossy(content));
             }
         }
         checker.violations
@@ -359,9 +387,10 @@ impl Policy {
 
 /// One word of a configuration line, after HAProxy's quoting and escaping.
 #[derive(Debug, Default)]
-struct Word {
-    /// The text, with `${NAME}` expansions left as written.
-    text: String,
+struct Word<'a> {
+    /// The text, with `${NAME}` expansions left as written (borrowed from the line when
+    /// nothing in it was quoted or escaped).
+    text: Cow<'a, str>,
     /// The variables expanded in it.
     env: Vec<String>,
 }
@@ -371,7 +400,20 @@ struct Word {
 /// expand `$NAME`, `${NAME}` and `${NAME-default}` (`\$` is a literal `$`); a backslash
 /// outside single quotes escapes a blank, `#`, `\`, a quote or `$` and writes `\r`, `\n`,
 /// `\t`, `\xHH`.
-fn words(line: &str) -> Vec<Word> {
+fn words(line: &str) -> Vec<Word<'_>> {
+    // Most lines (servers, options, timeouts) quote, escape, expand and comment nothing.
+    if !line
+        .bytes()
+        .any(|b| matches!(b, b'\\' | b'\'' | b'"' | b'#' | b'$'))
+    {
+        return line
+            .split_ascii_whitespace()
+            .map(|text| Word {
+                text: Cow::Borrowed(text),
+                env: Vec::new(),
+            })
+            .collect();
+    }
     let mut out = Vec::new();
     let mut word: Option<Word> = None;
     let mut chars = line.chars().peekable();
@@ -392,11 +434,11 @@ fn words(line: &str) -> Vec<Word> {
             '"' if !single => double = !double,
             '\\' if !single => match chars.peek().copied() {
                 Some(next @ (' ' | '\t' | '#' | '\\' | '\'' | '"')) => {
-                    current.text.push(next);
+                    current.text.to_mut().push(next);
                     chars.next();
                 }
                 Some('$') if double => {
-                    current.text.push('$');
+                    current.text.to_mut().push('$');
                     chars.next();
                 }
                 Some('x') => {
@@ -406,25 +448,25 @@ fn words(line: &str) -> Vec<Word> {
                     let hex: String = ahead.by_ref().take(2).collect();
                     match u8::from_str_radix(&hex, 16) {
                         Ok(byte) if hex.len() == 2 => {
-                            current.text.push(char::from(byte));
+                            current.text.to_mut().push(char::from(byte));
                             chars = ahead;
                         }
-                        _ => current.text.push('\\'),
+                        _ => current.text.to_mut().push('\\'),
                     }
                 }
                 Some('r') => {
-                    current.text.push('\r');
+                    current.text.to_mut().push('\r');
                     chars.next();
                 }
                 Some('n') => {
-                    current.text.push('\n');
+                    current.text.to_mut().push('\n');
                     chars.next();
                 }
                 Some('t') => {
-                    current.text.push('\t');
+                    current.text.to_mut().push('\t');
                     chars.next();
                 }
-                _ => current.text.push('\\'),
+                _ => current.text.to_mut().push('\\'),
             },
             '$' if double => {
                 let braced = chars.peek() == Some(&'{');
@@ -449,14 +491,17 @@ fn words(line: &str) -> Vec<Word> {
                         }
                         rest.push(next);
                     }
-                    current.text.push_str(&format!("${{{name}{rest}}}"));
+                    current
+                        .text
+                        .to_mut()
+                        .push_str(&format!("${{{name}{rest}}}"));
                 } else {
-                    current.text.push('$');
-                    current.text.push_str(&name);
+                    current.text.to_mut().push('$');
+                    current.text.to_mut().push_str(&name);
                 }
                 current.env.push(name);
             }
-            other => current.text.push(other),
+            other => current.text.to_mut().push(other),
         }
     }
     if let Some(done) = word {
@@ -479,6 +524,11 @@ struct Checker<'a> {
     policy: &'a Policy,
     violations: Vec<Violation>,
     crt_lists: BTreeSet<String>,
+    /// SPOE configuration files named by `filter spoe ... config`.
+    spoe: BTreeSet<String>,
+    /// Directories of the set a relative crt-list may be resolved against: the root, and the
+    /// relative `crt-base` and `default-path origin` (and the one below the other).
+    bases: Vec<String>,
     file: String,
     line: usize,
 }
@@ -569,7 +619,7 @@ impl Checker<'_> {
                 .or_else(|| address.starts_with('/').then_some(address));
             if let Some(path) = path {
                 let socket = Word {
-                    text: path.to_owned(),
+                    text: Cow::Borrowed(path),
                     env: word.env.clone(),
                 };
                 self.path(keyword, Some(&socket));
@@ -612,7 +662,7 @@ impl Checker<'_> {
                         Vec::new()
                     };
                     let file = Word {
-                        text: argument,
+                        text: Cow::Owned(argument),
                         env,
                     };
                     self.path(&function, Some(&file));
@@ -628,13 +678,13 @@ impl Checker<'_> {
             let words = words(line);
             let Some(first) = words.first() else { continue };
             // `no option x` and `default option x` name the same keyword as `option x`.
-            let skip = usize::from(matches!(first.text.as_str(), "no" | "default"));
+            let skip = usize::from(matches!(first.text.as_ref(), "no" | "default"));
             let args = &words[skip..];
-            let Some(keyword) = args.first().map(|word| word.text.clone()) else {
+            let Some(keyword) = args.first().map(|word| word.text.as_ref()) else {
                 continue;
             };
             let arg = |i: usize| args.get(i);
-            match keyword.as_str() {
+            match keyword {
                 "global" => section = Section::Global,
                 "defaults" | "frontend" | "backend" | "listen" | "peers" | "resolvers"
                 | "mailers" | "log-forward" | "http-errors" => section = Section::Proxy,
@@ -650,32 +700,35 @@ impl Checker<'_> {
                 // A program's command line is not HAProxy configuration.
                 continue;
             }
-            self.expressions(&keyword, &words);
-            match keyword.as_str() {
+            self.expressions(keyword, &words);
+            match keyword {
                 "lua-load" | "lua-load-per-thread" | "lua-prepend-path" => {
-                    self.needs(&keyword, Capability::Lua);
-                    self.path(&keyword, arg(1));
+                    self.needs(keyword, Capability::Lua);
+                    self.path(keyword, arg(1));
                 }
                 "setenv" | "presetenv" | "resetenv" | "unsetenv" => {
-                    self.needs(&keyword, Capability::Env);
+                    self.needs(keyword, Capability::Env);
                 }
                 "external-check" | "insecure-fork-wanted" | "insecure-setuid-wanted" => {
-                    self.needs(&keyword, Capability::ExternalCheck);
+                    self.needs(keyword, Capability::ExternalCheck);
                 }
                 "option" if arg(1).is_some_and(|w| w.text == "external-check") => {
                     self.needs("option external-check", Capability::ExternalCheck);
                 }
-                "ssl-engine" | "ssl-provider" => self.needs(&keyword, Capability::SslEngine),
+                "ssl-engine" | "ssl-provider" => self.needs(keyword, Capability::SslEngine),
                 "ssl-provider-path" => {
-                    self.needs(&keyword, Capability::SslEngine);
-                    self.path(&keyword, arg(1));
+                    self.needs(keyword, Capability::SslEngine);
+                    self.path(keyword, arg(1));
                 }
                 "daemon" if section == Section::Global => self.refuse(
                     "daemon",
                     "a daemonised HAProxy outlives the agent that supervises it",
                 ),
-                "default-path" => match arg(1).map(|w| w.text.as_str()) {
-                    Some("origin") => self.path("default-path origin", arg(2)),
+                "default-path" => match arg(1).map(|w| w.text.as_ref()) {
+                    Some("origin") => {
+                        self.path("default-path origin", arg(2));
+                        self.base(arg(2));
+                    }
                     Some("parent") => self.refuse(
                         "default-path",
                         "`parent` resolves relative paths outside the set",
@@ -692,24 +745,24 @@ impl Checker<'_> {
                 }
                 "log" => self.address("log", arg(1)),
                 "bind" | "dgram-bind" => {
-                    self.address(&keyword, arg(1));
-                    self.options(&keyword, &args[1..]);
+                    self.address(keyword, arg(1));
+                    self.options(keyword, &args[1..]);
                 }
                 "server" | "peer" | "nameserver" | "mailer" => {
-                    self.address(&keyword, arg(2));
-                    self.options(&keyword, &args[2..]);
+                    self.address(keyword, arg(2));
+                    self.options(keyword, &args[2..]);
                 }
-                "default-server" | "server-template" => self.options(&keyword, &args[1..]),
+                "default-server" | "server-template" => self.options(keyword, &args[1..]),
                 "errorfile" => self.path("errorfile", arg(2)),
-                "backing-file" if section == Section::Ring => self.path(&keyword, arg(1)),
+                "backing-file" if section == Section::Ring => self.path(keyword, arg(1)),
                 "http-request" | "http-response" | "http-after-response" | "http-error" => {
                     let answers = keyword == "http-error"
                         || arg(1).is_some_and(|w| {
-                            matches!(w.text.as_str(), "return" | "deny" | "tarpit")
+                            matches!(w.text.as_ref(), "return" | "deny" | "tarpit")
                         });
                     if answers {
                         for (i, word) in args.iter().enumerate() {
-                            if matches!(word.text.as_str(), "file" | "lf-file" | "errorfile") {
+                            if matches!(word.text.as_ref(), "file" | "lf-file" | "errorfile") {
                                 self.path(&format!("{keyword} {}", word.text), arg(i + 1));
                             }
                         }
@@ -718,12 +771,21 @@ impl Checker<'_> {
                 "filter" if arg(1).is_some_and(|w| w.text == "spoe") => {
                     if let Some(i) = args.iter().position(|w| w.text == "config") {
                         self.path("filter spoe config", arg(i + 1));
+                        if let Some(file) = arg(i + 1)
+                            && file.env.is_empty()
+                        {
+                            self.spoe
+                                .insert(file.text.trim_start_matches("./").to_owned());
+                        }
                     }
                 }
                 known if section == Section::Global && GLOBAL_FILES.contains(&known) => {
                     self.path(known, arg(1));
+                    if known == "crt-base" {
+                        self.base(arg(1));
+                    }
                 }
-                "server-state-file" => self.path(&keyword, arg(1)),
+                "server-state-file" => self.path(keyword, arg(1)),
                 _ => {}
             }
             // ACL and map files (`acl x ... -f file`, `if { ... -f file }`).
@@ -735,10 +797,27 @@ impl Checker<'_> {
         }
     }
 
+    /// Records a relative base directory a crt-list may be resolved against.
+    fn base(&mut self, word: Option<&Word>) {
+        let Some(word) = word else { return };
+        let base = word.text.trim_start_matches("./").trim_end_matches('/');
+        if base.is_empty() || base.starts_with('/') || !word.env.is_empty() {
+            return;
+        }
+        let below: Vec<String> = self
+            .bases
+            .iter()
+            .filter(|known| !known.is_empty())
+            .map(|known| format!("{known}/{base}"))
+            .collect();
+        self.bases.push(base.to_owned());
+        self.bases.extend(below);
+    }
+
     /// Checks the options of a `bind` or `server` line.
     fn options(&mut self, keyword: &str, words: &[Word]) {
         for (i, word) in words.iter().enumerate() {
-            let option = word.text.as_str();
+            let option = word.text.as_ref();
             if FILE_OPTIONS.contains(&option) {
                 self.path(&format!("{keyword} {option}"), words.get(i + 1));
                 if option == "crt-list"
@@ -757,6 +836,21 @@ impl Checker<'_> {
         }
     }
 
+    /// Checks an SPOE configuration file: HAProxy parses it like its own (quotes and
+    /// expansions), and its `log` lines name addresses.
+    fn spoe(&mut self, text: &str) {
+        for (index, line) in text.lines().enumerate() {
+            self.line = index + 1;
+            let words = words(line);
+            let Some(first) = words.first() else { continue };
+            let keyword = first.text.to_string();
+            self.expressions(&keyword, &words);
+            if keyword == "log" {
+                self.address("log", words.get(1));
+            }
+        }
+    }
+
     /// Checks a crt-list: `<crtfile> [[<ssl options>]] [<sni filters>]` a line.
     fn crt_list(&mut self, text: &str) {
         for (index, line) in text.lines().enumerate() {
@@ -769,7 +863,7 @@ impl Checker<'_> {
                 let option = word.text.trim_start_matches('[');
                 if FILE_OPTIONS.contains(&option) {
                     let file = words.get(i + 1).map(|w| Word {
-                        text: w.text.trim_end_matches(']').to_owned(),
+                        text: Cow::Borrowed(w.text.trim_end_matches(']')),
                         env: w.env.clone(),
                     });
                     self.path(&format!("crt-list {option}"), file.as_ref());
@@ -867,8 +961,12 @@ mod tests {
 
     #[test]
     fn words_follow_haproxys_quoting() {
-        let texts =
-            |line: &str| -> Vec<String> { words(line).into_iter().map(|w| w.text).collect() };
+        let texts = |line: &str| -> Vec<String> {
+            words(line)
+                .into_iter()
+                .map(|w| w.text.into_owned())
+                .collect()
+        };
         assert_eq!(texts("  bind :80 # comment"), ["bind", ":80"]);
         assert_eq!(texts("a#b c"), ["a"]);
         assert_eq!(texts("x 'a b' \"c#d\" e\\ f"), ["x", "a b", "c#d", "e f"]);
@@ -1182,6 +1280,43 @@ mod tests {
         assert_eq!(found.len(), 2, "{found:?}");
         assert!(found[0].starts_with("maps/certs.list:3: crt-list certificate: "));
         assert!(found[1].starts_with("maps/certs.list:4: crt-list ca-file: "));
+    }
+
+    #[test]
+    fn a_crt_list_under_crt_base_or_origin_is_checked_too() {
+        for (global, path) in [
+            ("crt-base ssl", "ssl/certs.list"),
+            ("default-path origin conf", "conf/certs.list"),
+        ] {
+            let files = set(&format!(
+                "global\n  {global}\nfrontend f\n  bind :443 ssl crt-list certs.list\n"
+            ))
+            .with(path, "/var/lib/kubelet/pki/kubelet.pem node.example\n")
+            .expect("set");
+            let found = Policy::default().violations(&files);
+            assert!(
+                found.len() == 1 && found[0].file == path,
+                "{global}: {found:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_spoe_configuration_in_the_set_is_checked_too() {
+        let files = set("backend b\n  filter spoe engine e config spoe/e.conf\n")
+            .with(
+                "spoe/e.conf",
+                "[e]\nspoe-agent a\n  log /dev/log local0\n  messages m\n  option var-prefix \"${SECRET}\"\n",
+            )
+            .expect("set");
+        let found: Vec<String> = Policy::default()
+            .violations(&files)
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(found.len(), 2, "{found:?}");
+        assert!(found[0].starts_with("spoe/e.conf:3: log: "), "{found:?}");
+        assert!(found[1].starts_with("spoe/e.conf:5: option: "), "{found:?}");
     }
 
     #[test]

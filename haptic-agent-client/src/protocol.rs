@@ -38,6 +38,16 @@ pub const MAX_PATH_LEN: usize = 1024;
 pub const MAX_PATH_DEPTH: usize = 16;
 /// Longest path component accepted, in bytes (Linux's `NAME_MAX`).
 pub const MAX_COMPONENT_LEN: usize = 255;
+/// Most files a set may hold (the reference set of 10,000 Ingresses with TLS on every fourth
+/// has about 2,500): a set of millions of tiny files would exhaust the agent's inodes.
+pub const MAX_FILES: usize = 20_000;
+/// Longest leader identity accepted (a Kubernetes object name: a DNS subdomain).
+pub const MAX_LEADER_LEN: usize = 253;
+/// How far one apply may raise an agent's fence above its current value (2^32). An epoch
+/// further above it is refused: a corrupt counter or a hostile sender could otherwise raise
+/// the fence so high that no leader could ever apply again. A fresh agent (fence 0) accepts
+/// any epoch up to this bound.
+pub const MAX_FENCE_STEP: u64 = 1 << 32;
 /// Most violations a `refused_by_policy` answer lists (the rest are counted in `more`).
 pub const MAX_VIOLATIONS: usize = 100;
 
@@ -61,6 +71,12 @@ pub enum Error {
     /// The set has no `haproxy.cfg` at its root.
     #[error("the set has no {MAIN_CONFIG} at its root")]
     NoMainConfig,
+    /// The set holds more than [`MAX_FILES`] files.
+    #[error("the set holds {count} files, more than {MAX_FILES}")]
+    TooManyFiles {
+        /// How many it holds.
+        count: usize,
+    },
     /// A file carries both or neither of `text` and `base64`, or invalid base64.
     #[error("file {path:?} has malformed content: {reason}")]
     Content {
@@ -83,6 +99,15 @@ pub enum Error {
     /// The gzip body could not be inflated.
     #[error("malformed gzip body")]
     Gzip(#[source] std::io::Error),
+    /// The leader identity is not a DNS subdomain of at most [`MAX_LEADER_LEN`] characters
+    /// (a pod name is).
+    #[error("leader identity {leader:?} refused: {rule}")]
+    Leader {
+        /// The identity, cut to 64 characters.
+        leader: String,
+        /// The rule it broke.
+        rule: &'static str,
+    },
     /// The inflated body is larger than the limit.
     #[error("body inflates past the limit of {limit} bytes")]
     TooLarge {
@@ -131,6 +156,33 @@ pub fn validate_path(path: &str) -> Result<()> {
     }
     if depth > MAX_PATH_DEPTH {
         return refuse("nested too deep");
+    }
+    Ok(())
+}
+
+/// Checks a leader identity: a pod name, that is a DNS subdomain (RFC 1123): 1 to
+/// [`MAX_LEADER_LEN`] characters, lowercase letters, digits, `-` and `.`, starting and
+/// ending with a letter or digit. The agent records and logs it; nothing else reaches it.
+pub fn validate_leader(leader: &str) -> Result<()> {
+    let refuse = |rule| {
+        Err(Error::Leader {
+            leader: leader.chars().take(64).collect(),
+            rule,
+        })
+    };
+    if leader.is_empty() {
+        return refuse("empty");
+    }
+    if leader.len() > MAX_LEADER_LEN {
+        return refuse("longer than 253 characters");
+    }
+    let allowed = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.';
+    if !leader.bytes().all(allowed) {
+        return refuse("only lowercase letters, digits, `-` and `.` are allowed");
+    }
+    let edge = |b: Option<u8>| b.is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
+    if !edge(leader.bytes().next()) || !edge(leader.bytes().last()) {
+        return refuse("must start and end with a letter or digit");
     }
     Ok(())
 }
@@ -193,8 +245,14 @@ impl FileSet {
         Ok(self)
     }
 
-    /// Checks the set is complete: it holds [`MAIN_CONFIG`] at its root.
+    /// Checks the set is complete and bounded: it holds [`MAIN_CONFIG`] at its root and at
+    /// most [`MAX_FILES`] files.
     pub fn validate(&self) -> Result<()> {
+        if self.files.len() > MAX_FILES {
+            return Err(Error::TooManyFiles {
+                count: self.files.len(),
+            });
+        }
         if self.files.contains_key(MAIN_CONFIG) {
             Ok(())
         } else {
@@ -271,7 +329,7 @@ pub struct ApplyRequest {
 
 impl ApplyRequest {
     /// A request for `files`, computing its checksum. Fails when the set has no
-    /// [`MAIN_CONFIG`].
+    /// [`MAIN_CONFIG`] or `leader` is not a pod name ([`validate_leader`]).
     pub fn new(
         epoch: u64,
         leader: impl Into<String>,
@@ -279,9 +337,11 @@ impl ApplyRequest {
         files: FileSet,
     ) -> Result<Self> {
         files.validate()?;
+        let leader = leader.into();
+        validate_leader(&leader)?;
         Ok(Self {
             epoch,
-            leader: leader.into(),
+            leader,
             generation,
             checksum: files.checksum(),
             files,
@@ -348,6 +408,7 @@ impl WireApply {
     /// Decodes and checks the wire form: every path valid and unique, [`MAIN_CONFIG`] present,
     /// contents well-formed, and the checksum matching the files.
     pub fn into_request(self) -> Result<ApplyRequest> {
+        validate_leader(&self.leader)?;
         let mut files = FileSet::new();
         for file in self.files {
             let content = match (file.text, file.base64) {
@@ -729,6 +790,47 @@ mod tests {
         let b = checksum([("a", b"bc".as_slice())]);
         assert_ne!(a, b);
         assert_eq!(a.len(), 64);
+    }
+
+    #[test]
+    fn leader_identities_are_pod_names() {
+        for good in ["haptic-0", "a", "haptic.ns-1", &"a".repeat(253)] {
+            validate_leader(good).expect(good);
+        }
+        for bad in [
+            "",
+            "Haptic-0",
+            "-a",
+            "a-",
+            "a b",
+            "a\nfake log line",
+            "a_b",
+            "é",
+            &"a".repeat(254),
+        ] {
+            assert!(validate_leader(bad).is_err(), "{bad:?} should be refused");
+        }
+        assert!(matches!(
+            ApplyRequest::new(1, "Bad Leader", 1, set()),
+            Err(Error::Leader { .. })
+        ));
+        let mut wire = ApplyRequest::new(1, "good", 1, set())
+            .expect("request")
+            .to_wire();
+        wire.leader = "x".repeat(300);
+        assert!(matches!(wire.into_request(), Err(Error::Leader { .. })));
+    }
+
+    #[test]
+    fn a_set_of_too_many_files_is_refused() {
+        let mut files = FileSet::new().with(MAIN_CONFIG, "global\n").expect("set");
+        for i in 0..MAX_FILES {
+            files.insert(format!("m/{i}"), "").expect("path");
+        }
+        assert!(matches!(
+            ApplyRequest::new(1, "l", 1, files),
+            Err(Error::TooManyFiles { count }) if count == MAX_FILES + 1
+        ));
     }
 
     #[test]

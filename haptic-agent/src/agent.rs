@@ -9,7 +9,7 @@ use std::{
 
 use haptic_agent_client::{
     AgentState, ApplyRequest, ApplyResponse, Timing,
-    protocol::{MAX_VIOLATIONS, ReloadRecord},
+    protocol::{MAX_FENCE_STEP, MAX_VIOLATIONS, ReloadRecord},
 };
 use tokio::{sync::Mutex, time::Instant};
 use tracing::{info, instrument, warn};
@@ -76,6 +76,9 @@ struct Shared {
     loaded: StdMutex<Option<String>>,
     /// The last readiness probe and when it ran.
     ready: Mutex<Option<(Instant, Result<(), String>)>>,
+    /// Bodies being inflated and parsed at once: one per core, so that concurrent gzip
+    /// bodies cannot take every blocking thread and all memory at once.
+    decode: tokio::sync::Semaphore,
 }
 
 /// How long a readiness probe's answer is served from the cache.
@@ -129,6 +132,8 @@ fn check_request(request: ApplyRequest) -> Result<ApplyRequest> {
     request
         .files
         .validate()
+        .map_err(|error| Error::BadRequest(error.to_string()))?;
+    haptic_agent_client::protocol::validate_leader(&request.leader)
         .map_err(|error| Error::BadRequest(error.to_string()))?;
     let actual = request.files.checksum();
     if actual != request.checksum {
@@ -187,9 +192,10 @@ impl Agent {
             config.master_socket.clone(),
             config.haproxy_user,
         );
-        let supervisor = config
-            .supervise
-            .then(|| Supervisor::new(haproxy.clone(), store.current_path(), config.reload_timeout));
+        let supervisor = config.supervise.then(|| {
+            Supervisor::new(haproxy.clone(), store.current_path(), config.reload_timeout)
+                .with_pidfile(config.data_dir.join("haproxy-master.pid"))
+        });
         let metrics = Metrics::default();
         match fence.load() {
             Ok(value) => metrics.set_fence(value),
@@ -215,6 +221,9 @@ impl Agent {
                 unsettled: StdMutex::new(None),
                 loaded: StdMutex::new(None),
                 ready: Mutex::new(None),
+                decode: tokio::sync::Semaphore::new(
+                    std::thread::available_parallelism().map_or(1, usize::from),
+                ),
             }),
         };
         if let Some(meta) = agent.live_meta() {
@@ -231,6 +240,11 @@ impl Agent {
     /// The metrics.
     pub fn metrics(&self) -> &Metrics {
         &self.shared.metrics
+    }
+
+    /// The bound on bodies decoded at once (one per core).
+    pub(crate) fn decode_slots(&self) -> &tokio::sync::Semaphore {
+        &self.shared.decode
     }
 
     /// HAProxy as the agent drives it (its master CLI use among others).
@@ -299,7 +313,8 @@ impl Agent {
         result
     }
 
-    #[instrument(skip_all, fields(epoch = request.epoch, leader = %request.leader, generation = request.generation, checksum = %request.checksum))]
+    // The leader is a validated pod name; `?` escapes it in the log all the same.
+    #[instrument(skip_all, fields(epoch = request.epoch, leader = ?request.leader, generation = request.generation, checksum = %request.checksum))]
     async fn apply_serialized(&self, request: ApplyRequest) -> Result<ApplyResponse> {
         let shared = &self.shared;
         // While an apply waits for HAProxy to finish a reload whose outcome is unknown, others
@@ -309,7 +324,16 @@ impl Agent {
                 Error::NotReady("HAProxy is still finishing a reload; retry later".to_owned())
             })?
         } else {
-            shared.apply_lock.lock().await
+            // Behind another apply (a second leader's, a retry) for at most `lock_timeout`:
+            // the whole apply stays within `apply_time_limit`, and the client retries a 503.
+            tokio::time::timeout(shared.config.lock_timeout, shared.apply_lock.lock())
+                .await
+                .map_err(|_| {
+                    Error::NotReady(format!(
+                        "another apply has been in progress for over {:?}; retry later",
+                        shared.config.lock_timeout
+                    ))
+                })?
         };
         let started = Instant::now();
         if let Some(before) = self.unsettled() {
@@ -334,6 +358,18 @@ impl Agent {
                 fence: current.epoch,
                 epoch: request.epoch,
             });
+        }
+        if request.epoch - current.epoch > MAX_FENCE_STEP {
+            warn!(
+                fence = current.epoch,
+                "refused: epoch too far above the fence"
+            );
+            return Err(Error::BadRequest(format!(
+                "epoch {} is more than 2^32 above the agent's fence {}: one apply may raise the \
+                 fence by at most {MAX_FENCE_STEP} (a corrupt epoch counter or a hostile sender \
+                 would otherwise lock every leader out for good)",
+                request.epoch, current.epoch
+            )));
         }
         if request.epoch > current.epoch || current.leader.is_none() {
             let fence = shared.fence.clone();
@@ -380,7 +416,7 @@ impl Agent {
                 None => true,
             };
             if running && self.loaded().as_deref() == Some(checksum.as_str()) {
-                let generation = shared.store.meta(name).map_or(0, |meta| meta.generation);
+                let generation = self.raise_generation(name, &request).await?;
                 return Ok(ApplyResponse::Unchanged {
                     checksum: checksum.clone(),
                     generation,
@@ -562,6 +598,32 @@ impl Agent {
         }
     }
 
+    /// An `unchanged` at a newer (epoch, generation) than the live set's raises the live
+    /// set's high-water mark to it, so that a delayed older generation of the same epoch is
+    /// still `superseded` (gen 10 applied, gen 12 unchanged: gen 11 must not go live).
+    /// Returns the generation now recorded.
+    async fn raise_generation(&self, name: &str, request: &ApplyRequest) -> Result<u64> {
+        let Some(mut meta) = self.shared.store.meta(name) else {
+            return Ok(request.generation);
+        };
+        if (request.epoch, request.generation) <= (meta.epoch, meta.generation) {
+            return Ok(meta.generation);
+        }
+        meta.epoch = request.epoch;
+        meta.generation = request.generation;
+        meta.leader = request.leader.clone();
+        let store = self.shared.store.clone();
+        let set = name.to_owned();
+        let recorded = meta.clone();
+        blocking(move || store.write_meta(&set, &recorded)).await??;
+        self.shared.metrics.set_generation(meta.generation);
+        info!(
+            generation = meta.generation,
+            "unchanged at a newer generation: high-water mark raised"
+        );
+        Ok(meta.generation)
+    }
+
     fn loaded(&self) -> Option<String> {
         self.shared
             .loaded
@@ -638,11 +700,20 @@ impl Agent {
         warn!(%reason, "reload outcome unknown; waiting for HAProxy to finish it");
         self.set_unsettled(Some(before.clone()));
         let deadline = Instant::now() + shared.config.settle_timeout;
-        let outcome = match shared.haproxy.await_reload(&before, deadline).await {
-            Some(after) => haproxy::judge(&before, &after, || {
-                supervisor.and_then(|supervisor| supervisor.log_since(mark))
-            }),
-            None => match supervisor {
+        // Unknown below: still not finished by the deadline.
+        let settled = async {
+            match shared.haproxy.await_reload(&before, deadline).await {
+                Some(after) => haproxy::judge(&before, &after, || {
+                    supervisor.and_then(|supervisor| supervisor.log_since(mark))
+                }),
+                None => ReloadOutcome::Unknown {
+                    reason: String::new(),
+                    before: before.clone(),
+                },
+            }
+        };
+        let outcome = match self.unless_master_exits(settled, mark).await {
+            ReloadOutcome::Unknown { .. } => match supervisor {
                 Some(supervisor) => {
                     warn!("HAProxy did not finish the reload; restarting it on the current set");
                     supervisor.stop().await;
@@ -661,6 +732,7 @@ impl Agent {
                     before,
                 },
             },
+            finished => finished,
         };
         if !matches!(outcome, ReloadOutcome::Unknown { .. }) {
             self.set_unsettled(None);
@@ -717,21 +789,55 @@ impl Agent {
                     reason: error.to_string(),
                 },
             },
-            _ => shared
-                .haproxy
-                .reload(shared.config.reload_timeout, || {
-                    supervisor.and_then(|supervisor| supervisor.log_since(mark))
-                })
-                .await
-                .unwrap_or_else(|error| ReloadOutcome::Failed {
-                    reason: error.to_string(),
-                }),
+            _ => {
+                let reload = async {
+                    shared
+                        .haproxy
+                        .reload(shared.config.reload_timeout, || {
+                            supervisor.and_then(|supervisor| supervisor.log_since(mark))
+                        })
+                        .await
+                        .unwrap_or_else(|error| ReloadOutcome::Failed {
+                            reason: error.to_string(),
+                        })
+                };
+                self.unless_master_exits(reload, mark).await
+            }
         };
         // An unknown outcome is recorded once it is known (`load_settled`).
         if !matches!(outcome, ReloadOutcome::Unknown { .. }) {
             self.record(checksum, &outcome, started.elapsed());
         }
         outcome
+    }
+
+    /// `reload`, unless the supervised master exits first: then the load failed at once (a
+    /// master that exits on a reload is gone, and its workers with it), and the rollback
+    /// starts without waiting for the reload timeout.
+    async fn unless_master_exits(
+        &self,
+        reload: impl std::future::Future<Output = ReloadOutcome>,
+        mark: u64,
+    ) -> ReloadOutcome {
+        let Some(supervisor) = &self.shared.supervisor else {
+            return reload.await;
+        };
+        let Some(mut exited) = supervisor.exit_watch().await else {
+            return reload.await;
+        };
+        tokio::select! {
+            outcome = reload => outcome,
+            status = async {
+                let status = exited.wait_for(Option::is_some).await.ok().and_then(|s| s.clone());
+                status.unwrap_or_default()
+            } => {
+                let log = supervisor.log_since(mark).unwrap_or_default();
+                warn!(%status, "HAProxy's master exited during the reload");
+                ReloadOutcome::Failed {
+                    reason: format!("HAProxy's master exited during the reload ({status}): {log}"),
+                }
+            }
+        }
     }
 
     /// Records a reload's outcome (state and metrics).
@@ -766,9 +872,32 @@ impl Agent {
             return Ok(());
         };
         let _one_at_a_time = self.shared.apply_lock.lock().await;
-        let Some(name) = self.shared.store.link(CURRENT)? else {
+        let Some(mut name) = self.shared.store.link(CURRENT)? else {
             return Ok(());
         };
+        // A set made live before the policy was (an older agent, a stricter policy now) is
+        // code all the same: one that breaks the policy is not started.
+        if let Some(why) = self.policy_refusal(&name).await {
+            let previous = match self.shared.store.link(LAST_KNOWN_GOOD)? {
+                Some(previous) if previous != name => match self.policy_refusal(&previous).await {
+                    None => Some(previous),
+                    Some(also) => {
+                        warn!(set = %previous, why = %also, "last-known-good breaks the config policy too");
+                        None
+                    }
+                },
+                _ => None,
+            };
+            warn!(set = %name, %why, ?previous, "the live set breaks the config policy; not starting it");
+            self.shared.store.set_link(CURRENT, previous.as_deref())?;
+            if let Some(meta) = previous.as_deref().and_then(|p| self.shared.store.meta(p)) {
+                self.shared.metrics.set_generation(meta.generation);
+            }
+            match previous {
+                Some(previous) => name = previous,
+                None => return Ok(()),
+            }
+        }
         let store = self.shared.store.clone();
         let on_disk = {
             let name = name.clone();
@@ -799,6 +928,21 @@ impl Agent {
             info!(?live, "after the failed start");
         }
         Ok(())
+    }
+
+    /// The first violation of the config policy in set `name` as it is on disk, if any (a
+    /// set that cannot be read counts as one).
+    async fn policy_refusal(&self, name: &str) -> Option<String> {
+        let store = self.shared.store.clone();
+        let policy = self.shared.config.policy.clone();
+        let name = name.to_owned();
+        let checked =
+            blocking(move || store.read_set(&name).map(|files| policy.violations(&files))).await;
+        match checked {
+            Ok(Ok(violations)) => violations.first().map(ToString::to_string),
+            Ok(Err(error)) => Some(error.to_string()),
+            Err(error) => Some(error.to_string()),
+        }
     }
 
     /// Why the agent is not ready, if it is not: the fence file is unreadable, or a set is

@@ -60,6 +60,21 @@ pub struct AgentConfig {
     /// socket, by default, moves to `<data_dir>/run/master.sock` (a directory the user owns,
     /// since HAProxy creates the socket).
     pub haproxy_user: Option<RunAs>,
+    /// Most connections served at once (default 256); one more is closed at once, so slow or
+    /// idle clients cannot exhaust the agent's memory or file descriptors.
+    pub max_connections: usize,
+    /// Limit for a client to send a request's headers, also the idle limit of a kept-alive
+    /// connection between requests (default 15 s): a connection that sends nothing is closed.
+    pub header_read_timeout: Duration,
+    /// Limit for receiving a whole request body once the headers are in and the token checked
+    /// (default 120 s: 64 MiB at about 0.5 MiB/s); slower: 408.
+    pub body_timeout: Duration,
+    /// Longest an apply waits for another one in progress before it is answered 503
+    /// (default 30 s).
+    pub lock_timeout: Duration,
+    /// Serve the API over TLS with this certificate and key (default none: plain HTTP). The
+    /// files are read again when they change.
+    pub tls: Option<crate::tls::TlsFiles>,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -78,6 +93,11 @@ impl std::fmt::Debug for AgentConfig {
             .field("settle_timeout", &self.settle_timeout)
             .field("policy", &self.policy)
             .field("haproxy_user", &self.haproxy_user)
+            .field("max_connections", &self.max_connections)
+            .field("header_read_timeout", &self.header_read_timeout)
+            .field("body_timeout", &self.body_timeout)
+            .field("lock_timeout", &self.lock_timeout)
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -100,6 +120,11 @@ impl AgentConfig {
             settle_timeout: Duration::from_secs(60),
             policy: Policy::default(),
             haproxy_user: None,
+            max_connections: 256,
+            header_read_timeout: Duration::from_secs(15),
+            body_timeout: Duration::from_secs(120),
+            lock_timeout: Duration::from_secs(30),
+            tls: None,
         }
     }
 
@@ -143,14 +168,17 @@ impl AgentConfig {
     }
 
     /// The longest an apply can take with these limits, the client's timeout must exceed it:
-    /// `haproxy -c`, then loading the set and, when it fails, restoring the previous one,
-    /// each load bounded by a reload, the wait for a reload that did not finish in time and a
-    /// supervised restart (`check + 2 x (reload + settle + reload)`; 420 s with the
-    /// defaults). Without a supervisor, an apply that first waits for an earlier unfinished
-    /// reload can take one `reload_timeout` and one such load more.
+    /// the wait for an apply in progress, `haproxy -c`, then loading the set and, when it
+    /// fails, restoring the previous one, each load bounded by a reload, the wait for a reload
+    /// that did not finish in time and a supervised restart, itself a graceful stop
+    /// (`supervisor::STOP_GRACE` and 5 s more) and a start
+    /// (`lock + check + 2 x (reload + settle + stop + reload)`; 470 s with the defaults).
+    /// Without a supervisor, an apply that first waits for an earlier unfinished reload can
+    /// take one `reload_timeout` and one such load more.
     pub fn apply_time_limit(&self) -> Duration {
-        let load = self.reload_timeout + self.settle_timeout + self.reload_timeout;
-        self.check_timeout + load * 2
+        let stop = crate::supervisor::STOP_GRACE + Duration::from_secs(5);
+        let load = self.reload_timeout + self.settle_timeout + stop + self.reload_timeout;
+        self.lock_timeout + self.check_timeout + load * 2
     }
 
     /// Checks the rules: a token, an absolute data directory, non-zero limits, and an
@@ -170,8 +198,14 @@ impl AgentConfig {
         if self.check_timeout.is_zero()
             || self.reload_timeout.is_zero()
             || self.settle_timeout.is_zero()
+            || self.header_read_timeout.is_zero()
+            || self.body_timeout.is_zero()
+            || self.lock_timeout.is_zero()
         {
             return Err(Error::Invalid("timeouts must be above zero"));
+        }
+        if self.max_connections == 0 {
+            return Err(Error::Invalid("max_connections must be at least 1"));
         }
         self.policy.validate().map_err(Error::Policy)?;
         Ok(())

@@ -124,17 +124,25 @@ impl FenceFile {
         };
         let dir = self.path.parent().unwrap_or(Path::new("."));
         let tmp = self.path.with_extension("tmp");
-        let mut file = fs::File::create(&tmp).map_err(io)?;
         let mut text = format!("{}\n", fence.epoch);
         if let Some(leader) = &fence.leader {
             // Serializing a string cannot fail.
             text.push_str(&serde_json::to_string(leader).unwrap_or_default());
             text.push('\n');
         }
-        file.write_all(text.as_bytes()).map_err(io)?;
-        file.sync_all().map_err(io)?;
-        drop(file);
-        fs::rename(&tmp, &self.path).map_err(io)?;
+        let mut file = fs::File::create(&tmp).map_err(io)?;
+        // From here on a failure leaves no `fence.tmp` behind.
+        let written = file
+            .write_all(text.as_bytes())
+            .and_then(|()| file.sync_all())
+            .and_then(|()| {
+                drop(file);
+                fs::rename(&tmp, &self.path)
+            });
+        if let Err(error) = written {
+            let _ = fs::remove_file(&tmp);
+            return Err(io(error));
+        }
         fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io)?;
         Ok(())
     }
@@ -154,6 +162,16 @@ mod tests {
         fence.store(u64::MAX).expect("store max");
         assert_eq!(fence.load().expect("load max"), u64::MAX);
         assert!(!dir.path().join("fence.tmp").exists());
+    }
+
+    #[test]
+    fn a_failed_fence_write_leaves_no_temporary_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // A directory where the fence should be: the rename over it fails.
+        std::fs::create_dir_all(dir.path().join("fence/x")).expect("mkdir");
+        let fence = FenceFile::new(dir.path().join("fence"));
+        assert!(fence.store(7).is_err());
+        assert!(!dir.path().join("fence.tmp").exists(), "fence.tmp was left");
     }
 
     #[test]

@@ -63,6 +63,41 @@ pub enum Error {
 /// Result type of this module.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Most of `haproxy -c`'s output kept, in bytes (half for stdout, half for stderr; the tail of
+/// each, after a line saying how much was cut).
+pub const CHECK_OUTPUT_CAP: usize = 64 << 10;
+
+/// Reads `stream` to its end, keeping its last `cap` bytes (as text, cut at a line start,
+/// after a note of how many bytes were left out).
+async fn read_tail(stream: Option<impl tokio::io::AsyncRead + Unpin>, cap: usize) -> String {
+    let Some(mut stream) = stream else {
+        return String::new();
+    };
+    let mut kept = std::collections::VecDeque::with_capacity(cap.min(8192));
+    let mut total = 0usize;
+    let mut buf = [0u8; 8192];
+    while let Ok(n) = stream.read(&mut buf).await {
+        if n == 0 {
+            break;
+        }
+        total += n;
+        kept.extend(&buf[..n]);
+        if kept.len() > cap {
+            kept.drain(..kept.len() - cap);
+        }
+    }
+    let bytes: Vec<u8> = kept.into_iter().collect();
+    if total <= cap {
+        return String::from_utf8_lossy(&bytes).into_owned();
+    }
+    let from = bytes.iter().position(|b| *b == b'\n').map_or(0, |i| i + 1);
+    format!(
+        "[... {} bytes of output cut ...]\n{}",
+        total - (bytes.len() - from),
+        String::from_utf8_lossy(&bytes[from..])
+    )
+}
+
 /// The outcome of `haproxy -c`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CheckOutcome {
@@ -312,7 +347,7 @@ impl Haproxy {
     /// relative map and certificate paths resolve inside it.
     #[instrument(skip(self))]
     pub async fn check(&self, dir: &Path, timeout: Duration) -> Result<CheckOutcome> {
-        let child = self
+        let mut child = self
             .process()
             .arg("-c")
             .arg("-C")
@@ -328,17 +363,28 @@ impl Haproxy {
                 bin: self.bin.clone(),
                 source,
             })?;
-        let output = tokio::time::timeout(timeout, child.wait_with_output())
+        let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
+        // A set can make HAProxy print without end (a warning per line of a huge file): keep
+        // the tail of each stream, where the verdict is.
+        let run = async {
+            let (status, out, err) = tokio::join!(
+                child.wait(),
+                read_tail(stdout, CHECK_OUTPUT_CAP / 2),
+                read_tail(stderr, CHECK_OUTPUT_CAP / 2)
+            );
+            (status, out, err)
+        };
+        let (status, out, err) = tokio::time::timeout(timeout, run)
             .await
-            .map_err(|_| Error::CheckTimeout(timeout))?
-            .map_err(|source| Error::Spawn {
-                bin: self.bin.clone(),
-                source,
-            })?;
-        let mut text = String::from_utf8_lossy(&output.stdout).into_owned();
-        text.push_str(&String::from_utf8_lossy(&output.stderr));
+            .map_err(|_| Error::CheckTimeout(timeout))?;
+        let status = status.map_err(|source| Error::Spawn {
+            bin: self.bin.clone(),
+            source,
+        })?;
+        let mut text = out;
+        text.push_str(&err);
         Ok(CheckOutcome {
-            valid: output.status.success(),
+            valid: status.success(),
             output: text,
         })
     }

@@ -9,6 +9,7 @@
 //! - [`agent`]: the apply engine; one apply at a time, rollback on a failed load.
 //! - [`metrics`]: Prometheus text.
 //! - [`server`]: the HTTP API (`/v1/apply`, `/v1/state`, `/healthz`, `/readyz`, `/metrics`).
+//! - [`tls`]: optional TLS on the listener, the certificate read again when it changes.
 //!
 //! The wire types live in `haptic-agent-client`.
 //!
@@ -38,6 +39,7 @@ pub mod metrics;
 pub mod server;
 pub mod store;
 pub mod supervisor;
+pub mod tls;
 
 pub use agent::Agent;
 pub use config::AgentConfig;

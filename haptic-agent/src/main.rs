@@ -42,6 +42,16 @@ struct Args {
     /// runs as root. The master socket then defaults to <data-dir>/run/master.sock.
     #[arg(long, env = "HAPTIC_AGENT_HAPROXY_USER")]
     haproxy_user: Option<String>,
+    /// Most connections served at once; one more is closed at once.
+    #[arg(long, env = "HAPTIC_AGENT_MAX_CONNECTIONS", default_value_t = 256)]
+    max_connections: usize,
+    /// Serve the API over TLS with this PEM certificate chain (with --tls-key); both files
+    /// are read again when they change.
+    #[arg(long, env = "HAPTIC_AGENT_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, env = "HAPTIC_AGENT_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     /// Capabilities a set may use, comma-separated: lua, program, external-check, env,
     /// ssl-engine [default: none].
     #[arg(long, env = "HAPTIC_AGENT_ALLOW", value_delimiter = ',')]
@@ -103,6 +113,10 @@ async fn main() -> Result<()> {
     );
     info!(policy = ?config.policy, "config policy");
     config.max_body_bytes = args.max_body_bytes;
+    config.max_connections = args.max_connections;
+    if let (Some(cert), Some(key)) = (args.tls_cert, args.tls_key) {
+        config.tls = Some(haptic_agent::tls::TlsFiles { cert, key });
+    }
     config.max_inflated_bytes = config.max_inflated_bytes.max(args.max_body_bytes);
 
     let agent = Agent::open(config).await.context("opening the agent")?;

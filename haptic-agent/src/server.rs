@@ -1,7 +1,13 @@
 //! The HTTP API: `/v1/apply` and `/v1/state` behind the bearer token, and the open probes
 //! `/healthz`, `/readyz` and `/metrics`.
+//!
+//! Connections are bounded so that nobody without the token can starve an apply: at most
+//! `max_connections` at once (one more is closed at once), each closed when it takes longer
+//! than `header_read_timeout` to send a request's headers or stays idle that long between
+//! requests, and a request body (after the token was checked) must arrive within
+//! `body_timeout`.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use axum::{
     Router,
@@ -13,11 +19,12 @@ use axum::{
     routing::{get, post},
 };
 use haptic_agent_client::protocol::{APPLY_PATH, ErrorBody, STATE_PATH, WireApply, decode_apply};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq as _;
-use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tokio::{net::TcpListener, sync::Semaphore};
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+use tracing::{debug, info, warn};
 
 use crate::agent::{self, Agent};
 
@@ -27,6 +34,9 @@ pub enum Error {
     /// Serving failed.
     #[error("serving the agent API")]
     Serve(#[source] std::io::Error),
+    /// The TLS certificate or key is unusable.
+    #[error(transparent)]
+    Tls(#[from] crate::tls::Error),
 }
 
 /// Result type of this module.
@@ -51,10 +61,14 @@ fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response
 /// The router of `agent`'s API.
 pub fn router(agent: Agent) -> Router {
     let token = Sha256::digest(agent.config().token.trim().as_bytes());
+    let (limit, body_timeout) = (agent.config().max_body_bytes, agent.config().body_timeout);
     let protected = Router::new()
         .route(APPLY_PATH, post(apply))
         .route(STATE_PATH, get(state))
-        .layer(DefaultBodyLimit::max(agent.config().max_body_bytes))
+        .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn(move |request: Request, next: Next| {
+            read_body(limit, body_timeout, request, next)
+        }))
         .layer(middleware::from_fn(move |request: Request, next: Next| {
             authorize(token.into(), request, next)
         }));
@@ -88,13 +102,60 @@ async fn authorize(expected: [u8; 32], request: Request, next: Next) -> Response
     }
 }
 
+/// Reads the whole body within `timeout` (408 otherwise) and at most `limit` bytes (413), so a
+/// client that sends it slowly holds no apply slot and no handler.
+async fn read_body(limit: usize, timeout: Duration, request: Request, next: Next) -> Response {
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<u64>().ok());
+    if declared.is_some_and(|length| length > limit as u64) {
+        return error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            format!("the body is larger than {limit} bytes"),
+        );
+    }
+    let (parts, body) = request.into_parts();
+    match tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await {
+        Ok(Ok(bytes)) => {
+            next.run(Request::from_parts(parts, axum::body::Body::from(bytes)))
+                .await
+        }
+        Ok(Err(failure)) => {
+            let too_large = std::error::Error::source(&failure)
+                .is_some_and(|source| source.is::<http_body_util::LengthLimitError>());
+            if too_large {
+                error(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "too_large",
+                    format!("the body is larger than {limit} bytes"),
+                )
+            } else {
+                error(
+                    StatusCode::BAD_REQUEST,
+                    "bad_request",
+                    "the body could not be read",
+                )
+            }
+        }
+        Err(_) => error(
+            StatusCode::REQUEST_TIMEOUT,
+            "body_timeout",
+            format!("the body did not arrive within {timeout:?}"),
+        ),
+    }
+}
+
 async fn apply(State(agent): State<Agent>, headers: HeaderMap, body: Bytes) -> Response {
-    let gzip = match headers
+    // Content codings are case-insensitive (RFC 9110 8.4.1).
+    let encoding = headers
         .get(header::CONTENT_ENCODING)
-        .map(|value| value.to_str().unwrap_or("?"))
-    {
+        .map(|value| value.to_str().unwrap_or("?").trim().to_ascii_lowercase());
+    let gzip = match encoding.as_deref() {
         None | Some("identity") => false,
-        Some("gzip") => true,
+        Some("gzip" | "x-gzip") => true,
         Some(other) => {
             agent.metrics().count_apply("rejected");
             return error(
@@ -105,7 +166,15 @@ async fn apply(State(agent): State<Agent>, headers: HeaderMap, body: Bytes) -> R
         }
     };
     let limit = agent.config().max_inflated_bytes;
-    // Inflating, parsing and hashing a large set is CPU work: keep it off the I/O threads.
+    // Inflating, parsing and hashing a large set is CPU work: keep it off the I/O threads,
+    // and at most one per core at once.
+    let Ok(_decoding) = agent.decode_slots().acquire().await else {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not_ready",
+            "shutting down",
+        );
+    };
     let decoded = tokio::task::spawn_blocking(move || {
         decode_apply(&body, gzip, limit).and_then(WireApply::into_request)
     })
@@ -168,11 +237,14 @@ async fn readyz(State(agent): State<Agent>) -> Response {
 }
 
 async fn metrics(State(agent): State<Agent>) -> Response {
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        agent.metrics().render(),
-    )
-        .into_response()
+    let mut text = agent.metrics().render();
+    text.push_str(&format!(
+        "# HELP haptic_agent_master_cli_connections_total Connections made to HAProxy's master CLI.\n\
+         # TYPE haptic_agent_master_cli_connections_total counter\n\
+         haptic_agent_master_cli_connections_total {}\n",
+        agent.haproxy().cli_connections()
+    ));
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
 /// Serves `agent` on `listener` until `shutdown` is cancelled; in supervised mode starts
@@ -193,19 +265,24 @@ pub async fn serve(
         .supervisor()
         .cloned()
         .map(|supervisor| tokio::spawn(supervisor.watch(stop_watch.clone())));
-    info!(addr = ?listener.local_addr().ok(), "agent listening");
-    let server = axum::serve(listener, router(agent.clone()))
-        .with_graceful_shutdown(shutdown.clone().cancelled_owned());
-    let served = tokio::select! {
-        served = std::future::IntoFuture::into_future(server) => served,
-        () = async {
-            shutdown.cancelled().await;
-            tokio::time::sleep(drain).await;
-        } => {
-            warn!(?drain, "requests still in flight after the drain period; closing");
-            Ok(())
+    let tls = match agent
+        .config()
+        .tls
+        .as_ref()
+        .map(crate::tls::acceptor)
+        .transpose()
+    {
+        Ok(tls) => tls,
+        Err(error) => {
+            stop_watch.cancel();
+            if let Some(watcher) = watcher {
+                let _ = watcher.await;
+            }
+            return Err(error.into());
         }
     };
+    info!(addr = ?listener.local_addr().ok(), tls = tls.is_some(), "agent listening");
+    let served = accept_loop(agent.clone(), listener, tls, shutdown, drain).await;
     stop_watch.cancel();
     match watcher {
         Some(watcher) => {
@@ -218,4 +295,102 @@ pub async fn serve(
         }
     }
     served.map_err(Error::Serve)
+}
+
+/// Accepts connections until `shutdown`, at most `max_connections` at once, each served by
+/// hyper with the header (and idle) deadline (a TLS handshake included); then lets those in
+/// flight finish within `drain`.
+async fn accept_loop(
+    agent: Agent,
+    listener: TcpListener,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    shutdown: CancellationToken,
+    drain: Duration,
+) -> std::io::Result<()> {
+    let app = router(agent.clone());
+    let config = agent.config();
+    let slots = Arc::new(Semaphore::new(config.max_connections));
+    let header_read_timeout = config.header_read_timeout;
+    let connections = TaskTracker::new();
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    // Out of descriptors, for instance: back off rather than spin.
+                    warn!(%error, "accepting a connection failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = shutdown.cancelled() => break,
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            debug!(%peer, "connection cap reached; closing the new connection");
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let (shutdown, tls) = (shutdown.clone(), tls.clone());
+        connections.spawn(async move {
+            let _slot = slot;
+            let served = match tls {
+                None => serve_connection(stream, service, header_read_timeout, shutdown).await,
+                Some(tls) => {
+                    match tokio::time::timeout(header_read_timeout, tls.accept(stream)).await {
+                        Ok(Ok(stream)) => {
+                            serve_connection(stream, service, header_read_timeout, shutdown).await
+                        }
+                        Ok(Err(error)) => {
+                            debug!(%peer, %error, "TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => {
+                            debug!(%peer, "TLS handshake timed out");
+                            return;
+                        }
+                    }
+                }
+            };
+            if let Err(error) = served {
+                debug!(%peer, %error, "connection ended");
+            }
+        });
+    }
+    connections.close();
+    if tokio::time::timeout(drain, connections.wait())
+        .await
+        .is_err()
+    {
+        warn!(
+            ?drain,
+            "requests still in flight after the drain period; closing"
+        );
+    }
+    Ok(())
+}
+
+/// Serves one connection with hyper until it ends, or gracefully once `shutdown` fires.
+async fn serve_connection<S>(
+    stream: S,
+    service: hyper_util::service::TowerToHyperService<Router>,
+    header_read_timeout: Duration,
+    shutdown: CancellationToken,
+) -> Result<(), hyper::Error>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_read_timeout);
+    let connection = builder.serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(connection);
+    tokio::select! {
+        served = connection.as_mut() => served,
+        () = shutdown.cancelled() => {
+            connection.as_mut().graceful_shutdown();
+            connection.await
+        }
+    }
 }

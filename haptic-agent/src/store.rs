@@ -261,18 +261,32 @@ impl SetStore {
         let from = self.root.join("staging").join(name);
         let to = self.set_dir(name);
         fs::rename(&from, &to).map_err(io("moving", &from))?;
+        self.write_meta(name, meta)
+    }
+
+    /// Records `meta` beside set `name`, atomically (a temporary file fsynced and renamed over
+    /// it, then the directory fsynced).
+    pub fn write_meta(&self, name: &str, meta: &SetMeta) -> Result<()> {
         let meta_path = self.meta_path(name);
-        let mut file = fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&meta_path)
-            .map_err(io("creating", &meta_path))?;
-        // Serializing a plain struct of strings and integers cannot fail.
-        file.write_all(&serde_json::to_vec(meta).unwrap_or_default())
-            .map_err(io("writing", &meta_path))?;
-        file.sync_all().map_err(io("syncing", &meta_path))?;
+        let tmp = self.root.join("sets").join(format!(".{name}.json.tmp"));
+        let written = (|| {
+            let mut file = fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)
+                .map_err(io("creating", &tmp))?;
+            // Serializing a plain struct of strings and integers cannot fail.
+            file.write_all(&serde_json::to_vec(meta).unwrap_or_default())
+                .map_err(io("writing", &tmp))?;
+            file.sync_all().map_err(io("syncing", &tmp))?;
+            fs::rename(&tmp, &meta_path).map_err(io("renaming", &meta_path))
+        })();
+        if written.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        written?;
         sync_dir(&self.root.join("sets"))
     }
 
@@ -318,6 +332,25 @@ impl SetStore {
     /// lists (what HAProxy writes beside them does not count), or every regular file of its
     /// directory for a set whose metadata lists none.
     pub fn checksum_on_disk(&self, name: &str) -> Result<String> {
+        let files = self.read_files(name)?;
+        Ok(haptic_agent_client::protocol::checksum(files.iter().map(
+            |(path, content)| (path.as_str(), content.as_slice()),
+        )))
+    }
+
+    /// The files of set `name` as they are on disk (those its metadata lists, or every
+    /// regular file of its directory), as a [`FileSet`].
+    pub fn read_set(&self, name: &str) -> Result<FileSet> {
+        let mut set = FileSet::new();
+        for (path, content) in self.read_files(name)? {
+            let full = self.set_dir(name).join(&path);
+            set.insert(path, content)
+                .map_err(|_| Error::Unexpected(full))?;
+        }
+        Ok(set)
+    }
+
+    fn read_files(&self, name: &str) -> Result<BTreeMap<String, Vec<u8>>> {
         let dir = self.set_dir(name);
         let mut files = BTreeMap::new();
         match self.meta(name).map(|meta| meta.files) {
@@ -338,9 +371,7 @@ impl SetStore {
             }
             _ => read_tree(&dir, "", &mut files)?,
         }
-        Ok(haptic_agent_client::protocol::checksum(files.iter().map(
-            |(path, content)| (path.as_str(), content.as_slice()),
-        )))
+        Ok(files)
     }
 }
 

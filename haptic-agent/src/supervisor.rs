@@ -93,11 +93,21 @@ struct Running {
     task: JoinHandle<()>,
 }
 
+/// How long a stopping master gets to drain (SIGUSR1, HAProxy's soft stop: listeners are
+/// released at once, connections in flight finish) before SIGTERM, and SIGKILL 5 s later.
+pub const STOP_GRACE: Duration = Duration::from_secs(5);
+
 /// Starts, watches and stops one HAProxy master process.
+///
+/// The master's pid and start time are recorded in a pidfile; a start first stops a master
+/// the pidfile names that still runs (left by an agent killed with SIGKILL, which runs no
+/// destructor), so that two masters never serve side by side (HAProxy binds with
+/// `SO_REUSEPORT`, so the second would not even fail to bind).
 #[derive(Clone)]
 pub struct Supervisor {
     haproxy: Haproxy,
     current: PathBuf,
+    pidfile: Option<PathBuf>,
     start_timeout: Duration,
     running: Arc<Mutex<Option<Running>>>,
     tail: Arc<StdMutex<LogTail>>,
@@ -119,10 +129,56 @@ impl Supervisor {
         Self {
             haproxy,
             current,
+            pidfile: None,
             start_timeout,
             running: Arc::new(Mutex::new(None)),
             tail: Arc::new(StdMutex::new(LogTail::default())),
             exits: Arc::new(tokio::sync::Notify::new()),
+        }
+    }
+
+    /// Records the master's pid at `pidfile` (and stops a master it names at the next start).
+    #[must_use]
+    pub fn with_pidfile(mut self, pidfile: PathBuf) -> Self {
+        self.pidfile = Some(pidfile);
+        self
+    }
+
+    /// Stops a master left running by an earlier agent, as its pidfile names it: only when the
+    /// process with that pid has the start time recorded (a pid reused since is left alone).
+    async fn stop_orphan(&self) {
+        let Some(pidfile) = &self.pidfile else { return };
+        let Ok(text) = std::fs::read_to_string(pidfile) else {
+            return;
+        };
+        let mut fields = text.split_whitespace();
+        let (Some(pid), Some(started)) = (
+            fields.next().and_then(|pid| pid.parse::<u32>().ok()),
+            fields.next().and_then(|at| at.parse::<u64>().ok()),
+        ) else {
+            let _ = std::fs::remove_file(pidfile);
+            return;
+        };
+        if process_start_time(pid) == Some(started) {
+            warn!(
+                pid,
+                "a HAProxy master of an earlier agent still runs; stopping it"
+            );
+            stop_pid(pid).await;
+        }
+        let _ = std::fs::remove_file(pidfile);
+    }
+
+    fn record_pid(&self, pid: u32) {
+        let Some(pidfile) = &self.pidfile else { return };
+        let Some(started) = process_start_time(pid) else {
+            return;
+        };
+        let tmp = pidfile.with_extension("tmp");
+        let written = std::fs::write(&tmp, format!("{pid} {started}\n"))
+            .and_then(|()| std::fs::rename(&tmp, pidfile));
+        if let Err(error) = written {
+            warn!(%error, "recording HAProxy's pid failed");
         }
     }
 
@@ -144,6 +200,16 @@ impl Supervisor {
             .is_some_and(|child| child.exited.borrow().is_none())
     }
 
+    /// A watch of the running master's exit (`Some(status)` once it exited), or none when
+    /// no master runs.
+    pub async fn exit_watch(&self) -> Option<watch::Receiver<Option<String>>> {
+        let running = self.running.lock().await;
+        running
+            .as_ref()
+            .filter(|child| child.exited.borrow().is_none())
+            .map(|child| child.exited.clone())
+    }
+
     /// Starts HAProxy unless it runs, and waits until its master socket lists a worker (or
     /// the master exits, or the start timeout passes and it is stopped).
     pub async fn start(&self) -> Result<()> {
@@ -154,6 +220,8 @@ impl Supervisor {
             return Ok(());
         }
         let mark = self.log_mark();
+        // Before the socket goes: a master of an earlier agent would still serve beside ours.
+        self.stop_orphan().await;
         let _ = std::fs::remove_file(&self.haproxy.master_socket);
         let mut command = self.haproxy.process();
         command
@@ -179,6 +247,7 @@ impl Supervisor {
         })?;
         let pid = child.id().unwrap_or_default();
         info!(pid, "HAProxy master started");
+        self.record_pid(pid);
         if let Some(stdout) = child.stdout.take() {
             tokio::spawn(forward(stdout, self.tail.clone()));
         }
@@ -240,12 +309,17 @@ impl Supervisor {
         }
     }
 
-    /// Stops HAProxy: SIGTERM to the master (which stops its workers), SIGKILL after 5 s.
+    /// Stops HAProxy gracefully: SIGUSR1 to the master (soft stop: its workers release the
+    /// listeners and finish the connections in flight), SIGTERM after [`STOP_GRACE`], SIGKILL
+    /// 5 s later.
     pub async fn stop(&self) {
         let taken = self.running.lock().await.take();
         if let Some(child) = taken {
             child.stop.cancel();
             let _ = child.task.await;
+            if let Some(pidfile) = &self.pidfile {
+                let _ = std::fs::remove_file(pidfile);
+            }
             info!(pid = child.pid, "HAProxy master stopped");
         }
     }
@@ -294,14 +368,56 @@ async fn terminate(
     child: &mut tokio::process::Child,
     pid: u32,
 ) -> std::io::Result<std::process::ExitStatus> {
-    if let Some(pid) = i32::try_from(pid).ok().and_then(Pid::from_raw) {
-        let _ = kill_process(pid, Signal::TERM);
+    let pid = i32::try_from(pid).ok().and_then(Pid::from_raw);
+    for (signal, wait) in [
+        (Signal::USR1, STOP_GRACE),
+        (Signal::TERM, Duration::from_secs(5)),
+    ] {
+        if let Some(pid) = pid {
+            let _ = kill_process(pid, signal);
+        }
+        if let Ok(status) = tokio::time::timeout(wait, child.wait()).await {
+            return status;
+        }
     }
-    match tokio::time::timeout(Duration::from_secs(5), child.wait()).await {
-        Ok(status) => status,
-        Err(_) => {
-            let _ = child.start_kill();
-            child.wait().await
+    let _ = child.start_kill();
+    child.wait().await
+}
+
+/// The start time of process `pid` (field 22 of `/proc/<pid>/stat`, clock ticks since boot),
+/// none when it does not run (a zombie does not count).
+fn process_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name is in parentheses and may hold spaces: fields count after the last.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    if fields.first() == Some(&"Z") {
+        return None;
+    }
+    fields.get(19)?.parse().ok()
+}
+
+/// Stops a process that is not our child: SIGUSR1, SIGTERM after [`STOP_GRACE`], SIGKILL 5 s
+/// later, each time waiting (bounded) until it is gone.
+async fn stop_pid(pid: u32) {
+    let Some(target) = i32::try_from(pid).ok().and_then(Pid::from_raw) else {
+        return;
+    };
+    for (signal, wait) in [
+        (Signal::USR1, STOP_GRACE),
+        (Signal::TERM, Duration::from_secs(5)),
+        (Signal::KILL, Duration::from_secs(5)),
+    ] {
+        let _ = kill_process(target, signal);
+        let deadline = Instant::now() + wait;
+        while process_start_time(pid).is_some() {
+            if Instant::now() >= deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if process_start_time(pid).is_none() {
+            return;
         }
     }
 }

@@ -238,8 +238,8 @@ async fn the_same_checksum_is_unchanged_and_does_not_reload() {
     assert_eq!(after.last_reload, before.last_reload);
     assert_eq!(
         after.generation,
-        Some(1),
-        "nothing written, not even metadata"
+        Some(2),
+        "no set written, no reload; the generation high-water mark is raised"
     );
 
     let http = traffic_client();
@@ -601,10 +601,14 @@ async fn a_flood_of_readiness_probes_is_answered_from_the_cache() {
     let url = serving.agent.url.join("/readyz").expect("url");
     let before = haproxy.cli_connections();
     let started = tokio::time::Instant::now();
-    let probes = futures::future::join_all((0..400).map(|_| {
-        let (http, url) = (http.clone(), url.clone());
-        async move { http.get(url).send().await.map(|r| r.status().as_u16()) }
-    }))
+    // 64 at a time: more would meet the agent's connection cap (256), tested elsewhere.
+    let probes: Vec<_> = futures::StreamExt::collect(futures::StreamExt::buffer_unordered(
+        futures::stream::iter((0..400).map(|_| {
+            let (http, url) = (http.clone(), url.clone());
+            async move { http.get(url).send().await.map(|r| r.status().as_u16()) }
+        })),
+        64,
+    ))
     .await;
     let took = started.elapsed();
     assert!(
@@ -618,10 +622,31 @@ async fn a_flood_of_readiness_probes_is_answered_from_the_cache() {
         made <= bound,
         "{made} master CLI connections for 400 probes in {took:?}"
     );
-    // An apply still goes through while probes keep coming.
+    let metrics = traffic_client()
+        .get(serving.agent.url.join("/metrics").expect("url"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    assert!(
+        metrics.contains("\nhaptic_agent_master_cli_connections_total "),
+        "{metrics}"
+    );
+    // An apply still goes through while probes and state requests (the master CLI's other
+    // slot) keep coming.
     let flood = tokio::spawn(async move {
         for _ in 0..200 {
             let _ = http.get(url.clone()).send().await;
+        }
+    });
+    let states = tokio::spawn({
+        let (client, url) = (serving.client.clone(), serving.agent.url.clone());
+        async move {
+            for _ in 0..50 {
+                let _ = client.state(&url).await;
+            }
         }
     });
     let next = request(1, "leader-0", 2, serving.set_routing_to("none"));
@@ -632,5 +657,148 @@ async fn a_flood_of_readiness_probes_is_answered_from_the_cache() {
         .expect("applied during the flood");
     assert_eq!(report.outcome, haptic_agent_client::Outcome::Applied);
     flood.abort();
+    states.abort();
+    serving.agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unchanged_raises_the_generation_so_a_delayed_older_one_is_superseded() {
+    let serving = Serving::start(1).await;
+    let (url, client) = (&serving.agent.url, &serving.client);
+    let a = serving.set_routing_to("none");
+    let applied = client
+        .apply(url, &request(1, "leader-0", 10, a.clone()))
+        .await
+        .expect("gen 10");
+    assert_eq!(applied.outcome, Outcome::Applied);
+    let unchanged = client
+        .apply(url, &request(1, "leader-0", 12, a))
+        .await
+        .expect("gen 12");
+    assert_eq!(unchanged.outcome, Outcome::Unchanged);
+    // Gen 11, delayed, carries another set: it must not overwrite what gen 12 confirmed.
+    let delayed = request(1, "leader-0", 11, serving.set_routing_to("a"));
+    match client.apply(url, &delayed).await {
+        Err(Error::Superseded {
+            generation: 11,
+            live_generation: 12,
+        }) => {}
+        other => panic!("expected Superseded, got {other:?}"),
+    }
+    let state = client.state(url).await.expect("state");
+    assert_eq!(state.generation, Some(12));
+    assert_eq!(get_once(serving.port).await, "no route");
+    serving.agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_apply_raises_the_fence_by_at_most_two_to_the_32() {
+    use haptic_agent_client::protocol::MAX_FENCE_STEP;
+    let backend = Backend::start("a").await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let agent = TestAgent::start(dir.path()).await;
+    let client = client();
+    let port = free_port();
+    let files = config(port, "a", &[("a", backend.addr)]);
+
+    // A fresh agent (fence 0) takes any epoch up to the bound, and nothing above it.
+    let too_far = request(MAX_FENCE_STEP + 1, "leader-0", 1, files.clone());
+    match client.apply(&agent.url, &too_far).await {
+        Err(Error::Rejected {
+            status: 400,
+            message,
+        }) => {
+            assert!(
+                message.contains("2^32 above the agent's fence 0"),
+                "{message}"
+            );
+        }
+        other => panic!("expected a 400, got {other:?}"),
+    }
+    let state = client.state(&agent.url).await.expect("state");
+    assert_eq!(state.fence, Some(0), "the fence did not move");
+    assert_eq!(state.live_checksum, None, "nothing went live");
+
+    let at_bound = request(MAX_FENCE_STEP, "leader-0", 1, files.clone());
+    client
+        .apply(&agent.url, &at_bound)
+        .await
+        .expect("at the bound");
+    let beyond = request(2 * MAX_FENCE_STEP + 1, "leader-1", 1, files.clone());
+    assert!(matches!(
+        client.apply(&agent.url, &beyond).await,
+        Err(Error::Rejected { status: 400, .. })
+    ));
+    let next = request(2 * MAX_FENCE_STEP, "leader-1", 1, files);
+    client
+        .apply(&agent.url, &next)
+        .await
+        .expect("within the bound");
+    assert_eq!(
+        client.state(&agent.url).await.expect("state").fence,
+        Some(2 * MAX_FENCE_STEP)
+    );
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_identity_that_is_not_a_pod_name_is_400() {
+    let serving = Serving::start(1).await;
+    let mut wire = serving.live.to_wire();
+    wire.leader = format!("leader-0\n{}", "x".repeat(300));
+    let response = traffic_client()
+        .post(serving.agent.url.join(APPLY_PATH).expect("url"))
+        .bearer_auth(TOKEN)
+        .header("content-type", "application/json")
+        .body(serde_json::to_vec(&wire).expect("json"))
+        .send()
+        .await
+        .expect("sent");
+    assert_eq!(response.status().as_u16(), 400);
+    let text = response.text().await.unwrap_or_default();
+    assert!(text.contains("leader identity"), "{text}");
+    assert_eq!(
+        serving
+            .client
+            .state(&serving.agent.url)
+            .await
+            .expect("state")
+            .fence,
+        Some(1)
+    );
+    serving.agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn haproxys_check_output_is_capped_and_keeps_the_verdict() {
+    let serving = Serving::start(1).await;
+    // Two thousand notices of 200 bytes each (about 400 KiB of output), then an error.
+    let noisy = rewrite(&serving.set_routing_to("a"), "haproxy.cfg", |cfg| {
+        let notices: String = (0..2000)
+            .map(|i| format!("  .notice \"{i:05} {}\"\n", "x".repeat(190)))
+            .collect();
+        format!("{cfg}{notices}  no-such-keyword-at-the-end\n")
+    });
+    let error = serving
+        .client
+        .apply(&serving.agent.url, &request(1, "leader-0", 2, noisy))
+        .await
+        .expect_err("invalid");
+    let Error::Invalid { check_output } = error else {
+        panic!("expected Invalid, got {error:?}");
+    };
+    assert!(
+        check_output.len() <= haptic_agent::haproxy::CHECK_OUTPUT_CAP + 200,
+        "{} bytes",
+        check_output.len()
+    );
+    assert!(
+        check_output.contains("bytes of output cut"),
+        "{check_output}"
+    );
+    assert!(
+        check_output.contains("no-such-keyword-at-the-end"),
+        "the verdict is kept"
+    );
     serving.agent.stop().await;
 }

@@ -411,3 +411,44 @@ async fn haproxy_and_its_check_run_as_the_unprivileged_user() {
 fn config_routing(port: u16, backend: &Backend) -> FileSet {
     config(port, "a", &[("a", backend.addr)])
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_set_that_breaks_the_policy_is_not_started_after_a_restart() {
+    let backend = Backend::start("a").await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lua = AgentConfig::new(dir.path(), TOKEN)
+        .with_listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .with_haproxy_bin(haproxy_bin())
+        .with_supervise(true)
+        .with_policy(Policy::default().with_capability(Capability::Lua));
+    let agent = TestAgent::start_with(lua.clone()).await;
+    let client = client();
+    let port = free_port();
+    let plain = request(1, "leader-0", 1, config_routing(port, &backend));
+    client.apply(&agent.url, &plain).await.expect("plain");
+    let mut with_lua = with_global(
+        &rewrite(&config_routing(port, &backend), "maps/routes.map", |_| {
+            "/ be_none\n".to_owned()
+        }),
+        "lua-load empty.lua",
+    );
+    with_lua.insert("empty.lua", "-- nothing\n").expect("path");
+    client
+        .apply(&agent.url, &request(1, "leader-0", 2, with_lua))
+        .await
+        .expect("Lua allowed here");
+    assert_eq!(await_body(port, "no route").await, "no route");
+    agent.stop().await;
+
+    // The same data directory under the strict default: the Lua set is not started, the
+    // last-known-good one is.
+    let strict = lua.with_policy(Policy::default());
+    let agent = TestAgent::start_with(strict).await;
+    assert_eq!(await_body(port, "backend a").await, "backend a");
+    let state = client.state(&agent.url).await.expect("state");
+    assert_eq!(
+        state.live_checksum.as_deref(),
+        Some(plain.checksum.as_str())
+    );
+    agent.stop().await;
+}

@@ -191,3 +191,118 @@ async fn a_supervised_master_that_never_finishes_a_reload_is_restarted_and_the_s
     assert_eq!(await_body(port, "no route").await, "no route");
     agent.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_supervised_master_that_exits_on_a_reload_is_noticed_at_once_and_rolled_back() {
+    let (a, b) = (Backend::start("a").await, Backend::start("b").await);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut settings = AgentConfig::new(dir.path(), TOKEN)
+        .with_listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .with_haproxy_bin(haproxy_bin())
+        .with_supervise(true)
+        .with_policy(Policy::default().with_capability(Capability::Lua));
+    // Long enough that waiting for them would show.
+    settings.reload_timeout = Duration::from_secs(30);
+    settings.settle_timeout = Duration::from_secs(30);
+    let agent = TestAgent::start_exact(settings).await;
+    let client = client();
+    let port = free_port();
+    let backends = [("a", a.addr), ("b", b.addr)];
+    let first = request(1, "leader-1", 1, config(port, "a", &backends));
+    client.apply(&agent.url, &first).await.expect("first apply");
+    assert_eq!(await_body(port, "backend a").await, "backend a");
+
+    // Passes `haproxy -c` (no HAPROXY_MWORKER there); the re-executing master is killed
+    // (an exit HAProxy cannot catch, unlike a Lua `os.exit`, which it counts as a failed
+    // reload).
+    let mut exits = rewrite(&config(port, "b", &backends), "haproxy.cfg", |cfg| {
+        cfg.replacen("global\n", "global\n  lua-load exit.lua\n", 1)
+    });
+    exits
+        .insert(
+            "exit.lua",
+            "if os.getenv(\"HAPROXY_MWORKER\") then os.execute(\"kill -9 $PPID\") end\n",
+        )
+        .expect("path");
+    let started = tokio::time::Instant::now();
+    let error = client
+        .apply(&agent.url, &request(1, "leader-1", 2, exits))
+        .await
+        .expect_err("rolled back");
+    let took = started.elapsed();
+    assert!(
+        matches!(&error, haptic_agent_client::Error::RolledBack { live_checksum: Some(live), .. } if *live == first.checksum),
+        "{error:?}"
+    );
+    assert!(
+        took < Duration::from_secs(20),
+        "noticed at once, not after the reload timeout: {took:?}"
+    );
+    assert_eq!(await_body(port, "backend a").await, "backend a");
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_apply_behind_a_long_one_waits_at_most_the_lock_timeout() {
+    let (a, b) = (Backend::start("a").await, Backend::start("b").await);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut settings = AgentConfig::new(dir.path(), TOKEN)
+        .with_listen(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .with_haproxy_bin(haproxy_bin())
+        .with_supervise(true)
+        .with_policy(Policy::default().with_capability(Capability::Lua));
+    settings.lock_timeout = Duration::from_millis(500);
+    let agent = TestAgent::start_with(settings).await;
+    let client = client();
+    let port = free_port();
+    let backends = [("a", a.addr), ("b", b.addr)];
+    let first = request(1, "leader-1", 1, config(port, "a", &backends));
+    client.apply(&agent.url, &first).await.expect("first apply");
+
+    // HAProxy takes 3 s to load this one; the apply holds the lock meanwhile.
+    let slow = request(
+        1,
+        "leader-1",
+        2,
+        slow_to_load(&config(port, "b", &backends), 3),
+    );
+    let slow_apply = tokio::spawn({
+        let (client, url) = (client.clone(), agent.url.clone());
+        async move { client.apply(&url, &slow).await }
+    });
+    // Wait (bounded) until the slow set is swapped in: its reload, under the lock, has begun.
+    // (Read by hand: opening a store would clear the staging directory in use.)
+    let live_generation = || {
+        let name = std::fs::read_link(dir.path().join("current")).ok()?;
+        let name = name.file_name()?.to_str()?.to_owned();
+        let meta = std::fs::read(dir.path().join("sets").join(format!("{name}.json"))).ok()?;
+        serde_json::from_slice::<haptic_agent::store::SetMeta>(&meta)
+            .ok()
+            .map(|meta| meta.generation)
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while live_generation() != Some(2) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the slow set was never swapped in"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let once = haptic_agent_client::AgentClient::new(
+        haptic_agent_client::ClientConfig::new(TOKEN).with_retries(1, Duration::from_millis(10)),
+    )
+    .expect("client");
+    let behind = request(1, "leader-1", 3, config(port, "a", &backends));
+    let started = tokio::time::Instant::now();
+    let answer = once.apply(&agent.url, &behind).await;
+    let waited = started.elapsed();
+    match answer {
+        Err(haptic_agent_client::Error::Unavailable { message, .. }) => {
+            assert!(message.contains("another apply"), "{message}");
+        }
+        other => panic!("expected 503, got {other:?}"),
+    }
+    assert!(waited < Duration::from_secs(2), "waited {waited:?}");
+    slow_apply.await.expect("task").expect("the slow apply");
+    agent.stop().await;
+}

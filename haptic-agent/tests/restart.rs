@@ -297,3 +297,81 @@ async fn the_binary_takes_its_policy_from_flags_and_environment() {
     }
     agent.stop().await;
 }
+
+/// HAProxy masters running from `data` (their command line names its master socket; its
+/// workers, forks with the same command line, have a master as parent), not counting zombies.
+fn masters_of(data: &Path) -> Vec<u32> {
+    let socket = data.join("master.sock").display().to_string();
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("proc").flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|arg| String::from_utf8_lossy(arg).into_owned())
+            .collect();
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        let zombie = stat
+            .rfind(')')
+            .is_some_and(|i| stat[i + 1..].trim_start().starts_with('Z'));
+        let parent = stat.rfind(')').and_then(|i| {
+            stat[i + 1..]
+                .split_whitespace()
+                .nth(1)
+                .and_then(|ppid| ppid.parse::<u32>().ok())
+        });
+        if !zombie && args.iter().any(|a| a == "-W") && args.contains(&socket) {
+            found.push((pid, parent.unwrap_or(0)));
+        }
+    }
+    let pids: Vec<u32> = found.iter().map(|(pid, _)| *pid).collect();
+    found
+        .into_iter()
+        .filter(|(_, parent)| !pids.contains(parent))
+        .map(|(pid, _)| pid)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_killed_with_sigkill_leaves_no_second_master_after_its_restart() {
+    let a = Backend::start("a").await;
+    let root = tempfile::tempdir().expect("tempdir");
+    let data = root.path().join("data");
+    let client = client();
+    let port = free_port();
+    let set = request(1, "leader-1", 1, config(port, "a", &[("a", a.addr)]));
+
+    let mut first = AgentProcess::start(&data);
+    assert_eq!(await_ready(&first.url, 200).await, 200);
+    client.apply(&first.url, &set).await.expect("apply");
+    assert_eq!(await_body(port, "backend a").await, "backend a");
+    let data = data.canonicalize().expect("data");
+    let orphan = client
+        .state(&first.url)
+        .await
+        .expect("state")
+        .haproxy_pid
+        .expect("a master");
+    // SIGKILL to the agent alone: no destructor runs, its master keeps serving.
+    Command::new("kill")
+        .args(["-KILL", &first.child.id().to_string()])
+        .status()
+        .expect("kill -KILL");
+    let _ = first.child.wait();
+    assert_eq!(masters_of(&data), vec![orphan], "the orphan still runs");
+
+    let second = AgentProcess::start(&data);
+    assert_eq!(await_ready(&second.url, 200).await, 200);
+    assert_eq!(await_body(port, "backend a").await, "backend a");
+    let masters = masters_of(&data);
+    assert_eq!(masters.len(), 1, "one master: {masters:?}");
+    assert_ne!(masters[0], orphan, "the orphan was stopped");
+    second.stop().await;
+    drop(first);
+}

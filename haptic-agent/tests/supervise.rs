@@ -102,3 +102,53 @@ async fn fan_out_reaches_every_agent_and_reports_a_fenced_pod() {
         agent.stop().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopping_haproxy_lets_the_requests_in_flight_finish() {
+    // A backend that takes a moment to answer.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let slow = listener.local_addr().expect("addr");
+    let (entered_tx, entered) = tokio::sync::oneshot::channel::<()>();
+    let entered_tx = std::sync::Arc::new(std::sync::Mutex::new(Some(entered_tx)));
+    let app = axum::Router::new().fallback(move || {
+        let entered_tx = entered_tx.clone();
+        async move {
+            if let Some(tx) = entered_tx.lock().ok().and_then(|mut tx| tx.take()) {
+                let _ = tx.send(());
+            }
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            "slow answer"
+        }
+    });
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    let dir = tempfile::tempdir().expect("tempdir");
+    let agent = TestAgent::start(dir.path()).await;
+    let port = free_port();
+    client()
+        .apply(
+            &agent.url,
+            &request(1, "leader-0", 1, config(port, "slow", &[("slow", slow)])),
+        )
+        .await
+        .expect("applied");
+    let in_flight = tokio::spawn(async move {
+        traffic_client()
+            .get(format!("http://127.0.0.1:{port}/"))
+            .send()
+            .await
+            .map(|response| response.status().as_u16())
+    });
+    tokio::time::timeout(Duration::from_secs(10), entered)
+        .await
+        .expect("the request reached the backend")
+        .expect("entered");
+    // SIGUSR1 first: the request in flight is answered before HAProxy exits.
+    agent.agent.supervisor().expect("supervised").stop().await;
+    let status = in_flight.await.expect("task");
+    assert!(matches!(status, Ok(200)), "{status:?}");
+    agent.stop().await;
+}

@@ -97,3 +97,93 @@ async fn the_client_applies_over_https_trusting_only_the_given_ca() {
     terminator.kill().await.expect("stop terminator");
     agent.stop().await;
 }
+
+/// A CA and a certificate for 127.0.0.1 and localhost signed by it: (CA PEM, cert PEM, key PEM).
+fn issue() -> (String, String, String) {
+    let ca_key = KeyPair::generate().expect("ca key");
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("ca params");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = ca_params.self_signed(&ca_key).expect("ca cert");
+    let issuer = Issuer::new(ca_params, ca_key);
+    let key = KeyPair::generate().expect("server key");
+    let cert = CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
+        .expect("server params")
+        .signed_by(&key, &issuer)
+        .expect("server cert");
+    (ca_cert.pem(), cert.pem(), key.serialize_pem())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_serves_tls_itself_and_picks_up_a_rotated_certificate() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let (ca1, cert1, key1) = issue();
+    let (cert, key) = (root.path().join("tls.crt"), root.path().join("tls.key"));
+    std::fs::write(&cert, &cert1).expect("cert");
+    std::fs::write(&key, &key1).expect("key");
+    let data = root.path().join("data");
+    std::fs::create_dir_all(&data).expect("mkdir");
+    let mut config = haptic_agent::AgentConfig::new(&data, TOKEN)
+        .with_listen(std::net::SocketAddr::from(([127, 0, 0, 1], 0)))
+        .with_haproxy_bin(haproxy_bin())
+        .with_supervise(true);
+    config.tls = Some(haptic_agent::tls::TlsFiles {
+        cert: cert.clone(),
+        key: key.clone(),
+    });
+    let agent = TestAgent::start_with(config).await;
+    let mut https = agent.url.clone();
+    https.set_scheme("https").expect("https");
+    let trusting = |ca: &str| {
+        AgentClient::new(
+            ClientConfig::new(TOKEN)
+                .with_ca_pem(ca.as_bytes().to_vec())
+                .with_retries(1, Duration::from_millis(10)),
+        )
+        .expect("client")
+    };
+
+    let backend = Backend::start("a").await;
+    let port = free_port();
+    let set = request(1, "leader-0", 1, config_for(port, &backend));
+    let report = trusting(&ca1)
+        .apply(&https, &set)
+        .await
+        .expect("over https");
+    assert_eq!(report.outcome, Outcome::Applied);
+    // Plain HTTP is not served.
+    assert!(client().state(&agent.url).await.is_err());
+
+    // Rotated in place (as a mounted Secret is): the next connection gets the new one.
+    let (ca2, cert2, key2) = issue();
+    assert!(matches!(
+        trusting(&ca2).state(&https).await,
+        Err(Error::Transport { .. })
+    ));
+    std::fs::write(&key, &key2).expect("key");
+    std::fs::write(&cert, &cert2).expect("cert");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match trusting(&ca2).state(&https).await {
+            Ok(state) => {
+                assert_eq!(state.live_checksum.as_deref(), Some(set.checksum.as_str()));
+                break;
+            }
+            Err(error) => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the rotated certificate was never served: {error}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    assert!(
+        trusting(&ca1).state(&https).await.is_err(),
+        "the old CA no longer fits"
+    );
+    agent.stop().await;
+}
+
+fn config_for(port: u16, backend: &Backend) -> haptic_agent_client::FileSet {
+    config(port, "a", &[("a", backend.addr)])
+}

@@ -13,6 +13,8 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 
+mod e2e;
+
 fn main() -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
@@ -30,6 +32,7 @@ fn run() -> Result<()> {
     match task.as_str() {
         "test" => test(&rest),
         "bench" => bench(&rest),
+        "e2e" => e2e::run(&rest),
         "apiserver" => cargo(
             &[
                 "run",
@@ -55,6 +58,7 @@ const HELP: &str = "usage: cargo xtask <task>
   test               install test tools if missing, then fmt --check, clippy -D warnings, all tests
   setup              only install the test tools (haproxy)
   bench [NAME...]    run benchmarks: election, agent, render, eventbus, controller (default: all)
+  e2e [ARGS]         acceptance scenarios on a kind cluster (needs docker, kind, kubectl; --keep, --skip-build)
   apiserver [ARGS]   run the haptic-testkit API server until Ctrl-C (prints the kubeconfig path)";
 
 fn root() -> PathBuf {

@@ -1,0 +1,82 @@
+//! `cargo xtask e2e`: HAPTIC's acceptance scenarios on a kind cluster. Checks at once that
+//! docker, kind and kubectl are on PATH and that a Docker engine answers (and stops, naming
+//! what is missing, when not), then runs the `haptic-e2e` binary, which creates the cluster
+//! from `deploy/kind/`, builds and loads the images, applies `deploy/kind` and runs the
+//! scenarios. Arguments go to it: `--name NAME`, `--keep`, `--skip-build`.
+
+use std::{
+    process::{Command, Stdio},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail};
+
+/// The whole run (building the images included) is bounded too.
+const RUN_BOUND: Duration = Duration::from_secs(3 * 60 * 60);
+
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    preflight()?;
+    let mut command = Command::new(super::cargo_bin());
+    command
+        .args(["run", "--quiet", "-p", "haptic-e2e", "--"])
+        .args(args)
+        .current_dir(super::root());
+    let status = wait_bounded(&mut command, RUN_BOUND, "cargo run -p haptic-e2e")?;
+    if !status.success() {
+        bail!("the e2e failed ({status})");
+    }
+    Ok(())
+}
+
+/// Fails fast, before anything is compiled, when a tool or the Docker engine is missing.
+fn preflight() -> Result<()> {
+    let missing: Vec<&str> = ["docker", "kind", "kubectl"]
+        .into_iter()
+        .filter(|binary| !super::on_path(binary))
+        .collect();
+    if !missing.is_empty() {
+        bail!(
+            "e2e needs docker, kind and kubectl on PATH; missing: {} (https://kind.sigs.k8s.io/docs/user/quick-start/)",
+            missing.join(", ")
+        );
+    }
+    // `docker info` hangs on some broken setups: bounded, output discarded.
+    let mut info = Command::new("docker");
+    info.args(["info", "--format", "{{.ServerVersion}}"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let status = wait_bounded(&mut info, Duration::from_secs(20), "docker info")
+        .context("no Docker engine")?;
+    if !status.success() {
+        bail!("no Docker engine: `docker info` failed ({status}); start Docker and run again");
+    }
+    Ok(())
+}
+
+/// Runs `command` and waits at most `bound`; past it the child is killed.
+fn wait_bounded(
+    command: &mut Command,
+    bound: Duration,
+    what: &str,
+) -> Result<std::process::ExitStatus> {
+    let mut child = command
+        .stdin(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting `{what}`"))?;
+    let started = Instant::now();
+    loop {
+        if let Some(status) = child
+            .try_wait()
+            .with_context(|| format!("waiting for `{what}`"))?
+        {
+            return Ok(status);
+        }
+        if started.elapsed() >= bound {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("`{what}` did not finish within {bound:?}; killed");
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -146,7 +146,14 @@ impl Cluster {
             eprintln!("e2e: deleting the existing kind cluster `{}`", options.name);
             Cmd::new(
                 "kind",
-                &["delete", "cluster", "--name", &options.name],
+                &[
+                    "delete",
+                    "cluster",
+                    "--name",
+                    &options.name,
+                    "--kubeconfig",
+                    &kubeconfig.to_string_lossy(),
+                ],
                 5 * MINUTE,
             )
             .show()
@@ -351,7 +358,14 @@ impl Cluster {
     pub(crate) async fn delete(&self) {
         if let Err(error) = Cmd::new(
             "kind",
-            &["delete", "cluster", "--name", &self.name],
+            &[
+                "delete",
+                "cluster",
+                "--name",
+                &self.name,
+                "--kubeconfig",
+                &self.kubeconfig.to_string_lossy(),
+            ],
             5 * MINUTE,
         )
         .show()
@@ -359,5 +373,38 @@ impl Cluster {
         {
             eprintln!("e2e: {error:#}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn root() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .expect("the workspace root")
+            .to_path_buf()
+    }
+
+    #[test]
+    fn every_image_deploy_names_has_a_dockerfile() {
+        let root = root();
+        let images = images(&root).expect("images");
+        assert_eq!(images.len(), 2, "{images:?}");
+        for image in &images {
+            assert!(
+                root.join(&image.dockerfile).is_file(),
+                "{} for {}",
+                image.dockerfile,
+                image.reference
+            );
+        }
+    }
+
+    #[test]
+    fn the_kind_config_publishes_the_http_node_port() {
+        assert_eq!(host_port(&root(), 30080).expect("mapped"), 8080);
+        assert!(host_port(&root(), 1).is_err());
     }
 }

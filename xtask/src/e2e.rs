@@ -5,6 +5,7 @@
 //! scenarios. Arguments go to it: `--name NAME`, `--keep`, `--skip-build`.
 
 use std::{
+    io::Read as _,
     process::{Command, Stdio},
     thread,
     time::{Duration, Instant},
@@ -22,7 +23,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         .args(["run", "--quiet", "-p", "haptic-e2e", "--"])
         .args(args)
         .current_dir(super::root());
-    let status = wait_bounded(&mut command, RUN_BOUND, "cargo run -p haptic-e2e")?;
+    let (status, _) = wait_bounded_stderr(&mut command, RUN_BOUND, "cargo run -p haptic-e2e")?;
     if !status.success() {
         bail!("the e2e failed ({status})");
     }
@@ -41,25 +42,29 @@ fn preflight() -> Result<()> {
             missing.join(", ")
         );
     }
-    // `docker info` hangs on some broken setups: bounded, output discarded.
+    // `docker info` hangs on some broken setups: bounded; its complaint is shown.
     let mut info = Command::new("docker");
     info.args(["info", "--format", "{{.ServerVersion}}"])
         .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    let status = wait_bounded(&mut info, Duration::from_secs(20), "docker info")
+        .stderr(Stdio::piped());
+    let (status, stderr) = wait_bounded_stderr(&mut info, Duration::from_secs(20), "docker info")
         .context("no Docker engine")?;
     if !status.success() {
-        bail!("no Docker engine: `docker info` failed ({status}); start Docker and run again");
+        bail!(
+            "no Docker engine: `docker info` failed ({status}): {}; start Docker and run again",
+            stderr.trim()
+        );
     }
     Ok(())
 }
 
-/// Runs `command` and waits at most `bound`; past it the child is killed.
-fn wait_bounded(
+/// Runs `command` and waits at most `bound`; past it the child is killed. Returns the exit
+/// status and, when the caller piped it, the standard error (short: it is read at exit).
+fn wait_bounded_stderr(
     command: &mut Command,
     bound: Duration,
     what: &str,
-) -> Result<std::process::ExitStatus> {
+) -> Result<(std::process::ExitStatus, String)> {
     let mut child = command
         .stdin(Stdio::null())
         .spawn()
@@ -70,7 +75,11 @@ fn wait_bounded(
             .try_wait()
             .with_context(|| format!("waiting for `{what}`"))?
         {
-            return Ok(status);
+            let mut stderr = String::new();
+            if let Some(mut pipe) = child.stderr.take() {
+                let _ = pipe.read_to_string(&mut stderr);
+            }
+            return Ok((status, stderr));
         }
         if started.elapsed() >= bound {
             let _ = child.kill();

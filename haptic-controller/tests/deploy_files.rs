@@ -891,3 +891,31 @@ fn the_kind_config_publishes_the_node_ports_the_e2e_sets() {
         );
     }
 }
+
+#[test]
+fn the_bootstrap_config_passes_haproxy_check() {
+    let haproxy = ["/usr/sbin/haproxy", "/usr/local/sbin/haproxy"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| p.is_file())
+        .expect(
+            "HAProxy is needed: `sudo apt-get install -y haproxy` (cargo xtask test installs it)",
+        );
+    let manifests = docs("deploy/haproxy.yaml");
+    let config = s(&find(&manifests, "ConfigMap", "haproxy-bootstrap")["data"]["haproxy.cfg"]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("haproxy.cfg");
+    std::fs::write(&path, config).expect("write");
+    let output = Command::new(haproxy)
+        .arg("-c")
+        .arg("-f")
+        .arg(&path)
+        .output()
+        .expect("haproxy -c");
+    assert!(
+        output.status.success(),
+        "the bootstrap config: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}

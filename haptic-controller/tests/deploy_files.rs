@@ -919,3 +919,63 @@ fn the_bootstrap_config_passes_haproxy_check() {
         String::from_utf8_lossy(&output.stderr)
     );
 }
+
+/// The config as deployed (the reference with the patch) is one the controller accepts, and
+/// its render passes the agents' default policy and `haproxy -c`, binding the HAProxy
+/// container's port.
+#[test]
+fn the_deployed_config_validates_renders_and_passes_haproxy_check() {
+    use haptic_controller::{crd::HAProxyTemplateConfig, events::RenderedSet, render_gate};
+
+    let htc: HAProxyTemplateConfig =
+        serde_json::from_value(deployed_htc()).expect("the deployed HTC reads as the CRD's type");
+    let config = haptic_controller::config::validate(&htc.spec, 1, "1")
+        .unwrap_or_else(|errors| panic!("the controller refuses it: {}", errors.join("; ")));
+    let files = config
+        .renderer
+        .render(&config.empty_stores())
+        .expect("renders with empty stores");
+    let cfg = String::from_utf8_lossy(files.get("haproxy.cfg").expect("haproxy.cfg")).into_owned();
+    assert!(cfg.contains("    maxconn 10000\n"), "{cfg}");
+    let manifests = docs("deploy/haproxy.yaml");
+    let pod = &find(&manifests, "Deployment", "haproxy")["spec"]["template"]["spec"];
+    let http = list(&container(pod, "haproxy")["ports"])
+        .iter()
+        .find(|p| p["name"] == "http")
+        .map(|p| p["containerPort"].clone())
+        .expect("http port");
+    assert!(cfg.contains(&format!("bind \":{http}\"")), "{cfg}");
+
+    let set = RenderedSet {
+        checksum: files.checksum_hex(),
+        files,
+        config_generation: 1,
+        term: std::time::SystemTime::now(),
+        render_time: std::time::Duration::ZERO,
+    };
+    render_gate::policy_check(&haptic_agent_client::policy::Policy::default(), &set)
+        .expect("the agents' default policy");
+    let haproxy = ["/usr/sbin/haproxy", "/usr/local/sbin/haproxy"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| p.is_file())
+        .expect(
+            "HAProxy is needed: `sudo apt-get install -y haproxy` (cargo xtask test installs it)",
+        );
+    let dir = tempfile::tempdir().expect("tempdir");
+    set.files.write_to(dir.path()).expect("write the set");
+    let output = Command::new(haproxy)
+        .arg("-c")
+        .arg("-C")
+        .arg(dir.path())
+        .arg("-f")
+        .arg(dir.path().join("haproxy.cfg"))
+        .output()
+        .expect("haproxy -c");
+    assert!(
+        output.status.success(),
+        "haproxy -c: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}

@@ -37,7 +37,7 @@ pub(crate) async fn run(cluster: &Cluster) -> Result<()> {
     let mut passed = 0;
     let steps = [
         "two replicas: exactly one Lease holder, a controller pod that logs `leading`",
-        "a real request through HAProxy, routed by an Ingress",
+        "a real request through HAProxy, routed by an Ingress; status Valid, all pods live",
         "graceful failover: the leader pod deleted, the other leads and deploys a later change",
         "crash failover: the leader pod deleted with no grace, another leads and deploys",
         "disabled election, one replica: no Lease holder, still deploys",
@@ -248,11 +248,24 @@ async fn ingress(k: &Kube<'_>) -> Result<()> {
     create_backends(k).await?;
     k.route_to("echo-1").await?;
     k.wait_served_by("echo-1", 3 * MINUTE).await?;
-    let status = k.config_status().await?;
-    ensure!(
-        status.get("validationStatus") == Some(&json!("Valid")),
-        "HTC status is not Valid: {status}"
-    );
+    // The leader writes the status debounced: it may trail the first request by a moment.
+    wait_for(
+        "HTC status Valid and Deployed: AllPodsLive",
+        MINUTE,
+        || async {
+            let status = k.config_status().await?;
+            let deployed = status["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|c| c["type"] == "Deployed" && c["reason"] == "AllPodsLive");
+            if status["validationStatus"] == "Valid" && deployed {
+                return Ok(Some(()));
+            }
+            bail!("status {status}")
+        },
+    )
+    .await?;
     Ok(())
 }
 

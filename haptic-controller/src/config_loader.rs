@@ -99,7 +99,9 @@ pub async fn component(
     {
         let objects = stream(client, &at);
         futures::pin_mut!(objects);
-        let mut last: Option<(i64, String)> = None;
+        // (uid, generation) of the last version validated: a deleted and re-created HTC starts
+        // at generation 1 again, with a new uid.
+        let mut last: Option<(String, i64)> = None;
         let mut running_election: Option<ElectionSettings> = None;
         loop {
             let next = tokio::select! {
@@ -116,15 +118,16 @@ pub async fn component(
             };
             let generation = htc.metadata.generation.unwrap_or(0);
             let rv = htc.metadata.resource_version.clone().unwrap_or_default();
+            let uid = htc.metadata.uid.clone().unwrap_or_default();
             // Status writes change the resourceVersion, not the generation: only a new spec is
             // validated again.
             if last
                 .as_ref()
-                .is_some_and(|(g, _)| *g == generation && generation != 0)
+                .is_some_and(|(u, g)| *u == uid && *g == generation && generation != 0)
             {
                 continue;
             }
-            last = Some((generation, rv.clone()));
+            last = Some((uid, generation));
             let spec = htc.spec.clone();
             let verdict =
                 tokio::task::spawn_blocking(move || config::validate(&spec, generation, &rv)).await;

@@ -146,10 +146,11 @@ fn run(args: RunArgs) -> Result<()> {
         let client = client(args.kubeconfig.as_deref()).await?;
         let token = CancellationToken::new();
         tokio::spawn(signals(token.clone()));
-        let mut policy = Policy::default();
-        policy.allow =
-            Policy::parse_capabilities(&args.allow.join(",")).context("parsing --allow")?;
-        policy.allowed_path_prefixes = clean(&args.allow_path);
+        let mut policy = Policy {
+            allow: Policy::parse_capabilities(&args.allow.join(",")).context("parsing --allow")?,
+            allowed_path_prefixes: clean(&args.allow_path),
+            ..Policy::default()
+        };
         policy.allowed_env.extend(clean(&args.allow_env));
         policy.validate().context("the config policy")?;
         let options = daemon::Options {

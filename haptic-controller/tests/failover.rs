@@ -237,3 +237,43 @@ async fn a_token_secret_created_later_is_waited_for() {
         .await;
     drop(controller);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probes_and_a_second_signal() {
+    let f = fleet(1, true, |_| {}).await;
+    // No HTC of that name: alive, not ready.
+    let mut waiting =
+        Controller::start_with_env(&f.cluster, "controller-9", &[("CONFIG_NAME", "absent")]).await;
+    eventually("healthz answers", Duration::from_secs(10), || async {
+        (waiting.probe("/healthz").await == Some(200)).then_some(())
+    })
+    .await;
+    assert_eq!(waiting.probe("/readyz").await, Some(503));
+    waiting.signal("TERM");
+    assert!(waiting.exited(Duration::from_secs(10)).await.success());
+
+    // A leader cut off from the API server cannot release its Lease: the first SIGTERM waits
+    // on that, the second exits at once.
+    let mut leader = Controller::start(&f.cluster, "controller-1").await;
+    f.agents[0]
+        .await_route("shop.example", "/", (200, "backend a"))
+        .await;
+    assert_eq!(leader.probe("/readyz").await, Some(200));
+    f.cluster
+        .server
+        .inject("controller-1", haptic_testkit::Fault::Partition);
+    leader.signal("TERM");
+    eventually(
+        "the first signal starts the drain",
+        Duration::from_secs(10),
+        || async { leader.logs().contains("shutting down").then_some(()) },
+    )
+    .await;
+    leader.signal("TERM");
+    let status = leader.exited(Duration::from_secs(5)).await;
+    assert_eq!(
+        status.code(),
+        Some(130),
+        "the second signal exits at once: {status:?}"
+    );
+}

@@ -3,6 +3,7 @@
 //! - `test`: installs what the tests need (the Debian `haproxy` package), then runs
 //!   `cargo fmt --check`, clippy with `-D warnings` on all targets and the whole test suite.
 //! - `bench [election|agent|render|eventbus|controller]`: runs the project's benchmarks.
+//! - `demo [--smoke]`: the whole system on one machine, no cluster (see the README).
 //! - `apiserver`: runs the haptic-testkit API server until Ctrl-C and prints a kubeconfig path.
 
 use std::{
@@ -46,6 +47,7 @@ fn run() -> Result<()> {
             &rest,
         ),
         "setup" => ensure_test_tools(),
+        "demo" => demo(&rest),
         "help" | "-h" | "--help" => {
             println!("{}", HELP);
             Ok(())
@@ -57,6 +59,7 @@ fn run() -> Result<()> {
 const HELP: &str = "usage: cargo xtask <task>
   test               install test tools if missing, then fmt --check, clippy -D warnings, all tests
   setup              only install the test tools (haproxy)
+  demo [--smoke]     the whole system on this machine (API server, 2 controllers, 2 agents with HAProxy, a demo app); --smoke checks it and exits
   bench [NAME...]    run benchmarks: election, agent, render, eventbus, controller (default: all)
   e2e [ARGS]         acceptance scenarios on a kind cluster (needs docker, kind, kubectl; --keep, --skip-build)
   apiserver [ARGS]   run the haptic-testkit API server until Ctrl-C (prints the kubeconfig path)";
@@ -143,7 +146,39 @@ fn test(extra: &[String]) -> Result<()> {
         &[],
     )?;
     cargo(&["test", "--workspace", "--locked"], extra)?;
+    // The main job, end to end: every claim the demo prints, checked.
+    demo(&["--smoke".to_owned()])?;
     Ok(())
+}
+
+/// Builds the binaries the demo starts, then runs it (`--smoke`: checks, then exits).
+fn demo(extra: &[String]) -> Result<()> {
+    ensure_test_tools()?;
+    // The demo finds the binaries beside its own executable.
+    cargo(
+        &[
+            "build",
+            "--quiet",
+            "-p",
+            "haptic-agent",
+            "-p",
+            "haptic-controller",
+            "--bins",
+        ],
+        &[],
+    )?;
+    cargo(
+        &[
+            "run",
+            "--quiet",
+            "-p",
+            "haptic-controller",
+            "--example",
+            "demo",
+            "--",
+        ],
+        extra,
+    )
 }
 
 fn bench(names: &[String]) -> Result<()> {

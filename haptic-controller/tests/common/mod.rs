@@ -177,6 +177,13 @@ impl Cluster {
         lease.spec?.holder_identity.filter(|h| !h.is_empty())
     }
 
+    /// The Lease's last `renewTime`, as wall-clock time.
+    pub async fn lease_renew_time(&self) -> Option<std::time::SystemTime> {
+        let lease = self.api::<Lease>().get_opt("haptic-leader").await.ok()??;
+        let renew = lease.spec?.renew_time?;
+        Some(std::time::SystemTime::from(renew.0))
+    }
+
     pub async fn lease_epoch(&self) -> Option<u64> {
         let lease = self.api::<Lease>().get_opt("haptic-leader").await.ok()??;
         lease
@@ -513,6 +520,10 @@ pub struct Controller {
 
 impl Controller {
     pub async fn start(cluster: &Cluster, name: &str) -> Self {
+        Self::start_with_env(cluster, name, &[]).await
+    }
+
+    pub async fn start_with_env(cluster: &Cluster, name: &str, env: &[(&str, &str)]) -> Self {
         let kubeconfig = cluster.server.kubeconfig_for(name).expect("kubeconfig");
         let log = cluster.dir.path().join(format!("{name}.log"));
         let file = std::fs::OpenOptions::new()
@@ -534,6 +545,7 @@ impl Controller {
             .arg("--haproxy")
             .arg(haproxy_bin())
             .env("RUST_LOG", "info,haptic_controller=debug")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(file.try_clone().expect("log"))
             .stderr(file)
@@ -567,6 +579,10 @@ impl Controller {
             .await
             .unwrap_or_else(|_| panic!("{} did not exit within {bound:?}", self.name))
             .expect("wait")
+    }
+
+    pub fn try_wait(&mut self) -> std::io::Result<Option<std::process::ExitStatus>> {
+        self.child.try_wait()
     }
 
     pub fn logs(&self) -> String {

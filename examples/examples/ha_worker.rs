@@ -2,7 +2,7 @@
 //! of "jobs" (here, a counter it logs), and only the leader does the work, stamping each job
 //! with its fencing epoch.
 //!
-//! With no cluster: `cargo run -p haptic-leadership --example ha_worker -- --local` starts a
+//! With no cluster: `cargo run -p haptic-examples --example ha_worker -- --local` starts a
 //! haptic-testkit API server in this process and two instances, `worker-a` and `worker-b`.
 //! Ctrl-C stops the current leader (it releases the Lease after its work stopped, and the
 //! other takes over at once); a second Ctrl-C stops the other and exits. `--run-for 20` stops

@@ -6,16 +6,16 @@
 //! the example exits by itself:
 //!
 //! ```sh
-//! cargo run -p haptic-election --example leader_election -- --local
-//! cargo run -p haptic-election --example leader_election -- --local --poll-only   # client-go's timing
+//! cargo run -p haptic-examples --example leader_election -- --local
+//! cargo run -p haptic-examples --example leader_election -- --local --poll-only   # client-go's timing
 //! ```
 //!
 //! Against the cluster of your kubeconfig, run one instance per terminal, each with its own
 //! identity, and stop the leader with Ctrl-C to watch the other take over:
 //!
 //! ```sh
-//! cargo run -p haptic-election --example leader_election -- --identity me-1
-//! cargo run -p haptic-election --example leader_election -- --identity me-2
+//! cargo run -p haptic-examples --example leader_election -- --identity me-1
+//! cargo run -p haptic-examples --example leader_election -- --identity me-2
 //! kubectl get lease leader-election-example -o yaml
 //! ```
 

@@ -32,16 +32,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
 
 /// Fails fast, before anything is compiled, when a tool or the Docker engine is missing.
 fn preflight() -> Result<()> {
-    let missing: Vec<&str> = ["docker", "kind", "kubectl"]
-        .into_iter()
-        .filter(|binary| !super::on_path(binary))
-        .collect();
-    if !missing.is_empty() {
-        bail!(
-            "e2e needs docker, kind and kubectl on PATH; missing: {} (https://kind.sigs.k8s.io/docs/user/quick-start/)",
-            missing.join(", ")
-        );
-    }
+    missing_tools(std::env::var_os("PATH").as_deref())?;
     // `docker info` hangs on some broken setups: bounded; its complaint is shown.
     let mut info = Command::new("docker");
     info.args(["info", "--format", "{{.ServerVersion}}"])
@@ -53,6 +44,24 @@ fn preflight() -> Result<()> {
         bail!(
             "no Docker engine: `docker info` failed ({status}): {}; start Docker and run again",
             stderr.trim()
+        );
+    }
+    Ok(())
+}
+
+/// Fails, naming every one missing, unless docker, kind and kubectl are files in `path`.
+fn missing_tools(path: Option<&std::ffi::OsStr>) -> Result<()> {
+    let dirs: Vec<std::path::PathBuf> = path
+        .map(|p| std::env::split_paths(p).collect())
+        .unwrap_or_default();
+    let missing: Vec<&str> = ["docker", "kind", "kubectl"]
+        .into_iter()
+        .filter(|binary| !dirs.iter().any(|dir| dir.join(binary).is_file()))
+        .collect();
+    if !missing.is_empty() {
+        bail!(
+            "e2e needs docker, kind and kubectl on PATH; missing: {} (https://kind.sigs.k8s.io/docs/user/quick-start/)",
+            missing.join(", ")
         );
     }
     Ok(())
@@ -87,5 +96,45 @@ fn wait_bounded_stderr(
             bail!("`{what}` did not finish within {bound:?}; killed");
         }
         thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_missing_tool_is_named() {
+        let error = missing_tools(None).expect_err("no PATH");
+        assert!(
+            error.to_string().contains("missing: docker, kind, kubectl"),
+            "{error}"
+        );
+        let empty = std::env::temp_dir().join(format!("xtask-e2e-empty-{}", std::process::id()));
+        std::fs::create_dir_all(&empty).expect("dir");
+        let error = missing_tools(Some(empty.as_os_str())).expect_err("empty dir");
+        assert!(error.to_string().contains("missing: docker, kind, kubectl"));
+        for tool in ["docker", "kubectl"] {
+            std::fs::write(empty.join(tool), "").expect("fake tool");
+        }
+        let error = missing_tools(Some(empty.as_os_str())).expect_err("no kind");
+        assert!(error.to_string().contains("missing: kind ("), "{error}");
+        std::fs::write(empty.join("kind"), "").expect("fake kind");
+        missing_tools(Some(empty.as_os_str())).expect("all there");
+        let _ = std::fs::remove_dir_all(&empty);
+    }
+
+    #[test]
+    fn a_command_past_its_bound_is_killed() {
+        let started = Instant::now();
+        let mut sleep = Command::new("sleep");
+        sleep.arg("30");
+        let error = wait_bounded_stderr(&mut sleep, Duration::from_millis(200), "sleep 30")
+            .expect_err("bounded");
+        assert!(
+            error.to_string().contains("did not finish within"),
+            "{error}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5));
     }
 }

@@ -979,3 +979,60 @@ fn the_deployed_config_validates_renders_and_passes_haproxy_check() {
         String::from_utf8_lossy(&output.stderr)
     );
 }
+
+/// Every manifest reads as its Kubernetes type (a misspelt field's type, a string for a
+/// number, a list for a map).
+#[test]
+fn every_manifest_reads_as_its_kubernetes_type() {
+    use k8s_openapi::{
+        api::{
+            apps::v1::Deployment,
+            core::v1::{ConfigMap, Namespace, Service, ServiceAccount},
+            networking::v1::{IngressClass, NetworkPolicy},
+            policy::v1::PodDisruptionBudget,
+            rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding},
+        },
+        apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+    };
+    use serde::de::DeserializeOwned;
+
+    fn typed<T: DeserializeOwned>(doc: &Value) {
+        if let Err(error) = serde_json::from_value::<T>(doc.clone()) {
+            panic!("{} {}: {error}", doc["kind"], doc["metadata"]["name"]);
+        }
+    }
+    let mut seen = 0;
+    for file in [
+        "deploy/namespace.yaml",
+        "deploy/crd.yaml",
+        "deploy/rbac.yaml",
+        "deploy/controller.yaml",
+        "deploy/haproxy.yaml",
+        "deploy/ingressclass.yaml",
+        "deploy/haptic-config.yaml",
+    ] {
+        for doc in docs(file) {
+            seen += 1;
+            match s(&doc["kind"]) {
+                "Namespace" => typed::<Namespace>(&doc),
+                "CustomResourceDefinition" => typed::<CustomResourceDefinition>(&doc),
+                "ServiceAccount" => typed::<ServiceAccount>(&doc),
+                "ClusterRole" => typed::<ClusterRole>(&doc),
+                "ClusterRoleBinding" => typed::<ClusterRoleBinding>(&doc),
+                "Role" => typed::<Role>(&doc),
+                "RoleBinding" => typed::<RoleBinding>(&doc),
+                "Deployment" => typed::<Deployment>(&doc),
+                "PodDisruptionBudget" => typed::<PodDisruptionBudget>(&doc),
+                "Service" => typed::<Service>(&doc),
+                "ConfigMap" => typed::<ConfigMap>(&doc),
+                "NetworkPolicy" => typed::<NetworkPolicy>(&doc),
+                "IngressClass" => typed::<IngressClass>(&doc),
+                "HAProxyTemplateConfig" => {
+                    typed::<haptic_controller::crd::HAProxyTemplateConfig>(&doc)
+                }
+                other => panic!("{file}: no type for {other}"),
+            }
+        }
+    }
+    assert_eq!(seen, 17, "documents in deploy/");
+}

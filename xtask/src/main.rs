@@ -14,6 +14,8 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 
+mod e2e;
+
 fn main() -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
@@ -31,6 +33,7 @@ fn run() -> Result<()> {
     match task.as_str() {
         "test" => test(&rest),
         "bench" => bench(&rest),
+        "e2e" => e2e::run(&rest),
         "apiserver" => cargo(
             &[
                 "run",
@@ -58,6 +61,7 @@ const HELP: &str = "usage: cargo xtask <task>
   setup              only install the test tools (haproxy)
   demo [--smoke]     the whole system on this machine (API server, 2 controllers, 2 agents with HAProxy, a demo app); --smoke checks it and exits
   bench [NAME...]    run benchmarks: election, agent, render, eventbus, controller (default: all)
+  e2e [ARGS]         acceptance scenarios on a kind cluster (needs docker, kind, kubectl; --keep, --skip-build)
   apiserver [ARGS]   run the haptic-testkit API server until Ctrl-C (prints the kubeconfig path)";
 
 fn root() -> PathBuf {

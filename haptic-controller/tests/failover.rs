@@ -9,6 +9,7 @@ use common::*;
 
 struct Fleet {
     cluster: Cluster,
+    spec: haptic_controller::HAProxyTemplateConfigSpec,
     agents: Vec<Agent>,
     _backends: (Backend, Backend),
 }
@@ -37,6 +38,7 @@ async fn fleet(
     cluster.ingress("shop", "shop.example", "/", "web-a").await;
     Fleet {
         cluster,
+        spec,
         agents: started,
         _backends: (a, b),
     }
@@ -181,15 +183,36 @@ async fn crash_graceful_and_stale_leaders() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disabled_election_deploys_without_a_lease() {
-    let f = fleet(1, true, |spec| {
-        spec.controller.leader_election.enabled = false
-    })
-    .await;
-    let only = Controller::start(&f.cluster, "controller-1").await;
+    // A fleet an elected leader served first: its agents are fenced above epoch 0.
+    let f = fleet(1, true, |_| {}).await;
+    let mut elected = Controller::start(&f.cluster, "controller-1").await;
     f.agents[0]
         .await_route("shop.example", "/", (200, "backend a"))
         .await;
-    assert_eq!(f.cluster.leader().await, None, "no Lease");
+    let fence = f.agents[0]
+        .state()
+        .await
+        .and_then(|s| s.fence)
+        .expect("fence");
+    assert!(fence >= 1);
+    elected.signal("TERM");
+    elected.exited(Duration::from_secs(25)).await;
+
+    // Election off, a replica of another name: it leads at once, raises its epoch above the
+    // agents' fence, and deploys, with no Lease request at all.
+    let mut spec = f.spec.clone();
+    spec.controller.leader_election.enabled = false;
+    f.cluster.apply_htc(&spec).await;
+    let only = Controller::start(&f.cluster, "standalone-7").await;
+    f.cluster
+        .ingress("shop", "shop.example", "/", "web-b")
+        .await;
+    f.agents[0]
+        .await_route("shop.example", "/", (200, "backend b"))
+        .await;
+    let state = f.agents[0].state().await.expect("state");
+    assert_eq!(state.leader.as_deref(), Some("standalone-7"));
+    assert!(state.fence.expect("fence") > fence);
     let leases = f
         .cluster
         .server

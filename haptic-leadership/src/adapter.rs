@@ -86,6 +86,8 @@ impl<E: LeaderEvents> fmt::Debug for LeaderContext<E> {
 
 struct TermState {
     term: tokio::sync::Mutex<Option<Term>>,
+    /// Whether the term claimed its epoch on the Lease (false in disabled mode).
+    on_lease: bool,
     epoch: AtomicU64,
     stand_down: CancellationToken,
     stand_down_reason: Mutex<String>,
@@ -128,11 +130,20 @@ impl<E: LeaderEvents> LeaderContext<E> {
 
     /// A receiver refused our epoch with its fence `floor`: raise the epoch above it if the
     /// Lease still names us (the counter regressed). On [`haptic_epoch::Error::ForeignLeader`]
-    /// the term stands down by itself; stop writing.
+    /// the term stands down by itself; stop writing. In disabled mode (one replica, no Lease)
+    /// the epoch is simply raised above `floor`.
     pub async fn reclaim(&self, floor: u64) -> Result<u64, haptic_epoch::Error> {
         let mut guard = self.term.term.lock().await;
+        if !self.term.on_lease {
+            // Disabled mode: one replica, no Lease to claim on. Receivers fenced by leaders of
+            // an earlier, elected deployment would otherwise refuse this replica forever, so
+            // its epoch follows them up.
+            let raised = self.epoch().max(floor.saturating_add(1));
+            self.term.epoch.store(raised, Ordering::SeqCst);
+            return Ok(raised);
+        }
         let Some(term) = guard.as_mut() else {
-            // Disabled mode (no fencing) or a term already standing down.
+            // A term already standing down.
             return Ok(self.epoch());
         };
         match term.reclaim(floor).await {
@@ -483,6 +494,7 @@ async fn run_term<E: LeaderEvents>(shared: Arc<Shared<E>>, term_token: Cancellat
     }
     let epoch = term.as_ref().map_or(0, Term::epoch);
     let state = Arc::new(TermState {
+        on_lease: term.is_some(),
         term: tokio::sync::Mutex::new(term),
         epoch: AtomicU64::new(epoch),
         stand_down: CancellationToken::new(),

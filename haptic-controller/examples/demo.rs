@@ -1,7 +1,8 @@
 //! `cargo xtask demo`: the whole system on one machine, with no cluster.
 //!
-//! The haptic-testkit API server (in this process), the CRD and the reference
-//! HAProxyTemplateConfig, two controller replicas and two agents with supervised HAProxy (child
+//! The haptic-testkit API server (in this process), the CRD and the HAProxyTemplateConfig that
+//! `deploy/` ships (the reference Ingress templates; made to bind each pod's own loopback
+//! address, with short Lease timings), two controller replicas and two agents with supervised HAProxy (child
 //! processes, each agent playing a pod on its own loopback address), and a demo app: two small
 //! HTTP backends with their Services, EndpointSlices and Ingresses for two hosts, one of them
 //! with TLS from a generated Secret. It prints what runs and what to try, and keeps the process
@@ -59,7 +60,14 @@ async fn start() -> Demo {
     let kubeconfig = cluster.server.kubeconfig_for("admin").expect("kubeconfig");
     let (agent_port, http_port) = (free_port(), free_port());
     cluster.create_token().await;
-    cluster.apply_htc(&spec(agent_port, http_port)).await;
+    // The HTC `deploy/` ships, made to run on loopback.
+    let shipped = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/haptic-config.yaml");
+    let text = std::fs::read_to_string(shipped).expect("deploy/haptic-config.yaml");
+    let htc: haptic_controller::HAProxyTemplateConfig =
+        serde_saphyr::from_str(&text).expect("deploy/haptic-config.yaml is an HTC");
+    cluster
+        .apply_htc(&local(htc.spec, agent_port, http_port))
+        .await;
     let mut agents = Vec::new();
     for i in 1..=2 {
         agents.push(Agent::start(&cluster, i, agent_port, http_port).await);

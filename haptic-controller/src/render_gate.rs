@@ -56,7 +56,12 @@ pub fn component(
                 event = renders.recv() => event,
             };
             let Some(mut event) = event else { return };
-            // Latest wins: a check is only worth running on the newest render.
+            if let ControllerEvent::BecameLeader(became) = &*event {
+                term = Some(became.at);
+            }
+            // Latest wins: a check is only worth running on the newest render. (The term is
+            // taken from every BecameLeader on the way: a render queued right behind it must
+            // not be taken for one of an earlier term.)
             while let Some(newer) = renders.try_recv() {
                 if let ControllerEvent::BecameLeader(became) = &*newer {
                     term = Some(became.at);
@@ -65,10 +70,6 @@ pub fn component(
                 }
             }
             let set = match &*event {
-                ControllerEvent::BecameLeader(became) => {
-                    term = Some(became.at);
-                    continue;
-                }
                 ControllerEvent::Rendered(set) if Some(set.term) == term => set,
                 _ => continue,
             };

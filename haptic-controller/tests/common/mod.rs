@@ -279,7 +279,15 @@ fn base64(text: &str) -> String {
 /// The reference config for tests: HAProxy on `http_port` at each pod's own address, short
 /// Lease timings, a fast scheduler and drift check.
 pub fn spec(agent_port: u16, http_port: u16) -> HAProxyTemplateConfigSpec {
-    let mut spec = reference::spec();
+    local(reference::spec(), agent_port, http_port)
+}
+
+/// `spec` made to run on this machine (see [`spec`]).
+pub fn local(
+    mut spec: HAProxyTemplateConfigSpec,
+    agent_port: u16,
+    http_port: u16,
+) -> HAProxyTemplateConfigSpec {
     spec.pod_selector.match_labels = BTreeMap::from([("app".to_owned(), "haproxy".to_owned())]);
     let le = &mut spec.controller.leader_election;
     le.lease_duration = "3s".into();

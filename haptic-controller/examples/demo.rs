@@ -162,7 +162,7 @@ impl Demo {
                 .await
                 .and_then(|s| s.live_checksum)
                 .map_or("nothing live".to_owned(), |c| {
-                    format!("live sha256:{}", &c[..12])
+                    format!("live sha256:{}", c.chars().take(12).collect::<String>())
                 });
             out.push_str(&format!(
                 "  {}-agent at {} ({live})\n",

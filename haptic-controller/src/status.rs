@@ -258,5 +258,5 @@ fn short(checksum: &str) -> String {
     if checksum == "none" {
         return "none".to_owned();
     }
-    format!("sha256:{}", &checksum[..checksum.len().min(12)])
+    format!("sha256:{}", checksum.chars().take(12).collect::<String>())
 }

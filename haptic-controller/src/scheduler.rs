@@ -298,7 +298,19 @@ impl Scheduler {
             {
                 continue;
             }
-            let (Some(body), Some(target)) = (self.prepared(), self.target(&pod)) else {
+            let Some(body) = self.prepared() else { return };
+            let Some(target) = self.target(&pod) else {
+                // An address that is no URL: retried later (the pod may be updated), not in a
+                // tight loop.
+                self.failed.insert(
+                    pod.clone(),
+                    Failure {
+                        checksum: desired.checksum.clone(),
+                        attempts: 1,
+                        retry_at: Some(now + BACKOFF_MAX),
+                        message: "the pod's agent URL is invalid".to_owned(),
+                    },
+                );
                 continue;
             };
             let Some(client) = self.client.clone() else {

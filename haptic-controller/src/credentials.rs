@@ -17,7 +17,7 @@ use tracing::{info, warn};
 
 use crate::{
     events::{ControllerEvent, Kind, TokenState},
-    tasks::Child,
+    tasks::follow_config,
 };
 
 /// The component: subscribe now, run the returned future.
@@ -27,43 +27,26 @@ pub fn component(
     bus: EventBus<ControllerEvent>,
     token: CancellationToken,
 ) -> impl Future<Output = ()> + Send + 'static {
-    let mut configs = bus.subscribe("credentials-loader", Filter::kind(Kind::ConfigValidated));
-    async move {
-        let mut current: Option<((String, String), Child)> = None;
-        loop {
-            let event = tokio::select! {
-                () = token.cancelled() => break,
-                event = configs.recv() => event,
-            };
-            let Some(event) = event else { break };
-            let ControllerEvent::ConfigValidated(config) = &*event else {
-                continue;
-            };
-            let wanted = (
+    let configs = bus.subscribe("credentials-loader", Filter::kind(Kind::ConfigValidated));
+    follow_config(
+        configs,
+        token,
+        |config| {
+            (
                 config.agent.token_secret.clone(),
                 config.agent.token_key.clone(),
-            );
-            if current.as_ref().is_some_and(|(w, _)| *w == wanted) {
-                continue;
-            }
-            if let Some((_, old)) = current.take() {
-                old.stop().await;
-            }
-            let child = Child::spawn(&token, |t| {
-                watch_secret(
-                    client.clone(),
-                    namespace.clone(),
-                    wanted.clone(),
-                    bus.clone(),
-                    t,
-                )
-            });
-            current = Some((wanted, child));
-        }
-        if let Some((_, old)) = current {
-            old.stop().await;
-        }
-    }
+            )
+        },
+        move |wanted, t| {
+            watch_secret(
+                client.clone(),
+                namespace.clone(),
+                wanted.clone(),
+                bus.clone(),
+                t,
+            )
+        },
+    )
 }
 
 async fn watch_secret(

@@ -17,7 +17,7 @@ use tracing::{info, warn};
 
 use crate::{
     events::{ControllerEvent, Kind, Pod, PodSet},
-    tasks::Child,
+    tasks::follow_config,
 };
 
 /// What decides which pods are eligible and how they are reached.
@@ -35,44 +35,25 @@ pub fn component(
     bus: EventBus<ControllerEvent>,
     token: CancellationToken,
 ) -> impl Future<Output = ()> + Send + 'static {
-    let mut configs = bus.subscribe("pod-discovery", Filter::kind(Kind::ConfigValidated));
-    async move {
-        let mut current: Option<(Selection, Child)> = None;
-        loop {
-            let event = tokio::select! {
-                () = token.cancelled() => break,
-                event = configs.recv() => event,
-            };
-            let Some(event) = event else { break };
-            let ControllerEvent::ConfigValidated(config) = &*event else {
-                continue;
-            };
-            let wanted = Selection {
-                selector: config.pod_selector.clone(),
-                port: config.agent.port,
-                container: config.agent.container_name.clone(),
-            };
-            if current.as_ref().is_some_and(|(s, _)| *s == wanted) {
-                continue;
-            }
-            if let Some((_, old)) = current.take() {
-                old.stop().await;
-            }
-            let child = Child::spawn(&token, |t| {
-                watch_pods(
-                    client.clone(),
-                    namespace.clone(),
-                    wanted.clone(),
-                    bus.clone(),
-                    t,
-                )
-            });
-            current = Some((wanted, child));
-        }
-        if let Some((_, old)) = current {
-            old.stop().await;
-        }
-    }
+    let configs = bus.subscribe("pod-discovery", Filter::kind(Kind::ConfigValidated));
+    follow_config(
+        configs,
+        token,
+        |config| Selection {
+            selector: config.pod_selector.clone(),
+            port: config.agent.port,
+            container: config.agent.container_name.clone(),
+        },
+        move |wanted, t| {
+            watch_pods(
+                client.clone(),
+                namespace.clone(),
+                wanted.clone(),
+                bus.clone(),
+                t,
+            )
+        },
+    )
 }
 
 async fn watch_pods(

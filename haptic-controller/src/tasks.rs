@@ -3,9 +3,12 @@
 
 use std::time::Duration;
 
+use haptic_eventbus::Subscription;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
+
+use crate::{config::ValidatedConfig, events::ControllerEvent};
 
 /// How long a component waits for a child task to return after cancelling it.
 pub(crate) const CHILD_STOP: Duration = Duration::from_secs(2);
@@ -50,5 +53,43 @@ impl Drop for Child {
         if let Some(handle) = &self.handle {
             handle.abort();
         }
+    }
+}
+
+/// Runs one child task for the part of the running config it depends on (`key`), started
+/// afresh by `start`, the old one stopped first, whenever that part changes; until `token`
+/// fires or `configs` (a `ConfigValidated` subscription) closes.
+pub(crate) async fn follow_config<K, F, Fut>(
+    mut configs: Subscription<ControllerEvent>,
+    token: CancellationToken,
+    key: impl Fn(&ValidatedConfig) -> K,
+    mut start: F,
+) where
+    K: PartialEq,
+    F: FnMut(&K, CancellationToken) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let mut current: Option<(K, Child)> = None;
+    loop {
+        let event = tokio::select! {
+            () = token.cancelled() => break,
+            event = configs.recv() => event,
+        };
+        let Some(event) = event else { break };
+        let ControllerEvent::ConfigValidated(config) = &*event else {
+            continue;
+        };
+        let wanted = key(config);
+        if current.as_ref().is_some_and(|(k, _)| *k == wanted) {
+            continue;
+        }
+        if let Some((_, old)) = current.take() {
+            old.stop().await;
+        }
+        let child = Child::spawn(&token, |t| start(&wanted, t));
+        current = Some((wanted, child));
+    }
+    if let Some((_, old)) = current {
+        old.stop().await;
     }
 }

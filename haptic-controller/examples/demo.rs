@@ -35,26 +35,6 @@ struct Demo {
     leaf_der: Vec<u8>,
 }
 
-fn b64(bytes: &[u8]) -> String {
-    use std::fmt::Write;
-    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::new();
-    for chunk in bytes.chunks(3) {
-        let n = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |n, (i, &x)| n | (u32::from(x) << (16 - 8 * i)));
-        for i in 0..4 {
-            let _ = if i <= chunk.len() {
-                out.write_char(T[((n >> (18 - 6 * i)) & 63) as usize] as char)
-            } else {
-                out.write_char('=')
-            };
-        }
-    }
-    out
-}
-
 async fn start() -> Demo {
     let cluster = Cluster::start().await;
     let kubeconfig = cluster.server.kubeconfig_for("admin").expect("kubeconfig");
@@ -93,7 +73,7 @@ async fn start() -> Demo {
     let secret: Secret = serde_json::from_value(json!({
         "metadata": {"name": "blog-tls", "namespace": NS},
         "type": "kubernetes.io/tls",
-        "data": {"tls.crt": b64(leaf.pem().as_bytes()), "tls.key": b64(key.serialize_pem().as_bytes())},
+        "data": {"tls.crt": base64(leaf.pem()), "tls.key": base64(key.serialize_pem())},
     }))
     .expect("secret");
     cluster

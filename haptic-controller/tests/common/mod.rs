@@ -256,24 +256,10 @@ pub fn ingress(name: &str, host: &str, path: &str, service: &str) -> Ingress {
     .expect("ingress")
 }
 
-fn base64(text: &str) -> String {
-    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let b = text.as_bytes();
-    let mut out = String::new();
-    for chunk in b.chunks(3) {
-        let n = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |n, (i, &x)| n | (u32::from(x) << (16 - 8 * i)));
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(T[((n >> (18 - 6 * i)) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
+/// Standard base64, as Secret `data` holds it.
+pub fn base64(bytes: impl AsRef<[u8]>) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
 }
 
 /// The reference config for tests: HAProxy on `http_port` at each pod's own address, short

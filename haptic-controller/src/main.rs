@@ -86,27 +86,9 @@ struct RunArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Crd => match haptic_controller::crd::crd_yaml() {
-            Ok(yaml) => {
-                print!("{yaml}");
-                ExitCode::SUCCESS
-            }
-            Err(error) => {
-                eprintln!("haptic-controller: {error}");
-                ExitCode::FAILURE
-            }
-        },
+        Command::Crd => print_yaml(haptic_controller::crd::crd_yaml()),
         Command::ReferenceConfig { name, namespace } => {
-            match haptic_controller::reference::yaml(&name, &namespace) {
-                Ok(yaml) => {
-                    print!("{yaml}");
-                    ExitCode::SUCCESS
-                }
-                Err(error) => {
-                    eprintln!("haptic-controller: {error}");
-                    ExitCode::FAILURE
-                }
-            }
+            print_yaml(haptic_controller::reference::yaml(&name, &namespace))
         }
         Command::Version => {
             println!("haptic-controller {}", env!("CARGO_PKG_VERSION"));
@@ -121,6 +103,19 @@ fn main() -> ExitCode {
                     ExitCode::FAILURE
                 }
             }
+        }
+    }
+}
+
+fn print_yaml(yaml: Result<String, serde_saphyr::SerializeError>) -> ExitCode {
+    match yaml {
+        Ok(yaml) => {
+            print!("{yaml}");
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("haptic-controller: {error}");
+            ExitCode::FAILURE
         }
     }
 }

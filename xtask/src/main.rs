@@ -155,18 +155,7 @@ fn test(extra: &[String]) -> Result<()> {
 fn demo(extra: &[String]) -> Result<()> {
     ensure_test_tools()?;
     // The demo finds the binaries beside its own executable.
-    cargo(
-        &[
-            "build",
-            "--quiet",
-            "-p",
-            "haptic-agent",
-            "-p",
-            "haptic-controller",
-            "--bins",
-        ],
-        &[],
-    )?;
+    build_process_bins(false)?;
     cargo(
         &[
             "run",
@@ -179,6 +168,17 @@ fn demo(extra: &[String]) -> Result<()> {
         ],
         extra,
     )
+}
+
+/// Builds the agent and controller binaries that the demo and the controller bench start as
+/// processes (they find them beside their own executable, in the same profile).
+fn build_process_bins(release: bool) -> Result<()> {
+    let mut args = vec!["build", "--quiet"];
+    if release {
+        args.push("--release");
+    }
+    args.extend(["-p", "haptic-agent", "-p", "haptic-controller", "--bins"]);
+    cargo(&args, &[])
 }
 
 fn bench(names: &[String]) -> Result<()> {
@@ -209,19 +209,7 @@ fn bench(names: &[String]) -> Result<()> {
             )?,
             // Real processes: the agent and controller binaries must be built in release first.
             "controller" => {
-                cargo(
-                    &[
-                        "build",
-                        "--release",
-                        "--quiet",
-                        "-p",
-                        "haptic-agent",
-                        "-p",
-                        "haptic-controller",
-                        "--bins",
-                    ],
-                    &[],
-                )?;
+                build_process_bins(true)?;
                 cargo(
                     &[
                         "run",

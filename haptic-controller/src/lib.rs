@@ -32,6 +32,7 @@ pub mod events;
 pub mod health;
 pub mod pod_discovery;
 pub mod reconciler;
+pub mod recorder;
 pub mod reference;
 pub mod render_gate;
 pub mod scheduler;

@@ -952,6 +952,7 @@ fn the_deployed_config_validates_renders_and_passes_haproxy_check() {
         config_generation: 1,
         term: std::time::SystemTime::now(),
         render_time: std::time::Duration::ZERO,
+        requests: Default::default(),
     };
     render_gate::policy_check(&haptic_agent_client::policy::Policy::default(), &set)
         .expect("the agents' default policy");

@@ -72,6 +72,46 @@ async fn ingress_to_haproxy_on_every_pod() {
     assert_eq!(status["observedGeneration"], 1, "{status}");
     let leader = cluster.leader().await.expect("a leader");
     assert!(leader == c1.name || leader == c2.name);
+    // Events, written by the leader through kube-runtime's recorder: the election, on the
+    // Lease, in client-go's words; the verdict, on the HTC.
+    await_event(
+        &cluster,
+        "Lease",
+        "LeaderElection",
+        &format!("{leader} became leader"),
+    )
+    .await;
+    let valid = await_event(
+        &cluster,
+        "HAProxyTemplateConfig",
+        "Valid",
+        "generation 1 is valid",
+    )
+    .await;
+    assert_eq!(
+        valid.reporting_controller.as_deref(),
+        Some("haptic-controller")
+    );
+    assert_eq!(valid.reporting_instance.as_deref(), Some(leader.as_str()));
+    // A path to a Service that does not exist: the reference templates ask for a Warning on
+    // the Ingress, and the path is not routed.
+    cluster
+        .ingress("orphan", "orphan.example", "/", "no-such-service")
+        .await;
+    let orphan = await_event(&cluster, "Ingress", "BackendNotFound", "no-such-service").await;
+    assert_eq!(orphan.type_.as_deref(), Some("Warning"));
+    assert_eq!(
+        orphan.regarding.as_ref().and_then(|r| r.name.as_deref()),
+        Some("orphan")
+    );
+    cluster.delete_ingress("orphan").await;
+    for c in [&c1, &c2] {
+        assert!(
+            !c.logs().contains(TOKEN),
+            "{} logged the agent token",
+            c.name
+        );
+    }
     for c in [&c1, &c2] {
         assert_eq!(c.probe("/readyz").await, Some(200), "{} ready", c.name);
         assert_eq!(c.probe("/healthz").await, Some(200), "{} healthy", c.name);
@@ -130,6 +170,14 @@ async fn ingress_to_haproxy_on_every_pod() {
         errors.contains("maps.routes-exact.map") && errors.contains("line"),
         "{status}"
     );
+    let invalid = await_event(
+        &cluster,
+        "HAProxyTemplateConfig",
+        "Invalid",
+        "maps.routes-exact.map",
+    )
+    .await;
+    assert_eq!(invalid.type_.as_deref(), Some("Warning"));
     for agent in [&agents[0], &agents[1], &third] {
         agent
             .await_route("shop.example", "/", (200, "backend a"))
@@ -152,6 +200,13 @@ async fn ingress_to_haproxy_on_every_pod() {
             .contains("no-such-keyword-here"),
         "{status}"
     );
+    await_event(
+        &cluster,
+        "HAProxyTemplateConfig",
+        "HAProxyRefused",
+        "no-such-keyword-here",
+    )
+    .await;
     cluster.ingress("held", "held.example", "/", "web-b").await;
     // An absence cannot be awaited: give a render and a deployment ample time to happen.
     tokio::time::sleep(Duration::from_millis(800)).await;
@@ -218,6 +273,29 @@ async fn await_status(cluster: &Cluster, generation: i64, validation: &str) -> s
             let status = cluster.htc_status().await?;
             (status["observedGeneration"] == generation && status["validationStatus"] == validation)
                 .then_some(status)
+        },
+    )
+    .await
+}
+
+/// The first Event (events.k8s.io/v1) about a `kind` with `reason` whose note contains `note`.
+async fn await_event(
+    cluster: &Cluster,
+    kind: &str,
+    reason: &str,
+    note: &str,
+) -> k8s_openapi::api::events::v1::Event {
+    let api = cluster.api::<k8s_openapi::api::events::v1::Event>();
+    eventually(
+        &format!("an Event {reason} on a {kind} saying {note:?}"),
+        Duration::from_secs(20),
+        || async {
+            let events = api.list(&Default::default()).await.ok()?;
+            events.items.into_iter().find(|e| {
+                e.reason.as_deref() == Some(reason)
+                    && e.regarding.as_ref().and_then(|r| r.kind.as_deref()) == Some(kind)
+                    && e.note.as_deref().is_some_and(|n| n.contains(note))
+            })
         },
     )
     .await

@@ -19,7 +19,7 @@ use crate::{
     render_gate::{self, GateSettings},
     scheduler,
     state::StateCache,
-    status, watchers,
+    status, status_applier, watchers,
 };
 
 /// How long shutdown waits for each group of components (leader-only work, then all-replica
@@ -135,6 +135,10 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
         .leader_only("status-updater", {
             let (client, name, ns) = (client.clone(), options.config.name.clone(), ns.clone());
             move |ctx| status::component(client.clone(), name.clone(), ns.clone(), ctx)
+        })
+        .leader_only("status-applier", {
+            let (client, cache) = (client.clone(), cache.clone());
+            move |ctx| status_applier::component(client.clone(), cache.clone(), ctx)
         })
         .leader_only("event-recorder", move |ctx| {
             recorder::component(events.clone(), subjects.clone(), ctx)

@@ -38,6 +38,7 @@ pub mod render_gate;
 pub mod scheduler;
 pub mod state;
 pub mod status;
+pub mod status_applier;
 mod tasks;
 pub mod watchers;
 

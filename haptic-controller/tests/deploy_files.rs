@@ -199,11 +199,17 @@ fn the_cluster_role_covers_exactly_the_watched_resources() {
             )
         })
         .collect();
+    let mut expected = watched;
+    // The one write: the status the reference templates declare for Ingresses.
+    expected.insert(
+        ("networking.k8s.io".to_owned(), "ingresses/status".to_owned()),
+        set(&["patch"]),
+    );
     let cluster_role = find(&rbac, "ClusterRole", "haptic-controller");
     assert_eq!(
         rules(cluster_role),
-        watched,
-        "the ClusterRole must grant get/list/watch on exactly the watched resources"
+        expected,
+        "the ClusterRole must grant get/list/watch on exactly the watched resources, and patch of Ingress status"
     );
 
     let namespace = s(&htc["metadata"]["namespace"]);

@@ -13,7 +13,7 @@ async fn ingress_to_haproxy_on_every_pod() {
     let cluster = Cluster::start().await;
     let (agent_port, http_port) = (free_port(), free_port());
     cluster.create_token().await;
-    cluster.apply_htc(&spec(agent_port, http_port)).await;
+    cluster.apply_htc(&lb_spec(agent_port, http_port)).await;
     let agents = [
         Agent::start(&cluster, 1, agent_port, http_port).await,
         Agent::start(&cluster, 2, agent_port, http_port).await,
@@ -22,6 +22,27 @@ async fn ingress_to_haproxy_on_every_pod() {
     let b = Backend::start("b").await;
     cluster.service("web-a", a.addr).await;
     cluster.service("web-b", b.addr).await;
+    // The HAProxy Service, with a load-balancer address: every Ingress's status gets it.
+    let lb_api = cluster.api::<k8s_openapi::api::core::v1::Service>();
+    let lb: k8s_openapi::api::core::v1::Service = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "haproxy", "namespace": NS},
+        "spec": {"ports": [{"name": "http", "port": 80}]},
+    }))
+    .expect("service");
+    lb_api
+        .create(&Default::default(), &lb)
+        .await
+        .expect("create the LB service");
+    lb_api
+        .patch_status(
+            "haproxy",
+            &Default::default(),
+            &kube::api::Patch::Merge(serde_json::json!({
+                "status": {"loadBalancer": {"ingress": [{"ip": "192.0.2.10"}]}}
+            })),
+        )
+        .await
+        .expect("LB address");
     let c1 = Controller::start(&cluster, "controller-1").await;
     let c2 = Controller::start(&cluster, "controller-2").await;
 
@@ -93,6 +114,30 @@ async fn ingress_to_haproxy_on_every_pod() {
         Some("haptic-controller")
     );
     assert_eq!(valid.reporting_instance.as_deref(), Some(leader.as_str()));
+    // The templates' declared status: the Ingress carries the HAProxy Service's address,
+    // written by server-side apply with the field manager `haptic`.
+    let ingresses = cluster.api::<k8s_openapi::api::networking::v1::Ingress>();
+    cluster.ingress("lb", "lb.example", "/", "web-a").await;
+    let lb_ing = eventually(
+        "Ingress status from the LB Service",
+        Duration::from_secs(20),
+        || async {
+            let ing = ingresses.get("lb").await.ok()?;
+            let ip = ing
+                .status
+                .as_ref()?
+                .load_balancer
+                .as_ref()?
+                .ingress
+                .as_ref()?
+                .first()?
+                .ip
+                .clone()?;
+            (ip == "192.0.2.10").then_some(ing)
+        },
+    )
+    .await;
+    let written_at = lb_ing.metadata.resource_version.clone();
     // A path to a Service that does not exist: the reference templates ask for a Warning on
     // the Ingress, and the path is not routed.
     cluster
@@ -104,7 +149,40 @@ async fn ingress_to_haproxy_on_every_pod() {
         orphan.regarding.as_ref().and_then(|r| r.name.as_deref()),
         Some("orphan")
     );
+    // Renders since then declared the same status for `lb`: it was not written again.
+    let orphan_status = eventually(
+        "the orphan's status written",
+        Duration::from_secs(20),
+        || async {
+            let ing = ingresses.get("orphan").await.ok()?;
+            ing.status?.load_balancer?.ingress?.first()?.ip.clone()
+        },
+    )
+    .await;
+    assert_eq!(orphan_status, "192.0.2.10");
+    let lb_writes = cluster
+        .server
+        .requests()
+        .iter()
+        .filter(|r| {
+            r.verb == "patch"
+                && r.resource == "ingresses.networking.k8s.io"
+                && r.subresource == "status"
+                && r.name == "lb"
+        })
+        .count();
+    assert_eq!(lb_writes, 1, "unchanged status is not rewritten");
+    assert_eq!(
+        ingresses
+            .get("lb")
+            .await
+            .expect("lb")
+            .metadata
+            .resource_version,
+        written_at
+    );
     cluster.delete_ingress("orphan").await;
+    cluster.delete_ingress("lb").await;
     for c in [&c1, &c2] {
         assert!(
             !c.logs().contains(TOKEN),
@@ -156,7 +234,7 @@ async fn ingress_to_haproxy_on_every_pod() {
 
     // A template that does not compile: Invalid, naming the template and line; HAProxy serves on.
     let before = checksums(vec![&agents[0], &agents[1], &third]).await;
-    let mut broken = spec(agent_port, http_port);
+    let mut broken = lb_spec(agent_port, http_port);
     broken
         .maps
         .get_mut("routes-exact.map")
@@ -186,7 +264,7 @@ async fn ingress_to_haproxy_on_every_pod() {
 
     // A config that renders but that HAProxy refuses: Invalid with HAProxy's words, no pod's
     // live set changes, and later renders are held until one passes.
-    let mut refused = spec(agent_port, http_port);
+    let mut refused = lb_spec(agent_port, http_port);
     refused
         .haproxy_config
         .template
@@ -222,7 +300,7 @@ async fn ingress_to_haproxy_on_every_pod() {
         Some(404)
     );
     // Fixed: the held change goes out.
-    cluster.apply_htc(&spec(agent_port, http_port)).await;
+    cluster.apply_htc(&lb_spec(agent_port, http_port)).await;
     await_status(&cluster, 4, "Valid").await;
     for agent in [&agents[0], &agents[1], &third] {
         agent
@@ -233,7 +311,7 @@ async fn ingress_to_haproxy_on_every_pod() {
     // A set the config policy refuses (Lua from the host) is reported and never leaves the
     // controller: no agent even sees it.
     let serving = checksums(vec![&agents[0], &agents[1], &third]).await;
-    let mut lua = spec(agent_port, http_port);
+    let mut lua = lb_spec(agent_port, http_port);
     lua.haproxy_config.template = lua.haproxy_config.template.replacen(
         "global\n",
         "global\n    lua-load /etc/haptic-evil.lua\n",
@@ -276,6 +354,16 @@ async fn await_status(cluster: &Cluster, generation: i64, validation: &str) -> s
         },
     )
     .await
+}
+
+/// The shared spec with the HAProxy Service named, so that Ingress status is declared.
+fn lb_spec(agent_port: u16, http_port: u16) -> haptic_controller::HAProxyTemplateConfigSpec {
+    let mut spec = spec(agent_port, http_port);
+    spec.templating_settings
+        .extra_context
+        .get_mut("haproxy")
+        .expect("tunables")["service"] = serde_json::json!(format!("{NS}/haproxy"));
+    spec
 }
 
 /// The first Event (events.k8s.io/v1) about a `kind` with `reason` whose note contains `note`.

@@ -15,7 +15,7 @@ use crate::{
     coordinator, credentials, drift,
     events::{ControllerEvent, STICKY},
     health::{self, Probes},
-    pod_discovery, reconciler, recorder,
+    pod_discovery, published, reconciler, recorder,
     render_gate::{self, GateSettings},
     scheduler,
     state::StateCache,
@@ -139,6 +139,15 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
         .leader_only("status-applier", {
             let (client, cache) = (client.clone(), cache.clone());
             move |ctx| status_applier::component(client.clone(), cache.clone(), ctx)
+        })
+        .leader_only("config-publisher", {
+            let client = client.clone();
+            let settings = published::Settings {
+                namespace: ns.clone(),
+                config_name: options.config.name.clone(),
+                compress_above: published::COMPRESS_ABOVE,
+            };
+            move |ctx| published::component(client.clone(), settings.clone(), ctx)
         })
         .leader_only("event-recorder", move |ctx| {
             recorder::component(events.clone(), subjects.clone(), ctx)

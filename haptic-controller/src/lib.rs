@@ -31,6 +31,7 @@ pub mod duration;
 pub mod events;
 pub mod health;
 pub mod pod_discovery;
+pub mod published;
 pub mod reconciler;
 pub mod recorder;
 pub mod reference;

@@ -195,6 +195,8 @@ async fn ingress_to_haproxy_on_every_pod() {
         assert_eq!(c.probe("/healthz").await, Some(200), "{} healthy", c.name);
     }
 
+    published_configs(&cluster, &agents).await;
+
     // A third pod started later gets the current set, with no change to render.
     cluster.ingress("shop", "shop.example", "/", "web-a").await;
     agents[0]
@@ -354,6 +356,185 @@ async fn await_status(cluster: &Cluster, generation: i64, validation: &str) -> s
         },
     )
     .await
+}
+
+/// The rendered set as published objects: what the pods run, the files beside it, the
+/// certificate by path and checksum only; and no write of what did not change.
+async fn published_configs(cluster: &Cluster, agents: &[Agent]) {
+    use haptic_controller::published::{self, HAProxyCRTListFile, HAProxyCfg, HAProxyMapFile};
+    let secret: k8s_openapi::api::core::v1::Secret =
+        serde_json::from_value(haptic_render::fixtures::tls_secret(NS, "tls-cert"))
+            .expect("secret");
+    cluster
+        .api::<k8s_openapi::api::core::v1::Secret>()
+        .create(&Default::default(), &secret)
+        .await
+        .expect("TLS secret");
+    let mut tls = ingress("tls", "tls.example", "/", "web-a");
+    tls.spec.as_mut().expect("spec").tls =
+        Some(vec![k8s_openapi::api::networking::v1::IngressTLS {
+            hosts: Some(vec!["tls.example".into()]),
+            secret_name: Some("tls-cert".into()),
+        }]);
+    cluster
+        .api::<k8s_openapi::api::networking::v1::Ingress>()
+        .create(&Default::default(), &tls)
+        .await
+        .expect("TLS ingress");
+    for agent in agents {
+        agent
+            .await_route("tls.example", "/", (200, "backend a"))
+            .await;
+    }
+    let live = agents[0]
+        .state()
+        .await
+        .and_then(|s| s.live_checksum)
+        .expect("live");
+    let cfgs = cluster.api::<HAProxyCfg>();
+    let cfg = eventually(
+        "the HAProxyCfg of the live set, on both pods",
+        Duration::from_secs(20),
+        || async {
+            let cfg = cfgs.get(HTC).await.ok()?;
+            let pods = &cfg.status.as_ref()?.deployed_to_pods;
+            (cfg.spec.set_checksum == format!("sha256:{live}")
+                && pods.len() == 2
+                && pods.iter().all(|p| p.checksum == format!("sha256:{live}")))
+            .then_some(cfg)
+        },
+    )
+    .await;
+    let served = std::fs::read(agents[0].data.join("current/haproxy.cfg")).expect("live cfg");
+    assert_eq!(
+        published::decode(&cfg.spec.content, cfg.spec.compressed).expect("decodes"),
+        served
+    );
+    assert_eq!(cfg.spec.checksum, published::checksum(&served));
+    assert_eq!(
+        cfg.metadata.owner_references.as_ref().expect("owner")[0].kind,
+        "HAProxyTemplateConfig"
+    );
+    let aux = cfg
+        .status
+        .as_ref()
+        .and_then(|s| s.auxiliary_files.clone())
+        .expect("aux");
+    assert!(
+        aux.map_files.contains(&format!("{HTC}-routes-prefix.map")),
+        "{aux:?}"
+    );
+    assert_eq!(aux.crt_list_files, [format!("{HTC}-certs.list")], "{aux:?}");
+    let pem =
+        std::fs::read(agents[0].data.join("current/ssl/default_tls-cert.pem")).expect("live pem");
+    assert_eq!(
+        aux.ssl_certificates
+            .iter()
+            .map(|c| (c.path.as_str(), c.checksum.clone()))
+            .collect::<Vec<_>>(),
+        [("ssl/default_tls-cert.pem", published::checksum(&pem))]
+    );
+    let maps = cluster.api::<HAProxyMapFile>();
+    let prefix = maps
+        .get(&format!("{HTC}-routes-prefix.map"))
+        .await
+        .expect("map file");
+    assert!(
+        prefix.spec.entries.contains("tls.example/"),
+        "{}",
+        prefix.spec.entries
+    );
+    assert_eq!(
+        prefix.metadata.owner_references.as_ref().expect("owner")[0].kind,
+        "HAProxyCfg"
+    );
+    let list = cluster
+        .api::<HAProxyCRTListFile>()
+        .get(&format!("{HTC}-certs.list"))
+        .await
+        .expect("crt-list");
+    assert!(
+        list.spec.entries.contains("ssl/default_tls-cert.pem"),
+        "{}",
+        list.spec.entries
+    );
+    // No key anywhere in what was published.
+    let key_line = haptic_render::fixtures::TLS_KEY_PEM
+        .lines()
+        .nth(1)
+        .expect("a key line");
+    for (kind, text) in [
+        (
+            "HAProxyCfg",
+            serde_json::to_string(&cfgs.list(&Default::default()).await.expect("list").items),
+        ),
+        (
+            "HAProxyMapFile",
+            serde_json::to_string(&maps.list(&Default::default()).await.expect("list").items),
+        ),
+        (
+            "HAProxyCRTListFile",
+            serde_json::to_string(
+                &cluster
+                    .api::<HAProxyCRTListFile>()
+                    .list(&Default::default())
+                    .await
+                    .expect("list")
+                    .items,
+            ),
+        ),
+        (
+            "HAProxyGeneralFile",
+            serde_json::to_string(
+                &cluster
+                    .api::<published::HAProxyGeneralFile>()
+                    .list(&Default::default())
+                    .await
+                    .expect("list")
+                    .items,
+            ),
+        ),
+    ] {
+        let text = text.expect("json");
+        assert!(
+            !text.contains("PRIVATE KEY") && !text.contains(key_line),
+            "a {kind} holds the key"
+        );
+    }
+    // A change to the prefix map only: the exact map is not written again.
+    let exact_writes = || {
+        cluster
+            .server
+            .requests()
+            .iter()
+            .filter(|r| {
+                r.verb == "patch"
+                    && r.resource == "haproxymapfiles.haproxy-haptic.org"
+                    && r.subresource.is_empty()
+                    && r.name == format!("{HTC}-routes-exact.map")
+            })
+            .count()
+    };
+    let before = exact_writes();
+    cluster
+        .ingress("tls", "tls.example", "/shop", "web-a")
+        .await;
+    eventually(
+        "the prefix map republished",
+        Duration::from_secs(20),
+        || async {
+            let map = maps.get(&format!("{HTC}-routes-prefix.map")).await.ok()?;
+            map.spec.entries.contains("tls.example/shop/").then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        exact_writes(),
+        before,
+        "an unchanged file is not written again"
+    );
+    assert!(before >= 1);
+    cluster.delete_ingress("tls").await;
 }
 
 /// The shared spec with the HAProxy Service named, so that Ingress status is declared.

@@ -342,7 +342,72 @@ async fn ingress_to_haproxy_on_every_pod() {
         serving,
         "no live set changed"
     );
-    drop((c1, c2, agents, third));
+    fenced_and_failing(&cluster, &agents[0], third, http_port).await;
+    drop((c1, c2, agents));
+}
+
+/// An agent whose fence is above the leader's epoch (the epoch counter regressed: the same
+/// identity wrote there at a higher epoch) refuses the leader, which reclaims above the fence,
+/// says so in a `Fenced` Event, and puts its set back; a pod whose agent is gone gets a
+/// `DeploymentFailed` Event.
+async fn fenced_and_failing(cluster: &Cluster, agent: &Agent, gone: Agent, http_port: u16) {
+    use haptic_agent_client::{AgentClient, ApplyRequest, ClientConfig, FileSet, Target};
+    let leader = cluster.leader().await.expect("a leader");
+    let epoch = cluster.lease_epoch().await.expect("an epoch");
+    let mut files = FileSet::new();
+    files
+        .insert(
+            "haproxy.cfg",
+            format!(
+                "global\n\ndefaults\n    mode http\n    timeout connect 1s\n    timeout client 1s\n    timeout server 1s\n\nfrontend f\n    bind \"${{POD_IP}}:{http_port}\"\n    http-request return status 503\n"
+            ),
+        )
+        .expect("file");
+    let request = ApplyRequest::new(epoch + 5, &leader, u64::MAX / 2, files).expect("request");
+    let client = AgentClient::new(ClientConfig::new(TOKEN)).expect("client");
+    let target =
+        Target::new(&agent.name, &format!("http://{}/", agent.agent_addr())).expect("target");
+    client
+        .apply(&target.url, &request)
+        .await
+        .expect("the higher epoch is accepted");
+    // Drift prevention sees the foreign set; the re-apply is fenced; the leader reclaims.
+    let fenced = await_event(cluster, "Pod", "Fenced", "reclaimed").await;
+    assert_eq!(
+        fenced.regarding.as_ref().and_then(|r| r.name.as_deref()),
+        Some(agent.name.as_str())
+    );
+    assert!(
+        fenced
+            .note
+            .as_deref()
+            .unwrap_or("")
+            .contains(&format!("its fence is {}", epoch + 5)),
+        "{fenced:?}"
+    );
+    agent
+        .await_route("shop.example", "/", (200, "backend a"))
+        .await;
+    assert!(
+        cluster.lease_epoch().await.expect("epoch") > epoch + 5,
+        "reclaimed above the fence"
+    );
+
+    // A pod whose agent is gone.
+    let name = gone.name.clone();
+    drop(gone);
+    cluster
+        .ingress("after", "after.example", "/", "web-a")
+        .await;
+    let failed = await_event(cluster, "Pod", "DeploymentFailed", &name).await;
+    assert_eq!(
+        failed.regarding.as_ref().and_then(|r| r.name.as_deref()),
+        Some(name.as_str())
+    );
+    assert_eq!(
+        failed.related.as_ref().and_then(|r| r.kind.as_deref()),
+        Some("HAProxyTemplateConfig")
+    );
 }
 
 async fn await_status(cluster: &Cluster, generation: i64, validation: &str) -> serde_json::Value {

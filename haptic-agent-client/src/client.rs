@@ -266,6 +266,11 @@ pub struct ApplyReport {
     pub checksum: String,
     /// The agent's time per phase.
     pub timing: Timing,
+    /// Whether the agent reloaded HAProxy (false: applied through the runtime API, or
+    /// unchanged).
+    pub reload: bool,
+    /// Runtime API commands the agent ran for this apply.
+    pub runtime_ops: u64,
     /// Wall time the client spent, retries included.
     pub elapsed: Duration,
     /// Attempts made.
@@ -393,11 +398,17 @@ impl AgentClient {
         let elapsed = started.elapsed();
         match serde_json::from_slice::<ApplyResponse>(&body) {
             Ok(ApplyResponse::Applied {
-                checksum, timing, ..
+                checksum,
+                timing,
+                reload,
+                runtime_ops,
+                ..
             }) if status == StatusCode::OK => Ok(ApplyReport {
                 outcome: Outcome::Applied,
                 checksum,
                 timing,
+                reload,
+                runtime_ops,
                 elapsed,
                 attempts,
             }),
@@ -407,6 +418,8 @@ impl AgentClient {
                 outcome: Outcome::Unchanged,
                 checksum,
                 timing,
+                reload: false,
+                runtime_ops: 0,
                 elapsed,
                 attempts,
             }),

@@ -47,6 +47,7 @@ pub mod functions;
 pub mod reference;
 pub mod render;
 pub mod set;
+pub mod slots;
 pub mod store;
 mod value;
 

@@ -100,7 +100,9 @@ fn template(source: &str) -> Template {
 /// environment), `http_port` (80),
 /// `https_port` (443), `timeout_connect` (5s), `timeout_client` and `timeout_server` (50s),
 /// `stats_socket` (none: a path adds an admin `stats socket`), `route_debug` (false: true
-/// answers requests carrying `x-haptic-route-debug` with the backend they would go to).
+/// answers requests carrying `x-haptic-route-debug` with the backend they would go to),
+/// `server_slots` (10: `server` lines per backend, growing in steps of it; see
+/// [`crate::slots`]).
 pub fn template_set() -> TemplateSet {
     let mut set = TemplateSet {
         haproxy_config: template(include_str!("../templates/haproxy.cfg.tera")),
@@ -162,6 +164,7 @@ pub fn template_set() -> TemplateSet {
             "timeout_server": "50s",
             "stats_socket": null,
             "route_debug": false,
+            "server_slots": crate::slots::DEFAULT_SLOTS,
         }),
     );
     set

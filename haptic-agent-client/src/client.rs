@@ -123,8 +123,8 @@ pub struct ClientConfig {
     pub token: String,
     /// Limit for one whole request, connect to last byte (default 480 s). It must exceed the
     /// agent's own bound on an apply, or the client gives up (and retries) while the agent is
-    /// still working: with the agent's default limits that bound is 470 s (30 s behind another
-    /// apply, `haproxy -c` 60 s,
+    /// still working: with the agent's default limits that bound is 475 s (30 s behind another
+    /// apply, 5 s of runtime API commands, `haproxy -c` 60 s,
     /// then a load and possibly a rollback load of up to 60 s reload + 60 s waiting for an
     /// unfinished reload + a supervised restart (10 s graceful stop, 60 s start) each;
     /// `AgentConfig::apply_time_limit`).

@@ -48,6 +48,7 @@ pub mod reference;
 pub mod render;
 pub mod requests;
 pub mod set;
+pub mod slots;
 pub mod store;
 mod value;
 

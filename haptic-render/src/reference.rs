@@ -101,8 +101,9 @@ fn template(source: &str) -> Template {
 /// `https_port` (443), `timeout_connect` (5s), `timeout_client` and `timeout_server` (50s),
 /// `stats_socket` (none: a path adds an admin `stats socket`), `route_debug` (false: true
 /// answers requests carrying `x-haptic-route-debug` with the backend they would go to),
-/// `service` (none: `"namespace/name"` of the HAProxy Service, whose load-balancer address
-/// becomes every Ingress's `status.loadBalancer`).
+/// `server_slots` (10: `server` lines per backend, growing in steps of it; see
+/// [`crate::slots`]), `service` (none: `"namespace/name"` of the HAProxy Service, whose
+/// load-balancer address becomes every Ingress's `status.loadBalancer`).
 ///
 /// The templates also ask the cluster to show (snippet `cluster-view`, [`crate::requests`]): a
 /// Warning Event `BackendNotFound` on an Ingress path whose Service or port does not exist, and
@@ -173,6 +174,7 @@ pub fn template_set() -> TemplateSet {
             "stats_socket": null,
             "route_debug": false,
             "service": null,
+            "server_slots": crate::slots::DEFAULT_SLOTS,
         }),
     );
     set

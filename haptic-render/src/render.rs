@@ -180,6 +180,7 @@ impl Renderer {
         tera.autoescape_on(Vec::<&'static str>::new());
         functions::register(&mut tera);
         requests::register(&mut tera);
+        crate::slots::register(&mut tera);
         let added = catch_unwind(AssertUnwindSafe(|| {
             tera.add_raw_templates(sources.iter().map(|(n, s)| (n.as_str(), *s)))
         }));

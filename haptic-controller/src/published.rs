@@ -552,12 +552,7 @@ pub fn component(
         let mut retry_at: Option<tokio::time::Instant> = None;
         let mut backoff = Duration::from_millis(500);
         loop {
-            let retry = async {
-                match retry_at {
-                    Some(at) => tokio::time::sleep_until(at).await,
-                    None => std::future::pending().await,
-                }
-            };
+            let retry = crate::tasks::until(retry_at);
             tokio::select! {
                 () = ctx.token().cancelled() => return,
                 event = events.recv() => {

@@ -51,12 +51,7 @@ pub fn component(
         let mut due: Option<tokio::time::Instant> = None;
         let mut backoff = Duration::from_millis(200);
         loop {
-            let sleep = async {
-                match due {
-                    Some(at) => tokio::time::sleep_until(at).await,
-                    None => std::future::pending().await,
-                }
-            };
+            let sleep = crate::tasks::until(due);
             tokio::select! {
                 () = ctx.token().cancelled() => return,
                 event = events.recv() => {

@@ -93,3 +93,11 @@ pub(crate) async fn follow_config<K, F, Fut>(
         old.stop().await;
     }
 }
+
+/// Sleeps until `at`, or forever when there is none: the timer arm of a `select!` loop.
+pub(crate) async fn until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}

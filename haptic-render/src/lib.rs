@@ -54,4 +54,4 @@ pub use derived::Derivation;
 pub use fileset::FileSet;
 pub use render::Renderer;
 pub use set::{CertificateTemplate, FileTemplate, Template, TemplateSet};
-pub use store::{Store, StoreConfig, Stores};
+pub use store::{Change, Overlay, OverlayError, Store, StoreConfig, Stores};

@@ -38,7 +38,9 @@ pub mod scheduler;
 pub mod state;
 pub mod status;
 mod tasks;
+pub mod validation;
 pub mod watchers;
+pub mod webhook;
 
 pub use crd::{HAProxyTemplateConfig, HAProxyTemplateConfigSpec, HAProxyTemplateConfigStatus};
 pub use daemon::{Options, run};

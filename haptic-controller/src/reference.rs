@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use crate::crd::{
     CertificateSource, HAProxyTemplateConfig, HAProxyTemplateConfigSpec, PodSelector,
-    TemplateSource, TemplatingSettings, WatchedResource,
+    TemplateSource, TemplatingSettings, ValidationTest, WatchedResource,
 };
 
 /// The resource each reference store watches: (store, apiVersion, plural).
@@ -36,6 +36,10 @@ pub fn spec() -> HAProxyTemplateConfigSpec {
                 label_selector: None,
                 // Only TLS Secrets can hold Ingress certificates; the rest are never read.
                 field_selector: (name == "secrets").then(|| "type=kubernetes.io/tls".to_owned()),
+                // An Ingress is what a user writes by hand: the webhook checks it before it
+                // reaches the stores. (The templates leave broken Services, slices and Secrets
+                // out, and those come from controllers and cert-manager.)
+                enable_validation_webhook: name == "ingresses",
             },
         );
     }
@@ -82,7 +86,14 @@ pub fn spec() -> HAProxyTemplateConfigSpec {
                 )
             })
             .collect(),
+        validation_tests: tests(),
     }
+}
+
+/// The reference config's validation tests (what `haptic-controller validate` runs in CI on
+/// `deploy/haptic-config.yaml`).
+fn tests() -> BTreeMap<String, ValidationTest> {
+    BTreeMap::new()
 }
 
 /// The reference config as an HAProxyTemplateConfig object in YAML, as `haptic-controller

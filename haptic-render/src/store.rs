@@ -350,6 +350,12 @@ impl Store {
             .map(|(ns, name)| (ns.as_str(), name.as_str()))
     }
 
+    /// The resources as JSON, sorted by namespace then name, as templates see them (ignored
+    /// fields dropped): for callers outside templates, such as a test's JSONPath.
+    pub fn json(&self) -> Json {
+        serde_json::to_value(&self.view().list).unwrap_or(Json::Null)
+    }
+
     /// Whether the store is empty.
     pub fn is_empty(&self) -> bool {
         self.items.is_empty()

@@ -102,7 +102,7 @@ pub enum AssertionType {
     Contains,
     /// `pattern` matches nowhere in `target`.
     NotContains,
-    /// `target` is exactly `expected` (trailing whitespace aside).
+    /// `target` is exactly `expected` (leading and trailing whitespace aside).
     Equals,
     /// `jsonpath` over the template context (`resources`, `derived`, the extra context) gives
     /// `expected` (one result: that value; several: the list), or anything when `expected`

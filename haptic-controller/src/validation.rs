@@ -463,13 +463,11 @@ async fn evaluate(
                 .as_ref()
                 .and_then(Json::as_str)
                 .unwrap_or_default();
-            if text.trim_end() == want.trim_end() {
+            if text.trim() == want.trim() {
                 return Ok(());
             }
-            let (got_lines, want_lines): (Vec<&str>, Vec<&str>) = (
-                text.trim_end().lines().collect(),
-                want.trim_end().lines().collect(),
-            );
+            let (got_lines, want_lines): (Vec<&str>, Vec<&str>) =
+                (text.trim().lines().collect(), want.trim().lines().collect());
             let at = (0..got_lines.len().max(want_lines.len()))
                 .find(|i| got_lines.get(*i) != want_lines.get(*i))
                 .unwrap_or(0);
@@ -526,7 +524,9 @@ async fn evaluate(
 fn same(want: &Json, got: &Json) -> bool {
     want == got
         || match (want, got) {
-            (Json::String(w), Json::Number(_) | Json::Bool(_)) => w.as_str() == got.to_string().as_str(),
+            (Json::String(w), Json::Number(_) | Json::Bool(_)) => {
+                w.as_str() == got.to_string().as_str()
+            }
             _ => false,
         }
 }

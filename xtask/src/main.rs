@@ -4,7 +4,7 @@
 //!   `cargo fmt --check`, clippy with `-D warnings` on all targets, the whole test suite, the
 //!   validation tests of the config `deploy/` ships (`haptic-controller validate`) and the
 //!   demo's smoke check.
-//! - `bench [election|agent|render|eventbus|controller]`: runs the project's benchmarks.
+//! - `bench [election|agent|render|eventbus|controller|webhook]`: runs the project's benchmarks.
 //! - `demo [--smoke]`: the whole system on one machine, no cluster (see the README).
 //! - `apiserver`: runs the haptic-testkit API server until Ctrl-C and prints a kubeconfig path.
 
@@ -62,7 +62,7 @@ const HELP: &str = "usage: cargo xtask <task>
   test               install test tools if missing, then fmt --check, clippy -D warnings, all tests, validate deploy/haptic-config.yaml, the demo smoke check
   setup              only install the test tools (haproxy)
   demo [--smoke]     the whole system on this machine (API server, 2 controllers, 2 agents with HAProxy, a demo app); --smoke checks it and exits
-  bench [NAME...]    run benchmarks: election, agent, render, eventbus, controller (default: all)
+  bench [NAME...]    run benchmarks: election, agent, render, eventbus, controller, webhook (default: all)
   e2e [ARGS]         acceptance scenarios on a kind cluster (needs docker, kind, kubectl; --keep, --skip-build)
   apiserver [ARGS]   run the haptic-testkit API server until Ctrl-C (prints the kubeconfig path)";
 
@@ -199,7 +199,14 @@ fn build_process_bins(release: bool) -> Result<()> {
 }
 
 fn bench(names: &[String]) -> Result<()> {
-    let all = ["eventbus", "render", "election", "agent", "controller"];
+    let all = [
+        "eventbus",
+        "render",
+        "election",
+        "agent",
+        "controller",
+        "webhook",
+    ];
     let selected: Vec<&str> = if names.is_empty() {
         all.to_vec()
     } else {
@@ -225,8 +232,9 @@ fn bench(names: &[String]) -> Result<()> {
                 &[],
             )?,
             // Real processes: the agent and controller binaries must be built in release first.
-            "controller" => {
+            "controller" | "webhook" => {
                 build_process_bins(true)?;
+                let example = format!("bench_{name}");
                 cargo(
                     &[
                         "run",
@@ -235,7 +243,7 @@ fn bench(names: &[String]) -> Result<()> {
                         "-p",
                         "haptic-controller",
                         "--example",
-                        "bench_controller",
+                        &example,
                         "--",
                     ],
                     &[],

@@ -643,3 +643,70 @@ async fn run_tests(config: &ValidatedConfig, checker: &Checker) -> Result<(), St
         Err(error) => Err(error.to_string()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn request() -> AdmissionRequest<DynamicObject> {
+        let review: AdmissionReview<DynamicObject> = serde_json::from_value(json!({
+            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {
+                "uid": "u1",
+                "kind": {"group": "networking.k8s.io", "version": "v1", "kind": "Ingress"},
+                "resource": {"group": "networking.k8s.io", "version": "v1", "resource": "ingresses"},
+                "name": "web", "namespace": "shop", "operation": "CREATE",
+                "userInfo": {"username": "u"},
+                "object": {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": {"name": "web", "namespace": "shop"}},
+            },
+        }))
+        .expect("review");
+        review.try_into().expect("request")
+    }
+
+    #[test]
+    fn verdicts_map_to_answers_and_outcomes_by_the_failure_policy() {
+        let req = request();
+        let (r, o) = answer(
+            &req,
+            Verdict::Denied("Ingress shop/web: no".into()),
+            FailurePolicy::Ignore,
+        );
+        assert!(!r.allowed);
+        assert_eq!(
+            (r.result.code, r.result.message.as_str()),
+            (403, "Ingress shop/web: no")
+        );
+        assert_eq!(
+            (o.gvk.as_str(), o.result),
+            ("networking.k8s.io/v1/Ingress", "denied")
+        );
+        let (r, o) = answer(
+            &req,
+            Verdict::Unjudged("past the budget".into()),
+            FailurePolicy::Fail,
+        );
+        assert!(!r.allowed);
+        assert!(
+            r.result
+                .message
+                .contains("past the budget (failure policy: fail)")
+        );
+        assert_eq!(o.result, "unjudged_denied");
+        let (r, o) = answer(
+            &req,
+            Verdict::Unjudged("past the budget".into()),
+            FailurePolicy::Ignore,
+        );
+        assert!(r.allowed);
+        assert!(
+            r.warnings
+                .is_some_and(|w| w[0].contains("(failure policy: ignore)"))
+        );
+        assert_eq!(o.result, "unjudged_allowed");
+        let (r, o) = answer(&req, Verdict::Allowed(Vec::new()), FailurePolicy::Fail);
+        assert!(r.allowed && r.warnings.is_none());
+        assert_eq!((r.uid.as_str(), o.result), ("u1", "allowed"));
+    }
+}

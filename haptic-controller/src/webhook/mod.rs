@@ -20,6 +20,7 @@
 //!
 //! The certificate and key are read from files and again when they change ([`tls`]).
 
+mod checked;
 pub mod selector;
 pub mod tls;
 
@@ -145,6 +146,8 @@ struct Webhook {
     cache: Arc<StateCache>,
     settings: WebhookSettings,
     tests: tokio::sync::Mutex<Option<(ConfigKey, Result<(), String>)>>,
+    /// What `haproxy -c` accepted for the running config version ([`checked`]).
+    checked: std::sync::Mutex<Option<(ConfigKey, checked::Checked)>>,
 }
 
 type ConfigKey = (i64, String);
@@ -173,6 +176,7 @@ pub async fn serve(
         cache,
         settings,
         tests: tokio::sync::Mutex::new(None),
+        checked: std::sync::Mutex::new(None),
     });
     let app = Router::new()
         .route("/validate", post(validate))
@@ -502,7 +506,7 @@ impl Webhook {
             Ok(Err(other)) => return other,
             Err(error) => return Verdict::Unjudged(format!("the render panicked: {error}")),
         };
-        if let Some(verdict) = self.check_set(what, &files, true).await {
+        if let Some(verdict) = self.check_set(what, &files, Some(&config)).await {
             return verdict;
         }
         match self.config_tests(&config).await {
@@ -513,14 +517,15 @@ impl Webhook {
         }
     }
 
-    /// The policy and `haproxy -c` on a set; `None` when it passes. With `against_stores`, a
-    /// refusal that the stores' own set (without the change) gets too is let through with a
-    /// warning.
+    /// The policy and `haproxy -c` on a set; `None` when it passes. With the running config
+    /// (a resource's review), what passed before for it is not checked again ([`checked`]),
+    /// and a refusal that the stores' own set (without the change) gets too is let through
+    /// with a warning.
     async fn check_set(
         &self,
         what: &str,
         files: &FileSet,
-        against_stores: bool,
+        running: Option<&ValidatedConfig>,
     ) -> Option<Verdict> {
         let checker = &self.settings.checker;
         let set = RenderedSet {
@@ -540,12 +545,42 @@ impl Webhook {
                 "no haproxy binary to check with".to_owned(),
             ));
         };
-        match render_gate::check_files(haproxy, files).await {
-            Ok(()) => None,
+        let key = running.map(|c| (c.generation, c.resource_version.clone()));
+        let reduced = key.as_ref().and_then(|key| {
+            let memo = self
+                .checked
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            memo.as_ref()
+                .filter(|(seen, _)| seen == key)
+                .and_then(|(_, checked)| checked.reduce(files))
+        });
+        let mut outcome =
+            render_gate::check_files(haproxy, reduced.as_ref().unwrap_or(files)).await;
+        // A reduced set refused is checked whole before anything is denied.
+        if reduced.is_some() && matches!(outcome, Err(CheckError::Refused(_))) {
+            outcome = render_gate::check_files(haproxy, files).await;
+        }
+        match outcome {
+            Ok(()) => {
+                if let Some(key) = key {
+                    let mut memo = self
+                        .checked
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    if memo.as_ref().is_none_or(|(seen, _)| *seen != key) {
+                        *memo = Some((key, checked::Checked::default()));
+                    }
+                    if let Some((_, checked)) = memo.as_mut() {
+                        checked.record(files);
+                    }
+                }
+                None
+            }
             Err(CheckError::CannotRun(error)) => Some(Verdict::Unjudged(error)),
             Err(CheckError::Refused(output)) => {
                 let alert = render_gate::alert_line(&output).to_owned();
-                if against_stores && self.stores_refused_too(haproxy, &alert).await {
+                if running.is_some() && self.stores_refused_too(haproxy, &alert).await {
                     return Some(Verdict::Allowed(vec![format!(
                         "HAProxy refuses the config already, without this change: {alert}"
                     )]));
@@ -625,7 +660,7 @@ impl Webhook {
             Ok(Err(errors)) => return Verdict::Denied(format!("{what}: {}", errors.join("; "))),
             Err(error) => return Verdict::Unjudged(format!("the check panicked: {error}")),
         };
-        if let Some(verdict) = self.check_set(what, &files, false).await {
+        if let Some(verdict) = self.check_set(what, &files, None).await {
             return verdict;
         }
         match run_tests(&config, &self.settings.checker).await {

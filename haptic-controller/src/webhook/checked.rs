@@ -39,14 +39,13 @@ fn cert_of(line: &str) -> Option<&str> {
     line.split_whitespace().next()
 }
 
-fn digest(path: &str, content: &[u8]) -> String {
-    haptic_agent_client::protocol::checksum([(path, content)])
-}
-
 /// Certificate files and crt-list lines of sets that passed `haproxy -c`.
+///
+/// Certificates are kept as their bytes (a few KB each): comparing them costs less than
+/// hashing them on every review.
 #[derive(Debug, Default)]
 pub(crate) struct Checked {
-    certs: HashMap<String, String>,
+    certs: HashMap<String, Vec<u8>>,
     lines: HashSet<(String, String)>,
 }
 
@@ -63,8 +62,13 @@ impl Checked {
             for line in text.lines() {
                 let Some(cert) = cert_of(line) else { continue };
                 if let Some(content) = files.get(cert) {
-                    self.certs.insert(cert.to_owned(), digest(cert, content));
-                    self.lines.insert((list.clone(), line.trim().to_owned()));
+                    if self.certs.get(cert).map(Vec::as_slice) != Some(content) {
+                        self.certs.insert(cert.to_owned(), content.to_vec());
+                    }
+                    let line = (list.clone(), line.trim().to_owned());
+                    if !self.lines.contains(&line) {
+                        self.lines.insert(line);
+                    }
                 }
             }
         }
@@ -87,7 +91,7 @@ impl Checked {
                     self.lines.contains(&(list.clone(), line.trim().to_owned()))
                         && files
                             .get(cert)
-                            .is_some_and(|c| self.certs.get(*cert) == Some(&digest(cert, c)))
+                            .is_some_and(|c| self.certs.get(*cert).map(Vec::as_slice) == Some(c))
                 });
                 match seen {
                     Some(cert) => {

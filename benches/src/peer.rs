@@ -263,6 +263,43 @@ fn register(env: &mut Environment<'static>) {
             &text(&port),
         ))
     });
+    env.add_filter(
+        "server_slots",
+        |rows: Vec<Value>, kwargs: Kwargs| -> Result<Vec<Value>> {
+            let slots: Option<usize> = kwargs.get("slots")?;
+            kwargs.assert_all_used()?;
+            let texts: Vec<(String, bool)> = rows
+                .iter()
+                .filter_map(|row| {
+                    let endpoint = row.get_attr("endpoint").ok()?;
+                    let ready = row
+                        .get_attr("ready")
+                        .ok()
+                        .is_none_or(|r| r.is_undefined() || r.is_true());
+                    Some((endpoint.as_str()?.to_owned(), ready))
+                })
+                .collect();
+            let endpoints: Vec<haptic_render::slots::Endpoint<'_>> = texts
+                .iter()
+                .map(|(endpoint, ready)| haptic_render::slots::Endpoint {
+                    endpoint,
+                    ready: *ready,
+                })
+                .collect();
+            let per_backend = slots.unwrap_or(haptic_render::slots::DEFAULT_SLOTS);
+            Ok(haptic_render::slots::assign(&endpoints, per_backend)
+                .into_iter()
+                .map(|slot| {
+                    context! {
+                        slot => slot.slot,
+                        name => format!("s{}", slot.slot),
+                        endpoint => slot.endpoint,
+                        enabled => slot.enabled,
+                    }
+                })
+                .collect())
+        },
+    );
     env.add_filter("backend_name", |parts: Vec<Value>| -> Result<String> {
         match parts.as_slice() {
             [namespace, service, port] => {

@@ -123,8 +123,8 @@ pub struct ClientConfig {
     pub token: String,
     /// Limit for one whole request, connect to last byte (default 480 s). It must exceed the
     /// agent's own bound on an apply, or the client gives up (and retries) while the agent is
-    /// still working: with the agent's default limits that bound is 470 s (30 s behind another
-    /// apply, `haproxy -c` 60 s,
+    /// still working: with the agent's default limits that bound is 475 s (30 s behind another
+    /// apply, 5 s of runtime API commands, `haproxy -c` 60 s,
     /// then a load and possibly a rollback load of up to 60 s reload + 60 s waiting for an
     /// unfinished reload + a supervised restart (10 s graceful stop, 60 s start) each;
     /// `AgentConfig::apply_time_limit`).
@@ -266,6 +266,11 @@ pub struct ApplyReport {
     pub checksum: String,
     /// The agent's time per phase.
     pub timing: Timing,
+    /// Whether the agent reloaded HAProxy (false: applied through the runtime API, or
+    /// unchanged).
+    pub reload: bool,
+    /// Runtime API commands the agent ran for this apply.
+    pub runtime_ops: u64,
     /// Wall time the client spent, retries included.
     pub elapsed: Duration,
     /// Attempts made.
@@ -393,11 +398,17 @@ impl AgentClient {
         let elapsed = started.elapsed();
         match serde_json::from_slice::<ApplyResponse>(&body) {
             Ok(ApplyResponse::Applied {
-                checksum, timing, ..
+                checksum,
+                timing,
+                reload,
+                runtime_ops,
+                ..
             }) if status == StatusCode::OK => Ok(ApplyReport {
                 outcome: Outcome::Applied,
                 checksum,
                 timing,
+                reload,
+                runtime_ops,
                 elapsed,
                 attempts,
             }),
@@ -407,6 +418,8 @@ impl AgentClient {
                 outcome: Outcome::Unchanged,
                 checksum,
                 timing,
+                reload: false,
+                runtime_ops: 0,
                 elapsed,
                 attempts,
             }),

@@ -515,13 +515,25 @@ pub struct Timing {
     pub check_us: u64,
     /// Swapping the set in, reloading and confirming the reload.
     pub reload_us: u64,
+    /// Applying the change through HAProxy's runtime API and verifying it (a hitless apply,
+    /// or a runtime attempt that failed before the reload).
+    #[serde(default)]
+    pub runtime_us: u64,
+}
+
+fn reloaded() -> bool {
+    true
 }
 
 /// The agent's answer to an apply; the `result` field is the tag.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "result", rename_all = "snake_case")]
 pub enum ApplyResponse {
-    /// The set is live: written, checked, swapped in and HAProxy confirmed the reload.
+    /// The set is live: written and swapped in, and HAProxy runs it. Either it was checked
+    /// and HAProxy confirmed the reload (`reload: true`), or it differed from the live set
+    /// only in what HAProxy's runtime API changes (server addresses and states, map entries,
+    /// certificate contents), which the agent applied to the running worker and verified
+    /// (`reload: false`, `runtime_ops` commands).
     Applied {
         /// Checksum of the set now live.
         checksum: String,
@@ -529,6 +541,13 @@ pub enum ApplyResponse {
         generation: u64,
         /// Time spent per phase.
         timing: Timing,
+        /// Whether HAProxy was reloaded (an older agent, which always reloads, sends none).
+        #[serde(default = "reloaded")]
+        reload: bool,
+        /// Runtime API commands run on the worker for this apply (0 when it reloaded, unless
+        /// a runtime attempt failed first and the apply fell back to the reload).
+        #[serde(default)]
+        runtime_ops: u64,
     },
     /// The set was already live; nothing was written and HAProxy was not reloaded.
     Unchanged {
@@ -657,6 +676,10 @@ pub struct AgentState {
     pub last_known_good_checksum: Option<String>,
     /// The last reload attempted.
     pub last_reload: Option<ReloadRecord>,
+    /// Applies made live through HAProxy's runtime API with no reload, since the agent
+    /// started.
+    #[serde(default)]
+    pub reloads_avoided: u64,
     /// HAProxy's version line.
     pub haproxy_version: Option<String>,
     /// PID of HAProxy's master process, when it answers on its master socket.
@@ -840,5 +863,34 @@ mod tests {
             ApplyRequest::new(1, "l", 1, files),
             Err(Error::NoMainConfig)
         ));
+    }
+
+    #[test]
+    fn an_applied_answer_of_an_older_agent_reads_as_a_reload() {
+        let old = r#"{"result":"applied","checksum":"c","generation":3,"timing":{"total_us":1,"write_us":0,"check_us":0,"reload_us":0}}"#;
+        match serde_json::from_str::<ApplyResponse>(old).expect("parses") {
+            ApplyResponse::Applied {
+                reload,
+                runtime_ops,
+                ..
+            } => assert_eq!((reload, runtime_ops), (true, 0)),
+            other => panic!("not applied: {other:?}"),
+        }
+        let new = ApplyResponse::Applied {
+            checksum: "c".to_owned(),
+            generation: 3,
+            timing: Timing::default(),
+            reload: false,
+            runtime_ops: 7,
+        };
+        let text = serde_json::to_string(&new).expect("json");
+        assert!(
+            text.contains(r#""reload":false"#) && text.contains(r#""runtime_ops":7"#),
+            "{text}"
+        );
+        assert_eq!(
+            serde_json::from_str::<ApplyResponse>(&text).expect("parses"),
+            new
+        );
     }
 }

@@ -88,6 +88,8 @@ fn applied(checksum: &str) -> (u16, String) {
         checksum: checksum.to_owned(),
         generation: 1,
         timing: Timing::default(),
+        reload: true,
+        runtime_ops: 0,
     };
     (200, serde_json::to_string(&body).expect("json"))
 }

@@ -3,7 +3,9 @@
 //!
 //! Everything is real: agents in this process serve HTTP on loopback and supervise their own
 //! HAProxy master-worker processes; the client is `haptic-agent-client`. Prints one table.
-//! `-- large` runs only the 10k-Ingress part (repeated measurements take a minute less).
+//! `-- large` runs only the 10k-Ingress part (repeated measurements take a minute less);
+//! `-- hitless` only the hitless part (endpoint changes and certificate rotations through
+//! the runtime API and, for comparison, the reload path; `support/hitless.rs`).
 
 use std::{
     net::SocketAddr,
@@ -16,6 +18,9 @@ use haptic_agent::{Agent, AgentConfig};
 use haptic_agent_client::{AgentClient, ApplyRequest, ClientConfig, FileSet, Outcome, Target};
 use tokio::{net::TcpListener, task::JoinHandle};
 use tokio_util::sync::CancellationToken;
+
+#[path = "support/hitless.rs"]
+mod hitless;
 
 const TOKEN: &str = "bench-token";
 const LARGE_INGRESSES: usize = 10_000;
@@ -128,7 +133,19 @@ async fn main() -> Result<()> {
             .with_concurrency(CONCURRENCY),
     )?;
     let only_large = std::env::args().skip(1).any(|arg| arg == "large");
-    let result = run(&haproxy, &shutdown, &mut tasks, &client, only_large).await;
+    let only_hitless = std::env::args().skip(1).any(|arg| arg == "hitless");
+    let result = if only_hitless {
+        let load_before = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+        hitless::rows(&haproxy, &client).await.map(|rows| {
+            let load_after = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+            println!(
+                "| measurement | result | target |\n|---|---|---|\n{rows}\n\
+                 load average before: {load_before}load average after: {load_after}"
+            );
+        })
+    } else {
+        run(&haproxy, &shutdown, &mut tasks, &client, only_large).await
+    };
     shutdown.cancel();
     for task in tasks {
         let _ = tokio::time::timeout(Duration::from_secs(30), task).await;
@@ -276,6 +293,13 @@ async fn run(
     let (serial_total, serial_own) = serial_rounds[serial_rounds.len() / 2];
     let floor = serial_own.as_secs_f64() / cores as f64;
     let target = serial_own.as_secs_f64() / (cores as f64 * 0.7);
+    // The fan-out's 50 HAProxy processes stop before the hitless part starts its own.
+    drop(agents);
+    shutdown.cancel();
+    for task in tasks.drain(..) {
+        let _ = tokio::time::timeout(Duration::from_secs(30), task).await;
+    }
+    let hitless_rows = hitless::rows(haproxy, client).await?;
     let load_after = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
 
     println!(
@@ -285,6 +309,7 @@ async fn run(
          | sum of the {AGENTS} agents' own apply times, same round (contended) | {own} | |\n\
          | one agent at a time: total / sum of own apply times (uncontended, median of {rounds}) | {serial_total} / {serial_own} | |\n\
          | floor = uncontended sum / cores ({cores} cores); parallel total / floor | {floor_ms} ; {ratio:.2}x | <= 1.43x |\n\
+         {hitless_rows}\
          \nload average before: {load_before}load average after: {load_after}",
         rounds = rounds.len(),
         total = ms(total),

@@ -9,7 +9,7 @@ use std::{
 
 use haptic_agent_client::{
     AgentState, ApplyRequest, ApplyResponse, Timing,
-    protocol::{MAX_FENCE_STEP, MAX_VIOLATIONS, ReloadRecord},
+    protocol::{MAIN_CONFIG, MAX_FENCE_STEP, MAX_VIOLATIONS, ReloadRecord},
 };
 use tokio::{sync::Mutex, time::Instant};
 use tracing::{info, instrument, warn};
@@ -19,6 +19,7 @@ use crate::{
     fence::{Fence, FenceFile},
     haproxy::{self, Haproxy, ProcTable, ReloadOutcome, RunAs},
     metrics::Metrics,
+    runtime,
     store::{CURRENT, LAST_KNOWN_GOOD, SetMeta, SetStore},
     supervisor::Supervisor,
 };
@@ -83,6 +84,21 @@ struct Shared {
 
 /// How long a readiness probe's answer is served from the cache.
 pub const READY_TTL: Duration = Duration::from_secs(1);
+
+/// How a runtime attempt ended.
+enum Runtime {
+    /// Applied with no reload: the answer.
+    Applied(ApplyResponse),
+    /// Not a runtime change; nothing was sent to HAProxy.
+    Skipped,
+    /// Runtime commands were sent and failed or did not verify: the reload path must run.
+    Failed {
+        /// Changing commands sent.
+        ops: u64,
+        /// Time spent on them.
+        took: Duration,
+    },
+}
 
 /// A set just made `current`, to be loaded.
 struct Swapped {
@@ -399,22 +415,23 @@ impl Agent {
             });
         }
 
+        // The live set as it is on disk: its checksum, and its files for a runtime apply.
         let store = shared.store.clone();
         let live = blocking(move || -> Result<_> {
             let Some(name) = store.link(CURRENT)? else {
                 return Ok(None);
             };
-            let checksum = store.checksum_on_disk(&name)?;
-            Ok(Some((name, checksum)))
+            let files = store.read_set(&name)?;
+            Ok(Some((name, files.checksum(), files)))
         })
         .await??;
-        if let Some((name, checksum)) = &live
+        let running = match &shared.supervisor {
+            Some(supervisor) => supervisor.is_running().await,
+            None => true,
+        };
+        if let Some((name, checksum, _)) = &live
             && *checksum == request.checksum
         {
-            let running = match &shared.supervisor {
-                Some(supervisor) => supervisor.is_running().await,
-                None => true,
-            };
             if running && self.loaded().as_deref() == Some(checksum.as_str()) {
                 let generation = self.raise_generation(name, &request).await?;
                 return Ok(ApplyResponse::Unchanged {
@@ -444,8 +461,185 @@ impl Agent {
                 .finish_load(swapped, Timing::default(), started, Instant::now())
                 .await;
         }
-        let previous = live.map(|(name, _)| name);
+        // Hitless: a set that differs from the live one (confirmed loaded, so HAProxy runs
+        // exactly it) only in what the runtime API changes is applied to the running worker.
+        // Anything else, or a runtime change that fails, takes the reload path below, which
+        // loads the whole set from disk whatever the runtime commands did.
+        let mut runtime = None;
+        if let Some((name, checksum, files)) = &live
+            && shared.config.runtime_updates
+            && running
+            && self.loaded().as_deref() == Some(checksum.as_str())
+        {
+            match self
+                .apply_at_runtime(name, files, &request, started)
+                .await?
+            {
+                Runtime::Applied(response) => return Ok(response),
+                Runtime::Skipped => {}
+                Runtime::Failed { ops, took } => runtime = Some((ops, took, checksum.clone())),
+            }
+        }
+        let previous = live.map(|(name, _, _)| name);
+        let result = self.apply_by_reload(request, previous, started).await;
+        let Some((ops, took, live_checksum)) = runtime else {
+            return result;
+        };
+        match result {
+            Ok(ApplyResponse::Applied {
+                checksum,
+                generation,
+                mut timing,
+                reload,
+                ..
+            }) => {
+                timing.runtime_us = micros(took);
+                Ok(ApplyResponse::Applied {
+                    checksum,
+                    generation,
+                    timing,
+                    reload,
+                    runtime_ops: ops,
+                })
+            }
+            // A rollback reloaded the live set: the runtime changes are gone with the old worker.
+            rolled_back @ Ok(ApplyResponse::RolledBack { .. }) => rolled_back,
+            other => {
+                // Refused or failed before any reload: the worker still holds the runtime
+                // changes of the failed attempt, so the live set is loaded again.
+                warn!(
+                    "the runtime attempt changed HAProxy and the set did not load; reloading the live set"
+                );
+                if let ReloadOutcome::Failed { reason } | ReloadOutcome::Unknown { reason, .. } =
+                    self.load_settled(&live_checksum).await
+                {
+                    warn!(%reason, "reloading the live set after a failed runtime attempt failed");
+                }
+                other
+            }
+        }
+    }
 
+    /// Applies `request` through HAProxy's runtime API when it differs from the live set
+    /// (`live_name`, holding `live`) only in what that API changes, verifies it, and makes it
+    /// the live set on disk as a reloaded apply does (staged, fsynced, promoted, `current`
+    /// swapped, the previous set kept as last-known-good), with no `haproxy -c` and no reload.
+    async fn apply_at_runtime(
+        &self,
+        live_name: &str,
+        live: &haptic_agent_client::FileSet,
+        request: &ApplyRequest,
+        started: Instant,
+    ) -> Result<Runtime> {
+        let shared = &self.shared;
+        let phase = Instant::now();
+        let (old, new) = (live.clone(), request.files.clone());
+        let plan = match blocking(move || runtime::plan(&old, &new)).await? {
+            Ok(plan) if !plan.is_empty() => plan,
+            Ok(_) => return Ok(Runtime::Skipped),
+            Err(error) => {
+                info!(%error, "not a runtime change");
+                return Ok(Runtime::Skipped);
+            }
+        };
+        let (ops, applied) =
+            runtime::apply(&shared.haproxy, &plan, shared.config.runtime_timeout).await;
+        let took = phase.elapsed();
+        match applied {
+            Ok(()) => {}
+            Err(error @ runtime::Error::NeedsReload(_)) if ops == 0 => {
+                info!(%error, "not a runtime change");
+                return Ok(Runtime::Skipped);
+            }
+            Err(error) => {
+                warn!(%error, ops, "the runtime change failed; reloading instead");
+                return Ok(Runtime::Failed { ops, took });
+            }
+        }
+
+        // HAProxy runs the new set; now make it the live one on disk, durably, before the
+        // answer. Files the plan did not change are linked from the live set.
+        let write = Instant::now();
+        let store = shared.store.clone();
+        let files = request.files.clone();
+        let checksum = request.checksum.clone();
+        let base = live_name.to_owned();
+        let changed: std::collections::BTreeSet<String> = plan
+            .files
+            .iter()
+            .map(|(path, _)| path.clone())
+            .chain((!plan.servers.is_empty()).then(|| MAIN_CONFIG.to_owned()))
+            .collect();
+        let meta = SetMeta {
+            checksum: request.checksum.clone(),
+            generation: request.generation,
+            leader: request.leader.clone(),
+            epoch: request.epoch,
+            files: request
+                .files
+                .iter()
+                .map(|(path, _)| path.to_owned())
+                .collect(),
+        };
+        let previous = live_name.to_owned();
+        let written = blocking(move || -> Result<String> {
+            let (name, _) = store.write_staged_reusing(&files, &checksum, Some(&base), |path| {
+                !changed.contains(path)
+            })?;
+            if let Err(error) = store.sync_staged(&name) {
+                let _ = store.discard_staged(&name);
+                return Err(error.into());
+            }
+            store.promote(&name, &meta)?;
+            store.set_link(LAST_KNOWN_GOOD, Some(&previous))?;
+            store.set_link(CURRENT, Some(&name))?;
+            store.retain(&[name.as_str(), previous.as_str()])?;
+            Ok(name)
+        })
+        .await
+        .and_then(|written| written);
+        if let Err(error) = written {
+            // HAProxy runs what the disk does not hold: load the live set again.
+            warn!(%error, "writing the set after its runtime change failed; reloading the live set");
+            let live_checksum = live.checksum();
+            let _ = self.load_settled(&live_checksum).await;
+            return Err(error);
+        }
+        if let Ok(mut loaded) = shared.loaded.lock() {
+            *loaded = Some(request.checksum.clone());
+        }
+        shared.metrics.count_reload_avoided();
+        shared.metrics.set_generation(request.generation);
+        let timing = Timing {
+            total_us: micros(started.elapsed()),
+            write_us: micros(write.elapsed()),
+            runtime_us: micros(took),
+            ..Timing::default()
+        };
+        info!(
+            ops,
+            servers = plan.servers.len(),
+            files = plan.files.len(),
+            ?timing,
+            "applied through the runtime API, no reload"
+        );
+        Ok(Runtime::Applied(ApplyResponse::Applied {
+            checksum: request.checksum.clone(),
+            generation: request.generation,
+            timing,
+            reload: false,
+            runtime_ops: ops,
+        }))
+    }
+
+    /// The reload path: stage, `haproxy -c`, swap, reload (with rollback).
+    async fn apply_by_reload(
+        &self,
+        request: ApplyRequest,
+        previous: Option<String>,
+        started: Instant,
+    ) -> Result<ApplyResponse> {
+        let shared = &self.shared;
         let mut timing = Timing::default();
         let phase = Instant::now();
         let store = shared.store.clone();
@@ -575,6 +769,8 @@ impl Agent {
                     checksum,
                     generation,
                     timing,
+                    reload: true,
+                    runtime_ops: 0,
                 })
             }
             ReloadOutcome::Failed { reason } => {
@@ -1041,6 +1237,7 @@ impl Agent {
         }
         if let Ok(status) = shared.status.lock() {
             state.last_reload = status.last_reload.clone();
+            state.reloads_avoided = shared.metrics.reloads_avoided();
             state.haproxy_version = status.haproxy_version.clone();
         }
         if let Ok(table) = shared.haproxy.show_proc_probe(Duration::from_secs(1)).await {

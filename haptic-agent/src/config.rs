@@ -75,6 +75,13 @@ pub struct AgentConfig {
     /// Serve the API over TLS with this certificate and key (default none: plain HTTP). The
     /// files are read again when they change.
     pub tls: Option<crate::tls::TlsFiles>,
+    /// Apply a set that differs from the live one only in server addresses, ports, weights
+    /// and states, map entries or certificate contents through HAProxy's runtime API, with
+    /// no reload (default true; see [`crate::runtime`]). False: every change reloads.
+    pub runtime_updates: bool,
+    /// Limit for the runtime commands of one apply and their verification (default 5 s);
+    /// past it the apply falls back to the reload.
+    pub runtime_timeout: Duration,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -98,6 +105,8 @@ impl std::fmt::Debug for AgentConfig {
             .field("body_timeout", &self.body_timeout)
             .field("lock_timeout", &self.lock_timeout)
             .field("tls", &self.tls)
+            .field("runtime_updates", &self.runtime_updates)
+            .field("runtime_timeout", &self.runtime_timeout)
             .finish()
     }
 }
@@ -125,6 +134,8 @@ impl AgentConfig {
             body_timeout: Duration::from_secs(120),
             lock_timeout: Duration::from_secs(30),
             tls: None,
+            runtime_updates: true,
+            runtime_timeout: Duration::from_secs(5),
         }
     }
 
@@ -132,6 +143,13 @@ impl AgentConfig {
     #[must_use]
     pub fn with_listen(mut self, listen: SocketAddr) -> Self {
         self.listen = listen;
+        self
+    }
+
+    /// Sets [`AgentConfig::runtime_updates`].
+    #[must_use]
+    pub fn with_runtime_updates(mut self, runtime_updates: bool) -> Self {
+        self.runtime_updates = runtime_updates;
         self
     }
 
@@ -172,13 +190,14 @@ impl AgentConfig {
     /// fails, restoring the previous one, each load bounded by a reload, the wait for a reload
     /// that did not finish in time and a supervised restart, itself a graceful stop
     /// (`supervisor::STOP_GRACE` and 5 s more) and a start
-    /// (`lock + check + 2 x (reload + settle + stop + reload)`; 470 s with the defaults).
+    /// (`lock + runtime + check + 2 x (reload + settle + stop + reload)`; 475 s with the
+    /// defaults: a runtime attempt that fails falls back to that reload path).
     /// Without a supervisor, an apply that first waits for an earlier unfinished reload can
     /// take one `reload_timeout` and one such load more.
     pub fn apply_time_limit(&self) -> Duration {
         let stop = crate::supervisor::STOP_GRACE + Duration::from_secs(5);
         let load = self.reload_timeout + self.settle_timeout + stop + self.reload_timeout;
-        self.lock_timeout + self.check_timeout + load * 2
+        self.lock_timeout + self.runtime_timeout + self.check_timeout + load * 2
     }
 
     /// Checks the rules: a token, an absolute data directory, non-zero limits, and an

@@ -7,6 +7,8 @@
 //! - [`haproxy`]: `haproxy -c`, the master CLI, reload with confirmation.
 //! - [`supervisor`]: the mode that starts HAProxy itself (`-W -S <socket>`) and watches it.
 //! - [`agent`]: the apply engine; one apply at a time, rollback on a failed load.
+//! - [`runtime`]: hitless applies: server, map and certificate changes through HAProxy's
+//!   runtime API, verified, with no reload.
 //! - [`metrics`]: Prometheus text.
 //! - [`server`]: the HTTP API (`/v1/apply`, `/v1/state`, `/healthz`, `/readyz`, `/metrics`).
 //! - [`tls`]: optional TLS on the listener, the certificate read again when it changes.
@@ -36,6 +38,7 @@ pub mod config;
 pub mod fence;
 pub mod haproxy;
 pub mod metrics;
+pub mod runtime;
 pub mod server;
 pub mod store;
 pub mod supervisor;

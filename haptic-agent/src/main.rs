@@ -32,6 +32,10 @@ struct Args {
     /// Start HAProxy in master-worker mode and supervise it (local runs and tests).
     #[arg(long, env = "HAPTIC_AGENT_SUPERVISE")]
     supervise: bool,
+    /// Reload HAProxy for every change: never apply server, map or certificate changes
+    /// through its runtime API.
+    #[arg(long, env = "HAPTIC_AGENT_NO_RUNTIME_UPDATES")]
+    no_runtime_updates: bool,
     /// Largest request body, in bytes.
     #[arg(long, env = "HAPTIC_AGENT_MAX_BODY", default_value_t = 64 << 20)]
     max_body_bytes: usize,
@@ -87,7 +91,8 @@ async fn main() -> Result<()> {
     let mut config = AgentConfig::new(&data_dir, token.trim())
         .with_listen(args.listen)
         .with_haproxy_bin(args.haproxy)
-        .with_supervise(args.supervise);
+        .with_supervise(args.supervise)
+        .with_runtime_updates(!args.no_runtime_updates);
     if let Some(user) = &args.haproxy_user {
         let user = RunAs::resolve(user).context("resolving --haproxy-user")?;
         config = config.with_haproxy_user(user);

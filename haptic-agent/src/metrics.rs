@@ -62,6 +62,7 @@ pub struct Metrics {
     applies: [AtomicU64; OUTCOMES.len()],
     fence: AtomicU64,
     generation: AtomicU64,
+    reloads_avoided: AtomicU64,
     reload: Mutex<Histogram>,
     check: Mutex<Histogram>,
     apply: Mutex<Histogram>,
@@ -84,6 +85,16 @@ impl Metrics {
             .iter()
             .position(|known| *known == outcome)
             .map_or(0, |index| self.applies[index].load(Ordering::Relaxed))
+    }
+
+    /// Counts an apply made live through the runtime API, with no reload.
+    pub fn count_reload_avoided(&self) {
+        self.reloads_avoided.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Applies made live with no reload so far.
+    pub fn reloads_avoided(&self) -> u64 {
+        self.reloads_avoided.load(Ordering::Relaxed)
     }
 
     /// Records the fence.
@@ -142,6 +153,12 @@ impl Metrics {
             "# HELP haptic_agent_live_generation Generation of the live set.\n\
              # TYPE haptic_agent_live_generation gauge\nhaptic_agent_live_generation {}",
             self.generation.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP haptic_agent_reloads_avoided_total Applies made live through the runtime API, with no reload.\n\
+             # TYPE haptic_agent_reloads_avoided_total counter\nhaptic_agent_reloads_avoided_total {}",
+            self.reloads_avoided()
         );
         let histograms = [
             (

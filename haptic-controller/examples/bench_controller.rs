@@ -122,6 +122,7 @@ async fn gate_row(n: usize) -> String {
         config_generation: 1,
         term: std::time::SystemTime::now(),
         render_time,
+        requests: Default::default(),
     };
     let settings = haptic_controller::render_gate::GateSettings {
         haproxy: Some(haproxy_bin()),

@@ -128,7 +128,7 @@ pub async fn component(
             {
                 continue;
             }
-            last = Some((uid, generation));
+            last = Some((uid.clone(), generation));
             let spec = htc.spec.clone();
             let verdict =
                 tokio::task::spawn_blocking(move || config::validate(&spec, generation, &rv)).await;
@@ -148,6 +148,7 @@ pub async fn component(
                     }
                     running_election = Some(valid.election.clone());
                     bus.publish(ControllerEvent::ConfigVerdict(Arc::new(ConfigVerdict {
+                        uid: uid.clone(),
                         generation,
                         errors: Vec::new(),
                         at: SystemTime::now(),
@@ -157,6 +158,7 @@ pub async fn component(
                 Err(errors) => {
                     error!(generation, errors = %errors.join("; "), "config invalid; the running config stays");
                     bus.publish(ControllerEvent::ConfigVerdict(Arc::new(ConfigVerdict {
+                        uid,
                         generation,
                         errors,
                         at: SystemTime::now(),

@@ -76,8 +76,8 @@ fn render(cache: &StateCache, term: SystemTime) -> Option<Result<RenderedSet, Re
     }
     let config = state.config.as_ref()?;
     let started = Instant::now();
-    Some(match config.renderer.render(&state.stores) {
-        Ok(files) => {
+    Some(match config.renderer.render_all(&state.stores) {
+        Ok((files, requests)) => {
             let checksum = haptic_agent_client::protocol::checksum(files.iter());
             Ok(RenderedSet {
                 files,
@@ -85,6 +85,7 @@ fn render(cache: &StateCache, term: SystemTime) -> Option<Result<RenderedSet, Re
                 config_generation: config.generation,
                 term,
                 render_time: started.elapsed(),
+                requests,
             })
         }
         Err(error) => Err(RenderFailure {

@@ -400,7 +400,24 @@ pub struct Condition {
 /// The CustomResourceDefinition as YAML, as `haptic-controller crd` prints it and `deploy/`
 /// ships it.
 pub fn crd_yaml() -> Result<String, serde_saphyr::SerializeError> {
-    serde_saphyr::to_string(&HAProxyTemplateConfig::crd())
+    let mut out = String::new();
+    for crd in all_crds() {
+        if !out.is_empty() {
+            out.push_str("---\n");
+        }
+        out.push_str(&serde_saphyr::to_string(&crd)?);
+    }
+    Ok(out)
+}
+
+/// Every CRD the controller uses: the HAProxyTemplateConfig users write, and the kinds it
+/// publishes the rendered config as ([`crate::published`]).
+pub fn all_crds()
+-> Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition>
+{
+    let mut crds = vec![HAProxyTemplateConfig::crd()];
+    crds.extend(crate::published::crds());
+    crds
 }
 
 #[cfg(test)]

@@ -15,11 +15,11 @@ use crate::{
     coordinator, credentials, drift,
     events::{ControllerEvent, STICKY},
     health::{self, Probes},
-    pod_discovery, reconciler,
+    pod_discovery, published, reconciler, recorder,
     render_gate::{self, GateSettings},
     scheduler,
     state::StateCache,
-    status, watchers,
+    status, status_applier, watchers,
 };
 
 /// How long shutdown waits for each group of components (leader-only work, then all-replica
@@ -111,6 +111,12 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
         EventBus::<ControllerEvent>::with_config(BusConfig::default().with_sticky_kinds(STICKY));
 
     let ns = options.config.namespace.clone();
+    let subjects = recorder::Subjects {
+        namespace: ns.clone(),
+        config_name: options.config.name.clone(),
+        lease_name: election_config.lease_name.clone(),
+    };
+    let events = recorder::recorder(client.clone(), &options.identity);
     let leadership = Leadership::new(client.clone(), election_config, bus)?
         .with_stop_timeout(STOP_TIMEOUT)
         .all_replicas("config-loader", {
@@ -149,6 +155,22 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
         .leader_only("status-updater", {
             let (client, name, ns) = (client.clone(), options.config.name.clone(), ns.clone());
             move |ctx| status::component(client.clone(), name.clone(), ns.clone(), ctx)
+        })
+        .leader_only("status-applier", {
+            let (client, cache) = (client.clone(), cache.clone());
+            move |ctx| status_applier::component(client.clone(), cache.clone(), ctx)
+        })
+        .leader_only("config-publisher", {
+            let client = client.clone();
+            let settings = published::Settings {
+                namespace: ns.clone(),
+                config_name: options.config.name.clone(),
+                compress_above: published::COMPRESS_ABOVE,
+            };
+            move |ctx| published::component(client.clone(), settings.clone(), ctx)
+        })
+        .leader_only("event-recorder", move |ctx| {
+            recorder::component(events.clone(), subjects.clone(), ctx)
         });
     let _ = probes.election.set(leadership.health());
     info!(identity = %options.identity, "starting");

@@ -49,6 +49,8 @@ pub enum ControllerEvent {
     Deployable(Arc<RenderedSet>),
     /// The outcome of one deployment across the pods.
     Deployed(Arc<DeploymentReport>),
+    /// An agent refused this term's epoch: its fence is at or above it (a stale leader noticed).
+    Fenced(Arc<FencedRefusal>),
     /// A pod's live set is not the last one deployed there.
     DriftDetected {
         /// The pod.
@@ -77,6 +79,7 @@ pub enum Kind {
     GateVerdict,
     Deployable,
     Deployed,
+    Fenced,
     DriftDetected,
 }
 
@@ -109,6 +112,7 @@ impl Event for ControllerEvent {
             Self::GateVerdict(_) => Kind::GateVerdict,
             Self::Deployable(_) => Kind::Deployable,
             Self::Deployed(_) => Kind::Deployed,
+            Self::Fenced(_) => Kind::Fenced,
             Self::DriftDetected { .. } => Kind::DriftDetected,
         }
     }
@@ -138,6 +142,8 @@ impl From<NewLeaderObserved> for ControllerEvent {
 /// The verdict on one version of the HTC.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigVerdict {
+    /// The HTC's `metadata.uid` (Events and owner references name it).
+    pub uid: String,
     /// Its `metadata.generation`.
     pub generation: i64,
     /// The problems found; empty when valid.
@@ -187,6 +193,8 @@ pub struct RenderedSet {
     pub term: SystemTime,
     /// How long the render took.
     pub render_time: std::time::Duration,
+    /// What the templates asked the cluster to show (Events, status).
+    pub requests: haptic_render::Requests,
 }
 
 /// A failed render.
@@ -231,4 +239,18 @@ pub struct DeploymentReport {
     pub pods: BTreeMap<String, PodOutcome>,
     /// Each pod's live checksum as the controller knows it.
     pub live: BTreeMap<String, String>,
+}
+
+/// An agent's fenced refusal of an apply, and what the leader did about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FencedRefusal {
+    /// The pod whose agent refused.
+    pub pod: String,
+    /// The agent's fence.
+    pub fence: u64,
+    /// The epoch the apply carried.
+    pub epoch: u64,
+    /// What followed: `reclaimed` (the epoch was raised above the fence), `stood down`
+    /// (fenced again after reclaiming, or another replica holds the Lease), or the error.
+    pub outcome: String,
 }

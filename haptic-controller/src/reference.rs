@@ -154,7 +154,10 @@ fn tests() -> BTreeMap<String, ValidationTest> {
                 {"type": "contains", "target": "map:routes-prefix.map", "pattern": "(?m)^\\*/shared/ shop_web_80$",
                     "description": "a rule without a host matches any host"},
                 {"type": "match_order", "patterns": ["(?m)^backend default-backend$", "(?m)^backend shop_api_8080$", "(?m)^backend shop_web_80$"]},
-                {"type": "match_count", "pattern": "(?m)^    server ", "expected": 3},
+                {"type": "match_count", "pattern": "(?m)^    server s\\d+ 10\\.\\S+ check$", "expected": 3,
+                    "description": "a server per ready endpoint"},
+                {"type": "match_count", "pattern": "(?m)^    server ", "expected": 20,
+                    "description": "ten server slots per backend"},
                 {"type": "jsonpath", "jsonpath": "$.derived.routes_exact[0].backend", "expected": "shop_web_80"},
                 {"type": "deterministic"},
             ],
@@ -204,7 +207,7 @@ fn tests() -> BTreeMap<String, ValidationTest> {
             ],
         },
         "not-ready-endpoints": {
-            "description": "an endpoint whose conditions say ready: false gets no server; one without conditions does",
+            "description": "an endpoint whose conditions say ready: false is a disabled server; one without conditions takes traffic",
             "fixtures": {
                 "services": [web().0],
                 "endpointslices": [slice("web-1", "web", "IPv4", json!([
@@ -216,8 +219,10 @@ fn tests() -> BTreeMap<String, ValidationTest> {
             },
             "assertions": [
                 {"type": "haproxy_valid"},
-                {"type": "match_count", "pattern": "(?m)^    server ", "expected": 2},
-                {"type": "not_contains", "pattern": "10\\.0\\.0\\.2:"},
+                {"type": "match_count", "pattern": "(?m)^    server \\S+ 10\\.0\\.0\\.\\d+:8080 check$", "expected": 2,
+                    "description": "ready endpoints take traffic"},
+                {"type": "contains", "pattern": "(?m)^    server \\S+ 10\\.0\\.0\\.2:8080 disabled check$",
+                    "description": "a not-ready endpoint keeps its slot, disabled"},
                 {"type": "contains", "pattern": "(?m)^    server \\S+ 10\\.0\\.0\\.3:8080 check$"},
             ],
         },

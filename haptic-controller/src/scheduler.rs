@@ -32,7 +32,8 @@ use tracing::{error, info, warn};
 use crate::{
     config::AgentSettings,
     events::{
-        ControllerEvent, DeploymentReport, Kind, PodOutcome, PodSet, RenderedSet, TokenState,
+        ControllerEvent, DeploymentReport, FencedRefusal, Kind, PodOutcome, PodSet, RenderedSet,
+        TokenState,
     },
 };
 
@@ -379,8 +380,19 @@ impl Scheduler {
         };
         let (retry, message) = match &error {
             ClientError::Fenced { fence, epoch } => {
+                let fenced = |outcome: String| {
+                    ControllerEvent::Fenced(Arc::new(FencedRefusal {
+                        pod: pod.to_string(),
+                        fence: *fence,
+                        epoch: *epoch,
+                        outcome,
+                    }))
+                };
                 if self.reclaimed_above.is_some_and(|f| f >= *fence) {
                     error!(%pod, fence, epoch, "fenced again after reclaiming: another leader; standing down");
+                    self.ctx
+                        .bus()
+                        .publish(fenced("stood down: fenced again after reclaiming".into()));
                     self.ctx.stand_down(haptic_leadership::STOOD_DOWN);
                     return false;
                 }
@@ -388,15 +400,25 @@ impl Scheduler {
                 match self.ctx.reclaim(*fence).await {
                     Ok(new) => {
                         warn!(%pod, fence, new_epoch = new, "an agent holds a higher fence; reclaimed the epoch above it");
+                        self.ctx
+                            .bus()
+                            .publish(fenced(format!("reclaimed: epoch raised to {new}")));
                         self.prepared = None;
                         self.started.remove(&pod);
                         return true;
                     }
                     Err(haptic_epoch::Error::ForeignLeader { .. }) => {
                         warn!(%pod, fence, "another replica leads: stopping every write of this term");
+                        self.ctx
+                            .bus()
+                            .publish(fenced("stood down: another replica holds the Lease".into()));
                         return false;
                     }
-                    Err(e) => (true, format!("fenced at {fence}; reclaiming failed: {e}")),
+                    Err(e) => {
+                        let message = format!("fenced at {fence}; reclaiming failed: {e}");
+                        self.ctx.bus().publish(fenced(message.clone()));
+                        (true, message)
+                    }
                 }
             }
             ClientError::Invalid { check_output } => (

@@ -559,6 +559,7 @@ async fn haproxy_valid(files: &FileSet, checker: &Checker) -> Result<(), String>
         checksum: haptic_agent_client::protocol::checksum(files.iter()),
         config_generation: 0,
         term: SystemTime::now(),
+        requests: Default::default(),
         render_time: Default::default(),
     };
     render_gate::policy_check(&checker.policy, &set)?;

@@ -214,7 +214,7 @@ async fn watch_store(
         match event {
             watcher::Event::Init => listed = Some(HashSet::new()),
             watcher::Event::InitApply(object) => {
-                if let Some(key) = apply(&cache, &name, &object)
+                if let Some(key) = apply(&cache, &name, &object, &ar)
                     && let Some(listed) = &mut listed
                 {
                     listed.insert(key);
@@ -248,7 +248,7 @@ async fn watch_store(
                 });
             }
             watcher::Event::Apply(object) => {
-                if apply(&cache, &name, &object).is_some() {
+                if apply(&cache, &name, &object, &ar).is_some() {
                     bus.publish(ControllerEvent::StoresChanged {
                         store: name.clone(),
                     });
@@ -273,14 +273,27 @@ async fn watch_store(
 }
 
 /// Puts one object into its store; returns its key.
-fn apply(cache: &StateCache, store: &str, object: &DynamicObject) -> Option<(String, String)> {
-    let value = match serde_json::to_value(object) {
+///
+/// List items come without `apiVersion` and `kind`; the store's objects always carry them, so
+/// that templates can name an object (`record_event`, `set_status`).
+fn apply(
+    cache: &StateCache,
+    store: &str,
+    object: &DynamicObject,
+    ar: &ApiResource,
+) -> Option<(String, String)> {
+    let mut value = match serde_json::to_value(object) {
         Ok(value) => value,
         Err(error) => {
             warn!(%store, %error, "a watched object does not serialize; skipped");
             return None;
         }
     };
+    if let Some(map) = value.as_object_mut() {
+        map.entry("apiVersion")
+            .or_insert_with(|| ar.api_version.clone().into());
+        map.entry("kind").or_insert_with(|| ar.kind.clone().into());
+    }
     let key = (
         object.metadata.namespace.clone().unwrap_or_default(),
         object.metadata.name.clone()?,

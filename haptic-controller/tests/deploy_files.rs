@@ -199,11 +199,20 @@ fn the_cluster_role_covers_exactly_the_watched_resources() {
             )
         })
         .collect();
+    let mut expected = watched;
+    // The one write: the status the reference templates declare for Ingresses.
+    expected.insert(
+        (
+            "networking.k8s.io".to_owned(),
+            "ingresses/status".to_owned(),
+        ),
+        set(&["patch"]),
+    );
     let cluster_role = find(&rbac, "ClusterRole", "haptic-controller");
     assert_eq!(
         rules(cluster_role),
-        watched,
-        "the ClusterRole must grant get/list/watch on exactly the watched resources"
+        expected,
+        "the ClusterRole must grant get/list/watch on exactly the watched resources, and patch of Ingress status"
     );
 
     let namespace = s(&htc["metadata"]["namespace"]);
@@ -226,6 +235,32 @@ fn the_cluster_role_covers_exactly_the_watched_resources() {
         ),
         (("", "pods"), &["list", "watch"]),
         (("", "secrets"), &["get", "list", "watch"]),
+        (
+            ("haproxy-haptic.org", "haproxycfgs"),
+            &["get", "list", "create", "patch", "delete"],
+        ),
+        (
+            ("haproxy-haptic.org", "haproxymapfiles"),
+            &["get", "list", "create", "patch", "delete"],
+        ),
+        (
+            ("haproxy-haptic.org", "haproxycrtlistfiles"),
+            &["get", "list", "create", "patch", "delete"],
+        ),
+        (
+            ("haproxy-haptic.org", "haproxygeneralfiles"),
+            &["get", "list", "create", "patch", "delete"],
+        ),
+        (("haproxy-haptic.org", "haproxycfgs/status"), &["patch"]),
+        (("haproxy-haptic.org", "haproxymapfiles/status"), &["patch"]),
+        (
+            ("haproxy-haptic.org", "haproxycrtlistfiles/status"),
+            &["patch"],
+        ),
+        (
+            ("haproxy-haptic.org", "haproxygeneralfiles/status"),
+            &["patch"],
+        ),
     ]
     .into_iter()
     .map(|((g, r), verbs)| ((g.to_owned(), r.to_owned()), set(verbs)))
@@ -952,6 +987,7 @@ fn the_deployed_config_validates_renders_and_passes_haproxy_check() {
         config_generation: 1,
         term: std::time::SystemTime::now(),
         render_time: std::time::Duration::ZERO,
+        requests: Default::default(),
     };
     render_gate::policy_check(&haptic_agent_client::policy::Policy::default(), &set)
         .expect("the agents' default policy");
@@ -1034,5 +1070,6 @@ fn every_manifest_reads_as_its_kubernetes_type() {
             }
         }
     }
-    assert_eq!(seen, 17, "documents in deploy/");
+    // crd.yaml holds five CRDs: the HTC and the four published kinds.
+    assert_eq!(seen, 21, "documents in deploy/");
 }

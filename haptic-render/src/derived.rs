@@ -372,7 +372,12 @@ fn endpoint_row(
     slice_name: &str,
     slice_id: &str,
 ) -> Option<Value> {
-    let address = list(ep, &["addresses"]).first().and_then(Value::as_str)?;
+    // An address that is not an IP address (the API refuses them; a store takes what it is
+    // given) would write whatever it holds into a `server` line: no row.
+    let address = list(ep, &["addresses"])
+        .first()
+        .and_then(Value::as_str)
+        .filter(|a| crate::functions::is_ip_address(a))?;
     let condition = |name: &'static str| path(ep, &["conditions", name]).and_then(Value::as_bool);
     let endpoint = if address_type == "IPv6" {
         format!("[{address}]:{port}")

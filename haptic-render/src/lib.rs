@@ -46,12 +46,15 @@ pub mod fixtures;
 pub mod functions;
 pub mod reference;
 pub mod render;
+pub mod requests;
 pub mod set;
+pub mod slots;
 pub mod store;
 mod value;
 
 pub use derived::Derivation;
 pub use fileset::FileSet;
 pub use render::Renderer;
+pub use requests::{EventRequest, Requests, StatusRequest};
 pub use set::{CertificateTemplate, FileTemplate, Template, TemplateSet};
 pub use store::{Change, Overlay, OverlayError, Store, StoreConfig, Stores};

@@ -100,7 +100,14 @@ fn template(source: &str) -> Template {
 /// environment), `http_port` (80),
 /// `https_port` (443), `timeout_connect` (5s), `timeout_client` and `timeout_server` (50s),
 /// `stats_socket` (none: a path adds an admin `stats socket`), `route_debug` (false: true
-/// answers requests carrying `x-haptic-route-debug` with the backend they would go to).
+/// answers requests carrying `x-haptic-route-debug` with the backend they would go to),
+/// `server_slots` (10: `server` lines per backend, growing in steps of it; see
+/// [`crate::slots`]), `service` (none: `"namespace/name"` of the HAProxy Service, whose
+/// load-balancer address becomes every Ingress's `status.loadBalancer`).
+///
+/// The templates also ask the cluster to show (snippet `cluster-view`, [`crate::requests`]): a
+/// Warning Event `BackendNotFound` on an Ingress path whose Service or port does not exist, and
+/// the Ingress status above.
 pub fn template_set() -> TemplateSet {
     let mut set = TemplateSet {
         haproxy_config: template(include_str!("../templates/haproxy.cfg.tera")),
@@ -139,6 +146,10 @@ pub fn template_set() -> TemplateSet {
             "tls-pem",
             include_str!("../templates/snippets/tls-pem.tera"),
         ),
+        (
+            "cluster-view",
+            include_str!("../templates/snippets/cluster-view.tera"),
+        ),
     ] {
         set.template_snippets
             .insert(name.to_owned(), template(source));
@@ -162,6 +173,8 @@ pub fn template_set() -> TemplateSet {
             "timeout_server": "50s",
             "stats_socket": null,
             "route_debug": false,
+            "service": null,
+            "server_slots": crate::slots::DEFAULT_SLOTS,
         }),
     );
     set

@@ -11,6 +11,7 @@ use tracing::instrument;
 
 use crate::fileset::FileSet;
 use crate::functions::{self, DERIVED_VAR, GET_VAR, INDEX_VAR, REVIEW_VAR};
+use crate::requests::{self, Requests};
 use crate::set::{self, Output, TemplateSet};
 use crate::store::{Overlay, Stores};
 use crate::value::{Interner, map_value, to_tera};
@@ -178,6 +179,8 @@ impl Renderer {
         // HAProxy files are not HTML: nothing is escaped.
         tera.autoescape_on(Vec::<&'static str>::new());
         functions::register(&mut tera);
+        requests::register(&mut tera);
+        crate::slots::register(&mut tera);
         let added = catch_unwind(AssertUnwindSafe(|| {
             tera.add_raw_templates(sources.iter().map(|(n, s)| (n.as_str(), *s)))
         }));
@@ -276,11 +279,15 @@ impl Renderer {
         context: &Context,
         output: impl FnOnce() -> String,
         capacity: usize,
+        asked_for: &mut Requests,
     ) -> Result<Vec<u8>> {
         let mut bytes = Vec::with_capacity(capacity);
-        let rendered = catch_unwind(AssertUnwindSafe(|| {
-            self.tera.render_to(template, context, &mut bytes)
-        }));
+        let (rendered, asked) = requests::collect(|| {
+            catch_unwind(AssertUnwindSafe(|| {
+                self.tera.render_to(template, context, &mut bytes)
+            }))
+        });
+        asked_for.extend(asked);
         let error = |template: String, line, cause| Error::Render {
             output: output(),
             template,
@@ -308,19 +315,31 @@ impl Renderer {
     /// When several outputs fail, the error is the first one in output order.
     #[instrument(skip_all, fields(threads = self.threads))]
     pub fn render(&self, stores: &Stores) -> Result<FileSet> {
+        self.render_all(stores).map(|(files, _)| files)
+    }
+
+    /// Renders every output, as [`Renderer::render`], and returns with the files what the
+    /// templates asked the cluster to show ([`Requests`]: Events and status), in output order.
+    pub fn render_all(&self, stores: &Stores) -> Result<(FileSet, Requests)> {
         self.render_with(stores, None)
     }
 
     /// Renders every output against `stores` with `overlay`'s change laid over its store, as
     /// if that store held (or no longer held) the resource, without copying or changing the
     /// stores: what the admission webhook renders. The resource is the one under review:
-    /// a template's `refuse(...)` naming it fails this render with its message.
+    /// a template's `refuse(...)` naming it fails this render with its message. (What the
+    /// templates ask the cluster to show is dropped: the change is not made.)
     #[instrument(skip_all, fields(threads = self.threads, store = overlay.store()))]
     pub fn render_overlay(&self, stores: &Stores, overlay: &Overlay) -> Result<FileSet> {
         self.render_with(stores, Some(overlay))
+            .map(|(files, _)| files)
     }
 
-    fn render_with(&self, stores: &Stores, overlay: Option<&Overlay>) -> Result<FileSet> {
+    fn render_with(
+        &self,
+        stores: &Stores,
+        overlay: Option<&Overlay>,
+    ) -> Result<(FileSet, Requests)> {
         let context = self.context(stores, overlay);
         let mut views = Vec::new();
         for (index, output) in self.outputs.iter().enumerate() {
@@ -376,14 +395,17 @@ impl Renderer {
             jobs.iter().map(Job::place).zip(results).collect();
         results.sort_by_key(|(place, _)| *place);
         let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+        let mut asked = Requests::default();
         for (_, result) in results {
-            for (path, bytes) in result? {
+            let (rendered, asked_here) = result?;
+            asked.extend(asked_here);
+            for (path, bytes) in rendered {
                 if files.insert(path.clone(), bytes).is_some() {
                     return Err(Error::DuplicatePath(path));
                 }
             }
         }
-        Ok(FileSet::new(files))
+        Ok((FileSet::new(files), asked))
     }
 
     /// Runs the jobs on up to `self.threads` threads; results come back in job order.
@@ -430,11 +452,13 @@ impl Renderer {
                 let started = Instant::now();
                 let size = self.sizes.get(*index);
                 let capacity = size.map_or(0, |s| s.load(Ordering::Relaxed));
+                let mut asked = Requests::default();
                 let bytes = self.render_one(
                     &output.template,
                     context,
                     || output.path.clone(),
                     capacity + capacity / 8,
+                    &mut asked,
                 )?;
                 if let Some(cost) = self.costs.get(*index) {
                     let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -443,7 +467,7 @@ impl Renderer {
                 if let Some(size) = size {
                     size.store(bytes.len(), Ordering::Relaxed);
                 }
-                Ok(vec![(output.path.clone(), bytes)])
+                Ok((vec![(output.path.clone(), bytes)], asked))
             }
             Job::Items {
                 index,
@@ -452,6 +476,7 @@ impl Renderer {
                 ..
             } => {
                 let mut files = Vec::new();
+                let mut asked = Requests::default();
                 // One context per run of items; `item` is replaced for each.
                 let mut item_context = context.clone();
                 let size = self.sizes.get(*index);
@@ -467,8 +492,13 @@ impl Renderer {
                     item_context.insert_value("item", item.clone());
                     let label = || format!("{} for {namespace}/{name}", output.template);
                     let capacity = size.map_or(0, |s| s.load(Ordering::Relaxed));
-                    let bytes =
-                        self.render_one(&output.template, &item_context, label, capacity)?;
+                    let bytes = self.render_one(
+                        &output.template,
+                        &item_context,
+                        label,
+                        capacity,
+                        &mut asked,
+                    )?;
                     // A blank output writes no file.
                     if !std::str::from_utf8(&bytes).is_ok_and(|text| text.trim().is_empty()) {
                         if let Some(size) = size {
@@ -477,14 +507,14 @@ impl Renderer {
                         files.push((functions::ssl_file(&namespace, &name), bytes));
                     }
                 }
-                Ok(files)
+                Ok((files, asked))
             }
         }
     }
 }
 
-/// What one job produced: paths and bytes.
-type Rendered = Vec<(String, Vec<u8>)>;
+/// What one job produced: paths and bytes, and what its templates asked for.
+type Rendered = (Vec<(String, Vec<u8>)>, Requests);
 
 /// Per-item outputs are rendered in chunks of this many items per job.
 const ITEMS_PER_JOB: usize = 128;

@@ -361,6 +361,18 @@ impl Store {
         self.items.is_empty()
     }
 
+    /// The value at a dotted `path` (`status.loadBalancer`) of a stored resource, as JSON
+    /// (what the store kept of it: ignored fields are gone); `None` when the resource or the
+    /// path is not there.
+    pub fn value_at(&self, namespace: &str, name: &str, path: &str) -> Option<Json> {
+        let entry = self.items.get(&(namespace.to_owned(), name.to_owned()))?;
+        let value = entry.value.get_from_path(path)?;
+        if value.is_undefined() || value.is_none() {
+            return None;
+        }
+        serde_json::to_value(value).ok()
+    }
+
     fn changed(&mut self) {
         self.view = OnceLock::new();
         self.generation = next_generation();

@@ -177,6 +177,8 @@ impl Registry {
             ResourceInfo::builtin("", "v1", "secrets", "Secret", true),
             ResourceInfo::builtin("", "v1", "configmaps", "ConfigMap", true).short(&["cm"]),
             event,
+            // What kube-runtime's event Recorder writes.
+            ResourceInfo::builtin("events.k8s.io", "v1", "events", "Event", true),
             lease,
             ResourceInfo::builtin(
                 "discovery.k8s.io",

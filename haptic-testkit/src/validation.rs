@@ -109,6 +109,7 @@ fn typed_round_trip(info: &ResourceInfo, object: &Value) -> Option<Value> {
         coordination::v1::Lease,
         core::v1::{ConfigMap, Event, Namespace, Pod, Secret, Service},
         discovery::v1::EndpointSlice,
+        events::v1::Event as EventV1,
         networking::v1::{Ingress, IngressClass},
     };
     fn round_trip<T: serde::de::DeserializeOwned + serde::Serialize>(v: &Value) -> Option<Value> {
@@ -129,6 +130,7 @@ fn typed_round_trip(info: &ResourceInfo, object: &Value) -> Option<Value> {
         ("", "secrets") => round_trip::<Secret>(&typed),
         ("", "configmaps") => round_trip::<ConfigMap>(&typed),
         ("", "events") => round_trip::<Event>(&typed),
+        ("events.k8s.io", "events") => round_trip::<EventV1>(&typed),
         ("coordination.k8s.io", "leases") => round_trip::<Lease>(&typed),
         ("discovery.k8s.io", "endpointslices") => round_trip::<EndpointSlice>(&typed),
         ("networking.k8s.io", "ingresses") => round_trip::<Ingress>(&typed),

@@ -535,6 +535,7 @@ impl Webhook {
             config_generation: 0,
             term: SystemTime::now(),
             render_time: Duration::ZERO,
+            requests: Default::default(),
         };
         if let Err(refusal) = render_gate::policy_check(&checker.policy, &set) {
             return Some(Verdict::Denied(format!(

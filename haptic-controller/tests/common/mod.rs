@@ -25,10 +25,7 @@ use k8s_openapi::{
     },
     apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
 };
-use kube::{
-    CustomResourceExt,
-    api::{Api, DeleteParams, Patch, PatchParams, PostParams},
-};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
@@ -110,9 +107,11 @@ impl Cluster {
         let server = ApiServer::start().await.expect("API server");
         let client = server.client_for("test").expect("client");
         let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-        crds.create(&PostParams::default(), &HAProxyTemplateConfig::crd())
-            .await
-            .expect("CRD created");
+        for crd in haptic_controller::crd::all_crds() {
+            crds.create(&PostParams::default(), &crd)
+                .await
+                .expect("CRD created");
+        }
         let mut dir = tempfile::tempdir().expect("tempdir");
         if std::env::var_os("HAPTIC_TEST_KEEP").is_some() {
             // Logs and data stay for a look after a failure.

@@ -1,0 +1,572 @@
+//! Hitless updates end to end: sets rendered by haptic-render's reference templates (server
+//! slots) from Ingresses, Services, EndpointSlices and TLS Secrets, applied to a supervised
+//! agent with the real HAProxy, and checked with real traffic: endpoint, map and certificate
+//! changes go through the runtime API with no reload; anything else reloads; a runtime
+//! change that fails falls back to the reload and ends in the right live state.
+
+mod common;
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use base64::Engine as _;
+use common::*;
+use haptic_agent_client::{AgentClient, Error, FileSet, Outcome};
+use haptic_render::{Renderer, Stores, reference};
+use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+use reqwest::Url;
+use rustls::pki_types::{CertificateDer, ServerName, pem::PemObject as _};
+use serde_json::{Value as Json, json};
+use tokio::{net::TcpListener, task::JoinHandle};
+
+/// A small HTTP backend on `ip:port` answering `backend <ip>`.
+struct Endpoint {
+    task: JoinHandle<()>,
+}
+
+impl Endpoint {
+    async fn start(ip: &str, port: u16) -> Self {
+        let listener = TcpListener::bind((ip, port)).await.expect("bind endpoint");
+        let body = format!("backend {ip}");
+        let app = axum::Router::new().fallback(move || {
+            let body = body.clone();
+            async move { body }
+        });
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Self { task }
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A CA, and a certificate and key for `host` signed by it: (CA PEM, cert PEM, key PEM).
+fn issue(host: &str) -> (String, String, String) {
+    let ca_key = KeyPair::generate().expect("ca key");
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("ca params");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).expect("ca cert");
+    let issuer = Issuer::new(ca_params, ca_key);
+    let key = KeyPair::generate().expect("key");
+    let cert = CertificateParams::new(vec![host.to_owned()])
+        .expect("params")
+        .signed_by(&key, &issuer)
+        .expect("cert");
+    (ca.pem(), cert.pem(), key.serialize_pem())
+}
+
+/// The resources a controller would watch, rendered by the reference templates.
+struct Cluster {
+    renderer: Renderer,
+    stores: Stores,
+    /// The port every endpoint of Service `web` listens on (on its own loopback address).
+    endpoint_port: u16,
+}
+
+const NS: &str = "shop";
+
+impl Cluster {
+    fn new(http: u16, https: u16, endpoint_port: u16, slots: u64) -> Self {
+        let mut set = reference::template_set();
+        set.extra_context.insert(
+            "haproxy".into(),
+            json!({"maxconn": 1000, "bind_address": "127.0.0.1", "http_port": http,
+                "https_port": https, "timeout_connect": "1s", "timeout_client": "10s",
+                "timeout_server": "10s", "stats_socket": null, "route_debug": false,
+                "server_slots": slots}),
+        );
+        let renderer = Renderer::compile(&set).expect("compile the reference set");
+        let mut cluster = Self {
+            renderer,
+            stores: reference::stores().expect("stores"),
+            endpoint_port,
+        };
+        for service in ["web", "api"] {
+            cluster.apply(
+                "services",
+                json!({"metadata": {"namespace": NS, "name": service},
+                    "spec": {"ports": [{"name": "http", "port": 80}]}}),
+            );
+        }
+        cluster
+    }
+
+    fn apply(&mut self, store: &str, resource: Json) {
+        self.stores
+            .get_mut(store)
+            .expect("store")
+            .apply(&resource)
+            .expect("resource");
+    }
+
+    /// Service `service`'s endpoints: `(ip, ready)`.
+    fn endpoints(&mut self, service: &str, endpoints: &[(&str, bool)]) {
+        let endpoints: Vec<Json> = endpoints
+            .iter()
+            .map(|(ip, ready)| json!({"addresses": [ip], "conditions": {"ready": ready}}))
+            .collect();
+        let port = self.endpoint_port;
+        self.apply(
+            "endpointslices",
+            json!({"metadata": {"namespace": NS, "name": format!("{service}-1"),
+                    "labels": {"kubernetes.io/service-name": service}},
+                "addressType": "IPv4", "ports": [{"name": "http", "port": port}],
+                "endpoints": endpoints}),
+        );
+    }
+
+    /// Ingress `name`: `host` to Service `service`, with TLS from Secret `tls` if given.
+    fn ingress(&mut self, name: &str, host: &str, service: &str, tls: Option<&str>) {
+        let mut spec = json!({"rules": [{"host": host, "http": {"paths": [{"path": "/",
+            "pathType": "Prefix",
+            "backend": {"service": {"name": service, "port": {"number": 80}}}}]}}]});
+        if let Some(secret) = tls {
+            spec["tls"] = json!([{"hosts": [host], "secretName": secret}]);
+        }
+        self.apply(
+            "ingresses",
+            json!({"metadata": {"namespace": NS, "name": name}, "spec": spec}),
+        );
+    }
+
+    fn secret(&mut self, name: &str, cert: &str, key: &str) {
+        let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+        self.apply(
+            "secrets",
+            json!({"metadata": {"namespace": NS, "name": name}, "type": "kubernetes.io/tls",
+                "data": {"tls.crt": b64(cert), "tls.key": b64(key)}}),
+        );
+    }
+
+    fn render(&self) -> FileSet {
+        let rendered = self.renderer.render(&self.stores).expect("render");
+        let mut files = FileSet::new();
+        for (path, content) in rendered.iter() {
+            files.insert(path, content.to_vec()).expect("path");
+        }
+        files
+    }
+}
+
+/// Applies the cluster's current render at generation `generation` and returns the report.
+async fn apply(
+    client: &AgentClient,
+    url: &Url,
+    cluster: &Cluster,
+    generation: u64,
+) -> Result<haptic_agent_client::ApplyReport, Error> {
+    client
+        .apply(url, &request(1, "leader-0", generation, cluster.render()))
+        .await
+}
+
+/// One GET through HAProxy with Host `host`: the body, or the error.
+async fn get(http: &reqwest::Client, port: u16, host: &str) -> Result<String, String> {
+    let response = http
+        .get(format!("http://127.0.0.1:{port}/"))
+        .header("host", host)
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    let status = response.status();
+    let body = response.text().await.map_err(|e| e.to_string())?;
+    if status.is_success() {
+        Ok(body)
+    } else {
+        Err(format!("{status}: {body}"))
+    }
+}
+
+/// GETs until the body is `want` (bounded); the last answer.
+async fn await_get(port: u16, host: &str, want: &str) -> Result<String, String> {
+    let http = traffic_client();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let got = get(&http, port, host).await;
+        if got.as_deref() == Ok(want) || tokio::time::Instant::now() > deadline {
+            return got;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A TLS handshake with SNI `host` on `port`, trusting only `ca`: whether it succeeds says
+/// which certificate HAProxy serves.
+async fn handshake(port: u16, host: &str, ca: &str) -> Result<(), String> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(ca.as_bytes()) {
+        roots
+            .add(cert.map_err(|e| e.to_string())?)
+            .map_err(|e| e.to_string())?;
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| e.to_string())?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .map_err(|e| e.to_string())?;
+    let name = ServerName::try_from(host.to_owned()).map_err(|e| e.to_string())?;
+    tokio::time::timeout(Duration::from_secs(5), connector.connect(name, tcp))
+        .await
+        .map_err(|_| "handshake timed out".to_owned())?
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+async fn worker_pids(client: &AgentClient, url: &Url) -> Vec<u32> {
+    client.state(url).await.expect("state").worker_pids
+}
+
+/// Endpoints on 127.0.0.2 ..= 127.0.0.`last`, all on one port.
+async fn endpoints(last: u8) -> (u16, Vec<Endpoint>) {
+    let port = free_port();
+    let mut running = Vec::new();
+    for n in 2..=last {
+        running.push(Endpoint::start(&format!("127.0.0.{n}"), port).await);
+    }
+    (port, running)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoint_map_and_certificate_changes_apply_with_no_reload_and_survive_a_restart() {
+    let (endpoint_port, _endpoints) = endpoints(7).await;
+    let (http_port, https_port) = (free_port(), free_port());
+    let mut cluster = Cluster::new(http_port, https_port, endpoint_port, 10);
+    let (old_ca, cert, key) = issue("web.test");
+    cluster.secret("web-tls", &cert, &key);
+    cluster.ingress("web", "web.test", "web", Some("web-tls"));
+    cluster.endpoints("web", &[("127.0.0.2", true), ("127.0.0.3", true)]);
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let agent = TestAgent::start(dir.path()).await;
+    let client = client();
+    let first = apply(&client, &agent.url, &cluster, 1)
+        .await
+        .expect("first");
+    assert!(first.reload, "the first set starts HAProxy");
+    await_get(http_port, "web.test", "backend 127.0.0.2")
+        .await
+        .expect("served");
+    handshake(https_port, "web.test", &old_ca)
+        .await
+        .expect("the first certificate is served");
+    let workers = worker_pids(&client, &agent.url).await;
+    assert_eq!(workers.len(), 1, "{workers:?}");
+
+    // A loop of requests, each on a fresh connection, while endpoints come and go, roll and
+    // turn not ready.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let traffic = tokio::spawn({
+        let (stop, ok, failed) = (stop.clone(), ok.clone(), failed.clone());
+        async move {
+            let http = traffic_client();
+            let mut failures = Vec::new();
+            // Bounded: at most 20,000 requests.
+            for _ in 0..20_000 {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                match get(&http, http_port, "web.test").await {
+                    Ok(body) if body.starts_with("backend 127.0.0.") => {
+                        ok.fetch_add(1, Ordering::Relaxed);
+                    }
+                    other => {
+                        failed.fetch_add(1, Ordering::Relaxed);
+                        failures.push(format!("{other:?}"));
+                    }
+                }
+            }
+            failures
+        }
+    });
+    let burst: [&[(&str, bool)]; 8] = [
+        &[
+            ("127.0.0.2", true),
+            ("127.0.0.3", true),
+            ("127.0.0.4", true),
+        ],
+        &[("127.0.0.3", true), ("127.0.0.4", true)],
+        &[
+            ("127.0.0.3", true),
+            ("127.0.0.4", false),
+            ("127.0.0.5", true),
+        ],
+        &[
+            ("127.0.0.3", true),
+            ("127.0.0.4", true),
+            ("127.0.0.5", true),
+        ],
+        &[("127.0.0.5", true), ("127.0.0.6", true)],
+        &[
+            ("127.0.0.5", true),
+            ("127.0.0.6", true),
+            ("127.0.0.7", true),
+        ],
+        &[("127.0.0.6", false), ("127.0.0.7", true)],
+        &[("127.0.0.6", true), ("127.0.0.7", true)],
+    ];
+    let mut generation = 1;
+    let mut runtime_ops = 0;
+    for step in burst {
+        cluster.endpoints("web", step);
+        generation += 1;
+        let report = apply(&client, &agent.url, &cluster, generation)
+            .await
+            .expect("endpoint change");
+        assert_eq!(report.outcome, Outcome::Applied);
+        assert!(!report.reload, "an endpoint change reloaded: {step:?}");
+        assert!(report.runtime_ops > 0);
+        runtime_ops += report.runtime_ops;
+        // Let a few requests run against each state.
+        let seen = ok.load(Ordering::Relaxed);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while ok.load(Ordering::Relaxed) < seen + 5 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let failures = traffic.await.expect("traffic");
+    assert!(failures.is_empty(), "failed requests: {failures:?}");
+    assert!(ok.load(Ordering::Relaxed) >= 40, "too few requests ran");
+    assert!(runtime_ops >= 8);
+    assert_eq!(
+        worker_pids(&client, &agent.url).await,
+        workers,
+        "HAProxy reloaded"
+    );
+    // The last state is the one served: 127.0.0.7 answers, 127.0.0.2 no longer does.
+    await_get(http_port, "web.test", "backend 127.0.0.7")
+        .await
+        .expect("the newest endpoint is served");
+    let http = traffic_client();
+    for _ in 0..10 {
+        let body = get(&http, http_port, "web.test").await.expect("served");
+        assert!(
+            body == "backend 127.0.0.6" || body == "backend 127.0.0.7",
+            "{body}"
+        );
+    }
+
+    // A map change: a new Ingress to the same Service routes a new host, no reload.
+    assert_eq!(
+        get(&http, http_port, "shop.test")
+            .await
+            .map_err(|e| e.contains("404")),
+        Err(true)
+    );
+    cluster.ingress("shop", "shop.test", "web", None);
+    generation += 1;
+    let report = apply(&client, &agent.url, &cluster, generation)
+        .await
+        .expect("map change");
+    assert!(!report.reload, "a map change reloaded");
+    let routed = get(&http, http_port, "shop.test").await.expect("new host");
+    assert!(routed.starts_with("backend 127.0.0."), "{routed}");
+
+    // A rotated certificate: served on the next handshake, no reload.
+    let (new_ca, cert, key) = issue("web.test");
+    cluster.secret("web-tls", &cert, &key);
+    generation += 1;
+    let report = apply(&client, &agent.url, &cluster, generation)
+        .await
+        .expect("certificate rotation");
+    assert!(!report.reload, "a certificate rotation reloaded");
+    handshake(https_port, "web.test", &new_ca)
+        .await
+        .expect("the rotated certificate is served");
+    assert!(handshake(https_port, "web.test", &old_ca).await.is_err());
+    assert_eq!(
+        worker_pids(&client, &agent.url).await,
+        workers,
+        "HAProxy reloaded"
+    );
+
+    let state = client.state(&agent.url).await.expect("state");
+    assert_eq!(state.reloads_avoided, 10);
+    assert_eq!(state.generation, Some(generation));
+    let live = state.live_checksum.expect("live");
+    assert_eq!(live, cluster.render().checksum());
+    let metrics = reqwest::get(agent.url.join("metrics").expect("url"))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    assert!(
+        metrics.contains("haptic_agent_reloads_avoided_total 10\n"),
+        "{metrics}"
+    );
+    // The same set again is unchanged.
+    let again = apply(&client, &agent.url, &cluster, generation)
+        .await
+        .expect("again");
+    assert_eq!(again.outcome, Outcome::Unchanged);
+
+    // After a restart of the agent (and its HAProxy), the live set on disk is what HAProxy
+    // serves: the last endpoints, the new host, the rotated certificate.
+    agent.stop().await;
+    let agent = TestAgent::start(dir.path()).await;
+    assert_eq!(
+        await_get(http_port, "shop.test", "backend 127.0.0.7").await,
+        Ok("backend 127.0.0.7".to_owned())
+    );
+    for _ in 0..10 {
+        let body = get(&http, http_port, "web.test").await.expect("served");
+        assert!(
+            body == "backend 127.0.0.6" || body == "backend 127.0.0.7",
+            "{body}"
+        );
+    }
+    handshake(https_port, "web.test", &new_ca)
+        .await
+        .expect("the rotated certificate after the restart");
+    let state = client.state(&agent.url).await.expect("state");
+    assert_eq!(state.live_checksum.as_deref(), Some(live.as_str()));
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changes_beyond_the_runtime_api_reload_and_a_failed_runtime_change_falls_back() {
+    let (endpoint_port, _endpoints) = endpoints(6).await;
+    let (http_port, https_port) = (free_port(), free_port());
+    // Two slots per backend, so that a third endpoint outgrows them.
+    let mut cluster = Cluster::new(http_port, https_port, endpoint_port, 2);
+    let (ca, cert, key) = issue("web.test");
+    cluster.secret("web-tls", &cert, &key);
+    cluster.ingress("web", "web.test", "web", Some("web-tls"));
+    cluster.endpoints("web", &[("127.0.0.2", true)]);
+    cluster.endpoints("api", &[("127.0.0.6", true)]);
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut config = haptic_agent::AgentConfig::new(dir.path(), TOKEN)
+        .with_listen(std::net::SocketAddr::from(([127, 0, 0, 1], 0)))
+        .with_haproxy_bin(haproxy_bin())
+        .with_supervise(true);
+    config.runtime_timeout = Duration::from_secs(1);
+    let agent = TestAgent::start_with(config).await;
+    let client = client();
+    apply(&client, &agent.url, &cluster, 1)
+        .await
+        .expect("first");
+    await_get(http_port, "web.test", "backend 127.0.0.2")
+        .await
+        .expect("served");
+    let mut workers = worker_pids(&client, &agent.url).await;
+    let http = traffic_client();
+
+    // A new backend (an Ingress to a Service no Ingress routed to) needs a reload.
+    cluster.ingress("api", "api.test", "api", None);
+    let report = apply(&client, &agent.url, &cluster, 2)
+        .await
+        .expect("new backend");
+    assert!(report.reload && report.runtime_ops == 0, "{report:?}");
+    assert_eq!(
+        get(&http, http_port, "api.test").await,
+        Ok("backend 127.0.0.6".to_owned())
+    );
+    let now = worker_pids(&client, &agent.url).await;
+    assert_ne!(now, workers, "a new backend did not reload");
+    workers = now;
+
+    // A backend that outgrows its slots gets more, with a reload.
+    cluster.endpoints(
+        "web",
+        &[
+            ("127.0.0.2", true),
+            ("127.0.0.3", true),
+            ("127.0.0.4", true),
+        ],
+    );
+    let report = apply(&client, &agent.url, &cluster, 3)
+        .await
+        .expect("growth");
+    assert!(report.reload, "{report:?}");
+    workers = {
+        let now = worker_pids(&client, &agent.url).await;
+        assert_ne!(now, workers);
+        now
+    };
+
+    // The worker does not answer the runtime API (stopped): the change falls back to the
+    // reload and the new set is live and served by a new worker.
+    let stopped =
+        rustix::process::Pid::from_raw(i32::try_from(workers[0]).expect("pid")).expect("pid");
+    rustix::process::kill_process(stopped, rustix::process::Signal::STOP).expect("SIGSTOP");
+    cluster.endpoints(
+        "web",
+        &[
+            ("127.0.0.3", true),
+            ("127.0.0.4", true),
+            ("127.0.0.5", true),
+        ],
+    );
+    let report = apply(&client, &agent.url, &cluster, 4).await;
+    // Let the old worker run again and finish: it was told to stop by the reload.
+    rustix::process::kill_process(stopped, rustix::process::Signal::CONT).expect("SIGCONT");
+    let report = report.expect("fallback");
+    assert!(report.reload, "{report:?}");
+    assert!(report.timing.runtime_us > 0, "{report:?}");
+    assert_ne!(worker_pids(&client, &agent.url).await, workers);
+    await_get(http_port, "web.test", "backend 127.0.0.5")
+        .await
+        .expect("the new set is served");
+    for _ in 0..10 {
+        let body = get(&http, http_port, "web.test").await.expect("served");
+        assert_ne!(body, "backend 127.0.0.2", "a removed endpoint is served");
+    }
+    workers = worker_pids(&client, &agent.url).await;
+
+    // A server change applied at run time, then a certificate whose key is not its own:
+    // HAProxy refuses the certificate, the reload path refuses the set (`haproxy -c`), and
+    // the agent reloads the live set, so that the server change made at run time is undone.
+    let live = client.state(&agent.url).await.expect("state").live_checksum;
+    let (_, other_cert, _) = issue("web.test");
+    cluster.secret("web-tls", &other_cert, &key);
+    cluster.endpoints(
+        "web",
+        &[
+            ("127.0.0.3", true),
+            ("127.0.0.4", true),
+            ("127.0.0.6", true),
+        ],
+    );
+    match apply(&client, &agent.url, &cluster, 5).await {
+        Err(Error::Invalid { check_output }) => {
+            assert!(check_output.contains("web-tls"), "{check_output}")
+        }
+        other => panic!("a mismatched key was not refused: {other:?}"),
+    }
+    let state = client.state(&agent.url).await.expect("state");
+    assert_eq!(state.live_checksum, live, "the refused set is not live");
+    assert_ne!(
+        state.worker_pids, workers,
+        "the live set was not loaded again"
+    );
+    for _ in 0..20 {
+        let body = get(&http, http_port, "web.test").await.expect("served");
+        assert_ne!(
+            body, "backend 127.0.0.6",
+            "the refused set's server is served"
+        );
+    }
+    handshake(https_port, "web.test", &ca)
+        .await
+        .expect("the live certificate is still served");
+    agent.stop().await;
+}

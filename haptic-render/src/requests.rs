@@ -1,0 +1,323 @@
+//! What templates ask the cluster to show, besides the files: Kubernetes Events
+//! (`record_event(...)`) and status of watched objects (`set_status(...)`).
+//!
+//! Both functions render nothing. Each render collects what its templates asked for, in output
+//! order, into a [`Requests`] ([`crate::Renderer::render_all`]): the same stores give the same
+//! requests, whatever the number of render threads. Writing them is the controller's business
+//! (its leader writes; a render never talks to the API).
+//!
+//! ```text
+//! {% if not derived.serviceBackends[...] %}
+//!   {{ record_event(object=ing, type="Warning", reason="ServiceNotFound",
+//!                   message="no Service " ~ name) }}
+//! {% endif %}
+//! {{ set_status(object=ing, field="loadBalancer", value=haproxy_service.status.loadBalancer) }}
+//! ```
+
+use std::cell::RefCell;
+
+use serde::Serialize;
+use tera::{Kwargs, State, Tera, Value};
+
+/// An Event a template asked for with `record_event(object=, type=, reason=, message=)`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct EventRequest {
+    /// The object's `apiVersion`, when it has one.
+    pub api_version: Option<String>,
+    /// Its `kind`.
+    pub kind: Option<String>,
+    /// Its `metadata.namespace`.
+    pub namespace: Option<String>,
+    /// Its `metadata.name`.
+    pub name: Option<String>,
+    /// Its `metadata.uid`.
+    pub uid: Option<String>,
+    /// `Normal` or `Warning`.
+    pub type_: String,
+    /// A CamelCase reason.
+    pub reason: String,
+    /// The note.
+    pub message: String,
+}
+
+/// Status a template declared for a watched object with
+/// `set_status(object=, field=, value=)`: `status.<field>` should be `value`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StatusRequest {
+    /// The object's `apiVersion`.
+    pub api_version: String,
+    /// Its `kind`.
+    pub kind: String,
+    /// Its `metadata.namespace` (none: cluster-scoped).
+    pub namespace: Option<String>,
+    /// Its `metadata.name`.
+    pub name: String,
+    /// The top-level field of `status` (`loadBalancer`).
+    pub field: String,
+    /// Its value.
+    pub value: serde_json::Value,
+}
+
+/// Everything one render's templates asked for, in output order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Requests {
+    /// Events, each once.
+    pub events: Vec<EventRequest>,
+    /// Status fields; a later request for the same object and field replaces an earlier one.
+    pub statuses: Vec<StatusRequest>,
+}
+
+impl Requests {
+    /// Appends `other`, keeping each event once and the last value of each status field.
+    pub(crate) fn extend(&mut self, other: Self) {
+        for event in other.events {
+            if !self.events.contains(&event) {
+                self.events.push(event);
+            }
+        }
+        for status in other.statuses {
+            let same = |s: &StatusRequest| {
+                s.api_version == status.api_version
+                    && s.kind == status.kind
+                    && s.namespace == status.namespace
+                    && s.name == status.name
+                    && s.field == status.field
+            };
+            match self.statuses.iter_mut().find(|s| same(s)) {
+                Some(existing) => *existing = status,
+                None => self.statuses.push(status),
+            }
+        }
+    }
+
+    /// True when nothing was asked for.
+    pub fn is_empty(&self) -> bool {
+        self.events.is_empty() && self.statuses.is_empty()
+    }
+}
+
+thread_local! {
+    /// What the template running on this thread asked for so far.
+    static COLLECTED: RefCell<Requests> = RefCell::new(Requests::default());
+}
+
+/// Runs `f` (one template render on this thread) and returns what its templates asked for.
+pub(crate) fn collect<T>(f: impl FnOnce() -> T) -> (T, Requests) {
+    COLLECTED.with(|c| c.take());
+    let out = f();
+    let requests = COLLECTED.with(|c| c.take());
+    (out, requests)
+}
+
+fn error(e: impl std::fmt::Display) -> tera::Error {
+    tera::Error::message(e.to_string())
+}
+
+fn text(object: &Value, path: &str) -> Option<String> {
+    object
+        .get_from_path(path)
+        .and_then(Value::as_str)
+        .map(ToOwned::to_owned)
+}
+
+/// Registers `record_event` and `set_status`.
+pub(crate) fn register(tera: &mut Tera) {
+    tera.register_function(
+        "record_event",
+        |kwargs: Kwargs, _: &State| -> tera::TeraResult<String> {
+            let object: Value = kwargs.must_get("object")?;
+            let type_: String = kwargs.get::<String>("type")?.unwrap_or_else(|| "Normal".into());
+            let reason: String = kwargs.must_get("reason")?;
+            let message: String = kwargs.must_get("message")?;
+            if type_ != "Normal" && type_ != "Warning" {
+                return Err(error(format!(
+                    "record_event: type must be Normal or Warning, not {type_:?}"
+                )));
+            }
+            if reason.is_empty()
+                || reason.len() > 128
+                || !reason.chars().all(|c| c.is_ascii_alphanumeric())
+                || !reason.starts_with(|c: char| c.is_ascii_uppercase())
+            {
+                return Err(error(format!(
+                    "record_event: reason must be a CamelCase word of at most 128 letters and digits, not {reason:?}"
+                )));
+            }
+            let request = EventRequest {
+                api_version: text(&object, "apiVersion"),
+                kind: text(&object, "kind"),
+                namespace: text(&object, "metadata.namespace"),
+                name: text(&object, "metadata.name"),
+                uid: text(&object, "metadata.uid"),
+                type_,
+                reason,
+                message,
+            };
+            if request.name.is_none() {
+                return Err(error("record_event: the object has no metadata.name"));
+            }
+            COLLECTED.with(|c| {
+                let mut c = c.borrow_mut();
+                if !c.events.contains(&request) {
+                    c.events.push(request);
+                }
+            });
+            Ok(String::new())
+        },
+    );
+    tera.register_function(
+        "set_status",
+        |kwargs: Kwargs, _: &State| -> tera::TeraResult<String> {
+            let object: Value = kwargs.must_get("object")?;
+            let field: String = kwargs.must_get("field")?;
+            let value: Value = kwargs.must_get("value")?;
+            if field.is_empty() || field.contains('.') || field.contains('/') {
+                return Err(error(format!(
+                    "set_status: field must name one top-level field of status, not {field:?}"
+                )));
+            }
+            let (Some(api_version), Some(kind), Some(name)) = (
+                text(&object, "apiVersion"),
+                text(&object, "kind"),
+                text(&object, "metadata.name"),
+            ) else {
+                return Err(error(
+                    "set_status: the object needs apiVersion, kind and metadata.name (a watched object, as listed)",
+                ));
+            };
+            let value = if value.is_undefined() || value.is_none() {
+                serde_json::Value::Null
+            } else {
+                serde_json::to_value(&value).map_err(error)?
+            };
+            let request = StatusRequest {
+                api_version,
+                kind,
+                namespace: text(&object, "metadata.namespace"),
+                name,
+                field,
+                value,
+            };
+            COLLECTED.with(|c| {
+                c.borrow_mut().extend(Requests {
+                    events: Vec::new(),
+                    statuses: vec![request],
+                });
+            });
+            Ok(String::new())
+        },
+    );
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use serde_json::json;
+
+    use crate::{Renderer, reference};
+
+    fn ingress(name: &str, service: &str) -> serde_json::Value {
+        json!({
+            "apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
+            "metadata": {"namespace": "shop", "name": name, "uid": format!("uid-{name}")},
+            "spec": {"rules": [{"host": format!("{name}.example"), "http": {"paths": [
+                {"path": "/", "pathType": "Prefix",
+                 "backend": {"service": {"name": service, "port": {"number": 80}}}}]}}]}
+        })
+    }
+
+    #[test]
+    fn the_reference_set_asks_for_events_and_ingress_status_the_same_on_any_threads() {
+        let mut set = reference::template_set();
+        set.extra_context.get_mut("haproxy").unwrap()["service"] = json!("haptic/haproxy");
+        let mut stores = reference::stores().unwrap();
+        let ingresses = stores.get_mut("ingresses").unwrap();
+        ingresses.apply(&ingress("good", "web")).unwrap();
+        ingresses.apply(&ingress("broken", "missing")).unwrap();
+        let services = stores.get_mut("services").unwrap();
+        services
+            .apply(&json!({"apiVersion": "v1", "kind": "Service",
+                "metadata": {"namespace": "shop", "name": "web"},
+                "spec": {"ports": [{"name": "http", "port": 80}]}}))
+            .unwrap();
+        // No load-balancer address yet: no status asked for.
+        let renderer = Renderer::compile(&set).unwrap();
+        let (_, asked) = renderer.render_all(&stores).unwrap();
+        assert!(asked.statuses.is_empty(), "{asked:?}");
+        assert_eq!(asked.events.len(), 1, "{asked:?}");
+        let event = &asked.events[0];
+        assert_eq!(
+            (
+                event.kind.as_deref(),
+                event.name.as_deref(),
+                event.uid.as_deref()
+            ),
+            (Some("Ingress"), Some("broken"), Some("uid-broken"))
+        );
+        assert_eq!(
+            (event.type_.as_str(), event.reason.as_str()),
+            ("Warning", "BackendNotFound")
+        );
+        assert!(event.message.contains("missing"), "{}", event.message);
+
+        let lb = json!({"ingress": [{"ip": "192.0.2.10"}]});
+        stores
+            .get_mut("services")
+            .unwrap()
+            .apply(&json!({"apiVersion": "v1", "kind": "Service",
+                "metadata": {"namespace": "haptic", "name": "haproxy"},
+                "spec": {"ports": [{"name": "http", "port": 80}]},
+                "status": {"loadBalancer": lb}}))
+            .unwrap();
+        let one = Renderer::compile(&set).unwrap().with_threads(1);
+        let four = Renderer::compile(&set).unwrap().with_threads(4);
+        let (files, asked) = one.render_all(&stores).unwrap();
+        let (files4, asked4) = four.render_all(&stores).unwrap();
+        assert_eq!(files.checksum_hex(), files4.checksum_hex());
+        assert_eq!(asked, asked4);
+        let names: Vec<&str> = asked.statuses.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["broken", "good"]);
+        for status in &asked.statuses {
+            assert_eq!(
+                (status.kind.as_str(), status.field.as_str(), &status.value),
+                ("Ingress", "loadBalancer", &lb)
+            );
+        }
+        // Nothing of it is in the files.
+        assert!(!files.text("haproxy.cfg").unwrap().contains("192.0.2.10"));
+    }
+
+    #[test]
+    fn bad_requests_are_render_errors_naming_the_function() {
+        let compile = |main: &str| {
+            let mut set = crate::TemplateSet {
+                haproxy_config: crate::Template::new(main),
+                ..crate::TemplateSet::default()
+            };
+            set.extra_context
+                .insert("obj".into(), json!({"metadata": {"name": "x"}}));
+            Renderer::compile(&set).unwrap()
+        };
+        let stores = crate::Stores::new();
+        for (template, needle) in [
+            (
+                r#"{{ record_event(object=obj, type="Loud", reason="R", message="m") }}"#,
+                "type must be Normal or Warning",
+            ),
+            (
+                r#"{{ record_event(object=obj, reason="not camel", message="m") }}"#,
+                "reason must be a CamelCase word",
+            ),
+            (
+                r#"{{ set_status(object=obj, field="a.b", value=1) }}"#,
+                "set_status: field",
+            ),
+        ] {
+            let error = compile(template)
+                .render_all(&stores)
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains(needle), "{template}: {error}");
+        }
+    }
+}

@@ -1,0 +1,281 @@
+//! Server slots: a fixed number of `server` lines per backend, each endpoint in a slot of its
+//! own, so that an endpoint change only changes what a slot holds (its address, port or
+//! state), which the agent applies through HAProxy's runtime API without a reload.
+//!
+//! The assignment is a pure function of a backend's endpoints, so the same resources give
+//! the same slots on every render, on every controller replica and after a leader change,
+//! with nothing read back from HAProxy:
+//!
+//! - a backend has `slots` slots (the configured number, 10 by default), or the next
+//!   multiple of it when it has more endpoints than that;
+//! - each endpoint (`address:port`) prefers slot `fnv1a(endpoint) mod slots` and takes the
+//!   first free slot from there (linear probing), endpoints taken in order of their
+//!   preferred slot, then of their text;
+//! - an endpoint that is not ready keeps its slot, `disabled`; an unused slot is `disabled`
+//!   with the placeholder address [`PLACEHOLDER`].
+//!
+//! So an endpoint keeps its slot while it exists, unless it had been pushed along by a
+//! collision and the endpoint it collided with goes away (or a new endpoint collides ahead
+//! of it); it then moves within the backend, which is still a runtime change. When a
+//! backend outgrows its slots, the slot count grows by a step and the slots are assigned
+//! afresh (a new `server` line needs a reload anyway).
+//!
+//! ```
+//! use haptic_render::slots::{assign, Endpoint};
+//!
+//! let endpoints = [
+//!     Endpoint { endpoint: "10.0.0.1:8080", ready: true },
+//!     Endpoint { endpoint: "10.0.0.2:8080", ready: false },
+//! ];
+//! let slots = assign(&endpoints, 10);
+//! assert_eq!(slots.len(), 10);
+//! assert_eq!(slots.iter().filter(|s| s.enabled).count(), 1);
+//! // The same endpoints, in another order: the same slots.
+//! let reversed = [endpoints[1], endpoints[0]];
+//! assert_eq!(assign(&reversed, 10), slots);
+//! ```
+
+use tera::{Kwargs, State, Tera, Value};
+
+use crate::value::map_value;
+
+/// Slots per backend when the template does not say (`extraContext.haproxy.server_slots`).
+pub const DEFAULT_SLOTS: usize = 10;
+
+/// The most slots a backend gets, whatever its endpoints: a bound on the config's size.
+pub const MAX_SLOTS: usize = 10_000;
+
+/// The address of a slot that holds no endpoint (always `disabled`).
+pub const PLACEHOLDER: &str = "127.0.0.1:1";
+
+/// One endpoint of a backend, as the slot assignment reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Endpoint<'a> {
+    /// `address:port` (`[v6]:port` for IPv6), as a `server` line names it.
+    pub endpoint: &'a str,
+    /// Whether the endpoint takes traffic (`disabled` otherwise).
+    pub ready: bool,
+}
+
+/// One slot of a backend.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Slot {
+    /// 1-based slot number; the `server` line is named `s<slot>`.
+    pub slot: usize,
+    /// The endpoint it holds, or [`PLACEHOLDER`].
+    pub endpoint: String,
+    /// Whether the server takes traffic: it holds a ready endpoint.
+    pub enabled: bool,
+}
+
+/// How many slots a backend with `endpoints` endpoints gets: `per_backend` (at least 1), or
+/// the next multiple of it that holds them all, at most [`MAX_SLOTS`].
+pub fn slot_count(endpoints: usize, per_backend: usize) -> usize {
+    let step = per_backend.clamp(1, MAX_SLOTS);
+    endpoints
+        .div_ceil(step)
+        .max(1)
+        .saturating_mul(step)
+        .min(MAX_SLOTS)
+}
+
+/// FNV-1a, 64 bits: a hash fixed by its definition (the standard library's is not
+/// guaranteed across releases), so every replica and every version prefers the same slot.
+fn fnv1a(text: &str) -> u64 {
+    text.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// Assigns `endpoints` to slots (see the module docs). An endpoint listed twice (in two
+/// slices) takes one slot, ready if either listing is; endpoints beyond [`MAX_SLOTS`] are
+/// left out.
+pub fn assign(endpoints: &[Endpoint<'_>], per_backend: usize) -> Vec<Slot> {
+    let mut unique: Vec<Endpoint<'_>> = Vec::with_capacity(endpoints.len());
+    let mut sorted: Vec<&Endpoint<'_>> = endpoints.iter().collect();
+    sorted.sort_by(|a, b| a.endpoint.cmp(b.endpoint));
+    for endpoint in sorted {
+        match unique.last_mut() {
+            Some(last) if last.endpoint == endpoint.endpoint => last.ready |= endpoint.ready,
+            _ => unique.push(*endpoint),
+        }
+    }
+    let count = slot_count(unique.len(), per_backend);
+    unique.truncate(count);
+    let modulus = u64::try_from(count).unwrap_or(u64::MAX);
+    let mut preferred: Vec<(usize, Endpoint<'_>)> = unique
+        .into_iter()
+        .map(|e| {
+            let slot = usize::try_from(fnv1a(e.endpoint) % modulus).unwrap_or(0);
+            (slot, e)
+        })
+        .collect();
+    preferred.sort_by(|(a, x), (b, y)| a.cmp(b).then(x.endpoint.cmp(y.endpoint)));
+    let mut slots: Vec<Option<Endpoint<'_>>> = vec![None; count];
+    for (first, endpoint) in preferred {
+        // There are at least as many slots as endpoints: a free one exists.
+        if let Some(free) = (0..count)
+            .map(|i| (first + i) % count)
+            .find(|&i| slots[i].is_none())
+        {
+            slots[free] = Some(endpoint);
+        }
+    }
+    slots
+        .into_iter()
+        .enumerate()
+        .map(|(index, held)| Slot {
+            slot: index + 1,
+            endpoint: held.map_or(PLACEHOLDER, |e| e.endpoint).to_owned(),
+            enabled: held.is_some_and(|e| e.ready),
+        })
+        .collect()
+}
+
+/// Registers the `server_slots` filter:
+/// `{% for s in b.endpoints | server_slots(slots=haproxy.server_slots) %}` over rows with
+/// `endpoint` and `ready` (the rows of `derived` backends), giving `{slot, name, endpoint,
+/// enabled}` per slot. `slots` defaults to [`DEFAULT_SLOTS`].
+pub(crate) fn register(tera: &mut Tera) {
+    tera.register_filter(
+        "server_slots",
+        |rows: &[Value], kwargs: Kwargs, _: &State| -> tera::TeraResult<Vec<Value>> {
+            let per_backend: Option<i64> = kwargs.get("slots")?;
+            let per_backend = match per_backend {
+                None => DEFAULT_SLOTS,
+                Some(n) if n >= 1 => usize::try_from(n).unwrap_or(MAX_SLOTS),
+                Some(n) => {
+                    return Err(tera::Error::message(format!(
+                        "server_slots: `slots` must be at least 1, got {n}"
+                    )));
+                }
+            };
+            let endpoints: Vec<Endpoint<'_>> = rows
+                .iter()
+                .filter_map(|row| {
+                    Some(Endpoint {
+                        endpoint: row.get_from_path("endpoint")?.as_str()?,
+                        ready: row
+                            .get_from_path("ready")
+                            .and_then(Value::as_bool)
+                            .unwrap_or(true),
+                    })
+                })
+                .collect();
+            Ok(assign(&endpoints, per_backend)
+                .into_iter()
+                .map(|slot| {
+                    map_value([
+                        ("slot", Value::from(slot.slot)),
+                        ("name", Value::from(format!("s{}", slot.slot))),
+                        ("endpoint", Value::from(slot.endpoint)),
+                        ("enabled", Value::from(slot.enabled)),
+                    ])
+                })
+                .collect())
+        },
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn endpoints(n: usize) -> Vec<String> {
+        (0..n)
+            .map(|i| format!("10.1.{}.{}:8080", i / 250, i % 250))
+            .collect()
+    }
+
+    fn slot_of(slots: &[Slot], endpoint: &str) -> Option<usize> {
+        slots
+            .iter()
+            .find(|s| s.endpoint == endpoint)
+            .map(|s| s.slot)
+    }
+
+    #[test]
+    fn slots_grow_in_steps_and_every_endpoint_has_one() {
+        assert_eq!(slot_count(0, 10), 10);
+        assert_eq!(slot_count(10, 10), 10);
+        assert_eq!(slot_count(11, 10), 20);
+        assert_eq!(slot_count(5, 0), 5);
+        assert_eq!(slot_count(usize::MAX, 10), MAX_SLOTS);
+        let names = endpoints(23);
+        let input: Vec<Endpoint<'_>> = names
+            .iter()
+            .map(|e| Endpoint {
+                endpoint: e,
+                ready: true,
+            })
+            .collect();
+        let slots = assign(&input, 10);
+        assert_eq!(slots.len(), 30);
+        for name in &names {
+            assert!(slot_of(&slots, name).is_some(), "{name} has no slot");
+        }
+        let unused: Vec<&Slot> = slots.iter().filter(|s| s.endpoint == PLACEHOLDER).collect();
+        assert_eq!(unused.len(), 7);
+        assert!(unused.iter().all(|s| !s.enabled));
+    }
+
+    #[test]
+    fn an_endpoint_keeps_its_slot_while_others_come_and_go_without_colliding() {
+        let names = endpoints(40);
+        let all: Vec<Endpoint<'_>> = names
+            .iter()
+            .map(|e| Endpoint {
+                endpoint: e,
+                ready: true,
+            })
+            .collect();
+        // Within one slot count, removing an endpoint moves only endpoints that had probed
+        // past its slot; in a sparse backend (3 of 10) that is rare, and the rest stay.
+        let mut moved = 0;
+        let mut kept = 0;
+        for window in all.windows(4) {
+            let before = assign(&window[..3], 10);
+            let after = assign(&window[1..4], 10);
+            for e in &window[1..3] {
+                if slot_of(&before, e.endpoint) == slot_of(&after, e.endpoint) {
+                    kept += 1;
+                } else {
+                    moved += 1;
+                }
+            }
+        }
+        assert!(kept > moved * 3, "kept {kept}, moved {moved}");
+    }
+
+    #[test]
+    fn not_ready_endpoints_keep_their_slot_disabled_and_duplicates_take_one() {
+        let ready = [
+            Endpoint {
+                endpoint: "10.0.0.1:80",
+                ready: true,
+            },
+            Endpoint {
+                endpoint: "10.0.0.2:80",
+                ready: true,
+            },
+        ];
+        let flipped = [
+            Endpoint {
+                endpoint: "10.0.0.1:80",
+                ready: true,
+            },
+            Endpoint {
+                endpoint: "10.0.0.2:80",
+                ready: false,
+            },
+            Endpoint {
+                endpoint: "10.0.0.2:80",
+                ready: false,
+            },
+        ];
+        let (a, b) = (assign(&ready, 10), assign(&flipped, 10));
+        assert_eq!(slot_of(&a, "10.0.0.2:80"), slot_of(&b, "10.0.0.2:80"));
+        assert_eq!(b.iter().filter(|s| s.endpoint == "10.0.0.2:80").count(), 1);
+        assert!(!b.iter().any(|s| s.endpoint == "10.0.0.2:80" && s.enabled));
+    }
+}

@@ -295,6 +295,8 @@ pub fn validate(
         }
     }
 
+    errors.extend(crate::validation::check_structure(spec));
+
     match (
         errors.is_empty(),
         renderer,

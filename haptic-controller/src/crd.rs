@@ -70,6 +70,99 @@ pub struct HAProxyTemplateConfigSpec {
     /// Certificates by name, rendered to `ssl/<name>.pem`, or one per resource of `forEach`.
     #[serde(default)]
     pub ssl_certificates: BTreeMap<String, CertificateSource>,
+    /// Tests of the templates by name: fixtures (resources per store) rendered with this
+    /// config, and assertions on the result. Run by `haptic-controller validate` and by the
+    /// webhook, which denies a config whose tests fail.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub validation_tests: BTreeMap<String, ValidationTest>,
+}
+
+/// One validation test: the resources of each store, and what the rendered set must satisfy.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ValidationTest {
+    /// What the test shows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// Resources by store name (a key of `watchedResources`), as the API would return them.
+    #[serde(default)]
+    #[schemars(schema_with = "fixtures_schema")]
+    pub fixtures: BTreeMap<String, Vec<serde_json::Value>>,
+    /// What the rendered set must satisfy, checked in order; every failure is reported.
+    pub assertions: Vec<Assertion>,
+}
+
+/// The kinds of assertion.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum AssertionType {
+    /// The set passes the agents' config policy and `haproxy -c`.
+    HaproxyValid,
+    /// `pattern` (a regular expression) matches somewhere in `target`.
+    Contains,
+    /// `pattern` matches nowhere in `target`.
+    NotContains,
+    /// `target` is exactly `expected` (leading and trailing whitespace aside).
+    Equals,
+    /// `jsonpath` over the template context (`resources`, `derived`, the extra context) gives
+    /// `expected` (one result: that value; several: the list), or anything when `expected`
+    /// is absent.
+    Jsonpath,
+    /// `pattern` matches `expected` times in `target`.
+    MatchCount,
+    /// `patterns` match in `target` in this order.
+    MatchOrder,
+    /// The fixtures loaded in the reverse order render the same bytes.
+    Deterministic,
+}
+
+/// One assertion of a validation test.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Assertion {
+    /// What is asserted.
+    #[serde(rename = "type")]
+    pub type_: AssertionType,
+    /// What the assertion means, for the report.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// `haproxy.cfg` (default), `map:<name>`, `file:<name>`, `cert:<name>`, or a path of the
+    /// rendered set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<String>,
+    /// A regular expression (`contains`, `not_contains`, `match_count`); `(?m)` makes `^` and
+    /// `$` match at line ends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pattern: Option<String>,
+    /// Regular expressions that must match in this order (`match_order`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub patterns: Vec<String>,
+    /// The expected text (`equals`), count (`match_count`) or value (`jsonpath`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "any_value")]
+    pub expected: Option<serde_json::Value>,
+    /// A JSONPath (RFC 9535) over the template context (`jsonpath`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub jsonpath: Option<String>,
+}
+
+fn fixtures_schema(_: &mut SchemaGenerator) -> Schema {
+    json_schema!({
+        "type": "object",
+        "additionalProperties": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "x-kubernetes-preserve-unknown-fields": true
+            }
+        }
+    })
+}
+
+fn any_value(_: &mut SchemaGenerator) -> Schema {
+    json_schema!({
+        "x-kubernetes-preserve-unknown-fields": true
+    })
 }
 
 fn default_ignore_fields() -> Vec<String> {
@@ -223,6 +316,12 @@ pub struct WatchedResource {
     /// A field selector (`metadata.namespace!=kube-system`), applied by the API server.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub field_selector: Option<String>,
+    /// Whether the admission webhook checks creates, updates and deletes of these resources
+    /// (the config rendered with the change, `haproxy -c`, the validation tests) and denies
+    /// those that would break the config (default false). The webhook's
+    /// ValidatingWebhookConfiguration must send them (`deploy/webhook/`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub enable_validation_webhook: bool,
 }
 
 /// A template's source.

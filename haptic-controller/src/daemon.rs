@@ -42,6 +42,9 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// The admission webhook could not start.
+    #[error(transparent)]
+    Webhook(#[from] crate::webhook::Error),
     /// The leadership adapter refused the election settings.
     #[error(transparent)]
     Leadership(#[from] haptic_leadership::Error),
@@ -62,6 +65,8 @@ pub struct Options {
     pub policy: haptic_agent_client::policy::Policy,
     /// The reconciler's coalescing window.
     pub reconcile_window: Duration,
+    /// The admission webhook (none: off).
+    pub webhook: Option<crate::webhook::WebhookSettings>,
 }
 
 /// Runs the controller until `token` fires.
@@ -79,11 +84,26 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
             source,
         })?;
 
+    // Every replica answers admission reviews, from the start: until a config is loaded it
+    // lets changes through, saying so.
+    let webhook = match options.webhook.clone() {
+        Some(settings) => {
+            let (_, task) = crate::webhook::serve(settings, cache.clone(), health_token.clone())
+                .await
+                .inspect_err(|_| health_token.cancel())?;
+            Some(task)
+        }
+        None => None,
+    };
+
     let Some(election) =
         config_loader::initial_election(client.clone(), &options.config, &token).await
     else {
         health_token.cancel();
         let _ = health.await;
+        if let Some(webhook) = webhook {
+            let _ = tokio::time::timeout(STOP_TIMEOUT, webhook).await;
+        }
         return Ok(());
     };
     let election_config = election.election_config(&options.identity, &options.config.namespace);
@@ -157,6 +177,9 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
     let result = leadership.run(token).await;
     health_token.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(1), health).await;
+    if let Some(webhook) = webhook {
+        let _ = tokio::time::timeout(STOP_TIMEOUT, webhook).await;
+    }
     info!("stopped");
     result.map_err(Error::from)
 }

@@ -41,7 +41,9 @@ pub mod state;
 pub mod status;
 pub mod status_applier;
 mod tasks;
+pub mod validation;
 pub mod watchers;
+pub mod webhook;
 
 pub use crd::{HAProxyTemplateConfig, HAProxyTemplateConfigSpec, HAProxyTemplateConfigStatus};
 pub use daemon::{Options, run};

@@ -1,11 +1,17 @@
-//! `haptic-controller`: `run` the daemon, print the `crd`, or the `version`.
+//! `haptic-controller`: `run` the daemon, `validate` a config offline, print the `crd`, the
+//! reference config or the `version`.
 
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use haptic_agent_client::policy::Policy;
-use haptic_controller::{config_loader::ConfigRef, daemon};
+use haptic_controller::{
+    config_loader::ConfigRef,
+    daemon,
+    validation::Checker,
+    webhook::{FailurePolicy, WebhookSettings},
+};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
@@ -34,8 +40,74 @@ enum Command {
         #[arg(long, default_value = "haptic-system")]
         namespace: String,
     },
+    /// Run a HAProxyTemplateConfig's validation tests offline (no cluster): exit 0 when all
+    /// pass, 1 otherwise.
+    Validate(ValidateArgs),
     /// Print the version.
     Version,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum OutputFormat {
+    Summary,
+    Json,
+}
+
+#[derive(Parser)]
+struct ValidateArgs {
+    /// The HAProxyTemplateConfig (YAML or JSON; the first HAProxyTemplateConfig document of a
+    /// multi-document file).
+    #[arg(short = 'f', long = "file")]
+    file: PathBuf,
+    /// Run only this test.
+    #[arg(long)]
+    test: Option<String>,
+    /// How to report.
+    #[arg(long, value_enum, default_value = "summary")]
+    output: OutputFormat,
+    /// Write each test's rendered set to DIR/<test>/.
+    #[arg(long, value_name = "DIR")]
+    dump_rendered: Option<PathBuf>,
+    /// The haproxy binary `haproxy_valid` runs.
+    #[arg(long, env = "HAPTIC_HAPROXY", default_value = "haproxy")]
+    haproxy: String,
+    #[command(flatten)]
+    policy: PolicyArgs,
+}
+
+/// The agents' allow-list, which the render gate, the webhook and `validate` apply.
+#[derive(clap::Args)]
+struct PolicyArgs {
+    /// Capabilities a rendered set may use, as the agents' --allow (lua, program,
+    /// external-check, env, ssl-engine; comma-separated) [default: none].
+    #[arg(long, env = "HAPTIC_ALLOW", value_delimiter = ',')]
+    allow: Vec<String>,
+    /// Absolute path prefixes a rendered set may name, as the agents' --allow-path.
+    #[arg(long, env = "HAPTIC_ALLOW_PATHS", value_delimiter = ',')]
+    allow_path: Vec<String>,
+    /// Environment variables a rendered set may read beyond POD_IP, POD_NAME, POD_NAMESPACE
+    /// and HOSTNAME, as the agents' --allow-env.
+    #[arg(long, env = "HAPTIC_ALLOW_ENV", value_delimiter = ',')]
+    allow_env: Vec<String>,
+}
+
+impl PolicyArgs {
+    fn policy(&self) -> Result<Policy> {
+        let mut policy = Policy {
+            allow: Policy::parse_capabilities(&self.allow.join(",")).context("parsing --allow")?,
+            allowed_path_prefixes: clean(&self.allow_path),
+            ..Policy::default()
+        };
+        policy.allowed_env.extend(clean(&self.allow_env));
+        policy.validate().context("the config policy")?;
+        Ok(policy)
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum WebhookFailurePolicy {
+    Fail,
+    Ignore,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -67,17 +139,32 @@ struct RunArgs {
     /// The haproxy binary of the render gate; `none` turns the gate off.
     #[arg(long, env = "HAPTIC_HAPROXY", default_value = "haproxy")]
     haproxy: String,
-    /// Capabilities a rendered set may use, as the agents' --allow (lua, program,
-    /// external-check, env, ssl-engine; comma-separated) [default: none].
-    #[arg(long, env = "HAPTIC_ALLOW", value_delimiter = ',')]
-    allow: Vec<String>,
-    /// Absolute path prefixes a rendered set may name, as the agents' --allow-path.
-    #[arg(long, env = "HAPTIC_ALLOW_PATHS", value_delimiter = ',')]
-    allow_path: Vec<String>,
-    /// Environment variables a rendered set may read beyond POD_IP, POD_NAME, POD_NAMESPACE
-    /// and HOSTNAME, as the agents' --allow-env.
-    #[arg(long, env = "HAPTIC_ALLOW_ENV", value_delimiter = ',')]
-    allow_env: Vec<String>,
+    #[command(flatten)]
+    policy: PolicyArgs,
+    /// Where the admission webhook listens (HTTPS, /validate); it runs only when
+    /// --webhook-cert and --webhook-key are given.
+    #[arg(long, env = "HAPTIC_WEBHOOK_ADDR", default_value = "0.0.0.0:9443")]
+    webhook_addr: SocketAddr,
+    /// The webhook's certificate chain (PEM; re-read when it changes). Without it the
+    /// webhook is off.
+    #[arg(long, env = "HAPTIC_WEBHOOK_CERT", requires = "webhook_key")]
+    webhook_cert: Option<PathBuf>,
+    /// The webhook's private key (PEM; re-read when it changes).
+    #[arg(long, env = "HAPTIC_WEBHOOK_KEY", requires = "webhook_cert")]
+    webhook_key: Option<PathBuf>,
+    /// How long one admission review may take (milliseconds) before the failure policy
+    /// answers it; keep it below the ValidatingWebhookConfiguration's timeoutSeconds.
+    #[arg(long, env = "HAPTIC_WEBHOOK_BUDGET_MS", default_value_t = 8000)]
+    webhook_budget_ms: u64,
+    /// What a review past its budget, or one that cannot be checked, gets: denied (fail) or
+    /// allowed with a warning (ignore).
+    #[arg(
+        long,
+        env = "HAPTIC_WEBHOOK_FAILURE_POLICY",
+        value_enum,
+        default_value = "fail"
+    )]
+    webhook_failure_policy: WebhookFailurePolicy,
     /// The reconciler's coalescing window in milliseconds.
     #[arg(long, env = "HAPTIC_RECONCILE_WINDOW_MS", default_value_t = 150)]
     reconcile_window_ms: u64,
@@ -94,6 +181,14 @@ fn main() -> ExitCode {
             println!("haptic-controller {}", env!("CARGO_PKG_VERSION"));
             ExitCode::SUCCESS
         }
+        Command::Validate(args) => match validate(&args) {
+            Ok(true) => ExitCode::SUCCESS,
+            Ok(false) => ExitCode::FAILURE,
+            Err(error) => {
+                eprintln!("haptic-controller validate: {error:#}");
+                ExitCode::FAILURE
+            }
+        },
         Command::Run(args) => {
             init_logging(args.log_format);
             match run(args) {
@@ -141,13 +236,25 @@ fn run(args: RunArgs) -> Result<()> {
         let client = client(args.kubeconfig.as_deref()).await?;
         let token = CancellationToken::new();
         tokio::spawn(signals(token.clone()));
-        let mut policy = Policy {
-            allow: Policy::parse_capabilities(&args.allow.join(",")).context("parsing --allow")?,
-            allowed_path_prefixes: clean(&args.allow_path),
-            ..Policy::default()
+        let policy = args.policy.policy()?;
+        let haproxy = (args.haproxy != "none").then(|| haproxy_binary(&args.haproxy));
+        let webhook = match (args.webhook_cert, args.webhook_key) {
+            (Some(cert), Some(key)) => Some(WebhookSettings {
+                addr: args.webhook_addr,
+                cert,
+                key,
+                checker: Checker {
+                    haproxy: haproxy.clone(),
+                    policy: policy.clone(),
+                },
+                budget: Duration::from_millis(args.webhook_budget_ms),
+                failure_policy: match args.webhook_failure_policy {
+                    WebhookFailurePolicy::Fail => FailurePolicy::Fail,
+                    WebhookFailurePolicy::Ignore => FailurePolicy::Ignore,
+                },
+            }),
+            _ => None,
         };
-        policy.allowed_env.extend(clean(&args.allow_env));
-        policy.validate().context("the config policy")?;
         let options = daemon::Options {
             config: ConfigRef {
                 name: args.config_name,
@@ -155,8 +262,9 @@ fn run(args: RunArgs) -> Result<()> {
             },
             identity: args.pod_name,
             health_addr: args.health_addr,
-            haproxy: (args.haproxy != "none").then(|| haproxy_binary(&args.haproxy)),
+            haproxy,
             policy,
+            webhook,
             reconcile_window: Duration::from_millis(args.reconcile_window_ms),
         };
         daemon::run(client, options, token)
@@ -166,6 +274,63 @@ fn run(args: RunArgs) -> Result<()> {
     // Whatever a component left behind, the process ends here.
     runtime.shutdown_timeout(Duration::from_secs(1));
     Ok(())
+}
+
+/// `haptic-controller validate`: `Ok(true)` when every test passed.
+fn validate(args: &ValidateArgs) -> Result<bool> {
+    use haptic_controller::{config, crd::HAProxyTemplateConfig, validation};
+
+    let text = std::fs::read_to_string(&args.file)
+        .with_context(|| format!("reading {}", args.file.display()))?;
+    let docs: Vec<serde_json::Value> = serde_saphyr::from_multiple(&text)
+        .with_context(|| format!("parsing {}", args.file.display()))?;
+    let doc = docs
+        .into_iter()
+        .find(|d| d["kind"] == "HAProxyTemplateConfig")
+        .with_context(|| format!("{} holds no HAProxyTemplateConfig", args.file.display()))?;
+    let htc: HAProxyTemplateConfig = serde_json::from_value(doc)
+        .with_context(|| format!("{}: not a valid HAProxyTemplateConfig", args.file.display()))?;
+    let valid = match config::validate(&htc.spec, 0, "") {
+        Ok(valid) => valid,
+        Err(errors) => {
+            anyhow::bail!(
+                "{}: the config is invalid:\n  {}",
+                args.file.display(),
+                errors.join("\n  ")
+            );
+        }
+    };
+    let checker = Checker {
+        haproxy: (args.haproxy != "none").then(|| haproxy_binary(&args.haproxy)),
+        policy: args.policy.policy()?,
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    let report = runtime.block_on(validation::run(&valid, args.test.as_deref(), &checker))?;
+    if let Some(dir) = &args.dump_rendered {
+        validation::dump(&report, dir).map_err(anyhow::Error::msg)?;
+    }
+    match args.output {
+        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+        OutputFormat::Summary => {
+            for test in &report.tests {
+                let verdict = if test.passed { "PASS" } else { "FAIL" };
+                println!(
+                    "{verdict} {} ({} assertions)",
+                    test.name,
+                    test.assertions.len()
+                );
+                for line in test.failures() {
+                    println!("  {line}");
+                }
+            }
+            let passed = report.tests.iter().filter(|t| t.passed).count();
+            println!("{passed}/{} tests passed", report.tests.len());
+        }
+    }
+    Ok(report.passed())
 }
 
 fn clean(list: &[String]) -> Vec<String> {

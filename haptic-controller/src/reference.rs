@@ -3,9 +3,11 @@
 
 use std::collections::BTreeMap;
 
+use serde_json::{Value as Json, json};
+
 use crate::crd::{
     CertificateSource, HAProxyTemplateConfig, HAProxyTemplateConfigSpec, PodSelector,
-    TemplateSource, TemplatingSettings, WatchedResource,
+    TemplateSource, TemplatingSettings, ValidationTest, WatchedResource,
 };
 
 /// The resource each reference store watches: (store, apiVersion, plural).
@@ -36,6 +38,10 @@ pub fn spec() -> HAProxyTemplateConfigSpec {
                 label_selector: None,
                 // Only TLS Secrets can hold Ingress certificates; the rest are never read.
                 field_selector: (name == "secrets").then(|| "type=kubernetes.io/tls".to_owned()),
+                // An Ingress is what a user writes by hand: the webhook checks it before it
+                // reaches the stores. (The templates leave broken Services, slices and Secrets
+                // out, and those come from controllers and cert-manager.)
+                enable_validation_webhook: name == "ingresses",
             },
         );
     }
@@ -82,7 +88,158 @@ pub fn spec() -> HAProxyTemplateConfigSpec {
                 )
             })
             .collect(),
+        validation_tests: tests(),
     }
+}
+
+/// The reference config's validation tests (what `haptic-controller validate` runs in CI on
+/// `deploy/haptic-config.yaml`): host and path routing by path type, TLS, a missing Service or
+/// port, not-ready endpoints, IPv6.
+fn tests() -> BTreeMap<String, ValidationTest> {
+    let service = |name: &str, ports: Json| {
+        json!({"apiVersion": "v1", "kind": "Service",
+            "metadata": {"namespace": "shop", "name": name}, "spec": {"ports": ports}})
+    };
+    let http = json!([{"name": "http", "port": 80, "protocol": "TCP"}]);
+    let slice = |name: &str, service: &str, family: &str, endpoints: Json| {
+        json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"namespace": "shop", "name": name,
+                "labels": {"kubernetes.io/service-name": service}},
+            "addressType": family,
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": endpoints})
+    };
+    let ready = |address: &str| json!({"addresses": [address], "conditions": {"ready": true}});
+    let path = |path: &str, kind: &str, service: &str, port: Json| {
+        json!({"path": path, "pathType": kind,
+            "backend": {"service": {"name": service, "port": port}}})
+    };
+    let ingress = |name: &str, spec: Json| {
+        json!({"apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
+            "metadata": {"namespace": "shop", "name": name}, "spec": spec})
+    };
+    let web = || {
+        (
+            service("web", http.clone()),
+            slice(
+                "web-1",
+                "web",
+                "IPv4",
+                json!([ready("10.0.0.1"), ready("10.0.0.2")]),
+            ),
+        )
+    };
+    let tests = json!({
+        "routing-by-host-and-path-type": {
+            "description": "Exact and Prefix paths of a host, and a rule without a host, route to their Service ports",
+            "fixtures": {
+                "services": [web().0, service("api", json!([{"name": "http", "port": 8080, "protocol": "TCP"}]))],
+                "endpointslices": [web().1, slice("api-1", "api", "IPv4", json!([ready("10.0.1.1")]))],
+                "ingresses": [ingress("web", json!({"rules": [
+                    {"host": "shop.example.com", "http": {"paths": [
+                        path("/", "Prefix", "web", json!({"number": 80})),
+                        path("/healthz", "Exact", "web", json!({"name": "http"})),
+                        path("/api/", "Prefix", "api", json!({"number": 8080})),
+                    ]}},
+                    {"http": {"paths": [path("/shared", "ImplementationSpecific", "web", json!({"number": 80}))]}},
+                ]}))],
+            },
+            "assertions": [
+                {"type": "haproxy_valid"},
+                {"type": "equals", "target": "map:routes-exact.map", "expected": "shop.example.com/healthz shop_web_80",
+                    "description": "an Exact path is a whole key of the exact map"},
+                {"type": "contains", "target": "map:routes-prefix.map", "pattern": "(?m)^shop\\.example\\.com/api/ shop_api_8080$",
+                    "description": "a Prefix path ends with one slash"},
+                {"type": "contains", "target": "map:routes-prefix.map", "pattern": "(?m)^shop\\.example\\.com/ shop_web_80$"},
+                {"type": "contains", "target": "map:routes-prefix.map", "pattern": "(?m)^\\*/shared/ shop_web_80$",
+                    "description": "a rule without a host matches any host"},
+                {"type": "match_order", "patterns": ["(?m)^backend default-backend$", "(?m)^backend shop_api_8080$", "(?m)^backend shop_web_80$"]},
+                {"type": "match_count", "pattern": "(?m)^    server s\\d+ 10\\.\\S+ check$", "expected": 3,
+                    "description": "a server per ready endpoint"},
+                {"type": "match_count", "pattern": "(?m)^    server ", "expected": 20,
+                    "description": "ten server slots per backend"},
+                {"type": "jsonpath", "jsonpath": "$.derived.routes_exact[0].backend", "expected": "shop_web_80"},
+                {"type": "deterministic"},
+            ],
+        },
+        "tls": {
+            "description": "an Ingress TLS entry with a usable Secret gets an HTTPS bind, a crt-list line and its PEM; one without gets nothing",
+            "fixtures": {
+                "services": [web().0],
+                "endpointslices": [web().1],
+                "secrets": [haptic_render::fixtures::tls_secret("shop", "web-tls")],
+                "ingresses": [
+                    ingress("web", json!({
+                        "tls": [{"hosts": ["shop.example.com"], "secretName": "web-tls"}],
+                        "rules": [{"host": "shop.example.com", "http": {"paths": [path("/", "Prefix", "web", json!({"number": 80}))]}}],
+                    })),
+                    ingress("blog", json!({
+                        "tls": [{"hosts": ["blog.example.com"], "secretName": "missing-tls"}],
+                        "rules": [{"host": "blog.example.com", "http": {"paths": [path("/", "Prefix", "web", json!({"number": 80}))]}}],
+                    })),
+                ],
+            },
+            "assertions": [
+                {"type": "haproxy_valid"},
+                {"type": "contains", "pattern": "ssl strict-sni crt-list maps/certs.list"},
+                {"type": "equals", "target": "map:certs.list", "expected": "ssl/shop_web-tls.pem shop.example.com"},
+                {"type": "contains", "target": "cert:shop_web-tls", "pattern": "-----BEGIN CERTIFICATE-----"},
+                {"type": "not_contains", "target": "map:certs.list", "pattern": "missing-tls"},
+            ],
+        },
+        "missing-service-or-port": {
+            "description": "paths to a Service that does not exist, or to a port it does not have, write no route and no backend",
+            "fixtures": {
+                "services": [web().0],
+                "endpointslices": [web().1],
+                "ingresses": [ingress("web", json!({"rules": [{"host": "shop.example.com", "http": {"paths": [
+                    path("/ghost", "Prefix", "ghost", json!({"number": 80})),
+                    path("/wrong-port", "Prefix", "web", json!({"number": 81})),
+                    path("/wrong-name", "Exact", "web", json!({"name": "grpc"})),
+                ]}}]}))],
+            },
+            "assertions": [
+                {"type": "haproxy_valid"},
+                {"type": "equals", "target": "map:routes-prefix.map", "expected": ""},
+                {"type": "equals", "target": "map:routes-exact.map", "expected": ""},
+                {"type": "match_count", "pattern": "(?m)^backend ", "expected": 1,
+                    "description": "only the default backend"},
+            ],
+        },
+        "not-ready-endpoints": {
+            "description": "an endpoint whose conditions say ready: false is a disabled server; one without conditions takes traffic",
+            "fixtures": {
+                "services": [web().0],
+                "endpointslices": [slice("web-1", "web", "IPv4", json!([
+                    ready("10.0.0.1"),
+                    {"addresses": ["10.0.0.2"], "conditions": {"ready": false}},
+                    {"addresses": ["10.0.0.3"]},
+                ]))],
+                "ingresses": [ingress("web", json!({"rules": [{"host": "shop.example.com", "http": {"paths": [path("/", "Prefix", "web", json!({"number": 80}))]}}]}))],
+            },
+            "assertions": [
+                {"type": "haproxy_valid"},
+                {"type": "match_count", "pattern": "(?m)^    server \\S+ 10\\.0\\.0\\.\\d+:8080 check$", "expected": 2,
+                    "description": "ready endpoints take traffic"},
+                {"type": "contains", "pattern": "(?m)^    server \\S+ 10\\.0\\.0\\.2:8080 disabled check$",
+                    "description": "a not-ready endpoint keeps its slot, disabled"},
+                {"type": "contains", "pattern": "(?m)^    server \\S+ 10\\.0\\.0\\.3:8080 check$"},
+            ],
+        },
+        "ipv6": {
+            "description": "IPv6 endpoints are bracketed in server lines",
+            "fixtures": {
+                "services": [web().0],
+                "endpointslices": [slice("web-1", "web", "IPv6", json!([ready("fd00::1")]))],
+                "ingresses": [ingress("web", json!({"rules": [{"host": "shop.example.com", "http": {"paths": [path("/", "Prefix", "web", json!({"number": 80}))]}}]}))],
+            },
+            "assertions": [
+                {"type": "haproxy_valid"},
+                {"type": "contains", "pattern": "(?m)^    server \\S+ \\[fd00::1\\]:8080 check$"},
+            ],
+        },
+    });
+    serde_json::from_value(tests).unwrap_or_default()
 }
 
 /// The reference config as an HAProxyTemplateConfig object in YAML, as `haptic-controller
@@ -95,6 +252,20 @@ pub fn yaml(name: &str, namespace: &str) -> Result<String, serde_saphyr::Seriali
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_reference_tests_parse_and_cover_what_it_supports() {
+        let tests = super::tests();
+        for name in [
+            "routing-by-host-and-path-type",
+            "tls",
+            "missing-service-or-port",
+            "not-ready-endpoints",
+            "ipv6",
+        ] {
+            assert!(tests.contains_key(name), "{name}");
+        }
+    }
+
     #[test]
     fn the_yaml_reads_back_as_the_same_spec() {
         let yaml = super::yaml("haptic-config", "haptic-system").expect("yaml");

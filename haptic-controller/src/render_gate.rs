@@ -11,11 +11,17 @@
 //! programs, external checks or files outside the set unless allowed), so a set the policy
 //! refuses never runs `haproxy -c` here and never leaves the controller.
 
-use std::{path::PathBuf, process::Stdio, sync::Arc, time::Duration};
+use std::{
+    path::{Path, PathBuf},
+    process::Stdio,
+    sync::Arc,
+    time::Duration,
+};
 
 use haptic_agent_client::policy::Policy;
 use haptic_eventbus::Filter;
 use haptic_leadership::LeaderContext;
+use haptic_render::FileSet;
 use tokio::process::Command;
 use tracing::{error, info, warn};
 
@@ -143,20 +149,50 @@ pub fn policy_check(policy: &Policy, set: &RenderedSet) -> Result<(), String> {
 /// Runs the check; `None` when it passed (or cannot run), else HAProxy's output.
 pub async fn check(settings: &GateSettings, set: &RenderedSet) -> Option<String> {
     let haproxy = settings.haproxy.as_ref()?;
-    let scratch = match tempfile::Builder::new().prefix("haptic-gate-").tempdir() {
-        Ok(dir) => dir,
-        Err(error) => {
-            warn!(%error, "the render gate cannot create a scratch directory; skipping the check");
-            return None;
+    match check_files(haproxy, &set.files).await {
+        Ok(()) => None,
+        Err(CheckError::Refused(output)) => Some(output),
+        Err(CheckError::CannotRun(error)) => {
+            warn!(%error, haproxy = %haproxy.display(), "the render gate cannot run haproxy -c; skipping the check");
+            None
         }
-    };
+    }
+}
+
+/// Why [`check_files`] did not pass a set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CheckError {
+    /// HAProxy refused it (or did not finish in time): its output, the end where the alerts
+    /// are, with the scratch directory taken out of paths.
+    Refused(String),
+    /// The check could not run (no scratch directory, no binary).
+    CannotRun(String),
+}
+
+/// `haproxy -c` on `files`, laid out in a scratch directory as an agent lays a set out (`-C`
+/// at the set's directory, so relative map and certificate paths resolve the same). Strict:
+/// no `-dr`, and a check that cannot run is an error, not a pass (what the webhook and
+/// `haptic-controller validate` need; the gate itself is optimistic, see [`check`]).
+pub async fn check_files(haproxy: &Path, files: &FileSet) -> Result<(), CheckError> {
+    let scratch = tempfile::Builder::new()
+        .prefix("haptic-gate-")
+        .tempdir()
+        .map_err(|error| CheckError::CannotRun(format!("creating a scratch directory: {error}")))?;
     let dir = scratch.path().join("set");
-    let files = set.files.clone();
+    let files = files.clone();
     let target = dir.clone();
     match tokio::task::spawn_blocking(move || files.write_to(&target)).await {
         Ok(Ok(())) => {}
-        Ok(Err(error)) => return Some(format!("writing the scratch copy failed: {error}")),
-        Err(error) => return Some(format!("writing the scratch copy panicked: {error}")),
+        Ok(Err(error)) => {
+            return Err(CheckError::Refused(format!(
+                "writing the scratch copy failed: {error}"
+            )));
+        }
+        Err(error) => {
+            return Err(CheckError::CannotRun(format!(
+                "writing the scratch copy panicked: {error}"
+            )));
+        }
     }
     let run = Command::new(haproxy)
         .arg("-c")
@@ -170,21 +206,31 @@ pub async fn check(settings: &GateSettings, set: &RenderedSet) -> Option<String>
         .kill_on_drop(true)
         .output();
     match tokio::time::timeout(CHECK_TIMEOUT, run).await {
-        Err(_) => Some(format!(
+        Err(_) => Err(CheckError::Refused(format!(
             "haproxy -c did not finish within {CHECK_TIMEOUT:?}"
-        )),
-        Ok(Err(error)) => {
-            warn!(%error, haproxy = %haproxy.display(), "the render gate cannot run haproxy; skipping the check");
-            None
-        }
-        Ok(Ok(output)) if output.status.success() => None,
+        ))),
+        Ok(Err(error)) => Err(CheckError::CannotRun(format!(
+            "running {}: {error}",
+            haproxy.display()
+        ))),
+        Ok(Ok(output)) if output.status.success() => Ok(()),
         Ok(Ok(output)) => {
             let mut text = String::from_utf8_lossy(&output.stdout).into_owned();
             text.push_str(&String::from_utf8_lossy(&output.stderr));
             let text = text.replace(&format!("{}/", dir.display()), "");
-            Some(tail(text.trim(), OUTPUT_CAP))
+            Err(CheckError::Refused(tail(text.trim(), OUTPUT_CAP)))
         }
     }
+}
+
+/// The first `[ALERT]` line of HAProxy's output (what a denial quotes), else its last line.
+pub fn alert_line(output: &str) -> &str {
+    output
+        .lines()
+        .find(|line| line.contains("[ALERT]"))
+        .or_else(|| output.lines().rev().find(|l| !l.trim().is_empty()))
+        .unwrap_or(output)
+        .trim()
 }
 
 fn tail(text: &str, cap: usize) -> String {

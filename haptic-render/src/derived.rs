@@ -70,7 +70,7 @@ use tera::Value;
 use tera::value::{Key, Map};
 
 use crate::functions::{b64decode, backend_name, sanitize, ssl_file};
-use crate::store::Store;
+use crate::store::{Source, Store};
 
 /// A join computed from named stores.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -372,7 +372,12 @@ fn endpoint_row(
     slice_name: &str,
     slice_id: &str,
 ) -> Option<Value> {
-    let address = list(ep, &["addresses"]).first().and_then(Value::as_str)?;
+    // An address that is not an IP address (the API refuses them; a store takes what it is
+    // given) would write whatever it holds into a `server` line: no row.
+    let address = list(ep, &["addresses"])
+        .first()
+        .and_then(Value::as_str)
+        .filter(|a| crate::functions::is_ip_address(a))?;
     let condition = |name: &'static str| path(ep, &["conditions", name]).and_then(Value::as_bool);
     let endpoint = if address_type == "IPv6" {
         format!("[{address}]:{port}")
@@ -429,7 +434,7 @@ impl Extracts {
     /// where a join found nothing), otherwise `compute()`'s (then kept for the next time).
     fn rows_into<'a>(
         &self,
-        slot: usize,
+        slot: Slot,
         joined: impl Iterator<Item = Option<&'a Arc<Extracts>>> + Clone,
         out: &mut Vec<Value>,
         compute: impl FnOnce() -> Vec<Value>,
@@ -440,7 +445,7 @@ impl Extracts {
     /// As [`Extracts::rows_into`], appending only the rows whose index `keep` accepts.
     fn rows_into_if<'a>(
         &self,
-        slot: usize,
+        slot: Slot,
         joined: impl Iterator<Item = Option<&'a Arc<Extracts>>> + Clone,
         out: &mut Vec<Value>,
         compute: impl FnOnce() -> Vec<Value>,
@@ -459,20 +464,31 @@ impl Extracts {
             *slots = Default::default();
             slots
         });
-        let Some(slot) = slots.get_mut(slot) else {
+        let Some(cached) = slots.get_mut(slot.index) else {
             kept(&compute(), out);
             return;
         };
-        match &*slot {
+        match &*cached {
             Some((deps, rows)) if same_deps(deps, joined.clone()) => kept(rows, out),
             _ => {
                 let rows = compute();
                 kept(&rows, out);
-                let deps = joined.map(|dep| dep.map(Arc::downgrade)).collect();
-                *slot = Some((deps, rows));
+                // A render of an overlay keeps nothing: the stores' own rows stay theirs.
+                if slot.keep {
+                    let deps = joined.map(|dep| dep.map(Arc::downgrade)).collect();
+                    *cached = Some((deps, rows));
+                }
             }
         }
     }
+}
+
+/// Where a view kind keeps its rows in each resource's extracts ([`Derivation::slot`]), and
+/// whether rows computed now are kept there (not for an overlay's render).
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    index: usize,
+    keep: bool,
 }
 
 /// The Service ports Ingress paths resolve to: namespace -> Service -> port numbers. Owned,
@@ -480,7 +496,7 @@ impl Extracts {
 /// go), and looked up by `&str` without allocating.
 type Routed = HashMap<String, HashMap<String, Vec<i64>>>;
 
-fn routed_ports(ingresses: &Store, services: &Store) -> Routed {
+fn routed_ports(ingresses: Source<'_>, services: Source<'_>) -> Routed {
     let by_name = services_by_name(services);
     let mut routed = Routed::new();
     for ((namespace, _), ing, extracts) in ingresses.entries() {
@@ -511,7 +527,9 @@ fn is_routed(routed: &Routed, namespace: &str, service: &str, port: i64) -> bool
 }
 
 /// Each Service's extract (and extracts, for joins) by (namespace, name).
-fn services_by_name(services: &Store) -> HashMap<(&str, &str), (&ServiceExtract, &Arc<Extracts>)> {
+fn services_by_name(
+    services: Source<'_>,
+) -> HashMap<(&str, &str), (&ServiceExtract, &Arc<Extracts>)> {
     services
         .entries()
         .map(|((namespace, name), svc, extracts)| {
@@ -524,9 +542,9 @@ fn services_by_name(services: &Store) -> HashMap<(&str, &str), (&ServiceExtract,
 }
 
 fn service_backends(
-    slot: usize,
-    services: &Store,
-    slices: &Store,
+    slot: Slot,
+    services: Source<'_>,
+    slices: Source<'_>,
     routed: Option<&Routed>,
 ) -> Value {
     // The slices of each Service, in the store's (namespace, name) order.
@@ -598,7 +616,12 @@ fn service_backends(
     Value::from(rows)
 }
 
-fn ingress_routes(slot: usize, ingresses: &Store, services: &Store, exact: Option<bool>) -> Value {
+fn ingress_routes(
+    slot: Slot,
+    ingresses: Source<'_>,
+    services: Source<'_>,
+    exact: Option<bool>,
+) -> Value {
     let by_name = services_by_name(services);
     let mut rows = Vec::with_capacity(ingresses.len() * 2);
     for ((namespace, ingress), ing, extracts) in ingresses.entries() {
@@ -649,7 +672,7 @@ fn ingress_routes(slot: usize, ingresses: &Store, services: &Store, exact: Optio
     Value::from(rows)
 }
 
-fn ingress_tls(slot: usize, ingresses: &Store, secrets: &Store) -> Value {
+fn ingress_tls(slot: Slot, ingresses: Source<'_>, secrets: Source<'_>) -> Value {
     let mut rows = Vec::new();
     for ((namespace, ingress), ing, extracts) in ingresses.entries() {
         let entries = extracts.tls(ing);
@@ -753,11 +776,15 @@ impl DerivedView {
     /// changed since (reusing the rows of every resource that did not change and whose joins
     /// found the same resources).
     pub(crate) fn value(&self, inputs: &[&Store]) -> Value {
+        let inputs: Vec<Source<'_>> = inputs.iter().map(|s| s.source()).collect();
         let generations: Vec<u64> = inputs.iter().map(|s| s.generation()).collect();
         let mut state = self.lock();
         if state.built_from.as_ref() != Some(&generations) {
-            let slot = self.derivation.slot();
-            let value = match (&self.derivation, inputs) {
+            let slot = Slot {
+                index: self.derivation.slot(),
+                keep: true,
+            };
+            let value = match (&self.derivation, &inputs[..]) {
                 (Derivation::ServiceBackends { .. }, [services, slices, rest @ ..]) => {
                     let routed = match rest.first() {
                         None => None,
@@ -768,26 +795,50 @@ impl DerivedView {
                                 .as_ref()
                                 .is_none_or(|(built, _)| *built != from)
                             {
-                                state.routed = Some((from, routed_ports(ingresses, services)));
+                                state.routed = Some((from, routed_ports(*ingresses, *services)));
                             }
                             state.routed.as_ref().map(|(_, routed)| routed)
                         }
                     };
-                    service_backends(slot, services, slices, routed)
+                    service_backends(slot, *services, *slices, routed)
                 }
-                (Derivation::IngressRoutes { exact, .. }, [ingresses, services]) => {
-                    ingress_routes(slot, ingresses, services, *exact)
-                }
-                (Derivation::IngressTls { .. }, [ingresses, secrets]) => {
-                    ingress_tls(slot, ingresses, secrets)
-                }
-                // `Stores` passes the stores `inputs()` names, so this does not happen.
-                _ => Value::from(Vec::<Value>::new()),
+                _ => compute(&self.derivation, slot, &inputs),
             };
             state.value = value;
             state.built_from = Some(generations);
         }
         state.value.clone()
+    }
+
+    /// The rows for `inputs` (an overlay laid over one of them), computed now and kept nowhere:
+    /// the view's own value and the resources' kept rows are left as they are, and reused
+    /// where a resource's joins found the same versions.
+    pub(crate) fn compute_uncached(&self, inputs: &[Source<'_>]) -> Value {
+        let slot = Slot {
+            index: self.derivation.slot(),
+            keep: false,
+        };
+        compute(&self.derivation, slot, inputs)
+    }
+}
+
+/// The rows of `derivation` over `inputs`, with the routed ports computed afresh.
+fn compute(derivation: &Derivation, slot: Slot, inputs: &[Source<'_>]) -> Value {
+    match (derivation, inputs) {
+        (Derivation::ServiceBackends { .. }, [services, slices, rest @ ..]) => {
+            let routed = rest
+                .first()
+                .map(|ingresses| routed_ports(*ingresses, *services));
+            service_backends(slot, *services, *slices, routed.as_ref())
+        }
+        (Derivation::IngressRoutes { exact, .. }, [ingresses, services]) => {
+            ingress_routes(slot, *ingresses, *services, *exact)
+        }
+        (Derivation::IngressTls { .. }, [ingresses, secrets]) => {
+            ingress_tls(slot, *ingresses, *secrets)
+        }
+        // `Stores` passes the stores `inputs()` names, so this does not happen.
+        _ => Value::from(Vec::<Value>::new()),
     }
 }
 
@@ -1296,6 +1347,7 @@ mod tests {
         let extracts: Vec<std::sync::Weak<super::Extracts>> = s
             .get("x")
             .unwrap()
+            .source()
             .entries()
             .map(|(_, _, e)| std::sync::Arc::downgrade(e))
             .collect();

@@ -13,6 +13,9 @@
 //! | `group_by_field` | filter | `{% for g in slices \| group_by_field(field="metadata.namespace") %}{{ g.key }}: {{ g.items \| length }}{% endfor %}` | groups sorted by key |
 //! | `http_path` | test | `{% if p.path is http_path %}` | true for `/`-rooted paths without whitespace, control characters or `#` |
 //! | `hostname` | test | `{% if rule.host is hostname %}` | true for non-wildcard DNS names (lowercase letters, digits, `-`, `.`) |
+//! | `config_token` | test | `{% if r.host is not config_token %}` | false for text that would end a config, map or crt-list token: whitespace (newlines included), control characters, quotes, `\`, `#` |
+//! | `ip_address` | test | `{% if ep.address is ip_address %}` | true for an IPv4 or IPv6 address |
+//! | `refuse` | function | `{{ refuse(field="spec.rules[].host", value=r.host, store="ingresses", namespace=r.namespace, name=r.ingress) }}` | nothing in a normal render (the template leaves the value out); in a webhook's render of that very resource, an error naming it, the field and the value |
 //! | `fail` | function | `{{ fail(message="ingress x has no rules") }}` | a render error naming the template and line |
 //! | `get` | function | `{% set svc = get(store="services", namespace=ns, name=n) %}` | the resource or none |
 //! | `get` | filter | `{% set svc = ["services", ns, n] \| get %}` | same as the function, faster |
@@ -40,6 +43,9 @@ pub(crate) const GET_VAR: &str = "__haptic_get";
 pub(crate) const INDEX_VAR: &str = "__haptic_index";
 /// Context variable holding the derived views by name (`derived.<name>` in templates).
 pub(crate) const DERIVED_VAR: &str = "derived";
+/// Context variable naming the resource under review (`{store, namespace, name}`) in a render
+/// of an overlay; absent otherwise.
+pub(crate) const REVIEW_VAR: &str = "__haptic_review";
 
 /// What a function given bad input reports.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -189,6 +195,54 @@ pub fn is_hostname(host: &str) -> bool {
         })
 }
 
+/// Whether `text` can stand as one token of an HAProxy config, map or crt-list line: no
+/// whitespace (a newline would start a new directive or entry, a space a new argument), no
+/// control character, no quote or backslash (they change how HAProxy splits a line), no `#`
+/// (a comment).
+///
+/// ```
+/// assert!(haptic_render::functions::is_config_token("*.shop.example.com"));
+/// assert!(!haptic_render::functions::is_config_token("shop.example.com\n    lua-load /x"));
+/// assert!(!haptic_render::functions::is_config_token("a#b"));
+/// ```
+pub fn is_config_token(text: &str) -> bool {
+    !text
+        .chars()
+        .any(|c| c.is_whitespace() || c.is_control() || matches!(c, '"' | '\'' | '\\' | '#'))
+}
+
+/// Whether `text` is an IPv4 or IPv6 address.
+///
+/// ```
+/// assert!(haptic_render::functions::is_ip_address("fd00::1"));
+/// assert!(!haptic_render::functions::is_ip_address("10.0.0.1 backup"));
+/// ```
+pub fn is_ip_address(text: &str) -> bool {
+    text.parse::<std::net::IpAddr>().is_ok()
+}
+
+/// What `refuse()` says: the resource, the field, the value (escaped) and why.
+pub fn refusal(
+    store: &str,
+    namespace: &str,
+    name: &str,
+    field: &str,
+    value: &str,
+    reason: &str,
+) -> String {
+    let object = if namespace.is_empty() {
+        name.to_owned()
+    } else {
+        format!("{namespace}/{name}")
+    };
+    format!(
+        "{store} {object}: {field} {value:?} {reason}; refused, it would add to or break the HAProxy configuration"
+    )
+}
+
+/// The default reason of `refuse()`.
+const UNSAFE: &str = "holds whitespace, a control character, a quote, a backslash or `#`";
+
 /// Compares two template values for sorting: numbers numerically, strings by bytes, missing
 /// values after present ones; values of different kinds by kind name, so the order is total.
 fn compare(a: Option<&Value>, b: Option<&Value>) -> Ordering {
@@ -284,6 +338,42 @@ pub(crate) fn register(tera: &mut Tera) {
     tera.register_test("hostname", |v: &Value, _: Kwargs, _: &State| {
         v.as_str().is_some_and(is_hostname)
     });
+    tera.register_test("config_token", |v: &Value, _: Kwargs, _: &State| {
+        v.as_str().is_none_or(is_config_token)
+    });
+    tera.register_test("ip_address", |v: &Value, _: Kwargs, _: &State| {
+        v.as_str().is_some_and(is_ip_address)
+    });
+    tera.register_function(
+        "refuse",
+        |kwargs: Kwargs, state: &State| -> tera::TeraResult<String> {
+            let store: &str = kwargs.must_get("store")?;
+            let namespace: &str = kwargs.get("namespace")?.unwrap_or("");
+            let name: &str = kwargs.must_get("name")?;
+            let field: &str = kwargs.must_get("field")?;
+            let value: Value = kwargs.must_get("value")?;
+            let reason: &str = kwargs.get("reason")?.unwrap_or(UNSAFE);
+            // Only the resource under review is refused: one already stored, which a watch
+            // delivered, is left out by the template as before and blocks nobody.
+            let Some(review) = state.get::<Value>(REVIEW_VAR)? else {
+                return Ok(String::new());
+            };
+            let is = |key: &str, want: &str| {
+                review.get_from_path(key).and_then(Value::as_str) == Some(want)
+            };
+            if is("store", store) && is("namespace", namespace) && is("name", name) {
+                return Err(tera_error(refusal(
+                    store,
+                    namespace,
+                    name,
+                    field,
+                    &key_text(&value),
+                    reason,
+                )));
+            }
+            Ok(String::new())
+        },
+    );
     tera.register_filter(
         "sort_by",
         |items: &[Value], kwargs: Kwargs, _: &State| -> tera::TeraResult<Vec<Value>> {

@@ -57,4 +57,4 @@ pub use fileset::FileSet;
 pub use render::Renderer;
 pub use requests::{EventRequest, Requests, StatusRequest};
 pub use set::{CertificateTemplate, FileTemplate, Template, TemplateSet};
-pub use store::{Store, StoreConfig, Stores};
+pub use store::{Change, Overlay, OverlayError, Store, StoreConfig, Stores};

@@ -10,10 +10,10 @@ use tera::{Context, ErrorKind, Tera, Value};
 use tracing::instrument;
 
 use crate::fileset::FileSet;
-use crate::functions::{self, DERIVED_VAR, GET_VAR, INDEX_VAR};
+use crate::functions::{self, DERIVED_VAR, GET_VAR, INDEX_VAR, REVIEW_VAR};
 use crate::requests::{self, Requests};
 use crate::set::{self, Output, TemplateSet};
-use crate::store::Stores;
+use crate::store::{Overlay, Stores};
 use crate::value::{Interner, map_value, to_tera};
 
 /// Template sources larger than this are refused before they reach the engine.
@@ -231,8 +231,9 @@ impl Renderer {
         self
     }
 
-    /// The context every template of a render sees.
-    fn context(&self, stores: &Stores) -> Context {
+    /// The context every template of a render sees (`overlay` laid over its store, and named
+    /// as the resource under review, which `refuse()` may refuse).
+    fn context(&self, stores: &Stores, overlay: Option<&Overlay>) -> Context {
         let mut context = Context::new();
         for (key, value) in &self.extra {
             context.insert_value(key.clone(), value.clone());
@@ -240,8 +241,19 @@ impl Renderer {
         // After a watch event, the changed stores' views and the derived views that read them
         // are rebuilt here, before any template runs, on the render's threads.
         stores.refresh(self.threads);
-        let views: Vec<(&str, _)> = stores.iter().map(|(n, s)| (n, s.view())).collect();
-        let derived = stores.derived_values();
+        let views = stores.views(overlay);
+        let derived = stores.derived_values_over(overlay);
+        if let Some(over) = overlay {
+            let (namespace, name) = over.key();
+            context.insert_value(
+                REVIEW_VAR,
+                map_value([
+                    ("store", Value::from(over.store())),
+                    ("namespace", Value::from(namespace)),
+                    ("name", Value::from(name)),
+                ]),
+            );
+        }
         context.insert_value(
             "resources",
             map_value(views.iter().map(|(n, v)| (*n, v.list.clone()))),
@@ -309,18 +321,37 @@ impl Renderer {
     /// Renders every output, as [`Renderer::render`], and returns with the files what the
     /// templates asked the cluster to show ([`Requests`]: Events and status), in output order.
     pub fn render_all(&self, stores: &Stores) -> Result<(FileSet, Requests)> {
-        let context = self.context(stores);
+        self.render_with(stores, None)
+    }
+
+    /// Renders every output against `stores` with `overlay`'s change laid over its store, as
+    /// if that store held (or no longer held) the resource, without copying or changing the
+    /// stores: what the admission webhook renders. The resource is the one under review:
+    /// a template's `refuse(...)` naming it fails this render with its message. (What the
+    /// templates ask the cluster to show is dropped: the change is not made.)
+    #[instrument(skip_all, fields(threads = self.threads, store = overlay.store()))]
+    pub fn render_overlay(&self, stores: &Stores, overlay: &Overlay) -> Result<FileSet> {
+        self.render_with(stores, Some(overlay))
+            .map(|(files, _)| files)
+    }
+
+    fn render_with(
+        &self,
+        stores: &Stores,
+        overlay: Option<&Overlay>,
+    ) -> Result<(FileSet, Requests)> {
+        let context = self.context(stores, overlay);
         let mut views = Vec::new();
         for (index, output) in self.outputs.iter().enumerate() {
             if let Some(store_name) = &output.for_each {
-                let Some(store) = stores.get(store_name) else {
+                let Some(source) = stores.source(store_name, overlay) else {
                     return Err(Error::UnknownStore {
                         entry: output.path.clone(),
                         store: store_name.clone(),
                         known: stores.iter().map(|(n, _)| n).collect::<Vec<_>>().join(", "),
                     });
                 };
-                views.push((index, output, store.view()));
+                views.push((index, output, source.view()));
             }
         }
         // Single outputs start longest first, by what each took in the previous render (the

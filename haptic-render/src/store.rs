@@ -205,7 +205,7 @@ fn index_part(value: &Json) -> Option<String> {
 
 /// A resource as a store keeps it: converted once, when it arrives.
 #[derive(Debug, Clone)]
-struct Entry {
+pub(crate) struct Entry {
     value: Value,
     index_key: Option<String>,
     /// What derived views take from this resource, on first use.
@@ -278,6 +278,21 @@ impl Store {
     ///
     /// Cluster-scoped resources (no `metadata.namespace`) are keyed with an empty namespace.
     pub fn apply(&mut self, resource: &Json) -> Result<()> {
+        let mut interner = std::mem::take(&mut self.interner);
+        let converted = self.convert(resource, &mut interner);
+        self.interner = interner;
+        let (key, entry) = converted?;
+        self.items.insert(key, entry);
+        self.changed();
+        Ok(())
+    }
+
+    /// A resource as this store would keep it: its key and its converted entry.
+    fn convert(
+        &self,
+        resource: &Json,
+        interner: &mut Interner,
+    ) -> Result<((String, String), Entry)> {
         if !resource.is_object() {
             return Err(Error::NotAnObject);
         }
@@ -297,14 +312,11 @@ impl Store {
             .collect::<Option<Vec<_>>>()
             .map(|parts| parts.join("/"));
         let entry = Entry {
-            value: to_tera(resource, &mut self.interner, &self.ignore),
+            value: to_tera(resource, interner, &self.ignore),
             index_key,
             extracts: Arc::default(),
         };
-        self.items
-            .insert((namespace.to_owned(), name.to_owned()), entry);
-        self.changed();
-        Ok(())
+        Ok(((namespace.to_owned(), name.to_owned()), entry))
     }
 
     /// Removes a resource; returns whether it was there.
@@ -338,6 +350,12 @@ impl Store {
             .map(|(ns, name)| (ns.as_str(), name.as_str()))
     }
 
+    /// The resources as JSON, sorted by namespace then name, as templates see them (ignored
+    /// fields dropped): for callers outside templates, such as a test's JSONPath.
+    pub fn json(&self) -> Json {
+        serde_json::to_value(&self.view().list).unwrap_or(Json::Null)
+    }
+
     /// Whether the store is empty.
     pub fn is_empty(&self) -> bool {
         self.items.is_empty()
@@ -358,13 +376,6 @@ impl Store {
     fn changed(&mut self) {
         self.view = OnceLock::new();
         self.generation = next_generation();
-    }
-
-    /// Resources as `((namespace, name), value, extracts)`, sorted by namespace then name.
-    pub(crate) fn entries(
-        &self,
-    ) -> impl Iterator<Item = (&(String, String), &Value, &Arc<Extracts>)> {
-        self.items.iter().map(|(k, e)| (k, &e.value, &e.extracts))
     }
 
     /// The resource with this namespace and name, and its extracts.
@@ -389,23 +400,143 @@ impl Store {
     }
 
     fn build_view(&self) -> StoreView {
-        let list: Vec<Value> = self.items.values().map(|e| e.value.clone()).collect();
-        let by_name = map_value(
-            self.items
-                .iter()
-                .map(|((ns, name), e)| (format!("{ns}/{name}"), e.value.clone())),
-        );
-        let mut index: BTreeMap<&str, Vec<Value>> = BTreeMap::new();
-        for entry in self.items.values() {
-            if let Some(key) = &entry.index_key {
-                index.entry(key).or_default().push(entry.value.clone());
+        build_view(|| self.items.iter())
+    }
+
+    /// This store as a derivation input.
+    pub(crate) fn source(&self) -> Source<'_> {
+        Source {
+            base: self,
+            over: None,
+        }
+    }
+}
+
+/// The template view of `(key, entry)` pairs given in (namespace, name) order.
+fn build_view<'a, I>(entries: impl Fn() -> I) -> StoreView
+where
+    I: Iterator<Item = (&'a (String, String), &'a Entry)>,
+{
+    let list: Vec<Value> = entries().map(|(_, e)| e.value.clone()).collect();
+    let by_name =
+        map_value(entries().map(|((ns, name), e)| (format!("{ns}/{name}"), e.value.clone())));
+    let mut index: BTreeMap<&str, Vec<Value>> = BTreeMap::new();
+    for (_, entry) in entries() {
+        if let Some(key) = &entry.index_key {
+            index.entry(key).or_default().push(entry.value.clone());
+        }
+    }
+    let by_index = map_value(index.into_iter().map(|(k, v)| (k, Value::from(v))));
+    StoreView {
+        list: Value::from(list),
+        by_name,
+        by_index,
+    }
+}
+
+/// One change laid over [`Stores`] without copying them: a resource applied to one store, or
+/// removed from it, seen by [`Renderer::render_overlay`](crate::Renderer::render_overlay) as
+/// if the store held it, while the stores themselves are left as they are (what an admission
+/// webhook needs: render the cluster as it would be after the change, and forget it).
+#[derive(Debug)]
+pub struct Overlay {
+    pub(crate) store: String,
+    pub(crate) key: (String, String),
+    /// The converted resource; none for a removal.
+    pub(crate) entry: Option<Entry>,
+    pub(crate) generation: u64,
+}
+
+impl Overlay {
+    /// The store the change is in.
+    pub fn store(&self) -> &str {
+        &self.store
+    }
+
+    /// The namespace and name of the resource changed.
+    pub fn key(&self) -> (&str, &str) {
+        (&self.key.0, &self.key.1)
+    }
+
+    /// Whether the change removes the resource.
+    pub fn is_removal(&self) -> bool {
+        self.entry.is_none()
+    }
+}
+
+/// A store as a derivation or a render reads it: the store itself, or the store with an
+/// [`Overlay`]'s change laid over it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Source<'a> {
+    base: &'a Store,
+    over: Option<&'a Overlay>,
+}
+
+/// An entry as a [`Source`] lists it.
+pub(crate) type EntryRef<'a> = (&'a (String, String), &'a Value, &'a Arc<Extracts>);
+
+impl<'a> Source<'a> {
+    /// The `(key, entry)` pairs in (namespace, name) order, the overlay's change included.
+    fn pairs(self) -> Box<dyn Iterator<Item = (&'a (String, String), &'a Entry)> + 'a> {
+        match self.over {
+            None => Box::new(self.base.items.iter()),
+            Some(over) => {
+                use std::ops::Bound::{Excluded, Unbounded};
+                let before = self.base.items.range::<(String, String), _>(..&over.key);
+                let after = self
+                    .base
+                    .items
+                    .range::<(String, String), _>((Excluded(&over.key), Unbounded));
+                Box::new(
+                    before
+                        .chain(over.entry.as_ref().map(|e| (&over.key, e)))
+                        .chain(after),
+                )
             }
         }
-        let by_index = map_value(index.into_iter().map(|(k, v)| (k, Value::from(v))));
-        StoreView {
-            list: Value::from(list),
-            by_name,
-            by_index,
+    }
+
+    /// Resources as `((namespace, name), value, extracts)`, sorted by namespace then name.
+    pub(crate) fn entries(self) -> impl Iterator<Item = EntryRef<'a>> + 'a {
+        self.pairs().map(|(k, e)| (k, &e.value, &e.extracts))
+    }
+
+    /// The resource with this namespace and name, and its extracts.
+    pub(crate) fn get_entry(
+        self,
+        namespace: &str,
+        name: &str,
+    ) -> Option<(&'a Value, &'a Arc<Extracts>)> {
+        if let Some(over) = self.over
+            && over.key.0 == namespace
+            && over.key.1 == name
+        {
+            return over.entry.as_ref().map(|e| (&e.value, &e.extracts));
+        }
+        self.base.get_entry(namespace, name)
+    }
+
+    /// How many resources there are.
+    pub(crate) fn len(self) -> usize {
+        match self.over {
+            None => self.base.len(),
+            Some(over) => {
+                let had = self.base.items.contains_key(&over.key);
+                self.base.len() + usize::from(over.entry.is_some()) - usize::from(had)
+            }
+        }
+    }
+
+    /// Changes with every change of the contents (an overlaid store has its own).
+    pub(crate) fn generation(self) -> u64 {
+        self.over.map_or(self.base.generation, |o| o.generation)
+    }
+
+    /// The template view: the store's own, or one built for the overlay (not kept).
+    pub(crate) fn view(self) -> Arc<StoreView> {
+        match self.over {
+            None => self.base.view(),
+            Some(_) => Arc::new(build_view(|| self.pairs())),
         }
     }
 }
@@ -470,6 +601,63 @@ impl Stores {
     /// The store with this name, to apply watch events to.
     pub fn get_mut(&mut self, name: &str) -> Option<&mut Store> {
         self.stores.get_mut(name)
+    }
+
+    /// Lays `change` over the store `store` without copying anything: the resource is
+    /// converted as the store would convert it (ignored fields dropped, index key computed),
+    /// and [`Renderer::render_overlay`](crate::Renderer::render_overlay) renders these stores
+    /// as if the store held it (or, for a removal, no longer held it).
+    pub fn overlay(&self, store: &str, change: Change<'_>) -> Result<Overlay, OverlayError> {
+        let base = self
+            .stores
+            .get(store)
+            .ok_or_else(|| OverlayError::UnknownStore {
+                store: store.to_owned(),
+                known: self.stores.keys().cloned().collect::<Vec<_>>().join(", "),
+            })?;
+        let (key, entry) = match change {
+            Change::Apply(resource) => {
+                let (key, entry) = base.convert(resource, &mut Interner::default())?;
+                (key, Some(entry))
+            }
+            Change::Remove { namespace, name } => ((namespace.to_owned(), name.to_owned()), None),
+        };
+        Ok(Overlay {
+            store: store.to_owned(),
+            key,
+            entry,
+            generation: next_generation(),
+        })
+    }
+
+    /// The stores as derivation inputs, `overlay` laid over its store.
+    pub(crate) fn source<'a>(
+        &'a self,
+        name: &str,
+        overlay: Option<&'a Overlay>,
+    ) -> Option<Source<'a>> {
+        let base = self.stores.get(name)?;
+        Some(Source {
+            base,
+            over: overlay.filter(|o| o.store == name),
+        })
+    }
+
+    /// The template view of every store (sorted by name), `overlay` laid over its store.
+    pub(crate) fn views<'a>(
+        &'a self,
+        overlay: Option<&'a Overlay>,
+    ) -> Vec<(&'a str, Arc<StoreView>)> {
+        self.stores
+            .iter()
+            .map(|(name, store)| {
+                let source = Source {
+                    base: store,
+                    over: overlay.filter(|o| o.store == *name),
+                };
+                (name.as_str(), source.view())
+            })
+            .collect()
     }
 
     /// Store names and stores, sorted by name.
@@ -559,13 +747,62 @@ impl Stores {
     }
 
     /// Derived view names and their template values, sorted by name (each recomputed first if
-    /// a store it reads changed since: [`Stores::refresh`] does that ahead, in parallel).
-    pub(crate) fn derived_values(&self) -> Vec<(&str, Value)> {
+    /// a store it reads changed since: [`Stores::refresh`] does that ahead, in parallel). With
+    /// an `overlay`, the views that read its store are computed for it (reusing the rows of
+    /// every resource whose joins found the same versions, and keeping nothing); the others
+    /// are the stores' own.
+    pub(crate) fn derived_values_over<'a>(
+        &'a self,
+        overlay: Option<&'a Overlay>,
+    ) -> Vec<(&'a str, Value)> {
         self.derived
             .iter()
-            .filter_map(|(name, view)| Some((name.as_str(), view.value(&self.inputs(view)?))))
+            .filter_map(|(name, view)| {
+                let inputs = view.derivation().inputs();
+                let value = match overlay {
+                    Some(over) if inputs.contains(&over.store.as_str()) => {
+                        let sources = inputs
+                            .iter()
+                            .map(|input| self.source(input, overlay))
+                            .collect::<Option<Vec<_>>>()?;
+                        view.compute_uncached(&sources)
+                    }
+                    _ => view.value(&self.inputs(view)?),
+                };
+                Some((name.as_str(), value))
+            })
             .collect()
     }
+}
+
+/// A change for [`Stores::overlay`].
+#[derive(Debug, Clone, Copy)]
+pub enum Change<'a> {
+    /// The resource as it would be stored (created or replaced).
+    Apply(&'a Json),
+    /// The resource with this namespace and name removed.
+    Remove {
+        /// Its namespace (empty when cluster-scoped).
+        namespace: &'a str,
+        /// Its name.
+        name: &'a str,
+    },
+}
+
+/// Why [`Stores::overlay`] refused a change.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum OverlayError {
+    /// There is no store of that name.
+    #[error("there is no store `{store}` (known: {known})")]
+    UnknownStore {
+        /// The store named.
+        store: String,
+        /// The stores there are.
+        known: String,
+    },
+    /// The resource cannot be stored.
+    #[error(transparent)]
+    Resource(#[from] Error),
 }
 
 /// Whether `name` can be written as `resources.<name>` in a template.

@@ -1,8 +1,10 @@
 //! `cargo xtask`: the project's tooling, one subcommand a job.
 //!
 //! - `test`: installs what the tests need (the Debian `haproxy` package), then runs
-//!   `cargo fmt --check`, clippy with `-D warnings` on all targets and the whole test suite.
-//! - `bench [election|agent|render|eventbus|controller]`: runs the project's benchmarks.
+//!   `cargo fmt --check`, clippy with `-D warnings` on all targets, the whole test suite, the
+//!   validation tests of the config `deploy/` ships (`haptic-controller validate`) and the
+//!   demo's smoke check.
+//! - `bench [election|agent|render|eventbus|controller|webhook]`: runs the project's benchmarks.
 //! - `demo [--smoke]`: the whole system on one machine, no cluster (see the README).
 //! - `apiserver`: runs the haptic-testkit API server until Ctrl-C and prints a kubeconfig path.
 
@@ -57,10 +59,10 @@ fn run() -> Result<()> {
 }
 
 const HELP: &str = "usage: cargo xtask <task>
-  test               install test tools if missing, then fmt --check, clippy -D warnings, all tests
+  test               install test tools if missing, then fmt --check, clippy -D warnings, all tests, validate deploy/haptic-config.yaml, the demo smoke check
   setup              only install the test tools (haproxy)
   demo [--smoke]     the whole system on this machine (API server, 2 controllers, 2 agents with HAProxy, a demo app); --smoke checks it and exits
-  bench [NAME...]    run benchmarks: election, agent, render, eventbus, controller (default: all)
+  bench [NAME...]    run benchmarks: election, agent, render, eventbus, controller, webhook (default: all)
   e2e [ARGS]         acceptance scenarios on a kind cluster (needs docker, kind, kubectl; --keep, --skip-build)
   apiserver [ARGS]   run the haptic-testkit API server until Ctrl-C (prints the kubeconfig path)";
 
@@ -146,6 +148,21 @@ fn test(extra: &[String]) -> Result<()> {
         &[],
     )?;
     cargo(&["test", "--workspace", "--locked"], extra)?;
+    // The validation tests of the config deploy/ ships, as a user's CI would run them.
+    cargo(
+        &[
+            "run",
+            "--quiet",
+            "--locked",
+            "-p",
+            "haptic-controller",
+            "--",
+            "validate",
+            "-f",
+            "deploy/haptic-config.yaml",
+        ],
+        &[],
+    )?;
     // The main job, end to end: every claim the demo prints, checked.
     demo(&["--smoke".to_owned()])?;
     Ok(())
@@ -182,7 +199,14 @@ fn build_process_bins(release: bool) -> Result<()> {
 }
 
 fn bench(names: &[String]) -> Result<()> {
-    let all = ["eventbus", "render", "election", "agent", "controller"];
+    let all = [
+        "eventbus",
+        "render",
+        "election",
+        "agent",
+        "controller",
+        "webhook",
+    ];
     let selected: Vec<&str> = if names.is_empty() {
         all.to_vec()
     } else {
@@ -208,8 +232,9 @@ fn bench(names: &[String]) -> Result<()> {
                 &[],
             )?,
             // Real processes: the agent and controller binaries must be built in release first.
-            "controller" => {
+            "controller" | "webhook" => {
                 build_process_bins(true)?;
+                let example = format!("bench_{name}");
                 cargo(
                     &[
                         "run",
@@ -218,7 +243,7 @@ fn bench(names: &[String]) -> Result<()> {
                         "-p",
                         "haptic-controller",
                         "--example",
-                        "bench_controller",
+                        &example,
                         "--",
                     ],
                     &[],

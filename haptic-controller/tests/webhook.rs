@@ -1,0 +1,359 @@
+//! The admission webhook of the real controller binary, over HTTPS with a test CA: real
+//! AdmissionReview JSON posted to `/validate` while the controller runs against the testkit
+//! API server with the reference config and an Ingress in its stores.
+
+mod common;
+
+use std::{path::Path, time::Duration};
+
+use common::*;
+use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+use serde_json::{Value, json};
+
+/// A CA, and a certificate for 127.0.0.1 and localhost signed by it: (CA, cert, key) PEM.
+fn issue() -> (String, String, String) {
+    let ca_key = KeyPair::generate().expect("ca key");
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("ca params");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).expect("ca cert");
+    let issuer = Issuer::new(ca_params, ca_key);
+    let key = KeyPair::generate().expect("key");
+    let cert = CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
+        .expect("params")
+        .signed_by(&key, &issuer)
+        .expect("cert");
+    (ca.pem(), cert.pem(), key.serialize_pem())
+}
+
+/// A client trusting `ca` only, on fresh connections.
+fn client(ca: &str) -> reqwest::Client {
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+    reqwest::Client::builder()
+        .tls_backend_rustls()
+        .tls_certs_only(reqwest::Certificate::from_pem_bundle(ca.as_bytes()).expect("ca"))
+        .pool_max_idle_per_host(0)
+        .timeout(Duration::from_secs(30))
+        .build()
+        .expect("client")
+}
+
+async fn post(client: &reqwest::Client, port: u16, body: Vec<u8>) -> (u16, Value) {
+    let response = client
+        .post(format!("https://localhost:{port}/validate"))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .expect("the webhook answers");
+    let status = response.status().as_u16();
+    let text = response.text().await.expect("body");
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+/// An AdmissionReview v1 as the API server sends it.
+fn review(
+    operation: &str,
+    (group, version, resource, kind): (&str, &str, &str, &str),
+    name: &str,
+    object: Value,
+    old: Value,
+) -> Vec<u8> {
+    let gvk = json!({"group": group, "version": version, "kind": kind});
+    let gvr = json!({"group": group, "version": version, "resource": resource});
+    serde_json::to_vec(&json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": format!("uid-{name}-{operation}"),
+            "kind": gvk, "resource": gvr, "requestKind": gvk, "requestResource": gvr,
+            "name": name, "namespace": NS, "operation": operation,
+            "userInfo": {"username": "kubernetes-admin", "groups": ["system:masters"]},
+            "object": object, "oldObject": old, "dryRun": false,
+        },
+    }))
+    .expect("json")
+}
+
+const INGRESS: (&str, &str, &str, &str) = ("networking.k8s.io", "v1", "ingresses", "Ingress");
+const HTC_GVR: (&str, &str, &str, &str) = (
+    "haproxy-haptic.org",
+    "v1alpha1",
+    "haproxytemplateconfigs",
+    "HAProxyTemplateConfig",
+);
+
+fn ingress_json(name: &str, host: &str) -> Value {
+    let mut ing = serde_json::to_value(ingress(name, host, "/", "web")).expect("json");
+    ing["apiVersion"] = json!("networking.k8s.io/v1");
+    ing["kind"] = json!("Ingress");
+    ing
+}
+
+fn response(answer: &Value) -> (bool, String, Vec<String>) {
+    let r = &answer["response"];
+    let warnings = r["warnings"]
+        .as_array()
+        .map(|w| {
+            w.iter()
+                .filter_map(|s| s.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    (
+        r["allowed"].as_bool().expect("allowed"),
+        r["status"]["message"].as_str().unwrap_or("").to_owned(),
+        warnings,
+    )
+}
+
+fn write_pair(dir: &Path, cert: &str, key: &str) {
+    // As a Secret volume does: the new files appear at once.
+    for (name, text) in [("tls.crt", cert), ("tls.key", key)] {
+        let tmp = dir.join(format!(".{name}.new"));
+        std::fs::write(&tmp, text).expect("write");
+        std::fs::rename(&tmp, dir.join(name)).expect("rename");
+    }
+}
+
+fn htc_json(spec: &haptic_controller::HAProxyTemplateConfigSpec) -> Value {
+    json!({
+        "apiVersion": "haproxy-haptic.org/v1alpha1",
+        "kind": "HAProxyTemplateConfig",
+        "metadata": {"name": HTC, "namespace": NS, "generation": 2},
+        "spec": spec,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate() {
+    let cluster = Cluster::start().await;
+    let spec = spec(free_port(), free_port());
+    cluster.apply_htc(&spec).await;
+    cluster
+        .service("web", "127.0.0.1:9".parse().expect("addr"))
+        .await;
+    cluster.ingress("web", "shop.example.com", "/", "web").await;
+
+    let certs = cluster.dir.path().join("webhook");
+    std::fs::create_dir_all(&certs).expect("mkdir");
+    let (ca1, cert1, key1) = issue();
+    write_pair(&certs, &cert1, &key1);
+    let port = free_port();
+    let (cert, key) = (certs.join("tls.crt"), certs.join("tls.key"));
+    let env = [
+        ("HAPTIC_WEBHOOK_ADDR", format!("127.0.0.1:{port}")),
+        ("HAPTIC_WEBHOOK_CERT", cert.display().to_string()),
+        ("HAPTIC_WEBHOOK_KEY", key.display().to_string()),
+    ];
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let controller = Controller::start_with_env(&cluster, "c1", &env).await;
+    eventually(
+        "the controller is ready",
+        Duration::from_secs(30),
+        || async { (controller.probe("/readyz").await == Some(200)).then_some(()) },
+    )
+    .await;
+    let trusting = client(&ca1);
+
+    // A good Ingress is allowed.
+    let good = ingress_json("blog", "blog.example.com");
+    let (status, answer) = post(
+        &trusting,
+        port,
+        review("CREATE", INGRESS, "blog", good.clone(), Value::Null),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["response"]["uid"], "uid-blog-CREATE");
+    let (allowed, message, _) = response(&answer);
+    assert!(allowed, "{message}\n{}", controller.logs());
+
+    // One that would add a directive is denied, naming it, the field, the template and line.
+    let evil = ingress_json("evil", "evil.example.com\n    lua-load /etc/passwd");
+    let (_, answer) = post(
+        &trusting,
+        port,
+        review("CREATE", INGRESS, "evil", evil.clone(), Value::Null),
+    )
+    .await;
+    let (allowed, message, _) = response(&answer);
+    assert!(!allowed, "{answer}");
+    for part in [
+        "Ingress default/evil",
+        "template `route-entries` line",
+        "ingresses default/evil: spec.rules[].host \"evil.example.com\\n    lua-load /etc/passwd\"",
+        "refused",
+    ] {
+        assert!(message.contains(part), "{part:?} not in {message}");
+    }
+    assert_eq!(answer["response"]["status"]["code"], 403);
+
+    // The store comes from group/version/resource, not from how the kind is spelled.
+    let odd = ("networking.k8s.io", "v1", "ingresses", "ingress");
+    let (_, answer) = post(
+        &trusting,
+        port,
+        review("UPDATE", odd, "evil", evil.clone(), good.clone()),
+    )
+    .await;
+    assert!(!response(&answer).0, "{answer}");
+    // Resources whose store does not enable the webhook are not judged.
+    let service = ("", "v1", "services", "Service");
+    let (_, answer) = post(
+        &trusting,
+        port,
+        review(
+            "CREATE",
+            service,
+            "x",
+            json!({"metadata": {"name": "x", "namespace": NS}, "spec": {"ports": [{"port": 1}]}}),
+            Value::Null,
+        ),
+    )
+    .await;
+    assert!(response(&answer).0, "{answer}");
+    // A removal is judged too: the config without the Ingress still renders and checks.
+    let web = ingress_json("web", "shop.example.com");
+    let (_, answer) = post(
+        &trusting,
+        port,
+        review("DELETE", INGRESS, "web", Value::Null, web),
+    )
+    .await;
+    assert!(response(&answer).0, "{answer}");
+
+    // The HAProxyTemplateConfig itself: a template error, a config HAProxy refuses and a
+    // failing validation test are denied; the running config is allowed.
+    let (_, answer) = post(
+        &trusting,
+        port,
+        review("UPDATE", HTC_GVR, HTC, htc_json(&spec), Value::Null),
+    )
+    .await;
+    let (allowed, message, _) = response(&answer);
+    assert!(allowed, "{message}");
+    let mut broken = spec.clone();
+    broken
+        .haproxy_config
+        .template
+        .push_str("\n{% for x in %}\n");
+    let (_, answer) = post(
+        &trusting,
+        port,
+        review("UPDATE", HTC_GVR, HTC, htc_json(&broken), Value::Null),
+    )
+    .await;
+    let (allowed, message, _) = response(&answer);
+    assert!(!allowed);
+    assert!(
+        message
+            .contains("HAProxyTemplateConfig default/haptic-config: template `haproxyConfig` line"),
+        "{message}"
+    );
+    let mut refused = spec.clone();
+    refused
+        .haproxy_config
+        .template
+        .push_str("\n    no-such-keyword on\n");
+    let (_, answer) = post(
+        &trusting,
+        port,
+        review("UPDATE", HTC_GVR, HTC, htc_json(&refused), Value::Null),
+    )
+    .await;
+    let (allowed, message, _) = response(&answer);
+    assert!(!allowed);
+    assert!(
+        message.contains("HAProxy refuses the config rendered with it: [ALERT]")
+            && message.contains("no-such-keyword"),
+        "{message}"
+    );
+    let mut failing = spec.clone();
+    failing
+        .validation_tests
+        .get_mut("ipv6")
+        .expect("reference test")
+        .assertions
+        .push(
+            serde_json::from_value(json!({"type": "contains", "pattern": "no such line"}))
+                .expect("assertion"),
+        );
+    let (_, answer) = post(
+        &trusting,
+        port,
+        review("CREATE", HTC_GVR, HTC, htc_json(&failing), Value::Null),
+    )
+    .await;
+    let (allowed, message, _) = response(&answer);
+    assert!(!allowed);
+    assert!(
+        message.contains("validation tests fail: test ipv6: assertion #2 (contains on haproxy.cfg): pattern \"no such line\" matches nowhere"),
+        "{message}"
+    );
+
+    // Malformed reviews: 400.
+    for body in [
+        b"{not json".to_vec(),
+        serde_json::to_vec(&json!({"apiVersion": "admission.k8s.io/v1beta1", "kind": "AdmissionReview", "request": null})).expect("json"),
+        serde_json::to_vec(&json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"})).expect("json"),
+    ] {
+        let (status, answer) = post(&trusting, port, body).await;
+        assert_eq!(status, 400, "{answer}");
+    }
+
+    // A rotated certificate is served from the next connection on, with no restart.
+    let (ca2, cert2, key2) = issue();
+    write_pair(&certs, &cert2, &key2);
+    let (status, _) = post(
+        &client(&ca2),
+        port,
+        review("CREATE", INGRESS, "blog", good.clone(), Value::Null),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let stale = client(&ca1)
+        .post(format!("https://localhost:{port}/validate"))
+        .body(Vec::new())
+        .send()
+        .await;
+    assert!(stale.is_err(), "the old CA no longer verifies: {stale:?}");
+
+    // A review past its budget is answered by the failure policy (here: ignore), never left
+    // hanging: haproxy -c alone takes longer than a 1 ms budget.
+    let port2 = free_port();
+    let env2 = [
+        ("HAPTIC_WEBHOOK_ADDR", format!("127.0.0.1:{port2}")),
+        ("HAPTIC_WEBHOOK_CERT", cert.display().to_string()),
+        ("HAPTIC_WEBHOOK_KEY", key.display().to_string()),
+        ("HAPTIC_WEBHOOK_BUDGET_MS", "1".to_owned()),
+        ("HAPTIC_WEBHOOK_FAILURE_POLICY", "ignore".to_owned()),
+    ];
+    let env2: Vec<(&str, &str)> = env2.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let hurried = Controller::start_with_env(&cluster, "c2", &env2).await;
+    eventually(
+        "the second replica is ready",
+        Duration::from_secs(30),
+        || async { (hurried.probe("/readyz").await == Some(200)).then_some(()) },
+    )
+    .await;
+    let (_, answer) = post(
+        &client(&ca2),
+        port2,
+        review("CREATE", INGRESS, "blog", good, Value::Null),
+    )
+    .await;
+    let (allowed, _, warnings) = response(&answer);
+    assert!(allowed, "{answer}");
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("did not finish within its budget of 1ms")
+                && w.contains("failure policy: ignore")),
+        "{warnings:?}"
+    );
+}

@@ -75,6 +75,11 @@ pub struct AgentConfig {
     /// Serve the API over TLS with this certificate and key (default none: plain HTTP). The
     /// files are read again when they change.
     pub tls: Option<crate::tls::TlsFiles>,
+    /// The meter the agent records on (default none: the global provider's `haptic-agent`
+    /// meter when the agent opens, a no-op until the binary installs a provider).
+    pub meter: Option<opentelemetry::metrics::Meter>,
+    /// What `/metrics` serves: the binary's exporter (default none: `/metrics` answers 404).
+    pub exposition: Option<crate::metrics::Exposition>,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -98,6 +103,8 @@ impl std::fmt::Debug for AgentConfig {
             .field("body_timeout", &self.body_timeout)
             .field("lock_timeout", &self.lock_timeout)
             .field("tls", &self.tls)
+            .field("meter", &self.meter)
+            .field("exposition", &self.exposition)
             .finish()
     }
 }
@@ -125,7 +132,21 @@ impl AgentConfig {
             body_timeout: Duration::from_secs(120),
             lock_timeout: Duration::from_secs(30),
             tls: None,
+            meter: None,
+            exposition: None,
         }
+    }
+
+    /// Sets [`AgentConfig::meter`] and [`AgentConfig::exposition`].
+    #[must_use]
+    pub fn with_metrics(
+        mut self,
+        meter: opentelemetry::metrics::Meter,
+        exposition: crate::metrics::Exposition,
+    ) -> Self {
+        self.meter = Some(meter);
+        self.exposition = Some(exposition);
+        self
     }
 
     /// Sets [`AgentConfig::listen`].

@@ -187,6 +187,9 @@ pub struct RenderedSet {
     pub term: SystemTime,
     /// How long the render took.
     pub render_time: std::time::Duration,
+    /// The reconcile chain's span (`reconcile`, with its `correlation_id`): the render gate's
+    /// check and each pod's apply run in it, from the trigger to each pod's answer.
+    pub span: tracing::Span,
 }
 
 /// A failed render.

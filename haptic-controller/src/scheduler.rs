@@ -27,7 +27,7 @@ use haptic_agent_client::{
 use haptic_eventbus::Filter;
 use haptic_leadership::LeaderContext;
 use tokio::{task::JoinSet, time::Instant};
-use tracing::{error, info, warn};
+use tracing::{Instrument as _, debug, error, info, info_span, warn};
 
 use crate::{
     config::AgentSettings,
@@ -74,7 +74,14 @@ struct Prepared {
     body: Arc<PreparedApply>,
 }
 
-type Answer = (String, String, Result<ApplyReport, ClientError>);
+/// A pod's answer: pod, checksum, result, how long it took, and the apply's span.
+type Answer = (
+    String,
+    String,
+    Result<ApplyReport, ClientError>,
+    Duration,
+    tracing::Span,
+);
 
 struct Scheduler {
     ctx: LeaderContext<ControllerEvent>,
@@ -129,8 +136,9 @@ impl Scheduler {
                 }
                 Some(joined) = self.tasks.join_next(), if !self.tasks.is_empty() => {
                     match joined {
-                        Ok(answer) => {
-                            if !self.on_answer(answer).await {
+                        Ok((pod, checksum, result, took, span)) => {
+                            crate::metrics::get().deployment(took, result.is_ok());
+                            if !self.on_answer((pod, checksum, result)).instrument(span).await {
                                 return;
                             }
                         }
@@ -320,10 +328,15 @@ impl Scheduler {
             let watchdog = settings.deployment_timeout;
             self.in_flight.insert(pod.clone());
             self.started.insert(pod.clone(), now);
-            self.tasks.spawn(async move {
-                let result =
-                    match tokio::time::timeout(watchdog, client.apply_prepared(&target.url, &body))
-                        .await
+            let span = info_span!(parent: &desired.span, "apply", %pod);
+            let answer_span = span.clone();
+            self.tasks.spawn(
+                async move {
+                    let result = match tokio::time::timeout(
+                        watchdog,
+                        client.apply_prepared(&target.url, &body),
+                    )
+                    .await
                     {
                         Ok(result) => result,
                         Err(_) => Err(ClientError::Unavailable {
@@ -331,8 +344,10 @@ impl Scheduler {
                             message: format!("deployment watchdog: no answer within {watchdog:?}"),
                         }),
                     };
-                (target.name, checksum, result)
-            });
+                    (target.name, checksum, result, now.elapsed(), answer_span)
+                }
+                .instrument(span),
+            );
         }
     }
 
@@ -367,10 +382,14 @@ impl Scheduler {
     }
 
     /// Handles one pod's answer; false when the term must end.
-    async fn on_answer(&mut self, (pod, checksum, result): Answer) -> bool {
+    async fn on_answer(
+        &mut self,
+        (pod, checksum, result): (String, String, Result<ApplyReport, ClientError>),
+    ) -> bool {
         self.in_flight.remove(&pod);
         let error = match result {
             Ok(report) => {
+                debug!(%pod, checksum = %report.checksum, "apply answered: live");
                 self.live.insert(pod.clone(), report.checksum);
                 self.failed.remove(&pod);
                 return true;

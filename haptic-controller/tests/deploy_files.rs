@@ -951,6 +951,7 @@ fn the_deployed_config_validates_renders_and_passes_haproxy_check() {
         files,
         config_generation: 1,
         term: std::time::SystemTime::now(),
+        span: tracing::Span::none(),
         render_time: std::time::Duration::ZERO,
     };
     render_gate::policy_check(&haptic_agent_client::policy::Policy::default(), &set)

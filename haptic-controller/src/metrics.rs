@@ -108,7 +108,7 @@ pub struct Metrics {
 impl Metrics {
     /// The instruments on `meter`.
     pub fn new(meter: &Meter) -> Self {
-        Self {
+        let metrics = Self {
             reconciliation_duration: seconds(
                 meter,
                 "haptic_reconciliation_duration_seconds",
@@ -146,7 +146,23 @@ impl Metrics {
                 "haptic_events_published_total",
                 "Events published on the controller's bus.",
             ),
+        };
+        // Counters are on the page from the start, at 0 (an alert on their rate needs them).
+        for counter in [
+            &metrics.reconciliation_total,
+            &metrics.reconciliation_errors,
+            &metrics.deployment_total,
+            &metrics.deployment_errors,
+            &metrics.events_published,
+        ] {
+            counter.add(0, &[]);
         }
+        for stage in ["config", "render"] {
+            let stage = [KeyValue::new("stage", stage)];
+            metrics.validation_total.add(0, &stage);
+            metrics.validation_errors.add(0, &stage);
+        }
+        metrics
     }
 
     /// Counts what `event` says happened; the observer calls it for every event on the bus.
@@ -201,6 +217,8 @@ pub fn get() -> &'static Metrics {
 /// `haptic_resource_count{type}` (objects in each watched store, `type` the store name) and
 /// `haptic_events_dropped_total` (events lost by lossy subscribers and by the pre-start buffer).
 pub fn observe(cache: Arc<StateCache>, bus: EventBus<ControllerEvent>) {
+    // The counters are made (at 0) now, not at the first event.
+    get();
     let meter = opentelemetry::global::meter("haptic-controller");
     meter
         .u64_observable_gauge("haptic_resource_count")

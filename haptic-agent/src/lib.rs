@@ -7,7 +7,7 @@
 //! - [`haproxy`]: `haproxy -c`, the master CLI, reload with confirmation.
 //! - [`supervisor`]: the mode that starts HAProxy itself (`-W -S <socket>`) and watches it.
 //! - [`agent`]: the apply engine; one apply at a time, rollback on a failed load.
-//! - [`metrics`]: Prometheus text.
+//! - [`metrics`]: the instruments, recorded through the OpenTelemetry API (the binary serves them).
 //! - [`server`]: the HTTP API (`/v1/apply`, `/v1/state`, `/healthz`, `/readyz`, `/metrics`).
 //! - [`tls`]: optional TLS on the listener, the certificate read again when it changes.
 //!

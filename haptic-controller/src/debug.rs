@@ -276,3 +276,38 @@ async fn vars(State(state): State<Arc<DebugState>>) -> Response {
     let body = serde_json::to_string_pretty(&state.vars()).unwrap_or_default();
     ([(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::events::{Pod, PodSet};
+
+    #[test]
+    fn keeps_the_last_hundred_events_and_never_the_token() {
+        let state = DebugState::new("replica-a");
+        state.record(&ControllerEvent::AgentToken(Arc::new(TokenState::Present(
+            "s3cret-token-value".to_owned(),
+        ))));
+        state.record(&ControllerEvent::PodSet(Arc::new(PodSet {
+            pods: BTreeMap::from([(
+                "p1".to_owned(),
+                Pod {
+                    name: "p1".to_owned(),
+                    url: "http://10.0.0.1:9090/".to_owned(),
+                },
+            )]),
+        })));
+        for _ in 0..EVENTS_KEPT + 5 {
+            state.record(&ControllerEvent::StoresChanged { store: "s".into() });
+        }
+        let vars = state.vars();
+        let text = vars.to_string();
+        assert!(!text.contains("s3cret-token-value"), "{text}");
+        assert_eq!(vars["agentToken"]["detail"]["present"], true);
+        assert_eq!(vars["identity"], "replica-a");
+        assert_eq!(vars["pods"]["p1"]["url"], "http://10.0.0.1:9090/");
+        let events = vars["events"].as_array().expect("events");
+        assert_eq!(events.len(), EVENTS_KEPT);
+        assert!(events.iter().all(|e| e["kind"] == "StoresChanged"));
+    }
+}

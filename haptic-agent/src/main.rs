@@ -66,17 +66,37 @@ struct Args {
     /// POD_NAME, POD_NAMESPACE and HOSTNAME (comma-separated or repeated).
     #[arg(long, env = "HAPTIC_AGENT_ALLOW_ENV", value_delimiter = ',')]
     allow_env: Vec<String>,
+    /// Log format.
+    #[arg(
+        long,
+        env = "HAPTIC_AGENT_LOG_FORMAT",
+        value_enum,
+        default_value = "text"
+    )]
+    log_format: LogFormat,
+}
+
+/// Log format.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    tracing_subscriber::fmt()
+    let args = Args::parse();
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
-        .with_writer(std::io::stderr)
-        .init();
-    let args = Args::parse();
+        .with_writer(std::io::stderr);
+    match args.log_format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().init(),
+    }
 
     let token = std::fs::read_to_string(&args.token_file)
         .with_context(|| format!("reading the token file {}", args.token_file.display()))?;

@@ -85,7 +85,14 @@ async fn metrics_alerts_debug_state_and_json_logs_after_a_deploy() {
     let (agent_port, http_port) = (free_port(), free_port());
     cluster.create_token().await;
     cluster.apply_htc(&spec(agent_port, http_port)).await;
-    let agent = Agent::start(&cluster, 1, agent_port, http_port).await;
+    let agent = Agent::start_with_env(
+        &cluster,
+        1,
+        agent_port,
+        http_port,
+        &[("HAPTIC_AGENT_LOG_FORMAT", "json")],
+    )
+    .await;
     let backend = Backend::start("a").await;
     cluster.service("web", backend.addr).await;
     let (secret, private_key) = tls_secret("shop-tls", "shop.example");
@@ -131,12 +138,15 @@ async fn metrics_alerts_debug_state_and_json_logs_after_a_deploy() {
     // The controller's page, once the leader saw the pod's answer.
     let health = format!("127.0.0.1:{}", controller.health);
     let page = eventually(
-        "the controller counts the deployment",
+        "the controller counts the deployment and the gate's verdict",
         Duration::from_secs(20),
         || async {
             let (status, text) = fetch(&health, "/metrics").await?;
             let scrape = parse(&text);
-            (status == 200 && metric(&scrape, "haptic_deployment_total", &[]).1 >= 1.0)
+            // The gate's `haproxy -c` runs beside the deployment and may answer after it.
+            (status == 200
+                && metric(&scrape, "haptic_deployment_total", &[]).1 >= 1.0
+                && metric(&scrape, "haptic_validation_total", &[("stage", "render")]).1 >= 1.0)
                 .then_some(text)
         },
     )
@@ -288,9 +298,18 @@ async fn metrics_alerts_debug_state_and_json_logs_after_a_deploy() {
     );
 
     // /debug/vars: what it promises, and no secret.
-    let (status, vars_text) = fetch(&debug_addr, "/debug/vars").await.expect("debug");
-    assert_eq!(status, 200, "{vars_text}");
-    let vars: serde_json::Value = serde_json::from_str(&vars_text).expect("JSON");
+    // (Once the observer took in the report that follows the pod's answer.)
+    let (vars_text, vars) = eventually(
+        "/debug/vars shows the pod's live checksum",
+        Duration::from_secs(10),
+        || async {
+            let (status, text) = fetch(&debug_addr, "/debug/vars").await?;
+            assert_eq!(status, 200, "{text}");
+            let vars: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+            (vars["pods"][&agent.name]["liveChecksum"] == live.as_str()).then_some((text, vars))
+        },
+    )
+    .await;
     assert_eq!(vars["leader"]["isLeader"], true, "{vars:#}");
     assert_eq!(vars["leader"]["identity"], "controller-1");
     assert_eq!(vars["leader"]["epoch"], 1);
@@ -321,15 +340,7 @@ async fn metrics_alerts_debug_state_and_json_logs_after_a_deploy() {
     // The logs: every line of the controller's is one JSON object; one reconcile span ties
     // the render to the pod's answer; no log of the run shows a secret.
     let logs = controller.logs();
-    let lines: Vec<serde_json::Value> = logs
-        .lines()
-        .map(|line| {
-            serde_json::from_str::<serde_json::Value>(line)
-                .ok()
-                .filter(serde_json::Value::is_object)
-                .unwrap_or_else(|| panic!("not a JSON object: {line}"))
-        })
-        .collect();
+    let lines = json_lines(&logs);
     assert!(lines.len() > 10, "{logs}");
     let correlation = |line: &serde_json::Value| {
         line["spans"]
@@ -361,7 +372,20 @@ async fn metrics_alerts_debug_state_and_json_logs_after_a_deploy() {
     let agent_log = std::fs::read_to_string(cluster.dir.path().join(&agent.name).join("agent.log"))
         .expect("agent log");
     assert_no_secret("the agent's log", &agent_log, &key_body);
+    assert!(!json_lines(&agent_log).is_empty());
     drop(controller);
+}
+
+/// Every line of `log`, each of which must be one JSON object.
+fn json_lines(log: &str) -> Vec<serde_json::Value> {
+    log.lines()
+        .map(|line| {
+            serde_json::from_str::<serde_json::Value>(line)
+                .ok()
+                .filter(serde_json::Value::is_object)
+                .unwrap_or_else(|| panic!("not a JSON object: {line}"))
+        })
+        .collect()
 }
 
 /// The base64 lines of a PEM body (no header line), each long enough to be the key alone.

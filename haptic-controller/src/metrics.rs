@@ -16,7 +16,7 @@ use std::{
     time::Duration,
 };
 
-use haptic_eventbus::EventBus;
+use haptic_eventbus::{BusStats, EventBus};
 use opentelemetry::{
     KeyValue,
     metrics::{Counter, Histogram, Meter},
@@ -233,28 +233,77 @@ pub fn observe(cache: Arc<StateCache>, bus: EventBus<ControllerEvent>) {
             }
         })
         .build();
-    // A subscription's drops vanish from the bus's stats when it closes: the counter adds each
-    // live subscription's increase since the last collection, so it never goes down.
-    let seen: Mutex<(u64, BTreeMap<u64, u64>, u64)> = Mutex::default();
+    let drops = Mutex::new(DropCount::default());
     meter
         .u64_observable_counter("haptic_events_dropped_total")
         .with_description("Events dropped: lossy subscribers' full queues and buffer overflows.")
         .with_callback(move |observer| {
-            let stats = bus.stats();
-            let mut seen = seen
+            let total = drops
                 .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let (total, per_sub, overflows) = &mut *seen;
-            let mut next = BTreeMap::new();
-            for sub in &stats.subscribers {
-                let before = per_sub.get(&sub.id).copied().unwrap_or(0);
-                *total += sub.dropped.saturating_sub(before);
-                next.insert(sub.id, sub.dropped);
-            }
-            *total += stats.buffer_overflows.saturating_sub(*overflows);
-            *overflows = stats.buffer_overflows;
-            *per_sub = next;
-            observer.observe(*total, &[]);
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .update(&bus.stats());
+            observer.observe(total, &[]);
         })
         .build();
+}
+
+/// The bus's drops as a counter. A subscription's drops vanish from the bus's stats when it
+/// closes, so the count adds each live subscription's increase since the last look: it never
+/// goes down.
+#[derive(Debug, Default)]
+struct DropCount {
+    total: u64,
+    per_subscription: BTreeMap<u64, u64>,
+    overflows: u64,
+}
+
+impl DropCount {
+    fn update(&mut self, stats: &BusStats) -> u64 {
+        let mut next = BTreeMap::new();
+        for sub in &stats.subscribers {
+            let before = self.per_subscription.get(&sub.id).copied().unwrap_or(0);
+            self.total += sub.dropped.saturating_sub(before);
+            next.insert(sub.id, sub.dropped);
+        }
+        self.total += stats.buffer_overflows.saturating_sub(self.overflows);
+        self.overflows = stats.buffer_overflows;
+        self.per_subscription = next;
+        self.total
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use haptic_eventbus::{Filter, SubscribeParams};
+
+    use super::*;
+
+    #[test]
+    fn drops_are_counted_once_and_never_go_down_when_a_subscription_closes() {
+        let bus = EventBus::<ControllerEvent>::new();
+        bus.start();
+        let lossy = bus.subscribe_with(SubscribeParams::new("slow", Filter::all()).with_lossy(1));
+        for _ in 0..3 {
+            bus.publish(ControllerEvent::StoresChanged { store: "s".into() });
+        }
+        let mut drops = DropCount::default();
+        assert_eq!(
+            drops.update(&bus.stats()),
+            2,
+            "a queue of one kept the first"
+        );
+        assert_eq!(drops.update(&bus.stats()), 2, "counted once");
+        drop(lossy);
+        assert_eq!(
+            drops.update(&bus.stats()),
+            2,
+            "the closed subscription's drops stay"
+        );
+        let lossy = bus.subscribe_with(SubscribeParams::new("slow", Filter::all()).with_lossy(1));
+        for _ in 0..2 {
+            bus.publish(ControllerEvent::StoresChanged { store: "s".into() });
+        }
+        assert_eq!(drops.update(&bus.stats()), 3);
+        drop(lossy);
+    }
 }

@@ -68,28 +68,27 @@ pub fn component(
             })
             .instrument(span.clone())
             .await;
-            // What follows is synchronous: it logs in the chain's span.
-            span.in_scope(|| {
-                match rendered {
-                    Ok(Some(Ok(set))) => {
-                        last_failure = None;
-                        debug!(checksum = %set.checksum, files = set.files.len(), took = ?set.render_time, "rendered");
-                        ctx.bus().publish(ControllerEvent::Rendered(Arc::new(set)));
-                    }
-                    Ok(Some(Err(failure))) => {
-                        if last_failure.as_deref() != Some(&failure.message) {
-                            error!(message = %failure.message, "render failed; the last good config stays live");
-                            last_failure = Some(failure.message.clone());
-                        }
-                        ctx.bus()
-                            .publish(ControllerEvent::RenderFailed(Arc::new(failure)));
-                    }
-                    Ok(None) => info!(
-                        "not rendering yet: waiting for the config and the first list of every store"
-                    ),
-                    Err(error) => error!(%error, "the render task panicked"),
+            // No await follows in this iteration: the guard is dropped before the next one.
+            let _entered = span.enter();
+            match rendered {
+                Ok(Some(Ok(set))) => {
+                    last_failure = None;
+                    debug!(checksum = %set.checksum, files = set.files.len(), took = ?set.render_time, "rendered");
+                    ctx.bus().publish(ControllerEvent::Rendered(Arc::new(set)));
                 }
-            });
+                Ok(Some(Err(failure))) => {
+                    if last_failure.as_deref() != Some(&failure.message) {
+                        error!(message = %failure.message, "render failed; the last good config stays live");
+                        last_failure = Some(failure.message.clone());
+                    }
+                    ctx.bus()
+                        .publish(ControllerEvent::RenderFailed(Arc::new(failure)));
+                }
+                Ok(None) => info!(
+                    "not rendering yet: waiting for the config and the first list of every store"
+                ),
+                Err(error) => error!(%error, "the render task panicked"),
+            }
         }
     }
 }

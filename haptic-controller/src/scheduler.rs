@@ -74,8 +74,9 @@ struct Prepared {
     body: Arc<PreparedApply>,
 }
 
-/// A pod's answer: pod, checksum, result, how long it took, and the apply's span.
-type Answer = (
+type Answer = (String, String, Result<ApplyReport, ClientError>);
+/// An apply task's end: the answer, how long it took, and the apply's span.
+type Finished = (
     String,
     String,
     Result<ApplyReport, ClientError>,
@@ -96,7 +97,7 @@ struct Scheduler {
     failed: BTreeMap<String, Failure>,
     started: BTreeMap<String, Instant>,
     in_flight: BTreeSet<String>,
-    tasks: JoinSet<Answer>,
+    tasks: JoinSet<Finished>,
     generation: u64,
     reclaimed_above: Option<u64>,
     targets: BTreeMap<String, Target>,
@@ -330,13 +331,10 @@ impl Scheduler {
             self.started.insert(pod.clone(), now);
             let span = info_span!(parent: &desired.span, "apply", %pod);
             let answer_span = span.clone();
-            self.tasks.spawn(
-                async move {
-                    let result = match tokio::time::timeout(
-                        watchdog,
-                        client.apply_prepared(&target.url, &body),
-                    )
-                    .await
+            let apply = async move {
+                let result =
+                    match tokio::time::timeout(watchdog, client.apply_prepared(&target.url, &body))
+                        .await
                     {
                         Ok(result) => result,
                         Err(_) => Err(ClientError::Unavailable {
@@ -344,10 +342,9 @@ impl Scheduler {
                             message: format!("deployment watchdog: no answer within {watchdog:?}"),
                         }),
                     };
-                    (target.name, checksum, result, now.elapsed(), answer_span)
-                }
-                .instrument(span),
-            );
+                (target.name, checksum, result, now.elapsed(), answer_span)
+            };
+            self.tasks.spawn(apply.instrument(span));
         }
     }
 
@@ -382,10 +379,7 @@ impl Scheduler {
     }
 
     /// Handles one pod's answer; false when the term must end.
-    async fn on_answer(
-        &mut self,
-        (pod, checksum, result): (String, String, Result<ApplyReport, ClientError>),
-    ) -> bool {
+    async fn on_answer(&mut self, (pod, checksum, result): Answer) -> bool {
         self.in_flight.remove(&pod);
         let error = match result {
             Ok(report) => {

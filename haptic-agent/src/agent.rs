@@ -212,7 +212,14 @@ impl Agent {
             Supervisor::new(haproxy.clone(), store.current_path(), config.reload_timeout)
                 .with_pidfile(config.data_dir.join("haproxy-master.pid"))
         });
-        let metrics = Metrics::default();
+        let meter = config
+            .meter
+            .clone()
+            .unwrap_or_else(|| opentelemetry::global::meter("haptic-agent"));
+        let metrics = Metrics::new(&meter, {
+            let haproxy = haproxy.clone();
+            Some(Arc::new(move || haproxy.cli_connections()))
+        });
         match fence.load() {
             Ok(value) => metrics.set_fence(value),
             Err(error) => warn!(%error, "fence unreadable; refusing applies until it is repaired"),

@@ -82,6 +82,11 @@ pub struct AgentConfig {
     /// Limit for the runtime commands of one apply and their verification (default 5 s);
     /// past it the apply falls back to the reload.
     pub runtime_timeout: Duration,
+    /// The meter the agent records on (default none: the global provider's `haptic-agent`
+    /// meter when the agent opens, a no-op until the binary installs a provider).
+    pub meter: Option<opentelemetry::metrics::Meter>,
+    /// What `/metrics` serves: the binary's exporter (default none: `/metrics` answers 404).
+    pub exposition: Option<crate::metrics::Exposition>,
 }
 
 impl std::fmt::Debug for AgentConfig {
@@ -107,6 +112,8 @@ impl std::fmt::Debug for AgentConfig {
             .field("tls", &self.tls)
             .field("runtime_updates", &self.runtime_updates)
             .field("runtime_timeout", &self.runtime_timeout)
+            .field("meter", &self.meter)
+            .field("exposition", &self.exposition)
             .finish()
     }
 }
@@ -136,7 +143,21 @@ impl AgentConfig {
             tls: None,
             runtime_updates: true,
             runtime_timeout: Duration::from_secs(5),
+            meter: None,
+            exposition: None,
         }
+    }
+
+    /// Sets [`AgentConfig::meter`] and [`AgentConfig::exposition`].
+    #[must_use]
+    pub fn with_metrics(
+        mut self,
+        meter: opentelemetry::metrics::Meter,
+        exposition: crate::metrics::Exposition,
+    ) -> Self {
+        self.meter = Some(meter);
+        self.exposition = Some(exposition);
+        self
     }
 
     /// Sets [`AgentConfig::listen`].

@@ -9,7 +9,7 @@
 //! - [`agent`]: the apply engine; one apply at a time, rollback on a failed load.
 //! - [`runtime`]: hitless applies: server, map and certificate changes through HAProxy's
 //!   runtime API, verified, with no reload.
-//! - [`metrics`]: Prometheus text.
+//! - [`metrics`]: the instruments, recorded through the OpenTelemetry API (the binary serves them).
 //! - [`server`]: the HTTP API (`/v1/apply`, `/v1/state`, `/healthz`, `/readyz`, `/metrics`).
 //! - [`tls`]: optional TLS on the listener, the certificate read again when it changes.
 //!

@@ -4,8 +4,10 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use anyhow::{Context as _, Result};
 use clap::Parser;
-use haptic_agent::{Agent, AgentConfig, haproxy::RunAs};
+use haptic_agent::{Agent, AgentConfig, haproxy::RunAs, metrics::Exposition};
 use haptic_agent_client::policy::Policy;
+use opentelemetry::metrics::MeterProvider as _;
+use opentelemetry_sdk::metrics::SdkMeterProvider;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -68,17 +70,37 @@ struct Args {
     /// POD_NAME, POD_NAMESPACE and HOSTNAME (comma-separated or repeated).
     #[arg(long, env = "HAPTIC_AGENT_ALLOW_ENV", value_delimiter = ',')]
     allow_env: Vec<String>,
+    /// Log format.
+    #[arg(
+        long,
+        env = "HAPTIC_AGENT_LOG_FORMAT",
+        value_enum,
+        default_value = "text"
+    )]
+    log_format: LogFormat,
+}
+
+/// Log format.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    tracing_subscriber::fmt()
+    let args = Args::parse();
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
-        .with_writer(std::io::stderr)
-        .init();
-    let args = Args::parse();
+        .with_writer(std::io::stderr);
+    match args.log_format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().init(),
+    }
 
     let token = std::fs::read_to_string(&args.token_file)
         .with_context(|| format!("reading the token file {}", args.token_file.display()))?;
@@ -123,6 +145,8 @@ async fn main() -> Result<()> {
         config.tls = Some(haptic_agent::tls::TlsFiles { cert, key });
     }
     config.max_inflated_bytes = config.max_inflated_bytes.max(args.max_body_bytes);
+    let (provider, exposition) = metrics().context("starting the metrics exporter")?;
+    config = config.with_metrics(provider.meter("haptic-agent"), exposition);
 
     let agent = Agent::open(config).await.context("opening the agent")?;
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -157,5 +181,27 @@ async fn main() -> Result<()> {
     )
     .await
     .context("serving")?;
+    drop(provider);
     Ok(())
+}
+
+/// The OpenTelemetry SDK with its Prometheus exporter on a registry of its own: exported names
+/// are the instruments' names as they are (no unit or `_total` suffix added, no scope labels,
+/// no `target_info`), so the page keeps the agent's documented names.
+fn metrics() -> Result<(SdkMeterProvider, Exposition)> {
+    let registry = prometheus::Registry::new();
+    let exporter = opentelemetry_prometheus::exporter()
+        .with_registry(registry.clone())
+        .without_units()
+        .without_counter_suffixes()
+        .without_target_info()
+        .scope_info_enabled(false)
+        .build()?;
+    let provider = SdkMeterProvider::builder().with_reader(exporter).build();
+    let exposition = Exposition::new(move || {
+        prometheus::TextEncoder::new()
+            .encode_to_string(&registry.gather())
+            .map_err(|error| error.to_string())
+    });
+    Ok((provider, exposition))
 }

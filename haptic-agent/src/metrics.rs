@@ -1,16 +1,26 @@
-//! The agent's metrics, rendered in the Prometheus text exposition format.
+//! The agent's metrics, recorded through the OpenTelemetry API. The SDK and the Prometheus
+//! exporter are the binary's: it installs them, hands the agent a [`Meter`] (or sets the global
+//! provider) and an [`Exposition`] that renders the `/metrics` page. The names below are the
+//! exported Prometheus names (the binary's exporter adds no unit or `_total` suffix).
+//!
+//! Adding a counter is one field and one line in [`Metrics::new`], as
+//! `haptic_agent_reloads_avoided_total` is.
 
 use std::{
-    fmt::Write as _,
     sync::{
-        Mutex,
+        Arc,
         atomic::{AtomicU64, Ordering},
     },
     time::Duration,
 };
 
-/// Apply outcomes counted, in the order they are rendered.
-const OUTCOMES: [&str; 9] = [
+use opentelemetry::{
+    KeyValue,
+    metrics::{Counter, Gauge, Histogram, Meter, ObservableCounter},
+};
+
+/// Apply outcomes counted; anything else counts as `error`.
+pub const OUTCOMES: [&str; 9] = [
     "applied",
     "unchanged",
     "fenced",
@@ -23,187 +33,172 @@ const OUTCOMES: [&str; 9] = [
 ];
 
 /// Upper bounds (seconds) of the duration histograms.
-const BUCKETS: [f64; 12] = [
+pub const BUCKETS: [f64; 12] = [
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
-#[derive(Debug, Default)]
-struct Histogram {
-    counts: [u64; BUCKETS.len()],
-    count: u64,
-    sum: f64,
-}
+/// `haptic_agent_applies_total{outcome}`.
+pub const APPLIES_TOTAL: &str = "haptic_agent_applies_total";
+/// `haptic_agent_fence`.
+pub const FENCE: &str = "haptic_agent_fence";
+/// `haptic_agent_live_generation`.
+pub const LIVE_GENERATION: &str = "haptic_agent_live_generation";
+/// `haptic_agent_master_cli_connections_total`.
+pub const MASTER_CLI_CONNECTIONS_TOTAL: &str = "haptic_agent_master_cli_connections_total";
+/// Applies made live through the runtime API, with no reload.
+pub const RELOADS_AVOIDED_TOTAL: &str = "haptic_agent_reloads_avoided_total";
+/// `haptic_agent_reload_duration_seconds`.
+pub const RELOAD_DURATION: &str = "haptic_agent_reload_duration_seconds";
+/// `haptic_agent_check_duration_seconds`.
+pub const CHECK_DURATION: &str = "haptic_agent_check_duration_seconds";
+/// `haptic_agent_apply_duration_seconds`.
+pub const APPLY_DURATION: &str = "haptic_agent_apply_duration_seconds";
 
-impl Histogram {
-    fn observe(&mut self, seconds: f64) {
-        for (bound, count) in BUCKETS.iter().zip(self.counts.iter_mut()) {
-            if seconds <= *bound {
-                *count += 1;
-            }
-        }
-        self.count += 1;
-        self.sum += seconds;
+/// Renders the metrics page in the Prometheus text format: the binary's exporter, handed to
+/// the library, which has none of its own.
+#[derive(Clone)]
+pub struct Exposition(Arc<dyn Fn() -> Result<String, String> + Send + Sync>);
+
+impl Exposition {
+    /// Wraps the exporter's encoder; an error is answered 500 with its text.
+    pub fn new(render: impl Fn() -> Result<String, String> + Send + Sync + 'static) -> Self {
+        Self(Arc::new(render))
     }
 
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        for (bound, count) in BUCKETS.iter().zip(self.counts.iter()) {
-            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {count}");
-        }
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
-        let _ = writeln!(out, "{name}_sum {}", self.sum);
-        let _ = writeln!(out, "{name}_count {}", self.count);
+    /// The page, or why it could not be rendered.
+    pub fn render(&self) -> Result<String, String> {
+        (self.0)()
     }
 }
 
-/// Counters and histograms of one agent.
-#[derive(Debug, Default)]
+impl std::fmt::Debug for Exposition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Exposition")
+    }
+}
+
+fn counter(meter: &Meter, name: &'static str, help: &'static str) -> Counter<u64> {
+    meter.u64_counter(name).with_description(help).build()
+}
+
+fn gauge(meter: &Meter, name: &'static str, help: &'static str) -> Gauge<u64> {
+    meter.u64_gauge(name).with_description(help).build()
+}
+
+fn seconds(meter: &Meter, name: &'static str, help: &'static str) -> Histogram<f64> {
+    meter
+        .f64_histogram(name)
+        .with_description(help)
+        .with_unit("s")
+        .with_boundaries(BUCKETS.to_vec())
+        .build()
+}
+
+/// The instruments of one agent.
+#[derive(Debug)]
 pub struct Metrics {
-    applies: [AtomicU64; OUTCOMES.len()],
-    fence: AtomicU64,
-    generation: AtomicU64,
-    reloads_avoided: AtomicU64,
-    reload: Mutex<Histogram>,
-    check: Mutex<Histogram>,
-    apply: Mutex<Histogram>,
+    applies: Counter<u64>,
+    fence: Gauge<u64>,
+    generation: Gauge<u64>,
+    reload: Histogram<f64>,
+    check: Histogram<f64>,
+    apply: Histogram<f64>,
+    reloads_avoided: Counter<u64>,
+    /// The same count, for `/v1/state`.
+    reloads_avoided_count: AtomicU64,
+    // Kept so the callback lives as long as the agent.
+    _cli_connections: Option<ObservableCounter<u64>>,
 }
 
 impl Metrics {
+    /// The instruments on `meter`; `cli_connections` (read at each collection) backs
+    /// `haptic_agent_master_cli_connections_total`.
+    pub fn new(meter: &Meter, cli_connections: Option<Arc<dyn Fn() -> u64 + Send + Sync>>) -> Self {
+        let metrics = Self {
+            applies: counter(meter, APPLIES_TOTAL, "Applies by outcome."),
+            fence: gauge(meter, FENCE, "The highest fencing epoch accepted."),
+            generation: gauge(meter, LIVE_GENERATION, "Generation of the live set."),
+            reload: seconds(
+                meter,
+                RELOAD_DURATION,
+                "HAProxy reloads through the master socket, confirmation included.",
+            ),
+            check: seconds(meter, CHECK_DURATION, "`haproxy -c` runs on staged sets."),
+            apply: seconds(meter, APPLY_DURATION, "Whole applies, fence to answer."),
+            reloads_avoided: counter(
+                meter,
+                RELOADS_AVOIDED_TOTAL,
+                "Applies made live through the runtime API, with no reload.",
+            ),
+            reloads_avoided_count: AtomicU64::new(0),
+            _cli_connections: cli_connections.map(|read| {
+                meter
+                    .u64_observable_counter(MASTER_CLI_CONNECTIONS_TOTAL)
+                    .with_description("Connections made to HAProxy's master CLI.")
+                    .with_callback(move |observer| observer.observe(read(), &[]))
+                    .build()
+            }),
+        };
+        // Every outcome is on the page from the start, at 0, as before.
+        for outcome in OUTCOMES {
+            metrics.applies.add(0, &[KeyValue::new("outcome", outcome)]);
+        }
+        metrics.reloads_avoided.add(0, &[]);
+        metrics
+    }
+
     /// Counts one apply with `outcome` (an [`ApplyResponse`](haptic_agent_client::ApplyResponse)
     /// outcome, `rejected` for 4xx, or `error`).
     pub fn count_apply(&self, outcome: &str) {
-        let index = OUTCOMES
+        let outcome = OUTCOMES
             .iter()
-            .position(|known| *known == outcome)
-            .unwrap_or(OUTCOMES.len() - 1);
-        self.applies[index].fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// The count of applies with `outcome`.
-    pub fn applies(&self, outcome: &str) -> u64 {
-        OUTCOMES
-            .iter()
-            .position(|known| *known == outcome)
-            .map_or(0, |index| self.applies[index].load(Ordering::Relaxed))
-    }
-
-    /// Counts an apply made live through the runtime API, with no reload.
-    pub fn count_reload_avoided(&self) {
-        self.reloads_avoided.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Applies made live with no reload so far.
-    pub fn reloads_avoided(&self) -> u64 {
-        self.reloads_avoided.load(Ordering::Relaxed)
+            .find(|known| **known == outcome)
+            .copied()
+            .unwrap_or("error");
+        self.applies.add(1, &[KeyValue::new("outcome", outcome)]);
     }
 
     /// Records the fence.
     pub fn set_fence(&self, fence: u64) {
-        self.fence.store(fence, Ordering::Relaxed);
+        self.fence.record(fence, &[]);
     }
 
     /// Records the generation live.
     pub fn set_generation(&self, generation: u64) {
-        self.generation.store(generation, Ordering::Relaxed);
+        self.generation.record(generation, &[]);
     }
 
     /// Records one reload (with its confirmation).
     pub fn observe_reload(&self, took: Duration) {
-        if let Ok(mut histogram) = self.reload.lock() {
-            histogram.observe(took.as_secs_f64());
-        }
+        self.reload.record(took.as_secs_f64(), &[]);
     }
 
     /// Records one `haproxy -c`.
     pub fn observe_check(&self, took: Duration) {
-        if let Ok(mut histogram) = self.check.lock() {
-            histogram.observe(took.as_secs_f64());
-        }
+        self.check.record(took.as_secs_f64(), &[]);
     }
 
     /// Records one whole apply.
     pub fn observe_apply(&self, took: Duration) {
-        if let Ok(mut histogram) = self.apply.lock() {
-            histogram.observe(took.as_secs_f64());
-        }
+        self.apply.record(took.as_secs_f64(), &[]);
     }
 
-    /// The Prometheus text exposition of every metric.
-    pub fn render(&self) -> String {
-        let mut out = String::with_capacity(4096);
-        out.push_str(
-            "# HELP haptic_agent_applies_total Applies by outcome.\n\
-             # TYPE haptic_agent_applies_total counter\n",
-        );
-        for (outcome, count) in OUTCOMES.iter().zip(self.applies.iter()) {
-            let _ = writeln!(
-                out,
-                "haptic_agent_applies_total{{outcome=\"{outcome}\"}} {}",
-                count.load(Ordering::Relaxed)
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP haptic_agent_fence The highest fencing epoch accepted.\n\
-             # TYPE haptic_agent_fence gauge\nhaptic_agent_fence {}",
-            self.fence.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP haptic_agent_live_generation Generation of the live set.\n\
-             # TYPE haptic_agent_live_generation gauge\nhaptic_agent_live_generation {}",
-            self.generation.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP haptic_agent_reloads_avoided_total Applies made live through the runtime API, with no reload.\n\
-             # TYPE haptic_agent_reloads_avoided_total counter\nhaptic_agent_reloads_avoided_total {}",
-            self.reloads_avoided()
-        );
-        let histograms = [
-            (
-                &self.reload,
-                "haptic_agent_reload_duration_seconds",
-                "HAProxy reloads through the master socket, confirmation included.",
-            ),
-            (
-                &self.check,
-                "haptic_agent_check_duration_seconds",
-                "`haproxy -c` runs on staged sets.",
-            ),
-            (
-                &self.apply,
-                "haptic_agent_apply_duration_seconds",
-                "Whole applies, fence to answer.",
-            ),
-        ];
-        for (histogram, name, help) in histograms {
-            if let Ok(histogram) = histogram.lock() {
-                histogram.render(&mut out, name, help);
-            }
-        }
-        out
+    /// Counts one apply made live through the runtime API, with no reload.
+    pub fn count_reload_avoided(&self) {
+        self.reloads_avoided.add(1, &[]);
+        self.reloads_avoided_count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many applies went live with no reload since the agent started.
+    pub fn reloads_avoided(&self) -> u64 {
+        self.reloads_avoided_count.load(Ordering::Relaxed)
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn renders_counters_gauges_and_cumulative_buckets() {
-        let metrics = Metrics::default();
-        metrics.count_apply("applied");
-        metrics.count_apply("applied");
-        metrics.count_apply("fenced");
-        metrics.set_fence(9);
-        metrics.observe_reload(Duration::from_millis(30));
-        let text = metrics.render();
-        assert!(text.contains("haptic_agent_applies_total{outcome=\"applied\"} 2\n"));
-        assert!(text.contains("haptic_agent_applies_total{outcome=\"fenced\"} 1\n"));
-        assert!(text.contains("haptic_agent_fence 9\n"));
-        assert!(text.contains("haptic_agent_reload_duration_seconds_bucket{le=\"0.025\"} 0\n"));
-        assert!(text.contains("haptic_agent_reload_duration_seconds_bucket{le=\"0.05\"} 1\n"));
-        assert!(text.contains("haptic_agent_reload_duration_seconds_count 1\n"));
+impl Default for Metrics {
+    /// On the global meter provider's `haptic-agent` meter (a no-op until the binary installs
+    /// one), without the master CLI counter.
+    fn default() -> Self {
+        Self::new(&opentelemetry::global::meter("haptic-agent"), None)
     }
 }

@@ -237,14 +237,17 @@ async fn readyz(State(agent): State<Agent>) -> Response {
 }
 
 async fn metrics(State(agent): State<Agent>) -> Response {
-    let mut text = agent.metrics().render();
-    text.push_str(&format!(
-        "# HELP haptic_agent_master_cli_connections_total Connections made to HAProxy's master CLI.\n\
-         # TYPE haptic_agent_master_cli_connections_total counter\n\
-         haptic_agent_master_cli_connections_total {}\n",
-        agent.haproxy().cli_connections()
-    ));
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+    match agent.config().exposition.as_ref().map(|e| e.render()) {
+        Some(Ok(text)) => {
+            ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+        }
+        Some(Err(why)) => error(StatusCode::INTERNAL_SERVER_ERROR, "metrics", why),
+        None => error(
+            StatusCode::NOT_FOUND,
+            "no_metrics",
+            "this agent was started without a metrics exporter",
+        ),
+    }
 }
 
 /// Serves `agent` on `listener` until `shutdown` is cancelled; in supervised mode starts

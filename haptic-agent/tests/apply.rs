@@ -129,9 +129,8 @@ async fn a_lower_epoch_is_refused_with_the_fence_and_nothing_is_written() {
         fence_before
     );
     assert_eq!(get_once(*port).await, "backend a");
-    let metrics = agent.agent.metrics();
-    assert_eq!(metrics.applies("fenced"), 1);
-    assert_eq!(metrics.applies("applied"), 1);
+    assert_eq!(agent.applies("fenced").await, 1);
+    assert_eq!(agent.applies("applied").await, 1);
     serving.agent.stop().await;
 }
 
@@ -243,18 +242,30 @@ async fn the_same_checksum_is_unchanged_and_does_not_reload() {
     );
 
     let http = traffic_client();
-    let metrics = http
-        .get(agent.url.join("/metrics").expect("url"))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("text");
-    assert!(metrics.contains("haptic_agent_applies_total{outcome=\"unchanged\"} 1"));
-    assert!(metrics.contains("haptic_agent_applies_total{outcome=\"applied\"} 1"));
-    assert!(metrics.contains("haptic_agent_reload_duration_seconds_count 1"));
-    assert!(metrics.contains("haptic_agent_fence 3"));
+    let metrics = scrape(&agent.url).await;
+    let applies = |outcome| {
+        value(
+            &metrics,
+            "haptic_agent_applies_total",
+            &[("outcome", outcome)],
+        )
+    };
+    assert_eq!((applies("unchanged"), applies("applied")), (1.0, 1.0));
+    assert_eq!(value(&metrics, "haptic_agent_fence", &[]), 3.0);
+    let reloads = metrics
+        .samples
+        .iter()
+        .find(|s| s.metric == "haptic_agent_reload_duration_seconds")
+        .map(|s| s.value.clone());
+    match reloads {
+        // The +Inf bucket is the count.
+        Some(prometheus_parse::Value::Histogram(buckets)) => assert_eq!(
+            buckets.iter().map(|b| b.count).fold(0.0, f64::max),
+            1.0,
+            "{buckets:?}"
+        ),
+        other => panic!("haptic_agent_reload_duration_seconds is no histogram: {other:?}"),
+    }
     let health = http
         .get(agent.url.join("/healthz").expect("url"))
         .send()
@@ -306,7 +317,7 @@ async fn a_set_that_fails_to_load_is_rolled_back_to_last_known_good() {
     let last = state.last_reload.expect("last reload");
     assert!(last.ok && last.checksum == good.checksum, "{last:?}");
     assert_eq!(get_once(port).await, "backend a");
-    assert_eq!(agent.agent.metrics().applies("rolled_back"), 1);
+    assert_eq!(agent.applies("rolled_back").await, 1);
 
     // And the agent still applies: the next good set goes live.
     let next = request(1, "leader-0", 3, serving.set_routing_to("none"));
@@ -582,7 +593,7 @@ async fn an_older_generation_of_the_live_epoch_is_superseded_and_nothing_is_writ
     }
     assert_eq!(listing(dir.path()), before, "nothing written");
     assert_eq!(get_once(port).await, "no route");
-    assert_eq!(agent.agent.metrics().applies("superseded"), 1);
+    assert_eq!(agent.applies("superseded").await, 1);
     // A higher epoch starts its generations afresh.
     let next_term = request(3, "leader-1", 1, serving.set_routing_to("a"));
     client
@@ -622,17 +633,10 @@ async fn a_flood_of_readiness_probes_is_answered_from_the_cache() {
         made <= bound,
         "{made} master CLI connections for 400 probes in {took:?}"
     );
-    let metrics = traffic_client()
-        .get(serving.agent.url.join("/metrics").expect("url"))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("text");
+    let metrics = scrape(&serving.agent.url).await;
     assert!(
-        metrics.contains("\nhaptic_agent_master_cli_connections_total "),
-        "{metrics}"
+        value(&metrics, "haptic_agent_master_cli_connections_total", &[]) >= made as f64,
+        "the counter follows the connections made"
     );
     // An apply still goes through while probes and state requests (the master CLI's other
     // slot) keep coming.

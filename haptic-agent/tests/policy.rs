@@ -81,10 +81,7 @@ async fn a_set_that_would_run_lua_during_the_check_is_refused_before_it_runs() {
         Some(serving.live.checksum.as_str())
     );
     assert_eq!(get_once(serving.port).await, "backend a");
-    assert_eq!(
-        serving.agent.agent.metrics().applies("refused_by_policy"),
-        1
-    );
+    assert_eq!(serving.agent.applies("refused_by_policy").await, 1);
     serving.agent.stop().await;
 }
 

@@ -121,6 +121,7 @@ async fn gate_row(n: usize) -> String {
         files,
         config_generation: 1,
         term: std::time::SystemTime::now(),
+        span: tracing::Span::none(),
         render_time,
         requests: Default::default(),
     };

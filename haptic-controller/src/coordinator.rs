@@ -9,7 +9,7 @@ use std::{
 
 use haptic_eventbus::Filter;
 use haptic_leadership::LeaderContext;
-use tracing::{debug, error, info};
+use tracing::{Instrument as _, debug, error, info, info_span};
 
 use crate::{
     events::{ControllerEvent, Kind, RenderFailure, RenderedSet},
@@ -34,17 +34,42 @@ pub fn component(
                 event = events.recv() => event,
             };
             let Some(event) = event else { return };
+            let mut reason = match &*event {
+                ControllerEvent::RenderTrigger { reason } => *reason,
+                _ => "became_leader",
+            };
             if let ControllerEvent::BecameLeader(became) = &*event {
                 term = became.at;
             }
             // Coalesce whatever else is already queued: one render covers them all.
+            let mut coalesced = 0u32;
             while let Some(more) = events.try_recv() {
-                if let ControllerEvent::BecameLeader(became) = &*more {
-                    term = became.at;
+                coalesced += 1;
+                match &*more {
+                    ControllerEvent::BecameLeader(became) => term = became.at,
+                    ControllerEvent::RenderTrigger { reason: r } if reason == "change" => {
+                        reason = r;
+                    }
+                    _ => {}
                 }
             }
+            // One span per reconcile chain: the gate's check and every pod's apply of this
+            // render run in it (the set carries it), so its id ties their log lines together.
+            let span = info_span!(
+                "reconcile",
+                correlation_id = %uuid::Uuid::new_v4().simple(),
+                reason,
+                coalesced
+            );
             let cache = cache.clone();
-            let rendered = tokio::task::spawn_blocking(move || render(&cache, term)).await;
+            let rendered = tokio::task::spawn_blocking({
+                let span = span.clone();
+                move || span.in_scope(|| render(&cache, term, span.clone()))
+            })
+            .instrument(span.clone())
+            .await;
+            // No await follows in this iteration: the guard is dropped before the next one.
+            let _entered = span.enter();
             match rendered {
                 Ok(Some(Ok(set))) => {
                     last_failure = None;
@@ -69,7 +94,11 @@ pub fn component(
 }
 
 /// Renders from the cache; `None` while it is not ready.
-fn render(cache: &StateCache, term: SystemTime) -> Option<Result<RenderedSet, RenderFailure>> {
+fn render(
+    cache: &StateCache,
+    term: SystemTime,
+    span: tracing::Span,
+) -> Option<Result<RenderedSet, RenderFailure>> {
     let state = cache.read();
     if !state.ready() {
         return None;
@@ -86,6 +115,7 @@ fn render(cache: &StateCache, term: SystemTime) -> Option<Result<RenderedSet, Re
                 term,
                 render_time: started.elapsed(),
                 requests,
+                span,
             })
         }
         Err(error) => Err(RenderFailure {

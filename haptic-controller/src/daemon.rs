@@ -33,8 +33,8 @@ pub const SHUTDOWN_BOUND: Duration = Duration::from_secs(20);
 /// Errors of the daemon.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The health server could not bind.
-    #[error("binding the health server on {addr}")]
+    /// The health or debug server could not bind.
+    #[error("binding the health or debug server on {addr}")]
     Health {
         /// The address.
         addr: SocketAddr,
@@ -67,6 +67,10 @@ pub struct Options {
     pub reconcile_window: Duration,
     /// The admission webhook (none: off).
     pub webhook: Option<crate::webhook::WebhookSettings>,
+    /// What `/metrics` on the health address serves (none: 404).
+    pub metrics: Option<crate::metrics::Exposition>,
+    /// Where `/debug/vars` listens (none: nowhere, the default).
+    pub debug_addr: Option<SocketAddr>,
 }
 
 /// Runs the controller until `token` fires.
@@ -75,6 +79,7 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
     let probes = Arc::new(Probes {
         cache: cache.clone(),
         election: Default::default(),
+        metrics: options.metrics.clone(),
     });
     let health_token = CancellationToken::new();
     let (_, health) = health::serve(options.health_addr, probes.clone(), health_token.clone())
@@ -110,6 +115,18 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
     let bus =
         EventBus::<ControllerEvent>::with_config(BusConfig::default().with_sticky_kinds(STICKY));
 
+    crate::metrics::observe(cache.clone(), bus.clone());
+    let debug_state = crate::debug::DebugState::new(&options.identity);
+    let debug = match options.debug_addr {
+        Some(addr) => Some(
+            crate::debug::serve(addr, debug_state.clone(), health_token.clone())
+                .await
+                .map_err(|source| Error::Health { addr, source })?
+                .1,
+        ),
+        None => None,
+    };
+
     let ns = options.config.namespace.clone();
     let subjects = recorder::Subjects {
         namespace: ns.clone(),
@@ -119,6 +136,9 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
     let events = recorder::recorder(client.clone(), &options.identity);
     let leadership = Leadership::new(client.clone(), election_config, bus)?
         .with_stop_timeout(STOP_TIMEOUT)
+        .all_replicas("observer", move |bus, token| {
+            crate::debug::component(debug_state.clone(), bus, token)
+        })
         .all_replicas("config-loader", {
             let (client, at) = (client.clone(), options.config.clone());
             move |bus, token| config_loader::component(client, at, bus, token)
@@ -179,6 +199,9 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
     let _ = tokio::time::timeout(Duration::from_secs(1), health).await;
     if let Some(webhook) = webhook {
         let _ = tokio::time::timeout(STOP_TIMEOUT, webhook).await;
+    }
+    if let Some(debug) = debug {
+        let _ = tokio::time::timeout(Duration::from_secs(1), debug).await;
     }
     info!("stopped");
     result.map_err(Error::from)

@@ -195,6 +195,9 @@ pub struct RenderedSet {
     pub render_time: std::time::Duration,
     /// What the templates asked the cluster to show (Events, status).
     pub requests: haptic_render::Requests,
+    /// The reconcile chain's span (`reconcile`, with its `correlation_id`): the render gate's
+    /// check and each pod's apply run in it, from the trigger to each pod's answer.
+    pub span: tracing::Span,
 }
 
 /// A failed render.

@@ -1,6 +1,6 @@
 //! The health server: `/healthz` (the process serves and its elector is healthy) and `/readyz`
 //! (a config is loaded and every store finished its first list; a follower is ready too: it
-//! keeps the hot cache a failover needs).
+//! keeps the hot cache a failover needs), and `/metrics` when the binary gave an exporter.
 
 use std::{
     net::SocketAddr,
@@ -21,6 +21,8 @@ pub struct Probes {
     pub cache: Arc<StateCache>,
     /// The elector's check, once the elector exists.
     pub election: OnceLock<HealthCheck>,
+    /// What `/metrics` serves (none: 404).
+    pub metrics: Option<crate::metrics::Exposition>,
 }
 
 /// Binds `addr` and serves the probes until `token` fires. Returns the bound address (for
@@ -36,6 +38,7 @@ pub async fn serve(
     let app = Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
         .with_state(probes);
     let handle = tokio::spawn(async move {
         let _ = axum::serve(listener, app)
@@ -49,6 +52,21 @@ async fn healthz(State(probes): State<Arc<Probes>>) -> (StatusCode, String) {
     match probes.election.get().map(HealthCheck::check) {
         Some(Err(why)) => (StatusCode::SERVICE_UNAVAILABLE, why),
         _ => (StatusCode::OK, "ok".to_owned()),
+    }
+}
+
+async fn metrics(State(probes): State<Arc<Probes>>) -> axum::response::Response {
+    use axum::{http::header, response::IntoResponse};
+    match probes
+        .metrics
+        .as_ref()
+        .map(crate::metrics::Exposition::render)
+    {
+        Some(Ok(text)) => {
+            ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+        }
+        Some(Err(why)) => (StatusCode::INTERNAL_SERVER_ERROR, why).into_response(),
+        None => (StatusCode::NOT_FOUND, "no metrics exporter in this process").into_response(),
     }
 }
 

@@ -6,7 +6,8 @@
 //!
 //! One module per component, named as in the design (`CONTROLLER.md`): [`config_loader`],
 //! [`credentials`], [`watchers`] (resource watchers), [`reconciler`], [`pod_discovery`],
-//! [`state`] (state cache), [`health`]; leader only: [`coordinator`], [`render_gate`],
+//! [`state`] (state cache), [`health`], [`debug`] (the observer and `/debug/vars`),
+//! [`metrics`]; leader only: [`coordinator`], [`render_gate`],
 //! [`scheduler`] (deployment scheduler and deployer), [`drift`], [`status`]. [`daemon`] wires
 //! them on a haptic-eventbus bus through haptic-leadership; [`crd`] is the custom resource.
 //!
@@ -26,10 +27,12 @@ pub mod coordinator;
 pub mod crd;
 pub mod credentials;
 pub mod daemon;
+pub mod debug;
 pub mod drift;
 pub mod duration;
 pub mod events;
 pub mod health;
+pub mod metrics;
 pub mod pod_discovery;
 pub mod published;
 pub mod reconciler;

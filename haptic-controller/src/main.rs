@@ -6,12 +6,14 @@ use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use haptic_agent_client::policy::Policy;
+use haptic_controller::metrics::Exposition;
 use haptic_controller::{
     config_loader::ConfigRef,
     daemon,
     validation::Checker,
     webhook::{FailurePolicy, WebhookSettings},
 };
+use opentelemetry_sdk::metrics::SdkMeterProvider;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
@@ -28,8 +30,9 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the controller.
-    Run(RunArgs),
-    /// Print the HAProxyTemplateConfig CustomResourceDefinition (YAML).
+    Run(Box<RunArgs>),
+    /// Print the CustomResourceDefinitions (YAML): the HAProxyTemplateConfig and the kinds the
+    /// rendered config is published as.
     Crd,
     /// Print the reference HAProxyTemplateConfig (the Ingress templates) as YAML.
     ReferenceConfig {
@@ -168,6 +171,9 @@ struct RunArgs {
     /// The reconciler's coalescing window in milliseconds.
     #[arg(long, env = "HAPTIC_RECONCILE_WINDOW_MS", default_value_t = 150)]
     reconcile_window_ms: u64,
+    /// Where /debug/vars listens [default: nowhere].
+    #[arg(long, env = "DEBUG_ADDR")]
+    debug_addr: Option<SocketAddr>,
 }
 
 fn main() -> ExitCode {
@@ -191,7 +197,7 @@ fn main() -> ExitCode {
         },
         Command::Run(args) => {
             init_logging(args.log_format);
-            match run(args) {
+            match run(*args) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(error) => {
                     error!(error = format!("{error:#}"), "haptic-controller failed");
@@ -232,6 +238,9 @@ fn run(args: RunArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the runtime")?;
+    // Before anything records: the libraries take the global provider's meters.
+    let (provider, exposition) = metrics().context("starting the metrics exporter")?;
+    opentelemetry::global::set_meter_provider(provider.clone());
     runtime.block_on(async move {
         let client = client(args.kubeconfig.as_deref()).await?;
         let token = CancellationToken::new();
@@ -266,6 +275,8 @@ fn run(args: RunArgs) -> Result<()> {
             policy,
             webhook,
             reconcile_window: Duration::from_millis(args.reconcile_window_ms),
+            metrics: Some(exposition),
+            debug_addr: args.debug_addr,
         };
         daemon::run(client, options, token)
             .await
@@ -273,6 +284,7 @@ fn run(args: RunArgs) -> Result<()> {
     })?;
     // Whatever a component left behind, the process ends here.
     runtime.shutdown_timeout(Duration::from_secs(1));
+    drop(provider);
     Ok(())
 }
 
@@ -331,6 +343,27 @@ fn validate(args: &ValidateArgs) -> Result<bool> {
         }
     }
     Ok(report.passed())
+}
+
+/// The OpenTelemetry SDK with its Prometheus exporter on a registry of its own: exported names
+/// are the instruments' names as they are (no unit or `_total` suffix added, no scope labels,
+/// no `target_info`), so the page shows HAPTIC's names.
+fn metrics() -> Result<(SdkMeterProvider, Exposition)> {
+    let registry = prometheus::Registry::new();
+    let exporter = opentelemetry_prometheus::exporter()
+        .with_registry(registry.clone())
+        .without_units()
+        .without_counter_suffixes()
+        .without_target_info()
+        .scope_info_enabled(false)
+        .build()?;
+    let provider = SdkMeterProvider::builder().with_reader(exporter).build();
+    let exposition = Exposition::new(move || {
+        prometheus::TextEncoder::new()
+            .encode_to_string(&registry.gather())
+            .map_err(|error| error.to_string())
+    });
+    Ok((provider, exposition))
 }
 
 fn clean(list: &[String]) -> Vec<String> {

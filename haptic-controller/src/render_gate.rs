@@ -23,7 +23,7 @@ use haptic_eventbus::Filter;
 use haptic_leadership::LeaderContext;
 use haptic_render::FileSet;
 use tokio::process::Command;
-use tracing::{error, info, warn};
+use tracing::{Instrument as _, error, info, warn};
 
 use crate::events::{ControllerEvent, GateVerdict, Kind, RenderedSet};
 
@@ -88,7 +88,7 @@ pub fn component(
                         refused: Some(refusal.clone()),
                     })));
                 if reported.as_deref() != Some(&refusal) {
-                    error!(checksum = %set.checksum, %refusal, "the rendered config breaks the config policy; not deploying it");
+                    set.span.in_scope(|| error!(checksum = %set.checksum, %refusal, "the rendered config breaks the config policy; not deploying it"));
                     reported = Some(refusal);
                 }
                 open = false;
@@ -99,7 +99,7 @@ pub fn component(
             }
             let refused = tokio::select! {
                 () = ctx.token().cancelled() => return,
-                refused = check(&settings, set) => refused,
+                refused = check(&settings, set).instrument(set.span.clone()) => refused,
             };
             ctx.bus()
                 .publish(ControllerEvent::GateVerdict(Arc::new(GateVerdict {
@@ -110,7 +110,7 @@ pub fn component(
             match refused {
                 None => {
                     if !open {
-                        info!(checksum = %set.checksum, "a render passed haproxy -c again; the gate is open");
+                        set.span.in_scope(|| info!(checksum = %set.checksum, "a render passed haproxy -c again; the gate is open"));
                         ctx.bus().publish(ControllerEvent::Deployable(set.clone()));
                     }
                     open = true;
@@ -118,7 +118,7 @@ pub fn component(
                 }
                 Some(output) => {
                     if reported.as_deref() != Some(&output) {
-                        error!(checksum = %set.checksum, output = %output, "haproxy -c refused the rendered config; holding later renders until one passes");
+                        set.span.in_scope(|| error!(checksum = %set.checksum, output = %output, "haproxy -c refused the rendered config; holding later renders until one passes"));
                         reported = Some(output);
                     }
                     open = false;

@@ -27,7 +27,7 @@ use haptic_agent_client::{
 use haptic_eventbus::Filter;
 use haptic_leadership::LeaderContext;
 use tokio::{task::JoinSet, time::Instant};
-use tracing::{error, info, warn};
+use tracing::{Instrument as _, debug, error, info, info_span, warn};
 
 use crate::{
     config::AgentSettings,
@@ -76,6 +76,14 @@ struct Prepared {
 }
 
 type Answer = (String, String, Result<ApplyReport, ClientError>);
+/// An apply task's end: the answer, how long it took, and the apply's span.
+type Finished = (
+    String,
+    String,
+    Result<ApplyReport, ClientError>,
+    Duration,
+    tracing::Span,
+);
 
 struct Scheduler {
     ctx: LeaderContext<ControllerEvent>,
@@ -90,7 +98,7 @@ struct Scheduler {
     failed: BTreeMap<String, Failure>,
     started: BTreeMap<String, Instant>,
     in_flight: BTreeSet<String>,
-    tasks: JoinSet<Answer>,
+    tasks: JoinSet<Finished>,
     generation: u64,
     reclaimed_above: Option<u64>,
     targets: BTreeMap<String, Target>,
@@ -130,8 +138,9 @@ impl Scheduler {
                 }
                 Some(joined) = self.tasks.join_next(), if !self.tasks.is_empty() => {
                     match joined {
-                        Ok(answer) => {
-                            if !self.on_answer(answer).await {
+                        Ok((pod, checksum, result, took, span)) => {
+                            crate::metrics::get().deployment(took, result.is_ok());
+                            if !self.on_answer((pod, checksum, result)).instrument(span).await {
                                 return;
                             }
                         }
@@ -321,7 +330,9 @@ impl Scheduler {
             let watchdog = settings.deployment_timeout;
             self.in_flight.insert(pod.clone());
             self.started.insert(pod.clone(), now);
-            self.tasks.spawn(async move {
+            let span = info_span!(parent: &desired.span, "apply", %pod);
+            let answer_span = span.clone();
+            let apply = async move {
                 let result =
                     match tokio::time::timeout(watchdog, client.apply_prepared(&target.url, &body))
                         .await
@@ -332,8 +343,9 @@ impl Scheduler {
                             message: format!("deployment watchdog: no answer within {watchdog:?}"),
                         }),
                     };
-                (target.name, checksum, result)
-            });
+                (target.name, checksum, result, now.elapsed(), answer_span)
+            };
+            self.tasks.spawn(apply.instrument(span));
         }
     }
 
@@ -372,6 +384,7 @@ impl Scheduler {
         self.in_flight.remove(&pod);
         let error = match result {
             Ok(report) => {
+                debug!(%pod, checksum = %report.checksum, "apply answered: live");
                 self.live.insert(pod.clone(), report.checksum);
                 self.failed.remove(&pod);
                 return true;

@@ -561,6 +561,7 @@ async fn haproxy_valid(files: &FileSet, checker: &Checker) -> Result<(), String>
         term: SystemTime::now(),
         requests: Default::default(),
         render_time: Default::default(),
+        span: tracing::Span::none(),
     };
     render_gate::policy_check(&checker.policy, &set)?;
     let haproxy = checker

@@ -986,6 +986,7 @@ fn the_deployed_config_validates_renders_and_passes_haproxy_check() {
         files,
         config_generation: 1,
         term: std::time::SystemTime::now(),
+        span: tracing::Span::none(),
         render_time: std::time::Duration::ZERO,
         requests: Default::default(),
     };

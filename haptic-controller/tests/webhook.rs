@@ -305,6 +305,33 @@ async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate()
         let (status, answer) = post(&trusting, port, body).await;
         assert_eq!(status, 400, "{answer}");
     }
+    // Each answer is counted: haptic_webhook_requests_total{gvk,result}.
+    let (_, page) = get(
+        &format!("127.0.0.1:{}", controller.health),
+        "localhost",
+        "/metrics",
+    )
+    .await
+    .expect("/metrics");
+    let count = |gvk: &str, result: &str| -> f64 {
+        page.lines()
+            .filter(|l| {
+                l.starts_with("haptic_webhook_requests_total{")
+                    && l.contains(&format!("gvk=\"{gvk}\""))
+                    && l.contains(&format!("result=\"{result}\""))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    assert!(
+        count("networking.k8s.io/v1/Ingress", "allowed") >= 1.0,
+        "{page}"
+    );
+    assert!(
+        count("networking.k8s.io/v1/Ingress", "denied") >= 1.0,
+        "{page}"
+    );
+    assert_eq!(count("", "malformed"), 3.0, "{page}");
 
     // A rotated certificate is served from the next connection on, with no restart.
     let (ca2, cert2, key2) = issue();

@@ -203,6 +203,7 @@ pub struct Leadership<E: LeaderEvents> {
     leader_only: Vec<(String, LeaderOnlyFn<E>)>,
     hooks: Hooks,
     metrics: Arc<LeadershipMetrics>,
+    meter: Option<opentelemetry::metrics::Meter>,
     stop_timeout: Duration,
 }
 
@@ -249,8 +250,17 @@ impl<E: LeaderEvents> Leadership<E> {
             leader_only: Vec::new(),
             hooks: Hooks::default(),
             metrics: Arc::new(LeadershipMetrics::new()),
+            meter: None,
             stop_timeout: Duration::from_secs(10),
         })
+    }
+
+    /// The meter [`run`](Self::run) exports the metrics on (default: the global provider's
+    /// `haptic-leadership` meter, a no-op until the application installs a provider).
+    #[must_use]
+    pub fn with_meter(mut self, meter: opentelemetry::metrics::Meter) -> Self {
+        self.meter = Some(meter);
+        self
     }
 
     /// The election state, updated on every transition (for probes and debug state).
@@ -348,6 +358,11 @@ impl<E: LeaderEvents> Leadership<E> {
     /// first, then the Lease is released (with `release_on_cancel`), then all-replica
     /// components are awaited (bounded).
     pub async fn run(self, token: CancellationToken) -> Result<()> {
+        let meter = self
+            .meter
+            .clone()
+            .unwrap_or_else(|| opentelemetry::global::meter("haptic-leadership"));
+        self.metrics.register(&meter);
         let elector = self.elector;
         let identity = self.config.identity.clone();
         let epochs = self.config.enabled.then(|| {

@@ -1,13 +1,17 @@
-//! Leadership metrics under HAPTIC's names, kept in atomics and rendered as Prometheus text.
+//! Leadership metrics under HAPTIC's names: the adapter keeps them in atomics, and
+//! [`LeadershipMetrics::register`] exports them through the OpenTelemetry API as observable
+//! instruments read at each collection (the time as leader includes the current term). The SDK
+//! and exporter are the application's; the names are the exported Prometheus names.
 
 use std::{
-    fmt::Write as _,
     sync::{
-        Mutex,
+        Arc, Mutex,
         atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::Duration,
 };
+
+use opentelemetry::metrics::Meter;
 
 // tokio's clock is the monotonic clock in production, and the paused clock in tests.
 use tokio::time::Instant;
@@ -82,31 +86,27 @@ impl LeadershipMetrics {
         past + current
     }
 
-    /// The three metrics in Prometheus text exposition format.
-    pub fn render(&self) -> String {
-        let mut out = String::new();
-        let _ = writeln!(
-            out,
-            "# HELP {IS_LEADER} Whether this replica holds the leader Lease (1) or not (0)."
-        );
-        let _ = writeln!(out, "# TYPE {IS_LEADER} gauge");
-        let _ = writeln!(out, "{IS_LEADER} {}", u8::from(self.is_leader()));
-        let _ = writeln!(
-            out,
-            "# HELP {TRANSITIONS_TOTAL} Leadership transitions (acquisitions and losses) on this replica."
-        );
-        let _ = writeln!(out, "# TYPE {TRANSITIONS_TOTAL} counter");
-        let _ = writeln!(out, "{TRANSITIONS_TOTAL} {}", self.transitions());
-        let _ = writeln!(
-            out,
-            "# HELP {TIME_AS_LEADER_SECONDS_TOTAL} Seconds this replica has been the leader."
-        );
-        let _ = writeln!(out, "# TYPE {TIME_AS_LEADER_SECONDS_TOTAL} counter");
-        let _ = writeln!(
-            out,
-            "{TIME_AS_LEADER_SECONDS_TOTAL} {:.3}",
-            self.time_as_leader().as_secs_f64()
-        );
-        out
+    /// Exports the three metrics on `meter` (HAPTIC's types: a gauge and two counters). Call
+    /// it once per meter provider; the instruments live as long as the provider.
+    pub fn register(self: &Arc<Self>, meter: &Meter) {
+        let this = self.clone();
+        meter
+            .u64_observable_gauge(IS_LEADER)
+            .with_description("Whether this replica holds the leader Lease (1) or not (0).")
+            .with_callback(move |o| o.observe(u64::from(this.is_leader()), &[]))
+            .build();
+        let this = self.clone();
+        meter
+            .u64_observable_counter(TRANSITIONS_TOTAL)
+            .with_description("Leadership transitions (acquisitions and losses) on this replica.")
+            .with_callback(move |o| o.observe(this.transitions(), &[]))
+            .build();
+        let this = self.clone();
+        meter
+            .f64_observable_counter(TIME_AS_LEADER_SECONDS_TOTAL)
+            .with_description("Seconds this replica has been the leader.")
+            .with_unit("s")
+            .with_callback(move |o| o.observe(this.time_as_leader().as_secs_f64(), &[]))
+            .build();
     }
 }

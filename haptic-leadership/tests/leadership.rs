@@ -386,14 +386,45 @@ async fn disabled_mode_publishes_became_leader_with_a_standalone_identity_and_no
     assert!(!metrics.is_leader());
     assert_eq!(metrics.transitions(), 2);
     assert!(metrics.time_as_leader() >= Duration::from_secs(3));
-    let text = metrics.render();
-    for name in [
-        "haptic_leader_election_is_leader 0",
-        "haptic_leader_election_transitions_total 2",
-        "haptic_leader_election_time_as_leader_seconds_total",
-    ] {
-        assert!(text.contains(name), "{text}");
-    }
+    // Exported through an OpenTelemetry SDK and its Prometheus exporter, as a binary does.
+    let registry = prometheus::Registry::new();
+    let exporter = opentelemetry_prometheus::exporter()
+        .with_registry(registry.clone())
+        .without_units()
+        .without_counter_suffixes()
+        .without_target_info()
+        .scope_info_enabled(false)
+        .build()
+        .expect("exporter");
+    let provider = opentelemetry_sdk::metrics::SdkMeterProvider::builder()
+        .with_reader(exporter)
+        .build();
+    metrics.register(&opentelemetry::metrics::MeterProvider::meter(
+        &provider, "test",
+    ));
+    let text = prometheus::TextEncoder::new()
+        .encode_to_string(&registry.gather())
+        .expect("encode");
+    let scrape =
+        prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned()))).expect("parses");
+    let value = |name: &str| {
+        scrape
+            .samples
+            .iter()
+            .find(|s| s.metric == name)
+            .map(|s| s.value.clone())
+            .unwrap_or_else(|| panic!("{name} missing from {text}"))
+    };
+    use prometheus_parse::Value;
+    assert_eq!(value("haptic_leader_election_is_leader"), Value::Gauge(0.0));
+    assert_eq!(
+        value("haptic_leader_election_transitions_total"),
+        Value::Counter(2.0)
+    );
+    assert!(
+        matches!(value("haptic_leader_election_time_as_leader_seconds_total"), Value::Counter(s) if s >= 3.0),
+        "{text}"
+    );
 }
 
 #[tokio::test(start_paused = true)]

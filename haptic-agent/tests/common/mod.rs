@@ -8,8 +8,10 @@ use std::{
     time::Duration,
 };
 
-use haptic_agent::{Agent, AgentConfig};
+use haptic_agent::{Agent, AgentConfig, metrics::Exposition};
 use haptic_agent_client::{AgentClient, ApplyRequest, ClientConfig, FileSet};
+use opentelemetry::metrics::MeterProvider as _;
+use opentelemetry_sdk::metrics::SdkMeterProvider;
 use reqwest::Url;
 use tokio::{net::TcpListener, task::JoinHandle};
 use tokio_util::sync::CancellationToken;
@@ -78,11 +80,62 @@ pub fn config(port: u16, route_to: &str, backends: &[(&str, SocketAddr)]) -> Fil
         .expect("valid set")
 }
 
+/// The SDK and Prometheus exporter as the binary sets them up, on a registry of this agent's
+/// own (tests run agents side by side in one process).
+pub fn test_metrics() -> (SdkMeterProvider, Exposition) {
+    let registry = prometheus::Registry::new();
+    let exporter = opentelemetry_prometheus::exporter()
+        .with_registry(registry.clone())
+        .without_units()
+        .without_counter_suffixes()
+        .without_target_info()
+        .scope_info_enabled(false)
+        .build()
+        .expect("exporter");
+    let provider = SdkMeterProvider::builder().with_reader(exporter).build();
+    let exposition = Exposition::new(move || {
+        prometheus::TextEncoder::new()
+            .encode_to_string(&registry.gather())
+            .map_err(|e| e.to_string())
+    });
+    (provider, exposition)
+}
+
+/// `/metrics` parsed with a Prometheus text-format parser.
+pub async fn scrape(url: &Url) -> prometheus_parse::Scrape {
+    let text = traffic_client()
+        .get(url.join("/metrics").expect("url"))
+        .send()
+        .await
+        .expect("GET /metrics")
+        .error_for_status()
+        .expect("/metrics answers 200")
+        .text()
+        .await
+        .expect("metrics text");
+    prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned()))).expect("parses")
+}
+
+/// The value of the counter or gauge `name` whose labels include `labels`.
+pub fn value(scrape: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
+    use prometheus_parse::Value;
+    let sample = scrape
+        .samples
+        .iter()
+        .find(|s| s.metric == name && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
+        .unwrap_or_else(|| panic!("no {name}{labels:?} in {:?}", scrape.samples));
+    match sample.value {
+        Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => v,
+        ref other => panic!("{name} is not a counter or gauge: {other:?}"),
+    }
+}
+
 /// An in-process agent in supervised mode on its own data directory and loopback port.
 pub struct TestAgent {
     pub agent: Agent,
     pub url: Url,
     pub data: PathBuf,
+    _metrics: Option<SdkMeterProvider>,
     shutdown: CancellationToken,
     task: Option<JoinHandle<()>>,
 }
@@ -103,8 +156,14 @@ impl TestAgent {
     }
 
     /// Like [`TestAgent::start_with`], with the configuration's timeouts as given.
-    pub async fn start_exact(config: AgentConfig) -> Self {
+    pub async fn start_exact(mut config: AgentConfig) -> Self {
         let data = config.data_dir.clone();
+        let mut provider = None;
+        if config.exposition.is_none() {
+            let (p, exposition) = test_metrics();
+            config = config.with_metrics(p.meter("haptic-agent"), exposition);
+            provider = Some(p);
+        }
         let agent = Agent::open(config).await.expect("open agent");
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind agent");
         let url =
@@ -122,9 +181,19 @@ impl TestAgent {
             agent,
             url,
             data,
+            _metrics: provider,
             shutdown,
             task: Some(task),
         }
+    }
+
+    /// `haptic_agent_applies_total{outcome}` as `/metrics` shows it.
+    pub async fn applies(&self, outcome: &str) -> u64 {
+        value(
+            &scrape(&self.url).await,
+            "haptic_agent_applies_total",
+            &[("outcome", outcome)],
+        ) as u64
     }
 
     /// Stops the server and its HAProxy, and waits for both (bounded).

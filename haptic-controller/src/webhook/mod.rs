@@ -134,9 +134,15 @@ pub struct ReviewOutcome {
     pub result: &'static str,
 }
 
-/// Where each review's outcome is recorded: the metric is wired here (by the metrics work);
-/// until then, a debug log line.
+/// Records each review's outcome: `haptic_webhook_requests_total{gvk,result}` and a debug line.
 fn record(outcome: &ReviewOutcome) {
+    crate::metrics::get().webhook_requests.add(
+        1,
+        &[
+            opentelemetry::KeyValue::new("gvk", outcome.gvk.clone()),
+            opentelemetry::KeyValue::new("result", outcome.result),
+        ],
+    );
     debug!(gvk = %outcome.gvk, result = outcome.result, "admission review answered");
 }
 
@@ -536,6 +542,7 @@ impl Webhook {
             term: SystemTime::now(),
             render_time: Duration::ZERO,
             requests: Default::default(),
+            span: tracing::Span::none(),
         };
         if let Err(refusal) = render_gate::policy_check(&checker.policy, &set) {
             return Some(Verdict::Denied(format!(

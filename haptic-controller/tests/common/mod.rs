@@ -376,6 +376,16 @@ pub struct Agent {
 
 impl Agent {
     pub async fn start(cluster: &Cluster, index: u8, agent_port: u16, http_port: u16) -> Self {
+        Self::start_with_env(cluster, index, agent_port, http_port, &[]).await
+    }
+
+    pub async fn start_with_env(
+        cluster: &Cluster,
+        index: u8,
+        agent_port: u16,
+        http_port: u16,
+        env: &[(&str, &str)],
+    ) -> Self {
         let name = format!("haproxy-{index}");
         let ip = format!("127.0.0.{}", index + 1);
         let dir = cluster.dir.path().join(&name);
@@ -398,6 +408,7 @@ impl Agent {
             .arg("1")
             .env("POD_IP", &ip)
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
             .stderr(log)

@@ -8,7 +8,8 @@
 //! - [`supervisor`]: the mode that starts HAProxy itself (`-W -S <socket>`) and watches it.
 //! - [`agent`]: the apply engine; one apply at a time, rollback on a failed load.
 //! - [`metrics`]: Prometheus text.
-//! - [`server`]: the HTTP API (`/v1/apply`, `/v1/state`, `/healthz`, `/readyz`, `/metrics`).
+//! - [`journal`]: the bounded, durable record of the applies answered (`/v1/journal`).
+//! - [`server`]: the HTTP API (`/v1/apply`, `/v1/state`, `/v1/journal`, `/healthz`, `/readyz`, `/metrics`).
 //! - [`tls`]: optional TLS on the listener, the certificate read again when it changes.
 //!
 //! The wire types live in `haptic-agent-client`.
@@ -35,6 +36,7 @@ pub mod agent;
 pub mod config;
 pub mod fence;
 pub mod haproxy;
+pub mod journal;
 pub mod metrics;
 pub mod server;
 pub mod store;

@@ -62,6 +62,10 @@ pub struct Options {
     pub policy: haptic_agent_client::policy::Policy,
     /// The reconciler's coalescing window.
     pub reconcile_window: Duration,
+    /// TEST ONLY: the election judges expiry on a clock running this many times as fast as
+    /// the real one (`--test-only-election-clock-rate`, for fault campaigns); `None` in
+    /// production.
+    pub election_clock_rate: Option<f64>,
 }
 
 /// Runs the controller until `token` fires.
@@ -130,6 +134,10 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
             let (client, name, ns) = (client.clone(), options.config.name.clone(), ns.clone());
             move |ctx| status::component(client.clone(), name.clone(), ns.clone(), ctx)
         });
+    let leadership = match options.election_clock_rate {
+        Some(rate) => leadership.with_clock(haptic_election::SkewedClock::new(rate)),
+        None => leadership,
+    };
     let _ = probes.election.set(leadership.health());
     info!(identity = %options.identity, "starting");
     let result = leadership.run(token).await;

@@ -81,6 +81,11 @@ struct RunArgs {
     /// The reconciler's coalescing window in milliseconds.
     #[arg(long, env = "HAPTIC_RECONCILE_WINDOW_MS", default_value_t = 150)]
     reconcile_window_ms: u64,
+    /// TEST ONLY (hidden): the election's clock runs this many times as fast as the real one
+    /// (0.5 to 2.0), to test clock-rate skew in fault campaigns. No environment variable sets
+    /// it, and it is refused inside a Kubernetes pod.
+    #[arg(long = "test-only-election-clock-rate", hide = true)]
+    test_clock_rate: Option<f64>,
 }
 
 fn main() -> ExitCode {
@@ -138,6 +143,7 @@ fn run(args: RunArgs) -> Result<()> {
         .build()
         .context("starting the runtime")?;
     runtime.block_on(async move {
+        let election_clock_rate = test_clock_rate(args.test_clock_rate)?;
         let client = client(args.kubeconfig.as_deref()).await?;
         let token = CancellationToken::new();
         tokio::spawn(signals(token.clone()));
@@ -158,6 +164,7 @@ fn run(args: RunArgs) -> Result<()> {
             haproxy: (args.haproxy != "none").then(|| haproxy_binary(&args.haproxy)),
             policy,
             reconcile_window: Duration::from_millis(args.reconcile_window_ms),
+            election_clock_rate,
         };
         daemon::run(client, options, token)
             .await
@@ -166,6 +173,25 @@ fn run(args: RunArgs) -> Result<()> {
     // Whatever a component left behind, the process ends here.
     runtime.shutdown_timeout(Duration::from_secs(1));
     Ok(())
+}
+
+/// The test-only clock rate, refused outside 0.5..=2.0 and inside a Kubernetes pod, so that
+/// no deployment runs a skewed election by accident.
+fn test_clock_rate(rate: Option<f64>) -> Result<Option<f64>> {
+    let Some(rate) = rate else { return Ok(None) };
+    if !(0.5..=2.0).contains(&rate) {
+        anyhow::bail!("--test-only-election-clock-rate {rate}: must be between 0.5 and 2.0");
+    }
+    if std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() {
+        anyhow::bail!(
+            "--test-only-election-clock-rate is for local fault campaigns and refused inside a Kubernetes pod"
+        );
+    }
+    warn!(
+        rate,
+        "TEST ONLY: the election clock runs {rate}x as fast as the real one"
+    );
+    Ok(Some(rate))
 }
 
 fn clean(list: &[String]) -> Vec<String> {

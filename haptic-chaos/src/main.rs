@@ -50,6 +50,12 @@ struct Args {
     /// Keep the files of runs that passed (a failing run's are always kept).
     #[arg(long)]
     keep: bool,
+    /// Print each seed's fault schedule and exit without running anything.
+    #[arg(long)]
+    plan: bool,
+    /// Print the timeline of every run, not only of failing ones.
+    #[arg(long)]
+    verbose: bool,
     /// Also write the campaign's summary as a Markdown table to this file.
     #[arg(long)]
     summary: Option<PathBuf>,
@@ -100,6 +106,16 @@ struct Totals {
 
 async fn campaign(args: Args) -> Result<bool> {
     let first = args.seed.unwrap_or_else(|| observe::now_ms() % 1_000_000);
+    if args.plan {
+        for seed in first..first + args.runs {
+            let plan = schedule::Schedule::new(seed, Duration::from_secs(args.fault_seconds));
+            println!("seed {seed}: clock {:?}", plan.clock);
+            for fault in &plan.faults {
+                println!("  {fault}");
+            }
+        }
+        return Ok(true);
+    }
     let base = match &args.dir {
         Some(dir) => dir.clone(),
         None => std::env::temp_dir().join(format!("haptic-chaos-{}", std::process::id())),
@@ -153,7 +169,7 @@ async fn campaign(args: Args) -> Result<bool> {
         if token.is_cancelled() {
             break;
         }
-        print_run(n + 1, &report, run_started.elapsed());
+        print_run(n + 1, &report, run_started.elapsed(), args.verbose);
         add(&mut totals, &report);
     }
     if token.is_cancelled() {
@@ -194,7 +210,7 @@ fn add(totals: &mut Totals, report: &run::RunReport) {
     totals.convergence.extend(report.convergence);
 }
 
-fn print_run(n: u64, report: &run::RunReport, took: Duration) {
+fn print_run(n: u64, report: &run::RunReport, took: Duration, verbose: bool) {
     let faults: Vec<String> = report
         .injected
         .iter()
@@ -220,10 +236,15 @@ fn print_run(n: u64, report: &run::RunReport, took: Duration) {
             .convergence
             .map_or("never".to_owned(), |c| format!("{c:.1} s after the last fault")),
     );
-    if report.violations.is_empty() {
+    if report.violations.is_empty() && !verbose {
         return;
     }
-    println!("  seed {} FAILED (replay: cargo xtask chaos --seed {} --runs 1):", report.seed, report.seed);
+    if !report.violations.is_empty() {
+        println!(
+            "  seed {} FAILED (replay: cargo xtask chaos --seed {} --runs 1):",
+            report.seed, report.seed
+        );
+    }
     for violation in &report.violations {
         println!("  violation: {violation}");
     }

@@ -61,6 +61,51 @@ impl Timeline {
 pub(crate) struct LeaseWatch {
     pub(crate) claims: Arc<Mutex<Claims>>,
     pub(crate) holder: watch::Receiver<Option<String>>,
+    /// The resourceVersion of the last Lease event seen (0 before any).
+    pub(crate) seen: watch::Receiver<u64>,
+}
+
+impl LeaseWatch {
+    /// Waits (at most `bound`) until the watch has seen the Lease as the API holds it now, so
+    /// that no claim is missing when the journals are judged. False when it has not.
+    pub(crate) async fn caught_up(&self, client: &kube::Client, bound: Duration) -> bool {
+        let api: Api<Lease> = Api::namespaced(client.clone(), NS);
+        let deadline = tokio::time::Instant::now() + bound;
+        loop {
+            let current = match api.get_opt(LEASE).await {
+                // A deleted Lease: nothing newer to see.
+                Ok(None) => return true,
+                Ok(Some(lease)) => lease
+                    .metadata
+                    .resource_version
+                    .and_then(|rv| rv.parse::<u64>().ok())
+                    .unwrap_or(0),
+                Err(_) => u64::MAX,
+            };
+            if *self.seen.borrow() >= current {
+                return true;
+            }
+            if tokio::time::Instant::now() > deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// Retries a cut watch every 100 ms: the observer must not sit in a long backoff after an
+/// outage while claims are made.
+struct Quick;
+
+impl Iterator for Quick {
+    type Item = Duration;
+    fn next(&mut self) -> Option<Duration> {
+        Some(Duration::from_millis(100))
+    }
+}
+
+impl kube::runtime::utils::Backoff for Quick {
+    fn reset(&mut self) {}
 }
 
 /// Watches the Lease (as client `chaos-observer`, which no fault targets; only an API outage
@@ -75,11 +120,12 @@ pub(crate) fn watch_lease(
     let api: Api<Lease> = Api::namespaced(client, NS);
     let claims = Arc::new(Mutex::new(Claims::new()));
     let (holder_tx, holder) = watch::channel(None);
+    let (seen_tx, seen) = watch::channel(0u64);
     let task = tokio::spawn({
         let claims = claims.clone();
         async move {
             let config = watcher::Config::default().fields(&format!("metadata.name={LEASE}"));
-            let stream = watcher(api, config).default_backoff();
+            let stream = watcher(api, config).backoff(Quick);
             futures::pin_mut!(stream);
             let mut last: (Option<String>, Option<u64>) = (None, None);
             loop {
@@ -95,6 +141,14 @@ pub(crate) fn watch_lease(
                     Ok(watcher::Event::Delete(lease)) => (lease, true),
                     Ok(_) | Err(_) => continue,
                 };
+                if let Some(rv) = lease
+                    .metadata
+                    .resource_version
+                    .as_deref()
+                    .and_then(|rv| rv.parse::<u64>().ok())
+                {
+                    seen_tx.send_modify(|seen| *seen = (*seen).max(rv));
+                }
                 if deleted {
                     timeline.push("lease deleted (observed)");
                     last = (None, None);
@@ -129,7 +183,14 @@ pub(crate) fn watch_lease(
             }
         }
     });
-    Ok((LeaseWatch { claims, holder }, task))
+    Ok((
+        LeaseWatch {
+            claims,
+            holder,
+            seen,
+        },
+        task,
+    ))
 }
 
 /// Canary probes through each agent's HAProxy: (wall ms, answered by the canary backend).

@@ -248,7 +248,7 @@ impl Ctx<'_> {
                 };
                 let slot = &fleet.agents[i];
                 let _guard = slot.proc.lock().await;
-                match fleet.agent_state(i).await.and_then(|s| s.haproxy_pid) {
+                match master_pid(&slot.data) {
                     Some(pid) => {
                         let from = now_ms();
                         t.push(format!("fault: kill -9 HAProxy master of {} (pid {pid})", slot.name));
@@ -256,7 +256,7 @@ impl Ctx<'_> {
                         fleet::signal(i32::try_from(pid).unwrap_or(0), Signal::KILL);
                         self.excuse(i, from, from + 15_000);
                     }
-                    None => self.skip(fault, "no HAProxy pid from the agent"),
+                    None => self.skip(fault, "no HAProxy master runs (no pidfile)"),
                 }
             }
             Kind::DeleteLease => {
@@ -300,6 +300,12 @@ impl Ctx<'_> {
             .unwrap_or_else(|e| e.into_inner())
             .push(format!("{}: {why}", fault.kind.name()));
     }
+}
+
+/// The HAProxy master an agent supervises, from the pidfile it keeps (`<pid> <start time>`).
+fn master_pid(data: &Path) -> Option<u32> {
+    let text = std::fs::read_to_string(data.join("haproxy-master.pid")).ok()?;
+    text.split_whitespace().next()?.parse().ok()
 }
 
 /// Writes zeros to `path` until the file system is full; returns the bytes written.
@@ -497,6 +503,11 @@ async fn body(
             options.settle,
             check::short(&checksum)
         ));
+    }
+    if !ctx.lease.caught_up(&fleet.client, Duration::from_secs(10)).await {
+        report
+            .violations
+            .push("the Lease watch did not catch up with the API within 10 s".to_owned());
     }
     stop.cancel();
     let _ = probe_task.await;

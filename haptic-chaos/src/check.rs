@@ -35,7 +35,11 @@ pub(crate) struct JournalVerdict {
 
 /// (1) accepted epochs never go down and nothing below the fence goes live; (2) every live set
 /// was sent by the replica that claimed its epoch.
-pub(crate) fn judge_journal(agent: &str, entries: &[JournalEntry], claims: &Claims) -> JournalVerdict {
+pub(crate) fn judge_journal(
+    agent: &str,
+    entries: &[JournalEntry],
+    claims: &Claims,
+) -> JournalVerdict {
     let mut verdict = JournalVerdict::default();
     // A lower bound of the agent's fence, and the identity that holds it.
     let mut fence: Option<(u64, String)> = None;
@@ -179,10 +183,7 @@ mod tests {
 
     #[test]
     fn a_stale_epoch_going_live_is_caught() {
-        let entries = [
-            entry(1, 2, "c2", "applied"),
-            entry(2, 1, "c1", "applied"),
-        ];
+        let entries = [entry(1, 2, "c2", "applied"), entry(2, 1, "c1", "applied")];
         let verdict = judge_journal("a", &entries, &claims());
         assert_eq!(verdict.stale.len(), 1, "{verdict:?}");
         assert!(verdict.stale[0].contains("epoch 1 from c1 with the fence at 2"));
@@ -192,7 +193,11 @@ mod tests {
     fn the_fence_a_refusal_reported_or_a_failed_check_raised_counts() {
         let mut fenced = entry(2, 1, "c1", "fenced");
         fenced.fence = Some(3);
-        let after_refusal = [entry(1, 1, "c1", "applied"), fenced, entry(3, 2, "c2", "applied")];
+        let after_refusal = [
+            entry(1, 1, "c1", "applied"),
+            fenced,
+            entry(3, 2, "c2", "applied"),
+        ];
         assert_eq!(judge_journal("a", &after_refusal, &claims()).stale.len(), 1);
         let after_invalid = [entry(1, 3, "c1", "invalid"), entry(2, 2, "c2", "unchanged")];
         assert_eq!(judge_journal("a", &after_invalid, &claims()).stale.len(), 1);
@@ -215,7 +220,14 @@ mod tests {
         assert_eq!(percentile(&values, 50.0), Some(3.0));
         assert_eq!(percentile(&values, 99.0), Some(5.0));
         assert_eq!(percentile(&[], 50.0), None);
-        let probes = [(0, true), (100, false), (200, false), (300, false), (400, true), (500, false)];
+        let probes = [
+            (0, true),
+            (100, false),
+            (200, false),
+            (300, false),
+            (400, true),
+            (500, false),
+        ];
         assert_eq!(longest_outage(&probes, &[]), 200);
         assert_eq!(longest_outage(&probes, &[(150, 250)]), 0);
     }

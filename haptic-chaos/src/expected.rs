@@ -18,7 +18,10 @@ use kube::{
 use crate::fleet::{Fleet, NS};
 
 /// The checksum of the set rendered from the resources in the API now.
-pub(crate) async fn checksum(client: &kube::Client, spec: &HAProxyTemplateConfigSpec) -> Result<String> {
+pub(crate) async fn checksum(
+    client: &kube::Client,
+    spec: &HAProxyTemplateConfigSpec,
+) -> Result<String> {
     let config = haptic_controller::config::validate(spec, 1, "1")
         .map_err(|errors| anyhow!("the run's config is invalid: {}", errors.join("; ")))?;
     let mut stores = config.empty_stores();
@@ -40,7 +43,10 @@ pub(crate) async fn checksum(client: &kube::Client, spec: &HAProxyTemplateConfig
         if let Some(fields) = &watched.field_selector {
             params = params.fields(fields);
         }
-        let list = api.list(&params).await.with_context(|| format!("listing {}", watched.plural))?;
+        let list = api
+            .list(&params)
+            .await
+            .with_context(|| format!("listing {}", watched.plural))?;
         let store = stores
             .get_mut(&watched.name)
             .with_context(|| format!("no store {}", watched.name))?;

@@ -74,7 +74,9 @@ pub(crate) fn haproxy_bin() -> Result<PathBuf> {
 }
 
 fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 /// Sends `signal` to `pid`; a process already gone is not an error.
@@ -149,7 +151,10 @@ impl Proc {
     async fn stop(&mut self, grace: Duration) {
         signal(self.pid, Signal::CONT);
         signal(self.pid, Signal::TERM);
-        if tokio::time::timeout(grace, self.child.wait()).await.is_err() {
+        if tokio::time::timeout(grace, self.child.wait())
+            .await
+            .is_err()
+        {
             signal_group(self.pid, Signal::KILL);
             let _ = tokio::time::timeout(Duration::from_secs(2), self.child.wait()).await;
         }
@@ -315,7 +320,9 @@ impl Fleet {
     /// `tmpfs_agent` names one and the machine allows mounting), nothing started yet.
     pub(crate) async fn prepare(dir: &Path, tmpfs_agent: Option<usize>) -> Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let server = ApiServer::start().await.context("starting the API server")?;
+        let server = ApiServer::start()
+            .await
+            .context("starting the API server")?;
         let client = server.client_for("chaos-runner")?;
         let (agent_port, http_port) = (free_port()?, free_port()?);
         let spec = spec(agent_port, http_port)?;
@@ -538,7 +545,10 @@ impl Fleet {
             .context("no HTTP header end")?;
         let head = String::from_utf8_lossy(&response[..split]);
         if !head.starts_with("HTTP/1.1 200") {
-            bail!("GET {JOURNAL_PATH} on {addr}: {}", head.lines().next().unwrap_or(""));
+            bail!(
+                "GET {JOURNAL_PATH} on {addr}: {}",
+                head.lines().next().unwrap_or("")
+            );
         }
         let body = &response[split + 4..];
         // Axum answers a small body with content-length, not chunked.
@@ -590,7 +600,12 @@ pub(crate) const TMPFS_BYTES: u64 = 8 << 20;
 /// Mounts a small tmpfs on `dir`; false when the machine does not allow it.
 fn mount_tmpfs(dir: &Path) -> bool {
     std::process::Command::new("mount")
-        .args(["-t", "tmpfs", "-o", &format!("size={TMPFS_BYTES},mode=0700")])
+        .args([
+            "-t",
+            "tmpfs",
+            "-o",
+            &format!("size={TMPFS_BYTES},mode=0700"),
+        ])
         .arg("tmpfs")
         .arg(dir)
         .stdout(Stdio::null())

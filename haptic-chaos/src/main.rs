@@ -143,7 +143,10 @@ async fn campaign(args: Args) -> Result<bool> {
         "haptic-chaos: {} run(s) from seed {first}, {} s of faults each{}; files in {}",
         args.runs,
         args.fault_seconds,
-        budget.map_or(String::new(), |b| format!(", at most {:.1} min", b.as_secs_f64() / 60.0)),
+        budget.map_or(String::new(), |b| format!(
+            ", at most {:.1} min",
+            b.as_secs_f64() / 60.0
+        )),
         base.display()
     );
     let mut totals = Totals {
@@ -232,9 +235,9 @@ fn print_run(n: u64, report: &run::RunReport, took: Duration, verbose: bool) {
         report.applied,
         report.fenced,
         report.stale,
-        report
-            .convergence
-            .map_or("never".to_owned(), |c| format!("{c:.1} s after the last fault")),
+        report.convergence.map_or("never".to_owned(), |c| format!(
+            "{c:.1} s after the last fault"
+        )),
     );
     if report.violations.is_empty() && !verbose {
         return;

@@ -232,7 +232,10 @@ impl Ctx<'_> {
                 let mut guard = slot.proc.lock().await;
                 let from = now_ms();
                 if let Some(proc) = guard.as_mut() {
-                    t.push(format!("fault: kill -9 agent {} (pid {})", slot.name, proc.pid));
+                    t.push(format!(
+                        "fault: kill -9 agent {} (pid {})",
+                        slot.name, proc.pid
+                    ));
                     self.count(fault.kind);
                     proc.kill9().await;
                 }
@@ -251,7 +254,10 @@ impl Ctx<'_> {
                 match master_pid(&slot.data) {
                     Some(pid) => {
                         let from = now_ms();
-                        t.push(format!("fault: kill -9 HAProxy master of {} (pid {pid})", slot.name));
+                        t.push(format!(
+                            "fault: kill -9 HAProxy master of {} (pid {pid})",
+                            slot.name
+                        ));
                         self.count(fault.kind);
                         fleet::signal(i32::try_from(pid).unwrap_or(0), Signal::KILL);
                         self.excuse(i, from, from + 15_000);
@@ -364,7 +370,11 @@ async fn converged(fleet: &Fleet, checksum: &str, routes: &BTreeMap<String, Stri
 }
 
 /// Runs seed `seed` and judges it. Stops (and cleans up) when `token` fires.
-pub(crate) async fn run(seed: u64, options: &RunOptions, token: &CancellationToken) -> Result<RunReport> {
+pub(crate) async fn run(
+    seed: u64,
+    options: &RunOptions,
+    token: &CancellationToken,
+) -> Result<RunReport> {
     let schedule = Schedule::new(seed, options.phase);
     let dir = options.base.join(format!("seed-{seed}"));
     let mut fleet = Fleet::prepare(&dir, schedule.tmpfs_agent).await?;
@@ -387,7 +397,9 @@ pub(crate) async fn run(seed: u64, options: &RunOptions, token: &CancellationTok
     entries.sort_by_key(|(at, _)| *at);
     report.timeline = entries;
     if let Err(error) = result {
-        report.violations.push(format!("the run could not complete: {error:#}"));
+        report
+            .violations
+            .push(format!("the run could not complete: {error:#}"));
     }
     if report.violations.is_empty() && !options.keep {
         let _ = std::fs::remove_dir_all(&dir);
@@ -454,7 +466,12 @@ async fn body(
 
     let (probes, probe_task) = observe::probe(fleet, stop.child_token());
     let writer_token = stop.child_token();
-    let writer = observe::write(fleet, schedule.writer_seed, timeline.clone(), writer_token.clone())?;
+    let writer = observe::write(
+        fleet,
+        schedule.writer_seed,
+        timeline.clone(),
+        writer_token.clone(),
+    )?;
 
     let phase_start = Instant::now();
     let faults = schedule.faults.iter().enumerate().map(|(id, planned)| {
@@ -504,7 +521,11 @@ async fn body(
             check::short(&checksum)
         ));
     }
-    if !ctx.lease.caught_up(&fleet.client, Duration::from_secs(10)).await {
+    if !ctx
+        .lease
+        .caught_up(&fleet.client, Duration::from_secs(10))
+        .await
+    {
         report
             .violations
             .push("the Lease watch did not catch up with the API within 10 s".to_owned());
@@ -583,7 +604,11 @@ async fn body(
 
     // (4) HAProxy kept serving except while it (or its agent) was killed.
     let probes = probes.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    let excused = ctx.excused.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let excused = ctx
+        .excused
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
     for (i, series) in probes.iter().enumerate() {
         let longest = check::longest_outage(series, &excused[i]);
         if longest >= SERVING_GAP_MS {

@@ -245,7 +245,10 @@ mod tests {
             .flat_map(|seed| Schedule::new(seed, phase).faults)
             .collect();
         for kind in Kind::TIMED {
-            assert!(faults.iter().any(|f| f.kind == kind), "{kind:?} never drawn");
+            assert!(
+                faults.iter().any(|f| f.kind == kind),
+                "{kind:?} never drawn"
+            );
         }
         for fault in &faults {
             match fault.kind {

@@ -200,7 +200,7 @@ impl Schedule {
                 seed: rng.random(),
             });
         }
-        faults.sort_by(|a, b| a.at.cmp(&b.at));
+        faults.sort_by_key(|f| f.at);
         let clock = rng
             .random_bool(0.5)
             .then(|| (rng.random_range(0..REPLICAS), rng.random_range(1.1..=1.4)));

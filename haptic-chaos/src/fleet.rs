@@ -111,6 +111,24 @@ impl Groups {
     }
 }
 
+/// Kills every process group and unmounts the tmpfs when dropped: the last line of cleanup
+/// should the runner fail or panic before [`Fleet::stop`] (which does the same, gracefully
+/// first).
+#[derive(Debug)]
+struct Cleanup {
+    groups: Groups,
+    mounts: Vec<PathBuf>,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        self.groups.kill_all();
+        for dir in &self.mounts {
+            unmount(dir);
+        }
+    }
+}
+
 /// A child process in its own group.
 #[derive(Debug)]
 pub(crate) struct Proc {
@@ -262,6 +280,7 @@ pub(crate) struct Fleet {
     controller_bin: PathBuf,
     haproxy: PathBuf,
     state_client: AgentClient,
+    _cleanup: Cleanup,
 }
 
 /// The reference config made to run here: HAProxy on `http_port` at each pod's own address,
@@ -356,6 +375,14 @@ impl Fleet {
                 }
             })
             .collect();
+        let cleanup = Cleanup {
+            groups: groups.clone(),
+            mounts: agents
+                .iter()
+                .filter(|a| a.tmpfs)
+                .map(|a| a.data.clone())
+                .collect(),
+        };
         let mut backends = BTreeMap::new();
         for name in BACKENDS {
             backends.insert(name, Backend::start(name).await?);
@@ -379,6 +406,7 @@ impl Fleet {
                     .with_retries(1, Duration::from_millis(10)),
             )
             .context("the agent client")?,
+            _cleanup: cleanup,
         };
         fleet.objects().await?;
         Ok(fleet)
@@ -585,6 +613,7 @@ impl Fleet {
                 unmount(&slot.data);
             }
         }
+        self._cleanup.mounts.clear();
         self.server.shutdown().await;
     }
 }

@@ -401,7 +401,8 @@ pub(crate) async fn run(
             .violations
             .push(format!("the run could not complete: {error:#}"));
     }
-    if report.violations.is_empty() && !options.keep {
+    // Interrupted (Ctrl-C): nothing was judged, nothing is kept.
+    if token.is_cancelled() || (report.violations.is_empty() && !options.keep) {
         let _ = std::fs::remove_dir_all(&dir);
     }
     Ok(report)

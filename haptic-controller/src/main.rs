@@ -22,7 +22,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the controller.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Print the HAProxyTemplateConfig CustomResourceDefinition (YAML).
     Crd,
     /// Print the reference HAProxyTemplateConfig (the Ingress templates) as YAML.
@@ -101,7 +101,7 @@ fn main() -> ExitCode {
         }
         Command::Run(args) => {
             init_logging(args.log_format);
-            match run(args) {
+            match run(*args) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(error) => {
                     error!(error = format!("{error:#}"), "haptic-controller failed");

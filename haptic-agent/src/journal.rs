@@ -20,6 +20,8 @@ use haptic_agent_client::{ApplyRequest, ApplyResponse};
 use serde::{Deserialize, Serialize};
 use tracing::warn;
 
+use crate::agent::Error;
+
 /// The path the journal is served at (bearer token, like `/v1/state`).
 pub const JOURNAL_PATH: &str = "/v1/journal";
 
@@ -45,8 +47,8 @@ pub struct JournalEntry {
     pub generation: u64,
     /// The request's checksum.
     pub checksum: String,
-    /// `applied`, `unchanged`, `fenced`, `superseded`, `invalid`, `refused_by_policy`,
-    /// `rolled_back`, or `error` (not ready, bad request, a failed write).
+    /// `applied`, `unchanged`, `fenced`, `superseded`, `invalid`, `rolled_back`, or `error`
+    /// (not ready, a failed write).
     pub outcome: String,
     /// Whether the request's set is live after this apply (`applied` or `unchanged`).
     pub live: bool,
@@ -153,11 +155,16 @@ impl Journal {
 
     /// Records the answer to `pending`: in memory at once, then appended to the file and
     /// fsynced (on a blocking thread). A failed write is logged and counted, never returned.
-    pub async fn record<E: std::fmt::Display>(
-        &self,
-        pending: Pending,
-        result: &Result<ApplyResponse, E>,
-    ) {
+    ///
+    /// A malformed request (`BadRequest`) and a set the policy refuses are not recorded: they
+    /// are refused before the fence, and their contract is that nothing at all is written.
+    pub async fn record(&self, pending: Pending, result: &Result<ApplyResponse, Error>) {
+        if matches!(
+            result,
+            Err(Error::BadRequest(_)) | Ok(ApplyResponse::RefusedByPolicy { .. })
+        ) {
+            return;
+        }
         let (outcome, live, fence, error) = match result {
             Ok(response) => (
                 response.outcome().to_owned(),
@@ -265,7 +272,7 @@ mod tests {
         }
     }
 
-    fn applied(generation: u64) -> Result<ApplyResponse, String> {
+    fn applied(generation: u64) -> Result<ApplyResponse, Error> {
         Ok(ApplyResponse::Applied {
             checksum: "c".repeat(64),
             generation,
@@ -281,11 +288,17 @@ mod tests {
         journal
             .record(
                 pending(2, 9),
-                &Ok::<_, String>(ApplyResponse::Fenced { fence: 3, epoch: 2 }),
+                &Ok(ApplyResponse::Fenced { fence: 3, epoch: 2 }),
             )
             .await;
         journal
-            .record(pending(3, 2), &Err::<ApplyResponse, _>("not ready: busy"))
+            .record(pending(3, 2), &Err(Error::NotReady("busy".into())))
+            .await;
+        journal
+            .record(
+                pending(3, 3),
+                &Err(Error::BadRequest("bad checksum".into())),
+            )
             .await;
         // A crash in the middle of a line.
         let path = dir.path().join(JOURNAL_FILE);

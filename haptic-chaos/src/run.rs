@@ -11,8 +11,8 @@ use std::{
 
 use anyhow::{Result, bail};
 use haptic_testkit::Fault;
-use k8s_openapi::api::coordination::v1::Lease;
-use kube::api::{Api, DeleteParams};
+use k8s_openapi::api::{coordination::v1::Lease, networking::v1::Ingress};
+use kube::api::{Api, DeleteParams, PostParams};
 use rand::{Rng as _, SeedableRng as _, rngs::StdRng};
 use rustix::process::Signal;
 use tokio::time::Instant;
@@ -204,6 +204,23 @@ impl Ctx<'_> {
                     self.skip(fault, "the replica is not running");
                     return Ok(());
                 };
+                // Half the time, freeze it in the middle of a deployment: a change it will
+                // render and send, then the stop 100-600 ms later (reconcile window, render,
+                // gate, fan-out). What it still sends on waking is what the fence must stop.
+                if rng.random_bool(0.5) {
+                    let n = id;
+                    let name = format!("stop-{n}");
+                    let created =
+                        match fleet::ingress(&name, &format!("{name}.chaos.test"), "web-a") {
+                            Ok(ingress) => Api::<Ingress>::namespaced(fleet.client.clone(), NS)
+                                .create(&PostParams::default(), &ingress)
+                                .await
+                                .is_ok(),
+                            Err(_) => false,
+                        };
+                    t.push(format!("write: create ingress {name} (created: {created}) to freeze the leader mid-deployment"));
+                    tokio::time::sleep(Duration::from_millis(rng.random_range(100..600))).await;
+                }
                 t.push(format!("fault: SIGSTOP {} (pid {pid})", slot.name));
                 self.count(fault.kind);
                 fleet::signal(pid, Signal::STOP);

@@ -265,7 +265,7 @@ fn summary(totals: &Totals) -> String {
     };
     let mut out = String::new();
     out.push_str(&format!(
-        "\n| campaign | |\n| --- | --- |\n| runs | {} (seeds {}..={}) |\n| failed runs | {} {} |\n| stale applies accepted | {} |\n| live sets from a replica that did not claim the epoch | {} |\n| stale sends refused by the fence | {} |\n| live applies (changed a set) | {} ({}) |\n| writes to Ingresses and endpoints | {} |\n| epochs claimed | {} |\n| convergence after the last fault, p50 / p99 | {} / {} ({} runs converged) |\n",
+        "\n| campaign | |\n| --- | --- |\n| runs | {} (seeds {}..={}) |\n| failed runs | {}{} |\n| stale applies accepted | {} |\n| live sets from a replica that did not claim the epoch | {} |\n| stale sends refused by the fence | {} |\n| live applies (changed a set) | {} ({}) |\n| writes to Ingresses and endpoints | {} |\n| epochs claimed | {} |\n| convergence after the last fault, p50 / p99 | {} / {} ({} runs converged) |\n",
         totals.runs,
         totals.first,
         totals.last,
@@ -273,7 +273,7 @@ fn summary(totals: &Totals) -> String {
         if totals.failed.is_empty() {
             String::new()
         } else {
-            format!("(seeds {:?})", totals.failed)
+            format!(" (seeds {:?})", totals.failed)
         },
         totals.stale,
         totals.foreign,

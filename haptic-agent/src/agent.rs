@@ -67,6 +67,7 @@ struct Shared {
     haproxy: Haproxy,
     supervisor: Option<Supervisor>,
     metrics: Metrics,
+    journal: crate::journal::Journal,
     apply_lock: Mutex<()>,
     status: StdMutex<Status>,
     /// Set while a reload whose outcome was not seen in time may still be going on in
@@ -230,6 +231,7 @@ impl Agent {
             .ok();
         let agent = Self {
             shared: Arc::new(Shared {
+                journal: crate::journal::Journal::open(&config.data_dir),
                 config,
                 store,
                 fence,
@@ -270,6 +272,11 @@ impl Agent {
         &self.shared.decode
     }
 
+    /// The record of the applies answered.
+    pub fn journal(&self) -> &crate::journal::Journal {
+        &self.shared.journal
+    }
+
     /// HAProxy as the agent drives it (its master CLI use among others).
     pub fn haproxy(&self) -> &Haproxy {
         &self.shared.haproxy
@@ -292,6 +299,7 @@ impl Agent {
     /// HTTP API checks; a library caller is held to the same rule): otherwise
     /// [`Error::BadRequest`] and nothing is written.
     pub async fn apply(&self, request: ApplyRequest) -> Result<ApplyResponse> {
+        let pending = crate::journal::Pending::of(&request);
         let agent = self.clone();
         let started = Instant::now();
         let result = tokio::spawn(async move {
@@ -326,6 +334,7 @@ impl Agent {
         .await
         .map_err(|error| Error::Task(error.to_string()))
         .and_then(|result| result);
+        self.shared.journal.record(pending, &result).await;
         self.forget_readiness().await;
         let metrics = &self.shared.metrics;
         metrics.observe_apply(started.elapsed());

@@ -10,7 +10,8 @@
 //! - [`runtime`]: hitless applies: server, map and certificate changes through HAProxy's
 //!   runtime API, verified, with no reload.
 //! - [`metrics`]: the instruments, recorded through the OpenTelemetry API (the binary serves them).
-//! - [`server`]: the HTTP API (`/v1/apply`, `/v1/state`, `/healthz`, `/readyz`, `/metrics`).
+//! - [`journal`]: the bounded, durable record of the applies answered (`/v1/journal`).
+//! - [`server`]: the HTTP API (`/v1/apply`, `/v1/state`, `/v1/journal`, `/healthz`, `/readyz`, `/metrics`).
 //! - [`tls`]: optional TLS on the listener, the certificate read again when it changes.
 //!
 //! The wire types live in `haptic-agent-client`.
@@ -37,6 +38,7 @@ pub mod agent;
 pub mod config;
 pub mod fence;
 pub mod haproxy;
+pub mod journal;
 pub mod metrics;
 pub mod runtime;
 pub mod server;

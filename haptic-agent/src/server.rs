@@ -1,4 +1,4 @@
-//! The HTTP API: `/v1/apply` and `/v1/state` behind the bearer token, and the open probes
+//! The HTTP API: `/v1/apply`, `/v1/state` and `/v1/journal` behind the bearer token, and the open probes
 //! `/healthz`, `/readyz` and `/metrics`.
 //!
 //! Connections are bounded so that nobody without the token can starve an apply: at most
@@ -65,6 +65,7 @@ pub fn router(agent: Agent) -> Router {
     let protected = Router::new()
         .route(APPLY_PATH, post(apply))
         .route(STATE_PATH, get(state))
+        .route(crate::journal::JOURNAL_PATH, get(journal))
         .layer(DefaultBodyLimit::max(limit))
         .layer(middleware::from_fn(move |request: Request, next: Next| {
             read_body(limit, body_timeout, request, next)
@@ -223,6 +224,10 @@ async fn apply(State(agent): State<Agent>, headers: HeaderMap, body: Bytes) -> R
 
 async fn state(State(agent): State<Agent>) -> Response {
     json(StatusCode::OK, &agent.state().await)
+}
+
+async fn journal(State(agent): State<Agent>) -> Response {
+    json(StatusCode::OK, &agent.journal().view())
 }
 
 async fn readyz(State(agent): State<Agent>) -> Response {

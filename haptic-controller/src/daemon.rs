@@ -71,6 +71,10 @@ pub struct Options {
     pub metrics: Option<crate::metrics::Exposition>,
     /// Where `/debug/vars` listens (none: nowhere, the default).
     pub debug_addr: Option<SocketAddr>,
+    /// TEST ONLY: the election judges expiry on a clock running this many times as fast as
+    /// the real one (`--test-only-election-clock-rate`, for fault campaigns); `None` in
+    /// production.
+    pub election_clock_rate: Option<f64>,
 }
 
 /// Runs the controller until `token` fires.
@@ -192,6 +196,10 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
         .leader_only("event-recorder", move |ctx| {
             recorder::component(events.clone(), subjects.clone(), ctx)
         });
+    let leadership = match options.election_clock_rate {
+        Some(rate) => leadership.with_clock(haptic_election::SkewedClock::new(rate)),
+        None => leadership,
+    };
     let _ = probes.election.set(leadership.health());
     info!(identity = %options.identity, "starting");
     let result = leadership.run(token).await;

@@ -174,6 +174,11 @@ struct RunArgs {
     /// Where /debug/vars listens [default: nowhere].
     #[arg(long, env = "DEBUG_ADDR")]
     debug_addr: Option<SocketAddr>,
+    /// TEST ONLY (hidden): the election's clock runs this many times as fast as the real one
+    /// (0.5 to 2.0), to test clock-rate skew in fault campaigns. No environment variable sets
+    /// it, and it is refused inside a Kubernetes pod.
+    #[arg(long = "test-only-election-clock-rate", hide = true)]
+    test_clock_rate: Option<f64>,
 }
 
 fn main() -> ExitCode {
@@ -242,6 +247,7 @@ fn run(args: RunArgs) -> Result<()> {
     let (provider, exposition) = metrics().context("starting the metrics exporter")?;
     opentelemetry::global::set_meter_provider(provider.clone());
     runtime.block_on(async move {
+        let election_clock_rate = test_clock_rate(args.test_clock_rate)?;
         let client = client(args.kubeconfig.as_deref()).await?;
         let token = CancellationToken::new();
         tokio::spawn(signals(token.clone()));
@@ -277,6 +283,7 @@ fn run(args: RunArgs) -> Result<()> {
             reconcile_window: Duration::from_millis(args.reconcile_window_ms),
             metrics: Some(exposition),
             debug_addr: args.debug_addr,
+            election_clock_rate,
         };
         daemon::run(client, options, token)
             .await
@@ -364,6 +371,25 @@ fn metrics() -> Result<(SdkMeterProvider, Exposition)> {
             .map_err(|error| error.to_string())
     });
     Ok((provider, exposition))
+}
+
+/// The test-only clock rate, refused outside 0.5..=2.0 and inside a Kubernetes pod, so that
+/// no deployment runs a skewed election by accident.
+fn test_clock_rate(rate: Option<f64>) -> Result<Option<f64>> {
+    let Some(rate) = rate else { return Ok(None) };
+    if !(0.5..=2.0).contains(&rate) {
+        anyhow::bail!("--test-only-election-clock-rate {rate}: must be between 0.5 and 2.0");
+    }
+    if std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() {
+        anyhow::bail!(
+            "--test-only-election-clock-rate is for local fault campaigns and refused inside a Kubernetes pod"
+        );
+    }
+    warn!(
+        rate,
+        "TEST ONLY: the election clock runs {rate}x as fast as the real one"
+    );
+    Ok(Some(rate))
 }
 
 fn clean(list: &[String]) -> Vec<String> {

@@ -278,6 +278,14 @@ impl<E: LeaderEvents> Leadership<E> {
         self.metrics.clone()
     }
 
+    /// Judges Lease expiry and the renew deadline on `clock` instead of tokio's (for tests of
+    /// clock-rate skew: [`haptic_election::SkewedClock`]).
+    #[must_use]
+    pub fn with_clock(mut self, clock: impl haptic_election::Clock) -> Self {
+        self.elector = self.elector.with_clock(clock);
+        self
+    }
+
     /// How long a term's end waits for leader-only components (and shutdown for all-replica
     /// ones) before aborting them. Default 10 s; keep it below the elector's
     /// `work_stop_timeout`.

@@ -2,11 +2,12 @@
 //!
 //! - `test`: installs what the tests need (the Debian `haproxy` package), then runs
 //!   `cargo fmt --check`, clippy with `-D warnings` on all targets, the whole test suite, the
-//!   validation tests of the config `deploy/` ships (`haptic-controller validate`) and the
-//!   demo's smoke check.
+//!   validation tests of the config `deploy/` ships (`haptic-controller validate`), the demo's
+//!   smoke check and a short fault campaign (`chaos`).
 //! - `bench [election|agent|render|eventbus|controller|webhook]`: runs the project's benchmarks.
 //! - `demo [--smoke]`: the whole system on one machine, no cluster (see the README).
 //! - `apiserver`: runs the haptic-testkit API server until Ctrl-C and prints a kubeconfig path.
+//! - `chaos [--runs N] [--seed S] [--minutes M] ...`: the seeded fault campaign (haptic-chaos).
 
 use std::{
     env,
@@ -50,6 +51,7 @@ fn run() -> Result<()> {
         ),
         "setup" => ensure_test_tools(),
         "demo" => demo(&rest),
+        "chaos" => chaos(&rest),
         "help" | "-h" | "--help" => {
             println!("{}", HELP);
             Ok(())
@@ -59,12 +61,14 @@ fn run() -> Result<()> {
 }
 
 const HELP: &str = "usage: cargo xtask <task>
-  test               install test tools if missing, then fmt --check, clippy -D warnings, all tests, validate deploy/haptic-config.yaml, the demo smoke check
+  test               install test tools if missing, then fmt --check, clippy -D warnings, all tests, validate deploy/haptic-config.yaml, demo smoke, a short chaos campaign
   setup              only install the test tools (haproxy)
   demo [--smoke]     the whole system on this machine (API server, 2 controllers, 2 agents with HAProxy, a demo app); --smoke checks it and exits
   bench [NAME...]    run benchmarks: election, agent, render, eventbus, controller, webhook (default: all)
   e2e [ARGS]         acceptance scenarios on a kind cluster (needs docker, kind, kubectl; --keep, --skip-build)
-  apiserver [ARGS]   run the haptic-testkit API server until Ctrl-C (prints the kubeconfig path)";
+  apiserver [ARGS]   run the haptic-testkit API server until Ctrl-C (prints the kubeconfig path)
+  chaos [ARGS]       seeded fault campaign: 3 replicas, 3 agents, faults; no stale apply may go live
+                     (--runs N, --seed S, --minutes M, --fault-seconds, --plan, --verbose, --keep)";
 
 fn root() -> PathBuf {
     // xtask lives one level below the workspace root.
@@ -165,7 +169,21 @@ fn test(extra: &[String]) -> Result<()> {
     )?;
     // The main job, end to end: every claim the demo prints, checked.
     demo(&["--smoke".to_owned()])?;
+    // A short fault campaign (random seeds, printed; a failing one replays with --seed):
+    // runs of about 25 s, none started after 3 minutes, so it ends within about 4.
+    chaos(&CI_CHAOS.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>())?;
     Ok(())
+}
+
+/// The campaign `cargo xtask test` runs.
+const CI_CHAOS: [&str; 4] = ["--runs", "6", "--minutes", "3"];
+
+/// Builds the agent, the controller and the campaign runner, then runs the campaign
+/// (`haptic-chaos` finds the other binaries beside its own executable).
+fn chaos(extra: &[String]) -> Result<()> {
+    ensure_test_tools()?;
+    build_process_bins(false)?;
+    cargo(&["run", "--quiet", "-p", "haptic-chaos", "--"], extra)
 }
 
 /// Builds the binaries the demo starts, then runs it (`--smoke`: checks, then exits).

@@ -102,7 +102,8 @@ fn template(source: &str) -> Template {
 /// `stats_socket` (none: a path adds an admin `stats socket`), `route_debug` (false: true
 /// answers requests carrying `x-haptic-route-debug` with the backend they would go to),
 /// `server_slots` (10: `server` lines per backend, growing in steps of it; see
-/// [`crate::slots`]).
+/// [`crate::slots`]), `health_checks` (true: `check` on every server slot; HAProxy reserves a
+/// file descriptor for each checked server, disabled or not).
 pub fn template_set() -> TemplateSet {
     let mut set = TemplateSet {
         haproxy_config: template(include_str!("../templates/haproxy.cfg.tera")),
@@ -165,6 +166,7 @@ pub fn template_set() -> TemplateSet {
             "stats_socket": null,
             "route_debug": false,
             "server_slots": crate::slots::DEFAULT_SLOTS,
+            "health_checks": true,
         }),
     );
     set

@@ -7,7 +7,9 @@
 //! Every endpoint of the fixtures is moved to a loopback address and marked not ready
 //! (its slot `disabled`: no health checks, and nothing probes the fixtures' 10.x addresses),
 //! except those of the measured Service, which are two small HTTP servers on 127.0.0.2 and
-//! 127.0.0.3. The measured change moves that Service from one to the other.
+//! 127.0.0.3. The measured change moves that Service from one to the other. At 10,000
+//! Ingresses the slots carry no `check`: HAProxy reserves a file descriptor per checked
+//! server, and 133,000 of them exceed this machine's `nofile` hard limit (20,000).
 
 use std::{
     net::SocketAddr,
@@ -51,7 +53,7 @@ impl Cluster {
             json!({"maxconn": 2000, "bind_address": "127.0.0.1", "http_port": http,
                 "https_port": https, "timeout_connect": "1s", "timeout_client": "10s",
                 "timeout_server": "10s", "stats_socket": null, "route_debug": false,
-                "server_slots": 10}),
+                "server_slots": 10, "health_checks": ingresses <= 1_000}),
         );
         let renderer = Renderer::compile(&set)?;
         let mut stores = reference::stores()?;

@@ -391,10 +391,21 @@ fn free_port() -> Result<u16> {
         .port())
 }
 
+/// Collects the table's rows, each also printed to stderr as soon as it is measured.
+#[derive(Default)]
+struct Rows(String);
+
+impl Rows {
+    fn push_str(&mut self, row: &str) {
+        eprint!("{row}");
+        self.0.push_str(row);
+    }
+}
+
 /// The hitless rows of the table.
 pub(crate) async fn rows(haproxy: &Path, client: &AgentClient) -> Result<String> {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let mut rows = String::new();
+    let mut rows = Rows::default();
     for (ingresses, reload_samples) in [(1_000, 10), (10_000, 5)] {
         let runtime = endpoint_changes(haproxy, client, ingresses, true, RUNTIME_SAMPLES).await?;
         rows.push_str(&runtime.row(
@@ -421,5 +432,5 @@ pub(crate) async fn rows(haproxy: &Path, client: &AgentClient) -> Result<String>
         &format!("the same, forced through the reload path, {certificates} certificates"),
         "",
     ));
-    Ok(rows)
+    Ok(rows.0)
 }

@@ -272,7 +272,10 @@ fn register(env: &mut Environment<'static>) {
                 .iter()
                 .filter_map(|row| {
                     let endpoint = row.get_attr("endpoint").ok()?;
-                    let ready = row.get_attr("ready").ok().is_none_or(|r| r.is_undefined() || r.is_true());
+                    let ready = row
+                        .get_attr("ready")
+                        .ok()
+                        .is_none_or(|r| r.is_undefined() || r.is_true());
                     Some((endpoint.as_str()?.to_owned(), ready))
                 })
                 .collect();

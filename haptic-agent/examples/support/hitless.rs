@@ -219,6 +219,10 @@ impl BenchAgent {
 struct Series {
     served: Vec<Duration>,
     answered: Vec<Duration>,
+    /// The agent's own time on the runtime commands (`timing.runtime_us`) and on the whole
+    /// apply (`timing.total_us`).
+    runtime: Vec<Duration>,
+    agent: Vec<Duration>,
     reloads: usize,
 }
 
@@ -229,9 +233,15 @@ impl Series {
             sorted[index.min(sorted.len() - 1)]
         };
         let ms = |d: Duration| format!("{:.1} ms", d.as_secs_f64() * 1000.0);
+        let mut runtime = self.runtime.clone();
+        let mut agent = self.agent.clone();
+        runtime.sort();
+        agent.sort();
         format!(
-            "| {what}, p50 / p99 of {n} (apply answered p50 / p99) | {s50} / {s99} ({a50} / {a99}), {reloads} reloads | {target} |\n",
+            "| {what}, p50 / p99 of {n} (apply answered p50 / p99; agent: runtime commands p50, whole apply p50) | {s50} / {s99} ({a50} / {a99}; {r50}, {t50}), {reloads} reloads | {target} |\n",
             n = self.served.len(),
+            r50 = ms(pick(&runtime, 0.5)),
+            t50 = ms(pick(&agent, 0.5)),
             s50 = ms(pick(&self.served, 0.5)),
             s99 = ms(pick(&self.served, 0.99)),
             a50 = ms(pick(&self.answered, 0.5)),
@@ -242,14 +252,14 @@ impl Series {
 }
 
 /// Applies `files` and waits, meanwhile, until `served` says the change is served: (served
-/// after, answered after, reloaded).
+/// after, answered after, the agent's report).
 async fn timed<F: std::future::Future<Output = bool>>(
     client: &AgentClient,
     url: &reqwest::Url,
     files: FileSet,
     generation: u64,
     served: impl Fn() -> F,
-) -> Result<(Duration, Duration, bool)> {
+) -> Result<(Duration, Duration, haptic_agent_client::ApplyReport)> {
     let request = ApplyRequest::new(1, "bench", generation, files)?;
     let prepared = client.prepare(&request);
     let started = Instant::now();
@@ -274,7 +284,7 @@ async fn timed<F: std::future::Future<Output = bool>>(
     let (report, answered) = report;
     let report = report?;
     let seen = seen.context("the change was not served within 60 s")?;
-    Ok((seen, answered, report.reload))
+    Ok((seen, answered, report))
 }
 
 /// The measured Service's answer through HAProxy, on a fresh connection.
@@ -309,6 +319,8 @@ async fn endpoint_changes(
     let mut series = Series {
         served: Vec::new(),
         answered: Vec::new(),
+        runtime: Vec::new(),
+        agent: Vec::new(),
         reloads: 0,
     };
     for sample in 0..=samples {
@@ -319,7 +331,7 @@ async fn endpoint_changes(
         };
         cluster.endpoint(ip)?;
         let files = cluster.render()?;
-        let (seen, answered, reloaded) =
+        let (seen, answered, report) =
             timed(client, &agent.url, files, sample as u64 + 2, || async {
                 answer(&traffic, http).await.as_deref() == Some(ip)
             })
@@ -328,7 +340,13 @@ async fn endpoint_changes(
         if sample > 0 {
             series.served.push(seen);
             series.answered.push(answered);
-            series.reloads += usize::from(reloaded);
+            series.reloads += usize::from(report.reload);
+            series
+                .runtime
+                .push(Duration::from_micros(report.timing.runtime_us));
+            series
+                .agent
+                .push(Duration::from_micros(report.timing.total_us));
         }
     }
     agent.stop().await;
@@ -361,6 +379,8 @@ async fn certificate_rotations(
     let mut series = Series {
         served: Vec::new(),
         answered: Vec::new(),
+        runtime: Vec::new(),
+        agent: Vec::new(),
         reloads: 0,
     };
     for sample in 0..=samples {
@@ -368,15 +388,20 @@ async fn certificate_rotations(
         let connector = &connectors[sample % 2];
         cluster.secret(cert, key)?;
         let files = cluster.render()?;
-        let (seen, answered, reloaded) =
-            timed(client, &agent.url, files, sample as u64 + 2, || {
-                handshake(connector, https)
-            })
-            .await?;
+        let (seen, answered, report) = timed(client, &agent.url, files, sample as u64 + 2, || {
+            handshake(connector, https)
+        })
+        .await?;
         if sample > 0 {
             series.served.push(seen);
             series.answered.push(answered);
-            series.reloads += usize::from(reloaded);
+            series.reloads += usize::from(report.reload);
+            series
+                .runtime
+                .push(Duration::from_micros(report.timing.runtime_us));
+            series
+                .agent
+                .push(Duration::from_micros(report.timing.total_us));
         }
     }
     agent.stop().await;

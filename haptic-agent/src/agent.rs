@@ -599,10 +599,9 @@ impl Agent {
         };
         let previous = live_name.to_owned();
         let written = blocking(move || -> Result<String> {
-            let (name, _) = store.write_staged_reusing(&files, &checksum, Some(&base), |path| {
-                !changed.contains(path)
-            })?;
-            if let Err(error) = store.sync_staged(&name) {
+            let linked = |path: &str| !changed.contains(path);
+            let (name, _) = store.write_staged_reusing(&files, &checksum, Some(&base), linked)?;
+            if let Err(error) = store.sync_staged_reusing(&name, linked) {
                 let _ = store.discard_staged(&name);
                 return Err(error.into());
             }

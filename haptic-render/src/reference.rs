@@ -102,8 +102,10 @@ fn template(source: &str) -> Template {
 /// `stats_socket` (none: a path adds an admin `stats socket`), `route_debug` (false: true
 /// answers requests carrying `x-haptic-route-debug` with the backend they would go to),
 /// `server_slots` (10: `server` lines per backend, growing in steps of it; see
-/// [`crate::slots`]), `service` (none: `"namespace/name"` of the HAProxy Service, whose
-/// load-balancer address becomes every Ingress's `status.loadBalancer`).
+/// [`crate::slots`]), `health_checks` (true: `check` on every server slot; HAProxy reserves a
+/// file descriptor for each checked server, disabled or not),
+/// `service` (none: `"namespace/name"` of the HAProxy Service, whose load-balancer address
+/// becomes every Ingress's `status.loadBalancer`).
 ///
 /// The templates also ask the cluster to show (snippet `cluster-view`, [`crate::requests`]): a
 /// Warning Event `BackendNotFound` on an Ingress path whose Service or port does not exist, and
@@ -175,6 +177,7 @@ pub fn template_set() -> TemplateSet {
             "route_debug": false,
             "service": null,
             "server_slots": crate::slots::DEFAULT_SLOTS,
+            "health_checks": true,
         }),
     );
     set

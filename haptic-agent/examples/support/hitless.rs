@@ -7,7 +7,9 @@
 //! Every endpoint of the fixtures is moved to a loopback address and marked not ready
 //! (its slot `disabled`: no health checks, and nothing probes the fixtures' 10.x addresses),
 //! except those of the measured Service, which are two small HTTP servers on 127.0.0.2 and
-//! 127.0.0.3. The measured change moves that Service from one to the other.
+//! 127.0.0.3. The measured change moves that Service from one to the other. At 10,000
+//! Ingresses the slots carry no `check`: HAProxy reserves a file descriptor per checked
+//! server, and 133,000 of them exceed this machine's `nofile` hard limit (20,000).
 
 use std::{
     net::SocketAddr,
@@ -51,7 +53,7 @@ impl Cluster {
             json!({"maxconn": 2000, "bind_address": "127.0.0.1", "http_port": http,
                 "https_port": https, "timeout_connect": "1s", "timeout_client": "10s",
                 "timeout_server": "10s", "stats_socket": null, "route_debug": false,
-                "server_slots": 10}),
+                "server_slots": 10, "health_checks": ingresses <= 1_000}),
         );
         let renderer = Renderer::compile(&set)?;
         let mut stores = reference::stores()?;
@@ -217,6 +219,10 @@ impl BenchAgent {
 struct Series {
     served: Vec<Duration>,
     answered: Vec<Duration>,
+    /// The agent's own time on the runtime commands (`timing.runtime_us`) and on the whole
+    /// apply (`timing.total_us`).
+    runtime: Vec<Duration>,
+    agent: Vec<Duration>,
     reloads: usize,
 }
 
@@ -227,9 +233,15 @@ impl Series {
             sorted[index.min(sorted.len() - 1)]
         };
         let ms = |d: Duration| format!("{:.1} ms", d.as_secs_f64() * 1000.0);
+        let mut runtime = self.runtime.clone();
+        let mut agent = self.agent.clone();
+        runtime.sort();
+        agent.sort();
         format!(
-            "| {what}, p50 / p99 of {n} (apply answered p50 / p99) | {s50} / {s99} ({a50} / {a99}), {reloads} reloads | {target} |\n",
+            "| {what}, p50 / p99 of {n} (apply answered p50 / p99; agent: runtime commands p50, whole apply p50) | {s50} / {s99} ({a50} / {a99}; {r50}, {t50}), {reloads} reloads | {target} |\n",
             n = self.served.len(),
+            r50 = ms(pick(&runtime, 0.5)),
+            t50 = ms(pick(&agent, 0.5)),
             s50 = ms(pick(&self.served, 0.5)),
             s99 = ms(pick(&self.served, 0.99)),
             a50 = ms(pick(&self.answered, 0.5)),
@@ -240,14 +252,14 @@ impl Series {
 }
 
 /// Applies `files` and waits, meanwhile, until `served` says the change is served: (served
-/// after, answered after, reloaded).
+/// after, answered after, the agent's report).
 async fn timed<F: std::future::Future<Output = bool>>(
     client: &AgentClient,
     url: &reqwest::Url,
     files: FileSet,
     generation: u64,
     served: impl Fn() -> F,
-) -> Result<(Duration, Duration, bool)> {
+) -> Result<(Duration, Duration, haptic_agent_client::ApplyReport)> {
     let request = ApplyRequest::new(1, "bench", generation, files)?;
     let prepared = client.prepare(&request);
     let started = Instant::now();
@@ -272,7 +284,7 @@ async fn timed<F: std::future::Future<Output = bool>>(
     let (report, answered) = report;
     let report = report?;
     let seen = seen.context("the change was not served within 60 s")?;
-    Ok((seen, answered, report.reload))
+    Ok((seen, answered, report))
 }
 
 /// The measured Service's answer through HAProxy, on a fresh connection.
@@ -307,6 +319,8 @@ async fn endpoint_changes(
     let mut series = Series {
         served: Vec::new(),
         answered: Vec::new(),
+        runtime: Vec::new(),
+        agent: Vec::new(),
         reloads: 0,
     };
     for sample in 0..=samples {
@@ -317,7 +331,7 @@ async fn endpoint_changes(
         };
         cluster.endpoint(ip)?;
         let files = cluster.render()?;
-        let (seen, answered, reloaded) =
+        let (seen, answered, report) =
             timed(client, &agent.url, files, sample as u64 + 2, || async {
                 answer(&traffic, http).await.as_deref() == Some(ip)
             })
@@ -326,7 +340,13 @@ async fn endpoint_changes(
         if sample > 0 {
             series.served.push(seen);
             series.answered.push(answered);
-            series.reloads += usize::from(reloaded);
+            series.reloads += usize::from(report.reload);
+            series
+                .runtime
+                .push(Duration::from_micros(report.timing.runtime_us));
+            series
+                .agent
+                .push(Duration::from_micros(report.timing.total_us));
         }
     }
     agent.stop().await;
@@ -359,6 +379,8 @@ async fn certificate_rotations(
     let mut series = Series {
         served: Vec::new(),
         answered: Vec::new(),
+        runtime: Vec::new(),
+        agent: Vec::new(),
         reloads: 0,
     };
     for sample in 0..=samples {
@@ -366,15 +388,20 @@ async fn certificate_rotations(
         let connector = &connectors[sample % 2];
         cluster.secret(cert, key)?;
         let files = cluster.render()?;
-        let (seen, answered, reloaded) =
-            timed(client, &agent.url, files, sample as u64 + 2, || {
-                handshake(connector, https)
-            })
-            .await?;
+        let (seen, answered, report) = timed(client, &agent.url, files, sample as u64 + 2, || {
+            handshake(connector, https)
+        })
+        .await?;
         if sample > 0 {
             series.served.push(seen);
             series.answered.push(answered);
-            series.reloads += usize::from(reloaded);
+            series.reloads += usize::from(report.reload);
+            series
+                .runtime
+                .push(Duration::from_micros(report.timing.runtime_us));
+            series
+                .agent
+                .push(Duration::from_micros(report.timing.total_us));
         }
     }
     agent.stop().await;
@@ -389,10 +416,21 @@ fn free_port() -> Result<u16> {
         .port())
 }
 
+/// Collects the table's rows, each also printed to stderr as soon as it is measured.
+#[derive(Default)]
+struct Rows(String);
+
+impl Rows {
+    fn push_str(&mut self, row: &str) {
+        eprint!("{row}");
+        self.0.push_str(row);
+    }
+}
+
 /// The hitless rows of the table.
 pub(crate) async fn rows(haproxy: &Path, client: &AgentClient) -> Result<String> {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let mut rows = String::new();
+    let mut rows = Rows::default();
     for (ingresses, reload_samples) in [(1_000, 10), (10_000, 5)] {
         let runtime = endpoint_changes(haproxy, client, ingresses, true, RUNTIME_SAMPLES).await?;
         rows.push_str(&runtime.row(
@@ -419,5 +457,5 @@ pub(crate) async fn rows(haproxy: &Path, client: &AgentClient) -> Result<String>
         &format!("the same, forced through the reload path, {certificates} certificates"),
         "",
     ));
-    Ok(rows)
+    Ok(rows.0)
 }

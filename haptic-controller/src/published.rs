@@ -562,10 +562,21 @@ pub fn component(
                             state.htc_uid = Some(v.uid.clone());
                         }
                         ControllerEvent::Deployable(set) => {
-                            let (objects, certificates) = desired(&htc, set, settings.compress_above);
+                            // Checksums and compression of a multi-megabyte set: off the runtime.
+                            let (set, name, threshold) = (set.clone(), htc.clone(), settings.compress_above);
+                            let checksum = format!("sha256:{}", set.checksum);
+                            let built = tokio::task::spawn_blocking(move || desired(&name, &set, threshold));
+                            let built = tokio::select! {
+                                () = ctx.token().cancelled() => return,
+                                built = built => built,
+                            };
+                            let Ok((objects, certificates)) = built else {
+                                warn!("preparing the published objects panicked; not published");
+                                continue;
+                            };
                             state.desired = objects;
                             state.certificates = certificates;
-                            state.set_checksum = format!("sha256:{}", set.checksum);
+                            state.set_checksum = checksum;
                         }
                         ControllerEvent::Deployed(report) => state.observe(report),
                         _ => continue,

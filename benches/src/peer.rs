@@ -253,6 +253,19 @@ fn register(env: &mut Environment<'static>) {
         v.as_str().is_some_and(is_http_path)
     });
     env.add_test("hostname", |v: &Value| v.as_str().is_some_and(is_hostname));
+    env.add_test("config_token", |v: &Value| {
+        v.as_str()
+            .is_none_or(haptic_render::functions::is_config_token)
+    });
+    env.add_test("ip_address", |v: &Value| {
+        v.as_str()
+            .is_some_and(haptic_render::functions::is_ip_address)
+    });
+    // The peer never renders an overlay, so nothing is under review: `refuse` writes nothing,
+    // as in tera's normal render.
+    env.add_function("refuse", |_: Kwargs| -> Result<String> {
+        Ok(String::new())
+    });
     env.add_function("backend_name", |kwargs: Kwargs| -> Result<String> {
         let namespace: Value = kwargs.get("namespace")?;
         let service: Value = kwargs.get("service")?;

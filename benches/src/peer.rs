@@ -266,6 +266,13 @@ fn register(env: &mut Environment<'static>) {
     env.add_function("refuse", |_: Kwargs| -> Result<String> {
         Ok(String::new())
     });
+    // What templates ask the cluster to show renders nothing; the peer compares files only.
+    env.add_function("record_event", |_: Kwargs| -> Result<String> {
+        Ok(String::new())
+    });
+    env.add_function("set_status", |_: Kwargs| -> Result<String> {
+        Ok(String::new())
+    });
     env.add_function("backend_name", |kwargs: Kwargs| -> Result<String> {
         let namespace: Value = kwargs.get("namespace")?;
         let service: Value = kwargs.get("service")?;

@@ -72,6 +72,48 @@ use tera::value::{Key, Map};
 use crate::functions::{b64decode, backend_name, sanitize, ssl_file};
 use crate::store::{Source, Store};
 
+/// The controller name the reference configuration claims IngressClasses with
+/// (`spec.controller`), unless an [`IngressClassFilter`] names another.
+pub const DEFAULT_CONTROLLER: &str = "haproxy-haptic.org/ingress-controller";
+
+fn default_controller() -> String {
+    DEFAULT_CONTROLLER.to_owned()
+}
+
+/// Which Ingresses a view reads: the ones whose class is ours, by the Kubernetes rules.
+///
+/// An Ingress is ours when `spec.ingressClassName` names an IngressClass whose
+/// `spec.controller` is [`controller`](Self::controller); or, without `ingressClassName`, when
+/// the legacy annotation `kubernetes.io/ingress.class` names such an IngressClass; or, with
+/// neither, when one of those IngressClasses is marked default
+/// (`ingressclass.kubernetes.io/is-default-class: "true"`) or [`classless`](Self::classless)
+/// is set. Everything else is left out of the view, as if it did not exist.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct IngressClassFilter {
+    /// The store of networking.k8s.io/v1 IngressClasses.
+    pub ingress_classes: String,
+    /// The `spec.controller` of our IngressClasses; default [`DEFAULT_CONTROLLER`].
+    #[serde(default = "default_controller")]
+    pub controller: String,
+    /// Whether an Ingress with no class at all (no `ingressClassName`, no annotation) is ours
+    /// even when none of our IngressClasses is the default; default false.
+    #[serde(default)]
+    pub classless: bool,
+}
+
+impl IngressClassFilter {
+    /// Our default controller name over the IngressClasses of `store`, class-less Ingresses
+    /// not taken.
+    pub fn new(store: impl Into<String>) -> Self {
+        Self {
+            ingress_classes: store.into(),
+            controller: default_controller(),
+            classless: false,
+        }
+    }
+}
+
 /// A join computed from named stores.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(
@@ -94,17 +136,23 @@ pub enum Derivation {
         /// The store of discovery.k8s.io/v1 EndpointSlices.
         endpoint_slices: String,
         /// When set, a store of Ingresses: only the Service ports that a path of an Ingress
-        /// there resolves to (as in [`Derivation::IngressRoutes`]) get a row. A controller
-        /// watches every Service to resolve Ingress backends; without this, a cluster's
-        /// thousands of Services nobody routes to would each become a backend.
+        /// there resolves to (as in [`Derivation::IngressRoutes`]), or the winning
+        /// `spec.defaultBackend` (as in [`Derivation::IngressDefaultBackends`]), get a row. A
+        /// controller watches every Service to resolve Ingress backends; without this, a
+        /// cluster's thousands of Services nobody routes to would each become a backend.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         routed_by: Option<String>,
+        /// With `routedBy`: only the Ingresses of our classes route.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        classes: Option<IngressClassFilter>,
     },
     /// A row per path of an Ingress rule whose backend is a Service, resolved against the
     /// Services' TCP ports: by port number or by port name, as the path asks (the first port
     /// that matches either, should a path give both). A path whose Service or
     /// Service port does not exist is still a row, with `backend` none, so that a template can
-    /// decide what such a path gets. Resource backends are left out.
+    /// decide what such a path gets. Resource backends are left out. When Ingresses claim the
+    /// same route (host, path and kind of match), the oldest wins: the others' rows name it
+    /// in `conflict`.
     IngressRoutes {
         /// The store of networking.k8s.io/v1 Ingresses.
         ingresses: String,
@@ -114,24 +162,52 @@ pub enum Derivation {
         /// view per kind of lookup, so that each map's template walks only its own rows.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         exact: Option<bool>,
+        /// When set, only the Ingresses of our classes.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        classes: Option<IngressClassFilter>,
     },
     /// A row per TLS entry of an Ingress, with whether its Secret holds a usable certificate.
+    /// When Ingresses name the same TLS host, the oldest keeps it.
     IngressTls {
         /// The store of networking.k8s.io/v1 Ingresses.
         ingresses: String,
         /// The store of v1 Secrets.
         secrets: String,
+        /// When set, only the Ingresses of our classes.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        classes: Option<IngressClassFilter>,
+    },
+    /// A row per Ingress (of our classes, when `classes` is set), with the resource itself.
+    Ingresses {
+        /// The store of networking.k8s.io/v1 Ingresses.
+        ingresses: String,
+        /// When set, only the Ingresses of our classes.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        classes: Option<IngressClassFilter>,
+    },
+    /// A row per Ingress with a `spec.defaultBackend`, the winner first: the oldest Ingress
+    /// whose default backend is a Service; then the other Service backends, oldest first,
+    /// each naming the winner in `conflict`; then resource backends (unsupported).
+    IngressDefaultBackends {
+        /// The store of networking.k8s.io/v1 Ingresses.
+        ingresses: String,
+        /// The store of v1 Services.
+        services: String,
+        /// When set, only the Ingresses of our classes.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        classes: Option<IngressClassFilter>,
     },
 }
 
 impl Derivation {
-    /// The stores this view reads, in a fixed order.
+    /// The stores this view reads, in a fixed order (the IngressClasses of `classes` last).
     pub fn inputs(&self) -> Vec<&str> {
-        match self {
+        let mut inputs: Vec<&str> = match self {
             Self::ServiceBackends {
                 services,
                 endpoint_slices,
                 routed_by,
+                ..
             } => [Some(services), Some(endpoint_slices), routed_by.as_ref()]
                 .into_iter()
                 .flatten()
@@ -141,8 +217,46 @@ impl Derivation {
                 ingresses,
                 services,
                 ..
+            }
+            | Self::IngressDefaultBackends {
+                ingresses,
+                services,
+                ..
             } => vec![ingresses, services],
-            Self::IngressTls { ingresses, secrets } => vec![ingresses, secrets],
+            Self::IngressTls {
+                ingresses, secrets, ..
+            } => vec![ingresses, secrets],
+            Self::Ingresses { ingresses, .. } => vec![ingresses],
+        };
+        if let Some(classes) = self.classes() {
+            inputs.push(&classes.ingress_classes);
+        }
+        inputs
+    }
+
+    /// The class filter, where it applies (`ServiceBackends` without `routedBy` reads no
+    /// Ingresses).
+    pub fn classes(&self) -> Option<&IngressClassFilter> {
+        match self {
+            Self::ServiceBackends {
+                routed_by: None, ..
+            } => None,
+            Self::ServiceBackends { classes, .. }
+            | Self::IngressRoutes { classes, .. }
+            | Self::IngressTls { classes, .. }
+            | Self::Ingresses { classes, .. }
+            | Self::IngressDefaultBackends { classes, .. } => classes.as_ref(),
+        }
+    }
+
+    /// The store of Ingresses this view reads, if any.
+    pub fn ingresses(&self) -> Option<&str> {
+        match self {
+            Self::ServiceBackends { routed_by, .. } => routed_by.as_deref(),
+            Self::IngressRoutes { ingresses, .. }
+            | Self::IngressTls { ingresses, .. }
+            | Self::Ingresses { ingresses, .. }
+            | Self::IngressDefaultBackends { ingresses, .. } => Some(ingresses),
         }
     }
 
@@ -152,6 +266,8 @@ impl Derivation {
             Self::ServiceBackends { .. } => 0,
             Self::IngressRoutes { .. } => 1,
             Self::IngressTls { .. } => 2,
+            Self::Ingresses { .. } => 3,
+            Self::IngressDefaultBackends { .. } => 4,
         }
     }
 }
@@ -204,9 +320,17 @@ pub(crate) struct Extracts {
     ingress: OnceLock<IngressExtract>,
     tls: OnceLock<Vec<TlsExtract>>,
     secret: OnceLock<bool>,
+    class: OnceLock<IngressClassExtract>,
     /// The rows this resource last contributed to a view, and what they were joined with, per
     /// kind of view ([`Derivation::slot`]).
-    rows: Mutex<[Option<Contribution>; 3]>,
+    rows: Mutex<[Option<Contribution>; 5]>,
+}
+
+/// An IngressClass: whether it is ours (by controller name) and marked default.
+#[derive(Debug)]
+struct IngressClassExtract {
+    controller: String,
+    default: bool,
 }
 
 /// An Ingress TLS entry.
@@ -216,10 +340,21 @@ struct TlsExtract {
     hosts: Value,
 }
 
-/// A Service's ports: name, number and backend name.
+/// A Service's TCP ports (none for an ExternalName Service: it has no endpoints to route to).
 #[derive(Debug)]
 struct ServiceExtract {
-    ports: Vec<(String, i64, Value)>,
+    ports: Vec<PortExtract>,
+    /// `spec.type` is `ExternalName`.
+    external_name: bool,
+}
+
+/// A Service port: name, number, backend name and `appProtocol` (`""` when absent).
+#[derive(Debug)]
+struct PortExtract {
+    name: String,
+    number: i64,
+    backend: Value,
+    app_protocol: Value,
 }
 
 /// An EndpointSlice: the Service it belongs to and, per port name, its endpoint rows.
@@ -229,11 +364,64 @@ struct SliceExtract {
     ports: Vec<(String, Value)>,
 }
 
-/// An Ingress's paths with a Service backend.
+/// An Ingress's paths with a Service backend, and what decides whether it is ours and how
+/// old it is.
 #[derive(Debug)]
 struct IngressExtract {
     paths: Vec<PathExtract>,
+    /// `spec.ingressClassName`, or (without it) the legacy annotation, or neither.
+    class: IngressClassRef,
+    /// `metadata.creationTimestamp` (RFC 3339 in UTC, so its text orders as its time).
+    created: Option<String>,
+    /// `spec.defaultBackend`.
+    default_backend: Option<DefaultBackendExtract>,
+    /// Not turned off by the annotation `haproxy-haptic.org/ssl-redirect: "false"`.
+    ssl_redirect: bool,
 }
+
+/// How an Ingress names its class.
+#[derive(Debug, PartialEq, Eq)]
+enum IngressClassRef {
+    /// `spec.ingressClassName`.
+    Name(String),
+    /// The annotation `kubernetes.io/ingress.class`, without `ingressClassName`.
+    Annotation(String),
+    /// Neither.
+    None,
+}
+
+/// An Ingress's `spec.defaultBackend`.
+#[derive(Debug)]
+enum DefaultBackendExtract {
+    Service(ServiceRef),
+    /// A resource backend (unsupported).
+    Resource,
+}
+
+/// A Service port an Ingress backend names.
+#[derive(Debug)]
+struct ServiceRef {
+    service: String,
+    want_number: Option<i64>,
+    want_name: String,
+}
+
+impl ServiceRef {
+    fn of(backend: &Value) -> Self {
+        Self {
+            service: text(backend, &["name"]).to_owned(),
+            want_number: integer(path(backend, &["port", "number"])).filter(|n| *n != 0),
+            want_name: text(backend, &["port", "name"]).to_owned(),
+        }
+    }
+}
+
+/// The annotation a user sets to keep plain HTTP for the TLS hosts of one Ingress.
+pub const SSL_REDIRECT_ANNOTATION: &str = "haproxy-haptic.org/ssl-redirect";
+/// The legacy class annotation.
+const CLASS_ANNOTATION: &str = "kubernetes.io/ingress.class";
+/// The annotation that marks an IngressClass the default.
+const DEFAULT_CLASS_ANNOTATION: &str = "ingressclass.kubernetes.io/is-default-class";
 
 #[derive(Debug)]
 struct PathExtract {
@@ -242,23 +430,48 @@ struct PathExtract {
     host: Value,
     path: Value,
     path_type: Value,
-    service: String,
-    want_number: Option<i64>,
-    want_name: String,
+    target: ServiceRef,
 }
 
 impl Extracts {
     fn service(&self, namespace: &str, name: &str, svc: &Value) -> &ServiceExtract {
-        self.service.get_or_init(|| ServiceExtract {
-            ports: list(svc, &["spec", "ports"])
-                .iter()
-                .filter(|sp| is_tcp(sp))
-                .filter_map(|sp| {
-                    let port = integer(attr(sp, "port"))?;
-                    let backend = backend_name(namespace, name, &port.to_string());
-                    Some((text(sp, &["name"]).to_owned(), port, Value::from(backend)))
-                })
-                .collect(),
+        self.service.get_or_init(|| {
+            let external_name = text(svc, &["spec", "type"]) == "ExternalName";
+            let ports = if external_name {
+                Vec::new()
+            } else {
+                list(svc, &["spec", "ports"])
+                    .iter()
+                    .filter(|sp| is_tcp(sp))
+                    .filter_map(|sp| {
+                        let number = integer(attr(sp, "port"))?;
+                        Some(PortExtract {
+                            name: text(sp, &["name"]).to_owned(),
+                            number,
+                            backend: Value::from(backend_name(
+                                namespace,
+                                name,
+                                &number.to_string(),
+                            )),
+                            app_protocol: Value::from(text(sp, &["appProtocol"])),
+                        })
+                    })
+                    .collect()
+            };
+            ServiceExtract {
+                ports,
+                external_name,
+            }
+        })
+    }
+
+    fn ingress_class(&self, class: &Value) -> &IngressClassExtract {
+        self.class.get_or_init(|| IngressClassExtract {
+            controller: text(class, &["spec", "controller"]).to_owned(),
+            default: text(
+                class,
+                &["metadata", "annotations", DEFAULT_CLASS_ANNOTATION],
+            ) == "true",
         })
     }
 
@@ -342,24 +555,44 @@ impl Extracts {
                         host: host.clone(),
                         path: Value::from(text(p, &["path"])),
                         path_type: Value::from(text(p, &["pathType"])),
-                        service: text(backend, &["name"]).to_owned(),
-                        want_number: integer(path(backend, &["port", "number"]))
-                            .filter(|n| *n != 0),
-                        want_name: text(backend, &["port", "name"]).to_owned(),
+                        target: ServiceRef::of(backend),
                     });
                 }
             }
-            IngressExtract { paths }
+            let annotation = |name: &'static str| text(ing, &["metadata", "annotations", name]);
+            let class = match (
+                text(ing, &["spec", "ingressClassName"]),
+                annotation(CLASS_ANNOTATION),
+            ) {
+                ("", "") => IngressClassRef::None,
+                ("", legacy) => IngressClassRef::Annotation(legacy.to_owned()),
+                (name, _) => IngressClassRef::Name(name.to_owned()),
+            };
+            let default_backend =
+                path(ing, &["spec", "defaultBackend"]).map(|backend| {
+                    match path(backend, &["service"]) {
+                        Some(service) => DefaultBackendExtract::Service(ServiceRef::of(service)),
+                        None => DefaultBackendExtract::Resource,
+                    }
+                });
+            let created = text(ing, &["metadata", "creationTimestamp"]);
+            IngressExtract {
+                paths,
+                class,
+                created: (!created.is_empty()).then(|| created.to_owned()),
+                default_backend,
+                ssl_redirect: annotation(SSL_REDIRECT_ANNOTATION) != "false",
+            }
         })
     }
 }
 
 impl ServiceExtract {
-    /// The port a path asks for: the first with its number, or with its name.
-    fn resolve(&self, path: &PathExtract) -> Option<&(String, i64, Value)> {
-        self.ports.iter().find(|(name, number, _)| {
-            path.want_number == Some(*number)
-                || (!path.want_name.is_empty() && *name == path.want_name)
+    /// The port a backend asks for: the first with its number, or with its name.
+    fn resolve(&self, target: &ServiceRef) -> Option<&PortExtract> {
+        self.ports.iter().find(|port| {
+            target.want_number == Some(port.number)
+                || (!target.want_name.is_empty() && port.name == target.want_name)
         })
     }
 }
@@ -491,30 +724,187 @@ struct Slot {
     keep: bool,
 }
 
+/// Which Ingresses one computation of a view reads: all of them, or those of our classes (the
+/// names of our IngressClasses and whether one of them is the default, read once per
+/// computation: a cluster has a handful).
+struct Ours<'a> {
+    filter: Option<(&'a IngressClassFilter, Vec<&'a str>, bool)>,
+}
+
+impl<'a> Ours<'a> {
+    fn new(filter: Option<&'a IngressClassFilter>, classes: Option<Source<'a>>) -> Self {
+        let filter = filter.map(|filter| {
+            let mut names = Vec::new();
+            let mut default = false;
+            for ((_, name), class, extracts) in classes.into_iter().flat_map(Source::entries) {
+                let class = extracts.ingress_class(class);
+                if class.controller == filter.controller {
+                    names.push(name.as_str());
+                    default |= class.default;
+                }
+            }
+            (filter, names, default)
+        });
+        Self { filter }
+    }
+
+    fn accepts(&self, ing: &IngressExtract) -> bool {
+        let Some((filter, names, default)) = &self.filter else {
+            return true;
+        };
+        match &ing.class {
+            IngressClassRef::Name(name) | IngressClassRef::Annotation(name) => {
+                names.contains(&name.as_str())
+            }
+            IngressClassRef::None => *default || filter.classless,
+        }
+    }
+
+    /// Our Ingresses of `ingresses`, in (namespace, name) order, with their extracts.
+    fn of(&self, ingresses: Source<'a>) -> Vec<OurIngress<'a>> {
+        ingresses
+            .entries()
+            .filter_map(|((namespace, name), ing, extracts)| {
+                let ingress = extracts.ingress(ing);
+                self.accepts(ingress).then_some(OurIngress {
+                    namespace,
+                    name,
+                    value: ing,
+                    extracts,
+                    ingress,
+                })
+            })
+            .collect()
+    }
+}
+
+/// One of our Ingresses, as a view walks them.
+struct OurIngress<'a> {
+    namespace: &'a str,
+    name: &'a str,
+    value: &'a Value,
+    extracts: &'a Arc<Extracts>,
+    ingress: &'a IngressExtract,
+}
+
+/// How a conflict is decided: the oldest Ingress (`creationTimestamp`; one without sorts
+/// after every one with), then namespace, then name. The same on every replica, after every
+/// failover: it reads nothing but the Ingresses.
+type Age<'a> = (bool, &'a str, &'a str, &'a str);
+
+impl<'a> OurIngress<'a> {
+    fn age(&self) -> Age<'a> {
+        let created = self.ingress.created.as_deref();
+        (
+            created.is_none(),
+            created.unwrap_or_default(),
+            self.namespace,
+            self.name,
+        )
+    }
+}
+
+/// The `namespace/name` of the Ingress of an age.
+fn owner(age: &Age<'_>) -> String {
+    format!("{}/{}", age.2, age.3)
+}
+
+/// Who claims each key: the oldest claimant, and whether another Ingress claims it too.
+struct Claims<'a, K> {
+    by_key: HashMap<K, (Age<'a>, bool)>,
+    contested: bool,
+}
+
+impl<'a, K: std::hash::Hash + Eq> Claims<'a, K> {
+    fn with_capacity(n: usize) -> Self {
+        Self {
+            by_key: HashMap::with_capacity(n),
+            contested: false,
+        }
+    }
+
+    fn claim(&mut self, key: K, age: Age<'a>) {
+        match self.by_key.entry(key) {
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert((age, false));
+            }
+            std::collections::hash_map::Entry::Occupied(mut o) => {
+                let (best, contested) = o.get_mut();
+                if (best.2, best.3) != (age.2, age.3) {
+                    *contested = true;
+                    self.contested = true;
+                    if age < *best {
+                        *best = age;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The winner of `key`, when an Ingress other than `me` won it from `me`.
+    fn lost_to(&self, key: &K, me: &Age<'_>) -> Option<String> {
+        if !self.contested {
+            return None;
+        }
+        match self.by_key.get(key) {
+            Some((best, true)) if (best.2, best.3) != (me.2, me.3) => Some(owner(best)),
+            _ => None,
+        }
+    }
+}
+
+/// The key two routes collide on: the kind of match, the host, the path as the map writes it
+/// (a Prefix path without its trailing slashes: `/foo` and `/foo/` are the same route).
+fn route_key(p: &PathExtract) -> (bool, &str, &str) {
+    let path = p.path.as_str().unwrap_or_default();
+    let path = if p.exact {
+        path
+    } else {
+        path.trim_end_matches('/')
+    };
+    (p.exact, p.host.as_str().unwrap_or_default(), path)
+}
+
+/// A copy of a row with one field set.
+fn with_field(row: &Value, key: &'static str, value: Value) -> Value {
+    let mut map = row.as_map().cloned().unwrap_or_default();
+    map.insert(Key::Str(key), value);
+    Value::from(map)
+}
+
 /// The Service ports Ingress paths resolve to: namespace -> Service -> port numbers. Owned,
 /// so that a view keeps it while only its slices change (the commonest event: Pods come and
 /// go), and looked up by `&str` without allocating.
 type Routed = HashMap<String, HashMap<String, Vec<i64>>>;
 
-fn routed_ports(ingresses: Source<'_>, services: Source<'_>) -> Routed {
+fn routed_ports(ingresses: Source<'_>, services: Source<'_>, ours: &Ours<'_>) -> Routed {
     let by_name = services_by_name(services);
     let mut routed = Routed::new();
-    for ((namespace, _), ing, extracts) in ingresses.entries() {
-        for p in &extracts.ingress(ing).paths {
-            let resolved = by_name
-                .get(&(namespace.as_str(), p.service.as_str()))
-                .and_then(|(svc, _)| svc.resolve(p));
-            if let Some((_, port, _)) = resolved {
-                let ports = routed
-                    .entry(namespace.clone())
-                    .or_default()
-                    .entry(p.service.clone())
-                    .or_default();
-                if !ports.contains(port) {
-                    ports.push(*port);
-                }
+    let mut add = |namespace: &str, target: &ServiceRef| {
+        let resolved = by_name
+            .get(&(namespace, target.service.as_str()))
+            .and_then(|(svc, _)| svc.resolve(target));
+        if let Some(port) = resolved {
+            let ports = routed
+                .entry(namespace.to_owned())
+                .or_default()
+                .entry(target.service.clone())
+                .or_default();
+            if !ports.contains(&port.number) {
+                ports.push(port.number);
             }
         }
+    };
+    let ours = ours.of(ingresses);
+    for ing in &ours {
+        for p in &ing.ingress.paths {
+            add(ing.namespace, &p.target);
+        }
+    }
+    if let Some((ing, DefaultBackendExtract::Service(target))) =
+        default_backend_candidates(&ours).first()
+    {
+        add(ing.namespace, target);
     }
     routed
 }
@@ -567,7 +957,7 @@ fn service_backends(
         // A row per port, in port order: row `i` is port `i`'s.
         let keep = |i: usize| match (&routed, ports.get(i)) {
             (None, _) => true,
-            (Some(routed), Some((_, port, _))) => is_routed(routed, namespace, service, *port),
+            (Some(routed), Some(port)) => is_routed(routed, namespace, service, port.number),
             (Some(_), None) => false,
         };
         extracts.rows_into_if(
@@ -577,13 +967,13 @@ fn service_backends(
             || {
                 ports
                     .iter()
-                    .map(|(port_name, port, backend)| {
+                    .map(|port| {
                         let mut matching = slices
                             .iter()
                             // Extracted while grouping above.
                             .filter_map(|e| e.slice.get())
                             .flat_map(|slice| slice.ports.iter())
-                            .filter(|(name, _)| name == port_name)
+                            .filter(|(name, _)| *name == port.name)
                             .map(|(_, endpoints)| endpoints);
                         // One slice per Service is the common case: share its rows as they are.
                         let endpoints = match (matching.next(), matching.next()) {
@@ -600,12 +990,13 @@ fn service_backends(
                             }
                         };
                         row([
-                            ("name", backend.clone()),
+                            ("name", port.backend.clone()),
                             ("endpoints", endpoints),
+                            ("app_protocol", port.app_protocol.clone()),
                             ("namespace", Value::from(namespace.as_str())),
                             ("service", Value::from(service.as_str())),
-                            ("port", Value::from(*port)),
-                            ("port_name", Value::from(port_name.as_str())),
+                            ("port", Value::from(port.number)),
+                            ("port_name", Value::from(port.name.as_str())),
                         ])
                     })
                     .collect()
@@ -621,25 +1012,37 @@ fn ingress_routes(
     ingresses: Source<'_>,
     services: Source<'_>,
     exact: Option<bool>,
+    ours: &Ours<'_>,
 ) -> Value {
     let by_name = services_by_name(services);
-    let mut rows = Vec::with_capacity(ingresses.len() * 2);
-    for ((namespace, ingress), ing, extracts) in ingresses.entries() {
-        let paths = &extracts.ingress(ing).paths;
+    let ours = ours.of(ingresses);
+    let kind = |p: &PathExtract| exact.is_none_or(|exact| p.exact == exact);
+    // Who claims each route: the oldest Ingress.
+    let mut claims = Claims::with_capacity(ours.len() * 2);
+    for ing in &ours {
+        let age = ing.age();
+        for p in ing.ingress.paths.iter().filter(|p| kind(p)) {
+            claims.claim(route_key(p), age);
+        }
+    }
+    let mut rows = Vec::with_capacity(ours.len() * 2);
+    for ing in &ours {
+        let namespace = ing.namespace;
+        let paths = &ing.ingress.paths;
         let resolved: Vec<Option<(&ServiceExtract, &Arc<Extracts>)>> = paths
             .iter()
             .map(|p| {
                 by_name
-                    .get(&(namespace.as_str(), p.service.as_str()))
+                    .get(&(namespace, p.target.service.as_str()))
                     .copied()
             })
             .collect();
         let joined = resolved.iter().map(|r| r.map(|(_, e)| e));
         // The cached rows are every path's (views of either kind share them); row `i` is path
         // `i`'s.
-        let keep =
-            |i: usize| exact.is_none_or(|exact| paths.get(i).is_some_and(|p| p.exact == exact));
-        extracts.rows_into_if(
+        let keep = |i: usize| paths.get(i).is_some_and(kind);
+        let first = rows.len();
+        ing.extracts.rows_into_if(
             slot,
             joined,
             &mut rows,
@@ -648,9 +1051,9 @@ fn ingress_routes(
                     .iter()
                     .zip(&resolved)
                     .map(|(p, svc)| {
-                        let port = svc.and_then(|(svc, _)| svc.resolve(p));
+                        let port = svc.and_then(|(svc, _)| svc.resolve(&p.target));
                         let (port, backend) = match port {
-                            Some((_, number, backend)) => (Value::from(*number), backend.clone()),
+                            Some(port) => (Value::from(port.number), port.backend.clone()),
                             None => (Value::none(), Value::none()),
                         };
                         row([
@@ -658,24 +1061,57 @@ fn ingress_routes(
                             ("path_type", p.path_type.clone()),
                             ("host", p.host.clone()),
                             ("path", p.path.clone()),
-                            ("namespace", Value::from(namespace.as_str())),
-                            ("ingress", Value::from(ingress.as_str())),
-                            ("service", Value::from(p.service.as_str())),
+                            ("conflict", Value::none()),
+                            ("namespace", Value::from(namespace)),
+                            ("ingress", Value::from(ing.name)),
+                            ("service", Value::from(p.target.service.as_str())),
                             ("port", port),
+                            (
+                                "external_name",
+                                Value::from(svc.is_some_and(|(svc, _)| svc.external_name)),
+                            ),
                         ])
                     })
                     .collect()
             },
             keep,
         );
+        if claims.contested {
+            let age = ing.age();
+            let kept = paths.iter().filter(|p| kind(p));
+            for (row, p) in rows
+                .get_mut(first..)
+                .unwrap_or_default()
+                .iter_mut()
+                .zip(kept)
+            {
+                if let Some(winner) = claims.lost_to(&route_key(p), &age) {
+                    *row = with_field(row, "conflict", Value::from(winner));
+                }
+            }
+        }
     }
     Value::from(rows)
 }
 
-fn ingress_tls(slot: Slot, ingresses: Source<'_>, secrets: Source<'_>) -> Value {
+fn ingress_tls(slot: Slot, ingresses: Source<'_>, secrets: Source<'_>, ours: &Ours<'_>) -> Value {
+    let ours = ours.of(ingresses);
+    // Who claims each TLS host: the oldest Ingress.
+    let mut claims = Claims::with_capacity(ours.len() / 2);
+    for ing in &ours {
+        let age = ing.age();
+        for tls in ing.extracts.tls(ing.value) {
+            for host in tls.hosts.as_array().unwrap_or_default() {
+                if let Some(host) = host.as_str().filter(|h| !h.is_empty()) {
+                    claims.claim(host, age);
+                }
+            }
+        }
+    }
     let mut rows = Vec::new();
-    for ((namespace, ingress), ing, extracts) in ingresses.entries() {
-        let entries = extracts.tls(ing);
+    for ing in &ours {
+        let (namespace, ingress) = (ing.namespace, ing.name);
+        let entries = ing.extracts.tls(ing.value);
         if entries.is_empty() {
             continue;
         }
@@ -690,7 +1126,8 @@ fn ingress_tls(slot: Slot, ingresses: Source<'_>, secrets: Source<'_>) -> Value 
             })
             .collect();
         let joined = found.iter().map(|f| f.map(|(_, e)| e));
-        extracts.rows_into(slot, joined, &mut rows, || {
+        let first = rows.len();
+        ing.extracts.rows_into(slot, joined, &mut rows, || {
             entries
                 .iter()
                 .zip(&found)
@@ -702,14 +1139,133 @@ fn ingress_tls(slot: Slot, ingresses: Source<'_>, secrets: Source<'_>) -> Value 
                         ),
                         ("file", Value::from(ssl_file(namespace, &tls.secret))),
                         ("hosts", tls.hosts.clone()),
-                        ("namespace", Value::from(namespace.as_str())),
-                        ("ingress", Value::from(ingress.as_str())),
+                        ("conflicts", Value::from(Vec::<Value>::new())),
+                        ("ssl_redirect", Value::from(ing.ingress.ssl_redirect)),
+                        ("namespace", Value::from(namespace)),
+                        ("ingress", Value::from(ingress)),
                         ("secret", Value::from(tls.secret.as_str())),
                     ])
                 })
                 .collect()
         });
+        if claims.contested {
+            let age = ing.age();
+            for (entry_row, tls) in rows
+                .get_mut(first..)
+                .unwrap_or_default()
+                .iter_mut()
+                .zip(entries)
+            {
+                let mut kept = Vec::new();
+                let mut lost = Vec::new();
+                for host in tls.hosts.as_array().unwrap_or_default() {
+                    match host.as_str().and_then(|h| claims.lost_to(&h, &age)) {
+                        Some(winner) => lost.push(row([
+                            ("host", host.clone()),
+                            ("winner", Value::from(winner)),
+                        ])),
+                        None => kept.push(host.clone()),
+                    }
+                }
+                if !lost.is_empty() {
+                    let changed = with_field(entry_row, "hosts", Value::from(kept));
+                    *entry_row = with_field(&changed, "conflicts", Value::from(lost));
+                }
+            }
+        }
     }
+    Value::from(rows)
+}
+
+fn ingress_rows(slot: Slot, ingresses: Source<'_>, ours: &Ours<'_>) -> Value {
+    let ours = ours.of(ingresses);
+    let mut rows = Vec::with_capacity(ours.len());
+    for ing in &ours {
+        ing.extracts
+            .rows_into(slot, std::iter::empty(), &mut rows, || {
+                vec![row([
+                    ("namespace", Value::from(ing.namespace)),
+                    ("name", Value::from(ing.name)),
+                    ("object", ing.value.clone()),
+                ])]
+            });
+    }
+    Value::from(rows)
+}
+
+/// Our Ingresses with a `spec.defaultBackend`: Service backends oldest first (the first is
+/// the winner), then resource backends oldest first.
+fn default_backend_candidates<'a, 'b>(
+    ours: &'b [OurIngress<'a>],
+) -> Vec<(&'b OurIngress<'a>, &'a DefaultBackendExtract)> {
+    let mut candidates: Vec<_> = ours
+        .iter()
+        .filter_map(|ing| Some((ing, ing.ingress.default_backend.as_ref()?)))
+        .collect();
+    candidates.sort_by_key(|(ing, backend)| {
+        (
+            matches!(backend, DefaultBackendExtract::Resource),
+            ing.age(),
+        )
+    });
+    candidates
+}
+
+fn default_backends(ingresses: Source<'_>, services: Source<'_>, ours: &Ours<'_>) -> Value {
+    let ours = ours.of(ingresses);
+    let candidates = default_backend_candidates(&ours);
+    let winner = candidates
+        .first()
+        .filter(|(_, backend)| matches!(backend, DefaultBackendExtract::Service(_)))
+        .map(|(ing, _)| Value::from(owner(&ing.age())));
+    let rows: Vec<Value> = candidates
+        .iter()
+        .enumerate()
+        .map(|(i, (ing, backend))| {
+            let (namespace, ingress) = (Value::from(ing.namespace), Value::from(ing.name));
+            match backend {
+                DefaultBackendExtract::Service(target) => {
+                    let svc = services.get_entry(ing.namespace, &target.service).map(
+                        |(svc, extracts)| extracts.service(ing.namespace, &target.service, svc),
+                    );
+                    let port = svc.and_then(|svc| svc.resolve(target));
+                    let conflict = match (i, &winner) {
+                        (0, _) | (_, None) => Value::none(),
+                        (_, Some(winner)) => winner.clone(),
+                    };
+                    row([
+                        (
+                            "backend",
+                            port.map_or_else(Value::none, |p| p.backend.clone()),
+                        ),
+                        ("resource", Value::from(false)),
+                        ("conflict", conflict),
+                        ("namespace", namespace),
+                        ("ingress", ingress),
+                        ("service", Value::from(target.service.as_str())),
+                        (
+                            "port",
+                            port.map_or_else(Value::none, |p| Value::from(p.number)),
+                        ),
+                        (
+                            "external_name",
+                            Value::from(svc.is_some_and(|svc| svc.external_name)),
+                        ),
+                    ])
+                }
+                DefaultBackendExtract::Resource => row([
+                    ("backend", Value::none()),
+                    ("resource", Value::from(true)),
+                    ("conflict", Value::none()),
+                    ("namespace", namespace),
+                    ("ingress", ingress),
+                    ("service", Value::from("")),
+                    ("port", Value::none()),
+                    ("external_name", Value::from(false)),
+                ]),
+            }
+        })
+        .collect();
     Value::from(rows)
 }
 
@@ -725,9 +1281,9 @@ struct ViewState {
     /// The input stores' generations the value was computed from.
     built_from: Option<Vec<u64>>,
     value: Value,
-    /// For `routedBy`: the routed ports, and the generations of the Ingresses and Services
-    /// they were computed from.
-    routed: Option<([u64; 2], Routed)>,
+    /// For `routedBy`: the routed ports, and the generations of the Ingresses, Services (and
+    /// IngressClasses) they were computed from.
+    routed: Option<(Vec<u64>, Routed)>,
 }
 
 impl Clone for DerivedView {
@@ -784,18 +1340,24 @@ impl DerivedView {
                 index: self.derivation.slot(),
                 keep: true,
             };
-            let value = match (&self.derivation, &inputs[..]) {
-                (Derivation::ServiceBackends { .. }, [services, slices, rest @ ..]) => {
+            let value = match split_classes(&self.derivation, &inputs) {
+                (Derivation::ServiceBackends { .. }, [services, slices, rest @ ..], classes) => {
                     let routed = match rest.first() {
                         None => None,
                         Some(ingresses) => {
-                            let from = [ingresses.generation(), services.generation()];
+                            let from: Vec<u64> = [Some(*ingresses), Some(*services), classes]
+                                .into_iter()
+                                .flatten()
+                                .map(|s| s.generation())
+                                .collect();
                             if state
                                 .routed
                                 .as_ref()
                                 .is_none_or(|(built, _)| *built != from)
                             {
-                                state.routed = Some((from, routed_ports(*ingresses, *services)));
+                                let ours = Ours::new(self.derivation.classes(), classes);
+                                state.routed =
+                                    Some((from, routed_ports(*ingresses, *services, &ours)));
                             }
                             state.routed.as_ref().map(|(_, routed)| routed)
                         }
@@ -822,20 +1384,37 @@ impl DerivedView {
     }
 }
 
+/// The inputs of a derivation, with the IngressClasses of its class filter split off.
+fn split_classes<'d, 's, 'a>(
+    derivation: &'d Derivation,
+    inputs: &'s [Source<'a>],
+) -> (&'d Derivation, &'s [Source<'a>], Option<Source<'a>>) {
+    match (derivation.classes(), inputs.split_last()) {
+        (Some(_), Some((classes, rest))) => (derivation, rest, Some(*classes)),
+        _ => (derivation, inputs, None),
+    }
+}
+
 /// The rows of `derivation` over `inputs`, with the routed ports computed afresh.
 fn compute(derivation: &Derivation, slot: Slot, inputs: &[Source<'_>]) -> Value {
+    let (derivation, inputs, classes) = split_classes(derivation, inputs);
+    let ours = Ours::new(derivation.classes(), classes);
     match (derivation, inputs) {
         (Derivation::ServiceBackends { .. }, [services, slices, rest @ ..]) => {
             let routed = rest
                 .first()
-                .map(|ingresses| routed_ports(*ingresses, *services));
+                .map(|ingresses| routed_ports(*ingresses, *services, &ours));
             service_backends(slot, *services, *slices, routed.as_ref())
         }
         (Derivation::IngressRoutes { exact, .. }, [ingresses, services]) => {
-            ingress_routes(slot, *ingresses, *services, *exact)
+            ingress_routes(slot, *ingresses, *services, *exact, &ours)
         }
         (Derivation::IngressTls { .. }, [ingresses, secrets]) => {
-            ingress_tls(slot, *ingresses, *secrets)
+            ingress_tls(slot, *ingresses, *secrets, &ours)
+        }
+        (Derivation::Ingresses { .. }, [ingresses]) => ingress_rows(slot, *ingresses, &ours),
+        (Derivation::IngressDefaultBackends { .. }, [ingresses, services]) => {
+            default_backends(*ingresses, *services, &ours)
         }
         // `Stores` passes the stores `inputs()` names, so this does not happen.
         _ => Value::from(Vec::<Value>::new()),
@@ -876,6 +1455,7 @@ mod tests {
                     services: "services".into(),
                     endpoint_slices: "endpointslices".into(),
                     routed_by: None,
+                    classes: None,
                 },
             )
             .unwrap();
@@ -886,6 +1466,7 @@ mod tests {
                     ingresses: "ingresses".into(),
                     services: "services".into(),
                     exact: None,
+                    classes: None,
                 },
             )
             .unwrap();
@@ -939,7 +1520,7 @@ mod tests {
             rows,
             json!([
                 {"name": "ns_web_80", "namespace": "ns", "service": "web", "port": 80,
-                 "port_name": "http", "endpoints": [
+                 "port_name": "http", "app_protocol": "", "endpoints": [
                     {"name": "web-b_10.0.0.1", "address": "10.0.0.1", "port": 8080,
                      "endpoint": "10.0.0.1:8080", "ready": true, "terminating": false, "slice": "web-b"},
                     {"name": "web-b_10.0.0.2", "address": "10.0.0.2", "port": 8080,
@@ -947,7 +1528,7 @@ mod tests {
                  ]},
                 // No slice port named `admin`; the port without a number is left out.
                 {"name": "ns_web_81", "namespace": "ns", "service": "web", "port": 81,
-                 "port_name": "admin", "endpoints": []},
+                 "port_name": "admin", "app_protocol": "", "endpoints": []},
             ])
         );
     }
@@ -1051,6 +1632,7 @@ mod tests {
                 ingresses: "ingresses".into(),
                 services: "services".into(),
                 exact: Some(exact),
+                classes: None,
             };
             s.derive(name, view).unwrap();
         }
@@ -1124,6 +1706,7 @@ mod tests {
             Derivation::IngressTls {
                 ingresses: "ingresses".into(),
                 secrets: "secrets".into(),
+                classes: None,
             },
         )
         .unwrap();
@@ -1193,6 +1776,7 @@ mod tests {
                 services: "services".into(),
                 endpoint_slices: "endpointslices".into(),
                 routed_by: Some("ingresses".into()),
+                classes: None,
             },
         )
         .unwrap();
@@ -1246,6 +1830,7 @@ mod tests {
             ingresses: "ingresses".into(),
             services: "svc".into(),
             exact: None,
+            classes: None,
         };
         let err = s.derive("more", d.clone()).unwrap_err();
         assert!(
@@ -1261,6 +1846,7 @@ mod tests {
             ingresses: "ingresses".into(),
             services: "services".into(),
             exact: None,
+            classes: None,
         };
         for bad in ["a-b", "1x", ""] {
             assert!(
@@ -1291,6 +1877,7 @@ mod tests {
             ingresses: "x".into(),
             services: services.into(),
             exact: None,
+            classes: None,
         };
         s.derive("selfjoin", routes("x")).unwrap();
         s.derive("other", routes("y")).unwrap();
@@ -1330,6 +1917,7 @@ mod tests {
                 ingresses: "x".into(),
                 services: "x".into(),
                 exact: None,
+                classes: None,
             },
         )
         .unwrap();
@@ -1415,15 +2003,27 @@ mod tests {
         .unwrap();
         assert_eq!(d.inputs(), ["s", "e"]);
         // The reference views in the shape the README shows, and back.
+        let classes = json!({"ingressClasses": "ingressclasses",
+            "controller": "haproxy-haptic.org/ingress-controller", "classless": false});
         let config = json!({
             "backends": {"kind": "serviceBackends", "services": "services",
-                         "endpointSlices": "endpointslices", "routedBy": "ingresses"},
+                         "endpointSlices": "endpointslices", "routedBy": "ingresses",
+                         "classes": classes},
+            "default_backends": {"kind": "ingressDefaultBackends", "ingresses": "ingresses",
+                                 "services": "services", "classes": classes},
+            "ingresses": {"kind": "ingresses", "ingresses": "ingresses", "classes": classes},
             "routes_exact": {"kind": "ingressRoutes", "ingresses": "ingresses",
-                             "services": "services", "exact": true},
+                             "services": "services", "exact": true, "classes": classes},
             "routes_prefix": {"kind": "ingressRoutes", "ingresses": "ingresses",
-                              "services": "services", "exact": false},
-            "tls": {"kind": "ingressTls", "ingresses": "ingresses", "secrets": "secrets"},
+                              "services": "services", "exact": false, "classes": classes},
+            "tls": {"kind": "ingressTls", "ingresses": "ingresses", "secrets": "secrets",
+                    "classes": classes},
         });
+        // The controller name and `classless` have defaults.
+        let short: Derivation = serde_json::from_value(json!({"kind": "ingresses",
+            "ingresses": "ingresses", "classes": {"ingressClasses": "ingressclasses"}}))
+        .unwrap();
+        assert_eq!(short.classes(), Some(&crate::reference::classes()));
         for (name, derivation) in crate::reference::derivations() {
             let parsed: Derivation = serde_json::from_value(config[name].clone()).unwrap();
             assert_eq!(parsed, derivation, "{name}");

@@ -71,7 +71,10 @@ impl Params {
 
     /// Generates the resources.
     pub fn generate(&self) -> Fixtures {
-        let mut fixtures = Fixtures::default();
+        let mut fixtures = Fixtures {
+            ingress_classes: vec![ingress_class(FIXTURE_CLASS, true)],
+            ..Fixtures::default()
+        };
         for i in 0..self.ingresses {
             let namespace = format!("team-{:02}", i % self.namespaces.max(1));
             let name = format!("app-{i:05}");
@@ -91,7 +94,7 @@ impl Params {
                     path(&format!("/shared/{name}"), "Prefix", &name, json!({"name": "http"})),
                 ]}}));
             }
-            let mut spec = json!({"ingressClassName": "haptic", "rules": rules});
+            let mut spec = json!({"ingressClassName": FIXTURE_CLASS, "rules": rules});
             if every(self.tls_every) {
                 let secret = format!("{name}-tls");
                 spec["tls"] = json!([{"hosts": [host], "secretName": secret}]);
@@ -154,6 +157,26 @@ fn path(path: &str, path_type: &str, service: &str, port: Json) -> Json {
     })
 }
 
+/// The IngressClass of the generated Ingresses: ours, and the default, so that an Ingress a
+/// test adds without a class is ours too.
+pub const FIXTURE_CLASS: &str = "haptic";
+
+/// An IngressClass `name` whose controller is ours ([`crate::derived::DEFAULT_CONTROLLER`]),
+/// marked default when `default`.
+pub fn ingress_class(name: &str, default: bool) -> Json {
+    let mut class = json!({
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "IngressClass",
+        "metadata": {"name": name},
+        "spec": {"controller": crate::derived::DEFAULT_CONTROLLER},
+    });
+    if default {
+        class["metadata"]["annotations"] =
+            json!({"ingressclass.kubernetes.io/is-default-class": "true"});
+    }
+    class
+}
+
 /// A `kubernetes.io/tls` Secret holding [`TLS_CERT_PEM`] and [`TLS_KEY_PEM`].
 pub fn tls_secret(namespace: &str, name: &str) -> Json {
     let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
@@ -182,6 +205,8 @@ pub struct Fixtures {
     pub endpoint_slices: Vec<Json>,
     /// kubernetes.io/tls Secrets, one per Ingress with TLS.
     pub secrets: Vec<Json>,
+    /// networking.k8s.io/v1 IngressClasses: one, [`FIXTURE_CLASS`], ours and the default.
+    pub ingress_classes: Vec<Json>,
 }
 
 impl Fixtures {
@@ -193,6 +218,7 @@ impl Fixtures {
             .chain(self.services.iter().map(|r| ("services", r)))
             .chain(self.endpoint_slices.iter().map(|r| ("endpointslices", r)))
             .chain(self.secrets.iter().map(|r| ("secrets", r)))
+            .chain(self.ingress_classes.iter().map(|r| ("ingressclasses", r)))
     }
 
     /// Applies every resource to its store (made by [`crate::reference::stores`]).
@@ -209,7 +235,11 @@ impl Fixtures {
 
     /// Total number of resources.
     pub fn len(&self) -> usize {
-        self.ingresses.len() + self.services.len() + self.endpoint_slices.len() + self.secrets.len()
+        self.ingresses.len()
+            + self.services.len()
+            + self.endpoint_slices.len()
+            + self.secrets.len()
+            + self.ingress_classes.len()
     }
 
     /// Whether there are no resources.

@@ -13,6 +13,7 @@
 //! | `group_by_field` | filter | `{% for g in slices \| group_by_field(field="metadata.namespace") %}{{ g.key }}: {{ g.items \| length }}{% endfor %}` | groups sorted by key |
 //! | `http_path` | test | `{% if p.path is http_path %}` | true for `/`-rooted paths without whitespace, control characters or `#` |
 //! | `hostname` | test | `{% if rule.host is hostname %}` | true for non-wildcard DNS names (lowercase letters, digits, `-`, `.`) |
+//! | `wildcard_host` | test | `{% if rule.host is wildcard_host %}` | true for `*.` followed by such a name |
 //! | `config_token` | test | `{% if r.host is not config_token %}` | false for text that would end a config, map or crt-list token: whitespace (newlines included), control characters, quotes, `\`, `#` |
 //! | `ip_address` | test | `{% if ep.address is ip_address %}` | true for an IPv4 or IPv6 address |
 //! | `refuse` | function | `{{ refuse(field="spec.rules[].host", value=r.host, store="ingresses", namespace=r.namespace, name=r.ingress) }}` | nothing in a normal render (the template leaves the value out); in a webhook's render of that very resource, an error naming it, the field and the value |
@@ -195,6 +196,20 @@ pub fn is_hostname(host: &str) -> bool {
         })
 }
 
+/// Whether `host` is a wildcard host as the Ingress API defines them: `*.` followed by a plain
+/// DNS name ([`is_hostname`]). It matches a host with exactly one more label in front: `*.foo.com`
+/// matches `bar.foo.com`, not `baz.bar.foo.com` nor `foo.com`.
+///
+/// ```
+/// assert!(haptic_render::functions::is_wildcard_host("*.example.com"));
+/// assert!(!haptic_render::functions::is_wildcard_host("*example.com"));
+/// assert!(!haptic_render::functions::is_wildcard_host("a.*.example.com"));
+/// assert!(!haptic_render::functions::is_wildcard_host("shop.example.com"));
+/// ```
+pub fn is_wildcard_host(host: &str) -> bool {
+    host.strip_prefix("*.").is_some_and(is_hostname)
+}
+
 /// Whether `text` can stand as one token of an HAProxy config, map or crt-list line: no
 /// whitespace (a newline would start a new directive or entry, a space a new argument), no
 /// control character, no quote or backslash (they change how HAProxy splits a line), no `#`
@@ -337,6 +352,9 @@ pub(crate) fn register(tera: &mut Tera) {
     });
     tera.register_test("hostname", |v: &Value, _: Kwargs, _: &State| {
         v.as_str().is_some_and(is_hostname)
+    });
+    tera.register_test("wildcard_host", |v: &Value, _: Kwargs, _: &State| {
+        v.as_str().is_some_and(is_wildcard_host)
     });
     tera.register_test("config_token", |v: &Value, _: Kwargs, _: &State| {
         v.as_str().is_none_or(is_config_token)

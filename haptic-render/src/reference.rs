@@ -4,7 +4,7 @@
 
 use serde_json::json;
 
-use crate::derived::Derivation;
+use crate::derived::{Derivation, IngressClassFilter};
 use crate::set::{CertificateTemplate, Template, TemplateSet};
 use crate::store::{self, StoreConfig, Stores};
 
@@ -16,7 +16,8 @@ use crate::store::{self, StoreConfig, Stores};
 /// | `services` | v1 Service | namespace, name |
 /// | `endpointslices` | discovery.k8s.io/v1 EndpointSlice | namespace, label `kubernetes.io/service-name` |
 /// | `secrets` | v1 Secret | namespace, name |
-pub const STORES: [(&str, &[&str]); 4] = [
+/// | `ingressclasses` | networking.k8s.io/v1 IngressClass (cluster-scoped) | name |
+pub const STORES: [(&str, &[&str]); 5] = [
     ("ingresses", &["metadata.namespace", "metadata.name"]),
     ("services", &["metadata.namespace", "metadata.name"]),
     (
@@ -27,6 +28,7 @@ pub const STORES: [(&str, &[&str]); 4] = [
         ],
     ),
     ("secrets", &["metadata.namespace", "metadata.name"]),
+    ("ingressclasses", &["metadata.name"]),
 ];
 
 /// Empty stores configured as the reference set expects them ([`STORES`]), with the derived
@@ -37,6 +39,12 @@ pub const STORES: [(&str, &[&str]); 4] = [
 /// | `derived.backends` | [`Derivation::ServiceBackends`] of `services` and `endpointslices`, for the Service ports `ingresses` route to |
 /// | `derived.routes_exact`, `derived.routes_prefix` | [`Derivation::IngressRoutes`] of `ingresses` and `services`, Exact paths and the others |
 /// | `derived.tls` | [`Derivation::IngressTls`] of `ingresses` and `secrets` |
+/// | `derived.ingresses` | [`Derivation::Ingresses`]: our Ingresses |
+/// | `derived.default_backends` | [`Derivation::IngressDefaultBackends`] of `ingresses` and `services` |
+///
+/// Every view reads only our Ingresses ([`classes`]: IngressClasses of `ingressclasses` whose
+/// controller is [`crate::derived::DEFAULT_CONTROLLER`]; class-less Ingresses only through a
+/// default class).
 pub fn stores() -> Result<Stores, store::Error> {
     let mut stores = Stores::new();
     for (name, index) in STORES {
@@ -48,38 +56,66 @@ pub fn stores() -> Result<Stores, store::Error> {
     Ok(stores)
 }
 
+/// The class filter of every reference view: our IngressClasses are those of the
+/// `ingressclasses` store whose `spec.controller` is [`crate::derived::DEFAULT_CONTROLLER`];
+/// an Ingress without a class is ours only through a default class among them.
+pub fn classes() -> IngressClassFilter {
+    IngressClassFilter::new("ingressclasses")
+}
+
 /// The derived views of the reference set, by name.
-pub fn derivations() -> [(&'static str, Derivation); 4] {
+pub fn derivations() -> [(&'static str, Derivation); 6] {
+    let ingresses = || "ingresses".to_owned();
+    let services = || "services".to_owned();
     [
         (
             "backends",
             Derivation::ServiceBackends {
-                services: "services".to_owned(),
+                services: services(),
                 endpoint_slices: "endpointslices".to_owned(),
-                routed_by: Some("ingresses".to_owned()),
+                routed_by: Some(ingresses()),
+                classes: Some(classes()),
+            },
+        ),
+        (
+            "default_backends",
+            Derivation::IngressDefaultBackends {
+                ingresses: ingresses(),
+                services: services(),
+                classes: Some(classes()),
+            },
+        ),
+        (
+            "ingresses",
+            Derivation::Ingresses {
+                ingresses: ingresses(),
+                classes: Some(classes()),
             },
         ),
         (
             "routes_exact",
             Derivation::IngressRoutes {
-                ingresses: "ingresses".to_owned(),
-                services: "services".to_owned(),
+                ingresses: ingresses(),
+                services: services(),
                 exact: Some(true),
+                classes: Some(classes()),
             },
         ),
         (
             "routes_prefix",
             Derivation::IngressRoutes {
-                ingresses: "ingresses".to_owned(),
-                services: "services".to_owned(),
+                ingresses: ingresses(),
+                services: services(),
                 exact: Some(false),
+                classes: Some(classes()),
             },
         ),
         (
             "tls",
             Derivation::IngressTls {
-                ingresses: "ingresses".to_owned(),
+                ingresses: ingresses(),
                 secrets: "secrets".to_owned(),
+                classes: Some(classes()),
             },
         ),
     ]
@@ -92,13 +128,16 @@ fn template(source: &str) -> Template {
 /// The reference template set.
 ///
 /// Outputs: `haproxy.cfg`; `maps/routes-exact.map` and `maps/routes-prefix.map` (routing);
-/// `maps/certs.list` (the HTTPS crt-list); `ssl/<namespace>_<secret>.pem` for every usable
+/// `maps/certs.list` (the HTTPS crt-list); `maps/ssl-redirect.map` (hosts redirected to HTTPS); `ssl/<namespace>_<secret>.pem` for every usable
 /// TLS Secret.
 ///
 /// `extraContext.haproxy` holds the tunables: `maxconn` (50000), `bind_address` (empty: every
 /// address; `${POD_IP}` binds each pod to its own, HAProxy expanding the variable from its
 /// environment), `http_port` (80),
 /// `https_port` (443), `timeout_connect` (5s), `timeout_client` and `timeout_server` (50s),
+/// `timeout_tunnel` (1h: WebSockets and upgraded streams), `ssl_redirect` (true: plain HTTP to
+/// a host with a certificate line is redirected to HTTPS with 308; an Ingress opts out with the
+/// annotation `haproxy-haptic.org/ssl-redirect: "false"`),
 /// `stats_socket` (none: a path adds an admin `stats socket`), `route_debug` (false: true
 /// answers requests carrying `x-haptic-route-debug` with the backend they would go to),
 /// `server_slots` (10: `server` lines per backend, growing in steps of it; see
@@ -127,6 +166,10 @@ pub fn template_set() -> TemplateSet {
         (
             "certs.list",
             include_str!("../templates/maps/certs.list.tera"),
+        ),
+        (
+            "ssl-redirect.map",
+            include_str!("../templates/maps/ssl-redirect.map.tera"),
         ),
     ] {
         set.maps.insert(name.to_owned(), template(source));
@@ -173,6 +216,8 @@ pub fn template_set() -> TemplateSet {
             "timeout_connect": "5s",
             "timeout_client": "50s",
             "timeout_server": "50s",
+            "timeout_tunnel": "1h",
+            "ssl_redirect": true,
             "stats_socket": null,
             "route_debug": false,
             "service": null,

@@ -231,6 +231,12 @@ mod tests {
         let mut set = reference::template_set();
         set.extra_context.get_mut("haproxy").unwrap()["service"] = json!("haptic/haproxy");
         let mut stores = reference::stores().unwrap();
+        // Class-less Ingresses, ours through the default class.
+        stores
+            .get_mut("ingressclasses")
+            .unwrap()
+            .apply(&crate::fixtures::ingress_class("haptic", true))
+            .unwrap();
         let ingresses = stores.get_mut("ingresses").unwrap();
         ingresses.apply(&ingress("good", "web")).unwrap();
         ingresses.apply(&ingress("broken", "missing")).unwrap();

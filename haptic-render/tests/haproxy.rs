@@ -89,7 +89,8 @@ fn a_thousand_ingresses_render_a_config_haproxy_accepts() {
             .count(),
         250
     );
-    assert_eq!(files.len(), 4 + 250);
+    // haproxy.cfg, three maps, the crt-list, a PEM per TLS Secret.
+    assert_eq!(files.len(), 5 + 250);
 }
 
 #[test]
@@ -142,7 +143,7 @@ fn broken_ingresses_never_produce_an_invalid_config() {
             "bad-port-2",
             json!({"rules": [rule("f.broken.example.com", "/", "Prefix", "web", json!({"name": "grpc"}))]}),
         ),
-        // Hosts that are not plain names.
+        // A wildcard host (supported), and hosts that are not plain names.
         ingress(
             "bad-host-1",
             json!({"rules": [rule("*.wild.example.com", "/", "Prefix", "web", json!({"number": 80}))]}),
@@ -288,7 +289,12 @@ fn broken_ingresses_never_produce_an_invalid_config() {
             "{host}.broken reached a map:\n{maps}"
         );
     }
-    for absent in ["wild", "UPPER", "with space", "no-slash", "ssl/broken_"] {
+    // A wildcard host is supported: its rule is written as it is.
+    assert!(
+        maps.contains("*.wild.example.com/ broken_web_80\n"),
+        "{maps}"
+    );
+    for absent in ["UPPER", "with space", "no-slash", "ssl/broken_"] {
         assert!(!maps.contains(absent), "`{absent}` reached a map:\n{maps}");
     }
     assert!(!files.iter().any(|(p, _)| p.starts_with("ssl/broken_")));

@@ -317,7 +317,7 @@ fn object<T: serde::de::DeserializeOwned>(value: serde_json::Value) -> Result<T>
 pub(crate) fn ingress(name: &str, host: &str, service: &str) -> Result<Ingress> {
     object(json!({
         "metadata": {"name": name, "namespace": NS},
-        "spec": {"rules": [{"host": host, "http": {"paths": [{
+        "spec": {"ingressClassName": "haproxy", "rules": [{"host": host, "http": {"paths": [{
             "path": "/", "pathType": "Prefix",
             "backend": {"service": {"name": service, "port": {"name": "http"}}},
         }]}}]},
@@ -425,6 +425,15 @@ impl Fleet {
             .create(&pp, &HAProxyTemplateConfig::crd())
             .await
             .context("creating the CRD")?;
+        // The IngressClass `deploy/ingressclass.yaml` ships: the fleet's Ingresses name it.
+        let class: k8s_openapi::api::networking::v1::IngressClass = object(json!({
+            "metadata": {"name": "haproxy"},
+            "spec": {"controller": haptic_render::derived::DEFAULT_CONTROLLER},
+        }))?;
+        Api::all(self.client.clone())
+            .create(&pp, &class)
+            .await
+            .context("creating the IngressClass")?;
         let secret: Secret = object(json!({
             "metadata": {"name": "haptic-agent-token", "namespace": NS},
             "data": {"token": base64(TOKEN)},

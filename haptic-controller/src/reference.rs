@@ -11,11 +11,12 @@ use crate::crd::{
 };
 
 /// The resource each reference store watches: (store, apiVersion, plural).
-const RESOURCES: [(&str, &str, &str); 4] = [
+const RESOURCES: [(&str, &str, &str); 5] = [
     ("ingresses", "networking.k8s.io/v1", "ingresses"),
     ("services", "v1", "services"),
     ("endpointslices", "discovery.k8s.io/v1", "endpointslices"),
     ("secrets", "v1", "secrets"),
+    ("ingressclasses", "networking.k8s.io/v1", "ingressclasses"),
 ];
 
 /// The reference spec, for HAProxy pods labelled `app.kubernetes.io/name: haproxy`.
@@ -114,9 +115,23 @@ fn tests() -> BTreeMap<String, ValidationTest> {
         json!({"path": path, "pathType": kind,
             "backend": {"service": {"name": service, "port": port}}})
     };
+    // Ingresses of the class deploy/ships (`haproxy`, ours).
     let ingress = |name: &str, spec: Json| {
+        let mut spec = spec;
+        spec["ingressClassName"] = json!("haproxy");
         json!({"apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
             "metadata": {"namespace": "shop", "name": name}, "spec": spec})
+    };
+    let classes = json!([
+        haptic_render::fixtures::ingress_class("haproxy", false),
+        {"apiVersion": "networking.k8s.io/v1", "kind": "IngressClass",
+         "metadata": {"name": "nginx"}, "spec": {"controller": "k8s.io/ingress-nginx"}},
+    ]);
+    let aged = |ingress: Json, namespace: &str, created: &str| {
+        let mut ingress = ingress;
+        ingress["metadata"]["namespace"] = json!(namespace);
+        ingress["metadata"]["creationTimestamp"] = json!(created);
+        ingress
     };
     let web = || {
         (
@@ -133,6 +148,7 @@ fn tests() -> BTreeMap<String, ValidationTest> {
         "routing-by-host-and-path-type": {
             "description": "Exact and Prefix paths of a host, and a rule without a host, route to their Service ports",
             "fixtures": {
+                "ingressclasses": classes,
                 "services": [web().0, service("api", json!([{"name": "http", "port": 8080, "protocol": "TCP"}]))],
                 "endpointslices": [web().1, slice("api-1", "api", "IPv4", json!([ready("10.0.1.1")]))],
                 "ingresses": [ingress("web", json!({"rules": [
@@ -165,6 +181,7 @@ fn tests() -> BTreeMap<String, ValidationTest> {
         "tls": {
             "description": "an Ingress TLS entry with a usable Secret gets an HTTPS bind, a crt-list line and its PEM; one without gets nothing",
             "fixtures": {
+                "ingressclasses": classes,
                 "services": [web().0],
                 "endpointslices": [web().1],
                 "secrets": [haptic_render::fixtures::tls_secret("shop", "web-tls")],
@@ -190,6 +207,7 @@ fn tests() -> BTreeMap<String, ValidationTest> {
         "missing-service-or-port": {
             "description": "paths to a Service that does not exist, or to a port it does not have, write no route and no backend",
             "fixtures": {
+                "ingressclasses": classes,
                 "services": [web().0],
                 "endpointslices": [web().1],
                 "ingresses": [ingress("web", json!({"rules": [{"host": "shop.example.com", "http": {"paths": [
@@ -209,6 +227,8 @@ fn tests() -> BTreeMap<String, ValidationTest> {
         "not-ready-endpoints": {
             "description": "an endpoint whose conditions say ready: false is a disabled server; one without conditions takes traffic",
             "fixtures": {
+                "ingressclasses": classes,
+                "ingressclasses": classes,
                 "services": [web().0],
                 "endpointslices": [slice("web-1", "web", "IPv4", json!([
                     ready("10.0.0.1"),
@@ -226,9 +246,43 @@ fn tests() -> BTreeMap<String, ValidationTest> {
                 {"type": "contains", "pattern": "(?m)^    server \\S+ 10\\.0\\.0\\.3:8080 check$"},
             ],
         },
+        "ingress-classes-conflicts-wildcards": {
+            "description": "only Ingresses of our class route; the oldest Ingress wins a host and path claimed twice; a wildcard host is written as it is; the oldest defaultBackend is the default",
+            "fixtures": {
+                "ingressclasses": classes,
+                "services": [web().0, service("api", http.clone())],
+                "endpointslices": [web().1, slice("api-1", "api", "IPv4", json!([ready("10.0.1.1")]))],
+                "ingresses": [
+                    aged(ingress("old", json!({"defaultBackend": {"service": {"name": "web", "port": {"number": 80}}},
+                        "rules": [{"host": "shop.example.com", "http": {"paths": [path("/", "Prefix", "web", json!({"number": 80}))]}}]})),
+                        "shop", "2026-01-01T00:00:00Z"),
+                    aged(ingress("new", json!({"defaultBackend": {"service": {"name": "api", "port": {"number": 80}}},
+                        "rules": [
+                            {"host": "shop.example.com", "http": {"paths": [path("/", "Prefix", "api", json!({"number": 80}))]}},
+                            {"host": "*.shop.example.com", "http": {"paths": [path("/", "Prefix", "api", json!({"number": 80}))]}},
+                        ]})),
+                        "shop", "2026-02-01T00:00:00Z"),
+                    {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
+                     "metadata": {"namespace": "shop", "name": "theirs"},
+                     "spec": {"ingressClassName": "nginx", "rules": [{"host": "nginx.example.com",
+                        "http": {"paths": [path("/", "Prefix", "web", json!({"number": 80}))]}}]}},
+                ],
+            },
+            "assertions": [
+                {"type": "haproxy_valid"},
+                {"type": "equals", "target": "map:routes-prefix.map",
+                    "expected": "*.shop.example.com/ shop_api_80\nshop.example.com/ shop_web_80",
+                    "description": "the older Ingress keeps shop.example.com/; the wildcard rule is written; the nginx Ingress is not ours"},
+                {"type": "contains", "pattern": "(?m)^    default_backend shop_web_80$",
+                    "description": "the older defaultBackend"},
+                {"type": "jsonpath", "jsonpath": "$.derived.routes_prefix[0].conflict", "expected": "shop/old"},
+            ],
+        },
         "ipv6": {
             "description": "IPv6 endpoints are bracketed in server lines",
             "fixtures": {
+                "ingressclasses": classes,
+                "ingressclasses": classes,
                 "services": [web().0],
                 "endpointslices": [slice("web-1", "web", "IPv6", json!([ready("fd00::1")]))],
                 "ingresses": [ingress("web", json!({"rules": [{"host": "shop.example.com", "http": {"paths": [path("/", "Prefix", "web", json!({"number": 80}))]}}]}))],
@@ -260,6 +314,7 @@ mod tests {
             "tls",
             "missing-service-or-port",
             "not-ready-endpoints",
+            "ingress-classes-conflicts-wildcards",
             "ipv6",
         ] {
             assert!(tests.contains_key(name), "{name}");

@@ -208,11 +208,19 @@ fn the_cluster_role_covers_exactly_the_watched_resources() {
         ),
         set(&["patch"]),
     );
+    // Events about Ingresses (conflicts, missing backends): an Event lives in the namespace of
+    // the object it regards, so creating one needs the right there, in every namespace.
+    for group in ["", "events.k8s.io"] {
+        expected.insert(
+            (group.to_owned(), "events".to_owned()),
+            set(&["create", "patch"]),
+        );
+    }
     let cluster_role = find(&rbac, "ClusterRole", "haptic-controller");
     assert_eq!(
         rules(cluster_role),
         expected,
-        "the ClusterRole must grant get/list/watch on exactly the watched resources, and patch of Ingress status"
+        "the ClusterRole must grant get/list/watch on exactly the watched resources, patch of Ingress status, and Events"
     );
 
     let namespace = s(&htc["metadata"]["namespace"]);

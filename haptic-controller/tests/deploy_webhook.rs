@@ -208,6 +208,24 @@ fn the_webhook_components_match_the_binary_and_the_reference_config() {
     };
     assert_eq!(rules(&webhooks[0]), wanted);
     assert!(list(&webhooks[0]["rules"][0]["operations"]).contains(&"DELETE".into()));
+    // Other controllers' Ingresses are not sent: the match condition names the IngressClass
+    // deploy/ ships, for ingressClassName and for the legacy annotation.
+    let class = find(&docs, "IngressClass", "haproxy");
+    assert_eq!(
+        class["spec"]["controller"],
+        haptic_render::derived::DEFAULT_CONTROLLER
+    );
+    let conditions = list(&webhooks[0]["matchConditions"]);
+    assert_eq!(conditions.len(), 1, "{conditions:?}");
+    let expression = conditions[0]["expression"].as_str().unwrap_or_default();
+    for needle in [
+        "ingressClassName in ['haproxy']",
+        "['kubernetes.io/ingress.class'] in ['haproxy']",
+        "oldObject",
+    ] {
+        assert!(expression.contains(needle), "{needle} in {expression}");
+    }
+    assert!(webhooks[1].get("matchConditions").is_none());
     assert_eq!(
         rules(&webhooks[1]),
         BTreeSet::from([(

@@ -112,6 +112,26 @@ impl IngressClassFilter {
             classless: false,
         }
     }
+
+    /// Whether the Ingress `ingress` (as JSON, e.g. one under admission review) is ours with
+    /// the IngressClasses `classes` holds.
+    pub(crate) fn accepts_json(&self, classes: Source<'_>, ingress: &serde_json::Value) -> bool {
+        let text = |pointer: &str| {
+            ingress
+                .pointer(pointer)
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or_default()
+        };
+        let class = match (
+            text("/spec/ingressClassName"),
+            text("/metadata/annotations/kubernetes.io~1ingress.class"),
+        ) {
+            ("", "") => IngressClassRef::None,
+            ("", legacy) => IngressClassRef::Annotation(legacy.to_owned()),
+            (name, _) => IngressClassRef::Name(name.to_owned()),
+        };
+        Ours::new(Some(self), Some(classes)).accepts_class(&class)
+    }
 }
 
 /// A join computed from named stores.
@@ -749,10 +769,14 @@ impl<'a> Ours<'a> {
     }
 
     fn accepts(&self, ing: &IngressExtract) -> bool {
+        self.accepts_class(&ing.class)
+    }
+
+    fn accepts_class(&self, class: &IngressClassRef) -> bool {
         let Some((filter, names, default)) = &self.filter else {
             return true;
         };
-        match &ing.class {
+        match class {
             IngressClassRef::Name(name) | IngressClassRef::Annotation(name) => {
                 names.contains(&name.as_str())
             }

@@ -690,6 +690,32 @@ impl Stores {
         Ok(())
     }
 
+    /// Whether a resource of `store` is one the derived views read. False only for an
+    /// Ingress that every view reading `store` as its Ingresses leaves out by class (an
+    /// Ingress of another controller's class, see [`crate::derived::IngressClassFilter`]):
+    /// nothing rendered can depend on it, so the admission webhook lets it through without
+    /// rendering. True when no view filters `store`.
+    pub fn is_ours(&self, store: &str, resource: &Json) -> bool {
+        let mut filtered = false;
+        for view in self.derived.values() {
+            let derivation = view.derivation();
+            if derivation.ingresses() != Some(store) {
+                continue;
+            }
+            let Some(filter) = derivation.classes() else {
+                return true;
+            };
+            let Some(classes) = self.stores.get(&filter.ingress_classes) else {
+                return true;
+            };
+            if filter.accepts_json(classes.source(), resource) {
+                return true;
+            }
+            filtered = true;
+        }
+        !filtered
+    }
+
     /// The rows of the derived view `name` as JSON (computed if stale), for callers outside
     /// templates; `None` when there is no such view. (Rows are maps of strings, numbers,
     /// booleans and lists: they always convert.)

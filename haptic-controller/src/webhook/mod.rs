@@ -14,6 +14,10 @@
 //!   checks them), its set rendered (against the stores when the watched resources are the
 //!   running config's, else with none) through the policy and `haproxy -c`, and its validation
 //!   tests.
+//! - An Ingress that is not ours (its class belongs to another controller: every derived view
+//!   reading its store leaves it out, [`haptic_render::Stores::is_ours`]) is allowed at once,
+//!   without rendering. The ValidatingWebhookConfiguration's `matchConditions` keep most of
+//!   them from being sent at all.
 //! - A body that is not an AdmissionReview v1 with a request: 400. A review that has not
 //!   finished within its budget, or that cannot be judged (no `haproxy` to run), is answered
 //!   as the failure policy says: denied (`fail`) or allowed with a warning (`ignore`).
@@ -443,6 +447,10 @@ impl Webhook {
                 .as_deref()
                 .is_none_or(|s| selector::matches(&object, selector::Keys::Fields, s));
         if !selected {
+            return Verdict::Allowed(Vec::new());
+        }
+        // An Ingress of another controller's class: nothing rendered reads it.
+        if !self.cache.read().stores.is_ours(&store.name, &object) {
             return Verdict::Allowed(Vec::new());
         }
         let namespace = object

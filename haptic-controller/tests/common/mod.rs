@@ -21,7 +21,7 @@ use k8s_openapi::{
         coordination::v1::Lease,
         core::v1::{Pod, Secret, Service},
         discovery::v1::EndpointSlice,
-        networking::v1::Ingress,
+        networking::v1::{Ingress, IngressClass},
     },
     apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
 };
@@ -112,6 +112,15 @@ impl Cluster {
                 .await
                 .expect("CRD created");
         }
+        // The IngressClass `deploy/` ships (`haproxy`, ours, not the default): the Ingresses
+        // of `ingress()` name it.
+        let class: IngressClass =
+            serde_saphyr::from_str(include_str!("../../../deploy/ingressclass.yaml"))
+                .expect("deploy/ingressclass.yaml");
+        Api::<IngressClass>::all(client.clone())
+            .create(&PostParams::default(), &class)
+            .await
+            .expect("IngressClass created");
         let mut dir = tempfile::tempdir().expect("tempdir");
         if std::env::var_os("HAPTIC_TEST_KEEP").is_some() {
             // Logs and data stay for a look after a failure.
@@ -244,10 +253,15 @@ impl Cluster {
     }
 }
 
+/// The class of the IngressClass `deploy/` ships.
+pub const CLASS: &str = "haproxy";
+
+/// An Ingress of our class ([`CLASS`]) routing `host` + `path` (Prefix) to `service` port
+/// `http`.
 pub fn ingress(name: &str, host: &str, path: &str, service: &str) -> Ingress {
     serde_json::from_value(json!({
         "metadata": {"name": name, "namespace": NS},
-        "spec": {"rules": [{"host": host, "http": {"paths": [{
+        "spec": {"ingressClassName": CLASS, "rules": [{"host": host, "http": {"paths": [{
             "path": path, "pathType": "Prefix",
             "backend": {"service": {"name": service, "port": {"name": "http"}}},
         }]}}]},

@@ -131,8 +131,8 @@ fn requests_are_routed_by_host_exact_and_longest_prefix() {
         // Rules without a host serve any host, after the host's own rules.
         ("other.example.com", "/any/thing", "prec_e_80"),
         ("other.example.com", "/only", "prec_e_80"),
-        ("other.example.com", "/only/not", ""),
-        ("other.example.com", "/elsewhere", ""),
+        ("other.example.com", "/only/not", "default-backend"),
+        ("other.example.com", "/elsewhere", "default-backend"),
         // Generated Ingresses: Prefix / on port 80, Exact /healthz by port name.
         (
             "app-00001.team-01.example.com",

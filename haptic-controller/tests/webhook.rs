@@ -193,6 +193,43 @@ async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate()
     }
     assert_eq!(answer["response"]["status"]["code"], 403);
 
+    // The same Ingress of another controller's class is not ours: allowed at once, without
+    // rendering (nothing of ours reads it); by the legacy annotation too.
+    let mut theirs = evil.clone();
+    theirs["spec"]["ingressClassName"] = json!("nginx");
+    let (_, answer) = post(
+        &trusting,
+        port,
+        review("CREATE", INGRESS, "evil", theirs, Value::Null),
+    )
+    .await;
+    assert_eq!(
+        response(&answer),
+        (true, String::new(), Vec::new()),
+        "{answer}"
+    );
+    let mut legacy = evil.clone();
+    if let Some(spec) = legacy["spec"].as_object_mut() {
+        spec.remove("ingressClassName");
+    }
+    legacy["metadata"]["annotations"] = json!({"kubernetes.io/ingress.class": "nginx"});
+    let (_, answer) = post(
+        &trusting,
+        port,
+        review("CREATE", INGRESS, "evil", legacy.clone(), Value::Null),
+    )
+    .await;
+    assert!(response(&answer).0, "{answer}");
+    // Naming our class by the annotation makes it ours again: judged, and denied.
+    legacy["metadata"]["annotations"] = json!({"kubernetes.io/ingress.class": CLASS});
+    let (_, answer) = post(
+        &trusting,
+        port,
+        review("CREATE", INGRESS, "evil", legacy, Value::Null),
+    )
+    .await;
+    assert!(!response(&answer).0, "{answer}");
+
     // The store comes from group/version/resource, not from how the kind is spelled.
     let odd = ("networking.k8s.io", "v1", "ingresses", "ingress");
     let (_, answer) = post(

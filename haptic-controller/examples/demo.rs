@@ -8,9 +8,10 @@
 //! with TLS from a generated Secret. It prints what runs and what to try, and keeps the process
 //! table up to date; Ctrl-C (or SIGTERM) stops everything and removes its temporary data.
 //!
-//! `--smoke` checks every printed claim by itself (both hosts route, TLS serves the Secret's
-//! certificate, a newly applied Ingress routes, killing the leader hands over and a later change
-//! still routes), then stops and exits 0 or 1.
+//! `--smoke` checks every printed claim by itself (the shop routes, plain HTTP to the blog is
+//! redirected to HTTPS, TLS serves the Secret's certificate, a newly applied Ingress routes, one
+//! of another controller's class is left alone, killing the leader hands over and a later
+//! change still routes), then stops and exits 0 or 1.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -170,11 +171,13 @@ impl Demo {
              kind: Ingress\n\
              metadata: {{name: new, namespace: default}}\n\
              spec:\n\
+             \x20 ingressClassName: haproxy\n\
              \x20 rules:\n\
              \x20 - host: new.demo.example\n\
              \x20   http: {{paths: [{{path: /, pathType: Prefix, backend: {{service: {{name: shop, port: {{name: http}}}}}}}}]}}\n\
              EOF\n\
              \x20 curl -H 'Host: new.demo.example' http://{http}/\n\
+             \x20 # the same with ingressClassName: nginx (another controller's class) is left alone: 404\n\
              \x20 kill <the leader's pid below>   # the other replica takes over; the demo restarts the killed one\n\n\
              Stop: Ctrl-C, or kill {demo} (the demo's pid): everything stops and its files are removed.\n",
             demo = std::process::id(),
@@ -245,10 +248,16 @@ async fn within<F: std::future::Future<Output = bool>>(
 }
 
 async fn routes(agent: &Agent, host: &str, want: &str) -> bool {
+    answers(agent, host, 200, want).await
+}
+
+/// Whether a plain HTTP GET of `host` / through `agent` gets `status` and a body containing
+/// `want`, within a bound.
+async fn answers(agent: &Agent, host: &str, status: u16, want: &str) -> bool {
     within(Duration::from_secs(30), || async {
         get(&agent.http_addr(), host, "/")
             .await
-            .is_some_and(|(s, b)| s == 200 && b.contains(want))
+            .is_some_and(|(s, b)| s == status && b.contains(want))
     })
     .await
 }
@@ -256,15 +265,26 @@ async fn routes(agent: &Agent, host: &str, want: &str) -> bool {
 async fn smoke(demo: &mut Demo) -> Vec<String> {
     let mut failures = Vec::new();
     for agent in &demo.agents {
-        for (host, app) in HOSTS {
-            let ok = routes(agent, host, &format!("backend {app}")).await;
-            check(
-                &format!("{host} routes to {app} through {}", agent.name),
-                ok,
-                &mut failures,
-            )
-            .await;
-        }
+        let (host, app) = HOSTS[0];
+        let ok = routes(agent, host, &format!("backend {app}")).await;
+        check(
+            &format!("{host} routes to {app} through {}", agent.name),
+            ok,
+            &mut failures,
+        )
+        .await;
+        // The blog has TLS: plain HTTP is redirected to HTTPS.
+        let (host, _) = HOSTS[1];
+        let ok = answers(agent, host, 308, "").await;
+        check(
+            &format!(
+                "plain HTTP to {host} is redirected to HTTPS (308) through {}",
+                agent.name
+            ),
+            ok,
+            &mut failures,
+        )
+        .await;
     }
     let tls = within(Duration::from_secs(30), || async {
         https_get(demo, HOSTS[1].0)
@@ -283,6 +303,30 @@ async fn smoke(demo: &mut Demo) -> Vec<String> {
         .await;
     let ok = routes(&demo.agents[1], "new.demo.example", "backend shop").await;
     check("a newly applied Ingress routes", ok, &mut failures).await;
+    // An Ingress of another controller's class is left alone: never routed (the shop route
+    // applied after it shows the config it was left out of is live).
+    let mut theirs = ingress("theirs", "theirs.demo.example", "/", "shop");
+    if let Some(spec) = theirs.spec.as_mut() {
+        spec.ingress_class_name = Some("nginx".to_owned());
+    }
+    let applied = demo
+        .cluster
+        .api::<k8s_openapi::api::networking::v1::Ingress>()
+        .create(&PostParams::default(), &theirs)
+        .await
+        .is_ok();
+    demo.cluster
+        .ingress("after-theirs", "after.demo.example", "/", "shop")
+        .await;
+    let ok = applied
+        && routes(&demo.agents[0], "after.demo.example", "backend shop").await
+        && answers(&demo.agents[0], "theirs.demo.example", 404, "no route").await;
+    check(
+        "an Ingress of another class (nginx) is left alone: 404",
+        ok,
+        &mut failures,
+    )
+    .await;
     let leader = demo.cluster.leader().await.unwrap_or_default();
     let index = demo.controllers.iter().position(|c| c.name == leader);
     let handed = match index {

@@ -102,6 +102,14 @@ async fn metrics_alerts_debug_state_and_json_logs_after_a_deploy() {
         .await
         .expect("TLS secret");
     let mut ingress = ingress("shop", "shop.example", "/", "web");
+    // Served over plain HTTP too (no redirect to HTTPS): the checks below route over HTTP.
+    ingress.metadata.annotations = Some(
+        [(
+            "haproxy-haptic.org/ssl-redirect".to_owned(),
+            "false".to_owned(),
+        )]
+        .into(),
+    );
     ingress.spec.as_mut().expect("spec").tls = Some(vec![
         serde_json::from_value(json!({"hosts": ["shop.example"], "secretName": "shop-tls"}))
             .expect("tls"),

@@ -447,9 +447,7 @@ async fn published_configs(cluster: &Cluster, agents: &[Agent]) {
         .await
         .expect("TLS ingress");
     for agent in agents {
-        agent
-            .await_route("tls.example", "/", (200, "backend a"))
-            .await;
+        agent.await_route("tls.example", "/", (308, "")).await;
     }
     let live = agents[0]
         .state()

@@ -253,6 +253,10 @@ fn register(env: &mut Environment<'static>) {
         v.as_str().is_some_and(is_http_path)
     });
     env.add_test("hostname", |v: &Value| v.as_str().is_some_and(is_hostname));
+    env.add_test("wildcard_host", |v: &Value| {
+        v.as_str()
+            .is_some_and(haptic_render::functions::is_wildcard_host)
+    });
     env.add_test("config_token", |v: &Value| {
         v.as_str()
             .is_none_or(haptic_render::functions::is_config_token)

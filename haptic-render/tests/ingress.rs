@@ -415,7 +415,10 @@ fn the_oldest_ingress_wins_a_conflict_and_hands_over_when_deleted() {
     assert_eq!(f.route("nobody.example.com", "/"), "z-team_web_80");
     // The loser is told, by name of the winner, for the route, the TLS host and the default.
     for (reason, words) in [
-        ("RouteConflict", "older Ingress z-team/site"),
+        (
+            "RouteConflict",
+            "host shared.example.com path / (Prefix) is served by the older Ingress z-team/site",
+        ),
         ("TLSHostConflict", "older Ingress z-team/site"),
         ("DefaultBackendConflict", "older Ingress z-team/site"),
     ] {

@@ -2010,6 +2010,188 @@ mod tests {
         assert_eq!(backends[0]["endpoints"][0]["endpoint"], "10.0.0.1:8443");
     }
 
+    fn class_stores(classless: bool) -> Stores {
+        let mut stores = Stores::new();
+        for name in ["ingresses", "services", "ingressclasses"] {
+            stores.add(name, StoreConfig::default()).unwrap();
+        }
+        let mut classes = super::IngressClassFilter::new("ingressclasses");
+        classes.classless = classless;
+        stores
+            .derive(
+                "ours",
+                Derivation::Ingresses {
+                    ingresses: "ingresses".into(),
+                    classes: Some(classes.clone()),
+                },
+            )
+            .unwrap();
+        stores
+            .derive(
+                "routes",
+                Derivation::IngressRoutes {
+                    ingresses: "ingresses".into(),
+                    services: "services".into(),
+                    exact: None,
+                    classes: Some(classes),
+                },
+            )
+            .unwrap();
+        stores
+    }
+
+    fn names(stores: &Stores) -> Vec<String> {
+        derived(stores, "ours")
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["name"].as_str().unwrap().to_owned())
+            .collect()
+    }
+
+    #[test]
+    fn ingresses_are_ours_by_class_name_legacy_annotation_default_class_or_setting() {
+        let ing = |name: &str, class: Option<&str>, legacy: Option<&str>| {
+            let mut ing = json!({"metadata": {"namespace": "ns", "name": name}, "spec": {}});
+            if let Some(class) = class {
+                ing["spec"]["ingressClassName"] = json!(class);
+            }
+            if let Some(legacy) = legacy {
+                ing["metadata"]["annotations"] = json!({"kubernetes.io/ingress.class": legacy});
+            }
+            ing
+        };
+        let all = [
+            ing("by-name", Some("ours"), None),
+            ing("by-name-over-annotation", Some("ours"), Some("theirs")),
+            ing("theirs-over-annotation", Some("theirs"), Some("ours")),
+            ing("legacy", None, Some("ours")),
+            ing("legacy-theirs", None, Some("theirs")),
+            ing("unknown-class", Some("gone"), None),
+            ing("classless", None, None),
+        ];
+        let class = |name: &str, controller: &str, default: bool| {
+            let mut c = crate::fixtures::ingress_class(name, default);
+            c["spec"]["controller"] = json!(controller);
+            c
+        };
+        for classless in [false, true] {
+            let mut s = class_stores(classless);
+            for i in &all {
+                apply(&mut s, "ingresses", i.clone());
+            }
+            apply(
+                &mut s,
+                "ingressclasses",
+                class("ours", super::DEFAULT_CONTROLLER, false),
+            );
+            apply(
+                &mut s,
+                "ingressclasses",
+                class("theirs", "k8s.io/ingress-nginx", true),
+            );
+            let mut want = vec!["by-name", "by-name-over-annotation", "legacy"];
+            if classless {
+                want.insert(2, "classless");
+            }
+            assert_eq!(names(&s), want, "classless: {classless}");
+            for i in &all {
+                let name = i["metadata"]["name"].as_str().unwrap();
+                assert_eq!(s.is_ours("ingresses", i), want.contains(&name), "{name}");
+            }
+            // Our class becomes the default (theirs stops being one): class-less is ours.
+            apply(
+                &mut s,
+                "ingressclasses",
+                class("ours", super::DEFAULT_CONTROLLER, true),
+            );
+            apply(
+                &mut s,
+                "ingressclasses",
+                class("theirs", "k8s.io/ingress-nginx", false),
+            );
+            assert!(names(&s).contains(&"classless".to_owned()));
+            // Our class goes: nothing named or annotated with it is ours any more.
+            s.get_mut("ingressclasses").unwrap().remove("", "ours");
+            let left = if classless { vec!["classless"] } else { vec![] };
+            assert_eq!(names(&s), left);
+        }
+        // A store no view filters: everything is ours.
+        let s = stores();
+        assert!(s.is_ours("ingresses", &ing("x", Some("theirs"), None)));
+    }
+
+    #[test]
+    fn the_oldest_ingress_keeps_a_contested_route_whatever_its_name() {
+        let mut s = class_stores(true);
+        let ing = |ns: &str, created: Option<&str>, paths: Json| {
+            let mut ing = json!({"metadata": {"namespace": ns, "name": "site"},
+                "spec": {"rules": [{"host": "h.example", "http": {"paths": paths}}]}});
+            if let Some(created) = created {
+                ing["metadata"]["creationTimestamp"] = json!(created);
+            }
+            ing
+        };
+        let p = |path: &str, kind: &str| {
+            json!({"path": path, "pathType": kind,
+                "backend": {"service": {"name": "web", "port": {"number": 80}}}})
+        };
+        // `/a/` and `/a` Prefix are one route; Exact `/a` is another.
+        apply(
+            &mut s,
+            "ingresses",
+            ing("a", None, json!([p("/a/", "Prefix"), p("/a", "Exact")])),
+        );
+        apply(
+            &mut s,
+            "ingresses",
+            ing(
+                "b",
+                Some("2026-02-01T00:00:00Z"),
+                json!([p("/a", "Prefix")]),
+            ),
+        );
+        apply(
+            &mut s,
+            "ingresses",
+            ing(
+                "c",
+                Some("2026-01-01T00:00:00Z"),
+                json!([p("/a", "Prefix"), p("/a", "Prefix")]),
+            ),
+        );
+        let rows = derived(&s, "routes");
+        let conflicts: Vec<(&str, &str, &Json)> = rows
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                (
+                    r["namespace"].as_str().unwrap(),
+                    r["path_type"].as_str().unwrap(),
+                    &r["conflict"],
+                )
+            })
+            .collect();
+        assert_eq!(
+            conflicts,
+            [
+                // Without a creationTimestamp: after every one with one.
+                ("a", "Prefix", &json!("c/site")),
+                ("a", "Exact", &Json::Null),
+                ("b", "Prefix", &json!("c/site")),
+                // Its own duplicate is no conflict.
+                ("c", "Prefix", &Json::Null),
+                ("c", "Prefix", &Json::Null),
+            ]
+        );
+        // The winner gone: the next oldest (by time) takes over.
+        s.get_mut("ingresses").unwrap().remove("c", "site");
+        let rows = derived(&s, "routes");
+        assert_eq!(rows[0]["conflict"], "b/site");
+        assert_eq!(rows[2]["conflict"], Json::Null);
+    }
+
     #[test]
     fn derivations_refuse_unknown_fields() {
         let err = serde_json::from_value::<Derivation>(json!({

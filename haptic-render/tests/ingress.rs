@@ -63,9 +63,9 @@ fn start(dir: tempfile::TempDir, port: u16) -> Running {
     running
 }
 
-/// The echo backends: plain HTTP on `plain`, TLS (the fixture certificate) on `tls`. Each
-/// answers 200 with what it received.
-fn echo_backends(plain: u16, tls: u16) -> Running {
+/// The echo backends: plain HTTP on `plain`, TLS (the fixture certificate) on `tls`, HTTP/2
+/// in clear text on `h2c`. Each answers 200 with what it received.
+fn echo_backends(plain: u16, tls: u16, h2c: u16) -> Running {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(
         dir.path().join("echo.pem"),
@@ -78,14 +78,21 @@ fn echo_backends(plain: u16, tls: u16) -> Running {
          frontend plain\n    bind 127.0.0.1:{plain}\n\
          \x20   http-request return status 200 content-type text/plain lf-string \"plain xff=%[req.fhdr(x-forwarded-for)] n=%[req.fhdr_cnt(x-forwarded-for)] proto=%[req.fhdr(x-forwarded-proto)] port=%[req.fhdr(x-forwarded-port)] host=%[req.fhdr(x-forwarded-host)]\"\n\
          frontend tls\n    bind 127.0.0.1:{tls} ssl crt echo.pem\n\
-         \x20   http-request return status 200 content-type text/plain lf-string \"tls=%[ssl_fc]\"\n"
+         \x20   http-request return status 200 content-type text/plain lf-string \"tls=%[ssl_fc]\"\n\
+         frontend h2c\n    bind 127.0.0.1:{h2c} proto h2\n\
+         \x20   http-request return status 200 content-type text/plain lf-string \"h2c version=%[req.ver]\"\n"
     );
     std::fs::write(dir.path().join("haproxy.cfg"), cfg).unwrap();
     let running = start(dir, plain);
     let deadline = Instant::now() + Duration::from_secs(20);
-    while TcpStream::connect(("127.0.0.1", tls)).is_err() {
-        assert!(Instant::now() < deadline, "the TLS echo did not listen");
-        std::thread::sleep(Duration::from_millis(20));
+    for port in [tls, h2c] {
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "the echo did not listen on {port}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
     running
 }
@@ -504,11 +511,32 @@ fn wildcards_match_one_label_and_an_exact_host_wins() {
 
 #[test]
 fn tls_hosts_redirect_and_backends_learn_the_client() {
-    let (plain, tls) = (free_port(), free_port());
-    let _echo = echo_backends(plain, tls);
+    let (plain, tls, h2c) = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(plain, tls, h2c);
     let mut s = stores(false);
     apply(&mut s, "ingressclasses", class("haproxy", OURS, true));
     service(&mut s, "h", "web", plain, tls);
+    // A Service whose port speaks HTTP/2 in clear text, and an ExternalName Service.
+    apply(
+        &mut s,
+        "services",
+        json!({"metadata": {"namespace": "h", "name": "grpc"}, "spec": {"ports": [
+            {"name": "grpc", "port": 81, "appProtocol": "kubernetes.io/h2c"}]}}),
+    );
+    apply(
+        &mut s,
+        "endpointslices",
+        json!({"metadata": {"namespace": "h", "name": "grpc-1",
+                "labels": {"kubernetes.io/service-name": "grpc"}},
+            "addressType": "IPv4", "ports": [{"name": "grpc", "port": h2c}],
+            "endpoints": [{"addresses": ["127.0.0.1"]}]}),
+    );
+    apply(
+        &mut s,
+        "services",
+        json!({"metadata": {"namespace": "h", "name": "external"}, "spec": {"type": "ExternalName",
+            "externalName": "example.org", "ports": [{"name": "http", "port": 80}]}}),
+    );
     apply(&mut s, "secrets", fixtures::tls_secret("h", "tls"));
     let secure_spec = |host: &str| {
         json!({"tls": [{"hosts": [host], "secretName": "tls"}],
@@ -559,6 +587,9 @@ fn tls_hosts_redirect_and_backends_learn_the_client() {
                 rule("plain.example.com", "/", "web"),
                 {"host": "backend-tls.example.com", "http": {"paths": [{"path": "/", "pathType": "Prefix",
                     "backend": {"service": {"name": "web", "port": {"name": "https"}}}}]}},
+                {"host": "h2c.example.com", "http": {"paths": [{"path": "/", "pathType": "Prefix",
+                    "backend": {"service": {"name": "grpc", "port": {"number": 81}}}}]}},
+                rule("external.example.com", "/", "external"),
             ]}),
         ),
     );
@@ -606,4 +637,16 @@ fn tls_hosts_redirect_and_backends_learn_the_client() {
         "{}",
         answer.head
     );
+    // appProtocol kubernetes.io/h2c: HTTP/2 in clear text to the backend.
+    let answer = get(f.http, "h2c.example.com", "/", "");
+    assert_eq!(
+        (answer.status, answer.body.as_str()),
+        (200, "h2c version=2.0"),
+        "{}",
+        answer.head
+    );
+    // An ExternalName Service is not routed, and its Ingress is told.
+    assert_eq!(get(f.http, "external.example.com", "/", "").status, 404);
+    let events = f.events("h", "plain", "ExternalNameUnsupported");
+    assert_eq!(events.len(), 1, "{:?}", f.events);
 }

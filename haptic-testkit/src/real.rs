@@ -163,7 +163,9 @@ pub struct RealApiServer {
     supervisor: Option<Child>,
     stdin: Option<ChildStdin>,
     admin_kubeconfig: PathBuf,
+    admin_token: String,
     ca_pem: String,
+    ca_der: Vec<u8>,
     /// How long the start took, up to a ready `/readyz`.
     startup: Duration,
 }
@@ -306,7 +308,9 @@ impl RealApiServer {
             supervisor: Some(supervisor),
             stdin,
             admin_kubeconfig,
+            admin_token,
             ca_pem: ca.pem(),
+            ca_der: ca.der().to_vec(),
             startup: Duration::ZERO,
             dir,
         };
@@ -385,6 +389,36 @@ impl RealApiServer {
     /// The admin's kubeconfig (token auth, group `system:masters`).
     pub fn admin_kubeconfig(&self) -> &Path {
         &self.admin_kubeconfig
+    }
+
+    /// The admin's kube `Config` (bearer token, the fixture's CA), built without I/O.
+    pub fn admin_config(&self) -> RealResult<kube::Config> {
+        let uri: http::Uri =
+            self.url()
+                .parse()
+                .map_err(|e: http::uri::InvalidUri| RealError::Kubeconfig {
+                    path: self.admin_kubeconfig.clone(),
+                    message: e.to_string(),
+                })?;
+        let mut config = kube::Config::new(uri);
+        config.root_cert = Some(vec![self.ca_der.clone()]);
+        let value =
+            http::HeaderValue::from_str(&format!("Bearer {}", self.admin_token)).map_err(|e| {
+                RealError::Kubeconfig {
+                    path: self.admin_kubeconfig.clone(),
+                    message: e.to_string(),
+                }
+            })?;
+        config.headers.push((http::header::AUTHORIZATION, value));
+        Ok(config)
+    }
+
+    /// A kube client as the admin, built without I/O (see [`RealApiServer::admin_config`]).
+    pub fn admin_client_now(&self) -> RealResult<kube::Client> {
+        kube::Client::try_from(self.admin_config()?).map_err(|e| RealError::Kubeconfig {
+            path: self.admin_kubeconfig.clone(),
+            message: e.to_string(),
+        })
     }
 
     /// A kube client as the admin.

@@ -1,7 +1,9 @@
 //! `cargo xtask`: the project's tooling, one subcommand a job.
 //!
-//! - `test`: installs what the tests need (the Debian `haproxy` package), then runs
-//!   `cargo fmt --check`, clippy with `-D warnings` on all targets, the whole test suite, the
+//! - `test`: installs what the tests need (the Debian `haproxy` package) and the envtest
+//!   assets (`envtest`), then runs `cargo fmt --check`, clippy with `-D warnings` on all targets
+//!   (each skipped, and said so, when the toolchain lacks it), the whole test suite with
+//!   `KUBEBUILDER_ASSETS` set, the
 //!   validation tests of the config `deploy/` ships (`haptic-controller validate`), the demo's
 //!   smoke check and a short fault campaign (`chaos`).
 //! - `bench [election|agent|render|eventbus|controller|webhook]`: runs the project's benchmarks.
@@ -65,7 +67,8 @@ fn run() -> Result<()> {
 }
 
 const HELP: &str = "usage: cargo xtask <task>
-  test               install test tools if missing, then fmt --check, clippy -D warnings, all tests, validate deploy/haptic-config.yaml, demo smoke, a short chaos campaign
+  test               install test tools if missing, build the envtest assets if missing, then fmt --check, clippy -D warnings,
+                     all tests (KUBEBUILDER_ASSETS set: the real-API-server tier), validate deploy/haptic-config.yaml, demo smoke, a short chaos campaign
   setup              only install the test tools (haproxy)
   envtest [--check]  print a directory holding kube-apiserver and etcd for the real-API-server tests
                      (KUBEBUILDER_ASSETS if it holds both, else built once with Go into ~/.cache/haptic/envtest)

@@ -559,6 +559,15 @@ impl Controller {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// SIGTERM: the controller stops leader-only work, releases the Lease and exits.
+    fn terminate(&self) {
+        if let Some(pid) = self.child.id() {
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status();
+        }
+    }
+
     async fn kill9(&mut self) {
         let _ = self.child.start_kill();
         let _ = tokio::time::timeout(Duration::from_secs(10), self.child.wait()).await;
@@ -633,6 +642,16 @@ on_both_servers! {
         })
         .await;
         assert_eq!(status["observedGeneration"], 1, "{status}");
+
+        // The published config (server-side apply of a custom resource and its status, under
+        // the Role): the set on both pods.
+        let cfgs = env.api::<haptic_controller::published::HAProxyCfg>(&env.ns);
+        eventually("the HAProxyCfg deployed to both pods", Duration::from_secs(20), || async {
+            let cfg = cfgs.get(HTC).await.ok()?;
+            let pods = &cfg.status.as_ref()?.deployed_to_pods;
+            (pods.len() == 2 && pods.iter().all(|p| p.checksum == cfg.spec.set_checksum)).then_some(())
+        })
+        .await;
 
         // Ingress status, by server-side apply with field manager `haptic`.
         let ingresses = env.api::<Ingress>(&env.apps);
@@ -713,13 +732,26 @@ on_both_servers! {
         })
         .await;
 
+        // SIGTERM handover: a third replica follows; the leader, terminated, releases the
+        // Lease, and the follower leads and deploys the next change.
+        let third = Controller::start(&env, "controller-3", &[]).await;
+        third.ready().await;
+        survivor.terminate();
+        env.ingress("news", "news.example", "web-a").await;
+        for agent in &agents {
+            agent.await_route("news.example", (200, "backend a")).await;
+        }
+        let holder = leader_lease.get("haptic-leader").await.expect("Lease")
+            .spec.and_then(|s| s.holder_identity).unwrap_or_default();
+        assert_eq!(holder, third.name);
+
         // Under deploy/'s RBAC, the API server never refused the controller anything.
-        for c in [&dead, &survivor] {
+        for c in [&dead, &survivor, &third] {
             let logs = c.logs();
             let refused = forbidden(&logs);
             assert!(refused.is_empty(), "{} was refused:\n{}", c.name, refused.join("\n"));
         }
-        drop((survivor, dead, agents, backend));
+        drop((third, survivor, dead, agents, backend));
     }
 }
 

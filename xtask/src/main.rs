@@ -7,7 +7,8 @@
 //!   validation tests of the config `deploy/` ships (`haptic-controller validate`), the demo's
 //!   smoke check and a short fault campaign (`chaos`).
 //! - `bench [election|agent|render|eventbus|controller|webhook]`: runs the project's benchmarks.
-//! - `demo [--smoke]`: the whole system on one machine, no cluster (see the README).
+//! - `demo [--smoke] [--real]`: the whole system on one machine, no cluster (see the README);
+//!   `--real` on a real kube-apiserver with etcd instead of the stand-in.
 //! - `envtest`: prints a directory holding kube-apiserver and etcd for the real-API-server
 //!   tier, building them once per machine with Go when `KUBEBUILDER_ASSETS` does not hold them.
 //! - `apiserver`: runs the haptic-testkit API server until Ctrl-C and prints a kubeconfig path.
@@ -72,7 +73,9 @@ const HELP: &str = "usage: cargo xtask <task>
   setup              only install the test tools (haproxy)
   envtest [--check]  print a directory holding kube-apiserver and etcd for the real-API-server tests
                      (KUBEBUILDER_ASSETS if it holds both, else built once with Go into ~/.cache/haptic/envtest)
-  demo [--smoke]     the whole system on this machine (API server, 2 controllers, 2 agents with HAProxy, a demo app); --smoke checks it and exits
+  demo [--smoke] [--real]
+                     the whole system on this machine (API server, 2 controllers, 2 agents with HAProxy, a demo app); --smoke checks
+                     it and exits; --real uses a real kube-apiserver + etcd (envtest assets, root for network namespaces)
   bench [NAME...]    run benchmarks: election, agent, render, eventbus, controller, webhook (default: all)
   e2e [ARGS]         acceptance scenarios on a kind cluster (needs docker, kind, kubectl; --keep, --skip-build)
   apiserver [ARGS]   run the haptic-testkit API server until Ctrl-C (prints the kubeconfig path)

@@ -127,3 +127,40 @@ async fn real_server_enforces_rbac_for_service_accounts_and_stops_clean() {
         );
     }
 }
+
+/// Run only by the test below, in a child process whose environment hides the assets.
+#[tokio::test]
+#[ignore = "a probe the missing-assets test runs in a child process"]
+async fn probe_start_without_assets() {
+    if let Err(error) = RealApiServer::start().await {
+        panic!("{error}");
+    }
+}
+
+#[test]
+fn without_assets_the_real_tier_fails_and_names_the_command_to_run() {
+    let out = Command::new(std::env::current_exe().expect("test binary"))
+        .args([
+            "--ignored",
+            "--exact",
+            "probe_start_without_assets",
+            "--nocapture",
+        ])
+        .env("KUBEBUILDER_ASSETS", "/nonexistent/assets")
+        .env("XDG_CACHE_HOME", "/nonexistent/cache")
+        .output()
+        .expect("the test binary runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!out.status.success(), "it must fail, not skip:\n{text}");
+    for part in [
+        "run `cargo xtask envtest`",
+        "KUBEBUILDER_ASSETS=/nonexistent/assets",
+        "/nonexistent/cache/haptic/envtest/k8s-v1.34.4-etcd-v3.6.4",
+    ] {
+        assert!(text.contains(part), "{part:?} not in:\n{text}");
+    }
+}

@@ -166,10 +166,11 @@ fn go_build(go: &Path, module: &Path, out: &Path) -> Result<()> {
         .status()
         .context("running `go build`")?;
     if !build.success() {
-        let proxy = go_env(go, "GOPROXY").unwrap_or_else(|| "the Go module proxy".to_owned());
+        let proxy = go_env(go, "GOPROXY").unwrap_or_else(|| "unset".to_owned());
         bail!(
-            "`go build` of the envtest assets failed ({build}); its output is above. A module \
-             that could not be fetched means {proxy} (GOPROXY) is unreachable from here"
+            "`go build` of the envtest assets failed ({build}); its output is above. If a module \
+             could not be fetched, the Go module proxy is unreachable from here or disabled \
+             (GOPROXY={proxy})"
         );
     }
     Ok(())

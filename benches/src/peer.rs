@@ -277,6 +277,25 @@ fn register(env: &mut Environment<'static>) {
     env.add_function("set_status", |_: Kwargs| -> Result<String> {
         Ok(String::new())
     });
+    // Status values render nothing either; `pick` keeps the listed keys (as haptic-render's).
+    env.add_filter("pick", |value: Value, kwargs: Kwargs| -> Result<Value> {
+        let keys: Vec<String> = kwargs.get("keys")?;
+        kwargs.assert_all_used()?;
+        let pick_one = |item: &Value| -> Value {
+            Value::from_iter(keys.iter().filter_map(|k| {
+                item.get_attr(k)
+                    .ok()
+                    .filter(|v| !v.is_undefined())
+                    .map(|v| (k.clone(), v))
+            }))
+        };
+        Ok(match value.try_iter() {
+            Ok(items) if value.kind() == minijinja::value::ValueKind::Seq => {
+                Value::from_iter(items.map(|item| pick_one(&item)))
+            }
+            _ => pick_one(&value),
+        })
+    });
     env.add_function("backend_name", |kwargs: Kwargs| -> Result<String> {
         let namespace: Value = kwargs.get("namespace")?;
         let service: Value = kwargs.get("service")?;

@@ -8,6 +8,8 @@
 //! with TLS from a generated Secret. It prints what runs and what to try, and keeps the process
 //! table up to date; Ctrl-C (or SIGTERM) stops everything and removes its temporary data.
 //!
+//! `--real` runs it on a real kube-apiserver with etcd instead (`real.rs`).
+//!
 //! `--smoke` checks every printed claim by itself (the shop routes, plain HTTP to the blog is
 //! redirected to HTTPS, TLS serves the Secret's certificate, a newly applied Ingress routes, one
 //! of another controller's class is left alone, killing the leader hands over and a later
@@ -15,6 +17,8 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
+#[path = "demo/real.rs"]
+mod real;
 
 use std::{net::SocketAddr, process::ExitCode, time::Duration};
 
@@ -397,6 +401,9 @@ async fn interactive(demo: &mut Demo) {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> ExitCode {
     let smoke_mode = std::env::args().any(|a| a == "--smoke");
+    if std::env::args().any(|a| a == "--real") {
+        return real::run(smoke_mode).await;
+    }
     let mut demo = start().await;
     let code = if smoke_mode {
         let failures = smoke(&mut demo).await;

@@ -392,6 +392,32 @@ pub(crate) fn register(tera: &mut Tera) {
             Ok(String::new())
         },
     );
+    // `pick(keys=[...])`: a map with only those keys, or a list of such maps. Copying an
+    // object of one API type into a field of another keeps only the fields the target declares
+    // (server-side apply refuses any other, e.g. a Service's `ipMode` in an Ingress's status).
+    tera.register_filter(
+        "pick",
+        |value: Value, kwargs: Kwargs, _: &State| -> tera::TeraResult<Value> {
+            let keys: Vec<String> = kwargs.must_get("keys")?;
+            let pick_one = |item: &Value| -> tera::TeraResult<Value> {
+                let map = item.as_map().ok_or_else(|| {
+                    tera_error(format!("pick: expected a map, got {}", item.name()))
+                })?;
+                Ok(map_value(keys.iter().filter_map(|k| {
+                    map.get(&Key::Str(k)).map(|v| (k.clone(), v.clone()))
+                })))
+            };
+            match value.as_array() {
+                Some(items) => Ok(Value::from(
+                    items
+                        .iter()
+                        .map(pick_one)
+                        .collect::<tera::TeraResult<Vec<_>>>()?,
+                )),
+                None => pick_one(&value),
+            }
+        },
+    );
     tera.register_filter(
         "sort_by",
         |items: &[Value], kwargs: Kwargs, _: &State| -> tera::TeraResult<Vec<Value>> {

@@ -35,6 +35,10 @@
 //! # }
 //! ```
 //!
+//! Beside it, [`RealApiServer`] runs a real kube-apiserver v1.34 with etcd on loopback (RBAC,
+//! ServiceAccount tokens; binaries from `cargo xtask envtest`), and [`TestApi`] lets one test
+//! body run on either ([`Backend`]).
+//!
 //! What is approximated, by design: server-side apply is a JSON merge of the applied object
 //! (no field ownership, `force` ignored); strategic merge patch merges lists of objects by
 //! `name` (or `type`, `port`, ...) keys and honours `$patch: delete`; `limit`/`continue` paging
@@ -44,8 +48,10 @@
 //! finalizers and graceful deletion are not modelled; deleting a namespace deletes its contents
 //! at once. The crate's README lists the rest.
 
+mod backend;
 mod faults;
 mod openapi;
+pub mod real;
 mod resources;
 mod router;
 mod selectors;
@@ -55,5 +61,7 @@ mod store;
 mod validation;
 mod watch;
 
+pub use backend::{Backend, BackendError, TestApi};
 pub use faults::{Fault, RequestRecord};
+pub use real::RealApiServer;
 pub use server::{ApiServer, Error, Result, ServerOptions};

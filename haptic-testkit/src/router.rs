@@ -436,6 +436,26 @@ async fn serve(
         .get("fieldValidation")
         .cloned()
         .unwrap_or_else(|| "Warn".to_owned());
+    let options = match method {
+        Method::POST => "CreateOptions",
+        Method::PUT => "UpdateOptions",
+        Method::PATCH => "PatchOptions",
+        _ => "",
+    };
+    if !options.is_empty()
+        && !matches!(field_validation.as_str(), "" | "Strict" | "Warn" | "Ignore")
+    {
+        let detail = format!(
+            "Unsupported value: \"{field_validation}\": supported values: \"\", \"Ignore\", \"Strict\", \"Warn\""
+        );
+        let error = ApiError::invalid_option(
+            options,
+            "fieldValidation",
+            "FieldValueNotSupported",
+            &detail,
+        );
+        return Ok(error_response(&error));
+    }
     let mut warnings = Vec::new();
     let result: Result<(u16, Value), ApiError> = (|| match (method, name) {
         (Method::GET, Some(name)) => {
@@ -482,8 +502,11 @@ async fn serve(
                 "application/strategic-merge-patch+json" => PatchKind::Strategic,
                 "application/apply-patch+yaml" | "application/apply-patch+json" => {
                     if query.get("fieldManager").is_none_or(String::is_empty) {
-                        return Err(ApiError::bad_request(
-                            "PATCH requests with apply patch type require fieldManager",
+                        return Err(ApiError::invalid_option(
+                            "PatchOptions",
+                            "fieldManager",
+                            "FieldValueRequired",
+                            "Required value: is required for apply patch",
                         ));
                     }
                     PatchKind::Apply

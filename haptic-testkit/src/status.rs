@@ -138,7 +138,8 @@ impl ApiError {
     /// allow unconditional updates (Leases). The real server names the resource, not the kind.
     pub(crate) fn rv_required(info: &ResourceInfo, name: &str) -> Self {
         let field = "metadata.resourceVersion";
-        let message = "Invalid value: 0x0: must be specified for an update";
+        // kube-apiserver 1.34's wording (older releases printed `0x0`).
+        let message = "Invalid value: 0: must be specified for an update";
         let mut details = Self::details(info, name);
         details["causes"] =
             json!([{ "reason": "FieldValueInvalid", "message": message, "field": field }]);
@@ -181,6 +182,22 @@ impl ApiError {
                 "{} \"\" is invalid: resourceVersion: {message}",
                 info.qualified()
             ),
+            Some(details),
+        )
+    }
+
+    /// 422 Invalid for a query option the request's options kind (`CreateOptions`,
+    /// `PatchOptions`, ...) does not accept, as kube-apiserver validates them.
+    pub(crate) fn invalid_option(options: &str, field: &str, reason: &str, detail: &str) -> Self {
+        let details = json!({
+            "group": "meta.k8s.io",
+            "kind": options,
+            "causes": [{ "reason": reason, "message": detail, "field": field }],
+        });
+        Self::new(
+            422,
+            "Invalid",
+            format!("{options}.meta.k8s.io \"\" is invalid: {field}: {detail}"),
             Some(details),
         )
     }

@@ -34,6 +34,8 @@ use tokio::{
     task::JoinHandle,
 };
 
+pub mod envtest;
+
 pub const NS: &str = "default";
 pub const TOKEN: &str = "agent-token-for-tests-0123456789";
 pub const HTC: &str = "haptic-config";

@@ -119,7 +119,7 @@ pub fn widget_crd(status: bool) -> Value {
 }
 
 /// Registers the Widget CRD through the API and returns its ApiResource.
-pub async fn register_widgets(server: &ApiServer, status: bool) -> kube::core::ApiResource {
+pub async fn register_widgets(server: &Server, status: bool) -> kube::core::ApiResource {
     let client = server.client().expect("client");
     let answer = raw(
         &client,
@@ -130,6 +130,26 @@ pub async fn register_widgets(server: &ApiServer, status: bool) -> kube::core::A
     )
     .await;
     assert_eq!(answer.code, StatusCode::CREATED, "{}", answer.body);
+    if server.is_real() {
+        // The real server serves a CRD once it is Established.
+        let path = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/widgets.example.com";
+        let deadline = tokio::time::Instant::now() + BOUND;
+        loop {
+            let crd = get_json(&client, path).await;
+            let established = crd["status"]["conditions"].as_array().is_some_and(|c| {
+                c.iter()
+                    .any(|c| c["type"] == "Established" && c["status"] == "True")
+            });
+            if established {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the CRD was not Established: {crd}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
     let gvk = kube::core::GroupVersionKind::gvk("example.com", "v1", "Widget");
     kube::core::ApiResource::from_gvk_with_plural(&gvk, "widgets")
 }
@@ -151,4 +171,96 @@ pub fn no_retry_client(server: &ApiServer, name: &str) -> kube::Client {
     let mut config = server.config_for(name).expect("config");
     config.default_retry = false;
     kube::Client::try_from(config).expect("client")
+}
+
+/// The server a conformance test runs on: the stand-in, or a real kube-apiserver of the
+/// test's own (the differential check: the same body on both; `cargo xtask envtest`).
+pub enum Server {
+    Stand(ApiServer),
+    Real(haptic_testkit::RealApiServer),
+}
+
+impl Server {
+    pub async fn start(backend: haptic_testkit::Backend) -> Self {
+        match backend {
+            haptic_testkit::Backend::StandIn => Self::Stand(ApiServer::start().await.unwrap()),
+            haptic_testkit::Backend::Real => Self::Real(
+                haptic_testkit::RealApiServer::start()
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}")),
+            ),
+        }
+    }
+
+    pub fn is_real(&self) -> bool {
+        matches!(self, Self::Real(_))
+    }
+
+    pub fn client(&self) -> haptic_testkit::Result<kube::Client> {
+        match self {
+            Self::Stand(s) => s.client(),
+            Self::Real(r) => Ok(r.admin_client_now().unwrap_or_else(|e| panic!("{e}"))),
+        }
+    }
+
+    /// On the real server every name gets the admin: names only matter to the stand-in's
+    /// fault injection and accounting.
+    pub fn client_for(&self, name: &str) -> haptic_testkit::Result<kube::Client> {
+        match self {
+            Self::Stand(s) => s.client_for(name),
+            Self::Real(_) => self.client(),
+        }
+    }
+
+    /// The current global resourceVersion (on the real server: a list's, the etcd revision).
+    pub async fn resource_version(&self) -> u64 {
+        match self {
+            Self::Stand(s) => s.resource_version(),
+            Self::Real(_) => {
+                let list = get_json(&self.client().unwrap(), "/api/v1/namespaces?limit=1").await;
+                list["metadata"]["resourceVersion"]
+                    .as_str()
+                    .and_then(|rv| rv.parse().ok())
+                    .expect("a list's resourceVersion")
+            }
+        }
+    }
+
+    pub async fn shutdown(self) {
+        match self {
+            Self::Stand(s) => s.shutdown().await,
+            Self::Real(r) => drop(r),
+        }
+    }
+}
+
+/// Runs each `async fn NAME(backend: Backend)` of `both` as `stand_in::NAME` and
+/// `real::NAME` (the differential check); those of `stand_in_only` only on the stand-in, for
+/// the differences haptic-testkit's README lists.
+#[macro_export]
+macro_rules! on_both {
+    (both: [$($name:ident),* $(,)?], stand_in_only: [$($only:ident),* $(,)?] $(,)?) => {
+        mod stand_in {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(haptic_testkit::Backend::StandIn).await
+                }
+            )*
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $only() {
+                    super::$only(haptic_testkit::Backend::StandIn).await
+                }
+            )*
+        }
+        mod real {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(haptic_testkit::Backend::Real).await
+                }
+            )*
+        }
+    };
 }

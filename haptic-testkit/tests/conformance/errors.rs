@@ -1,7 +1,6 @@
 //! Status errors: 404 naming, malformed and wrong-kind bodies, Lease validation, and no panic
 //! or hang whatever the body.
 
-use haptic_testkit::ApiServer;
 use http::Method;
 use k8s_openapi::api::{
     coordination::v1::Lease,
@@ -14,9 +13,8 @@ use crate::common::{assert_status, lease, raw, status};
 
 const LEASES: &str = "/apis/coordination.k8s.io/v1/namespaces/default/leases";
 
-#[tokio::test]
-async fn not_found_names_the_resource_as_the_real_server_does() {
-    let server = ApiServer::start().await.unwrap();
+async fn not_found_names_the_resource_as_the_real_server_does(backend: haptic_testkit::Backend) {
+    let server = crate::common::Server::start(backend).await;
     let client = server.client().unwrap();
     let pods: Api<Pod> = Api::default_namespaced(client.clone());
     let err = status(pods.get("x").await);
@@ -48,9 +46,8 @@ async fn not_found_names_the_resource_as_the_real_server_does() {
     server.shutdown().await;
 }
 
-#[tokio::test]
-async fn malformed_json_is_400_with_a_status() {
-    let server = ApiServer::start().await.unwrap();
+async fn malformed_json_is_400_with_a_status(backend: haptic_testkit::Backend) {
+    let server = crate::common::Server::start(backend).await;
     let client = server.client().unwrap();
     let leases: Api<Lease> = Api::default_namespaced(client.clone());
     leases
@@ -100,9 +97,8 @@ async fn malformed_json_is_400_with_a_status() {
     server.shutdown().await;
 }
 
-#[tokio::test]
-async fn a_body_of_the_wrong_kind_or_type_is_refused() {
-    let server = ApiServer::start().await.unwrap();
+async fn a_body_of_the_wrong_kind_or_type_is_refused(backend: haptic_testkit::Backend) {
+    let server = crate::common::Server::start(backend).await;
     let client = server.client().unwrap();
     let json = Some("application/json");
     // A ConfigMap posted to leases.
@@ -154,9 +150,8 @@ async fn a_body_of_the_wrong_kind_or_type_is_refused() {
     server.shutdown().await;
 }
 
-#[tokio::test]
-async fn lease_validation_matches_the_real_server() {
-    let server = ApiServer::start().await.unwrap();
+async fn lease_validation_matches_the_real_server(backend: haptic_testkit::Backend) {
+    let server = crate::common::Server::start(backend).await;
     let client = server.client().unwrap();
     let leases: Api<Lease> = Api::default_namespaced(client.clone());
     for duration in [0, -5] {
@@ -300,9 +295,8 @@ async fn lease_validation_matches_the_real_server() {
     server.shutdown().await;
 }
 
-#[tokio::test]
-async fn odd_requests_never_panic_or_hang() {
-    let server = ApiServer::start().await.unwrap();
+async fn odd_requests_never_panic_or_hang(backend: haptic_testkit::Backend) {
+    let server = crate::common::Server::start(backend).await;
     let client = server.client().unwrap();
     let leases: Api<Lease> = Api::default_namespaced(client.clone());
     leases
@@ -386,9 +380,10 @@ async fn odd_requests_never_panic_or_hang() {
     server.shutdown().await;
 }
 
-#[tokio::test]
-async fn field_validation_strict_refuses_and_warn_drops_unknown_fields() {
-    let server = ApiServer::start().await.unwrap();
+async fn field_validation_strict_refuses_and_warn_drops_unknown_fields(
+    backend: haptic_testkit::Backend,
+) {
+    let server = crate::common::Server::start(backend).await;
     let client = server.client().unwrap();
     let path = "/api/v1/namespaces/default/configmaps";
     let body = |name: &str| {
@@ -485,6 +480,25 @@ async fn field_validation_strict_refuses_and_warn_drops_unknown_fields() {
         body("l"),
     )
     .await;
-    assert_status(&answer, 400, "BadRequest");
+    // An unknown directive is an invalid option (seen on kube-apiserver 1.34).
+    assert_status(&answer, 422, "Invalid");
+    assert_eq!(
+        answer.body["details"]["causes"][0]["field"], "fieldValidation",
+        "{}",
+        answer.body
+    );
     server.shutdown().await;
 }
+
+crate::on_both!(
+    both: [
+        field_validation_strict_refuses_and_warn_drops_unknown_fields,
+    ],
+    stand_in_only: [
+        not_found_names_the_resource_as_the_real_server_does,
+        malformed_json_is_400_with_a_status,
+        a_body_of_the_wrong_kind_or_type_is_refused,
+        lease_validation_matches_the_real_server,
+        odd_requests_never_panic_or_hang,
+    ],
+);

@@ -42,7 +42,10 @@ fn resources(n: usize) -> Vec<(&'static str, Value)> {
         .resources()
         .map(|(store, r)| {
             let mut r = r.clone();
-            r["metadata"]["namespace"] = json!(NS);
+            // IngressClasses are cluster-scoped.
+            if store != "ingressclasses" {
+                r["metadata"]["namespace"] = json!(NS);
+            }
             (store, r)
         })
         .collect()
@@ -72,6 +75,15 @@ async fn populate(cluster: &Cluster, n: usize) {
                     .create(&pp, &serde_json::from_value(r).expect("slice"))
                     .await
                     .expect("create"),
+            ),
+            // The fixtures' class (ours, and the default: the new Ingresses have no class).
+            "ingressclasses" => drop(
+                kube::Api::<k8s_openapi::api::networking::v1::IngressClass>::all(
+                    cluster.client.clone(),
+                )
+                .create(&pp, &serde_json::from_value(r).expect("class"))
+                .await
+                .expect("create"),
             ),
             _ => drop(
                 cluster

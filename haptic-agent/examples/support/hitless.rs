@@ -53,7 +53,9 @@ impl Cluster {
             json!({"maxconn": 2000, "bind_address": "127.0.0.1", "http_port": http,
                 "https_port": https, "timeout_connect": "1s", "timeout_client": "10s",
                 "timeout_server": "10s", "stats_socket": null, "route_debug": false,
-                "server_slots": 10, "health_checks": ingresses <= 1_000}),
+                "server_slots": 10, "health_checks": ingresses <= 1_000,
+                // The measured host has TLS; the probe asks over plain HTTP.
+                "ssl_redirect": false}),
         );
         let renderer = Renderer::compile(&set)?;
         let mut stores = reference::stores()?;

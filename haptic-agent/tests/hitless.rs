@@ -83,7 +83,9 @@ impl Cluster {
             json!({"maxconn": 1000, "bind_address": "127.0.0.1", "http_port": http,
                 "https_port": https, "timeout_connect": "1s", "timeout_client": "10s",
                 "timeout_server": "10s", "stats_socket": null, "route_debug": false,
-                "server_slots": slots}),
+                "server_slots": slots,
+                // The TLS host is probed over plain HTTP too.
+                "ssl_redirect": false}),
         );
         let renderer = Renderer::compile(&set).expect("compile the reference set");
         let mut cluster = Self {
@@ -91,6 +93,11 @@ impl Cluster {
             stores: reference::stores().expect("stores"),
             endpoint_port,
         };
+        // The Ingresses below have no class: ours through a default IngressClass of ours.
+        cluster.apply(
+            "ingressclasses",
+            haptic_render::fixtures::ingress_class("haptic", true),
+        );
         for service in ["web", "api"] {
             cluster.apply(
                 "services",

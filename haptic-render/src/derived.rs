@@ -24,6 +24,7 @@
 //! | `name` | `backend_name(namespace, service, port)`: `<namespace>_<service>_<port>`, sanitized |
 //! | `namespace`, `service` | the Service's |
 //! | `port`, `port_name` | the Service port's number and name (`""` when it has none) |
+//! | `app_protocol` | the Service port's `appProtocol` (`""` when it has none) |
 //! | `endpoints` | the endpoints of the Service's EndpointSlices (label `kubernetes.io/service-name`, same namespace) on the slice port with the same name, ready or not: slices by name, then port, then endpoint order; FQDN slices and endpoints without addresses are left out |
 //!
 //! An endpoint:
@@ -49,7 +50,9 @@
 //! | `path`, `path_type` | as written, `""` when absent (not checked) |
 //! | `service` | the Service the path names |
 //! | `port` | the Service port it resolves to, by number or by name as the path asks; none when the Service or the port does not exist |
-//! | `backend` | that Service port's backend name (as a backend row's `name`); none when unresolved, so that a template decides what such a path gets |
+//! | `backend` | that Service port's backend name (as a backend row's `name`); none when unresolved (an ExternalName Service included), so that a template decides what such a path gets |
+//! | `conflict` | none; or, when an older Ingress claims the same route (host, path as the map writes it, Exact or not), its `namespace/name` |
+//! | `external_name` | whether the Service is an ExternalName Service |
 //!
 //! [`Derivation::IngressTls`]: a row per TLS entry of an Ingress (Ingresses sorted by namespace
 //! and name, entries in spec order).
@@ -61,6 +64,22 @@
 //! | `hosts` | the entry's hosts as written (not checked; `[]` when absent) |
 //! | `file` | `ssl_file(namespace, secret)`: where a per-Secret certificate output writes it |
 //! | `usable` | whether the Secret exists and is a `kubernetes.io/tls` Secret whose `tls.crt` and `tls.key` are base64 of a PEM certificate and a PEM private key |
+//! | `conflicts` | `[{host, winner}]`: the entry's hosts an older Ingress names too (they are left out of `hosts`) |
+//! | `ssl_redirect` | false when the Ingress has the annotation `haproxy-haptic.org/ssl-redirect: "false"` |
+//!
+//! [`Derivation::Ingresses`]: a row per Ingress (sorted by namespace and name): `namespace`,
+//! `name`, `object` (the resource).
+//!
+//! [`Derivation::IngressDefaultBackends`]: a row per Ingress with a `spec.defaultBackend`, the
+//! winner first (the oldest whose default backend is a Service), then the other Service backends
+//! (oldest first), then resource backends: `backend` (resolved as a route's), `resource`,
+//! `conflict` (the winner's `namespace/name`, for the other Service backends), `namespace`,
+//! `ingress`, `service`, `port`, `external_name`.
+//!
+//! Every view that reads Ingresses takes an optional [`IngressClassFilter`] (`classes`): then
+//! only the Ingresses of our classes count, as if the others did not exist. Conflicts are
+//! decided by age: the oldest Ingress (`creationTimestamp`, then namespace, then name) keeps
+//! what several claim, the same on every replica.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};

@@ -273,6 +273,8 @@ fn register(env: &mut Environment<'static>) {
     env.add_function("set_status", |_: Kwargs| -> Result<String> {
         Ok(String::new())
     });
+    // Provenance marks render nothing; the peer keeps no provenance.
+    env.add_filter("from", |_: Value| -> Result<String> { Ok(String::new()) });
     env.add_function("backend_name", |kwargs: Kwargs| -> Result<String> {
         let namespace: Value = kwargs.get("namespace")?;
         let service: Value = kwargs.get("service")?;

@@ -60,7 +60,22 @@
 //! | `secret` | the entry's `secretName` (`""` when absent) |
 //! | `hosts` | the entry's hosts as written (not checked; `[]` when absent) |
 //! | `file` | `ssl_file(namespace, secret)`: where a per-Secret certificate output writes it |
-//! | `usable` | whether the Secret exists and is a `kubernetes.io/tls` Secret whose `tls.crt` and `tls.key` are base64 of a PEM certificate and a PEM private key |
+//! | `usable` | whether the Secret exists and holds a certificate HAProxy can serve ([`crate::certificate`]: the chain parses as X.509, the key parses and matches the leaf, the leaf has not expired) |
+//! | `reason` | why not, in words (`""` when usable): what a Warning Event on the Ingress says |
+//!
+//! [`Derivation::TlsCertificates`]: a **map** from `"<namespace>/<name>"` to a row per
+//! `kubernetes.io/tls` Secret (other Secrets have no entry), the same verdict as `usable`
+//! above, so that a per-Secret certificate output writes exactly the files the crt-list names.
+//!
+//! | field | value |
+//! | --- | --- |
+//! | `usable`, `reason` | as in an Ingress TLS row |
+//! | `pem` | the chain, then the key, trimmed, each ending in a newline (`""` when unusable) |
+//! | `namespace`, `secret`, `file` | the Secret's namespace and name; `ssl_file(namespace, name)` |
+//!
+//! A verdict is computed once per version of a Secret (a new version is checked again) at the
+//! time of the first render that needs it: a certificate that expires while its Secret stays
+//! unchanged is served until the Secret changes or the controller restarts.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -69,7 +84,8 @@ use serde::{Deserialize, Serialize};
 use tera::Value;
 use tera::value::{Key, Map};
 
-use crate::functions::{b64decode, backend_name, sanitize, ssl_file};
+use crate::certificate::{Verdict, check_secret, now_unix};
+use crate::functions::{backend_name, sanitize, ssl_file};
 use crate::store::{Source, Store};
 
 /// A join computed from named stores.
@@ -122,6 +138,12 @@ pub enum Derivation {
         /// The store of v1 Secrets.
         secrets: String,
     },
+    /// A map from `"<namespace>/<name>"` to the verdict on each `kubernetes.io/tls` Secret,
+    /// with its PEM when usable (see [`crate::certificate`]).
+    TlsCertificates {
+        /// The store of v1 Secrets.
+        secrets: String,
+    },
 }
 
 impl Derivation {
@@ -143,6 +165,7 @@ impl Derivation {
                 ..
             } => vec![ingresses, services],
             Self::IngressTls { ingresses, secrets } => vec![ingresses, secrets],
+            Self::TlsCertificates { secrets } => vec![secrets],
         }
     }
 
@@ -152,6 +175,7 @@ impl Derivation {
             Self::ServiceBackends { .. } => 0,
             Self::IngressRoutes { .. } => 1,
             Self::IngressTls { .. } => 2,
+            Self::TlsCertificates { .. } => 3,
         }
     }
 }
@@ -203,10 +227,10 @@ pub(crate) struct Extracts {
     slice: OnceLock<SliceExtract>,
     ingress: OnceLock<IngressExtract>,
     tls: OnceLock<Vec<TlsExtract>>,
-    secret: OnceLock<bool>,
+    certificate: OnceLock<Verdict>,
     /// The rows this resource last contributed to a view, and what they were joined with, per
     /// kind of view ([`Derivation::slot`]).
-    rows: Mutex<[Option<Contribution>; 3]>,
+    rows: Mutex<[Option<Contribution>; 4]>,
 }
 
 /// An Ingress TLS entry.
@@ -305,20 +329,11 @@ impl Extracts {
         })
     }
 
-    /// Whether a Secret is a `kubernetes.io/tls` Secret whose `tls.crt` and `tls.key` are
-    /// base64 of a PEM certificate and a PEM private key.
-    fn usable_certificate(&self, secret: &Value) -> bool {
-        *self.secret.get_or_init(|| {
-            let pem = |key: &'static str, marker: &str| {
-                path(secret, &["data", key])
-                    .and_then(Value::as_str)
-                    .and_then(|b64| b64decode(b64).ok())
-                    .is_some_and(|text| text.contains(marker))
-            };
-            text(secret, &["type"]) == "kubernetes.io/tls"
-                && pem("tls.crt", "-----BEGIN CERTIFICATE-----")
-                && pem("tls.key", "PRIVATE KEY-----")
-        })
+    /// The verdict on a Secret's certificate ([`crate::certificate::check_secret`]), once
+    /// per version of the Secret.
+    fn certificate(&self, secret: &Value) -> &Verdict {
+        self.certificate
+            .get_or_init(|| check_secret(secret, now_unix()))
     }
 
     fn ingress(&self, ing: &Value) -> &IngressExtract {
@@ -679,14 +694,14 @@ fn ingress_tls(slot: Slot, ingresses: Source<'_>, secrets: Source<'_>) -> Value 
         if entries.is_empty() {
             continue;
         }
-        let found: Vec<Option<(bool, &Arc<Extracts>)>> = entries
+        let found: Vec<Option<(&Verdict, &Arc<Extracts>)>> = entries
             .iter()
             .map(|tls| {
                 if tls.secret.is_empty() {
                     return None;
                 }
                 let (secret, extracts) = secrets.get_entry(namespace, &tls.secret)?;
-                Some((extracts.usable_certificate(secret), extracts))
+                Some((extracts.certificate(secret), extracts))
             })
             .collect();
         let joined = found.iter().map(|f| f.map(|(_, e)| e));
@@ -695,11 +710,15 @@ fn ingress_tls(slot: Slot, ingresses: Source<'_>, secrets: Source<'_>) -> Value 
                 .iter()
                 .zip(&found)
                 .map(|(tls, found)| {
+                    let reason = match found {
+                        _ if tls.secret.is_empty() => "the TLS entry names no Secret".to_owned(),
+                        None => "the Secret does not exist".to_owned(),
+                        Some((Ok(_), _)) => String::new(),
+                        Some((Err(unusable), _)) => unusable.to_string(),
+                    };
                     row([
-                        (
-                            "usable",
-                            Value::from(found.is_some_and(|(usable, _)| usable)),
-                        ),
+                        ("usable", Value::from(reason.is_empty())),
+                        ("reason", Value::from(reason)),
                         ("file", Value::from(ssl_file(namespace, &tls.secret))),
                         ("hosts", tls.hosts.clone()),
                         ("namespace", Value::from(namespace.as_str())),
@@ -711,6 +730,35 @@ fn ingress_tls(slot: Slot, ingresses: Source<'_>, secrets: Source<'_>) -> Value 
         });
     }
     Value::from(rows)
+}
+
+fn tls_certificates(slot: Slot, secrets: Source<'_>) -> Value {
+    let mut map = Map::new();
+    let mut rows = Vec::with_capacity(1);
+    for ((namespace, name), secret, extracts) in secrets.entries() {
+        if text(secret, &["type"]) != "kubernetes.io/tls" {
+            continue;
+        }
+        rows.clear();
+        extracts.rows_into(slot, std::iter::empty(), &mut rows, || {
+            let (usable, reason, pem) = match extracts.certificate(secret) {
+                Ok(ok) => (true, String::new(), ok.pem.clone()),
+                Err(unusable) => (false, unusable.to_string(), String::new()),
+            };
+            vec![row([
+                ("usable", Value::from(usable)),
+                ("reason", Value::from(reason)),
+                ("pem", Value::from(pem)),
+                ("file", Value::from(ssl_file(namespace, name))),
+                ("namespace", Value::from(namespace.as_str())),
+                ("secret", Value::from(name.as_str())),
+            ])]
+        });
+        if let Some(row) = rows.pop() {
+            map.insert(Key::from(format!("{namespace}/{name}")), row);
+        }
+    }
+    Value::from(map)
 }
 
 /// A derived view with its last rows, recomputed when a store it reads changed.
@@ -837,6 +885,7 @@ fn compute(derivation: &Derivation, slot: Slot, inputs: &[Source<'_>]) -> Value 
         (Derivation::IngressTls { .. }, [ingresses, secrets]) => {
             ingress_tls(slot, *ingresses, *secrets)
         }
+        (Derivation::TlsCertificates { .. }, [secrets]) => tls_certificates(slot, *secrets),
         // `Stores` passes the stores `inputs()` names, so this does not happen.
         _ => Value::from(Vec::<Value>::new()),
     }
@@ -1127,12 +1176,19 @@ mod tests {
             },
         )
         .unwrap();
+        s.derive(
+            "certificates",
+            Derivation::TlsCertificates {
+                secrets: "secrets".into(),
+            },
+        )
+        .unwrap();
         let tls = |name: &str, kind: &str, crt: &str| {
             let b64 = |t: &str| base64::engine::general_purpose::STANDARD.encode(t);
             json!({"metadata": {"namespace": "ns", "name": name}, "type": kind,
-                   "data": {"tls.crt": b64(crt), "tls.key": b64("-----BEGIN PRIVATE KEY-----\nx")}})
+                   "data": {"tls.crt": b64(crt), "tls.key": b64(include_str!("../fixtures/tls.key"))}})
         };
-        let cert = "-----BEGIN CERTIFICATE-----\nx";
+        let cert = include_str!("../fixtures/tls.crt");
         apply(&mut s, "secrets", tls("good", "kubernetes.io/tls", cert));
         apply(&mut s, "secrets", tls("opaque", "Opaque", cert));
         apply(
@@ -1179,9 +1235,39 @@ mod tests {
             json!(["a.example.com", "*.b.example.com"])
         );
         assert_eq!(rows[1]["hosts"], json!([]));
-        // The Secret is fixed: the row follows.
+        let reasons: Vec<&str> = rows
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["reason"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            reasons,
+            [
+                "",
+                "the Secret is of type \"Opaque\", not kubernetes.io/tls",
+                "tls.crt holds no PEM certificate",
+                "the Secret does not exist",
+                "the TLS entry names no Secret"
+            ]
+        );
+        // The certificate view: kubernetes.io/tls Secrets by namespace/name, the PEM of the
+        // usable ones only.
+        let certificates = derived(&s, "certificates");
+        let keys: Vec<&String> = certificates.as_object().unwrap().keys().collect();
+        assert_eq!(keys, ["ns/good", "ns/nopem"]);
+        assert!(
+            certificates["ns/good"]["pem"]
+                .as_str()
+                .unwrap()
+                .starts_with("-----BEGIN CERTIFICATE-----")
+        );
+        assert_eq!(certificates["ns/nopem"]["pem"], "");
+        assert_eq!(certificates["ns/nopem"]["usable"], false);
+        // The Secret is fixed: the rows follow.
         apply(&mut s, "secrets", tls("nopem", "kubernetes.io/tls", cert));
         assert_eq!(derived(&s, "tls")[2]["usable"], true);
+        assert_eq!(derived(&s, "certificates")["ns/nopem"]["usable"], true);
     }
 
     #[test]
@@ -1423,6 +1509,7 @@ mod tests {
             "routes_prefix": {"kind": "ingressRoutes", "ingresses": "ingresses",
                               "services": "services", "exact": false},
             "tls": {"kind": "ingressTls", "ingresses": "ingresses", "secrets": "secrets"},
+            "certificates": {"kind": "tlsCertificates", "secrets": "secrets"},
         });
         for (name, derivation) in crate::reference::derivations() {
             let parsed: Derivation = serde_json::from_value(config[name].clone()).unwrap();

@@ -37,6 +37,7 @@ pub const STORES: [(&str, &[&str]); 4] = [
 /// | `derived.backends` | [`Derivation::ServiceBackends`] of `services` and `endpointslices`, for the Service ports `ingresses` route to |
 /// | `derived.routes_exact`, `derived.routes_prefix` | [`Derivation::IngressRoutes`] of `ingresses` and `services`, Exact paths and the others |
 /// | `derived.tls` | [`Derivation::IngressTls`] of `ingresses` and `secrets` |
+/// | `derived.certificates` | [`Derivation::TlsCertificates`] of `secrets` |
 pub fn stores() -> Result<Stores, store::Error> {
     let mut stores = Stores::new();
     for (name, index) in STORES {
@@ -49,7 +50,7 @@ pub fn stores() -> Result<Stores, store::Error> {
 }
 
 /// The derived views of the reference set, by name.
-pub fn derivations() -> [(&'static str, Derivation); 4] {
+pub fn derivations() -> [(&'static str, Derivation); 5] {
     [
         (
             "backends",
@@ -79,6 +80,12 @@ pub fn derivations() -> [(&'static str, Derivation); 4] {
             "tls",
             Derivation::IngressTls {
                 ingresses: "ingresses".to_owned(),
+                secrets: "secrets".to_owned(),
+            },
+        ),
+        (
+            "certificates",
+            Derivation::TlsCertificates {
                 secrets: "secrets".to_owned(),
             },
         ),

@@ -987,6 +987,7 @@ fn the_deployed_config_validates_renders_and_passes_haproxy_check() {
         config_generation: 1,
         term: std::time::SystemTime::now(),
         span: tracing::Span::none(),
+        provenance: Default::default(),
         render_time: std::time::Duration::ZERO,
         requests: Default::default(),
     };

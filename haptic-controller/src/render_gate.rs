@@ -127,8 +127,11 @@ pub fn component(
                 Some(output) => {
                     // Traced to one object: render again without it (HAProxy's line about it
                     // is the reason its Event gives).
-                    if let Some((object, line)) =
-                        set.provenance.attribute(&set.files, &output).into_iter().next()
+                    if let Some((object, line)) = set
+                        .provenance
+                        .attribute(&set.files, &output)
+                        .into_iter()
+                        .next()
                     {
                         set.span.in_scope(|| warn!(checksum = %set.checksum, %object, alert = %line, "haproxy -c refused what one object produced; rendering without it"));
                         ctx.bus()

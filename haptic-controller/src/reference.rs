@@ -245,7 +245,24 @@ fn tests() -> BTreeMap<String, ValidationTest> {
 /// The reference config as an HAProxyTemplateConfig object in YAML, as `haptic-controller
 /// reference-config` prints it and `deploy/` ships it.
 pub fn yaml(name: &str, namespace: &str) -> Result<String, serde_saphyr::SerializeError> {
-    let mut htc = HAProxyTemplateConfig::new(name, spec());
+    let mut spec = spec();
+    // The default certificate the controller generates in its namespace
+    // (`--default-certificate-secret`).
+    if let Some(haproxy) = spec
+        .templating_settings
+        .extra_context
+        .get_mut("haproxy")
+        .and_then(|v| v.as_object_mut())
+    {
+        haproxy.insert(
+            "default_certificate".to_owned(),
+            serde_json::Value::from(format!(
+                "{namespace}/{}",
+                crate::default_certificate::DEFAULT_SECRET
+            )),
+        );
+    }
+    let mut htc = HAProxyTemplateConfig::new(name, spec);
     htc.metadata.namespace = Some(namespace.to_owned());
     serde_saphyr::to_string(&htc)
 }

@@ -112,7 +112,9 @@ fn template(source: &str) -> Template {
 /// [`crate::slots`]), `health_checks` (true: `check` on every server slot; HAProxy reserves a
 /// file descriptor for each checked server, disabled or not),
 /// `service` (none: `"namespace/name"` of the HAProxy Service, whose load-balancer address
-/// becomes every Ingress's `status.loadBalancer`).
+/// becomes every Ingress's `status.loadBalancer`), `default_certificate` (none:
+/// `"namespace/name"` of a `kubernetes.io/tls` Secret served to clients whose SNI matches no
+/// host or who send none; without a usable one, such clients are refused: `strict-sni`).
 ///
 /// The templates also ask the cluster to show (snippet `cluster-view`, [`crate::requests`]): a
 /// Warning Event `BackendNotFound` on an Ingress path whose Service or port does not exist, and
@@ -182,6 +184,7 @@ pub fn template_set() -> TemplateSet {
             "timeout_server": "50s",
             "stats_socket": null,
             "route_debug": false,
+            "default_certificate": null,
             "service": null,
             "server_slots": crate::slots::DEFAULT_SLOTS,
             "health_checks": true,

@@ -38,6 +38,9 @@
 //! | `terminating` | `conditions.terminating` (absent: false) |
 //! | `slice` | the EndpointSlice's name |
 //!
+//! Every row of the three row views also has `origin`: `[store, namespace, name]` of the
+//! Service or Ingress it comes from, what the `from` filter takes (see [`crate::provenance`]).
+//!
 //! [`Derivation::IngressRoutes`]: a row per path of an Ingress rule whose backend is a Service
 //! (Ingresses sorted by namespace and name, rules and paths in spec order; resource backends
 //! are left out; with `exact`, only the paths whose `pathType` is, or is not, `Exact`).
@@ -556,9 +559,18 @@ fn services_by_name(
         .collect()
 }
 
+/// Where a row comes from, as the `from` filter takes it: `[store, namespace, name]`.
+fn origin(store: &str, namespace: &str, name: &str) -> Value {
+    Value::from(vec![
+        Value::from(store),
+        Value::from(namespace),
+        Value::from(name),
+    ])
+}
+
 fn service_backends(
     slot: Slot,
-    services: Source<'_>,
+    (store, services): (&str, Source<'_>),
     slices: Source<'_>,
     routed: Option<&Routed>,
 ) -> Value {
@@ -590,6 +602,7 @@ fn service_backends(
             slices.iter().map(|e| Some(*e)),
             &mut rows,
             || {
+                let origin = origin(store, namespace, service);
                 ports
                     .iter()
                     .map(|(port_name, port, backend)| {
@@ -621,6 +634,7 @@ fn service_backends(
                             ("service", Value::from(service.as_str())),
                             ("port", Value::from(*port)),
                             ("port_name", Value::from(port_name.as_str())),
+                            ("origin", origin.clone()),
                         ])
                     })
                     .collect()
@@ -633,7 +647,7 @@ fn service_backends(
 
 fn ingress_routes(
     slot: Slot,
-    ingresses: Source<'_>,
+    (store, ingresses): (&str, Source<'_>),
     services: Source<'_>,
     exact: Option<bool>,
 ) -> Value {
@@ -659,6 +673,7 @@ fn ingress_routes(
             joined,
             &mut rows,
             || {
+                let origin = origin(store, namespace, ingress);
                 paths
                     .iter()
                     .zip(&resolved)
@@ -677,6 +692,7 @@ fn ingress_routes(
                             ("ingress", Value::from(ingress.as_str())),
                             ("service", Value::from(p.service.as_str())),
                             ("port", port),
+                            ("origin", origin.clone()),
                         ])
                     })
                     .collect()
@@ -687,7 +703,7 @@ fn ingress_routes(
     Value::from(rows)
 }
 
-fn ingress_tls(slot: Slot, ingresses: Source<'_>, secrets: Source<'_>) -> Value {
+fn ingress_tls(slot: Slot, (store, ingresses): (&str, Source<'_>), secrets: Source<'_>) -> Value {
     let mut rows = Vec::new();
     for ((namespace, ingress), ing, extracts) in ingresses.entries() {
         let entries = extracts.tls(ing);
@@ -706,6 +722,7 @@ fn ingress_tls(slot: Slot, ingresses: Source<'_>, secrets: Source<'_>) -> Value 
             .collect();
         let joined = found.iter().map(|f| f.map(|(_, e)| e));
         extracts.rows_into(slot, joined, &mut rows, || {
+            let origin = origin(store, namespace, ingress);
             entries
                 .iter()
                 .zip(&found)
@@ -724,6 +741,7 @@ fn ingress_tls(slot: Slot, ingresses: Source<'_>, secrets: Source<'_>) -> Value 
                         ("namespace", Value::from(namespace.as_str())),
                         ("ingress", Value::from(ingress.as_str())),
                         ("secret", Value::from(tls.secret.as_str())),
+                        ("origin", origin.clone()),
                     ])
                 })
                 .collect()
@@ -848,7 +866,12 @@ impl DerivedView {
                             state.routed.as_ref().map(|(_, routed)| routed)
                         }
                     };
-                    service_backends(slot, *services, *slices, routed)
+                    service_backends(
+                        slot,
+                        (store_of(&self.derivation), *services),
+                        *slices,
+                        routed,
+                    )
                 }
                 _ => compute(&self.derivation, slot, &inputs),
             };
@@ -870,6 +893,17 @@ impl DerivedView {
     }
 }
 
+/// The store whose objects a view's rows come from (their `origin`).
+fn store_of(derivation: &Derivation) -> &str {
+    match derivation {
+        Derivation::ServiceBackends { services, .. } => services,
+        Derivation::IngressRoutes { ingresses, .. } | Derivation::IngressTls { ingresses, .. } => {
+            ingresses
+        }
+        Derivation::TlsCertificates { secrets } => secrets,
+    }
+}
+
 /// The rows of `derivation` over `inputs`, with the routed ports computed afresh.
 fn compute(derivation: &Derivation, slot: Slot, inputs: &[Source<'_>]) -> Value {
     match (derivation, inputs) {
@@ -877,13 +911,18 @@ fn compute(derivation: &Derivation, slot: Slot, inputs: &[Source<'_>]) -> Value 
             let routed = rest
                 .first()
                 .map(|ingresses| routed_ports(*ingresses, *services));
-            service_backends(slot, *services, *slices, routed.as_ref())
+            service_backends(
+                slot,
+                (store_of(derivation), *services),
+                *slices,
+                routed.as_ref(),
+            )
         }
         (Derivation::IngressRoutes { exact, .. }, [ingresses, services]) => {
-            ingress_routes(slot, *ingresses, *services, *exact)
+            ingress_routes(slot, (store_of(derivation), *ingresses), *services, *exact)
         }
         (Derivation::IngressTls { .. }, [ingresses, secrets]) => {
-            ingress_tls(slot, *ingresses, *secrets)
+            ingress_tls(slot, (store_of(derivation), *ingresses), *secrets)
         }
         (Derivation::TlsCertificates { .. }, [secrets]) => tls_certificates(slot, *secrets),
         // `Stores` passes the stores `inputs()` names, so this does not happen.
@@ -988,7 +1027,7 @@ mod tests {
             rows,
             json!([
                 {"name": "ns_web_80", "namespace": "ns", "service": "web", "port": 80,
-                 "port_name": "http", "endpoints": [
+                 "port_name": "http", "origin": ["services", "ns", "web"], "endpoints": [
                     {"name": "web-b_10.0.0.1", "address": "10.0.0.1", "port": 8080,
                      "endpoint": "10.0.0.1:8080", "ready": true, "terminating": false, "slice": "web-b"},
                     {"name": "web-b_10.0.0.2", "address": "10.0.0.2", "port": 8080,
@@ -996,7 +1035,7 @@ mod tests {
                  ]},
                 // No slice port named `admin`; the port without a number is left out.
                 {"name": "ns_web_81", "namespace": "ns", "service": "web", "port": 81,
-                 "port_name": "admin", "endpoints": []},
+                 "port_name": "admin", "origin": ["services", "ns", "web"], "endpoints": []},
             ])
         );
     }

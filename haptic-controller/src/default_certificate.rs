@@ -8,7 +8,7 @@
 //! replica, and every restart, serves the same certificate; nothing is ever rewritten. The
 //! templates reach it like any TLS Secret (the reference config watches `kubernetes.io/tls`
 //! Secrets and names this one in `extraContext.haproxy.default_certificate`); a Secret of the
-//! operator's own can be named there instead, and `--default-certificate-secret ""` turns the
+//! operator's own can be named there instead, and `--default-certificate-secret none` turns the
 //! generation off.
 
 use std::time::Duration;

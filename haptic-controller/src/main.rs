@@ -176,7 +176,7 @@ struct RunArgs {
     debug_addr: Option<SocketAddr>,
     /// The Secret in the controller's namespace that holds the default certificate (served to
     /// clients whose SNI matches no host): created with a generated self-signed certificate
-    /// when absent. Empty: none is generated (name your own Secret in the HTC's
+    /// when absent. `none` (or empty): none is generated (name your own Secret in the HTC's
     /// `extraContext.haproxy.default_certificate`).
     #[arg(
         long,
@@ -295,7 +295,7 @@ fn run(args: RunArgs) -> Result<()> {
             debug_addr: args.debug_addr,
             election_clock_rate,
             default_certificate: Some(args.default_certificate_secret)
-                .filter(|name| !name.is_empty()),
+                .filter(|name| !name.is_empty() && name != "none"),
         };
         daemon::run(client, options, token)
             .await

@@ -242,12 +242,11 @@ fn tests() -> BTreeMap<String, ValidationTest> {
     serde_json::from_value(tests).unwrap_or_default()
 }
 
-/// The reference config as an HAProxyTemplateConfig object in YAML, as `haptic-controller
-/// reference-config` prints it and `deploy/` ships it.
-pub fn yaml(name: &str, namespace: &str) -> Result<String, serde_saphyr::SerializeError> {
+/// The reference spec for a controller in `namespace`: [`spec`] with the default certificate
+/// the controller generates there (`extraContext.haproxy.default_certificate`:
+/// `<namespace>/haptic-default-certificate`).
+pub fn spec_in(namespace: &str) -> HAProxyTemplateConfigSpec {
     let mut spec = spec();
-    // The default certificate the controller generates in its namespace
-    // (`--default-certificate-secret`).
     if let Some(haproxy) = spec
         .templating_settings
         .extra_context
@@ -262,7 +261,13 @@ pub fn yaml(name: &str, namespace: &str) -> Result<String, serde_saphyr::Seriali
             )),
         );
     }
-    let mut htc = HAProxyTemplateConfig::new(name, spec);
+    spec
+}
+
+/// The reference config as an HAProxyTemplateConfig object in YAML, as `haptic-controller
+/// reference-config` prints it and `deploy/` ships it.
+pub fn yaml(name: &str, namespace: &str) -> Result<String, serde_saphyr::SerializeError> {
+    let mut htc = HAProxyTemplateConfig::new(name, spec_in(namespace));
     htc.metadata.namespace = Some(namespace.to_owned());
     serde_saphyr::to_string(&htc)
 }
@@ -288,7 +293,7 @@ mod tests {
         let yaml = super::yaml("haptic-config", "haptic-system").expect("yaml");
         let back: crate::crd::HAProxyTemplateConfig =
             serde_saphyr::from_str(&yaml).expect("reads back");
-        assert_eq!(back.spec, super::spec());
+        assert_eq!(back.spec, super::spec_in("haptic-system"));
         assert_eq!(back.metadata.namespace.as_deref(), Some("haptic-system"));
     }
 }

@@ -267,7 +267,11 @@ async fn one_tenants_bad_object_never_stops_another_tenants_change() {
     let b = Backend::start("b").await;
     service_in(&cluster, A, a.addr).await;
     service_in(&cluster, B, b.addr).await;
-    let controller = Controller::start(&cluster, "controller-1").await;
+    let generate = [(
+        "HAPTIC_DEFAULT_CERTIFICATE_SECRET",
+        haptic_controller::default_certificate::DEFAULT_SECRET,
+    )];
+    let controller = Controller::start_with_env(&cluster, "controller-1", &generate).await;
 
     // Tenant A: a Secret whose key is another certificate's (PEM markers and all), and an
     // Ingress using it. Tenant B: a plain change. B's route goes live; A's Ingress is told why
@@ -405,7 +409,7 @@ async fn one_tenants_bad_object_never_stops_another_tenants_change() {
         .expect("the default certificate's Secret");
     assert_eq!(stored.type_.as_deref(), Some("kubernetes.io/tls"));
     // A second replica (and a restart) keeps the Secret there: it is never replaced.
-    let second = Controller::start(&cluster, "controller-2").await;
+    let second = Controller::start_with_env(&cluster, "controller-2", &generate).await;
     eventually(
         "the second replica found the default certificate",
         Duration::from_secs(20),

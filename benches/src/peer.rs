@@ -296,6 +296,8 @@ fn register(env: &mut Environment<'static>) {
             _ => pick_one(&value),
         })
     });
+    // Provenance marks render nothing; the peer keeps no provenance.
+    env.add_filter("from", |_: Value| -> Result<String> { Ok(String::new()) });
     env.add_function("backend_name", |kwargs: Kwargs| -> Result<String> {
         let namespace: Value = kwargs.get("namespace")?;
         let service: Value = kwargs.get("service")?;

@@ -122,6 +122,7 @@ async fn gate_row(n: usize) -> String {
         config_generation: 1,
         term: std::time::SystemTime::now(),
         span: tracing::Span::none(),
+        provenance: Default::default(),
         render_time,
         requests: Default::default(),
     };

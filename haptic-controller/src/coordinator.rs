@@ -1,20 +1,49 @@
 //! The coordinator (leader only): on a render trigger, renders the file set from the state
 //! cache on a blocking thread and publishes it, or the render error. Triggers that arrive during
 //! a render are coalesced into one more render after it.
+//!
+//! Blast radius of one object: when the render gate traces a line or file HAProxy refused to
+//! the object that produced it ([`ControllerEvent::Exclude`]), the coordinator leaves that
+//! object out of every render (a copy of the stores without it) until the object changes or
+//! goes, asks for a Warning Event `HAProxyRefused` on it with HAProxy's words, and renders
+//! again at once: the rest of the set goes live. At most [`MAX_EXCLUDED`] objects are left out
+//! at a time; past that, a refused set is held as before.
 
 use std::{
     sync::Arc,
     time::{Instant, SystemTime},
 };
 
+use haptic_render::{EventRequest, ObjectRef, Stores};
+
 use haptic_eventbus::Filter;
 use haptic_leadership::LeaderContext;
-use tracing::{Instrument as _, debug, error, info, info_span};
+use tracing::{Instrument as _, debug, error, info, info_span, warn};
 
 use crate::{
     events::{ControllerEvent, Kind, RenderFailure, RenderedSet},
     state::StateCache,
 };
+
+/// How many objects may be left out of renders at once for HAProxy's refusals.
+pub const MAX_EXCLUDED: usize = 16;
+
+/// An object left out of renders, as it was when HAProxy refused what it produced.
+#[derive(Debug, Clone)]
+struct Excluded {
+    object: ObjectRef,
+    /// Its `metadata.resourceVersion` then: a new version is tried again.
+    version: Option<serde_json::Value>,
+    reason: String,
+}
+
+fn version_of(stores: &Stores, object: &ObjectRef) -> Option<Option<serde_json::Value>> {
+    let store = stores.get(&object.store)?;
+    if !store.contains(&object.namespace, &object.name) {
+        return None;
+    }
+    Some(store.value_at(&object.namespace, &object.name, "metadata.resourceVersion"))
+}
 
 /// The component: subscribe now, run the returned future.
 pub fn component(
@@ -23,11 +52,12 @@ pub fn component(
 ) -> impl Future<Output = ()> + Send + 'static {
     let mut events = ctx.bus().subscribe_leader_only(
         "coordinator",
-        Filter::kinds([Kind::RenderTrigger, Kind::BecameLeader]),
+        Filter::kinds([Kind::RenderTrigger, Kind::BecameLeader, Kind::Exclude]),
     );
     async move {
         let mut term = SystemTime::now();
         let mut last_failure: Option<String> = None;
+        let mut excluded: Vec<Excluded> = Vec::new();
         loop {
             let event = tokio::select! {
                 () = ctx.token().cancelled() => return,
@@ -36,10 +66,13 @@ pub fn component(
             let Some(event) = event else { return };
             let mut reason = match &*event {
                 ControllerEvent::RenderTrigger { reason } => *reason,
+                ControllerEvent::Exclude(_) => "exclude",
                 _ => "became_leader",
             };
-            if let ControllerEvent::BecameLeader(became) = &*event {
-                term = became.at;
+            match &*event {
+                ControllerEvent::BecameLeader(became) => term = became.at,
+                ControllerEvent::Exclude(exclusion) => exclude(&cache, &mut excluded, exclusion),
+                _ => {}
             }
             // Coalesce whatever else is already queued: one render covers them all.
             let mut coalesced = 0u32;
@@ -49,6 +82,9 @@ pub fn component(
                     ControllerEvent::BecameLeader(became) => term = became.at,
                     ControllerEvent::RenderTrigger { reason: r } if reason == "change" => {
                         reason = r;
+                    }
+                    ControllerEvent::Exclude(exclusion) => {
+                        exclude(&cache, &mut excluded, exclusion);
                     }
                     _ => {}
                 }
@@ -62,12 +98,19 @@ pub fn component(
                 coalesced
             );
             let cache = cache.clone();
+            let leave_out = excluded.clone();
             let rendered = tokio::task::spawn_blocking({
                 let span = span.clone();
-                move || span.in_scope(|| render(&cache, term, span.clone()))
+                move || span.in_scope(|| render(&cache, term, span.clone(), leave_out))
             })
             .instrument(span.clone())
             .await;
+            let rendered = rendered.map(|r| {
+                r.map(|(result, still)| {
+                    excluded = still;
+                    result
+                })
+            });
             // No await follows in this iteration: the guard is dropped before the next one.
             let _entered = span.enter();
             match rendered {
@@ -93,20 +136,87 @@ pub fn component(
     }
 }
 
-/// Renders from the cache; `None` while it is not ready.
+/// Adds an object HAProxy refused to the objects left out (once; at most [`MAX_EXCLUDED`]).
+fn exclude(cache: &StateCache, excluded: &mut Vec<Excluded>, exclusion: &crate::events::Exclusion) {
+    if excluded.iter().any(|e| e.object == exclusion.object) {
+        return;
+    }
+    if excluded.len() >= MAX_EXCLUDED {
+        error!(object = %exclusion.object, reason = %exclusion.reason, limit = MAX_EXCLUDED, "HAProxy refused what an object produced, but as many objects as allowed are left out already: holding the set");
+        return;
+    }
+    let Some(version) = version_of(&cache.read().stores, &exclusion.object) else {
+        return;
+    };
+    warn!(object = %exclusion.object, reason = %exclusion.reason, checksum = %exclusion.checksum, "HAProxy refused what this object produced: leaving it out of the config until it changes");
+    excluded.push(Excluded {
+        object: exclusion.object.clone(),
+        version,
+        reason: exclusion.reason.clone(),
+    });
+}
+
+/// A Warning Event on an object left out, from the object as the store holds it.
+fn excluded_event(stores: &Stores, excluded: &Excluded) -> Option<EventRequest> {
+    let object = &excluded.object;
+    let store = stores.get(&object.store)?;
+    let field = |path: &str| {
+        store
+            .value_at(&object.namespace, &object.name, path)
+            .and_then(|v| v.as_str().map(str::to_owned))
+    };
+    Some(EventRequest {
+        api_version: field("apiVersion"),
+        kind: field("kind"),
+        namespace: Some(object.namespace.clone()).filter(|n| !n.is_empty()),
+        name: Some(object.name.clone()),
+        uid: field("metadata.uid"),
+        type_: "Warning".to_owned(),
+        reason: "HAProxyRefused".to_owned(),
+        message: format!(
+            "left out of the HAProxy config until it changes: haproxy -c refused what it produced: {}",
+            excluded.reason
+        ),
+    })
+}
+
+/// Renders from the cache, leaving out the objects in `excluded` that are still the versions
+/// HAProxy refused; `None` while it is not ready. Returns with the result the objects still
+/// left out (those that changed or went are tried again).
 fn render(
     cache: &StateCache,
     term: SystemTime,
     span: tracing::Span,
-) -> Option<Result<RenderedSet, RenderFailure>> {
+    mut excluded: Vec<Excluded>,
+) -> Option<(Result<RenderedSet, RenderFailure>, Vec<Excluded>)> {
     let state = cache.read();
     if !state.ready() {
         return None;
     }
     let config = state.config.as_ref()?;
     let started = Instant::now();
-    Some(match config.renderer.render_all(&state.stores) {
-        Ok((files, requests)) => {
+    excluded.retain(|e| {
+        let same = version_of(&state.stores, &e.object).is_some_and(|v| v == e.version);
+        if !same {
+            info!(object = %e.object, "an object left out for HAProxy's refusal changed or went: trying it again");
+        }
+        same
+    });
+    let copy;
+    let stores = if excluded.is_empty() {
+        &state.stores
+    } else {
+        let objects: Vec<ObjectRef> = excluded.iter().map(|e| e.object.clone()).collect();
+        copy = state.stores.excluding(&objects);
+        &copy
+    };
+    let result = match config.renderer.render_traced(stores) {
+        Ok((files, mut requests, provenance)) => {
+            requests.events.extend(
+                excluded
+                    .iter()
+                    .filter_map(|e| excluded_event(&state.stores, e)),
+            );
             let checksum = haptic_agent_client::protocol::checksum(files.iter());
             Ok(RenderedSet {
                 files,
@@ -116,11 +226,13 @@ fn render(
                 render_time: started.elapsed(),
                 requests,
                 span,
+                provenance,
             })
         }
         Err(error) => Err(RenderFailure {
             config_generation: config.generation,
             message: error.to_string(),
         }),
-    })
+    };
+    Some((result, excluded))
 }

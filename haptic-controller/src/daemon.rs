@@ -71,6 +71,9 @@ pub struct Options {
     pub metrics: Option<crate::metrics::Exposition>,
     /// Where `/debug/vars` listens (none: nowhere, the default).
     pub debug_addr: Option<SocketAddr>,
+    /// The Secret (in the controller's namespace) holding the default certificate, created
+    /// with a generated one when absent (none: not generated).
+    pub default_certificate: Option<String>,
     /// TEST ONLY: the election judges expiry on a clock running this many times as fast as
     /// the real one (`--test-only-election-clock-rate`, for fault campaigns); `None` in
     /// production.
@@ -158,6 +161,18 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
         .all_replicas("pod-discovery", {
             let (client, ns) = (client.clone(), ns.clone());
             move |bus, token| pod_discovery::component(client, ns, bus, token)
+        })
+        .all_replicas("default-certificate", {
+            let (client, ns) = (client.clone(), ns.clone());
+            let secret = options.default_certificate.clone();
+            move |_, token| async move {
+                match secret {
+                    Some(name) => {
+                        crate::default_certificate::component(client, ns, name, token).await;
+                    }
+                    None => token.cancelled().await,
+                }
+            }
         })
         .all_replicas("reconciler", {
             let window = options.reconcile_window;

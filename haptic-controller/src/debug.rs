@@ -208,6 +208,10 @@ fn summarize(event: &ControllerEvent) -> Value {
             "GateVerdict",
             json!({"checksum": v.checksum, "passed": v.refused.is_none(), "refused": v.refused}),
         ),
+        ControllerEvent::Exclude(x) => (
+            "Exclude",
+            json!({"object": x.object.to_string(), "reason": x.reason, "checksum": x.checksum}),
+        ),
         ControllerEvent::Deployable(set) => ("Deployable", json!({"checksum": set.checksum})),
         ControllerEvent::Fenced(f) => (
             "Fenced",

@@ -45,6 +45,9 @@ pub enum ControllerEvent {
     RenderFailed(Arc<RenderFailure>),
     /// The render gate's judgement of a set.
     GateVerdict(Arc<GateVerdict>),
+    /// HAProxy refused a line or file one object produced: the coordinator renders again
+    /// without it.
+    Exclude(Arc<Exclusion>),
     /// A set the gate lets through to the scheduler.
     Deployable(Arc<RenderedSet>),
     /// The outcome of one deployment across the pods.
@@ -77,6 +80,7 @@ pub enum Kind {
     Rendered,
     RenderFailed,
     GateVerdict,
+    Exclude,
     Deployable,
     Deployed,
     Fenced,
@@ -110,6 +114,7 @@ impl Event for ControllerEvent {
             Self::Rendered(_) => Kind::Rendered,
             Self::RenderFailed(_) => Kind::RenderFailed,
             Self::GateVerdict(_) => Kind::GateVerdict,
+            Self::Exclude(_) => Kind::Exclude,
             Self::Deployable(_) => Kind::Deployable,
             Self::Deployed(_) => Kind::Deployed,
             Self::Fenced(_) => Kind::Fenced,
@@ -198,6 +203,19 @@ pub struct RenderedSet {
     /// The reconcile chain's span (`reconcile`, with its `correlation_id`): the render gate's
     /// check and each pod's apply run in it, from the trigger to each pod's answer.
     pub span: tracing::Span,
+    /// Which object produced which file and line (what a refusal is traced back with).
+    pub provenance: haptic_render::Provenance,
+}
+
+/// An object left out of renders because HAProxy refused what it produced.
+#[derive(Debug, Clone)]
+pub struct Exclusion {
+    /// The object.
+    pub object: haptic_render::ObjectRef,
+    /// HAProxy's words about its line or file.
+    pub reason: String,
+    /// The checksum of the refused set.
+    pub checksum: String,
 }
 
 /// A failed render.

@@ -28,6 +28,7 @@ pub mod crd;
 pub mod credentials;
 pub mod daemon;
 pub mod debug;
+pub mod default_certificate;
 pub mod drift;
 pub mod duration;
 pub mod events;

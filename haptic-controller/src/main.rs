@@ -174,6 +174,16 @@ struct RunArgs {
     /// Where /debug/vars listens [default: nowhere].
     #[arg(long, env = "DEBUG_ADDR")]
     debug_addr: Option<SocketAddr>,
+    /// The Secret in the controller's namespace that holds the default certificate (served to
+    /// clients whose SNI matches no host): created with a generated self-signed certificate
+    /// when absent. `none` (or empty): none is generated (name your own Secret in the HTC's
+    /// `extraContext.haproxy.default_certificate`).
+    #[arg(
+        long,
+        env = "HAPTIC_DEFAULT_CERTIFICATE_SECRET",
+        default_value = haptic_controller::default_certificate::DEFAULT_SECRET
+    )]
+    default_certificate_secret: String,
     /// TEST ONLY (hidden): the election's clock runs this many times as fast as the real one
     /// (0.5 to 2.0), to test clock-rate skew in fault campaigns. No environment variable sets
     /// it, and it is refused inside a Kubernetes pod.
@@ -284,6 +294,8 @@ fn run(args: RunArgs) -> Result<()> {
             metrics: Some(exposition),
             debug_addr: args.debug_addr,
             election_clock_rate,
+            default_certificate: Some(args.default_certificate_secret)
+                .filter(|name| !name.is_empty() && name != "none"),
         };
         daemon::run(client, options, token)
             .await

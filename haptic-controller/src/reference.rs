@@ -296,10 +296,32 @@ fn tests() -> BTreeMap<String, ValidationTest> {
     serde_json::from_value(tests).unwrap_or_default()
 }
 
+/// The reference spec for a controller in `namespace`: [`spec`] with the default certificate
+/// the controller generates there (`extraContext.haproxy.default_certificate`:
+/// `<namespace>/haptic-default-certificate`).
+pub fn spec_in(namespace: &str) -> HAProxyTemplateConfigSpec {
+    let mut spec = spec();
+    if let Some(haproxy) = spec
+        .templating_settings
+        .extra_context
+        .get_mut("haproxy")
+        .and_then(|v| v.as_object_mut())
+    {
+        haproxy.insert(
+            "default_certificate".to_owned(),
+            serde_json::Value::from(format!(
+                "{namespace}/{}",
+                crate::default_certificate::DEFAULT_SECRET
+            )),
+        );
+    }
+    spec
+}
+
 /// The reference config as an HAProxyTemplateConfig object in YAML, as `haptic-controller
 /// reference-config` prints it and `deploy/` ships it.
 pub fn yaml(name: &str, namespace: &str) -> Result<String, serde_saphyr::SerializeError> {
-    let mut htc = HAProxyTemplateConfig::new(name, spec());
+    let mut htc = HAProxyTemplateConfig::new(name, spec_in(namespace));
     htc.metadata.namespace = Some(namespace.to_owned());
     serde_saphyr::to_string(&htc)
 }
@@ -326,7 +348,7 @@ mod tests {
         let yaml = super::yaml("haptic-config", "haptic-system").expect("yaml");
         let back: crate::crd::HAProxyTemplateConfig =
             serde_saphyr::from_str(&yaml).expect("reads back");
-        assert_eq!(back.spec, super::spec());
+        assert_eq!(back.spec, super::spec_in("haptic-system"));
         assert_eq!(back.metadata.namespace.as_deref(), Some("haptic-system"));
     }
 }

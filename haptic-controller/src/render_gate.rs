@@ -10,6 +10,14 @@
 //! the set passed the agents' own config policy ([`haptic_agent_client::policy`]: no Lua,
 //! programs, external checks or files outside the set unless allowed), so a set the policy
 //! refuses never runs `haproxy -c` here and never leaves the controller.
+//!
+//! A refusal is traced to the object that produced the refused line or file (the set's
+//! provenance: a per-Secret certificate file, a map or crt-list line of an Ingress, a
+//! backend of a Service); when one is found, the gate asks the coordinator to render again
+//! without it ([`ControllerEvent::Exclude`]), and that render, checked like any other, opens
+//! the gate. What still holds the whole set: a refused line no object produced (a template's
+//! own text, such as a bad HAProxyTemplateConfig), a refusal HAProxy does not locate, and more
+//! refused objects than the coordinator leaves out at once.
 
 use std::{
     path::{Path, PathBuf},
@@ -25,7 +33,7 @@ use haptic_render::FileSet;
 use tokio::process::Command;
 use tracing::{Instrument as _, error, info, warn};
 
-use crate::events::{ControllerEvent, GateVerdict, Kind, RenderedSet};
+use crate::events::{ControllerEvent, Exclusion, GateVerdict, Kind, RenderedSet};
 
 /// How long one `haproxy -c` may take.
 pub const CHECK_TIMEOUT: Duration = Duration::from_secs(60);
@@ -117,6 +125,22 @@ pub fn component(
                     reported = None;
                 }
                 Some(output) => {
+                    // Traced to one object: render again without it (HAProxy's line about it
+                    // is the reason its Event gives).
+                    if let Some((object, line)) = set
+                        .provenance
+                        .attribute(&set.files, &output)
+                        .into_iter()
+                        .next()
+                    {
+                        set.span.in_scope(|| warn!(checksum = %set.checksum, %object, alert = %line, "haproxy -c refused what one object produced; rendering without it"));
+                        ctx.bus()
+                            .publish(ControllerEvent::Exclude(Arc::new(Exclusion {
+                                object,
+                                reason: alert_text(line).to_owned(),
+                                checksum: set.checksum.clone(),
+                            })));
+                    }
                     if reported.as_deref() != Some(&output) {
                         set.span.in_scope(|| error!(checksum = %set.checksum, output = %output, "haproxy -c refused the rendered config; holding later renders until one passes"));
                         reported = Some(output);
@@ -221,6 +245,13 @@ pub async fn check_files(haproxy: &Path, files: &FileSet) -> Result<(), CheckErr
             Err(CheckError::Refused(tail(text.trim(), OUTPUT_CAP)))
         }
     }
+}
+
+/// An alert line without HAProxy's prefix (`[ALERT]    (pid) : config : `).
+fn alert_text(line: &str) -> &str {
+    line.split_once(" : config : ")
+        .map_or(line, |(_, rest)| rest)
+        .trim()
 }
 
 /// The first `[ALERT]` line of HAProxy's output (what a denial quotes), else its last line.

@@ -562,6 +562,7 @@ async fn haproxy_valid(files: &FileSet, checker: &Checker) -> Result<(), String>
         requests: Default::default(),
         render_time: Default::default(),
         span: tracing::Span::none(),
+        provenance: Default::default(),
     };
     render_gate::policy_check(&checker.policy, &set)?;
     let haproxy = checker

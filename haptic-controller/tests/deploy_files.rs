@@ -242,7 +242,8 @@ fn the_cluster_role_covers_exactly_the_watched_resources() {
             &["update", "patch"],
         ),
         (("", "pods"), &["list", "watch"]),
-        (("", "secrets"), &["get", "list", "watch"]),
+        // the agent token (read) and the default certificate (created once when absent)
+        (("", "secrets"), &["get", "list", "watch", "create"]),
         (
             ("haproxy-haptic.org", "haproxycfgs"),
             &["get", "list", "create", "patch", "delete"],
@@ -995,6 +996,7 @@ fn the_deployed_config_validates_renders_and_passes_haproxy_check() {
         config_generation: 1,
         term: std::time::SystemTime::now(),
         span: tracing::Span::none(),
+        provenance: Default::default(),
         render_time: std::time::Duration::ZERO,
         requests: Default::default(),
     };

@@ -39,6 +39,9 @@
 //! | `terminating` | `conditions.terminating` (absent: false) |
 //! | `slice` | the EndpointSlice's name |
 //!
+//! Every row of the three row views also has `origin`: `[store, namespace, name]` of the
+//! Service or Ingress it comes from, what the `from` filter takes (see [`crate::provenance`]).
+//!
 //! [`Derivation::IngressRoutes`]: a row per path of an Ingress rule whose backend is a Service
 //! (Ingresses sorted by namespace and name, rules and paths in spec order; resource backends
 //! are left out; with `exact`, only the paths whose `pathType` is, or is not, `Exact`).
@@ -63,9 +66,24 @@
 //! | `secret` | the entry's `secretName` (`""` when absent) |
 //! | `hosts` | the entry's hosts as written (not checked; `[]` when absent) |
 //! | `file` | `ssl_file(namespace, secret)`: where a per-Secret certificate output writes it |
-//! | `usable` | whether the Secret exists and is a `kubernetes.io/tls` Secret whose `tls.crt` and `tls.key` are base64 of a PEM certificate and a PEM private key |
+//! | `usable` | whether the Secret exists and holds a certificate HAProxy can serve ([`crate::certificate`]: the chain parses as X.509, the key parses and matches the leaf, the leaf has not expired) |
+//! | `reason` | why not, in words (`""` when usable): what a Warning Event on the Ingress says |
 //! | `conflicts` | `[{host, winner}]`: the entry's hosts an older Ingress names too (they are left out of `hosts`) |
 //! | `ssl_redirect` | false when the Ingress has the annotation `haproxy-haptic.org/ssl-redirect: "false"` |
+//!
+//! [`Derivation::TlsCertificates`]: a **map** from `"<namespace>/<name>"` to a row per
+//! `kubernetes.io/tls` Secret (other Secrets have no entry), the same verdict as `usable`
+//! above, so that a per-Secret certificate output writes exactly the files the crt-list names.
+//!
+//! | field | value |
+//! | --- | --- |
+//! | `usable`, `reason` | as in an Ingress TLS row |
+//! | `pem` | the chain, then the key, trimmed, each ending in a newline (`""` when unusable) |
+//! | `namespace`, `secret`, `file` | the Secret's namespace and name; `ssl_file(namespace, name)` |
+//!
+//! A verdict is computed once per version of a Secret (a new version is checked again) at the
+//! time of the first render that needs it: a certificate that expires while its Secret stays
+//! unchanged is served until the Secret changes or the controller restarts.
 //!
 //! [`Derivation::Ingresses`]: a row per Ingress (sorted by namespace and name): `namespace`,
 //! `name`, `object` (the resource).
@@ -88,7 +106,8 @@ use serde::{Deserialize, Serialize};
 use tera::Value;
 use tera::value::{Key, Map};
 
-use crate::functions::{b64decode, backend_name, sanitize, ssl_file};
+use crate::certificate::{Verdict, check_secret, now_unix};
+use crate::functions::{backend_name, sanitize, ssl_file};
 use crate::store::{Source, Store};
 
 /// The controller name the reference configuration claims IngressClasses with
@@ -236,6 +255,12 @@ pub enum Derivation {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         classes: Option<IngressClassFilter>,
     },
+    /// A map from `"<namespace>/<name>"` to the verdict on each `kubernetes.io/tls` Secret,
+    /// with its PEM when usable (see [`crate::certificate`]).
+    TlsCertificates {
+        /// The store of v1 Secrets.
+        secrets: String,
+    },
 }
 
 impl Derivation {
@@ -266,6 +291,7 @@ impl Derivation {
                 ingresses, secrets, ..
             } => vec![ingresses, secrets],
             Self::Ingresses { ingresses, .. } => vec![ingresses],
+            Self::TlsCertificates { secrets } => vec![secrets],
         };
         if let Some(classes) = self.classes() {
             inputs.push(&classes.ingress_classes);
@@ -279,7 +305,8 @@ impl Derivation {
         match self {
             Self::ServiceBackends {
                 routed_by: None, ..
-            } => None,
+            }
+            | Self::TlsCertificates { .. } => None,
             Self::ServiceBackends { classes, .. }
             | Self::IngressRoutes { classes, .. }
             | Self::IngressTls { classes, .. }
@@ -292,6 +319,7 @@ impl Derivation {
     pub fn ingresses(&self) -> Option<&str> {
         match self {
             Self::ServiceBackends { routed_by, .. } => routed_by.as_deref(),
+            Self::TlsCertificates { .. } => None,
             Self::IngressRoutes { ingresses, .. }
             | Self::IngressTls { ingresses, .. }
             | Self::Ingresses { ingresses, .. }
@@ -307,6 +335,7 @@ impl Derivation {
             Self::IngressTls { .. } => 2,
             Self::Ingresses { .. } => 3,
             Self::IngressDefaultBackends { .. } => 4,
+            Self::TlsCertificates { .. } => 5,
         }
     }
 }
@@ -358,11 +387,11 @@ pub(crate) struct Extracts {
     slice: OnceLock<SliceExtract>,
     ingress: OnceLock<IngressExtract>,
     tls: OnceLock<Vec<TlsExtract>>,
-    secret: OnceLock<bool>,
+    certificate: OnceLock<Verdict>,
     class: OnceLock<IngressClassExtract>,
     /// The rows this resource last contributed to a view, and what they were joined with, per
     /// kind of view ([`Derivation::slot`]).
-    rows: Mutex<[Option<Contribution>; 5]>,
+    rows: Mutex<[Option<Contribution>; 6]>,
 }
 
 /// An IngressClass: whether it is ours (by controller name) and marked default.
@@ -557,20 +586,11 @@ impl Extracts {
         })
     }
 
-    /// Whether a Secret is a `kubernetes.io/tls` Secret whose `tls.crt` and `tls.key` are
-    /// base64 of a PEM certificate and a PEM private key.
-    fn usable_certificate(&self, secret: &Value) -> bool {
-        *self.secret.get_or_init(|| {
-            let pem = |key: &'static str, marker: &str| {
-                path(secret, &["data", key])
-                    .and_then(Value::as_str)
-                    .and_then(|b64| b64decode(b64).ok())
-                    .is_some_and(|text| text.contains(marker))
-            };
-            text(secret, &["type"]) == "kubernetes.io/tls"
-                && pem("tls.crt", "-----BEGIN CERTIFICATE-----")
-                && pem("tls.key", "PRIVATE KEY-----")
-        })
+    /// The verdict on a Secret's certificate ([`crate::certificate::check_secret`]), once
+    /// per version of the Secret.
+    fn certificate(&self, secret: &Value) -> &Verdict {
+        self.certificate
+            .get_or_init(|| check_secret(secret, now_unix()))
     }
 
     fn ingress(&self, ing: &Value) -> &IngressExtract {
@@ -974,9 +994,18 @@ fn services_by_name(
         .collect()
 }
 
+/// Where a row comes from, as the `from` filter takes it: `[store, namespace, name]`.
+fn origin(store: &str, namespace: &str, name: &str) -> Value {
+    Value::from(vec![
+        Value::from(store),
+        Value::from(namespace),
+        Value::from(name),
+    ])
+}
+
 fn service_backends(
     slot: Slot,
-    services: Source<'_>,
+    (store, services): (&str, Source<'_>),
     slices: Source<'_>,
     routed: Option<&Routed>,
 ) -> Value {
@@ -1008,6 +1037,7 @@ fn service_backends(
             slices.iter().map(|e| Some(*e)),
             &mut rows,
             || {
+                let origin = origin(store, namespace, service);
                 ports
                     .iter()
                     .map(|port| {
@@ -1040,6 +1070,7 @@ fn service_backends(
                             ("service", Value::from(service.as_str())),
                             ("port", Value::from(port.number)),
                             ("port_name", Value::from(port.name.as_str())),
+                            ("origin", origin.clone()),
                         ])
                     })
                     .collect()
@@ -1052,7 +1083,7 @@ fn service_backends(
 
 fn ingress_routes(
     slot: Slot,
-    ingresses: Source<'_>,
+    (store, ingresses): (&str, Source<'_>),
     services: Source<'_>,
     exact: Option<bool>,
     ours: &Ours<'_>,
@@ -1090,6 +1121,7 @@ fn ingress_routes(
             joined,
             &mut rows,
             || {
+                let origin = origin(store, namespace, ing.name);
                 paths
                     .iter()
                     .zip(&resolved)
@@ -1113,6 +1145,7 @@ fn ingress_routes(
                                 "external_name",
                                 Value::from(svc.is_some_and(|(svc, _)| svc.external_name)),
                             ),
+                            ("origin", origin.clone()),
                         ])
                     })
                     .collect()
@@ -1137,7 +1170,12 @@ fn ingress_routes(
     Value::from(rows)
 }
 
-fn ingress_tls(slot: Slot, ingresses: Source<'_>, secrets: Source<'_>, ours: &Ours<'_>) -> Value {
+fn ingress_tls(
+    slot: Slot,
+    (store, ingresses): (&str, Source<'_>),
+    secrets: Source<'_>,
+    ours: &Ours<'_>,
+) -> Value {
     let ours = ours.of(ingresses);
     // Who claims each TLS host: the oldest Ingress.
     let mut claims = Claims::with_capacity(ours.len() / 2);
@@ -1158,28 +1196,33 @@ fn ingress_tls(slot: Slot, ingresses: Source<'_>, secrets: Source<'_>, ours: &Ou
         if entries.is_empty() {
             continue;
         }
-        let found: Vec<Option<(bool, &Arc<Extracts>)>> = entries
+        let found: Vec<Option<(&Verdict, &Arc<Extracts>)>> = entries
             .iter()
             .map(|tls| {
                 if tls.secret.is_empty() {
                     return None;
                 }
                 let (secret, extracts) = secrets.get_entry(namespace, &tls.secret)?;
-                Some((extracts.usable_certificate(secret), extracts))
+                Some((extracts.certificate(secret), extracts))
             })
             .collect();
         let joined = found.iter().map(|f| f.map(|(_, e)| e));
         let first = rows.len();
         ing.extracts.rows_into(slot, joined, &mut rows, || {
+            let origin = origin(store, namespace, ingress);
             entries
                 .iter()
                 .zip(&found)
                 .map(|(tls, found)| {
+                    let reason = match found {
+                        _ if tls.secret.is_empty() => "the TLS entry names no Secret".to_owned(),
+                        None => "the Secret does not exist".to_owned(),
+                        Some((Ok(_), _)) => String::new(),
+                        Some((Err(unusable), _)) => unusable.to_string(),
+                    };
                     row([
-                        (
-                            "usable",
-                            Value::from(found.is_some_and(|(usable, _)| usable)),
-                        ),
+                        ("usable", Value::from(reason.is_empty())),
+                        ("reason", Value::from(reason)),
                         ("file", Value::from(ssl_file(namespace, &tls.secret))),
                         ("hosts", tls.hosts.clone()),
                         ("conflicts", Value::from(Vec::<Value>::new())),
@@ -1187,6 +1230,7 @@ fn ingress_tls(slot: Slot, ingresses: Source<'_>, secrets: Source<'_>, ours: &Ou
                         ("namespace", Value::from(namespace)),
                         ("ingress", Value::from(ingress)),
                         ("secret", Value::from(tls.secret.as_str())),
+                        ("origin", origin.clone()),
                     ])
                 })
                 .collect()
@@ -1312,6 +1356,35 @@ fn default_backends(ingresses: Source<'_>, services: Source<'_>, ours: &Ours<'_>
     Value::from(rows)
 }
 
+fn tls_certificates(slot: Slot, secrets: Source<'_>) -> Value {
+    let mut map = Map::new();
+    let mut rows = Vec::with_capacity(1);
+    for ((namespace, name), secret, extracts) in secrets.entries() {
+        if text(secret, &["type"]) != "kubernetes.io/tls" {
+            continue;
+        }
+        rows.clear();
+        extracts.rows_into(slot, std::iter::empty(), &mut rows, || {
+            let (usable, reason, pem) = match extracts.certificate(secret) {
+                Ok(ok) => (true, String::new(), ok.pem.clone()),
+                Err(unusable) => (false, unusable.to_string(), String::new()),
+            };
+            vec![row([
+                ("usable", Value::from(usable)),
+                ("reason", Value::from(reason)),
+                ("pem", Value::from(pem)),
+                ("file", Value::from(ssl_file(namespace, name))),
+                ("namespace", Value::from(namespace.as_str())),
+                ("secret", Value::from(name.as_str())),
+            ])]
+        });
+        if let Some(row) = rows.pop() {
+            map.insert(Key::from(format!("{namespace}/{name}")), row);
+        }
+    }
+    Value::from(map)
+}
+
 /// A derived view with its last rows, recomputed when a store it reads changed.
 #[derive(Debug)]
 pub(crate) struct DerivedView {
@@ -1405,7 +1478,12 @@ impl DerivedView {
                             state.routed.as_ref().map(|(_, routed)| routed)
                         }
                     };
-                    service_backends(slot, *services, *slices, routed)
+                    service_backends(
+                        slot,
+                        (store_of(&self.derivation), *services),
+                        *slices,
+                        routed,
+                    )
                 }
                 _ => compute(&self.derivation, slot, &inputs),
             };
@@ -1438,6 +1516,18 @@ fn split_classes<'d, 's, 'a>(
     }
 }
 
+/// The store whose objects a view's rows come from (their `origin`).
+fn store_of(derivation: &Derivation) -> &str {
+    match derivation {
+        Derivation::ServiceBackends { services, .. } => services,
+        Derivation::IngressRoutes { ingresses, .. }
+        | Derivation::IngressTls { ingresses, .. }
+        | Derivation::Ingresses { ingresses, .. }
+        | Derivation::IngressDefaultBackends { ingresses, .. } => ingresses,
+        Derivation::TlsCertificates { secrets } => secrets,
+    }
+}
+
 /// The rows of `derivation` over `inputs`, with the routed ports computed afresh.
 fn compute(derivation: &Derivation, slot: Slot, inputs: &[Source<'_>]) -> Value {
     let (derivation, inputs, classes) = split_classes(derivation, inputs);
@@ -1447,18 +1537,28 @@ fn compute(derivation: &Derivation, slot: Slot, inputs: &[Source<'_>]) -> Value 
             let routed = rest
                 .first()
                 .map(|ingresses| routed_ports(*ingresses, *services, &ours));
-            service_backends(slot, *services, *slices, routed.as_ref())
+            service_backends(
+                slot,
+                (store_of(derivation), *services),
+                *slices,
+                routed.as_ref(),
+            )
         }
-        (Derivation::IngressRoutes { exact, .. }, [ingresses, services]) => {
-            ingress_routes(slot, *ingresses, *services, *exact, &ours)
-        }
+        (Derivation::IngressRoutes { exact, .. }, [ingresses, services]) => ingress_routes(
+            slot,
+            (store_of(derivation), *ingresses),
+            *services,
+            *exact,
+            &ours,
+        ),
         (Derivation::IngressTls { .. }, [ingresses, secrets]) => {
-            ingress_tls(slot, *ingresses, *secrets, &ours)
+            ingress_tls(slot, (store_of(derivation), *ingresses), *secrets, &ours)
         }
         (Derivation::Ingresses { .. }, [ingresses]) => ingress_rows(slot, *ingresses, &ours),
         (Derivation::IngressDefaultBackends { .. }, [ingresses, services]) => {
             default_backends(*ingresses, *services, &ours)
         }
+        (Derivation::TlsCertificates { .. }, [secrets]) => tls_certificates(slot, *secrets),
         // `Stores` passes the stores `inputs()` names, so this does not happen.
         _ => Value::from(Vec::<Value>::new()),
     }
@@ -1563,7 +1663,7 @@ mod tests {
             rows,
             json!([
                 {"name": "ns_web_80", "namespace": "ns", "service": "web", "port": 80,
-                 "port_name": "http", "app_protocol": "", "endpoints": [
+                 "port_name": "http", "app_protocol": "", "origin": ["services", "ns", "web"], "endpoints": [
                     {"name": "web-b_10.0.0.1", "address": "10.0.0.1", "port": 8080,
                      "endpoint": "10.0.0.1:8080", "ready": true, "terminating": false, "slice": "web-b"},
                     {"name": "web-b_10.0.0.2", "address": "10.0.0.2", "port": 8080,
@@ -1571,7 +1671,7 @@ mod tests {
                  ]},
                 // No slice port named `admin`; the port without a number is left out.
                 {"name": "ns_web_81", "namespace": "ns", "service": "web", "port": 81,
-                 "port_name": "admin", "app_protocol": "", "endpoints": []},
+                 "port_name": "admin", "app_protocol": "", "origin": ["services", "ns", "web"], "endpoints": []},
             ])
         );
     }
@@ -1753,12 +1853,19 @@ mod tests {
             },
         )
         .unwrap();
+        s.derive(
+            "certificates",
+            Derivation::TlsCertificates {
+                secrets: "secrets".into(),
+            },
+        )
+        .unwrap();
         let tls = |name: &str, kind: &str, crt: &str| {
             let b64 = |t: &str| base64::engine::general_purpose::STANDARD.encode(t);
             json!({"metadata": {"namespace": "ns", "name": name}, "type": kind,
-                   "data": {"tls.crt": b64(crt), "tls.key": b64("-----BEGIN PRIVATE KEY-----\nx")}})
+                   "data": {"tls.crt": b64(crt), "tls.key": b64(include_str!("../fixtures/tls.key"))}})
         };
-        let cert = "-----BEGIN CERTIFICATE-----\nx";
+        let cert = include_str!("../fixtures/tls.crt");
         apply(&mut s, "secrets", tls("good", "kubernetes.io/tls", cert));
         apply(&mut s, "secrets", tls("opaque", "Opaque", cert));
         apply(
@@ -1805,9 +1912,39 @@ mod tests {
             json!(["a.example.com", "*.b.example.com"])
         );
         assert_eq!(rows[1]["hosts"], json!([]));
-        // The Secret is fixed: the row follows.
+        let reasons: Vec<&str> = rows
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["reason"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            reasons,
+            [
+                "",
+                "the Secret is of type \"Opaque\", not kubernetes.io/tls",
+                "tls.crt holds no PEM certificate",
+                "the Secret does not exist",
+                "the TLS entry names no Secret"
+            ]
+        );
+        // The certificate view: kubernetes.io/tls Secrets by namespace/name, the PEM of the
+        // usable ones only.
+        let certificates = derived(&s, "certificates");
+        let keys: Vec<&String> = certificates.as_object().unwrap().keys().collect();
+        assert_eq!(keys, ["ns/good", "ns/nopem"]);
+        assert!(
+            certificates["ns/good"]["pem"]
+                .as_str()
+                .unwrap()
+                .starts_with("-----BEGIN CERTIFICATE-----")
+        );
+        assert_eq!(certificates["ns/nopem"]["pem"], "");
+        assert_eq!(certificates["ns/nopem"]["usable"], false);
+        // The Secret is fixed: the rows follow.
         apply(&mut s, "secrets", tls("nopem", "kubernetes.io/tls", cert));
         assert_eq!(derived(&s, "tls")[2]["usable"], true);
+        assert_eq!(derived(&s, "certificates")["ns/nopem"]["usable"], true);
     }
 
     #[test]
@@ -2243,6 +2380,7 @@ mod tests {
                               "services": "services", "exact": false, "classes": classes},
             "tls": {"kind": "ingressTls", "ingresses": "ingresses", "secrets": "secrets",
                     "classes": classes},
+            "certificates": {"kind": "tlsCertificates", "secrets": "secrets"},
         });
         // The controller name and `classless` have defaults.
         let short: Derivation = serde_json::from_value(json!({"kind": "ingresses",

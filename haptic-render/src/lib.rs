@@ -40,10 +40,12 @@
 //! views from [`reference::stores`]; [`fixtures`] generates Ingresses, Services, EndpointSlices
 //! and Secrets for tests and benchmarks.
 
+pub mod certificate;
 pub mod derived;
 pub mod fileset;
 pub mod fixtures;
 pub mod functions;
+pub mod provenance;
 pub mod reference;
 pub mod render;
 pub mod requests;
@@ -54,6 +56,7 @@ mod value;
 
 pub use derived::Derivation;
 pub use fileset::FileSet;
+pub use provenance::{ObjectRef, Provenance};
 pub use render::Renderer;
 pub use requests::{EventRequest, Requests, StatusRequest};
 pub use set::{CertificateTemplate, FileTemplate, Template, TemplateSet};

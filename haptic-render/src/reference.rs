@@ -41,6 +41,7 @@ pub const STORES: [(&str, &[&str]); 5] = [
 /// | `derived.tls` | [`Derivation::IngressTls`] of `ingresses` and `secrets` |
 /// | `derived.ingresses` | [`Derivation::Ingresses`]: our Ingresses |
 /// | `derived.default_backends` | [`Derivation::IngressDefaultBackends`] of `ingresses` and `services` |
+/// | `derived.certificates` | [`Derivation::TlsCertificates`] of `secrets` |
 ///
 /// Every view reads only our Ingresses ([`classes`]: IngressClasses of `ingressclasses` whose
 /// controller is [`crate::derived::DEFAULT_CONTROLLER`]; class-less Ingresses only through a
@@ -64,7 +65,7 @@ pub fn classes() -> IngressClassFilter {
 }
 
 /// The derived views of the reference set, by name.
-pub fn derivations() -> [(&'static str, Derivation); 6] {
+pub fn derivations() -> [(&'static str, Derivation); 7] {
     let ingresses = || "ingresses".to_owned();
     let services = || "services".to_owned();
     [
@@ -118,6 +119,12 @@ pub fn derivations() -> [(&'static str, Derivation); 6] {
                 classes: Some(classes()),
             },
         ),
+        (
+            "certificates",
+            Derivation::TlsCertificates {
+                secrets: "secrets".to_owned(),
+            },
+        ),
     ]
 }
 
@@ -144,7 +151,9 @@ fn template(source: &str) -> Template {
 /// [`crate::slots`]), `health_checks` (true: `check` on every server slot; HAProxy reserves a
 /// file descriptor for each checked server, disabled or not),
 /// `service` (none: `"namespace/name"` of the HAProxy Service, whose load-balancer address
-/// becomes every Ingress's `status.loadBalancer`).
+/// becomes every Ingress's `status.loadBalancer`), `default_certificate` (none:
+/// `"namespace/name"` of a `kubernetes.io/tls` Secret served to clients whose SNI matches no
+/// host or who send none; without a usable one, such clients are refused: `strict-sni`).
 ///
 /// The templates also ask the cluster to show (snippet `cluster-view`, [`crate::requests`]): a
 /// Warning Event `BackendNotFound` on an Ingress path whose Service or port does not exist, and
@@ -220,6 +229,7 @@ pub fn template_set() -> TemplateSet {
             "ssl_redirect": true,
             "stats_socket": null,
             "route_debug": false,
+            "default_certificate": null,
             "service": null,
             "server_slots": crate::slots::DEFAULT_SLOTS,
             "health_checks": true,

@@ -11,6 +11,7 @@ use tracing::instrument;
 
 use crate::fileset::FileSet;
 use crate::functions::{self, DERIVED_VAR, GET_VAR, INDEX_VAR, REVIEW_VAR};
+use crate::provenance::{self, Counting, ObjectRef, Provenance};
 use crate::requests::{self, Requests};
 use crate::set::{self, Output, TemplateSet};
 use crate::store::{Overlay, Stores};
@@ -180,6 +181,7 @@ impl Renderer {
         tera.autoescape_on(Vec::<&'static str>::new());
         functions::register(&mut tera);
         requests::register(&mut tera);
+        provenance::register(&mut tera);
         crate::slots::register(&mut tera);
         let added = catch_unwind(AssertUnwindSafe(|| {
             tera.add_raw_templates(sources.iter().map(|(n, s)| (n.as_str(), *s)))
@@ -280,14 +282,18 @@ impl Renderer {
         output: impl FnOnce() -> String,
         capacity: usize,
         asked_for: &mut Requests,
+        marks: &mut Vec<(usize, Value)>,
     ) -> Result<Vec<u8>> {
         let mut bytes = Vec::with_capacity(capacity);
-        let (rendered, asked) = requests::collect(|| {
-            catch_unwind(AssertUnwindSafe(|| {
-                self.tera.render_to(template, context, &mut bytes)
-            }))
+        let ((rendered, asked), marked) = provenance::collect(|| {
+            requests::collect(|| {
+                catch_unwind(AssertUnwindSafe(|| {
+                    self.tera.render_to(template, context, Counting(&mut bytes))
+                }))
+            })
         });
         asked_for.extend(asked);
+        *marks = marked;
         let error = |template: String, line, cause| Error::Render {
             output: output(),
             template,
@@ -322,6 +328,14 @@ impl Renderer {
     /// templates asked the cluster to show ([`Requests`]: Events and status), in output order.
     pub fn render_all(&self, stores: &Stores) -> Result<(FileSet, Requests)> {
         self.render_with(stores, None)
+            .map(|(files, requests, _)| (files, requests))
+    }
+
+    /// Renders every output, as [`Renderer::render_all`], and returns with the files and the
+    /// requests the [`Provenance`] of the files and lines: which object produced them, so
+    /// that a line HAProxy refuses can be traced to one object.
+    pub fn render_traced(&self, stores: &Stores) -> Result<(FileSet, Requests, Provenance)> {
+        self.render_with(stores, None)
     }
 
     /// Renders every output against `stores` with `overlay`'s change laid over its store, as
@@ -332,14 +346,14 @@ impl Renderer {
     #[instrument(skip_all, fields(threads = self.threads, store = overlay.store()))]
     pub fn render_overlay(&self, stores: &Stores, overlay: &Overlay) -> Result<FileSet> {
         self.render_with(stores, Some(overlay))
-            .map(|(files, _)| files)
+            .map(|(files, _, _)| files)
     }
 
     fn render_with(
         &self,
         stores: &Stores,
         overlay: Option<&Overlay>,
-    ) -> Result<(FileSet, Requests)> {
+    ) -> Result<(FileSet, Requests, Provenance)> {
         let context = self.context(stores, overlay);
         let mut views = Vec::new();
         for (index, output) in self.outputs.iter().enumerate() {
@@ -396,16 +410,21 @@ impl Renderer {
         results.sort_by_key(|(place, _)| *place);
         let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
         let mut asked = Requests::default();
+        let mut origins = Provenance::default();
         for (_, result) in results {
             let (rendered, asked_here) = result?;
             asked.extend(asked_here);
-            for (path, bytes) in rendered {
+            for (path, bytes, origin) in rendered {
+                match origin {
+                    Origin::Marks(marks) => origins.marks(path.clone(), marks),
+                    Origin::Item(object) => origins.item(path.clone(), object),
+                }
                 if files.insert(path.clone(), bytes).is_some() {
                     return Err(Error::DuplicatePath(path));
                 }
             }
         }
-        Ok((FileSet::new(files), asked))
+        Ok((FileSet::new(files), asked, origins))
     }
 
     /// Runs the jobs on up to `self.threads` threads; results come back in job order.
@@ -453,12 +472,14 @@ impl Renderer {
                 let size = self.sizes.get(*index);
                 let capacity = size.map_or(0, |s| s.load(Ordering::Relaxed));
                 let mut asked = Requests::default();
+                let mut marks = Vec::new();
                 let bytes = self.render_one(
                     &output.template,
                     context,
                     || output.path.clone(),
                     capacity + capacity / 8,
                     &mut asked,
+                    &mut marks,
                 )?;
                 if let Some(cost) = self.costs.get(*index) {
                     let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -467,7 +488,10 @@ impl Renderer {
                 if let Some(size) = size {
                     size.store(bytes.len(), Ordering::Relaxed);
                 }
-                Ok((vec![(output.path.clone(), bytes)], asked))
+                Ok((
+                    vec![(output.path.clone(), bytes, Origin::Marks(marks))],
+                    asked,
+                ))
             }
             Job::Items {
                 index,
@@ -477,6 +501,8 @@ impl Renderer {
             } => {
                 let mut files = Vec::new();
                 let mut asked = Requests::default();
+                let mut marks = Vec::new();
+                let store = output.for_each.as_deref().unwrap_or_default();
                 // One context per run of items; `item` is replaced for each.
                 let mut item_context = context.clone();
                 let size = self.sizes.get(*index);
@@ -498,13 +524,20 @@ impl Renderer {
                         label,
                         capacity,
                         &mut asked,
+                        &mut marks,
                     )?;
                     // A blank output writes no file.
                     if !std::str::from_utf8(&bytes).is_ok_and(|text| text.trim().is_empty()) {
                         if let Some(size) = size {
                             size.store(bytes.len(), Ordering::Relaxed);
                         }
-                        files.push((functions::ssl_file(&namespace, &name), bytes));
+                        let path = functions::ssl_file(&namespace, &name);
+                        let object = ObjectRef {
+                            store: store.to_owned(),
+                            namespace,
+                            name,
+                        };
+                        files.push((path, bytes, Origin::Item(object)));
                     }
                 }
                 Ok((files, asked))
@@ -513,8 +546,17 @@ impl Renderer {
     }
 }
 
-/// What one job produced: paths and bytes, and what its templates asked for.
-type Rendered = (Vec<(String, Vec<u8>)>, Requests);
+/// What one job produced: paths, bytes and where they came from, and what its templates
+/// asked for.
+type Rendered = (Vec<(String, Vec<u8>, Origin)>, Requests);
+
+/// Where one rendered file came from.
+enum Origin {
+    /// A single output, with the marks its templates made (`from`).
+    Marks(Vec<(usize, Value)>),
+    /// A per-item output: its item.
+    Item(ObjectRef),
+}
 
 /// Per-item outputs are rendered in chunks of this many items per job.
 const ITEMS_PER_JOB: usize = 128;

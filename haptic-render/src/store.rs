@@ -660,6 +660,20 @@ impl Stores {
             .collect()
     }
 
+    /// A copy of these stores without `objects` (those not held are ignored): what a render
+    /// that leaves out objects HAProxy refused reads. The copy shares every resource and its
+    /// extracts with these stores (a resource's value and joins are not copied), and its
+    /// derived views reuse the rows of every resource whose joins found the same versions.
+    pub fn excluding(&self, objects: &[crate::ObjectRef]) -> Stores {
+        let mut copy = self.clone();
+        for object in objects {
+            if let Some(store) = copy.stores.get_mut(&object.store) {
+                store.remove(&object.namespace, &object.name);
+            }
+        }
+        copy
+    }
+
     /// Store names and stores, sorted by name.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Store)> {
         self.stores.iter().map(|(k, v)| (k.as_str(), v))

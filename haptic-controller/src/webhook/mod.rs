@@ -551,6 +551,7 @@ impl Webhook {
             render_time: Duration::ZERO,
             requests: Default::default(),
             span: tracing::Span::none(),
+            provenance: Default::default(),
         };
         if let Err(refusal) = render_gate::policy_check(&checker.policy, &set) {
             return Some(Verdict::Denied(format!(

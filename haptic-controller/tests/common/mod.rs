@@ -565,6 +565,9 @@ impl Controller {
             .arg("--haproxy")
             .arg(haproxy_bin())
             .env("RUST_LOG", "info,haptic_controller=debug")
+            // No default certificate unless a test asks for one (`tenants`): its Secret would
+            // be one more TLS Secret in the stores and the published set.
+            .env("HAPTIC_DEFAULT_CERTIFICATE_SECRET", "none")
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(file.try_clone().expect("log"))

@@ -1,0 +1,296 @@
+//! Provenance: which watched object produced which rendered file or line, so that a line
+//! HAProxy refuses can be traced to one object and that object left out of the next render,
+//! not the whole set held.
+//!
+//! Two sources:
+//!
+//! - a per-item output (`sslCertificates.<name>.forEach: <store>`) comes from its item: the
+//!   file `ssl/<namespace>_<name>.pem` is that object's, always;
+//! - a template marks where an object's lines begin with the `from` filter, which renders
+//!   nothing: `{{ ["ingresses", r.namespace, r.ingress] | from }}`. Everything written after a
+//!   mark, up to the next mark, is that object's; `{{ [] | from }}` ends a run (the lines that
+//!   follow have no provenance). A mark inside a captured block (`{% set x %}…{% endset %}`)
+//!   points where the capture began.
+//!
+//! [`Renderer::render_traced`](crate::Renderer::render_traced) returns the [`Provenance`] of
+//! a render; [`Provenance::object_at`] answers for a file and a 1-based line, and
+//! [`Provenance::attribute`] for the output of a refused `haproxy -c`.
+
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeMap;
+use std::io::Write;
+
+use tera::{Kwargs, State, Tera, Value};
+
+use crate::fileset::FileSet;
+
+/// A watched object: the store it is in, its namespace (empty when cluster-scoped) and name.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ObjectRef {
+    /// The store (`ingresses`, `secrets`, ...).
+    pub store: String,
+    /// Its namespace.
+    pub namespace: String,
+    /// Its name.
+    pub name: String,
+}
+
+impl std::fmt::Display for ObjectRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.namespace.is_empty() {
+            write!(f, "{}/{}", self.store, self.name)
+        } else {
+            write!(f, "{}/{}/{}", self.store, self.namespace, self.name)
+        }
+    }
+}
+
+/// Where the content of one output came from.
+#[derive(Debug, Clone)]
+enum Origin {
+    /// A per-item file: all of it is this object's.
+    Item(ObjectRef),
+    /// A single output: byte offsets where a run of one object's content (or of none)
+    /// begins, with the mark's value as the template gave it (converted when asked: a render
+    /// makes tens of thousands of marks and is asked about them only when HAProxy refuses it).
+    Marks(Vec<(usize, Value)>),
+}
+
+/// Which object produced which file or line of a render.
+#[derive(Debug, Clone, Default)]
+pub struct Provenance {
+    origins: BTreeMap<String, Origin>,
+}
+
+impl Provenance {
+    pub(crate) fn item(&mut self, path: String, object: ObjectRef) {
+        self.origins.insert(path, Origin::Item(object));
+    }
+
+    pub(crate) fn marks(&mut self, path: String, marks: Vec<(usize, Value)>) {
+        if !marks.is_empty() {
+            self.origins.insert(path, Origin::Marks(marks));
+        }
+    }
+
+    /// The object a whole file came from (a per-item output).
+    pub fn file_object(&self, path: &str) -> Option<&ObjectRef> {
+        match self.origins.get(path)? {
+            Origin::Item(object) => Some(object),
+            Origin::Marks(_) => None,
+        }
+    }
+
+    /// The object that produced line `line` (1-based) of `path` in `files`: the file's own
+    /// object for a per-item output, else the last mark before the line's end.
+    pub fn object_at(&self, files: &FileSet, path: &str, line: usize) -> Option<ObjectRef> {
+        match self.origins.get(path)? {
+            Origin::Item(object) => Some(object.clone()),
+            Origin::Marks(marks) => {
+                let bytes = files.files().get(path)?;
+                let end = line_end(bytes, line)?;
+                // The mark that begins the run this line's text belongs to: the last one
+                // before the line's last byte (a mark placed just before the newline that
+                // starts the line counts).
+                let at = marks.partition_point(|(offset, _)| *offset < end);
+                mark_object(&marks.get(at.checked_sub(1)?)?.1)
+            }
+        }
+    }
+
+    /// The objects HAProxy's output (`haproxy -c`, refused) points at, best first, each with
+    /// the line of the output that names it: a per-item file it names (`'ssl/ns_name.pem'`),
+    /// then the file and line of a `[file:line]` or `line N in file 'file'` it gives.
+    pub fn attribute<'a>(&'a self, files: &FileSet, output: &'a str) -> Vec<(ObjectRef, &'a str)> {
+        let mut found: Vec<(ObjectRef, &str)> = Vec::new();
+        let mut push = |object: &ObjectRef, line: &'a str| {
+            if !found.iter().any(|(o, _)| o == object) {
+                found.push((object.clone(), line));
+            }
+        };
+        let alerts = || output.lines().filter(|l| l.contains("[ALERT]"));
+        for line in alerts() {
+            for path in quoted(line) {
+                if let Some(object) = self.file_object(path) {
+                    push(object, line);
+                }
+            }
+        }
+        for line in alerts() {
+            for (path, number) in file_lines(line) {
+                if let Some(object) = self.object_at(files, path, number) {
+                    push(&object, line);
+                }
+            }
+        }
+        found
+    }
+}
+
+/// The offset just past the text of line `line` (1-based), without its newline.
+fn line_end(bytes: &[u8], line: usize) -> Option<usize> {
+    let mut start = 0;
+    for _ in 1..line {
+        start += bytes.get(start..)?.iter().position(|b| *b == b'\n')? + 1;
+    }
+    let rest = bytes.get(start..)?;
+    Some(start + rest.iter().position(|b| *b == b'\n').unwrap_or(rest.len()))
+}
+
+/// The texts between single quotes in a line.
+fn quoted(line: &str) -> impl Iterator<Item = &str> {
+    line.split('\'').skip(1).step_by(2)
+}
+
+/// `(file, line)` pairs a line of HAProxy's output gives: `[file:N]` and `line N in file 'file'`.
+fn file_lines(line: &str) -> Vec<(&str, usize)> {
+    let mut pairs = Vec::new();
+    let mut rest = line;
+    while let Some(open) = rest.find('[') {
+        rest = &rest[open + 1..];
+        let Some(close) = rest.find(']') else { break };
+        if let Some((file, number)) = rest[..close].rsplit_once(':')
+            && let Ok(number) = number.parse()
+        {
+            pairs.push((file, number));
+        }
+        rest = &rest[close..];
+    }
+    let words: Vec<&str> = line.split_whitespace().collect();
+    for window in words.windows(5) {
+        if let ["line", number, "in", "file", file] = window
+            && let Ok(number) = number.parse()
+        {
+            pairs.push((
+                file.trim_matches(|c| c == '\'' || c == ':' || c == ','),
+                number,
+            ));
+        }
+    }
+    pairs
+}
+
+thread_local! {
+    /// How many bytes the output rendering on this thread has written so far.
+    static WRITTEN: Cell<usize> = const { Cell::new(0) };
+    /// The marks the output rendering on this thread made so far.
+    static MARKS: RefCell<Vec<(usize, Value)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A writer that tells the `from` filter where the output is.
+pub(crate) struct Counting<'a>(pub(crate) &'a mut Vec<u8>);
+
+impl Write for Counting<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.extend_from_slice(buf);
+        WRITTEN.with(|w| w.set(self.0.len()));
+        Ok(buf.len())
+    }
+
+    fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        self.write(buf).map(|_| ())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Runs `f` (one output rendered on this thread into a [`Counting`] writer) and returns the
+/// marks its templates made, as `(offset, [store, namespace, name] or [])`.
+pub(crate) fn collect<T>(f: impl FnOnce() -> T) -> (T, Vec<(usize, Value)>) {
+    WRITTEN.with(|w| w.set(0));
+    MARKS.with(|m| m.borrow_mut().clear());
+    let out = f();
+    let marks = MARKS.with(|m| std::mem::take(&mut *m.borrow_mut()));
+    (out, marks)
+}
+
+/// The object a mark names: `[store, namespace, name]` (or `[store, name]`); none for `[]`.
+pub(crate) fn mark_object(value: &Value) -> Option<ObjectRef> {
+    let parts = value.as_array()?;
+    let text = |i: usize| parts.get(i).and_then(Value::as_str).map(str::to_owned);
+    match parts.len() {
+        3 => Some(ObjectRef {
+            store: text(0)?,
+            namespace: text(1)?,
+            name: text(2)?,
+        }),
+        2 => Some(ObjectRef {
+            store: text(0)?,
+            namespace: String::new(),
+            name: text(1)?,
+        }),
+        _ => None,
+    }
+}
+
+/// Registers the `from` filter.
+pub(crate) fn register(tera: &mut Tera) {
+    tera.register_filter(
+        "from",
+        |value: &Value, _: Kwargs, _: &State| -> tera::TeraResult<String> {
+            let at = WRITTEN.with(Cell::get);
+            MARKS.with(|m| m.borrow_mut().push((at, value.clone())));
+            Ok(String::new())
+        },
+    );
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn haproxy_messages_give_files_and_lines() {
+        let alert = "[ALERT]    (1) : config : parsing [haproxy.cfg:45] : 'server' expects <addr>";
+        assert_eq!(file_lines(alert), [("haproxy.cfg", 45)]);
+        let crt = "[ALERT]    (1) : config : 'bind :443' : 'crt-list' : error processing line 3 in file 'maps/certs.list' : unable to load 'ssl/a_b.pem'";
+        assert_eq!(file_lines(crt), [("maps/certs.list", 3)]);
+        assert_eq!(
+            quoted(crt).collect::<Vec<_>>(),
+            ["bind :443", "crt-list", "maps/certs.list", "ssl/a_b.pem"]
+        );
+    }
+
+    #[test]
+    fn lines_belong_to_the_last_mark_before_them() {
+        let a = ObjectRef {
+            store: "ingresses".into(),
+            namespace: "a".into(),
+            name: "x".into(),
+        };
+        let b = ObjectRef {
+            name: "y".into(),
+            ..a.clone()
+        };
+        // "head\nA1\nB1\ntail": marks before the newline that starts A1 and B1, none for tail.
+        let text = "head\nA1\nB1\ntail";
+        let mut p = Provenance::default();
+        let mark = |o: &ObjectRef| {
+            Value::from(vec![
+                Value::from(o.store.as_str()),
+                Value::from(o.namespace.as_str()),
+                Value::from(o.name.as_str()),
+            ])
+        };
+        p.marks(
+            "f".into(),
+            vec![
+                (4, mark(&a)),
+                (7, mark(&b)),
+                (10, Value::from(Vec::<Value>::new())),
+            ],
+        );
+        let mut files = BTreeMap::new();
+        files.insert("f".to_owned(), text.as_bytes().to_vec());
+        let files = FileSet::new(files);
+        let at = |line| p.object_at(&files, "f", line);
+        assert_eq!(at(1), None);
+        assert_eq!(at(2), Some(a));
+        assert_eq!(at(3), Some(b));
+        assert_eq!(at(4), None);
+        assert_eq!(at(5), None);
+    }
+}

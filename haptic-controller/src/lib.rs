@@ -17,7 +17,7 @@
 //!
 //! // The reference Ingress config passes every check the config loader makes.
 //! let valid = config::validate(&reference::spec(), 1, "1").expect("valid");
-//! assert_eq!(valid.stores.len(), 4);
+//! assert_eq!(valid.stores.len(), 5);
 //! assert_eq!(HAProxyTemplateConfig::crd_name(), "haproxytemplateconfigs.haproxy-haptic.org");
 //! ```
 

@@ -72,7 +72,7 @@ async fn ingress_in(
         cluster,
         namespace,
         json!({"metadata": {"name": name, "namespace": namespace, "annotations": annotations},
-               "spec": {"tls": tls, "rules": [{"host": host, "http": {"paths": [{"path": "/", "pathType": "Prefix",
+               "spec": {"ingressClassName": common::CLASS, "tls": tls, "rules": [{"host": host, "http": {"paths": [{"path": "/", "pathType": "Prefix",
                    "backend": {"service": {"name": "web", "port": {"number": 80}}}}]}}]}}),
     )
     .await;

@@ -151,7 +151,9 @@ fn stores(classless: bool) -> Stores {
     }
     for (name, derivation) in reference::derivations() {
         let mut config = serde_json::to_value(&derivation).unwrap();
-        config["classes"]["classless"] = json!(classless);
+        if derivation.classes().is_some() {
+            config["classes"]["classless"] = json!(classless);
+        }
         let derivation: Derivation = serde_json::from_value(config).unwrap();
         stores.derive(name, derivation).unwrap();
     }

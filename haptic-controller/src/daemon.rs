@@ -83,6 +83,7 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
     let probes = Arc::new(Probes {
         cache: cache.clone(),
         election: Default::default(),
+        components: Default::default(),
         metrics: options.metrics.clone(),
     });
     let health_token = CancellationToken::new();
@@ -201,6 +202,7 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
         None => leadership,
     };
     let _ = probes.election.set(leadership.health());
+    let _ = probes.components.set(leadership.metrics());
     info!(identity = %options.identity, "starting");
     let result = leadership.run(token).await;
     health_token.cancel();

@@ -544,7 +544,12 @@ impl Webhook {
             requests: Default::default(),
             span: tracing::Span::none(),
         };
-        if let Err(refusal) = render_gate::policy_check(&checker.policy, &set) {
+        // It reads every line: off the async threads, like the render (a panic refuses).
+        let policy = checker.policy.clone();
+        let checked = tokio::task::spawn_blocking(move || render_gate::policy_check(&policy, &set))
+            .await
+            .unwrap_or_else(|panic| Err(format!("the config policy check failed: {panic}")));
+        if let Err(refusal) = checked {
             return Some(Verdict::Denied(format!(
                 "{what}: the config rendered with it breaks the config policy: {refusal}"
             )));

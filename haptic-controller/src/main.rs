@@ -179,6 +179,11 @@ struct RunArgs {
     /// it, and it is refused inside a Kubernetes pod.
     #[arg(long = "test-only-election-clock-rate", hide = true)]
     test_clock_rate: Option<f64>,
+    /// TEST ONLY (hidden): the named leader-only component (e.g. `render-gate`) panics as it
+    /// starts, to test that a panic never leaves a leader that deploys nothing. No environment
+    /// variable sets it, and it is refused inside a Kubernetes pod.
+    #[arg(long = "test-only-panic-in", hide = true)]
+    test_panic_in: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -248,6 +253,14 @@ fn run(args: RunArgs) -> Result<()> {
     opentelemetry::global::set_meter_provider(provider.clone());
     runtime.block_on(async move {
         let election_clock_rate = test_clock_rate(args.test_clock_rate)?;
+        if let Some(component) = &args.test_panic_in {
+            if std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() {
+                anyhow::bail!(
+                    "--test-only-panic-in is for local tests and refused inside a Kubernetes pod"
+                );
+            }
+            warn!(%component, "TEST ONLY: this leader-only component panics as it starts");
+        }
         let client = client(args.kubeconfig.as_deref()).await?;
         let token = CancellationToken::new();
         tokio::spawn(signals(token.clone()));
@@ -284,6 +297,7 @@ fn run(args: RunArgs) -> Result<()> {
             metrics: Some(exposition),
             debug_addr: args.debug_addr,
             election_clock_rate,
+            test_only_panic_in: args.test_panic_in,
         };
         daemon::run(client, options, token)
             .await

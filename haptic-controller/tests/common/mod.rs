@@ -528,6 +528,16 @@ impl Controller {
     }
 
     pub async fn start_with_env(cluster: &Cluster, name: &str, env: &[(&str, &str)]) -> Self {
+        Self::start_with(cluster, name, env, &[]).await
+    }
+
+    /// Started with `env` and these extra `run` arguments.
+    pub async fn start_with(
+        cluster: &Cluster,
+        name: &str,
+        env: &[(&str, &str)],
+        args: &[&str],
+    ) -> Self {
         let kubeconfig = cluster.server.kubeconfig_for(name).expect("kubeconfig");
         let log = cluster.dir.path().join(format!("{name}.log"));
         let file = std::fs::OpenOptions::new()
@@ -548,6 +558,7 @@ impl Controller {
             .arg(format!("127.0.0.1:{health}"))
             .arg("--haproxy")
             .arg(haproxy_bin())
+            .args(args)
             .env("RUST_LOG", "info,haptic_controller=debug")
             .envs(env.iter().copied())
             .stdin(Stdio::null())

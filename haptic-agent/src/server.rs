@@ -60,7 +60,10 @@ fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response
 
 /// The router of `agent`'s API.
 pub fn router(agent: Agent) -> Router {
-    let token = Sha256::digest(agent.config().token.trim().as_bytes());
+    let token = Arc::new(Token::new(
+        &agent.config().token,
+        agent.config().token_file.clone(),
+    ));
     let (limit, body_timeout) = (agent.config().max_body_bytes, agent.config().body_timeout);
     let protected = Router::new()
         .route(APPLY_PATH, post(apply))
@@ -71,7 +74,7 @@ pub fn router(agent: Agent) -> Router {
             read_body(limit, body_timeout, request, next)
         }))
         .layer(middleware::from_fn(move |request: Request, next: Next| {
-            authorize(token.into(), request, next)
+            authorize(token.expected(), request, next)
         }));
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
@@ -79,6 +82,58 @@ pub fn router(agent: Agent) -> Router {
         .route("/metrics", get(metrics))
         .merge(protected)
         .with_state(agent)
+}
+
+/// The token's file version: inode, modification time, length.
+type FileVersion = Option<(u64, std::time::SystemTime, u64)>;
+
+fn file_version(path: &std::path::Path) -> FileVersion {
+    use std::os::unix::fs::MetadataExt as _;
+    let meta = std::fs::metadata(path).ok()?;
+    Some((meta.ino(), meta.modified().ok()?, meta.len()))
+}
+
+/// The expected token's digest, read again from its file (when there is one) at the first
+/// request after the file changed: a rotated token needs no restart.
+struct Token {
+    file: Option<std::path::PathBuf>,
+    current: std::sync::Mutex<(FileVersion, [u8; 32])>,
+}
+
+impl Token {
+    fn new(token: &str, file: Option<std::path::PathBuf>) -> Self {
+        let seen = file.as_deref().and_then(file_version);
+        Self {
+            file,
+            current: std::sync::Mutex::new((seen, Sha256::digest(token.trim().as_bytes()).into())),
+        }
+    }
+
+    fn expected(&self) -> [u8; 32] {
+        let mut current = self
+            .current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some(file) = &self.file else {
+            return current.1;
+        };
+        let now = file_version(file);
+        if now.is_some() && now != current.0 {
+            match std::fs::read_to_string(file) {
+                Ok(text) if !text.trim().is_empty() => {
+                    info!(file = %file.display(), "the token file changed; the new token is in use");
+                    *current = (now, Sha256::digest(text.trim().as_bytes()).into());
+                }
+                Ok(_) => {
+                    warn!(file = %file.display(), "the token file changed but is empty; keeping the previous token")
+                }
+                Err(error) => {
+                    warn!(file = %file.display(), %error, "the token file changed but cannot be read; keeping the previous token")
+                }
+            }
+        }
+        current.1
+    }
 }
 
 /// Compares the bearer token in constant time: both sides are hashed first, so neither the

@@ -129,6 +129,7 @@ async fn the_agent_serves_tls_itself_and_picks_up_a_rotated_certificate() {
     config.tls = Some(haptic_agent::tls::TlsFiles {
         cert: cert.clone(),
         key: key.clone(),
+        client_ca: None,
     });
     let agent = TestAgent::start_with(config).await;
     let mut https = agent.url.clone();

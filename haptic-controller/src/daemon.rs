@@ -64,6 +64,8 @@ pub struct Options {
     pub haproxy: Option<PathBuf>,
     /// The config policy the render gate applies (the agents' own).
     pub policy: haptic_agent_client::policy::Policy,
+    /// How the agents are reached (mutual TLS unless plain HTTP was asked for).
+    pub agent_channel: crate::channel::AgentChannel,
     /// The reconciler's coalescing window.
     pub reconcile_window: Duration,
     /// The admission webhook (none: off).
@@ -184,7 +186,8 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
         })
         .all_replicas("pod-discovery", {
             let (client, ns) = (client.clone(), ns.clone());
-            move |bus, token| pod_discovery::component(client, ns, bus, token)
+            let scheme = options.agent_channel.scheme();
+            move |bus, token| pod_discovery::component(client, ns, scheme, bus, token)
         })
         .all_replicas("reconciler", {
             let window = options.reconcile_window;
@@ -209,11 +212,17 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
         )
         .leader_only(
             "deployer",
-            faulty("deployer", &panic_in, scheduler::component),
+            faulty("deployer", &panic_in, {
+                let channel = options.agent_channel.clone();
+                move |ctx| scheduler::component(channel.clone(), ctx)
+            }),
         )
         .leader_only(
             "drift-prevention",
-            faulty("drift-prevention", &panic_in, drift::component),
+            faulty("drift-prevention", &panic_in, {
+                let channel = options.agent_channel.clone();
+                move |ctx| drift::component(channel.clone(), ctx)
+            }),
         )
         .leader_only(
             "status-updater",

@@ -5,7 +5,8 @@ use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
-use haptic_agent_client::policy::Policy;
+use haptic_agent_client::{policy::Policy, tls::PairFiles};
+use haptic_controller::channel::{AgentChannel, MtlsFiles};
 use haptic_controller::metrics::Exposition;
 use haptic_controller::{
     config_loader::ConfigRef,
@@ -168,6 +169,29 @@ struct RunArgs {
         default_value = "fail"
     )]
     webhook_failure_policy: WebhookFailurePolicy,
+    /// The CA bundle (PEM) the agents' serving certificates are issued by: the agent channel
+    /// is mutual TLS (with --agent-client-cert and --agent-client-key). Re-read when it changes.
+    #[arg(long, env = "HAPTIC_AGENT_CA")]
+    agent_ca: Option<PathBuf>,
+    /// The controller's client certificate chain (PEM) presented to the agents; re-read when
+    /// it changes.
+    #[arg(long, env = "HAPTIC_AGENT_CLIENT_CERT")]
+    agent_client_cert: Option<PathBuf>,
+    /// The private key (PEM) of --agent-client-cert; re-read when it changes.
+    #[arg(long, env = "HAPTIC_AGENT_CLIENT_KEY")]
+    agent_client_key: Option<PathBuf>,
+    /// The DNS name every agent's certificate carries (e.g. haptic-agent.haptic-system.svc)
+    /// [default: none: each agent's certificate must name its pod IP].
+    #[arg(long, env = "HAPTIC_AGENT_SERVER_NAME")]
+    agent_server_name: Option<String>,
+    /// Reach the agents over plain HTTP: the agent token and every private key of every set
+    /// cross the pod network in clear text. For local runs only; warned at every start.
+    #[arg(
+        long,
+        env = "HAPTIC_AGENT_INSECURE_PLAIN_HTTP",
+        conflicts_with_all = ["agent_ca", "agent_client_cert", "agent_client_key", "agent_server_name"]
+    )]
+    agent_insecure_plain_http: bool,
     /// The reconciler's coalescing window in milliseconds.
     #[arg(long, env = "HAPTIC_RECONCILE_WINDOW_MS", default_value_t = 150)]
     reconcile_window_ms: u64,
@@ -283,7 +307,23 @@ fn run(args: RunArgs) -> Result<()> {
             }),
             _ => None,
         };
+        let agent_channel = match (args.agent_ca, args.agent_client_cert, args.agent_client_key) {
+            (Some(ca), Some(cert), Some(key)) => AgentChannel::mtls(&MtlsFiles {
+                ca,
+                identity: PairFiles { cert, key },
+                server_name: args.agent_server_name,
+            })
+            .context("setting up mutual TLS to the agents")?,
+            _ if args.agent_insecure_plain_http => {
+                warn!("reaching the agents over plain HTTP (--agent-insecure-plain-http): the agent token and every private key of every set cross the pod network in clear text");
+                AgentChannel::PlainHttp
+            }
+            _ => anyhow::bail!(
+                "the agent channel is mutual TLS: give --agent-ca, --agent-client-cert and --agent-client-key (deploy/components/agent-mtls issues them with cert-manager), or --agent-insecure-plain-http for a local run"
+            ),
+        };
         let options = daemon::Options {
+            agent_channel,
             config: ConfigRef {
                 name: args.config_name,
                 namespace: args.namespace,

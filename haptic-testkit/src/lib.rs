@@ -46,6 +46,7 @@
 
 mod faults;
 mod openapi;
+pub mod pki;
 mod resources;
 mod router;
 mod selectors;
@@ -56,4 +57,5 @@ mod validation;
 mod watch;
 
 pub use faults::{Fault, RequestRecord};
+pub use pki::{TestCa, TestPki};
 pub use server::{ApiServer, Error, Result, ServerOptions};

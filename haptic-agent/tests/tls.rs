@@ -331,3 +331,26 @@ async fn mutual_tls_refuses_other_cas_and_picks_up_a_rotated_client_ca_and_token
     ));
     agent.stop().await;
 }
+
+#[test]
+fn the_binary_refuses_to_start_without_mutual_tls_unless_told_plain_http() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let token = root.path().join("token");
+    std::fs::write(&token, TOKEN).expect("token");
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_haptic-agent"))
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{}", free_port()))
+        .arg("--token-file")
+        .arg(&token)
+        .arg("--data-dir")
+        .arg(root.path().join("data"))
+        .env("RUST_LOG", "error")
+        .output()
+        .expect("runs");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--client-ca") && stderr.contains("--insecure-plain-http"),
+        "{stderr}"
+    );
+}

@@ -80,6 +80,10 @@ pub struct AgentConfig {
     /// client certificate it issued (mutual TLS; default none: plain HTTP, which the binary
     /// allows only with `--insecure-plain-http`). The files are read again when they change.
     pub tls: Option<crate::tls::TlsFiles>,
+    /// Also serve `/healthz`, `/readyz` and `/metrics` in plain HTTP on this address (default
+    /// none): the kubelet's probes and Prometheus cannot present the client certificate the
+    /// API's mutual TLS requires.
+    pub probe_listen: Option<SocketAddr>,
     /// Apply a set that differs from the live one only in server addresses, ports, weights
     /// and states, map entries or certificate contents through HAProxy's runtime API, with
     /// no reload (default true; see [`crate::runtime`]). False: every change reloads.
@@ -116,6 +120,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("body_timeout", &self.body_timeout)
             .field("lock_timeout", &self.lock_timeout)
             .field("tls", &self.tls)
+            .field("probe_listen", &self.probe_listen)
             .field("runtime_updates", &self.runtime_updates)
             .field("runtime_timeout", &self.runtime_timeout)
             .field("meter", &self.meter)
@@ -148,6 +153,7 @@ impl AgentConfig {
             body_timeout: Duration::from_secs(120),
             lock_timeout: Duration::from_secs(30),
             tls: None,
+            probe_listen: None,
             runtime_updates: true,
             runtime_timeout: Duration::from_secs(5),
             meter: None,

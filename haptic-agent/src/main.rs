@@ -61,6 +61,11 @@ struct Args {
     /// The PEM CA bundle a client (the controller) must present a certificate from.
     #[arg(long, env = "HAPTIC_AGENT_CLIENT_CA")]
     client_ca: Option<PathBuf>,
+    /// Also serve /healthz, /readyz and /metrics in plain HTTP here (for the kubelet's probes
+    /// and Prometheus, which cannot present the client certificate the API requires)
+    /// [default: nowhere].
+    #[arg(long, env = "HAPTIC_AGENT_PROBE_LISTEN")]
+    probe_listen: Option<SocketAddr>,
     /// Serve plain HTTP: the token and every private key of the set cross the network in
     /// clear text. For local runs only; warned at every start.
     #[arg(
@@ -153,6 +158,7 @@ async fn main() -> Result<()> {
     config.max_body_bytes = args.max_body_bytes;
     config.max_connections = args.max_connections;
     config.token_file = Some(args.token_file.clone());
+    config.probe_listen = args.probe_listen;
     match (args.tls_cert, args.tls_key, args.client_ca) {
         (Some(cert), Some(key), Some(client_ca)) => {
             config.tls = Some(haptic_agent::tls::TlsFiles {

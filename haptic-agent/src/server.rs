@@ -76,12 +76,32 @@ pub fn router(agent: Agent) -> Router {
         .layer(middleware::from_fn(move |request: Request, next: Next| {
             authorize(token.expected(), request, next)
         }));
+    probes().merge(protected).with_state(agent)
+}
+
+/// The open routes: `/healthz`, `/readyz`, `/metrics` (no token; nothing secret in them).
+fn probes() -> Router<Agent> {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .merge(protected)
-        .with_state(agent)
+}
+
+/// Serves the open routes in plain HTTP on `addr` until `shutdown`: the kubelet's probes and a
+/// Prometheus scrape cannot present the client certificate the API's mutual TLS requires.
+async fn serve_probes(
+    agent: Agent,
+    addr: std::net::SocketAddr,
+    shutdown: CancellationToken,
+) -> std::io::Result<tokio::task::JoinHandle<()>> {
+    let listener = TcpListener::bind(addr).await?;
+    info!(%addr, "probes and metrics listening (plain HTTP)");
+    let app = probes().with_state(agent);
+    Ok(tokio::spawn(async move {
+        let _ = axum::serve(listener, app)
+            .with_graceful_shutdown(async move { shutdown.cancelled().await })
+            .await;
+    }))
 }
 
 /// The token's file version: inode, modification time, length.
@@ -344,8 +364,24 @@ pub async fn serve(
             return Err(error.into());
         }
     };
+    let probes = match agent.config().probe_listen {
+        Some(addr) => match serve_probes(agent.clone(), addr, shutdown.clone()).await {
+            Ok(task) => Some(task),
+            Err(error) => {
+                stop_watch.cancel();
+                if let Some(watcher) = watcher {
+                    let _ = watcher.await;
+                }
+                return Err(Error::Serve(error));
+            }
+        },
+        None => None,
+    };
     info!(addr = ?listener.local_addr().ok(), tls = tls.is_some(), "agent listening");
     let served = accept_loop(agent.clone(), listener, tls, shutdown, drain).await;
+    if let Some(probes) = probes {
+        let _ = tokio::time::timeout(Duration::from_secs(1), probes).await;
+    }
     stop_watch.cancel();
     match watcher {
         Some(watcher) => {

@@ -253,9 +253,45 @@ async fn mutual_tls_refuses_other_cas_and_picks_up_a_rotated_client_ca_and_token
         .with_haproxy_bin(haproxy_bin());
     config.tls = Some(files.clone());
     config.token_file = Some(token_file.clone());
+    let probes = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()));
+    config.probe_listen = Some(probes);
     let agent = TestAgent::start_with(config).await;
     let mut https = agent.url.clone();
     https.set_scheme("https").expect("https");
+
+    // The kubelet's probes need no certificate: on their own plain port, open routes only.
+    let plain = reqwest::Client::builder()
+        .tls_backend_preconfigured(
+            haptic_agent_client::tls::client_config(
+                files.client_ca.as_ref().expect("ca"),
+                None,
+                None,
+            )
+            .expect("tls"),
+        )
+        .build()
+        .expect("plain client");
+    // It binds as the server starts: await it (bounded).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let healthz = loop {
+        match plain.get(format!("http://{probes}/healthz")).send().await {
+            Ok(answer) => break answer,
+            Err(error) => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "probe port: {error}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    assert_eq!(healthz.status(), 200);
+    let state = plain
+        .get(format!("http://{probes}/v1/state"))
+        .send()
+        .await
+        .expect("probe port answers");
+    assert_eq!(state.status(), 404, "the API is not on the probe port");
 
     // Our client certificate and token: served.
     let controller = || {

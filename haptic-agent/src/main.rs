@@ -4,10 +4,9 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use anyhow::{Context as _, Result};
 use clap::Parser;
-use haptic_agent::{Agent, AgentConfig, haproxy::RunAs, metrics::Exposition};
+use haptic_agent::{Agent, AgentConfig, haproxy::RunAs};
 use haptic_agent_client::policy::Policy;
 use opentelemetry::metrics::MeterProvider as _;
-use opentelemetry_sdk::metrics::SdkMeterProvider;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -175,7 +174,8 @@ async fn main() -> Result<()> {
         ),
     }
     config.max_inflated_bytes = config.max_inflated_bytes.max(args.max_body_bytes);
-    let (provider, exposition) = metrics().context("starting the metrics exporter")?;
+    let (provider, exposition) =
+        haptic_serve::prometheus_exporter().context("starting the metrics exporter")?;
     config = config.with_metrics(provider.meter("haptic-agent"), exposition);
 
     let agent = Agent::open(config).await.context("opening the agent")?;
@@ -213,25 +213,4 @@ async fn main() -> Result<()> {
     .context("serving")?;
     drop(provider);
     Ok(())
-}
-
-/// The OpenTelemetry SDK with its Prometheus exporter on a registry of its own: exported names
-/// are the instruments' names as they are (no unit or `_total` suffix added, no scope labels,
-/// no `target_info`), so the page keeps the agent's documented names.
-fn metrics() -> Result<(SdkMeterProvider, Exposition)> {
-    let registry = prometheus::Registry::new();
-    let exporter = opentelemetry_prometheus::exporter()
-        .with_registry(registry.clone())
-        .without_units()
-        .without_counter_suffixes()
-        .without_target_info()
-        .scope_info_enabled(false)
-        .build()?;
-    let provider = SdkMeterProvider::builder().with_reader(exporter).build();
-    let exposition = Exposition::new(move || {
-        prometheus::TextEncoder::new()
-            .encode_to_string(&registry.gather())
-            .map_err(|error| error.to_string())
-    });
-    Ok((provider, exposition))
 }

@@ -19,12 +19,11 @@ use axum::{
     routing::{get, post},
 };
 use haptic_agent_client::protocol::{APPLY_PATH, ErrorBody, STATE_PATH, WireApply, decode_apply};
-use hyper_util::rt::{TokioIo, TokioTimer};
 use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq as _;
-use tokio::{net::TcpListener, sync::Semaphore};
-use tokio_util::{sync::CancellationToken, task::TaskTracker};
-use tracing::{debug, info, warn};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
 
 use crate::agent::{self, Agent};
 
@@ -378,7 +377,12 @@ pub async fn serve(
         None => None,
     };
     info!(addr = ?listener.local_addr().ok(), tls = tls.is_some(), "agent listening");
-    let served = accept_loop(agent.clone(), listener, tls, shutdown, drain).await;
+    let limits = haptic_serve::Limits {
+        max_connections: agent.config().max_connections,
+        header_read_timeout: agent.config().header_read_timeout,
+        drain,
+    };
+    haptic_serve::serve(listener, tls, router(agent.clone()), limits, shutdown).await;
     if let Some(probes) = probes {
         let _ = tokio::time::timeout(Duration::from_secs(1), probes).await;
     }
@@ -393,103 +397,5 @@ pub async fn serve(
             }
         }
     }
-    served.map_err(Error::Serve)
-}
-
-/// Accepts connections until `shutdown`, at most `max_connections` at once, each served by
-/// hyper with the header (and idle) deadline (a TLS handshake included); then lets those in
-/// flight finish within `drain`.
-async fn accept_loop(
-    agent: Agent,
-    listener: TcpListener,
-    tls: Option<tokio_rustls::TlsAcceptor>,
-    shutdown: CancellationToken,
-    drain: Duration,
-) -> std::io::Result<()> {
-    let app = router(agent.clone());
-    let config = agent.config();
-    let slots = Arc::new(Semaphore::new(config.max_connections));
-    let header_read_timeout = config.header_read_timeout;
-    let connections = TaskTracker::new();
-    loop {
-        let (stream, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    // Out of descriptors, for instance: back off rather than spin.
-                    warn!(%error, "accepting a connection failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            () = shutdown.cancelled() => break,
-        };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            debug!(%peer, "connection cap reached; closing the new connection");
-            continue;
-        };
-        let _ = stream.set_nodelay(true);
-        let service = hyper_util::service::TowerToHyperService::new(app.clone());
-        let (shutdown, tls) = (shutdown.clone(), tls.clone());
-        connections.spawn(async move {
-            let _slot = slot;
-            let served = match tls {
-                None => serve_connection(stream, service, header_read_timeout, shutdown).await,
-                Some(tls) => {
-                    match tokio::time::timeout(header_read_timeout, tls.accept(stream)).await {
-                        Ok(Ok(stream)) => {
-                            serve_connection(stream, service, header_read_timeout, shutdown).await
-                        }
-                        Ok(Err(error)) => {
-                            debug!(%peer, %error, "TLS handshake failed");
-                            return;
-                        }
-                        Err(_) => {
-                            debug!(%peer, "TLS handshake timed out");
-                            return;
-                        }
-                    }
-                }
-            };
-            if let Err(error) = served {
-                debug!(%peer, %error, "connection ended");
-            }
-        });
-    }
-    connections.close();
-    if tokio::time::timeout(drain, connections.wait())
-        .await
-        .is_err()
-    {
-        warn!(
-            ?drain,
-            "requests still in flight after the drain period; closing"
-        );
-    }
     Ok(())
-}
-
-/// Serves one connection with hyper until it ends, or gracefully once `shutdown` fires.
-async fn serve_connection<S>(
-    stream: S,
-    service: hyper_util::service::TowerToHyperService<Router>,
-    header_read_timeout: Duration,
-    shutdown: CancellationToken,
-) -> Result<(), hyper::Error>
-where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-{
-    let mut builder = hyper::server::conn::http1::Builder::new();
-    builder
-        .timer(TokioTimer::new())
-        .header_read_timeout(header_read_timeout);
-    let connection = builder.serve_connection(TokioIo::new(stream), service);
-    tokio::pin!(connection);
-    tokio::select! {
-        served = connection.as_mut() => served,
-        () = shutdown.cancelled() => {
-            connection.as_mut().graceful_shutdown();
-            connection.await
-        }
-    }
 }

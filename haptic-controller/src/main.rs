@@ -7,14 +7,12 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use haptic_agent_client::{policy::Policy, tls::PairFiles};
 use haptic_controller::channel::{AgentChannel, MtlsFiles};
-use haptic_controller::metrics::Exposition;
 use haptic_controller::{
     config_loader::ConfigRef,
     daemon,
     validation::Checker,
-    webhook::{FailurePolicy, WebhookSettings},
+    webhook::{self, FailurePolicy, WebhookSettings},
 };
-use opentelemetry_sdk::metrics::SdkMeterProvider;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
@@ -160,6 +158,13 @@ struct RunArgs {
     /// answers it; keep it below the ValidatingWebhookConfiguration's timeoutSeconds.
     #[arg(long, env = "HAPTIC_WEBHOOK_BUDGET_MS", default_value_t = 8000)]
     webhook_budget_ms: u64,
+    /// Most connections the webhook serves at once; one more is closed at once.
+    #[arg(long, env = "HAPTIC_WEBHOOK_MAX_CONNECTIONS", default_value_t = webhook::DEFAULT_MAX_CONNECTIONS)]
+    webhook_max_connections: usize,
+    /// Most admission reviews judged at once (each renders and runs haproxy -c); the others
+    /// wait, and the wait counts against their budget.
+    #[arg(long, env = "HAPTIC_WEBHOOK_MAX_CONCURRENT_REVIEWS", default_value_t = webhook::DEFAULT_MAX_CONCURRENT_REVIEWS)]
+    webhook_max_concurrent_reviews: usize,
     /// What a review past its budget, or one that cannot be checked, gets: denied (fail) or
     /// allowed with a warning (ignore).
     #[arg(
@@ -273,7 +278,8 @@ fn run(args: RunArgs) -> Result<()> {
         .build()
         .context("starting the runtime")?;
     // Before anything records: the libraries take the global provider's meters.
-    let (provider, exposition) = metrics().context("starting the metrics exporter")?;
+    let (provider, exposition) =
+        haptic_serve::prometheus_exporter().context("starting the metrics exporter")?;
     opentelemetry::global::set_meter_provider(provider.clone());
     runtime.block_on(async move {
         let election_clock_rate = test_clock_rate(args.test_clock_rate)?;
@@ -304,6 +310,8 @@ fn run(args: RunArgs) -> Result<()> {
                     WebhookFailurePolicy::Fail => FailurePolicy::Fail,
                     WebhookFailurePolicy::Ignore => FailurePolicy::Ignore,
                 },
+                max_connections: args.webhook_max_connections,
+                max_concurrent_reviews: args.webhook_max_concurrent_reviews,
             }),
             _ => None,
         };
@@ -404,27 +412,6 @@ fn validate(args: &ValidateArgs) -> Result<bool> {
         }
     }
     Ok(report.passed())
-}
-
-/// The OpenTelemetry SDK with its Prometheus exporter on a registry of its own: exported names
-/// are the instruments' names as they are (no unit or `_total` suffix added, no scope labels,
-/// no `target_info`), so the page shows HAPTIC's names.
-fn metrics() -> Result<(SdkMeterProvider, Exposition)> {
-    let registry = prometheus::Registry::new();
-    let exporter = opentelemetry_prometheus::exporter()
-        .with_registry(registry.clone())
-        .without_units()
-        .without_counter_suffixes()
-        .without_target_info()
-        .scope_info_enabled(false)
-        .build()?;
-    let provider = SdkMeterProvider::builder().with_reader(exporter).build();
-    let exposition = Exposition::new(move || {
-        prometheus::TextEncoder::new()
-            .encode_to_string(&registry.gather())
-            .map_err(|error| error.to_string())
-    });
-    Ok((provider, exposition))
 }
 
 /// The test-only clock rate, refused outside 0.5..=2.0 and inside a Kubernetes pod, so that

@@ -18,11 +18,17 @@
 //!   finished within its budget, or that cannot be judged (no `haproxy` to run), is answered
 //!   as the failure policy says: denied (`fail`) or allowed with a warning (`ignore`).
 //!
-//! The certificate and key are read from files and again when they change ([`tls`]).
+//!
+//! Bounded: at most `max_connections` connections (one more is closed at once; the listener is
+//! haptic-serve's, the agent's), and at most `max_concurrent_reviews` reviews render and run
+//! `haproxy -c` at once; the others queue, and the wait counts against their budget, so a burst
+//! is answered by the failure policy past it rather than piling work up in the replica.
+//!
+//! The certificate and key are read from files and again when they change
+//! ([`haptic_agent_client::tls`], the listener config the agents use too).
 
 mod checked;
 pub mod selector;
-pub mod tls;
 
 use std::{
     net::SocketAddr,
@@ -39,15 +45,14 @@ use axum::{
     response::{IntoResponse, Response},
     routing::post,
 };
-use hyper_util::rt::{TokioIo, TokioTimer};
 use kube::core::{
     DynamicObject,
     admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation},
 };
 use serde_json::Value as Json;
-use tokio::{net::TcpListener, task::JoinHandle};
-use tokio_util::{sync::CancellationToken, task::TaskTracker};
-use tracing::{debug, info, warn};
+use tokio::{net::TcpListener, sync::Semaphore, task::JoinHandle};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info};
 
 use crate::{
     config::{self, ValidatedConfig},
@@ -93,14 +98,26 @@ pub struct WebhookSettings {
     pub budget: Duration,
     /// What a review past its budget, or one that cannot be judged, gets.
     pub failure_policy: FailurePolicy,
+    /// Most connections served at once (default [`DEFAULT_MAX_CONNECTIONS`]).
+    pub max_connections: usize,
+    /// Most reviews judged at once (default [`DEFAULT_MAX_CONCURRENT_REVIEWS`]); the others
+    /// wait, and the wait counts against their budget.
+    pub max_concurrent_reviews: usize,
 }
+
+/// The default connection cap of the webhook's listener.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
+
+/// The default number of reviews judged at once: each renders the config and runs
+/// `haproxy -c`, so more than the replica's cores only lengthens every one of them.
+pub const DEFAULT_MAX_CONCURRENT_REVIEWS: usize = 2;
 
 /// Errors of starting the webhook.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The certificate or key is unusable.
     #[error("the webhook certificate")]
-    Tls(#[from] tls::Error),
+    Tls(#[from] haptic_agent_client::tls::Error),
     /// The address could not be bound.
     #[error("binding the webhook on {addr}")]
     Bind {
@@ -154,6 +171,8 @@ struct Webhook {
     tests: tokio::sync::Mutex<Option<(ConfigKey, Result<(), String>)>>,
     /// What `haproxy -c` accepted for the running config version ([`checked`]).
     checked: std::sync::Mutex<Option<(ConfigKey, checked::Checked)>>,
+    /// One permit per review judged at once.
+    slots: Semaphore,
 }
 
 type ConfigKey = (i64, String);
@@ -166,7 +185,13 @@ pub async fn serve(
     cache: Arc<StateCache>,
     token: CancellationToken,
 ) -> Result<(SocketAddr, JoinHandle<()>), Error> {
-    let acceptor = tls::acceptor(&settings.cert, &settings.key)?;
+    let pair = haptic_agent_client::tls::PairFiles {
+        cert: settings.cert.clone(),
+        key: settings.key.clone(),
+    };
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(
+        haptic_agent_client::tls::server_config(&pair, None)?,
+    ));
     let listener = TcpListener::bind(settings.addr)
         .await
         .map_err(|source| Error::Bind {
@@ -177,8 +202,13 @@ pub async fn serve(
         addr: settings.addr,
         source,
     })?;
-    let drain = settings.budget + Duration::from_secs(1);
+    let limits = haptic_serve::Limits {
+        max_connections: settings.max_connections,
+        header_read_timeout: HANDSHAKE_TIMEOUT,
+        drain: settings.budget + Duration::from_secs(1),
+    };
     let hook = Arc::new(Webhook {
+        slots: Semaphore::new(settings.max_concurrent_reviews.max(1)),
         cache,
         settings,
         tests: tokio::sync::Mutex::new(None),
@@ -189,73 +219,14 @@ pub async fn serve(
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .with_state(hook);
     info!(%addr, "admission webhook listening (HTTPS, /validate)");
-    let task = tokio::spawn(accept_loop(listener, acceptor, app, token, drain));
+    let task = tokio::spawn(haptic_serve::serve(
+        listener,
+        Some(acceptor),
+        app,
+        limits,
+        token,
+    ));
     Ok((addr, task))
-}
-
-async fn accept_loop(
-    listener: TcpListener,
-    acceptor: tokio_rustls::TlsAcceptor,
-    app: Router,
-    token: CancellationToken,
-    drain: Duration,
-) {
-    let connections = TaskTracker::new();
-    loop {
-        let (stream, peer) = tokio::select! {
-            () = token.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    warn!(%error, "the webhook could not accept a connection");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        let (acceptor, app, token) = (acceptor.clone(), app.clone(), token.clone());
-        connections.spawn(async move {
-            let stream =
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                    Ok(Ok(stream)) => stream,
-                    Ok(Err(error)) => {
-                        debug!(%peer, %error, "webhook TLS handshake failed");
-                        return;
-                    }
-                    Err(_) => {
-                        debug!(%peer, "webhook TLS handshake timed out");
-                        return;
-                    }
-                };
-            let service = hyper_util::service::TowerToHyperService::new(app);
-            let mut builder = hyper::server::conn::http1::Builder::new();
-            builder
-                .timer(TokioTimer::new())
-                .header_read_timeout(HANDSHAKE_TIMEOUT);
-            let connection = builder.serve_connection(TokioIo::new(stream), service);
-            tokio::pin!(connection);
-            let served = tokio::select! {
-                served = connection.as_mut() => served,
-                () = token.cancelled() => {
-                    connection.as_mut().graceful_shutdown();
-                    connection.await
-                }
-            };
-            if let Err(error) = served {
-                debug!(%peer, %error, "webhook connection ended");
-            }
-        });
-    }
-    connections.close();
-    if tokio::time::timeout(drain, connections.wait())
-        .await
-        .is_err()
-    {
-        warn!(
-            ?drain,
-            "webhook reviews still in flight after the drain period; closing"
-        );
-    }
 }
 
 fn bad_request(message: String) -> Response {
@@ -282,10 +253,18 @@ async fn validate(State(hook): State<Arc<Webhook>>, body: Bytes) -> Response {
         Err(_) => return bad_request("the AdmissionReview has no request".to_owned()),
     };
     let budget = hook.settings.budget;
-    let verdict = match tokio::time::timeout(budget, hook.review(&request)).await {
-        Ok(verdict) => verdict,
-        Err(_) => Verdict::Unjudged(format!(
-            "the review did not finish within its budget of {budget:?}"
+    let deadline = tokio::time::Instant::now() + budget;
+    // The wait for a slot is part of the budget: past it the failure policy answers.
+    let verdict = match tokio::time::timeout_at(deadline, hook.slots.acquire()).await {
+        Ok(Ok(_slot)) => match tokio::time::timeout_at(deadline, hook.review(&request)).await {
+            Ok(verdict) => verdict,
+            Err(_) => Verdict::Unjudged(format!(
+                "the review did not finish within its budget of {budget:?}"
+            )),
+        },
+        Ok(Err(_)) | Err(_) => Verdict::Unjudged(format!(
+            "the review waited for one of the {} review slots past its budget of {budget:?}",
+            hook.settings.max_concurrent_reviews
         )),
     };
     let (response, outcome) = answer(&request, verdict, hook.settings.failure_policy);

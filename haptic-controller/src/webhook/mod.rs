@@ -693,6 +693,67 @@ mod tests {
         review.try_into().expect("request")
     }
 
+    /// A review that waits for a slot past its budget is answered by the failure policy, and
+    /// the wait counted: it is not judged late.
+    #[tokio::test(start_paused = true)]
+    async fn a_review_queued_past_its_budget_gets_the_failure_policy() {
+        let hook = Arc::new(Webhook {
+            cache: StateCache::new(),
+            settings: WebhookSettings {
+                addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+                cert: PathBuf::new(),
+                key: PathBuf::new(),
+                checker: Checker {
+                    haproxy: None,
+                    policy: Default::default(),
+                },
+                budget: Duration::from_secs(2),
+                failure_policy: FailurePolicy::Fail,
+                max_connections: 4,
+                max_concurrent_reviews: 1,
+            },
+            tests: tokio::sync::Mutex::new(None),
+            checked: std::sync::Mutex::new(None),
+            slots: Semaphore::new(1),
+        });
+        let body = serde_json::to_vec(&json!({
+            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {
+                "uid": "u1",
+                "kind": {"group": "networking.k8s.io", "version": "v1", "kind": "Ingress"},
+                "resource": {"group": "networking.k8s.io", "version": "v1", "resource": "ingresses"},
+                "name": "web", "namespace": "shop", "operation": "CREATE",
+                "userInfo": {"username": "u"},
+                "object": {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": {"name": "web", "namespace": "shop"}},
+            },
+        }))
+        .expect("body");
+        // Every slot is taken (a long review in flight).
+        let held = hook.slots.acquire().await.expect("slot");
+        let response = validate(State(hook.clone()), Bytes::from(body.clone())).await;
+        let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+            .await
+            .expect("body");
+        let review: Json = serde_json::from_slice(&bytes).expect("json");
+        assert_eq!(review["response"]["allowed"], false, "{review}");
+        let message = review["response"]["status"]["message"]
+            .as_str()
+            .expect("message");
+        assert!(
+            message.contains("waited for one of the 1 review slots past its budget")
+                && message.contains("(failure policy: fail)"),
+            "{message}"
+        );
+        // With the slot free, the same review is judged (no config loaded yet: let through).
+        drop(held);
+        let response = validate(State(hook), Bytes::from(body)).await;
+        let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+            .await
+            .expect("body");
+        let review: Json = serde_json::from_slice(&bytes).expect("json");
+        assert_eq!(review["response"]["allowed"], true, "{review}");
+    }
+
     #[test]
     fn verdicts_map_to_answers_and_outcomes_by_the_failure_policy() {
         let req = request();

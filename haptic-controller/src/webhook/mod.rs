@@ -169,8 +169,9 @@ struct Webhook {
     cache: Arc<StateCache>,
     settings: WebhookSettings,
     tests: tokio::sync::Mutex<Option<(ConfigKey, Result<(), String>)>>,
-    /// What `haproxy -c` accepted for the running config version ([`checked`]).
-    checked: std::sync::Mutex<Option<(ConfigKey, checked::Checked)>>,
+    /// What `haproxy -c` accepted for the running config version ([`checked`]); read and
+    /// written on blocking threads (it compares whole sets line by line).
+    checked: Arc<std::sync::Mutex<Option<(ConfigKey, checked::Checked)>>>,
     /// One permit per review judged at once.
     slots: Semaphore,
 }
@@ -212,7 +213,7 @@ pub async fn serve(
         cache,
         settings,
         tests: tokio::sync::Mutex::new(None),
-        checked: std::sync::Mutex::new(None),
+        checked: Arc::new(std::sync::Mutex::new(None)),
     });
     let app = Router::new()
         .route("/validate", post(validate))
@@ -539,15 +540,24 @@ impl Webhook {
             ));
         };
         let key = running.map(|c| (c.generation, c.resource_version.clone()));
-        let reduced = key.as_ref().and_then(|key| {
-            let memo = self
-                .checked
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            memo.as_ref()
-                .filter(|(seen, _)| seen == key)
-                .and_then(|(_, checked)| checked.reduce(files))
-        });
+        // Comparing the set with what passed reads every crt-list line: a blocking thread's
+        // work, not an async one's (a burst of reviews would starve the Lease renewals).
+        let reduced = match key.clone() {
+            None => None,
+            Some(key) => {
+                let (memo, files) = (self.checked.clone(), files.clone());
+                tokio::task::spawn_blocking(move || {
+                    let memo = memo
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    memo.as_ref()
+                        .filter(|(seen, _)| *seen == key)
+                        .and_then(|(_, checked)| checked.reduce(&files))
+                })
+                .await
+                .unwrap_or(None)
+            }
+        };
         let mut outcome =
             render_gate::check_files(haproxy, reduced.as_ref().unwrap_or(files)).await;
         // A reduced set refused is checked whole before anything is denied.
@@ -557,16 +567,19 @@ impl Webhook {
         match outcome {
             Ok(()) => {
                 if let Some(key) = key {
-                    let mut memo = self
-                        .checked
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner);
-                    if memo.as_ref().is_none_or(|(seen, _)| *seen != key) {
-                        *memo = Some((key, checked::Checked::default()));
-                    }
-                    if let Some((_, checked)) = memo.as_mut() {
-                        checked.record(files);
-                    }
+                    let (memo, files) = (self.checked.clone(), files.clone());
+                    let _ = tokio::task::spawn_blocking(move || {
+                        let mut memo = memo
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner);
+                        if memo.as_ref().is_none_or(|(seen, _)| *seen != key) {
+                            *memo = Some((key, checked::Checked::default()));
+                        }
+                        if let Some((_, checked)) = memo.as_mut() {
+                            checked.record(&files);
+                        }
+                    })
+                    .await;
                 }
                 None
             }
@@ -713,7 +726,7 @@ mod tests {
                 max_concurrent_reviews: 1,
             },
             tests: tokio::sync::Mutex::new(None),
-            checked: std::sync::Mutex::new(None),
+            checked: Arc::new(std::sync::Mutex::new(None)),
             slots: Semaphore::new(1),
         });
         let body = serde_json::to_vec(&json!({

@@ -169,6 +169,15 @@ fn the_webhook_components_match_the_binary_and_the_reference_config() {
         op == "In" && values == [ns.to_owned()],
         "the HTC lives in the controller's namespace"
     );
+    // With no replica running, a fixed HTC can still be applied: every replica's loader
+    // validates it anyway, so its rule fails open.
+    assert_eq!(webhooks[1]["failurePolicy"], "Ignore", "the HTC's rule");
+    assert!(
+        list(&webhooks[1]["rules"])
+            .iter()
+            .all(|r| r["apiGroups"] == serde_json::json!(["haproxy-haptic.org"])),
+        "the Ignore rule covers the HTC only"
+    );
     // The resource rules are exactly the reference stores with enableValidationWebhook.
     let spec = haptic_controller::reference::spec();
     let wanted: BTreeSet<(String, String, String)> = spec

@@ -99,7 +99,7 @@ fn render(
     term: SystemTime,
     span: tracing::Span,
 ) -> Option<Result<RenderedSet, RenderFailure>> {
-    let state = cache.read();
+    let state = cache.blocking_read();
     if !state.ready() {
         return None;
     }

@@ -76,7 +76,7 @@ async fn metrics(State(probes): State<Arc<Probes>>) -> axum::response::Response 
 }
 
 async fn readyz(State(probes): State<Arc<Probes>>) -> (StatusCode, String) {
-    let state = probes.cache.read();
+    let state = probes.cache.read().await;
     if state.config.is_none() {
         return (
             StatusCode::SERVICE_UNAVAILABLE,

@@ -211,7 +211,10 @@ pub fn observe(cache: Arc<StateCache>, bus: EventBus<ControllerEvent>) {
         .u64_observable_gauge("haptic_resource_count")
         .with_description("Objects in each watched store.")
         .with_callback(move |observer| {
-            let state = cache.read();
+            // A collection must not wait: while a watcher writes, this one scrape skips it.
+            let Some(state) = cache.try_read() else {
+                return;
+            };
             for (store, contents) in state.stores.iter() {
                 observer.observe(
                     contents.len() as u64,

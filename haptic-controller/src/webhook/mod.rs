@@ -378,7 +378,7 @@ impl Webhook {
     ) -> Verdict {
         let resource = &request.resource;
         let (config, store) = {
-            let state = self.cache.read();
+            let state = self.cache.read().await;
             let Some(config) = state.config.clone() else {
                 return Verdict::Allowed(vec![
                     "haptic has no valid config loaded yet: nothing to check this against"
@@ -449,7 +449,7 @@ impl Webhook {
         let store_name = store.name.clone();
         let generation = config.generation;
         let rendered = tokio::task::spawn_blocking(move || {
-            let state = cache.read();
+            let state = cache.blocking_read();
             let Some(running) = state.config.as_ref().filter(|c| c.generation == generation) else {
                 return Err(Verdict::Unjudged(
                     "the config changed during the review".to_owned(),
@@ -602,7 +602,7 @@ impl Webhook {
     async fn stores_refused_too(&self, haproxy: &std::path::Path, alert: &str) -> bool {
         let cache = self.cache.clone();
         let before = tokio::task::spawn_blocking(move || {
-            let state = cache.read();
+            let state = cache.blocking_read();
             state
                 .config
                 .as_ref()
@@ -647,7 +647,7 @@ impl Webhook {
             let config = config::validate(&htc.spec, generation, &rv)?;
             // Rendered against the replica's stores when they are the ones this config
             // watches (same stores and derived views), else with empty stores.
-            let state = cache.read();
+            let state = cache.blocking_read();
             let same_stores = state.config.as_ref().is_some_and(|running| {
                 running.stores == config.stores && running.derivations == config.derivations
             });

@@ -14,6 +14,9 @@
 //! hung requests or watches, a full partition) or cause a global [`ApiServer::outage`], and
 //! read the per-client request accounting ([`ApiServer::request_counts`]).
 //!
+//! [`TestPki`] makes the throwaway CA and certificates of the agent channel's mutual TLS for
+//! the tests, the demo and the fault campaign.
+//!
 //! # Example
 //!
 //! ```

@@ -117,10 +117,10 @@ proptest! {
             },
         });
         // Under review (an overlay), the templates refuse the object or render it.
-        if let Ok(overlay) = stores.overlay("ingresses", Change::Apply(&ingress)) {
-            if let Ok(files) = renderer.render_overlay(&stores, &overlay) {
-                assert_kept_out(&files, [&host, &path, &secret])?;
-            }
+        if let Ok(overlay) = stores.overlay("ingresses", Change::Apply(&ingress))
+            && let Ok(files) = renderer.render_overlay(&stores, &overlay)
+        {
+            assert_kept_out(&files, [&host, &path, &secret])?;
         }
         // Stored (a watch delivered it): the render goes on, without the hostile values.
         let mut stored = stores.clone();

@@ -315,6 +315,10 @@ fn run(args: RunArgs) -> Result<()> {
             }),
             _ => None,
         };
+        let identity_dir = tempfile::Builder::new()
+            .prefix("haptic-agent-client-")
+            .tempdir()
+            .context("a directory for the agent channel's client certificate")?;
         let agent_channel = match (args.agent_ca, args.agent_client_cert, args.agent_client_key) {
             (Some(ca), Some(cert), Some(key)) => AgentChannel::mtls(&MtlsFiles {
                 ca,
@@ -326,8 +330,25 @@ fn run(args: RunArgs) -> Result<()> {
                 warn!("reaching the agents over plain HTTP (--agent-insecure-plain-http): the agent token and every private key of every set cross the pod network in clear text");
                 AgentChannel::PlainHttp
             }
+            (None, None, None) => {
+                // None configured: the CA this controller generates once and keeps in a
+                // Secret it owns; this replica's client certificate lives in `identity_dir`.
+                let files = haptic_controller::agent_ca::ensure(
+                    client.clone(),
+                    &args.namespace,
+                    identity_dir.path(),
+                )
+                .await
+                .context("setting up the agent channel's generated CA")?;
+                info!(
+                    ca = haptic_controller::agent_ca::CA_SECRET,
+                    agents = haptic_controller::agent_ca::AGENT_SECRET,
+                    "the agent channel is mutual TLS from the controller's own CA"
+                );
+                AgentChannel::mtls(&files).context("setting up mutual TLS to the agents")?
+            }
             _ => anyhow::bail!(
-                "the agent channel is mutual TLS: give --agent-ca, --agent-client-cert and --agent-client-key (deploy/components/agent-mtls issues them with cert-manager), or --agent-insecure-plain-http for a local run"
+                "the agent channel's files are given together: --agent-ca, --agent-client-cert and --agent-client-key (or none, for the controller's own CA; or --agent-insecure-plain-http for a local run)"
             ),
         };
         let options = daemon::Options {

@@ -578,6 +578,26 @@ impl Controller {
         env: &[(&str, &str)],
         args: &[&str],
     ) -> Self {
+        Self::spawn(cluster, name, env, args, true).await
+    }
+
+    /// Started with no agent channel flags: the controller's own CA (`agent_ca`).
+    pub async fn start_with_own_ca(cluster: &Cluster, name: &str) -> Self {
+        Self::spawn(cluster, name, &[], &[], false).await
+    }
+
+    async fn spawn(
+        cluster: &Cluster,
+        name: &str,
+        env: &[(&str, &str)],
+        args: &[&str],
+        channel_flags: bool,
+    ) -> Self {
+        let channel: Vec<std::ffi::OsString> = if channel_flags {
+            cluster.pki.controller_args()
+        } else {
+            Vec::new()
+        };
         let kubeconfig = cluster.server.kubeconfig_for(name).expect("kubeconfig");
         let log = cluster.dir.path().join(format!("{name}.log"));
         let file = std::fs::OpenOptions::new()
@@ -598,7 +618,7 @@ impl Controller {
             .arg(format!("127.0.0.1:{health}"))
             .arg("--haproxy")
             .arg(haproxy_bin())
-            .args(cluster.pki.controller_args())
+            .args(channel)
             .args(args)
             .env("RUST_LOG", "info,haptic_controller=debug")
             .envs(env.iter().copied())

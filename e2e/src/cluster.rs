@@ -251,7 +251,7 @@ impl Cluster {
             .show()
             .await?;
         self.create_token().await?;
-        self.create_agent_tls().await?;
+        // The agent channel's certificates: the controller's own CA (deploy/'s default).
         self.kubectl(&["apply", "-k", "deploy/"], 2 * MINUTE)
             .show()
             .await?;
@@ -302,32 +302,6 @@ impl Cluster {
             .create(&PostParams::default(), &secret)
             .await
             .context("creating the agent token Secret")?;
-        Ok(())
-    }
-
-    /// The agent channel's two Secrets, as deploy/README.md says to create them without
-    /// cert-manager: a CA of the channel's own, the agents' serving certificate for
-    /// haptic-agent.haptic-system.svc and the controller's client certificate, each with the CA.
-    async fn create_agent_tls(&self) -> Result<()> {
-        let ca = haptic_testkit::TestCa::new("haptic-agent-ca")?;
-        let server = ca.server(&["haptic-agent.haptic-system.svc".to_owned()])?;
-        let client = ca.client("haptic-controller")?;
-        for (name, (cert, key)) in [
-            ("haptic-agent-tls", server),
-            ("haptic-controller-agent-tls", client),
-        ] {
-            let secret: Secret = serde_json::from_value(serde_json::json!({
-                "apiVersion": "v1",
-                "kind": "Secret",
-                "metadata": { "name": name, "namespace": NAMESPACE },
-                "type": "kubernetes.io/tls",
-                "stringData": { "tls.crt": cert, "tls.key": key, "ca.crt": ca.pem },
-            }))?;
-            Api::<Secret>::namespaced(self.client.clone(), NAMESPACE)
-                .create(&PostParams::default(), &secret)
-                .await
-                .with_context(|| format!("creating the Secret {name}"))?;
-        }
         Ok(())
     }
 

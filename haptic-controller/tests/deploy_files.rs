@@ -234,7 +234,7 @@ fn the_cluster_role_covers_exactly_the_watched_resources() {
             &["update", "patch"],
         ),
         (("", "pods"), &["list", "watch"]),
-        (("", "secrets"), &["get", "list", "watch"]),
+        (("", "secrets"), &["get", "list", "watch", "create"]),
         (
             ("haproxy-haptic.org", "haproxycfgs"),
             &["get", "list", "create", "patch", "delete"],

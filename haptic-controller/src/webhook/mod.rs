@@ -105,8 +105,11 @@ pub struct WebhookSettings {
     pub max_concurrent_reviews: usize,
 }
 
-/// The default connection cap of the webhook's listener.
-pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
+/// The default connection cap of the webhook's listener. The API server calls an HTTP/1.1
+/// webhook with one connection per review in flight, so the cap is above the bursts a GitOps
+/// sync sends (100 at once is answered in full); the review slots bound the work, the cap
+/// bounds memory and descriptors.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
 
 /// The default number of reviews judged at once: each renders the config and runs
 /// `haproxy -c`, so more than the replica's cores only lengthens every one of them.

@@ -22,5 +22,5 @@ RUN apt-get update \
 COPY --from=build /out/haptic-agent /usr/local/bin/haptic-agent
 USER 10001:10001
 # The agent's API (--listen 0.0.0.0:9090); HAProxy's 8080/8443 (deploy/haptic-config-ports.yaml)
-EXPOSE 9090 8080 8443
+EXPOSE 9090 9091 8080 8443
 ENTRYPOINT ["/usr/local/bin/haptic-agent"]

@@ -251,6 +251,7 @@ impl Cluster {
             .show()
             .await?;
         self.create_token().await?;
+        // The agent channel's certificates: the controller's own CA (deploy/'s default).
         self.kubectl(&["apply", "-k", "deploy/"], 2 * MINUTE)
             .show()
             .await?;

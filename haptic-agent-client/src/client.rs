@@ -143,8 +143,12 @@ pub struct ClientConfig {
     pub compress_threshold: usize,
     /// Most applies in flight at once in [`AgentClient::fan_out`] (default 16).
     pub concurrency: usize,
-    /// PEM CA bundle trusted for `https` agents; none means the platform's roots.
+    /// PEM CA bundle trusted for `https` agents; none means the platform's roots. Ignored
+    /// when [`ClientConfig::tls`] is set.
     pub ca_pem: Option<Vec<u8>>,
+    /// The whole TLS configuration of the agent channel (default none): mutual TLS with
+    /// rotating files, from [`crate::tls::client_config`].
+    pub tls: Option<rustls::ClientConfig>,
 }
 
 impl std::fmt::Debug for ClientConfig {
@@ -159,6 +163,7 @@ impl std::fmt::Debug for ClientConfig {
             .field("compress_threshold", &self.compress_threshold)
             .field("concurrency", &self.concurrency)
             .field("ca_pem", &self.ca_pem.as_ref().map(Vec::len))
+            .field("tls", &self.tls.is_some())
             .finish()
     }
 }
@@ -176,6 +181,7 @@ impl ClientConfig {
             compress_threshold: 64 << 10,
             concurrency: 16,
             ca_pem: None,
+            tls: None,
         }
     }
 
@@ -205,6 +211,13 @@ impl ClientConfig {
     #[must_use]
     pub fn with_ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
         self.ca_pem = Some(pem.into());
+        self
+    }
+
+    /// Sets [`ClientConfig::tls`].
+    #[must_use]
+    pub fn with_tls(mut self, tls: rustls::ClientConfig) -> Self {
+        self.tls = Some(tls);
         self
     }
 
@@ -339,7 +352,9 @@ impl AgentClient {
             .pool_idle_timeout(Duration::from_secs(10))
             .tcp_nodelay(true)
             .tls_backend_rustls();
-        if let Some(pem) = &config.ca_pem {
+        if let Some(tls) = &config.tls {
+            builder = builder.tls_backend_preconfigured(tls.clone());
+        } else if let Some(pem) = &config.ca_pem {
             let certs = reqwest::Certificate::from_pem_bundle(pem).map_err(Error::Build)?;
             builder = builder.tls_certs_only(certs);
         }
@@ -463,6 +478,23 @@ impl AgentClient {
             return Err(refusal(status, &body));
         }
         serde_json::from_slice(&body).map_err(|_| refusal(status, &body))
+    }
+
+    /// An authorized GET of another path of the agent's API (`/v1/journal`, `/metrics`): the
+    /// body of a 200 answer, over the same channel (TLS, token, retries) as the apply.
+    pub async fn get_raw(&self, base: &Url, path: &str) -> Result<bytes::Bytes> {
+        let url = join(base, path)?;
+        let (status, body, _) = self
+            .send_with_retries(|| {
+                self.http
+                    .get(url.clone())
+                    .header(header::AUTHORIZATION, self.auth.clone())
+            })
+            .await?;
+        if status != StatusCode::OK {
+            return Err(refusal(status, &body));
+        }
+        Ok(body)
     }
 
     /// Applies `request` to every target in parallel, at most

@@ -7,7 +7,9 @@
 //! rustls on `ring`, bearer token, timeouts, retries of transport failures and 503 only,
 //! typed errors, parallel fan-out); [`policy`] holds the config policy (no Lua, programs,
 //! external checks or files outside the set unless the operator allows them) that the
-//! controller's render gate and the agent both apply.
+//! controller's render gate and the agent both apply; [`tls`] holds the channel's mutual TLS
+//! (rotating certificates, keys and CA bundles read from files) and the listener config every
+//! HTTPS server of the project uses.
 //!
 //! ```
 //! use haptic_agent_client::{AgentClient, ApplyRequest, ClientConfig, FileSet};
@@ -28,6 +30,7 @@
 pub mod client;
 pub mod policy;
 pub mod protocol;
+pub mod tls;
 
 pub use client::{AgentClient, ApplyReport, ClientConfig, Error, Outcome, PodResult, Target};
 pub use policy::{Policy, PolicyError, Violation};

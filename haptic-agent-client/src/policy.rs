@@ -893,9 +893,12 @@ fn calls(text: &str) -> Vec<(String, String)> {
         let open = start + offset;
         start = open + 1;
         // The function name: the identifier characters right before the parenthesis.
+        // (The character that ends it may be multibyte: step over it whole.)
         let name_start = text[..open]
-            .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.'))
-            .map_or(0, |i| i + 1);
+            .char_indices()
+            .rev()
+            .find(|&(_, c)| !(c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.'))
+            .map_or(0, |(i, c)| i + c.len_utf8());
         let name = &text[name_start..open];
         let file_taking = name == "map"
             || name.starts_with("map_")
@@ -912,25 +915,30 @@ fn calls(text: &str) -> Vec<(String, String)> {
             }
             _ => None,
         };
+        // Every arm breaks or moves `i` past one whole character, so `i` stays on a boundary.
         while let Some(&b) = bytes.get(i) {
             match quote {
                 Some(q) if b == q => break,
                 Some(_) if b == b'\\' => {
+                    // The escaped character is taken whole: a byte index that stopped inside
+                    // a multibyte character would make the next slice panic.
                     i += 1;
-                    if let Some(&escaped) = bytes.get(i) {
-                        argument.push(char::from(escaped));
+                    if let Some(escaped) = text.get(i..).and_then(|rest| rest.chars().next()) {
+                        argument.push(escaped);
+                        i += escaped.len_utf8();
                     }
+                    continue;
                 }
                 None if b == b',' || b == b')' => break,
                 _ => {
                     // Multibyte characters are copied whole.
-                    let ch = text[i..].chars().next().unwrap_or('\u{fffd}');
+                    let Some(ch) = text.get(i..).and_then(|rest| rest.chars().next()) else {
+                        break;
+                    };
                     argument.push(ch);
                     i += ch.len_utf8();
-                    continue;
                 }
             }
-            i += 1;
         }
         out.push((name.to_owned(), argument.trim().to_owned()));
     }
@@ -1348,6 +1356,34 @@ mod tests {
                 .is_err()
         );
         assert!(Policy::default().with_env("A-B").validate().is_err());
+    }
+
+    #[test]
+    fn an_escaped_multibyte_character_in_a_quoted_map_argument_is_read_whole() {
+        // This panicked (a byte index inside a multibyte character) and ended the render gate.
+        assert_eq!(
+            calls(r#"%[req.hdr(host),map_beg("/etc/\é\x",b)]"#),
+            vec![("map_beg".to_owned(), "/etc/éx".to_owned())]
+        );
+        // Found by tests/fuzz.rs: a multibyte character right before the function name.
+        assert_eq!(calls("é🦀("), vec![]);
+        assert_eq!(
+            calls("🦀map(/etc/x)"),
+            vec![("map".to_owned(), "/etc/x".to_owned())]
+        );
+        // The quote reaches `calls` escaped on the line (`\"`) or inside other quotes.
+        for line in [
+            r#"frontend f
+  use_backend %[req.hdr(host),map(\"/etc/\\é\")]
+"#,
+            r#"frontend f
+  use_backend "%[req.hdr(host),map('/etc/\é')]"
+"#,
+        ] {
+            let refused = strict(line);
+            assert_eq!(refused.len(), 1, "{line}: {refused:?}");
+            assert!(refused[0].contains("/etc/é"), "{line}: {refused:?}");
+        }
     }
 
     #[test]

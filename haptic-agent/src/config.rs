@@ -27,6 +27,10 @@ pub struct AgentConfig {
     pub listen: SocketAddr,
     /// The bearer token every `/v1` request must carry. Must not be empty.
     pub token: String,
+    /// A file holding the token (default none): when set, it is read again whenever it
+    /// changes (a rotated Secret), and its token replaces `token` from then on, with no
+    /// restart. A change that leaves the file empty or unreadable keeps the previous token.
+    pub token_file: Option<PathBuf>,
     /// The HAProxy binary (default `haproxy`, found on `PATH` or in `/usr/sbin`).
     pub haproxy_bin: PathBuf,
     /// The data directory (fence, sets, `current` symlink). Must be absolute.
@@ -72,9 +76,14 @@ pub struct AgentConfig {
     /// Longest an apply waits for another one in progress before it is answered 503
     /// (default 30 s).
     pub lock_timeout: Duration,
-    /// Serve the API over TLS with this certificate and key (default none: plain HTTP). The
-    /// files are read again when they change.
+    /// Serve the API over TLS with this certificate and key, and with a client CA require a
+    /// client certificate it issued (mutual TLS; default none: plain HTTP, which the binary
+    /// allows only with `--insecure-plain-http`). The files are read again when they change.
     pub tls: Option<crate::tls::TlsFiles>,
+    /// Also serve `/healthz`, `/readyz` and `/metrics` in plain HTTP on this address (default
+    /// none): the kubelet's probes and Prometheus cannot present the client certificate the
+    /// API's mutual TLS requires.
+    pub probe_listen: Option<SocketAddr>,
     /// Apply a set that differs from the live one only in server addresses, ports, weights
     /// and states, map entries or certificate contents through HAProxy's runtime API, with
     /// no reload (default true; see [`crate::runtime`]). False: every change reloads.
@@ -94,6 +103,7 @@ impl std::fmt::Debug for AgentConfig {
         f.debug_struct("AgentConfig")
             .field("listen", &self.listen)
             .field("token", &"<redacted>")
+            .field("token_file", &self.token_file)
             .field("haproxy_bin", &self.haproxy_bin)
             .field("data_dir", &self.data_dir)
             .field("master_socket", &self.master_socket)
@@ -110,6 +120,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("body_timeout", &self.body_timeout)
             .field("lock_timeout", &self.lock_timeout)
             .field("tls", &self.tls)
+            .field("probe_listen", &self.probe_listen)
             .field("runtime_updates", &self.runtime_updates)
             .field("runtime_timeout", &self.runtime_timeout)
             .field("meter", &self.meter)
@@ -125,6 +136,7 @@ impl AgentConfig {
         Self {
             listen: SocketAddr::from(([0, 0, 0, 0], 9090)),
             token: token.into(),
+            token_file: None,
             haproxy_bin: PathBuf::from("haproxy"),
             master_socket: data_dir.join("master.sock"),
             data_dir,
@@ -141,6 +153,7 @@ impl AgentConfig {
             body_timeout: Duration::from_secs(120),
             lock_timeout: Duration::from_secs(30),
             tls: None,
+            probe_listen: None,
             runtime_updates: true,
             runtime_timeout: Duration::from_secs(5),
             meter: None,

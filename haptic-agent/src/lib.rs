@@ -12,7 +12,8 @@
 //! - [`metrics`]: the instruments, recorded through the OpenTelemetry API (the binary serves them).
 //! - [`journal`]: the bounded, durable record of the applies answered (`/v1/journal`).
 //! - [`server`]: the HTTP API (`/v1/apply`, `/v1/state`, `/v1/journal`, `/healthz`, `/readyz`, `/metrics`).
-//! - [`tls`]: optional TLS on the listener, the certificate read again when it changes.
+//! - [`tls`]: the listener's TLS, mutual by default in the binary (a client certificate from
+//!   `--client-ca` required); certificate, key and client CA read again when they change.
 //!
 //! The wire types live in `haptic-agent-client`.
 //!

@@ -4,10 +4,9 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use anyhow::{Context as _, Result};
 use clap::Parser;
-use haptic_agent::{Agent, AgentConfig, haproxy::RunAs, metrics::Exposition};
+use haptic_agent::{Agent, AgentConfig, haproxy::RunAs};
 use haptic_agent_client::policy::Policy;
 use opentelemetry::metrics::MeterProvider as _;
-use opentelemetry_sdk::metrics::SdkMeterProvider;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -51,13 +50,29 @@ struct Args {
     /// Most connections served at once; one more is closed at once.
     #[arg(long, env = "HAPTIC_AGENT_MAX_CONNECTIONS", default_value_t = 256)]
     max_connections: usize,
-    /// Serve the API over TLS with this PEM certificate chain (with --tls-key); both files
-    /// are read again when they change.
-    #[arg(long, env = "HAPTIC_AGENT_TLS_CERT", requires = "tls_key")]
+    /// The API's PEM certificate chain (mutual TLS, the default: with --tls-key and
+    /// --client-ca); every file is read again when it changes.
+    #[arg(long, env = "HAPTIC_AGENT_TLS_CERT")]
     tls_cert: Option<PathBuf>,
     /// The PEM private key of --tls-cert.
-    #[arg(long, env = "HAPTIC_AGENT_TLS_KEY", requires = "tls_cert")]
+    #[arg(long, env = "HAPTIC_AGENT_TLS_KEY")]
     tls_key: Option<PathBuf>,
+    /// The PEM CA bundle a client (the controller) must present a certificate from.
+    #[arg(long, env = "HAPTIC_AGENT_CLIENT_CA")]
+    client_ca: Option<PathBuf>,
+    /// Also serve /healthz, /readyz and /metrics in plain HTTP here (for the kubelet's probes
+    /// and Prometheus, which cannot present the client certificate the API requires)
+    /// [default: nowhere].
+    #[arg(long, env = "HAPTIC_AGENT_PROBE_LISTEN")]
+    probe_listen: Option<SocketAddr>,
+    /// Serve plain HTTP: the token and every private key of the set cross the network in
+    /// clear text. For local runs only; warned at every start.
+    #[arg(
+        long,
+        env = "HAPTIC_AGENT_INSECURE_PLAIN_HTTP",
+        conflicts_with_all = ["tls_cert", "tls_key", "client_ca"]
+    )]
+    insecure_plain_http: bool,
     /// Capabilities a set may use, comma-separated: lua, program, external-check, env,
     /// ssl-engine [default: none].
     #[arg(long, env = "HAPTIC_AGENT_ALLOW", value_delimiter = ',')]
@@ -141,11 +156,26 @@ async fn main() -> Result<()> {
     info!(policy = ?config.policy, "config policy");
     config.max_body_bytes = args.max_body_bytes;
     config.max_connections = args.max_connections;
-    if let (Some(cert), Some(key)) = (args.tls_cert, args.tls_key) {
-        config.tls = Some(haptic_agent::tls::TlsFiles { cert, key });
+    config.token_file = Some(args.token_file.clone());
+    config.probe_listen = args.probe_listen;
+    match (args.tls_cert, args.tls_key, args.client_ca) {
+        (Some(cert), Some(key), Some(client_ca)) => {
+            config.tls = Some(haptic_agent::tls::TlsFiles {
+                cert,
+                key,
+                client_ca: Some(client_ca),
+            });
+        }
+        _ if args.insecure_plain_http => warn!(
+            "serving plain HTTP (--insecure-plain-http): the bearer token and every private key of the set cross the network in clear text"
+        ),
+        _ => anyhow::bail!(
+            "the agent serves mutual TLS: give --tls-cert, --tls-key and --client-ca (the CA of the controller's client certificate), or --insecure-plain-http for a local run"
+        ),
     }
     config.max_inflated_bytes = config.max_inflated_bytes.max(args.max_body_bytes);
-    let (provider, exposition) = metrics().context("starting the metrics exporter")?;
+    let (provider, exposition) =
+        haptic_serve::prometheus_exporter().context("starting the metrics exporter")?;
     config = config.with_metrics(provider.meter("haptic-agent"), exposition);
 
     let agent = Agent::open(config).await.context("opening the agent")?;
@@ -183,25 +213,4 @@ async fn main() -> Result<()> {
     .context("serving")?;
     drop(provider);
     Ok(())
-}
-
-/// The OpenTelemetry SDK with its Prometheus exporter on a registry of its own: exported names
-/// are the instruments' names as they are (no unit or `_total` suffix added, no scope labels,
-/// no `target_info`), so the page keeps the agent's documented names.
-fn metrics() -> Result<(SdkMeterProvider, Exposition)> {
-    let registry = prometheus::Registry::new();
-    let exporter = opentelemetry_prometheus::exporter()
-        .with_registry(registry.clone())
-        .without_units()
-        .without_counter_suffixes()
-        .without_target_info()
-        .scope_info_enabled(false)
-        .build()?;
-    let provider = SdkMeterProvider::builder().with_reader(exporter).build();
-    let exposition = Exposition::new(move || {
-        prometheus::TextEncoder::new()
-            .encode_to_string(&registry.gather())
-            .map_err(|error| error.to_string())
-    });
-    Ok((provider, exposition))
 }

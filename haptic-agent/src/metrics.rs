@@ -54,28 +54,8 @@ pub const CHECK_DURATION: &str = "haptic_agent_check_duration_seconds";
 /// `haptic_agent_apply_duration_seconds`.
 pub const APPLY_DURATION: &str = "haptic_agent_apply_duration_seconds";
 
-/// Renders the metrics page in the Prometheus text format: the binary's exporter, handed to
-/// the library, which has none of its own.
-#[derive(Clone)]
-pub struct Exposition(Arc<dyn Fn() -> Result<String, String> + Send + Sync>);
-
-impl Exposition {
-    /// Wraps the exporter's encoder; an error is answered 500 with its text.
-    pub fn new(render: impl Fn() -> Result<String, String> + Send + Sync + 'static) -> Self {
-        Self(Arc::new(render))
-    }
-
-    /// The page, or why it could not be rendered.
-    pub fn render(&self) -> Result<String, String> {
-        (self.0)()
-    }
-}
-
-impl std::fmt::Debug for Exposition {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Exposition")
-    }
-}
+/// Renders the metrics page in the Prometheus text format (the type both binaries share).
+pub use haptic_serve::Exposition;
 
 fn counter(meter: &Meter, name: &'static str, help: &'static str) -> Counter<u64> {
     meter.u64_counter(name).with_description(help).build()

@@ -19,12 +19,11 @@ use axum::{
     routing::{get, post},
 };
 use haptic_agent_client::protocol::{APPLY_PATH, ErrorBody, STATE_PATH, WireApply, decode_apply};
-use hyper_util::rt::{TokioIo, TokioTimer};
 use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq as _;
-use tokio::{net::TcpListener, sync::Semaphore};
-use tokio_util::{sync::CancellationToken, task::TaskTracker};
-use tracing::{debug, info, warn};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
 
 use crate::agent::{self, Agent};
 
@@ -60,7 +59,10 @@ fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response
 
 /// The router of `agent`'s API.
 pub fn router(agent: Agent) -> Router {
-    let token = Sha256::digest(agent.config().token.trim().as_bytes());
+    let token = Arc::new(Token::new(
+        &agent.config().token,
+        agent.config().token_file.clone(),
+    ));
     let (limit, body_timeout) = (agent.config().max_body_bytes, agent.config().body_timeout);
     let protected = Router::new()
         .route(APPLY_PATH, post(apply))
@@ -71,14 +73,86 @@ pub fn router(agent: Agent) -> Router {
             read_body(limit, body_timeout, request, next)
         }))
         .layer(middleware::from_fn(move |request: Request, next: Next| {
-            authorize(token.into(), request, next)
+            authorize(token.expected(), request, next)
         }));
+    probes().merge(protected).with_state(agent)
+}
+
+/// The open routes: `/healthz`, `/readyz`, `/metrics` (no token; nothing secret in them).
+fn probes() -> Router<Agent> {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .merge(protected)
-        .with_state(agent)
+}
+
+/// Serves the open routes in plain HTTP on `addr` until `shutdown`: the kubelet's probes and a
+/// Prometheus scrape cannot present the client certificate the API's mutual TLS requires.
+async fn serve_probes(
+    agent: Agent,
+    addr: std::net::SocketAddr,
+    shutdown: CancellationToken,
+) -> std::io::Result<tokio::task::JoinHandle<()>> {
+    let listener = TcpListener::bind(addr).await?;
+    info!(%addr, "probes and metrics listening (plain HTTP)");
+    let app = probes().with_state(agent);
+    Ok(tokio::spawn(async move {
+        let _ = axum::serve(listener, app)
+            .with_graceful_shutdown(async move { shutdown.cancelled().await })
+            .await;
+    }))
+}
+
+/// The token's file version: inode, modification time, length.
+type FileVersion = Option<(u64, std::time::SystemTime, u64)>;
+
+fn file_version(path: &std::path::Path) -> FileVersion {
+    use std::os::unix::fs::MetadataExt as _;
+    let meta = std::fs::metadata(path).ok()?;
+    Some((meta.ino(), meta.modified().ok()?, meta.len()))
+}
+
+/// The expected token's digest, read again from its file (when there is one) at the first
+/// request after the file changed: a rotated token needs no restart.
+struct Token {
+    file: Option<std::path::PathBuf>,
+    current: std::sync::Mutex<(FileVersion, [u8; 32])>,
+}
+
+impl Token {
+    fn new(token: &str, file: Option<std::path::PathBuf>) -> Self {
+        let seen = file.as_deref().and_then(file_version);
+        Self {
+            file,
+            current: std::sync::Mutex::new((seen, Sha256::digest(token.trim().as_bytes()).into())),
+        }
+    }
+
+    fn expected(&self) -> [u8; 32] {
+        let mut current = self
+            .current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some(file) = &self.file else {
+            return current.1;
+        };
+        let now = file_version(file);
+        if now.is_some() && now != current.0 {
+            match std::fs::read_to_string(file) {
+                Ok(text) if !text.trim().is_empty() => {
+                    info!(file = %file.display(), "the token file changed; the new token is in use");
+                    *current = (now, Sha256::digest(text.trim().as_bytes()).into());
+                }
+                Ok(_) => {
+                    warn!(file = %file.display(), "the token file changed but is empty; keeping the previous token")
+                }
+                Err(error) => {
+                    warn!(file = %file.display(), %error, "the token file changed but cannot be read; keeping the previous token")
+                }
+            }
+        }
+        current.1
+    }
 }
 
 /// Compares the bearer token in constant time: both sides are hashed first, so neither the
@@ -289,8 +363,29 @@ pub async fn serve(
             return Err(error.into());
         }
     };
+    let probes = match agent.config().probe_listen {
+        Some(addr) => match serve_probes(agent.clone(), addr, shutdown.clone()).await {
+            Ok(task) => Some(task),
+            Err(error) => {
+                stop_watch.cancel();
+                if let Some(watcher) = watcher {
+                    let _ = watcher.await;
+                }
+                return Err(Error::Serve(error));
+            }
+        },
+        None => None,
+    };
     info!(addr = ?listener.local_addr().ok(), tls = tls.is_some(), "agent listening");
-    let served = accept_loop(agent.clone(), listener, tls, shutdown, drain).await;
+    let limits = haptic_serve::Limits {
+        max_connections: agent.config().max_connections,
+        header_read_timeout: agent.config().header_read_timeout,
+        drain,
+    };
+    haptic_serve::serve(listener, tls, router(agent.clone()), limits, shutdown).await;
+    if let Some(probes) = probes {
+        let _ = tokio::time::timeout(Duration::from_secs(1), probes).await;
+    }
     stop_watch.cancel();
     match watcher {
         Some(watcher) => {
@@ -302,103 +397,5 @@ pub async fn serve(
             }
         }
     }
-    served.map_err(Error::Serve)
-}
-
-/// Accepts connections until `shutdown`, at most `max_connections` at once, each served by
-/// hyper with the header (and idle) deadline (a TLS handshake included); then lets those in
-/// flight finish within `drain`.
-async fn accept_loop(
-    agent: Agent,
-    listener: TcpListener,
-    tls: Option<tokio_rustls::TlsAcceptor>,
-    shutdown: CancellationToken,
-    drain: Duration,
-) -> std::io::Result<()> {
-    let app = router(agent.clone());
-    let config = agent.config();
-    let slots = Arc::new(Semaphore::new(config.max_connections));
-    let header_read_timeout = config.header_read_timeout;
-    let connections = TaskTracker::new();
-    loop {
-        let (stream, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    // Out of descriptors, for instance: back off rather than spin.
-                    warn!(%error, "accepting a connection failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            () = shutdown.cancelled() => break,
-        };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            debug!(%peer, "connection cap reached; closing the new connection");
-            continue;
-        };
-        let _ = stream.set_nodelay(true);
-        let service = hyper_util::service::TowerToHyperService::new(app.clone());
-        let (shutdown, tls) = (shutdown.clone(), tls.clone());
-        connections.spawn(async move {
-            let _slot = slot;
-            let served = match tls {
-                None => serve_connection(stream, service, header_read_timeout, shutdown).await,
-                Some(tls) => {
-                    match tokio::time::timeout(header_read_timeout, tls.accept(stream)).await {
-                        Ok(Ok(stream)) => {
-                            serve_connection(stream, service, header_read_timeout, shutdown).await
-                        }
-                        Ok(Err(error)) => {
-                            debug!(%peer, %error, "TLS handshake failed");
-                            return;
-                        }
-                        Err(_) => {
-                            debug!(%peer, "TLS handshake timed out");
-                            return;
-                        }
-                    }
-                }
-            };
-            if let Err(error) = served {
-                debug!(%peer, %error, "connection ended");
-            }
-        });
-    }
-    connections.close();
-    if tokio::time::timeout(drain, connections.wait())
-        .await
-        .is_err()
-    {
-        warn!(
-            ?drain,
-            "requests still in flight after the drain period; closing"
-        );
-    }
     Ok(())
-}
-
-/// Serves one connection with hyper until it ends, or gracefully once `shutdown` fires.
-async fn serve_connection<S>(
-    stream: S,
-    service: hyper_util::service::TowerToHyperService<Router>,
-    header_read_timeout: Duration,
-    shutdown: CancellationToken,
-) -> Result<(), hyper::Error>
-where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-{
-    let mut builder = hyper::server::conn::http1::Builder::new();
-    builder
-        .timer(TokioTimer::new())
-        .header_read_timeout(header_read_timeout);
-    let connection = builder.serve_connection(TokioIo::new(stream), service);
-    tokio::pin!(connection);
-    tokio::select! {
-        served = connection.as_mut() => served,
-        () = shutdown.cancelled() => {
-            connection.as_mut().graceful_shutdown();
-            connection.await
-        }
-    }
 }

@@ -50,6 +50,8 @@ impl AgentProcess {
             .arg("--token-file")
             .arg(&token_file)
             .arg("--supervise")
+            // What a restart does is the subject here, not the channel (tests/tls.rs).
+            .arg("--insecure-plain-http")
             .env("HAPTIC_AGENT_DATA_DIR", data)
             .env("HAPTIC_AGENT_HAPROXY", haproxy_bin())
             .env("RUST_LOG", "error")

@@ -129,6 +129,7 @@ async fn the_agent_serves_tls_itself_and_picks_up_a_rotated_certificate() {
     config.tls = Some(haptic_agent::tls::TlsFiles {
         cert: cert.clone(),
         key: key.clone(),
+        client_ca: None,
     });
     let agent = TestAgent::start_with(config).await;
     let mut https = agent.url.clone();
@@ -186,4 +187,206 @@ async fn the_agent_serves_tls_itself_and_picks_up_a_rotated_certificate() {
 
 fn config_for(port: u16, backend: &Backend) -> haptic_agent_client::FileSet {
     config(port, "a", &[("a", backend.addr)])
+}
+
+/// A client of `agent_url` trusting `ca` for the agent, presenting `identity` (none: no client
+/// certificate), with `token`.
+fn mtls_client(
+    dir: &std::path::Path,
+    ca: &str,
+    identity: Option<(String, String)>,
+    token: &str,
+) -> AgentClient {
+    use haptic_agent_client::tls::{PairFiles, client_config};
+    // Each client its own files: the pairs are read from disk like the controller's.
+    let unique = uuid_like();
+    let ca_file = dir.join(format!("trust-{unique}.crt"));
+    std::fs::write(&ca_file, ca).expect("ca");
+    let pair = identity.map(|(cert, key)| {
+        let files = PairFiles {
+            cert: dir.join(format!("client-{unique}.crt")),
+            key: dir.join(format!("client-{unique}.key")),
+        };
+        std::fs::write(&files.cert, cert).expect("cert");
+        std::fs::write(&files.key, key).expect("key");
+        files
+    });
+    let tls = client_config(&ca_file, None, pair.as_ref()).expect("client TLS");
+    AgentClient::new(
+        ClientConfig::new(token)
+            .with_retries(1, Duration::from_millis(10))
+            .with_tls(tls),
+    )
+    .expect("client")
+}
+
+fn uuid_like() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::SeqCst).to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_tls_refuses_other_cas_and_picks_up_a_rotated_client_ca_and_token() {
+    use haptic_testkit::TestCa;
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = root.path();
+    let (ours, theirs) = (
+        TestCa::new("ours").expect("ca"),
+        TestCa::new("theirs").expect("ca"),
+    );
+    let (cert, key) = ours.server(&["127.0.0.1".to_owned()]).expect("server");
+    let files = haptic_agent::tls::TlsFiles {
+        cert: dir.join("tls.crt"),
+        key: dir.join("tls.key"),
+        client_ca: Some(dir.join("client-ca.crt")),
+    };
+    std::fs::write(&files.cert, cert).expect("cert");
+    std::fs::write(&files.key, key).expect("key");
+    std::fs::write(files.client_ca.as_ref().expect("ca"), &ours.pem).expect("client ca");
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).expect("token");
+    let data = dir.join("data");
+    std::fs::create_dir_all(&data).expect("mkdir");
+    let mut config = haptic_agent::AgentConfig::new(&data, TOKEN)
+        .with_listen(std::net::SocketAddr::from(([127, 0, 0, 1], 0)))
+        .with_haproxy_bin(haproxy_bin());
+    config.tls = Some(files.clone());
+    config.token_file = Some(token_file.clone());
+    let probes = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()));
+    config.probe_listen = Some(probes);
+    let agent = TestAgent::start_with(config).await;
+    let mut https = agent.url.clone();
+    https.set_scheme("https").expect("https");
+
+    // The kubelet's probes need no certificate: on their own plain port, open routes only.
+    let plain = reqwest::Client::builder()
+        .tls_backend_preconfigured(
+            haptic_agent_client::tls::client_config(
+                files.client_ca.as_ref().expect("ca"),
+                None,
+                None,
+            )
+            .expect("tls"),
+        )
+        .build()
+        .expect("plain client");
+    // It binds as the server starts: await it (bounded).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let healthz = loop {
+        match plain.get(format!("http://{probes}/healthz")).send().await {
+            Ok(answer) => break answer,
+            Err(error) => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "probe port: {error}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    assert_eq!(healthz.status(), 200);
+    let state = plain
+        .get(format!("http://{probes}/v1/state"))
+        .send()
+        .await
+        .expect("probe port answers");
+    assert_eq!(state.status(), 404, "the API is not on the probe port");
+
+    // Our client certificate and token: served.
+    let controller = || {
+        mtls_client(
+            dir,
+            &ours.pem,
+            Some(ours.client("controller").expect("client")),
+            TOKEN,
+        )
+    };
+    controller()
+        .state(&https)
+        .await
+        .expect("our client is served");
+    // A client certificate from another CA, or none: refused in the handshake, before any
+    // token is looked at (a transport failure, not a 401).
+    let stranger = mtls_client(
+        dir,
+        &ours.pem,
+        Some(theirs.client("controller").expect("client")),
+        TOKEN,
+    );
+    assert!(
+        matches!(stranger.state(&https).await, Err(Error::Transport { .. })),
+        "a client certificate from another CA is refused"
+    );
+    let anonymous = mtls_client(dir, &ours.pem, None, TOKEN);
+    assert!(matches!(
+        anonymous.state(&https).await,
+        Err(Error::Transport { .. })
+    ));
+
+    // The token rotated in its file: the new one is used from the next request, the old one
+    // refused, no restart.
+    let rotated = "rotated-token-9876543210";
+    std::fs::write(&token_file, rotated).expect("token");
+    let with_new = mtls_client(
+        dir,
+        &ours.pem,
+        Some(ours.client("controller").expect("client")),
+        rotated,
+    );
+    with_new
+        .state(&https)
+        .await
+        .expect("the rotated token is accepted");
+    assert!(matches!(
+        controller().state(&https).await,
+        Err(Error::Unauthorized)
+    ));
+
+    // The client CA rotated to another CA: its certificates are now the ones served.
+    std::fs::write(files.client_ca.as_ref().expect("ca"), &theirs.pem).expect("client ca");
+    let successor = mtls_client(
+        dir,
+        &ours.pem,
+        Some(theirs.client("controller").expect("client")),
+        rotated,
+    );
+    successor
+        .state(&https)
+        .await
+        .expect("a certificate of the rotated CA is served");
+    let old = mtls_client(
+        dir,
+        &ours.pem,
+        Some(ours.client("controller").expect("client")),
+        rotated,
+    );
+    assert!(matches!(
+        old.state(&https).await,
+        Err(Error::Transport { .. })
+    ));
+    agent.stop().await;
+}
+
+#[test]
+fn the_binary_refuses_to_start_without_mutual_tls_unless_told_plain_http() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let token = root.path().join("token");
+    std::fs::write(&token, TOKEN).expect("token");
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_haptic-agent"))
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{}", free_port()))
+        .arg("--token-file")
+        .arg(&token)
+        .arg("--data-dir")
+        .arg(root.path().join("data"))
+        .env("RUST_LOG", "error")
+        .output()
+        .expect("runs");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--client-ca") && stderr.contains("--insecure-plain-http"),
+        "{stderr}"
+    );
 }

@@ -16,9 +16,9 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 use haptic_agent::journal::{JOURNAL_PATH, JournalView};
-use haptic_agent_client::{AgentClient, AgentState, ClientConfig, Target};
+use haptic_agent_client::{AgentClient, AgentState, ClientConfig, Target, tls::PairFiles};
 use haptic_controller::{HAProxyTemplateConfig, HAProxyTemplateConfigSpec, reference};
-use haptic_testkit::ApiServer;
+use haptic_testkit::{ApiServer, TestPki, pki::AGENT_DNS_NAME};
 use k8s_openapi::{
     api::{
         core::v1::{Pod, Secret, Service},
@@ -280,6 +280,9 @@ pub(crate) struct Fleet {
     controller_bin: PathBuf,
     haproxy: PathBuf,
     state_client: AgentClient,
+    /// The agent channel's throwaway PKI: every agent serves mutual TLS, and the controllers
+    /// verify them by the DNS name their certificate carries (as deploy/ does).
+    pki: TestPki,
     _cleanup: Cleanup,
 }
 
@@ -364,6 +367,17 @@ impl Fleet {
                 proc: tokio::sync::Mutex::new(None),
             });
         }
+        let ips: Vec<&str> = agents.iter().map(|a| a.ip.as_str()).collect();
+        let pki = TestPki::generate(dir, &ips).context("the agent channel's PKI")?;
+        let state_tls = haptic_agent_client::tls::client_config(
+            &pki.ca,
+            Some(AGENT_DNS_NAME),
+            Some(&PairFiles {
+                cert: pki.controller_cert.clone(),
+                key: pki.controller_key.clone(),
+            }),
+        )
+        .context("the runner's TLS to the agents")?;
         let controllers = (0..REPLICAS)
             .map(|i| {
                 let name = format!("controller-{}", i + 1);
@@ -403,9 +417,11 @@ impl Fleet {
             state_client: AgentClient::new(
                 ClientConfig::new(TOKEN)
                     .with_request_timeout(Duration::from_secs(3))
-                    .with_retries(1, Duration::from_millis(10)),
+                    .with_retries(1, Duration::from_millis(10))
+                    .with_tls(state_tls),
             )
             .context("the agent client")?,
+            pki,
             _cleanup: cleanup,
         };
         fleet.objects().await?;
@@ -482,6 +498,7 @@ impl Fleet {
             .arg("--supervise")
             .arg("--drain-seconds")
             .arg("1")
+            .args(self.pki.agent_args())
             .env("POD_IP", &slot.ip)
             .env("RUST_LOG", "info");
         let proc = Proc::spawn(command, &slot.dir.join("agent.log"), &self.groups)?;
@@ -538,6 +555,9 @@ impl Fleet {
             .arg(format!("127.0.0.1:{}", free_port()?))
             .arg("--haproxy")
             .arg(&self.haproxy)
+            .args(self.pki.controller_args())
+            .arg("--agent-server-name")
+            .arg(AGENT_DNS_NAME)
             .env("RUST_LOG", "info");
         if let Some(rate) = slot.clock_rate {
             command
@@ -548,7 +568,7 @@ impl Fleet {
     }
 
     pub(crate) fn agent_url(&self, i: usize) -> String {
-        format!("http://{}:{}/", self.agents[i].ip, self.agent_port)
+        format!("https://{}:{}/", self.agents[i].ip, self.agent_port)
     }
 
     pub(crate) fn http_addr(&self, i: usize) -> String {
@@ -560,36 +580,17 @@ impl Fleet {
         self.state_client.state(&target.url).await.ok()
     }
 
-    /// The agent's apply journal, through its HTTP API.
+    /// The agent's apply journal, through its HTTP API (mutual TLS, the token).
     pub(crate) async fn journal(&self, i: usize) -> Result<JournalView> {
-        let addr = format!("{}:{}", self.agents[i].ip, self.agent_port);
-        let exchange = async {
-            let mut stream = TcpStream::connect(&addr).await?;
-            let request = format!(
-                "GET {JOURNAL_PATH} HTTP/1.1\r\nhost: {addr}\r\nauthorization: Bearer {TOKEN}\r\nconnection: close\r\n\r\n"
-            );
-            stream.write_all(request.as_bytes()).await?;
-            let mut response = Vec::new();
-            stream.read_to_end(&mut response).await?;
-            anyhow::Ok(response)
-        };
-        let response = tokio::time::timeout(Duration::from_secs(10), exchange)
-            .await
-            .context("the journal did not arrive within 10 s")??;
-        let split = response
-            .windows(4)
-            .position(|w| w == b"\r\n\r\n")
-            .context("no HTTP header end")?;
-        let head = String::from_utf8_lossy(&response[..split]);
-        if !head.starts_with("HTTP/1.1 200") {
-            bail!(
-                "GET {JOURNAL_PATH} on {addr}: {}",
-                head.lines().next().unwrap_or("")
-            );
-        }
-        let body = &response[split + 4..];
-        // Axum answers a small body with content-length, not chunked.
-        serde_json::from_slice(body).context("parsing the journal")
+        let target = Target::new(&self.agents[i].name, &self.agent_url(i))?;
+        let body = tokio::time::timeout(
+            Duration::from_secs(10),
+            self.state_client.get_raw(&target.url, JOURNAL_PATH),
+        )
+        .await
+        .context("the journal did not arrive within 10 s")?
+        .with_context(|| format!("GET {JOURNAL_PATH} on {}", self.agents[i].name))?;
+        serde_json::from_slice(&body).context("parsing the journal")
     }
 
     /// Stops everything: controllers first (they release the Lease), then agents (they stop

@@ -8,7 +8,12 @@
 //! Beside it, in this process, the render alone: the overlay render (the stores left as they
 //! are) against a copy of the stores with the change applied, which is what an overlay avoids.
 //!
-//! Arguments: Ingress counts (default `1000`), then `--reviews N` (default 50).
+//! Then a burst: `--concurrent N` (default 100) reviews sent at once, as a GitOps sync would:
+//! their answer times, how many were judged and how many the failure policy answered (past the
+//! budget, the queue's wait included), the replica's CPU time and RSS over the burst, and its
+//! Lease renewals meanwhile (the longest gap between two, and whether it kept the Lease).
+//!
+//! Arguments: Ingress counts (default `1000`), then `--reviews N` (default 50), `--concurrent N`.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -118,6 +123,135 @@ fn review(k: usize) -> Vec<u8> {
     .expect("json")
 }
 
+/// The process's CPU time (user + system) and its RSS and peak RSS in MiB, from /proc.
+fn usage(pid: i32) -> (Duration, f64, f64) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command (which may hold spaces): utime and stime are the 12th and 13th.
+    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let fields: Vec<u64> = after
+        .split_whitespace()
+        .map(|f| f.parse().unwrap_or(0))
+        .collect();
+    let ticks = fields.get(11).copied().unwrap_or(0) + fields.get(12).copied().unwrap_or(0);
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let kib = |key: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+            / 1024.0
+    };
+    // The kernel's USER_HZ is 100 on Linux.
+    (
+        Duration::from_millis(ticks * 10),
+        kib("VmRSS:"),
+        kib("VmHWM:"),
+    )
+}
+
+/// `n` reviews at once; what they got, what the replica spent, and its Lease meanwhile.
+async fn burst(
+    cluster: &Cluster,
+    controller: &Controller,
+    client: &reqwest::Client,
+    url: &str,
+    n: usize,
+) -> String {
+    let pid = controller.pid();
+    let (cpu_before, _, _) = usage(pid);
+    let stop = tokio_util::sync::CancellationToken::new();
+    // Poll the Lease every 100 ms: each change of renewTime is a renewal.
+    let lease = {
+        let (stop, api) = (
+            stop.clone(),
+            cluster.api::<k8s_openapi::api::coordination::v1::Lease>(),
+        );
+        tokio::spawn(async move {
+            let (mut renewals, mut longest, mut holders) = (0u32, Duration::ZERO, Vec::new());
+            let (mut last, mut since) = (None, Instant::now());
+            while !stop.is_cancelled() {
+                if let Ok(Some(lease)) = api.get_opt("haptic-leader").await {
+                    let spec = lease.spec.unwrap_or_default();
+                    let renew = spec.renew_time.map(|t| t.0);
+                    if let Some(holder) = spec.holder_identity
+                        && holders.last() != Some(&holder)
+                    {
+                        holders.push(holder);
+                    }
+                    if renew != last {
+                        if last.is_some() {
+                            renewals += 1;
+                            longest = longest.max(since.elapsed());
+                        }
+                        last = renew;
+                        since = Instant::now();
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            longest = longest.max(since.elapsed());
+            (renewals, longest, holders)
+        })
+    };
+    let started = Instant::now();
+    let answers = futures::future::join_all((0..n).map(|k| async move {
+        let sent = Instant::now();
+        // Past the connection cap a connection is closed at once: the API server would answer
+        // that review by the configuration's failurePolicy.
+        let body = match client.post(url).body(review(100_000 + k)).send().await {
+            Ok(answer) => answer.bytes().await.ok(),
+            Err(_) => None,
+        };
+        let Some(body) = body else {
+            return (
+                sent.elapsed(),
+                false,
+                "closed at the connection cap".to_owned(),
+            );
+        };
+        let answer: Value = serde_json::from_slice(&body).expect("json");
+        let message = answer["response"]["status"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .to_owned();
+        (
+            sent.elapsed(),
+            answer["response"]["allowed"] == true,
+            message,
+        )
+    }))
+    .await;
+    let wall = started.elapsed();
+    let (cpu_after, rss, peak) = usage(pid);
+    stop.cancel();
+    let (renewals, longest, holders) = lease.await.expect("lease poller");
+    let mut times: Vec<Duration> = answers.iter().map(|(t, _, _)| *t).collect();
+    let judged = answers.iter().filter(|(_, allowed, _)| *allowed).count();
+    let by_policy = answers
+        .iter()
+        .filter(|(_, _, m)| m.contains("failure policy"))
+        .count();
+    let capped = answers
+        .iter()
+        .filter(|(_, _, m)| m.contains("connection cap"))
+        .count();
+    format!(
+        "{n} reviews at once: answered in p50 {} / p99 {} / max {} (all within {}); {judged} judged and allowed, {by_policy} answered by the failure policy past the budget, {capped} closed at the connection cap; \
+         replica CPU {:.1} s over {:.1} s ({:.0}% of one core), RSS {rss:.0} MiB (peak {peak:.0} MiB); \
+         Lease: {renewals} renewals, longest gap {} (RenewDeadline 2 s), holders {holders:?}",
+        ms(percentile(&mut times, 0.5)),
+        ms(percentile(&mut times, 0.99)),
+        ms(percentile(&mut times, 1.0)),
+        ms(wall),
+        (cpu_after - cpu_before).as_secs_f64(),
+        wall.as_secs_f64(),
+        100.0 * (cpu_after - cpu_before).as_secs_f64() / wall.as_secs_f64(),
+        ms(longest),
+    )
+}
+
 /// In this process: the overlay render against a copy of the stores with the change applied.
 fn render_row(n: usize) -> String {
     let renderer = Renderer::compile(&reference::template_set()).expect("compile");
@@ -160,9 +294,15 @@ fn render_row(n: usize) -> String {
 async fn main() {
     let mut counts = Vec::new();
     let mut reviews = 50;
+    let mut concurrent = 100;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
-        if arg == "--reviews" {
+        if arg == "--concurrent" {
+            concurrent = args
+                .next()
+                .and_then(|n| n.parse().ok())
+                .expect("--concurrent N");
+        } else if arg == "--reviews" {
             reviews = args
                 .next()
                 .and_then(|n| n.parse().ok())
@@ -257,6 +397,10 @@ async fn main() {
             ms(percentile(&mut samples, 0.99)),
             ms(percentile(&mut samples, 1.0)),
             ms(first_time)
+        );
+        println!(
+            "{}",
+            burst(&cluster, &controller, &client, &url, concurrent).await
         );
         println!("{}", render_row(n));
         drop(controller);

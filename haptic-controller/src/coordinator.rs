@@ -71,7 +71,9 @@ pub fn component(
             };
             match &*event {
                 ControllerEvent::BecameLeader(became) => term = became.at,
-                ControllerEvent::Exclude(exclusion) => exclude(&cache, &mut excluded, exclusion),
+                ControllerEvent::Exclude(exclusion) => {
+                    exclude(&cache, &mut excluded, exclusion).await;
+                }
                 _ => {}
             }
             // Coalesce whatever else is already queued: one render covers them all.
@@ -84,7 +86,7 @@ pub fn component(
                         reason = r;
                     }
                     ControllerEvent::Exclude(exclusion) => {
-                        exclude(&cache, &mut excluded, exclusion);
+                        exclude(&cache, &mut excluded, exclusion).await;
                     }
                     _ => {}
                 }
@@ -137,7 +139,11 @@ pub fn component(
 }
 
 /// Adds an object HAProxy refused to the objects left out (once; at most [`MAX_EXCLUDED`]).
-fn exclude(cache: &StateCache, excluded: &mut Vec<Excluded>, exclusion: &crate::events::Exclusion) {
+async fn exclude(
+    cache: &StateCache,
+    excluded: &mut Vec<Excluded>,
+    exclusion: &crate::events::Exclusion,
+) {
     if excluded.iter().any(|e| e.object == exclusion.object) {
         return;
     }
@@ -145,7 +151,7 @@ fn exclude(cache: &StateCache, excluded: &mut Vec<Excluded>, exclusion: &crate::
         error!(object = %exclusion.object, reason = %exclusion.reason, limit = MAX_EXCLUDED, "HAProxy refused what an object produced, but as many objects as allowed are left out already: holding the set");
         return;
     }
-    let Some(version) = version_of(&cache.read().stores, &exclusion.object) else {
+    let Some(version) = version_of(&cache.read().await.stores, &exclusion.object) else {
         return;
     };
     warn!(object = %exclusion.object, reason = %exclusion.reason, checksum = %exclusion.checksum, "HAProxy refused what this object produced: leaving it out of the config until it changes");
@@ -189,7 +195,7 @@ fn render(
     span: tracing::Span,
     mut excluded: Vec<Excluded>,
 ) -> Option<(Result<RenderedSet, RenderFailure>, Vec<Excluded>)> {
-    let state = cache.read();
+    let state = cache.blocking_read();
     if !state.ready() {
         return None;
     }

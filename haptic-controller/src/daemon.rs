@@ -4,8 +4,9 @@
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
+use futures::{FutureExt as _, future::BoxFuture};
 use haptic_eventbus::{Config as BusConfig, EventBus};
-use haptic_leadership::Leadership;
+use haptic_leadership::{LeaderContext, Leadership};
 use kube::Client;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
@@ -63,6 +64,8 @@ pub struct Options {
     pub haproxy: Option<PathBuf>,
     /// The config policy the render gate applies (the agents' own).
     pub policy: haptic_agent_client::policy::Policy,
+    /// How the agents are reached (mutual TLS unless plain HTTP was asked for).
+    pub agent_channel: crate::channel::AgentChannel,
     /// The reconciler's coalescing window.
     pub reconcile_window: Duration,
     /// The admission webhook (none: off).
@@ -78,6 +81,30 @@ pub struct Options {
     /// the real one (`--test-only-election-clock-rate`, for fault campaigns); `None` in
     /// production.
     pub election_clock_rate: Option<f64>,
+    /// TEST ONLY: the leader-only component of this name panics as it starts
+    /// (`--test-only-panic-in`); `None` in production.
+    pub test_only_panic_in: Option<String>,
+}
+
+/// TEST ONLY: `build`, or, when `panic_in` names this component, a component that panics as
+/// it starts (`--test-only-panic-in`): the supervision in haptic-leadership must end the term.
+fn faulty<F, Fut>(
+    name: &'static str,
+    panic_in: &Option<String>,
+    build: F,
+) -> impl Fn(LeaderContext<ControllerEvent>) -> BoxFuture<'static, ()> + Send + Sync + 'static
+where
+    F: Fn(LeaderContext<ControllerEvent>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let armed = panic_in.as_deref() == Some(name);
+    move |ctx| {
+        if armed {
+            async move { panic!("TEST ONLY: a panic injected into {name}") }.boxed()
+        } else {
+            build(ctx).boxed()
+        }
+    }
 }
 
 /// Runs the controller until `token` fires.
@@ -86,6 +113,7 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
     let probes = Arc::new(Probes {
         cache: cache.clone(),
         election: Default::default(),
+        components: Default::default(),
         metrics: options.metrics.clone(),
     });
     let health_token = CancellationToken::new();
@@ -141,6 +169,7 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
         lease_name: election_config.lease_name.clone(),
     };
     let events = recorder::recorder(client.clone(), &options.identity);
+    let panic_in = options.test_only_panic_in.clone();
     let leadership = Leadership::new(client.clone(), election_config, bus)?
         .with_stop_timeout(STOP_TIMEOUT)
         .all_replicas("observer", move |bus, token| {
@@ -160,7 +189,8 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
         })
         .all_replicas("pod-discovery", {
             let (client, ns) = (client.clone(), ns.clone());
-            move |bus, token| pod_discovery::component(client, ns, bus, token)
+            let scheme = options.agent_channel.scheme();
+            move |bus, token| pod_discovery::component(client, ns, scheme, bus, token)
         })
         .all_replicas("default-certificate", {
             let (client, ns) = (client.clone(), ns.clone());
@@ -178,44 +208,75 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
             let window = options.reconcile_window;
             move |bus, token| reconciler::component(window, bus, token)
         })
-        .leader_only("coordinator", {
-            let cache = cache.clone();
-            move |ctx| coordinator::component(cache.clone(), ctx)
-        })
-        .leader_only("render-gate", {
-            let settings = GateSettings {
-                haproxy: options.haproxy.clone(),
-                policy: options.policy.clone(),
-            };
-            move |ctx| render_gate::component(settings.clone(), ctx)
-        })
-        .leader_only("deployer", scheduler::component)
-        .leader_only("drift-prevention", drift::component)
-        .leader_only("status-updater", {
-            let (client, name, ns) = (client.clone(), options.config.name.clone(), ns.clone());
-            move |ctx| status::component(client.clone(), name.clone(), ns.clone(), ctx)
-        })
-        .leader_only("status-applier", {
-            let (client, cache) = (client.clone(), cache.clone());
-            move |ctx| status_applier::component(client.clone(), cache.clone(), ctx)
-        })
-        .leader_only("config-publisher", {
-            let client = client.clone();
-            let settings = published::Settings {
-                namespace: ns.clone(),
-                config_name: options.config.name.clone(),
-                compress_above: published::COMPRESS_ABOVE,
-            };
-            move |ctx| published::component(client.clone(), settings.clone(), ctx)
-        })
-        .leader_only("event-recorder", move |ctx| {
-            recorder::component(events.clone(), subjects.clone(), ctx)
-        });
+        .leader_only(
+            "coordinator",
+            faulty("coordinator", &panic_in, {
+                let cache = cache.clone();
+                move |ctx| coordinator::component(cache.clone(), ctx)
+            }),
+        )
+        .leader_only(
+            "render-gate",
+            faulty("render-gate", &panic_in, {
+                let settings = GateSettings {
+                    haproxy: options.haproxy.clone(),
+                    policy: options.policy.clone(),
+                };
+                move |ctx| render_gate::component(settings.clone(), ctx)
+            }),
+        )
+        .leader_only(
+            "deployer",
+            faulty("deployer", &panic_in, {
+                let channel = options.agent_channel.clone();
+                move |ctx| scheduler::component(channel.clone(), ctx)
+            }),
+        )
+        .leader_only(
+            "drift-prevention",
+            faulty("drift-prevention", &panic_in, {
+                let channel = options.agent_channel.clone();
+                move |ctx| drift::component(channel.clone(), ctx)
+            }),
+        )
+        .leader_only(
+            "status-updater",
+            faulty("status-updater", &panic_in, {
+                let (client, name, ns) = (client.clone(), options.config.name.clone(), ns.clone());
+                move |ctx| status::component(client.clone(), name.clone(), ns.clone(), ctx)
+            }),
+        )
+        .leader_only(
+            "status-applier",
+            faulty("status-applier", &panic_in, {
+                let (client, cache) = (client.clone(), cache.clone());
+                move |ctx| status_applier::component(client.clone(), cache.clone(), ctx)
+            }),
+        )
+        .leader_only(
+            "config-publisher",
+            faulty("config-publisher", &panic_in, {
+                let client = client.clone();
+                let settings = published::Settings {
+                    namespace: ns.clone(),
+                    config_name: options.config.name.clone(),
+                    compress_above: published::COMPRESS_ABOVE,
+                };
+                move |ctx| published::component(client.clone(), settings.clone(), ctx)
+            }),
+        )
+        .leader_only(
+            "event-recorder",
+            faulty("event-recorder", &panic_in, move |ctx| {
+                recorder::component(events.clone(), subjects.clone(), ctx)
+            }),
+        );
     let leadership = match options.election_clock_rate {
         Some(rate) => leadership.with_clock(haptic_election::SkewedClock::new(rate)),
         None => leadership,
     };
     let _ = probes.election.set(leadership.health());
+    let _ = probes.components.set(leadership.metrics());
     info!(identity = %options.identity, "starting");
     let result = leadership.run(token).await;
     health_token.cancel();

@@ -9,10 +9,16 @@ use haptic_eventbus::Filter;
 use haptic_leadership::LeaderContext;
 use tracing::{debug, warn};
 
-use crate::events::{ControllerEvent, Kind, PodSet, TokenState};
+use crate::{
+    channel::AgentChannel,
+    events::{ControllerEvent, Kind, PodSet, TokenState},
+};
 
 /// The component: subscribe now, run the returned future.
-pub fn component(ctx: LeaderContext<ControllerEvent>) -> impl Future<Output = ()> + Send + 'static {
+pub fn component(
+    channel: AgentChannel,
+    ctx: LeaderContext<ControllerEvent>,
+) -> impl Future<Output = ()> + Send + 'static {
     let mut events = ctx.bus().subscribe_leader_only(
         "drift-prevention",
         Filter::kinds([
@@ -40,9 +46,11 @@ pub fn component(ctx: LeaderContext<ControllerEvent>) -> impl Future<Output = ()
                         ControllerEvent::AgentToken(token) => {
                             client = match &**token {
                                 TokenState::Present(token) => AgentClient::new(
-                                    ClientConfig::new(token.clone())
-                                        .with_request_timeout(Duration::from_secs(10))
-                                        .with_retries(1, Duration::from_millis(100)),
+                                    channel.client_config(
+                                        ClientConfig::new(token.clone())
+                                            .with_request_timeout(Duration::from_secs(10))
+                                            .with_retries(1, Duration::from_millis(100)),
+                                    ),
                                 )
                                 .ok(),
                                 TokenState::Missing { .. } => None,

@@ -1,4 +1,5 @@
-//! The health server: `/healthz` (the process serves and its elector is healthy) and `/readyz`
+//! The health server: `/healthz` (the process serves, its elector is healthy and no component
+//! failed beyond repair) and `/readyz`
 //! (a config is loaded and every store finished its first list; a follower is ready too: it
 //! keeps the hot cache a failover needs), and `/metrics` when the binary gave an exporter.
 
@@ -21,6 +22,9 @@ pub struct Probes {
     pub cache: Arc<StateCache>,
     /// The elector's check, once the elector exists.
     pub election: OnceLock<HealthCheck>,
+    /// The components' supervision: unhealthy once a component failed in a way only a
+    /// restart repairs.
+    pub components: OnceLock<Arc<haptic_leadership::LeadershipMetrics>>,
     /// What `/metrics` serves (none: 404).
     pub metrics: Option<crate::metrics::Exposition>,
 }
@@ -49,8 +53,9 @@ pub async fn serve(
 }
 
 async fn healthz(State(probes): State<Arc<Probes>>) -> (StatusCode, String) {
-    match probes.election.get().map(HealthCheck::check) {
-        Some(Err(why)) => (StatusCode::SERVICE_UNAVAILABLE, why),
+    let components = probes.components.get().map(|c| c.health());
+    match (probes.election.get().map(HealthCheck::check), components) {
+        (Some(Err(why)), _) | (_, Some(Err(why))) => (StatusCode::SERVICE_UNAVAILABLE, why),
         _ => (StatusCode::OK, "ok".to_owned()),
     }
 }
@@ -71,7 +76,7 @@ async fn metrics(State(probes): State<Arc<Probes>>) -> axum::response::Response 
 }
 
 async fn readyz(State(probes): State<Arc<Probes>>) -> (StatusCode, String) {
-    let state = probes.cache.read();
+    let state = probes.cache.read().await;
     if state.config.is_none() {
         return (
             StatusCode::SERVICE_UNAVAILABLE,

@@ -21,6 +21,8 @@
 //! assert_eq!(HAProxyTemplateConfig::crd_name(), "haproxytemplateconfigs.haproxy-haptic.org");
 //! ```
 
+pub mod agent_ca;
+pub mod channel;
 pub mod config;
 pub mod config_loader;
 pub mod coordinator;

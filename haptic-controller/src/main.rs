@@ -5,15 +5,14 @@ use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
-use haptic_agent_client::policy::Policy;
-use haptic_controller::metrics::Exposition;
+use haptic_agent_client::{policy::Policy, tls::PairFiles};
+use haptic_controller::channel::{AgentChannel, MtlsFiles};
 use haptic_controller::{
     config_loader::ConfigRef,
     daemon,
     validation::Checker,
-    webhook::{FailurePolicy, WebhookSettings},
+    webhook::{self, FailurePolicy, WebhookSettings},
 };
-use opentelemetry_sdk::metrics::SdkMeterProvider;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
@@ -159,6 +158,13 @@ struct RunArgs {
     /// answers it; keep it below the ValidatingWebhookConfiguration's timeoutSeconds.
     #[arg(long, env = "HAPTIC_WEBHOOK_BUDGET_MS", default_value_t = 8000)]
     webhook_budget_ms: u64,
+    /// Most connections the webhook serves at once; one more is closed at once.
+    #[arg(long, env = "HAPTIC_WEBHOOK_MAX_CONNECTIONS", default_value_t = webhook::DEFAULT_MAX_CONNECTIONS)]
+    webhook_max_connections: usize,
+    /// Most admission reviews judged at once (each renders and runs haproxy -c); the others
+    /// wait, and the wait counts against their budget.
+    #[arg(long, env = "HAPTIC_WEBHOOK_MAX_CONCURRENT_REVIEWS", default_value_t = webhook::DEFAULT_MAX_CONCURRENT_REVIEWS)]
+    webhook_max_concurrent_reviews: usize,
     /// What a review past its budget, or one that cannot be checked, gets: denied (fail) or
     /// allowed with a warning (ignore).
     #[arg(
@@ -168,6 +174,29 @@ struct RunArgs {
         default_value = "fail"
     )]
     webhook_failure_policy: WebhookFailurePolicy,
+    /// The CA bundle (PEM) the agents' serving certificates are issued by: the agent channel
+    /// is mutual TLS (with --agent-client-cert and --agent-client-key). Re-read when it changes.
+    #[arg(long, env = "HAPTIC_AGENT_CA")]
+    agent_ca: Option<PathBuf>,
+    /// The controller's client certificate chain (PEM) presented to the agents; re-read when
+    /// it changes.
+    #[arg(long, env = "HAPTIC_AGENT_CLIENT_CERT")]
+    agent_client_cert: Option<PathBuf>,
+    /// The private key (PEM) of --agent-client-cert; re-read when it changes.
+    #[arg(long, env = "HAPTIC_AGENT_CLIENT_KEY")]
+    agent_client_key: Option<PathBuf>,
+    /// The DNS name every agent's certificate carries (e.g. haptic-agent.haptic-system.svc)
+    /// [default: none: each agent's certificate must name its pod IP].
+    #[arg(long, env = "HAPTIC_AGENT_SERVER_NAME")]
+    agent_server_name: Option<String>,
+    /// Reach the agents over plain HTTP: the agent token and every private key of every set
+    /// cross the pod network in clear text. For local runs only; warned at every start.
+    #[arg(
+        long,
+        env = "HAPTIC_AGENT_INSECURE_PLAIN_HTTP",
+        conflicts_with_all = ["agent_ca", "agent_client_cert", "agent_client_key", "agent_server_name"]
+    )]
+    agent_insecure_plain_http: bool,
     /// The reconciler's coalescing window in milliseconds.
     #[arg(long, env = "HAPTIC_RECONCILE_WINDOW_MS", default_value_t = 150)]
     reconcile_window_ms: u64,
@@ -189,6 +218,11 @@ struct RunArgs {
     /// it, and it is refused inside a Kubernetes pod.
     #[arg(long = "test-only-election-clock-rate", hide = true)]
     test_clock_rate: Option<f64>,
+    /// TEST ONLY (hidden): the named leader-only component (e.g. `render-gate`) panics as it
+    /// starts, to test that a panic never leaves a leader that deploys nothing. No environment
+    /// variable sets it, and it is refused inside a Kubernetes pod.
+    #[arg(long = "test-only-panic-in", hide = true)]
+    test_panic_in: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -254,10 +288,19 @@ fn run(args: RunArgs) -> Result<()> {
         .build()
         .context("starting the runtime")?;
     // Before anything records: the libraries take the global provider's meters.
-    let (provider, exposition) = metrics().context("starting the metrics exporter")?;
+    let (provider, exposition) =
+        haptic_serve::prometheus_exporter().context("starting the metrics exporter")?;
     opentelemetry::global::set_meter_provider(provider.clone());
     runtime.block_on(async move {
         let election_clock_rate = test_clock_rate(args.test_clock_rate)?;
+        if let Some(component) = &args.test_panic_in {
+            if std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() {
+                anyhow::bail!(
+                    "--test-only-panic-in is for local tests and refused inside a Kubernetes pod"
+                );
+            }
+            warn!(%component, "TEST ONLY: this leader-only component panics as it starts");
+        }
         let client = client(args.kubeconfig.as_deref()).await?;
         let token = CancellationToken::new();
         tokio::spawn(signals(token.clone()));
@@ -277,10 +320,49 @@ fn run(args: RunArgs) -> Result<()> {
                     WebhookFailurePolicy::Fail => FailurePolicy::Fail,
                     WebhookFailurePolicy::Ignore => FailurePolicy::Ignore,
                 },
+                max_connections: args.webhook_max_connections,
+                max_concurrent_reviews: args.webhook_max_concurrent_reviews,
             }),
             _ => None,
         };
+        let identity_dir = tempfile::Builder::new()
+            .prefix("haptic-agent-client-")
+            .tempdir()
+            .context("a directory for the agent channel's client certificate")?;
+        let agent_channel = match (args.agent_ca, args.agent_client_cert, args.agent_client_key) {
+            (Some(ca), Some(cert), Some(key)) => AgentChannel::mtls(&MtlsFiles {
+                ca,
+                identity: PairFiles { cert, key },
+                server_name: args.agent_server_name,
+            })
+            .context("setting up mutual TLS to the agents")?,
+            _ if args.agent_insecure_plain_http => {
+                warn!("reaching the agents over plain HTTP (--agent-insecure-plain-http): the agent token and every private key of every set cross the pod network in clear text");
+                AgentChannel::PlainHttp
+            }
+            (None, None, None) => {
+                // None configured: the CA this controller generates once and keeps in a
+                // Secret it owns; this replica's client certificate lives in `identity_dir`.
+                let files = haptic_controller::agent_ca::ensure(
+                    client.clone(),
+                    &args.namespace,
+                    identity_dir.path(),
+                )
+                .await
+                .context("setting up the agent channel's generated CA")?;
+                info!(
+                    ca = haptic_controller::agent_ca::CA_SECRET,
+                    agents = haptic_controller::agent_ca::AGENT_SECRET,
+                    "the agent channel is mutual TLS from the controller's own CA"
+                );
+                AgentChannel::mtls(&files).context("setting up mutual TLS to the agents")?
+            }
+            _ => anyhow::bail!(
+                "the agent channel's files are given together: --agent-ca, --agent-client-cert and --agent-client-key (or none, for the controller's own CA; or --agent-insecure-plain-http for a local run)"
+            ),
+        };
         let options = daemon::Options {
+            agent_channel,
             config: ConfigRef {
                 name: args.config_name,
                 namespace: args.namespace,
@@ -296,6 +378,7 @@ fn run(args: RunArgs) -> Result<()> {
             election_clock_rate,
             default_certificate: Some(args.default_certificate_secret)
                 .filter(|name| !name.is_empty() && name != "none"),
+            test_only_panic_in: args.test_panic_in,
         };
         daemon::run(client, options, token)
             .await
@@ -362,27 +445,6 @@ fn validate(args: &ValidateArgs) -> Result<bool> {
         }
     }
     Ok(report.passed())
-}
-
-/// The OpenTelemetry SDK with its Prometheus exporter on a registry of its own: exported names
-/// are the instruments' names as they are (no unit or `_total` suffix added, no scope labels,
-/// no `target_info`), so the page shows HAPTIC's names.
-fn metrics() -> Result<(SdkMeterProvider, Exposition)> {
-    let registry = prometheus::Registry::new();
-    let exporter = opentelemetry_prometheus::exporter()
-        .with_registry(registry.clone())
-        .without_units()
-        .without_counter_suffixes()
-        .without_target_info()
-        .scope_info_enabled(false)
-        .build()?;
-    let provider = SdkMeterProvider::builder().with_reader(exporter).build();
-    let exposition = Exposition::new(move || {
-        prometheus::TextEncoder::new()
-            .encode_to_string(&registry.gather())
-            .map_err(|error| error.to_string())
-    });
-    Ok((provider, exposition))
 }
 
 /// The test-only clock rate, refused outside 0.5..=2.0 and inside a Kubernetes pod, so that

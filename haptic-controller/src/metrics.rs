@@ -45,28 +45,8 @@ pub const NAMES: [&str; 14] = [
     haptic_leadership::metrics::TIME_AS_LEADER_SECONDS_TOTAL,
 ];
 
-/// Renders the metrics page in the Prometheus text format: the binary's exporter, handed to
-/// the library, which has none of its own.
-#[derive(Clone)]
-pub struct Exposition(Arc<dyn Fn() -> Result<String, String> + Send + Sync>);
-
-impl Exposition {
-    /// Wraps the exporter's encoder; an error is answered 500 with its text.
-    pub fn new(render: impl Fn() -> Result<String, String> + Send + Sync + 'static) -> Self {
-        Self(Arc::new(render))
-    }
-
-    /// The page, or why it could not be rendered.
-    pub fn render(&self) -> Result<String, String> {
-        (self.0)()
-    }
-}
-
-impl std::fmt::Debug for Exposition {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Exposition")
-    }
-}
+/// Renders the metrics page in the Prometheus text format (the type both binaries share).
+pub use haptic_serve::Exposition;
 
 fn counter(meter: &Meter, name: &'static str, help: &'static str) -> Counter<u64> {
     meter.u64_counter(name).with_description(help).build()
@@ -231,7 +211,10 @@ pub fn observe(cache: Arc<StateCache>, bus: EventBus<ControllerEvent>) {
         .u64_observable_gauge("haptic_resource_count")
         .with_description("Objects in each watched store.")
         .with_callback(move |observer| {
-            let state = cache.read();
+            // A collection must not wait: while a watcher writes, this one scrape skips it.
+            let Some(state) = cache.try_read() else {
+                return;
+            };
             for (store, contents) in state.stores.iter() {
                 observer.observe(
                     contents.len() as u64,

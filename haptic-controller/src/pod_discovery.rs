@@ -24,6 +24,7 @@ use crate::{
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Selection {
     selector: String,
+    scheme: &'static str,
     port: u16,
     container: String,
 }
@@ -32,6 +33,7 @@ struct Selection {
 pub fn component(
     client: Client,
     namespace: String,
+    scheme: &'static str,
     bus: EventBus<ControllerEvent>,
     token: CancellationToken,
 ) -> impl Future<Output = ()> + Send + 'static {
@@ -39,8 +41,9 @@ pub fn component(
     follow_config(
         configs,
         token,
-        |config| Selection {
+        move |config| Selection {
             selector: config.pod_selector.clone(),
+            scheme,
             port: config.agent.port,
             container: config.agent.container_name.clone(),
         },
@@ -148,7 +151,7 @@ fn judge(pod: &KubePod, selection: &Selection) -> Option<(String, Option<Pod>)> 
             };
             Some(Pod {
                 name: name.clone(),
-                url: format!("http://{host}:{}/", selection.port),
+                url: format!("{}://{host}:{}/", selection.scheme, selection.port),
             })
         }
         _ => None,

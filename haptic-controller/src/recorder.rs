@@ -10,14 +10,17 @@
 //! | `HAProxyRefused` | Warning | the HTC | the render gate's `haproxy -c` (or the config policy) refused a set |
 //! | `DeploymentFailed` | Warning | the Pod | an agent refused or could not take the set |
 //! | `Fenced` | Warning | the Pod | an agent's fence is at or above this leader's epoch |
-//! | template reasons | as asked | the object | a template called `record_event(...)` |
+//! | template reasons | as asked | the object | a template called `record_event(...)`: once while a render asks for it, not again for every other object's change |
 //!
 //! Only the leader writes, and only while its Lease is fresh by its own clock. Publishing is
 //! best effort: a failure is logged, never retried in a loop, and never holds up a deployment.
 //! No certificate, key or token goes into a note: notes carry messages the controller wrote
 //! (HAProxy's alert lines, the agents' answers), cut to the API's 1 KiB.
 
-use std::{collections::BTreeMap, time::Duration};
+use std::{
+    collections::{BTreeMap, HashSet},
+    time::Duration,
+};
 
 use haptic_eventbus::Filter;
 use haptic_leadership::LeaderContext;
@@ -88,7 +91,7 @@ pub fn component(
         let mut htc_uid: Option<String> = None;
         let mut last_verdict: Option<(i64, bool)> = None;
         let mut failing: BTreeMap<String, String> = BTreeMap::new();
-        let mut requested: Vec<EventRequest> = Vec::new();
+        let mut requested = Requested::default();
         loop {
             let event = tokio::select! {
                 () = ctx.token().cancelled() => return,
@@ -97,7 +100,8 @@ pub fn component(
                     None => return,
                 },
             };
-            let mut out: Vec<(Event, ObjectReference)> = Vec::new();
+            // Each Event, its object, and for a template's request what marks it recorded.
+            let mut out: Vec<(Event, ObjectReference, Option<RequestKey>)> = Vec::new();
             let htc = |uid: &Option<String>| ObjectReference {
                 api_version: Some(HAProxyTemplateConfig::api_version(&()).into_owned()),
                 kind: Some(HAProxyTemplateConfig::kind(&()).into_owned()),
@@ -127,8 +131,7 @@ pub fn component(
                         name: Some(subjects.lease_name.clone()),
                         namespace: Some(subjects.namespace.clone()),
                         ..ObjectReference::default()
-                    },
-                )),
+                    }, None)),
                 ControllerEvent::ConfigVerdict(verdict) => {
                     if !verdict.uid.is_empty() {
                         htc_uid = Some(verdict.uid.clone());
@@ -157,7 +160,7 @@ pub fn component(
                             ),
                         )
                     };
-                    out.push((event, htc(&htc_uid)));
+                    out.push((event, htc(&htc_uid), None));
                 }
                 ControllerEvent::RenderFailed(failure) => out.push((
                     event_of(
@@ -166,8 +169,7 @@ pub fn component(
                         "Render",
                         failure.message.clone(),
                     ),
-                    htc(&htc_uid),
-                )),
+                    htc(&htc_uid), None)),
                 ControllerEvent::GateVerdict(verdict) => {
                     if let Some(refusal) = &verdict.refused {
                         out.push((
@@ -180,17 +182,15 @@ pub fn component(
                                     short(&verdict.checksum)
                                 ),
                             ),
-                            htc(&htc_uid),
-                        ));
+                            htc(&htc_uid), None));
                     }
                 }
-                // What the templates asked for, when it differs from the last render's (a
-                // render with the same requests asks nothing again).
-                ControllerEvent::Rendered(set) if set.requests.events != requested => {
-                    requested.clone_from(&set.requests.events);
-                    for request in &set.requests.events {
+                // What the templates ask for and was not recorded yet: a change to one object
+                // sends nothing again about the others.
+                ControllerEvent::Rendered(set) => {
+                    for (request, key) in requested.fresh(&set.requests.events) {
                         match request_event(request) {
-                            Some(pair) => out.push(pair),
+                            Some((event, regarding)) => out.push((event, regarding, Some(key))),
                             None => debug!(
                                 ?request,
                                 "a template asked for an Event about an object with no name"
@@ -216,7 +216,7 @@ pub fn component(
                                     ),
                                 );
                                 event.secondary = Some(htc(&htc_uid));
-                                out.push((event, pod(name)));
+                                out.push((event, pod(name), None));
                             }
                             PodOutcome::Live | PodOutcome::Pending => {
                                 failing.remove(name);
@@ -234,11 +234,10 @@ pub fn component(
                             fenced.pod, fenced.epoch, fenced.fence, fenced.outcome
                         ),
                     ),
-                    pod(&fenced.pod),
-                )),
+                    pod(&fenced.pod), None)),
                 _ => {}
             }
-            for (event, regarding) in out {
+            for (event, regarding, request) in out {
                 if !ctx.lease_is_fresh() {
                     debug!(reason = %event.reason, "not writing an Event: this replica's Lease is not fresh");
                     continue;
@@ -247,13 +246,63 @@ pub fn component(
                 tokio::select! {
                     () = ctx.token().cancelled() => return,
                     result = tokio::time::timeout(PUBLISH_TIMEOUT, publish) => match result {
-                        Ok(Ok(())) => debug!(reason = %event.reason, "event recorded"),
+                        Ok(Ok(())) => {
+                            debug!(reason = %event.reason, "event recorded");
+                            if let Some(key) = request {
+                                requested.recorded(key);
+                            }
+                        }
                         Ok(Err(error)) => warn!(%error, reason = %event.reason, "recording an Event failed"),
                         Err(_) => warn!(reason = %event.reason, "recording an Event timed out"),
                     },
                 }
             }
         }
+    }
+}
+
+/// What identifies a template's Event request: its object and its content.
+type RequestKey = ([Option<String>; 5], String, String, String);
+
+fn request_key(request: &EventRequest) -> RequestKey {
+    (
+        [
+            request.api_version.clone(),
+            request.kind.clone(),
+            request.namespace.clone(),
+            request.name.clone(),
+            request.uid.clone(),
+        ],
+        request.type_.clone(),
+        request.reason.clone(),
+        request.message.clone(),
+    )
+}
+
+/// The template requests recorded this term and still asked for: a render sends only the
+/// others. A request the templates stop asking for is forgotten, so asked again later it is
+/// a new occurrence and is recorded again; one whose write failed stays unrecorded and is sent
+/// with the next render.
+#[derive(Debug, Default)]
+struct Requested(HashSet<RequestKey>);
+
+impl Requested {
+    /// The requests of a render not recorded yet, with their keys.
+    fn fresh<'a>(&mut self, requests: &'a [EventRequest]) -> Vec<(&'a EventRequest, RequestKey)> {
+        let asked: Vec<(&EventRequest, RequestKey)> =
+            requests.iter().map(|r| (r, request_key(r))).collect();
+        let current: HashSet<&RequestKey> = asked.iter().map(|(_, k)| k).collect();
+        self.0.retain(|k| current.contains(k));
+        let mut seen = HashSet::new();
+        asked
+            .into_iter()
+            .filter(|(_, k)| !self.0.contains(k) && seen.insert(k.clone()))
+            .collect()
+    }
+
+    /// Marks a request recorded.
+    fn recorded(&mut self, key: RequestKey) {
+        self.0.insert(key);
     }
 }
 
@@ -309,6 +358,46 @@ fn cut(text: String, max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn template_events_are_sent_once_while_they_are_asked_for() {
+        let ask = |name: &str| EventRequest {
+            api_version: Some("networking.k8s.io/v1".into()),
+            kind: Some("Ingress".into()),
+            namespace: Some("shop".into()),
+            name: Some(name.into()),
+            uid: None,
+            type_: "Warning".into(),
+            reason: "Unsafe".into(),
+            message: format!("{name} is unsafe"),
+        };
+        let names = |fresh: Vec<(&EventRequest, RequestKey)>, requested: &mut Requested| {
+            fresh
+                .into_iter()
+                .map(|(r, k)| {
+                    requested.recorded(k);
+                    r.name.clone().unwrap_or_default()
+                })
+                .collect::<Vec<_>>()
+        };
+        let mut requested = Requested::default();
+        let (a, b, c) = (ask("a"), ask("b"), ask("c"));
+        let first = [a.clone(), b.clone(), a.clone()];
+        assert_eq!(names(requested.fresh(&first), &mut requested), ["a", "b"]);
+        // One more object asks: only its Event goes out, not the others' again.
+        let second = [a.clone(), b.clone(), c.clone()];
+        assert_eq!(names(requested.fresh(&second), &mut requested), ["c"]);
+        // A render with the same requests sends nothing.
+        assert!(requested.fresh(&second).is_empty());
+        // `a` stops asking, then asks again: a new occurrence.
+        assert!(names(requested.fresh(&[b.clone(), c.clone()]), &mut requested).is_empty());
+        assert_eq!(names(requested.fresh(&second), &mut requested), ["a"]);
+        // A request whose write failed (not marked recorded) is sent with the next render.
+        let d = ask("d");
+        let third = [a, b, c, d];
+        assert_eq!(requested.fresh(&third).len(), 1);
+        assert_eq!(names(requested.fresh(&third), &mut requested), ["d"]);
+    }
 
     #[test]
     fn notes_are_cut_on_a_character_boundary() {

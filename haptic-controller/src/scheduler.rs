@@ -30,6 +30,7 @@ use tokio::{task::JoinSet, time::Instant};
 use tracing::{Instrument as _, debug, error, info, info_span, warn};
 
 use crate::{
+    channel::AgentChannel,
     config::AgentSettings,
     events::{
         ControllerEvent, DeploymentReport, FencedRefusal, Kind, PodOutcome, PodSet, RenderedSet,
@@ -43,7 +44,10 @@ const BACKOFF_INITIAL: Duration = Duration::from_millis(500);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
 
 /// The component: subscribe now, run the returned future.
-pub fn component(ctx: LeaderContext<ControllerEvent>) -> impl Future<Output = ()> + Send + 'static {
+pub fn component(
+    channel: AgentChannel,
+    ctx: LeaderContext<ControllerEvent>,
+) -> impl Future<Output = ()> + Send + 'static {
     let events = ctx.bus().subscribe_leader_only(
         "deployer",
         Filter::kinds([
@@ -56,7 +60,7 @@ pub fn component(ctx: LeaderContext<ControllerEvent>) -> impl Future<Output = ()
         ]),
     );
     async move {
-        let mut scheduler = Scheduler::new(ctx);
+        let mut scheduler = Scheduler::new(ctx, channel);
         scheduler.run(events).await;
     }
 }
@@ -87,6 +91,8 @@ type Finished = (
 
 struct Scheduler {
     ctx: LeaderContext<ControllerEvent>,
+    /// How agents are reached (mutual TLS by default).
+    channel: AgentChannel,
     term: Option<SystemTime>,
     desired: Option<Arc<RenderedSet>>,
     prepared: Option<Prepared>,
@@ -105,9 +111,10 @@ struct Scheduler {
 }
 
 impl Scheduler {
-    fn new(ctx: LeaderContext<ControllerEvent>) -> Self {
+    fn new(ctx: LeaderContext<ControllerEvent>, channel: AgentChannel) -> Self {
         Self {
             ctx,
+            channel,
             term: None,
             desired: None,
             prepared: None,
@@ -198,9 +205,11 @@ impl Scheduler {
         };
         self.client = match &**token {
             TokenState::Present(token) => {
-                let config = ClientConfig::new(token.clone())
-                    .with_request_timeout(settings.deployment_timeout)
-                    .with_retries(2, Duration::from_millis(200));
+                let config = self.channel.client_config(
+                    ClientConfig::new(token.clone())
+                        .with_request_timeout(settings.deployment_timeout)
+                        .with_retries(2, Duration::from_millis(200)),
+                );
                 match AgentClient::new(config) {
                     Ok(client) => Some(client),
                     Err(error) => {

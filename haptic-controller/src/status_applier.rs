@@ -75,7 +75,7 @@ pub fn component(
                 () = retry => {}
             }
             retry_at = None;
-            let pending = pending(&cache, &declared, &mut written);
+            let pending = pending(&cache, &declared, &mut written).await;
             if pending.is_empty() {
                 continue;
             }
@@ -135,12 +135,12 @@ pub fn component(
 
 /// The declared fields that neither the store nor this term's writes already hold, each with
 /// the API resource to write it through. Fields already in place are recorded as written.
-fn pending(
+async fn pending(
     cache: &StateCache,
     declared: &[StatusRequest],
     written: &mut HashMap<Key, serde_json::Value>,
 ) -> Vec<(StatusRequest, ApiResource)> {
-    let state = cache.read();
+    let state = cache.read().await;
     let Some(config) = state.config.as_ref() else {
         return Vec::new();
     };

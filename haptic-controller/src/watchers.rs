@@ -94,7 +94,7 @@ async fn install(
         }
     }
     {
-        let mut state = cache.write();
+        let mut state = cache.write().await;
         let mut old = std::mem::take(&mut state.stores).into_stores();
         let mut rebuilt = haptic_render::Stores::new();
         for spec in &config.stores {
@@ -214,7 +214,7 @@ async fn watch_store(
         match event {
             watcher::Event::Init => listed = Some(HashSet::new()),
             watcher::Event::InitApply(object) => {
-                if let Some(key) = apply(&cache, &name, &object, &ar)
+                if let Some(key) = apply(&cache, &name, &object, &ar).await
                     && let Some(listed) = &mut listed
                 {
                     listed.insert(key);
@@ -223,7 +223,7 @@ async fn watch_store(
             watcher::Event::InitDone => {
                 let listed = listed.take().unwrap_or_default();
                 let (removed, first) = {
-                    let mut state = cache.write();
+                    let mut state = cache.write().await;
                     let removed = match state.stores.get_mut(&name) {
                         Some(store) => {
                             let gone: Vec<(String, String)> = store
@@ -248,7 +248,7 @@ async fn watch_store(
                 });
             }
             watcher::Event::Apply(object) => {
-                if apply(&cache, &name, &object, &ar).is_some() {
+                if apply(&cache, &name, &object, &ar).await.is_some() {
                     bus.publish(ControllerEvent::StoresChanged {
                         store: name.clone(),
                     });
@@ -259,6 +259,7 @@ async fn watch_store(
                 let n = object.metadata.name.clone().unwrap_or_default();
                 let removed = cache
                     .write()
+                    .await
                     .stores
                     .get_mut(&name)
                     .is_some_and(|store| store.remove(&ns, &n));
@@ -276,7 +277,7 @@ async fn watch_store(
 ///
 /// List items come without `apiVersion` and `kind`; the store's objects always carry them, so
 /// that templates can name an object (`record_event`, `set_status`).
-fn apply(
+async fn apply(
     cache: &StateCache,
     store: &str,
     object: &DynamicObject,
@@ -298,7 +299,7 @@ fn apply(
         object.metadata.namespace.clone().unwrap_or_default(),
         object.metadata.name.clone()?,
     );
-    let mut state = cache.write();
+    let mut state = cache.write().await;
     let target = state.stores.get_mut(store)?;
     match target.apply(&value) {
         Ok(()) => Some(key),

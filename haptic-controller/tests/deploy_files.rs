@@ -242,7 +242,8 @@ fn the_cluster_role_covers_exactly_the_watched_resources() {
             &["update", "patch"],
         ),
         (("", "pods"), &["list", "watch"]),
-        // the agent token (read) and the default certificate (created once when absent)
+        // the agent token (read), the default certificate and the agent channel's CA (created
+        // once when absent)
         (("", "secrets"), &["get", "list", "watch", "create"]),
         (
             ("haproxy-haptic.org", "haproxycfgs"),
@@ -496,8 +497,37 @@ fn the_haproxy_pods_match_the_agent_and_the_config() {
     );
     let agent_ports = list(&agent["ports"]);
     assert_eq!(agent_ports[0]["containerPort"], agent_port);
+    // The probes: on the plain probe port (--probe-listen), the API being mutual TLS.
+    let probe_port = port_of(flag(&args, "--probe-listen"));
+    let probes = agent_ports
+        .iter()
+        .find(|p| p["containerPort"] == probe_port)
+        .expect("the probe port declared");
     for probe in ["livenessProbe", "readinessProbe"] {
-        assert_eq!(agent[probe]["httpGet"]["port"], agent_ports[0]["name"]);
+        assert_eq!(agent[probe]["httpGet"]["port"], probes["name"]);
+    }
+    // Mutual TLS: every file from the agent's TLS Secret, mounted where the flags point.
+    let tls_volume = list(&pod["volumes"])
+        .iter()
+        .find(|v| v["secret"]["secretName"] == "haptic-agent-tls")
+        .expect("a volume of the agent TLS Secret");
+    let tls_mount = list(&agent["volumeMounts"])
+        .iter()
+        .find(|m| m["name"] == tls_volume["name"])
+        .expect("the TLS volume mounted in the agent");
+    for (flag_name, key) in [
+        ("--tls-cert", "tls.crt"),
+        ("--tls-key", "tls.key"),
+        ("--client-ca", "ca.crt"),
+    ] {
+        let item = list(&tls_volume["secret"]["items"])
+            .iter()
+            .find(|i| i["key"] == key)
+            .unwrap_or_else(|| panic!("{key} in the TLS volume"));
+        assert_eq!(
+            flag(&args, flag_name),
+            format!("{}/{}", s(&tls_mount["mountPath"]), s(&item["path"]))
+        );
     }
     assert_eq!(agent["livenessProbe"]["httpGet"]["path"], "/healthz");
     assert_eq!(agent["readinessProbe"]["httpGet"]["path"], "/readyz");
@@ -631,11 +661,11 @@ fn the_haproxy_pods_match_the_agent_and_the_config() {
         .collect();
     assert_eq!(
         open,
-        [http_port.as_u64(), https_port.as_u64()]
+        [http_port.as_u64(), https_port.as_u64(), Some(probe_port)]
             .into_iter()
             .flatten()
             .collect(),
-        "open to all: HAProxy's ports only"
+        "open to all: HAProxy's ports and the agent's probe port only"
     );
 
     let ingress_class = find(&docs("deploy/ingressclass.yaml"), "IngressClass", "haproxy").clone();

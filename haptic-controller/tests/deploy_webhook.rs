@@ -1,6 +1,8 @@
 //! `deploy/webhook/` (and its cert-manager component) built with `kubectl kustomize` over
 //! `deploy/`: the ValidatingWebhookConfiguration, the Service, the Deployment patch and the
 //! certificate agree with each other, with the binary's flags and with the reference config.
+//! And `deploy/components/agent-mtls`: the agent channel's certificates from cert-manager,
+//! where the controller and the agents read them.
 
 use std::{collections::BTreeSet, path::Path, process::Command};
 
@@ -18,8 +20,13 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
-/// `deploy/` with both components, as an overlay would list them.
+/// `deploy/` with both webhook components, as an overlay would list them.
 fn built() -> Option<Vec<Value>> {
+    built_with("[deploy/webhook, deploy/webhook/cert-manager]")
+}
+
+/// `deploy/` with `components` (a YAML list).
+fn built_with(components: &str) -> Option<Vec<Value>> {
     let dir = tempfile::tempdir().expect("tempdir");
     copy_dir(
         &Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy"),
@@ -27,7 +34,7 @@ fn built() -> Option<Vec<Value>> {
     );
     std::fs::write(
         dir.path().join("kustomization.yaml"),
-        "resources: [deploy]\ncomponents: [deploy/webhook, deploy/webhook/cert-manager]\n",
+        format!("resources: [deploy]\ncomponents: {components}\n"),
     )
     .expect("overlay");
     let output = match Command::new("kubectl")
@@ -37,13 +44,13 @@ fn built() -> Option<Vec<Value>> {
     {
         Ok(output) => output,
         Err(error) => {
-            println!("note: kubectl not runnable ({error}); the webhook component is not checked");
+            println!("note: kubectl not runnable ({error}); the components are not checked");
             return None;
         }
     };
     assert!(
         output.status.success(),
-        "kubectl kustomize with the webhook components failed: {}",
+        "kubectl kustomize with {components} failed: {}",
         String::from_utf8_lossy(&output.stderr)
     );
     let docs: Vec<Value> =
@@ -169,6 +176,15 @@ fn the_webhook_components_match_the_binary_and_the_reference_config() {
         op == "In" && values == [ns.to_owned()],
         "the HTC lives in the controller's namespace"
     );
+    // With no replica running, a fixed HTC can still be applied: every replica's loader
+    // validates it anyway, so its rule fails open.
+    assert_eq!(webhooks[1]["failurePolicy"], "Ignore", "the HTC's rule");
+    assert!(
+        list(&webhooks[1]["rules"])
+            .iter()
+            .all(|r| r["apiGroups"] == serde_json::json!(["haproxy-haptic.org"])),
+        "the Ignore rule covers the HTC only"
+    );
     // The resource rules are exactly the reference stores with enableValidationWebhook.
     let spec = haptic_controller::reference::spec();
     let wanted: BTreeSet<(String, String, String)> = spec
@@ -249,5 +265,83 @@ fn the_webhook_components_match_the_binary_and_the_reference_config() {
     assert_eq!(
         vwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"],
         format!("{ns}/haptic-webhook")
+    );
+}
+
+#[test]
+fn the_agent_mtls_component_puts_the_certificates_where_both_sides_read_them() {
+    let Some(docs) = built_with("[deploy/components/agent-mtls]") else {
+        return;
+    };
+    let certificate = |secret: &str| {
+        docs.iter()
+            .find(|d| d["kind"] == "Certificate" && d["spec"]["secretName"] == secret)
+            .unwrap_or_else(|| panic!("no Certificate into {secret}"))
+    };
+    let agents = certificate("haptic-agent-tls");
+    let controller = certificate("haptic-controller-agent-tls");
+    assert_eq!(agents["spec"]["usages"], serde_json::json!(["server auth"]));
+    assert_eq!(
+        controller["spec"]["usages"],
+        serde_json::json!(["client auth"])
+    );
+    assert_eq!(
+        agents["spec"]["issuerRef"], controller["spec"]["issuerRef"],
+        "one CA"
+    );
+
+    // The controller reads its Secret where the patch mounts it, and verifies agents by the
+    // name their certificate carries; every variable is one the binary reads.
+    let deployment = find(&docs, "Deployment", "haptic-controller");
+    let pod = &deployment["spec"]["template"]["spec"];
+    let container = &pod["containers"][0];
+    let env = |name: &str| -> String {
+        list(&container["env"])
+            .iter()
+            .find(|e| e["name"] == name)
+            .and_then(|e| e["value"].as_str())
+            .unwrap_or_else(|| panic!("no env {name}"))
+            .to_owned()
+    };
+    let help = Command::new(env!("CARGO_BIN_EXE_haptic-controller"))
+        .args(["run", "--help"])
+        .output()
+        .expect("run --help");
+    let help = String::from_utf8_lossy(&help.stdout);
+    for name in [
+        "HAPTIC_AGENT_CA",
+        "HAPTIC_AGENT_CLIENT_CERT",
+        "HAPTIC_AGENT_CLIENT_KEY",
+        "HAPTIC_AGENT_SERVER_NAME",
+    ] {
+        assert!(
+            help.contains(&format!("[env: {name}")),
+            "the binary reads no {name}"
+        );
+    }
+    assert_eq!(
+        env("HAPTIC_AGENT_SERVER_NAME"),
+        agents["spec"]["dnsNames"][0].as_str().expect("dnsName")
+    );
+    let volume = list(&pod["volumes"])
+        .iter()
+        .find(|v| v["secret"]["secretName"] == "haptic-controller-agent-tls")
+        .expect("the controller's Secret as a volume");
+    let mount = list(&container["volumeMounts"])
+        .iter()
+        .find(|m| m["name"] == volume["name"])
+        .expect("mounted");
+    let dir = mount["mountPath"].as_str().expect("path");
+    assert_eq!(env("HAPTIC_AGENT_CA"), format!("{dir}/ca.crt"));
+    assert_eq!(env("HAPTIC_AGENT_CLIENT_CERT"), format!("{dir}/tls.crt"));
+    assert_eq!(env("HAPTIC_AGENT_CLIENT_KEY"), format!("{dir}/tls.key"));
+
+    // The agents mount the other Secret (as in deploy/ without the component).
+    let haproxy = find(&docs, "Deployment", "haproxy");
+    assert!(
+        list(&haproxy["spec"]["template"]["spec"]["volumes"])
+            .iter()
+            .any(|v| v["secret"]["secretName"] == "haptic-agent-tls"),
+        "the agents mount haptic-agent-tls"
     );
 }

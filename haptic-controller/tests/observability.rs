@@ -234,10 +234,7 @@ async fn metrics_alerts_debug_state_and_json_logs_after_a_deploy() {
     );
 
     // The agent's page keeps its names.
-    let (status, agent_page) = fetch(&agent.agent_addr(), "/metrics")
-        .await
-        .expect("agent /metrics");
-    assert_eq!(status, 200, "{agent_page}");
+    let agent_page = agent.fetch("/metrics").await.expect("agent /metrics");
     let agent_scrape = parse(&agent_page);
     for (name, kind) in [
         ("haptic_agent_applies_total", "counter"),

@@ -351,7 +351,7 @@ async fn ingress_to_haproxy_on_every_pod() {
 /// says so in a `Fenced` Event, and puts its set back; a pod whose agent is gone gets a
 /// `DeploymentFailed` Event.
 async fn fenced_and_failing(cluster: &Cluster, agent: &Agent, gone: Agent, http_port: u16) {
-    use haptic_agent_client::{AgentClient, ApplyRequest, ClientConfig, FileSet, Target};
+    use haptic_agent_client::{ApplyRequest, FileSet, Target};
     let leader = cluster.leader().await.expect("a leader");
     let epoch = cluster.lease_epoch().await.expect("an epoch");
     let mut files = FileSet::new();
@@ -364,9 +364,8 @@ async fn fenced_and_failing(cluster: &Cluster, agent: &Agent, gone: Agent, http_
         )
         .expect("file");
     let request = ApplyRequest::new(epoch + 5, &leader, u64::MAX / 2, files).expect("request");
-    let client = AgentClient::new(ClientConfig::new(TOKEN)).expect("client");
-    let target =
-        Target::new(&agent.name, &format!("http://{}/", agent.agent_addr())).expect("target");
+    let client = agent.client();
+    let target = Target::new(&agent.name, &agent.url()).expect("target");
     client
         .apply(&target.url, &request)
         .await

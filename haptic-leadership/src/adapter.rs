@@ -2,8 +2,10 @@
 //! bus, and builds and tears down leader-only components around each term.
 
 use std::{
+    any::Any,
     fmt,
     future::Future,
+    panic::AssertUnwindSafe,
     sync::{
         Arc, Mutex,
         atomic::{AtomicU64, Ordering},
@@ -42,6 +44,11 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// The reason published when a term gives the Lease up itself.
 pub const STOOD_DOWN: &str = "stood_down";
+
+/// The reason published when a term ends because one of its leader-only components panicked
+/// or returned while the term went on: the Lease is released, so a fresh term (on another
+/// replica, or on this one after a RetryPeriod) builds every component again.
+pub const COMPONENT_FAILED: &str = "component_failed";
 
 type AllReplicaFn<E> =
     Box<dyn FnOnce(EventBus<E>, CancellationToken) -> BoxFuture<'static, ()> + Send>;
@@ -409,10 +416,29 @@ impl<E: LeaderEvents> Leadership<E> {
         let _stop_components_on_drop = components_token.clone().drop_guard();
         let mut all_replica = Vec::new();
         for (name, build) in self.all_replica {
-            all_replica.push(Component {
-                name,
-                handle: tokio::spawn(build(self.bus.clone(), components_token.clone())),
+            let bus = self.bus.clone();
+            let token = components_token.clone();
+            let built = std::panic::catch_unwind(AssertUnwindSafe(|| build(bus, token.clone())));
+            let (metrics, resign) = (self.metrics.clone(), elector.resign_handle());
+            let component = name.clone();
+            // An all-replica component cannot be rebuilt (it subscribed before the bus
+            // started): its failure makes the replica unhealthy, so the kubelet restarts it,
+            // and gives up a term it may hold, so a healthy replica deploys meanwhile.
+            let handle = tokio::spawn(async move {
+                let ended = match built {
+                    Ok(work) => supervised(work, || token.is_cancelled()).await,
+                    Err(payload) => Some((PANIC, panic_message(&*payload))),
+                };
+                if let Some((cause, message)) = ended {
+                    error!(%component, cause, %message, "an all-replica component failed; this replica reports unhealthy and gives up leadership");
+                    metrics.component_failed(&component, cause);
+                    metrics.set_unhealthy(format!(
+                        "component {component} failed ({cause}): {message}"
+                    ));
+                    resign.resign();
+                }
             });
+            all_replica.push(Component { name, handle });
         }
         self.bus.start();
 
@@ -465,6 +491,33 @@ async fn await_bounded(tasks: Vec<Component>, bound: Duration) {
             }
         }
     }
+}
+
+/// A supervised component ended on a panic.
+const PANIC: &str = "panic";
+/// A supervised component returned while `stopping` said it should run on.
+const RETURNED: &str = "returned";
+
+/// Runs `work`, catching a panic: `None` when it returned once `stopping()` held, else the
+/// cause ([`PANIC`] or [`RETURNED`]) and the panic's message.
+async fn supervised(
+    work: BoxFuture<'static, ()>,
+    stopping: impl Fn() -> bool,
+) -> Option<(&'static str, String)> {
+    match AssertUnwindSafe(work).catch_unwind().await {
+        Ok(()) if stopping() => None,
+        Ok(()) => Some((RETURNED, "returned while it should have run on".to_owned())),
+        Err(payload) => Some((PANIC, panic_message(&*payload))),
+    }
+}
+
+/// The text a panic was raised with.
+fn panic_message(payload: &(dyn Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|text| (*text).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a text message".to_owned())
 }
 
 /// Bumps the epoch; on a malformed annotation, recovers above the application's floor if it
@@ -546,9 +599,37 @@ async fn run_term<E: LeaderEvents>(shared: Arc<Shared<E>>, term_token: Cancellat
     }
     let mut tasks = Vec::new();
     for (name, build) in &shared.leader_only {
+        let built = std::panic::catch_unwind(AssertUnwindSafe(|| build(ctx.clone())));
+        let (shared, state, token) = (shared.clone(), state.clone(), components_token.clone());
+        let component = name.clone();
+        let handle = tokio::spawn(async move {
+            let ended = match built {
+                Ok(work) => {
+                    supervised(work, || {
+                        token.is_cancelled() || state.stand_down.is_cancelled()
+                    })
+                    .await
+                }
+                Err(payload) => Some((PANIC, panic_message(&*payload))),
+            };
+            let Some((cause, message)) = ended else {
+                return;
+            };
+            shared.metrics.component_failed(&component, cause);
+            if state.on_lease {
+                error!(%component, cause, %message, "a leader-only component failed; standing down so that a fresh term rebuilds it");
+            } else {
+                // Election disabled: no other replica and no fresh term; only a restart helps.
+                error!(%component, cause, %message, "a leader-only component failed with election disabled; this replica reports unhealthy");
+                shared
+                    .metrics
+                    .set_unhealthy(format!("component {component} failed ({cause}): {message}"));
+            }
+            state.request_stand_down(COMPONENT_FAILED);
+        });
         tasks.push(Component {
             name: name.clone(),
-            handle: tokio::spawn(build(ctx.clone())),
+            handle,
         });
     }
     shared.bus.start();

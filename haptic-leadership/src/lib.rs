@@ -10,6 +10,14 @@
 //! [`LeaderElectionStarted`] and [`NewLeaderObserved`] are published too; each event goes out
 //! before the matching user hook runs. Metrics use HAPTIC's names ([`metrics`]).
 //!
+//! Every component is supervised: a panic (or a return while it should run on) is logged with
+//! its message and counted (`haptic_component_failures_total`). A failed leader-only component
+//! ends the term ([`COMPONENT_FAILED`]): the Lease is released, and a fresh term, on another
+//! replica or on this one after a RetryPeriod, builds every leader-only component again, so no
+//! replica holds the Lease while deploying nothing. A failed all-replica component cannot be
+//! rebuilt: the replica gives up its term and reports unhealthy
+//! ([`LeadershipMetrics::health`], for `/healthz`), and the kubelet restarts it.
+//!
 //! The application's event enum only needs `From` each of the four events.
 //!
 //! # Example
@@ -68,7 +76,7 @@ mod adapter;
 mod events;
 pub mod metrics;
 
-pub use adapter::{Error, LeaderContext, Leadership, Result, STOOD_DOWN};
+pub use adapter::{COMPONENT_FAILED, Error, LeaderContext, Leadership, Result, STOOD_DOWN};
 pub use events::{
     BecameLeader, LeaderElectionStarted, LeaderEvents, LostLeadership, NewLeaderObserved,
 };

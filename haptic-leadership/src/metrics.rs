@@ -4,6 +4,7 @@
 //! and exporter are the application's; the names are the exported Prometheus names.
 
 use std::{
+    collections::BTreeMap,
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -24,6 +25,10 @@ pub const TRANSITIONS_TOTAL: &str = "haptic_leader_election_transitions_total";
 pub const TIME_AS_LEADER_SECONDS_TOTAL: &str =
     "haptic_leader_election_time_as_leader_seconds_total";
 
+/// `haptic_component_failures_total{component, cause}`: supervised components that panicked
+/// (`cause="panic"`) or returned while they should have run on (`cause="returned"`).
+pub const COMPONENT_FAILURES_TOTAL: &str = "haptic_component_failures_total";
+
 /// The metric hooks the adapter drives. Share it (`Arc`) with the metrics endpoint.
 #[derive(Debug, Default)]
 pub struct LeadershipMetrics {
@@ -31,6 +36,11 @@ pub struct LeadershipMetrics {
     transitions: AtomicU64,
     led_micros: AtomicU64,
     since: Mutex<Option<Instant>>,
+    /// Failures per (component, cause).
+    failures: Mutex<BTreeMap<(String, &'static str), u64>>,
+    /// Why this replica is unhealthy: an all-replica component (or, with election disabled,
+    /// a leader-only one) failed, and only a restart of the process brings it back.
+    unhealthy: Mutex<Option<String>>,
 }
 
 impl LeadershipMetrics {
@@ -61,6 +71,47 @@ impl LeadershipMetrics {
         {
             let micros = u64::try_from(since.elapsed().as_micros()).unwrap_or(u64::MAX);
             self.led_micros.fetch_add(micros, Ordering::SeqCst);
+        }
+    }
+
+    pub(crate) fn component_failed(&self, component: &str, cause: &'static str) {
+        *self
+            .failures
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry((component.to_owned(), cause))
+            .or_default() += 1;
+    }
+
+    pub(crate) fn set_unhealthy(&self, why: String) {
+        self.unhealthy
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get_or_insert(why);
+    }
+
+    /// How often `component` failed so far (panics and unexpected returns).
+    pub fn component_failures(&self, component: &str) -> u64 {
+        self.failures
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .filter(|((name, _), _)| name == component)
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    /// `Err(why)` once a component failed in a way only a process restart repairs (an
+    /// all-replica component, or a leader-only one with election disabled): serve it on
+    /// `/healthz` so the kubelet restarts the replica.
+    pub fn health(&self) -> Result<(), String> {
+        match &*self
+            .unhealthy
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        {
+            Some(why) => Err(why.clone()),
+            None => Ok(()),
         }
     }
 
@@ -107,6 +158,28 @@ impl LeadershipMetrics {
             .with_description("Seconds this replica has been the leader.")
             .with_unit("s")
             .with_callback(move |o| o.observe(this.time_as_leader().as_secs_f64(), &[]))
+            .build();
+        let this = self.clone();
+        meter
+            .u64_observable_counter(COMPONENT_FAILURES_TOTAL)
+            .with_description(
+                "Supervised components that panicked or returned while they should have run on.",
+            )
+            .with_callback(move |o| {
+                let failures = this
+                    .failures
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                for ((component, cause), n) in failures.iter() {
+                    o.observe(
+                        *n,
+                        &[
+                            opentelemetry::KeyValue::new("component", component.clone()),
+                            opentelemetry::KeyValue::new("cause", *cause),
+                        ],
+                    );
+                }
+            })
             .build();
     }
 }

@@ -14,6 +14,9 @@
 //! hung requests or watches, a full partition) or cause a global [`ApiServer::outage`], and
 //! read the per-client request accounting ([`ApiServer::request_counts`]).
 //!
+//! [`TestPki`] makes the throwaway CA and certificates of the agent channel's mutual TLS for
+//! the tests, the demo and the fault campaign.
+//!
 //! # Example
 //!
 //! ```
@@ -51,6 +54,7 @@
 mod backend;
 mod faults;
 mod openapi;
+pub mod pki;
 pub mod real;
 mod resources;
 mod router;
@@ -63,5 +67,6 @@ mod watch;
 
 pub use backend::{Backend, BackendError, TestApi};
 pub use faults::{Fault, RequestRecord};
+pub use pki::{TestCa, TestPki};
 pub use real::RealApiServer;
 pub use server::{ApiServer, Error, Result, ServerOptions};

@@ -80,25 +80,10 @@ pub fn config(port: u16, route_to: &str, backends: &[(&str, SocketAddr)]) -> Fil
         .expect("valid set")
 }
 
-/// The SDK and Prometheus exporter as the binary sets them up, on a registry of this agent's
-/// own (tests run agents side by side in one process).
+/// The SDK and Prometheus exporter the binary installs (haptic-serve's), on a registry of this
+/// agent's own (tests run agents side by side in one process).
 pub fn test_metrics() -> (SdkMeterProvider, Exposition) {
-    let registry = prometheus::Registry::new();
-    let exporter = opentelemetry_prometheus::exporter()
-        .with_registry(registry.clone())
-        .without_units()
-        .without_counter_suffixes()
-        .without_target_info()
-        .scope_info_enabled(false)
-        .build()
-        .expect("exporter");
-    let provider = SdkMeterProvider::builder().with_reader(exporter).build();
-    let exposition = Exposition::new(move || {
-        prometheus::TextEncoder::new()
-            .encode_to_string(&registry.gather())
-            .map_err(|e| e.to_string())
-    });
-    (provider, exposition)
+    haptic_serve::prometheus_exporter().expect("exporter")
 }
 
 /// `/metrics` parsed with a Prometheus text-format parser.

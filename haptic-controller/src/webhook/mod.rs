@@ -22,11 +22,17 @@
 //!   finished within its budget, or that cannot be judged (no `haproxy` to run), is answered
 //!   as the failure policy says: denied (`fail`) or allowed with a warning (`ignore`).
 //!
-//! The certificate and key are read from files and again when they change ([`tls`]).
+//!
+//! Bounded: at most `max_connections` connections (one more is closed at once; the listener is
+//! haptic-serve's, the agent's), and at most `max_concurrent_reviews` reviews render and run
+//! `haproxy -c` at once; the others queue, and the wait counts against their budget, so a burst
+//! is answered by the failure policy past it rather than piling work up in the replica.
+//!
+//! The certificate and key are read from files and again when they change
+//! ([`haptic_agent_client::tls`], the listener config the agents use too).
 
 mod checked;
 pub mod selector;
-pub mod tls;
 
 use std::{
     net::SocketAddr,
@@ -43,15 +49,14 @@ use axum::{
     response::{IntoResponse, Response},
     routing::post,
 };
-use hyper_util::rt::{TokioIo, TokioTimer};
 use kube::core::{
     DynamicObject,
     admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation},
 };
 use serde_json::Value as Json;
-use tokio::{net::TcpListener, task::JoinHandle};
-use tokio_util::{sync::CancellationToken, task::TaskTracker};
-use tracing::{debug, info, warn};
+use tokio::{net::TcpListener, sync::Semaphore, task::JoinHandle};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info};
 
 use crate::{
     config::{self, ValidatedConfig},
@@ -97,14 +102,29 @@ pub struct WebhookSettings {
     pub budget: Duration,
     /// What a review past its budget, or one that cannot be judged, gets.
     pub failure_policy: FailurePolicy,
+    /// Most connections served at once (default [`DEFAULT_MAX_CONNECTIONS`]).
+    pub max_connections: usize,
+    /// Most reviews judged at once (default [`DEFAULT_MAX_CONCURRENT_REVIEWS`]); the others
+    /// wait, and the wait counts against their budget.
+    pub max_concurrent_reviews: usize,
 }
+
+/// The default connection cap of the webhook's listener. The API server calls an HTTP/1.1
+/// webhook with one connection per review in flight, so the cap is above the bursts a GitOps
+/// sync sends (100 at once is answered in full); the review slots bound the work, the cap
+/// bounds memory and descriptors.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
+
+/// The default number of reviews judged at once: each renders the config and runs
+/// `haproxy -c`, so more than the replica's cores only lengthens every one of them.
+pub const DEFAULT_MAX_CONCURRENT_REVIEWS: usize = 2;
 
 /// Errors of starting the webhook.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The certificate or key is unusable.
     #[error("the webhook certificate")]
-    Tls(#[from] tls::Error),
+    Tls(#[from] haptic_agent_client::tls::Error),
     /// The address could not be bound.
     #[error("binding the webhook on {addr}")]
     Bind {
@@ -156,8 +176,11 @@ struct Webhook {
     cache: Arc<StateCache>,
     settings: WebhookSettings,
     tests: tokio::sync::Mutex<Option<(ConfigKey, Result<(), String>)>>,
-    /// What `haproxy -c` accepted for the running config version ([`checked`]).
-    checked: std::sync::Mutex<Option<(ConfigKey, checked::Checked)>>,
+    /// What `haproxy -c` accepted for the running config version ([`checked`]); read and
+    /// written on blocking threads (it compares whole sets line by line).
+    checked: Arc<std::sync::Mutex<Option<(ConfigKey, checked::Checked)>>>,
+    /// One permit per review judged at once.
+    slots: Semaphore,
 }
 
 type ConfigKey = (i64, String);
@@ -170,7 +193,13 @@ pub async fn serve(
     cache: Arc<StateCache>,
     token: CancellationToken,
 ) -> Result<(SocketAddr, JoinHandle<()>), Error> {
-    let acceptor = tls::acceptor(&settings.cert, &settings.key)?;
+    let pair = haptic_agent_client::tls::PairFiles {
+        cert: settings.cert.clone(),
+        key: settings.key.clone(),
+    };
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(
+        haptic_agent_client::tls::server_config(&pair, None)?,
+    ));
     let listener = TcpListener::bind(settings.addr)
         .await
         .map_err(|source| Error::Bind {
@@ -181,85 +210,31 @@ pub async fn serve(
         addr: settings.addr,
         source,
     })?;
-    let drain = settings.budget + Duration::from_secs(1);
+    let limits = haptic_serve::Limits {
+        max_connections: settings.max_connections,
+        header_read_timeout: HANDSHAKE_TIMEOUT,
+        drain: settings.budget + Duration::from_secs(1),
+    };
     let hook = Arc::new(Webhook {
+        slots: Semaphore::new(settings.max_concurrent_reviews.max(1)),
         cache,
         settings,
         tests: tokio::sync::Mutex::new(None),
-        checked: std::sync::Mutex::new(None),
+        checked: Arc::new(std::sync::Mutex::new(None)),
     });
     let app = Router::new()
         .route("/validate", post(validate))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .with_state(hook);
     info!(%addr, "admission webhook listening (HTTPS, /validate)");
-    let task = tokio::spawn(accept_loop(listener, acceptor, app, token, drain));
+    let task = tokio::spawn(haptic_serve::serve(
+        listener,
+        Some(acceptor),
+        app,
+        limits,
+        token,
+    ));
     Ok((addr, task))
-}
-
-async fn accept_loop(
-    listener: TcpListener,
-    acceptor: tokio_rustls::TlsAcceptor,
-    app: Router,
-    token: CancellationToken,
-    drain: Duration,
-) {
-    let connections = TaskTracker::new();
-    loop {
-        let (stream, peer) = tokio::select! {
-            () = token.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    warn!(%error, "the webhook could not accept a connection");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        let (acceptor, app, token) = (acceptor.clone(), app.clone(), token.clone());
-        connections.spawn(async move {
-            let stream =
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                    Ok(Ok(stream)) => stream,
-                    Ok(Err(error)) => {
-                        debug!(%peer, %error, "webhook TLS handshake failed");
-                        return;
-                    }
-                    Err(_) => {
-                        debug!(%peer, "webhook TLS handshake timed out");
-                        return;
-                    }
-                };
-            let service = hyper_util::service::TowerToHyperService::new(app);
-            let mut builder = hyper::server::conn::http1::Builder::new();
-            builder
-                .timer(TokioTimer::new())
-                .header_read_timeout(HANDSHAKE_TIMEOUT);
-            let connection = builder.serve_connection(TokioIo::new(stream), service);
-            tokio::pin!(connection);
-            let served = tokio::select! {
-                served = connection.as_mut() => served,
-                () = token.cancelled() => {
-                    connection.as_mut().graceful_shutdown();
-                    connection.await
-                }
-            };
-            if let Err(error) = served {
-                debug!(%peer, %error, "webhook connection ended");
-            }
-        });
-    }
-    connections.close();
-    if tokio::time::timeout(drain, connections.wait())
-        .await
-        .is_err()
-    {
-        warn!(
-            ?drain,
-            "webhook reviews still in flight after the drain period; closing"
-        );
-    }
 }
 
 fn bad_request(message: String) -> Response {
@@ -286,10 +261,18 @@ async fn validate(State(hook): State<Arc<Webhook>>, body: Bytes) -> Response {
         Err(_) => return bad_request("the AdmissionReview has no request".to_owned()),
     };
     let budget = hook.settings.budget;
-    let verdict = match tokio::time::timeout(budget, hook.review(&request)).await {
-        Ok(verdict) => verdict,
-        Err(_) => Verdict::Unjudged(format!(
-            "the review did not finish within its budget of {budget:?}"
+    let deadline = tokio::time::Instant::now() + budget;
+    // The wait for a slot is part of the budget: past it the failure policy answers.
+    let verdict = match tokio::time::timeout_at(deadline, hook.slots.acquire()).await {
+        Ok(Ok(_slot)) => match tokio::time::timeout_at(deadline, hook.review(&request)).await {
+            Ok(verdict) => verdict,
+            Err(_) => Verdict::Unjudged(format!(
+                "the review did not finish within its budget of {budget:?}"
+            )),
+        },
+        Ok(Err(_)) | Err(_) => Verdict::Unjudged(format!(
+            "the review waited for one of the {} review slots past its budget of {budget:?}",
+            hook.settings.max_concurrent_reviews
         )),
     };
     let (response, outcome) = answer(&request, verdict, hook.settings.failure_policy);
@@ -402,7 +385,7 @@ impl Webhook {
     ) -> Verdict {
         let resource = &request.resource;
         let (config, store) = {
-            let state = self.cache.read();
+            let state = self.cache.read().await;
             let Some(config) = state.config.clone() else {
                 return Verdict::Allowed(vec![
                     "haptic has no valid config loaded yet: nothing to check this against"
@@ -450,7 +433,7 @@ impl Webhook {
             return Verdict::Allowed(Vec::new());
         }
         // An Ingress of another controller's class: nothing rendered reads it.
-        if !self.cache.read().stores.is_ours(&store.name, &object) {
+        if !self.cache.read().await.stores.is_ours(&store.name, &object) {
             return Verdict::Allowed(Vec::new());
         }
         let namespace = object
@@ -477,7 +460,7 @@ impl Webhook {
         let store_name = store.name.clone();
         let generation = config.generation;
         let rendered = tokio::task::spawn_blocking(move || {
-            let state = cache.read();
+            let state = cache.blocking_read();
             let Some(running) = state.config.as_ref().filter(|c| c.generation == generation) else {
                 return Err(Verdict::Unjudged(
                     "the config changed during the review".to_owned(),
@@ -553,7 +536,12 @@ impl Webhook {
             span: tracing::Span::none(),
             provenance: Default::default(),
         };
-        if let Err(refusal) = render_gate::policy_check(&checker.policy, &set) {
+        // It reads every line: off the async threads, like the render (a panic refuses).
+        let policy = checker.policy.clone();
+        let checked = tokio::task::spawn_blocking(move || render_gate::policy_check(&policy, &set))
+            .await
+            .unwrap_or_else(|panic| Err(format!("the config policy check failed: {panic}")));
+        if let Err(refusal) = checked {
             return Some(Verdict::Denied(format!(
                 "{what}: the config rendered with it breaks the config policy: {refusal}"
             )));
@@ -564,15 +552,24 @@ impl Webhook {
             ));
         };
         let key = running.map(|c| (c.generation, c.resource_version.clone()));
-        let reduced = key.as_ref().and_then(|key| {
-            let memo = self
-                .checked
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            memo.as_ref()
-                .filter(|(seen, _)| seen == key)
-                .and_then(|(_, checked)| checked.reduce(files))
-        });
+        // Comparing the set with what passed reads every crt-list line: a blocking thread's
+        // work, not an async one's (a burst of reviews would starve the Lease renewals).
+        let reduced = match key.clone() {
+            None => None,
+            Some(key) => {
+                let (memo, files) = (self.checked.clone(), files.clone());
+                tokio::task::spawn_blocking(move || {
+                    let memo = memo
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    memo.as_ref()
+                        .filter(|(seen, _)| *seen == key)
+                        .and_then(|(_, checked)| checked.reduce(&files))
+                })
+                .await
+                .unwrap_or(None)
+            }
+        };
         let mut outcome =
             render_gate::check_files(haproxy, reduced.as_ref().unwrap_or(files)).await;
         // A reduced set refused is checked whole before anything is denied.
@@ -582,16 +579,19 @@ impl Webhook {
         match outcome {
             Ok(()) => {
                 if let Some(key) = key {
-                    let mut memo = self
-                        .checked
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner);
-                    if memo.as_ref().is_none_or(|(seen, _)| *seen != key) {
-                        *memo = Some((key, checked::Checked::default()));
-                    }
-                    if let Some((_, checked)) = memo.as_mut() {
-                        checked.record(files);
-                    }
+                    let (memo, files) = (self.checked.clone(), files.clone());
+                    let _ = tokio::task::spawn_blocking(move || {
+                        let mut memo = memo
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner);
+                        if memo.as_ref().is_none_or(|(seen, _)| *seen != key) {
+                            *memo = Some((key, checked::Checked::default()));
+                        }
+                        if let Some((_, checked)) = memo.as_mut() {
+                            checked.record(&files);
+                        }
+                    })
+                    .await;
                 }
                 None
             }
@@ -614,7 +614,7 @@ impl Webhook {
     async fn stores_refused_too(&self, haproxy: &std::path::Path, alert: &str) -> bool {
         let cache = self.cache.clone();
         let before = tokio::task::spawn_blocking(move || {
-            let state = cache.read();
+            let state = cache.blocking_read();
             state
                 .config
                 .as_ref()
@@ -659,7 +659,7 @@ impl Webhook {
             let config = config::validate(&htc.spec, generation, &rv)?;
             // Rendered against the replica's stores when they are the ones this config
             // watches (same stores and derived views), else with empty stores.
-            let state = cache.read();
+            let state = cache.blocking_read();
             let same_stores = state.config.as_ref().is_some_and(|running| {
                 running.stores == config.stores && running.derivations == config.derivations
             });
@@ -716,6 +716,67 @@ mod tests {
         }))
         .expect("review");
         review.try_into().expect("request")
+    }
+
+    /// A review that waits for a slot past its budget is answered by the failure policy, and
+    /// the wait counted: it is not judged late.
+    #[tokio::test(start_paused = true)]
+    async fn a_review_queued_past_its_budget_gets_the_failure_policy() {
+        let hook = Arc::new(Webhook {
+            cache: StateCache::new(),
+            settings: WebhookSettings {
+                addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+                cert: PathBuf::new(),
+                key: PathBuf::new(),
+                checker: Checker {
+                    haproxy: None,
+                    policy: Default::default(),
+                },
+                budget: Duration::from_secs(2),
+                failure_policy: FailurePolicy::Fail,
+                max_connections: 4,
+                max_concurrent_reviews: 1,
+            },
+            tests: tokio::sync::Mutex::new(None),
+            checked: Arc::new(std::sync::Mutex::new(None)),
+            slots: Semaphore::new(1),
+        });
+        let body = serde_json::to_vec(&json!({
+            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {
+                "uid": "u1",
+                "kind": {"group": "networking.k8s.io", "version": "v1", "kind": "Ingress"},
+                "resource": {"group": "networking.k8s.io", "version": "v1", "resource": "ingresses"},
+                "name": "web", "namespace": "shop", "operation": "CREATE",
+                "userInfo": {"username": "u"},
+                "object": {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": {"name": "web", "namespace": "shop"}},
+            },
+        }))
+        .expect("body");
+        // Every slot is taken (a long review in flight).
+        let held = hook.slots.acquire().await.expect("slot");
+        let response = validate(State(hook.clone()), Bytes::from(body.clone())).await;
+        let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+            .await
+            .expect("body");
+        let review: Json = serde_json::from_slice(&bytes).expect("json");
+        assert_eq!(review["response"]["allowed"], false, "{review}");
+        let message = review["response"]["status"]["message"]
+            .as_str()
+            .expect("message");
+        assert!(
+            message.contains("waited for one of the 1 review slots past its budget")
+                && message.contains("(failure policy: fail)"),
+            "{message}"
+        );
+        // With the slot free, the same review is judged (no config loaded yet: let through).
+        drop(held);
+        let response = validate(State(hook), Bytes::from(body)).await;
+        let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+            .await
+            .expect("body");
+        let review: Json = serde_json::from_slice(&bytes).expect("json");
+        assert_eq!(review["response"]["allowed"], true, "{review}");
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::{
 };
 
 use haptic_controller::{HAProxyTemplateConfig, HAProxyTemplateConfigSpec};
-use haptic_testkit::TestApi;
+use haptic_testkit::{TestApi, TestPki};
 use k8s_openapi::{
     api::{
         core::v1::{Pod, Secret, Service},
@@ -52,6 +52,9 @@ pub struct Env {
     pub ns: String,
     pub apps: String,
     pub dir: tempfile::TempDir,
+    /// The agent channel's throwaway PKI: agents serve mutual TLS with it, controllers present
+    /// its client certificate.
+    pub pki: TestPki,
 }
 
 impl Env {
@@ -78,12 +81,17 @@ impl Env {
             dir.disable_cleanup(true);
             eprintln!("test data in {}", dir.path().display());
         }
+        // The agents play pods at 127.0.0.2 and up (Agent::start).
+        let ips: Vec<String> = (2..=16).map(|n| format!("127.0.0.{n}")).collect();
+        let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
+        let pki = TestPki::generate(dir.path(), &ips).expect("test PKI");
         Self {
             api,
             admin,
             ns,
             apps,
             dir,
+            pki,
         }
     }
 
@@ -435,6 +443,7 @@ impl Agent {
             .arg("--supervise")
             .arg("--drain-seconds")
             .arg("1")
+            .args(env.pki.agent_args())
             .env("POD_IP", &ip)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
@@ -540,6 +549,7 @@ impl Controller {
             .arg(format!("127.0.0.1:{health}"))
             .arg("--haproxy")
             .arg(haproxy_bin())
+            .args(env.pki.controller_args())
             .env("RUST_LOG", "info,haptic_controller=debug")
             .envs(extra_env.iter().map(|(k, v)| (*k, v.as_str())))
             .stdin(Stdio::null())

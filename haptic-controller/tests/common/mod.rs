@@ -1,7 +1,8 @@
 //! Test support: the haptic-testkit API server in this process; the controller and the real
 //! `haptic-agent` (with supervised HAProxy) as child processes; small HTTP backends; and the
 //! Kubernetes objects an Ingress needs. Each agent plays a pod on its own loopback address
-//! (127.0.0.N), so every HAProxy binds the same ports on its own address, as pods do.
+//! (127.0.0.N), so every HAProxy binds the same ports on its own address, as pods do. The
+//! channel between them is mutual TLS, from a throwaway PKI per cluster ([`TestPki`]).
 #![allow(dead_code, unreachable_pub)]
 
 use std::{
@@ -15,7 +16,7 @@ use std::{
 
 use haptic_agent_client::{AgentClient, AgentState, ClientConfig, Target};
 use haptic_controller::{HAProxyTemplateConfig, HAProxyTemplateConfigSpec, reference};
-use haptic_testkit::ApiServer;
+use haptic_testkit::{ApiServer, TestPki};
 use k8s_openapi::{
     api::{
         coordination::v1::Lease,
@@ -102,6 +103,8 @@ pub struct Cluster {
     pub server: ApiServer,
     pub client: kube::Client,
     pub dir: tempfile::TempDir,
+    /// The agent channel's CA and certificates (agents at 127.0.0.2 to 127.0.0.12).
+    pub pki: TestPki,
 }
 
 impl Cluster {
@@ -129,10 +132,14 @@ impl Cluster {
             dir.disable_cleanup(true);
             eprintln!("test data in {}", dir.path().display());
         }
+        let ips: Vec<String> = (2..=12).map(|n| format!("127.0.0.{n}")).collect();
+        let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
+        let pki = TestPki::generate(dir.path(), &ips).expect("test PKI");
         Self {
             server,
             client,
             dir,
+            pki,
         }
     }
 
@@ -383,6 +390,8 @@ pub async fn get(addr: &str, host: &str, path: &str) -> Option<(u16, String)> {
 /// The `haptic-agent` binary with supervised HAProxy, playing pod `name` at 127.0.0.`index`.
 pub struct Agent {
     pub name: String,
+    /// The channel's PKI, to reach this agent as the controller does.
+    pub pki: TestPki,
     pub ip: String,
     pub agent_port: u16,
     pub http_port: u16,
@@ -422,6 +431,7 @@ impl Agent {
             .arg("--supervise")
             .arg("--drain-seconds")
             .arg("1")
+            .args(cluster.pki.agent_args())
             .env("POD_IP", &ip)
             .env("RUST_LOG", "info")
             .envs(env.iter().copied())
@@ -433,6 +443,7 @@ impl Agent {
             .expect("agent starts");
         let agent = Self {
             name,
+            pki: cluster.pki.clone(),
             ip,
             agent_port,
             http_port,
@@ -486,12 +497,41 @@ impl Agent {
             .expect("pod status");
     }
 
+    /// The agent's base URL (https: the channel is mutual TLS).
+    pub fn url(&self) -> String {
+        format!("https://{}/", self.agent_addr())
+    }
+
+    /// A client that reaches this agent as the controller does (its client certificate, the
+    /// token, the agent verified by its IP).
+    pub fn client(&self) -> AgentClient {
+        let tls = haptic_agent_client::tls::client_config(
+            &self.pki.ca,
+            None,
+            Some(&haptic_agent_client::tls::PairFiles {
+                cert: self.pki.controller_cert.clone(),
+                key: self.pki.controller_key.clone(),
+            }),
+        )
+        .expect("client TLS");
+        AgentClient::new(
+            ClientConfig::new(TOKEN)
+                .with_retries(1, Duration::from_millis(10))
+                .with_tls(tls),
+        )
+        .expect("agent client")
+    }
+
     pub async fn state(&self) -> Option<AgentState> {
-        let client =
-            AgentClient::new(ClientConfig::new(TOKEN).with_retries(1, Duration::from_millis(10)))
-                .ok()?;
-        let target = Target::new(&self.name, &format!("http://{}/", self.agent_addr())).ok()?;
-        client.state(&target.url).await.ok()
+        let target = Target::new(&self.name, &self.url()).ok()?;
+        self.client().state(&target.url).await.ok()
+    }
+
+    /// An authorized GET of `path` on the agent's API: the body of a 200.
+    pub async fn fetch(&self, path: &str) -> Option<String> {
+        let target = Target::new(&self.name, &self.url()).ok()?;
+        let body = self.client().get_raw(&target.url, path).await.ok()?;
+        Some(String::from_utf8_lossy(&body).into_owned())
     }
 
     /// Waits until a GET through this pod's HAProxy answers `want` (status, body).
@@ -544,6 +584,36 @@ impl Controller {
     }
 
     pub async fn start_with_env(cluster: &Cluster, name: &str, env: &[(&str, &str)]) -> Self {
+        Self::start_with(cluster, name, env, &[]).await
+    }
+
+    /// Started with `env` and these extra `run` arguments.
+    pub async fn start_with(
+        cluster: &Cluster,
+        name: &str,
+        env: &[(&str, &str)],
+        args: &[&str],
+    ) -> Self {
+        Self::spawn(cluster, name, env, args, true).await
+    }
+
+    /// Started with no agent channel flags: the controller's own CA (`agent_ca`).
+    pub async fn start_with_own_ca(cluster: &Cluster, name: &str) -> Self {
+        Self::spawn(cluster, name, &[], &[], false).await
+    }
+
+    async fn spawn(
+        cluster: &Cluster,
+        name: &str,
+        env: &[(&str, &str)],
+        args: &[&str],
+        channel_flags: bool,
+    ) -> Self {
+        let channel: Vec<std::ffi::OsString> = if channel_flags {
+            cluster.pki.controller_args()
+        } else {
+            Vec::new()
+        };
         let kubeconfig = cluster.server.kubeconfig_for(name).expect("kubeconfig");
         let log = cluster.dir.path().join(format!("{name}.log"));
         let file = std::fs::OpenOptions::new()
@@ -564,6 +634,8 @@ impl Controller {
             .arg(format!("127.0.0.1:{health}"))
             .arg("--haproxy")
             .arg(haproxy_bin())
+            .args(channel)
+            .args(args)
             .env("RUST_LOG", "info,haptic_controller=debug")
             // No default certificate unless a test asks for one (`tenants`): its Secret would
             // be one more TLS Secret in the stores and the published set.

@@ -65,6 +65,9 @@ pub struct Annotation {
 
 const SNIPPET_NOTE: &str = "raw NGINX config is never rendered (CVE-2025-1974: config injected from an Ingress ran in the controller); express the need with Ingress fields, or ask the platform team to add it to the HAProxyTemplateConfig";
 
+const UNKNOWN_NOTE: &str =
+    "not an annotation HAPTIC knows (a typo, or one the registry does not list)";
+
 const fn refused(name: &'static str) -> Annotation {
     Annotation {
         name,
@@ -282,10 +285,7 @@ pub fn judge_key(key: &str) -> Option<Finding> {
     let (verdict, note) = match lookup(name) {
         Some(a) => (a.verdict, a.note.to_owned()),
         None if name.ends_with("-snippet") => (Verdict::Refused, SNIPPET_NOTE.to_owned()),
-        None => (
-            Verdict::Unknown,
-            "not an annotation HAPTIC knows: it is not applied".to_owned(),
-        ),
+        None => (Verdict::Unknown, UNKNOWN_NOTE.to_owned()),
     };
     Some(Finding {
         annotation: key.to_owned(),
@@ -348,10 +348,11 @@ pub fn table() -> String {
         ));
     }
     out.push_str(&format!(
-        "| any other `{PREFIX}*-snippet` | {} | {} |\n| any other `{PREFIX}*` | {} | not an annotation HAPTIC knows: it is not applied |\n",
+        "| any other `{PREFIX}*-snippet` | {} | {} |\n| any other `{PREFIX}*` | {} | {} |\n",
         Verdict::Refused,
         SNIPPET_NOTE,
-        Verdict::Unknown
+        Verdict::Unknown,
+        UNKNOWN_NOTE
     ));
     out
 }

@@ -45,8 +45,24 @@ enum Command {
     /// Run a HAProxyTemplateConfig's validation tests offline (no cluster): exit 0 when all
     /// pass, 1 otherwise.
     Validate(ValidateArgs),
+    /// Report what moving Ingresses off ingress-nginx changes: per Ingress, each
+    /// `nginx.ingress.kubernetes.io/*` annotation with its verdict (refused, not-yet-supported,
+    /// unknown) and what is lost. Exit 0 when nothing changes, 1 when something would behave
+    /// differently, 2 when a file cannot be read.
+    Migrate(MigrateArgs),
     /// Print the version.
     Version,
+}
+
+#[derive(Parser)]
+struct MigrateArgs {
+    /// Files of Ingresses (YAML or JSON, multi-document; a `List`'s items too; other kinds
+    /// are skipped).
+    #[arg(short = 'f', long = "file", required = true, num_args = 1..)]
+    files: Vec<PathBuf>,
+    /// How to report.
+    #[arg(long, value_enum, default_value = "summary")]
+    output: OutputFormat,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -244,6 +260,14 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::Migrate(args) => match migrate(&args) {
+            Ok(false) => ExitCode::SUCCESS,
+            Ok(true) => ExitCode::FAILURE,
+            Err(error) => {
+                eprintln!("haptic-controller migrate: {error:#}");
+                ExitCode::from(2)
+            }
+        },
         Command::Run(args) => {
             init_logging(args.log_format);
             match run(*args) {
@@ -388,6 +412,27 @@ fn run(args: RunArgs) -> Result<()> {
     runtime.shutdown_timeout(Duration::from_secs(1));
     drop(provider);
     Ok(())
+}
+
+/// `haptic-controller migrate`: prints the report; `Ok(true)` when something would behave
+/// differently.
+fn migrate(args: &MigrateArgs) -> Result<bool> {
+    let mut report = haptic_controller::migrate::Report::default();
+    for file in &args.files {
+        let text =
+            std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+        let docs: Vec<serde_json::Value> = serde_saphyr::from_multiple(&text)
+            .with_context(|| format!("parsing {}", file.display()))?;
+        report.add(&file.display().to_string(), &docs);
+    }
+    match args.output {
+        OutputFormat::Summary => print!("{}", report.summary()),
+        OutputFormat::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&report).context("writing the report")?
+        ),
+    }
+    Ok(report.behaves_differently)
 }
 
 /// `haptic-controller validate`: `Ok(true)` when every test passed.

@@ -2158,6 +2158,56 @@ mod tests {
     }
 
     #[test]
+    fn ingress_nginx_annotations_get_a_row_per_annotated_ingress() {
+        let mut s = Stores::new();
+        s.add("ingresses", StoreConfig::default()).unwrap();
+        s.derive(
+            "nginx",
+            Derivation::IngressAnnotations {
+                ingresses: "ingresses".into(),
+                classes: None,
+            },
+        )
+        .unwrap();
+        let ing = |name: &str, annotations: Json| json!({"metadata": {"namespace": "ns", "name": name, "annotations": annotations}});
+        apply(
+            &mut s,
+            "ingresses",
+            ing("plain", json!({"cert-manager.io/issuer": "x"})),
+        );
+        apply(
+            &mut s,
+            "ingresses",
+            ing(
+                "legacy",
+                json!({
+                    "nginx.ingress.kubernetes.io/server-snippet": "return 200;",
+                    "nginx.ingress.kubernetes.io/limit-rps": "5",
+                }),
+            ),
+        );
+        let rows = derived(&s, "nginx");
+        assert_eq!(rows.as_array().unwrap().len(), 1, "{rows}");
+        let row = &rows[0];
+        assert_eq!(row["ingress"], "legacy");
+        assert!(
+            row["refused"]
+                .as_str()
+                .unwrap()
+                .starts_with("nginx.ingress.kubernetes.io/server-snippet refused: raw NGINX config is never rendered"),
+            "{row}"
+        );
+        assert_eq!(
+            row["not_applied"],
+            "ingress-nginx annotations not applied: nginx.ingress.kubernetes.io/limit-rps (not-yet-supported) (see docs/nginx-annotations.md)"
+        );
+        assert_eq!(row["origin"], json!(["ingresses", "ns", "legacy"]));
+        // A new version is judged again: without its nginx annotations it has no row.
+        apply(&mut s, "ingresses", ing("legacy", json!({})));
+        assert_eq!(derived(&s, "nginx"), json!([]));
+    }
+
+    #[test]
     fn joins_pointing_at_each_other_keep_nothing_alive() {
         let mut s = Stores::new();
         s.add("x", StoreConfig::default()).unwrap();
@@ -2444,6 +2494,8 @@ mod tests {
             "default_backends": {"kind": "ingressDefaultBackends", "ingresses": "ingresses",
                                  "services": "services", "classes": classes},
             "ingresses": {"kind": "ingresses", "ingresses": "ingresses", "classes": classes},
+            "nginx_annotations": {"kind": "ingressAnnotations", "ingresses": "ingresses",
+                                  "classes": classes},
             "routes_exact": {"kind": "ingressRoutes", "ingresses": "ingresses",
                              "services": "services", "exact": true, "classes": classes},
             "routes_prefix": {"kind": "ingressRoutes", "ingresses": "ingresses",

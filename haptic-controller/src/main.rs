@@ -58,8 +58,18 @@ enum Command {
 struct MigrateArgs {
     /// Files of Ingresses (YAML or JSON, multi-document; a `List`'s items too; other kinds
     /// are skipped).
-    #[arg(short = 'f', long = "file", required = true, num_args = 1..)]
+    #[arg(short = 'f', long = "file", num_args = 1.., required_unless_present = "from_cluster")]
     files: Vec<PathBuf>,
+    /// Read the Ingresses from the cluster too (all namespaces, or `--namespace`).
+    #[arg(long)]
+    from_cluster: bool,
+    /// With `--from-cluster`: only this namespace.
+    #[arg(long, requires = "from_cluster")]
+    namespace: Option<String>,
+    /// With `--from-cluster`: the kubeconfig (default: in-cluster config, else $KUBECONFIG or
+    /// ~/.kube/config).
+    #[arg(long, env = "KUBECONFIG", requires = "from_cluster")]
+    kubeconfig: Option<PathBuf>,
     /// How to report.
     #[arg(long, value_enum, default_value = "summary")]
     output: OutputFormat,
@@ -425,6 +435,17 @@ fn migrate(args: &MigrateArgs) -> Result<bool> {
             .with_context(|| format!("parsing {}", file.display()))?;
         report.add(&file.display().to_string(), &docs);
     }
+    if args.from_cluster {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("starting the runtime")?;
+        let docs = runtime.block_on(cluster_ingresses(
+            args.kubeconfig.as_deref(),
+            args.namespace.as_deref(),
+        ))?;
+        report.add("cluster", &docs);
+    }
     match args.output {
         OutputFormat::Summary => print!("{}", report.summary()),
         OutputFormat::Json => println!(
@@ -532,6 +553,31 @@ fn haproxy_binary(name: &str) -> PathBuf {
         }
     }
     path
+}
+
+/// Every Ingress of the cluster (or of `namespace`), as JSON, read in pages of 500.
+async fn cluster_ingresses(
+    kubeconfig: Option<&std::path::Path>,
+    namespace: Option<&str>,
+) -> Result<Vec<serde_json::Value>> {
+    use k8s_openapi::api::networking::v1::Ingress;
+    let client = client(kubeconfig).await?;
+    let api: kube::Api<Ingress> = match namespace {
+        Some(ns) => kube::Api::namespaced(client, ns),
+        None => kube::Api::all(client),
+    };
+    let mut docs = Vec::new();
+    let mut params = kube::api::ListParams::default().limit(500);
+    loop {
+        let page = api.list(&params).await.context("listing Ingresses")?;
+        for ing in page.items {
+            docs.push(serde_json::to_value(&ing).context("an Ingress as JSON")?);
+        }
+        match page.metadata.continue_.filter(|c| !c.is_empty()) {
+            Some(token) => params = params.continue_token(&token),
+            None => return Ok(docs),
+        }
+    }
 }
 
 async fn client(kubeconfig: Option<&std::path::Path>) -> Result<kube::Client> {

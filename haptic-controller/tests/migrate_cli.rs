@@ -1,10 +1,13 @@
 //! `haptic-controller migrate`, run as the built binary on a fixture of real-world-looking
 //! ingress-nginx Ingresses: each nginx annotation with its verdict and what changes, exit 1
 //! when something would behave differently, 0 when nothing does, 2 for an unreadable file;
-//! `--output json`.
+//! `--output json`; `--from-cluster` through a kubeconfig (the testkit API server).
+
+mod common;
 
 use std::{path::Path, process::Command};
 
+use common::*;
 use serde_json::{Value, json};
 
 fn migrate(args: &[&str]) -> (i32, String, String) {
@@ -99,4 +102,60 @@ fn json_output_and_exit_codes() {
     let (code, _, err) = migrate(&["-f", &missing]);
     assert_eq!(code, 2);
     assert!(err.contains(&format!("reading {missing}")), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn from_the_cluster_through_a_kubeconfig() {
+    let cluster = Cluster::start().await;
+    cluster
+        .ingress("plain", "plain.example.com", "/", "web")
+        .await;
+    let mut legacy =
+        serde_json::to_value(ingress("legacy", "legacy.example.com", "/", "web")).expect("json");
+    legacy["metadata"]["annotations"] =
+        json!({"nginx.ingress.kubernetes.io/ssl-redirect": "false"});
+    cluster
+        .api::<k8s_openapi::api::networking::v1::Ingress>()
+        .create(
+            &Default::default(),
+            &serde_json::from_value(legacy).expect("ingress"),
+        )
+        .await
+        .expect("ingress created");
+    let kubeconfig = cluster
+        .server
+        .kubeconfig_for("migrate")
+        .expect("kubeconfig")
+        .display()
+        .to_string();
+    let args: Vec<String> = [
+        "--from-cluster",
+        "--kubeconfig",
+        &kubeconfig,
+        "--namespace",
+        NS,
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    // The API server answers on this runtime: the process is waited for off it.
+    let (code, out, err) = tokio::task::spawn_blocking(move || {
+        migrate(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    })
+    .await
+    .expect("migrate");
+    assert_eq!(code, 1, "{out}{err}");
+    assert_eq!(
+        out,
+        format!(
+            "Ingress {NS}/legacy (cluster):
+  not-yet-supported nginx.ingress.kubernetes.io/ssl-redirect: HTTP is redirected to HTTPS for TLS hosts as by default; to turn it off use `haproxy-haptic.org/ssl-redirect: \"false\"`
+Ingress {NS}/plain (cluster): no ingress-nginx annotations: carried over as it is
+2 Ingresses: 1 would behave differently (0 refused), 1 carried over as they are
+"
+        )
+    );
+    // A cluster that cannot be reached: exit 2.
+    let (code, _, err) = migrate(&["--from-cluster", "--kubeconfig", "/nonexistent"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("reading kubeconfig /nonexistent"), "{err}");
 }

@@ -36,6 +36,7 @@ pub mod duration;
 pub mod events;
 pub mod health;
 pub mod metrics;
+pub mod migrate;
 pub mod pod_discovery;
 pub mod published;
 pub mod reconciler;

@@ -45,8 +45,34 @@ enum Command {
     /// Run a HAProxyTemplateConfig's validation tests offline (no cluster): exit 0 when all
     /// pass, 1 otherwise.
     Validate(ValidateArgs),
+    /// Report what moving Ingresses off ingress-nginx changes: per Ingress, each
+    /// `nginx.ingress.kubernetes.io/*` annotation with its verdict (refused, not-yet-supported,
+    /// unknown) and what is lost. Exit 0 when nothing changes, 1 when something would behave
+    /// differently, 2 when a file cannot be read.
+    Migrate(MigrateArgs),
     /// Print the version.
     Version,
+}
+
+#[derive(Parser)]
+struct MigrateArgs {
+    /// Files of Ingresses (YAML or JSON, multi-document; a `List`'s items too; other kinds
+    /// are skipped).
+    #[arg(short = 'f', long = "file", num_args = 1.., required_unless_present = "from_cluster")]
+    files: Vec<PathBuf>,
+    /// Read the Ingresses from the cluster too (all namespaces, or `--namespace`).
+    #[arg(long)]
+    from_cluster: bool,
+    /// With `--from-cluster`: only this namespace.
+    #[arg(long, requires = "from_cluster")]
+    namespace: Option<String>,
+    /// With `--from-cluster`: the kubeconfig (default: in-cluster config, else $KUBECONFIG or
+    /// ~/.kube/config).
+    #[arg(long, env = "KUBECONFIG", requires = "from_cluster")]
+    kubeconfig: Option<PathBuf>,
+    /// How to report.
+    #[arg(long, value_enum, default_value = "summary")]
+    output: OutputFormat,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -244,6 +270,14 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::Migrate(args) => match migrate(&args) {
+            Ok(false) => ExitCode::SUCCESS,
+            Ok(true) => ExitCode::FAILURE,
+            Err(error) => {
+                eprintln!("haptic-controller migrate: {error:#}");
+                ExitCode::from(2)
+            }
+        },
         Command::Run(args) => {
             init_logging(args.log_format);
             match run(*args) {
@@ -390,6 +424,38 @@ fn run(args: RunArgs) -> Result<()> {
     Ok(())
 }
 
+/// `haptic-controller migrate`: prints the report; `Ok(true)` when something would behave
+/// differently.
+fn migrate(args: &MigrateArgs) -> Result<bool> {
+    let mut report = haptic_controller::migrate::Report::default();
+    for file in &args.files {
+        let text =
+            std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+        let docs: Vec<serde_json::Value> = serde_saphyr::from_multiple(&text)
+            .with_context(|| format!("parsing {}", file.display()))?;
+        report.add(&file.display().to_string(), &docs);
+    }
+    if args.from_cluster {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("starting the runtime")?;
+        let docs = runtime.block_on(cluster_ingresses(
+            args.kubeconfig.as_deref(),
+            args.namespace.as_deref(),
+        ))?;
+        report.add("cluster", &docs);
+    }
+    match args.output {
+        OutputFormat::Summary => print!("{}", report.summary()),
+        OutputFormat::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&report).context("writing the report")?
+        ),
+    }
+    Ok(report.behaves_differently)
+}
+
 /// `haptic-controller validate`: `Ok(true)` when every test passed.
 fn validate(args: &ValidateArgs) -> Result<bool> {
     use haptic_controller::{config, crd::HAProxyTemplateConfig, validation};
@@ -487,6 +553,31 @@ fn haproxy_binary(name: &str) -> PathBuf {
         }
     }
     path
+}
+
+/// Every Ingress of the cluster (or of `namespace`), as JSON, read in pages of 500.
+async fn cluster_ingresses(
+    kubeconfig: Option<&std::path::Path>,
+    namespace: Option<&str>,
+) -> Result<Vec<serde_json::Value>> {
+    use k8s_openapi::api::networking::v1::Ingress;
+    let client = client(kubeconfig).await?;
+    let api: kube::Api<Ingress> = match namespace {
+        Some(ns) => kube::Api::namespaced(client, ns),
+        None => kube::Api::all(client),
+    };
+    let mut docs = Vec::new();
+    let mut params = kube::api::ListParams::default().limit(500);
+    loop {
+        let page = api.list(&params).await.context("listing Ingresses")?;
+        for ing in page.items {
+            docs.push(serde_json::to_value(&ing).context("an Ingress as JSON")?);
+        }
+        match page.metadata.continue_.filter(|c| !c.is_empty()) {
+            Some(token) => params = params.continue_token(&token),
+            None => return Ok(docs),
+        }
+    }
 }
 
 async fn client(kubeconfig: Option<&std::path::Path>) -> Result<kube::Client> {

@@ -173,6 +173,99 @@ async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate()
     let (allowed, message, _) = response(&answer);
     assert!(allowed, "{message}\n{}", controller.logs());
 
+    // ingress-nginx annotations are never silently ignored: a snippet is denied, naming it
+    // and why; the others are allowed with a warning naming each and its verdict.
+    let mut snippet = ingress_json("legacy", "legacy.example.com");
+    snippet["metadata"]["annotations"] = json!({
+        "nginx.ingress.kubernetes.io/server-snippet": "location /x { return 200; }",
+        "nginx.ingress.kubernetes.io/rewrite-target": "/",
+    });
+    let (_, answer) = post(
+        &trusting,
+        port,
+        review("CREATE", INGRESS, "legacy", snippet.clone(), Value::Null),
+    )
+    .await;
+    let (allowed, message, _) = response(&answer);
+    assert!(!allowed, "{answer}");
+    assert!(
+        message.starts_with("Ingress default/legacy: nginx.ingress.kubernetes.io/server-snippet refused: raw NGINX config is never rendered (CVE-2025-1974"),
+        "{message}"
+    );
+    assert_eq!(answer["response"]["status"]["code"], 403);
+    let mut unsupported = ingress_json("legacy", "legacy.example.com");
+    unsupported["metadata"]["annotations"] = json!({
+        "nginx.ingress.kubernetes.io/rewrite-target": "/",
+        "nginx.ingress.kubernetes.io/no-such-thing": "on",
+        "haproxy-haptic.org/ssl-redirect": "false",
+    });
+    let (_, answer) = post(
+        &trusting,
+        port,
+        review("CREATE", INGRESS, "legacy", unsupported, Value::Null),
+    )
+    .await;
+    let (allowed, message, warnings) = response(&answer);
+    assert!(allowed, "{message}");
+    assert_eq!(
+        warnings,
+        [
+            "Ingress default/legacy: nginx.ingress.kubernetes.io/no-such-thing is not applied (unknown): not an annotation HAPTIC knows (a typo, or one the registry does not list)",
+            "Ingress default/legacy: nginx.ingress.kubernetes.io/rewrite-target is not applied (not-yet-supported): the path is passed to the backend unchanged",
+        ],
+        "{answer}"
+    );
+    // Another controller's Ingress may carry them: not ours, not judged.
+    let mut theirs = snippet.clone();
+    theirs["spec"]["ingressClassName"] = json!("nginx");
+    let (_, answer) = post(
+        &trusting,
+        port,
+        review("CREATE", INGRESS, "legacy", theirs, Value::Null),
+    )
+    .await;
+    assert_eq!(
+        response(&answer),
+        (true, String::new(), Vec::new()),
+        "{answer}"
+    );
+    // One stored anyway (here the API server calls no webhook) gets Warning Events.
+    snippet["metadata"]["namespace"] = json!(NS);
+    cluster
+        .api::<k8s_openapi::api::networking::v1::Ingress>()
+        .create(
+            &Default::default(),
+            &serde_json::from_value(snippet).expect("ingress"),
+        )
+        .await
+        .expect("ingress created");
+    for (reason, note) in [
+        (
+            "SnippetRefused",
+            "nginx.ingress.kubernetes.io/server-snippet refused: raw NGINX config is never rendered (CVE-2025-1974",
+        ),
+        (
+            "AnnotationNotSupported",
+            "ingress-nginx annotations not applied: nginx.ingress.kubernetes.io/rewrite-target (not-yet-supported)",
+        ),
+    ] {
+        let api = cluster.api::<k8s_openapi::api::events::v1::Event>();
+        eventually(
+            &format!("an Event {reason} on Ingress legacy saying {note:?}"),
+            Duration::from_secs(20),
+            || async {
+                let events = api.list(&Default::default()).await.ok()?;
+                events.items.into_iter().find(|e| {
+                    e.reason.as_deref() == Some(reason)
+                        && e.type_.as_deref() == Some("Warning")
+                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("legacy")
+                        && e.note.as_deref().is_some_and(|n| n.starts_with(note))
+                })
+            },
+        )
+        .await;
+    }
+
     // One that would add a directive is denied, naming it, the field, the template and line.
     let evil = ingress_json("evil", "evil.example.com\n    lua-load /etc/passwd");
     let (_, answer) = post(

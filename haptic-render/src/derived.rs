@@ -88,6 +88,12 @@
 //! [`Derivation::Ingresses`]: a row per Ingress (sorted by namespace and name): `namespace`,
 //! `name`, `object` (the resource).
 //!
+//! [`Derivation::IngressAnnotations`]: a row per Ingress that carries
+//! `nginx.ingress.kubernetes.io/*` annotations (sorted by namespace and name), none of which
+//! is applied ([`crate::nginx`], the registry): `refused`, the message of a `SnippetRefused`
+//! Event (`""` when no snippet), `not_applied`, the message of an `AnnotationNotSupported`
+//! Event (`""` when all are snippets), `namespace`, `ingress`, `origin`.
+//!
 //! [`Derivation::IngressDefaultBackends`]: a row per Ingress with a `spec.defaultBackend`, the
 //! winner first (the oldest whose default backend is a Service), then the other Service backends
 //! (oldest first), then resource backends: `backend` (resolved as a route's), `resource`,
@@ -255,6 +261,16 @@ pub enum Derivation {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         classes: Option<IngressClassFilter>,
     },
+    /// A row per Ingress (of our classes, when `classes` is set) that carries
+    /// `nginx.ingress.kubernetes.io/*` annotations, with what is not applied of them
+    /// ([`crate::nginx`]).
+    IngressAnnotations {
+        /// The store of networking.k8s.io/v1 Ingresses.
+        ingresses: String,
+        /// When set, only the Ingresses of our classes.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        classes: Option<IngressClassFilter>,
+    },
     /// A map from `"<namespace>/<name>"` to the verdict on each `kubernetes.io/tls` Secret,
     /// with its PEM when usable (see [`crate::certificate`]).
     TlsCertificates {
@@ -290,7 +306,9 @@ impl Derivation {
             Self::IngressTls {
                 ingresses, secrets, ..
             } => vec![ingresses, secrets],
-            Self::Ingresses { ingresses, .. } => vec![ingresses],
+            Self::Ingresses { ingresses, .. } | Self::IngressAnnotations { ingresses, .. } => {
+                vec![ingresses]
+            }
             Self::TlsCertificates { secrets } => vec![secrets],
         };
         if let Some(classes) = self.classes() {
@@ -311,6 +329,7 @@ impl Derivation {
             | Self::IngressRoutes { classes, .. }
             | Self::IngressTls { classes, .. }
             | Self::Ingresses { classes, .. }
+            | Self::IngressAnnotations { classes, .. }
             | Self::IngressDefaultBackends { classes, .. } => classes.as_ref(),
         }
     }
@@ -323,6 +342,7 @@ impl Derivation {
             Self::IngressRoutes { ingresses, .. }
             | Self::IngressTls { ingresses, .. }
             | Self::Ingresses { ingresses, .. }
+            | Self::IngressAnnotations { ingresses, .. }
             | Self::IngressDefaultBackends { ingresses, .. } => Some(ingresses),
         }
     }
@@ -336,6 +356,7 @@ impl Derivation {
             Self::Ingresses { .. } => 3,
             Self::IngressDefaultBackends { .. } => 4,
             Self::TlsCertificates { .. } => 5,
+            Self::IngressAnnotations { .. } => 6,
         }
     }
 }
@@ -391,7 +412,7 @@ pub(crate) struct Extracts {
     class: OnceLock<IngressClassExtract>,
     /// The rows this resource last contributed to a view, and what they were joined with, per
     /// kind of view ([`Derivation::slot`]).
-    rows: Mutex<[Option<Contribution>; 6]>,
+    rows: Mutex<[Option<Contribution>; 7]>,
 }
 
 /// An IngressClass: whether it is ours (by controller name) and marked default.
@@ -445,6 +466,22 @@ struct IngressExtract {
     default_backend: Option<DefaultBackendExtract>,
     /// Not turned off by the annotation `haproxy-haptic.org/ssl-redirect: "false"`.
     ssl_redirect: bool,
+    /// What is not applied of its ingress-nginx annotations ([`crate::nginx`]): the message of
+    /// the refused ones and of the others (none when there are none).
+    nginx: Option<(Option<String>, Option<String>)>,
+}
+
+/// The ingress-nginx annotations of an Ingress, judged by the registry: the messages of its
+/// Events (refused, not applied); none when it carries none.
+fn nginx_findings(ing: &Value) -> Option<(Option<String>, Option<String>)> {
+    let annotations = path(ing, &["metadata", "annotations"])?.as_map()?;
+    let found = crate::nginx::judge(annotations.keys().filter_map(Key::as_str));
+    (!found.is_empty()).then(|| {
+        (
+            crate::nginx::refusal(&found),
+            crate::nginx::not_applied(&found),
+        )
+    })
 }
 
 /// How an Ingress names its class.
@@ -641,6 +678,7 @@ impl Extracts {
                 created: (!created.is_empty()).then(|| created.to_owned()),
                 default_backend,
                 ssl_redirect: annotation(SSL_REDIRECT_ANNOTATION) != "false",
+                nginx: nginx_findings(ing),
             }
         })
     }
@@ -1280,6 +1318,34 @@ fn ingress_rows(slot: Slot, ingresses: Source<'_>, ours: &Ours<'_>) -> Value {
     Value::from(rows)
 }
 
+/// A row per Ingress that carries ingress-nginx annotations: what is not applied of them.
+fn annotation_rows(slot: Slot, (store, ingresses): (&str, Source<'_>), ours: &Ours<'_>) -> Value {
+    let ours = ours.of(ingresses);
+    let mut rows = Vec::new();
+    for ing in &ours {
+        let Some((refused, not_applied)) = &ing.ingress.nginx else {
+            continue;
+        };
+        ing.extracts
+            .rows_into(slot, std::iter::empty(), &mut rows, || {
+                vec![row([
+                    (
+                        "refused",
+                        Value::from(refused.as_deref().unwrap_or_default()),
+                    ),
+                    (
+                        "not_applied",
+                        Value::from(not_applied.as_deref().unwrap_or_default()),
+                    ),
+                    ("namespace", Value::from(ing.namespace)),
+                    ("ingress", Value::from(ing.name)),
+                    ("origin", origin(store, ing.namespace, ing.name)),
+                ])]
+            });
+    }
+    Value::from(rows)
+}
+
 /// Our Ingresses with a `spec.defaultBackend`: Service backends oldest first (the first is
 /// the winner), then resource backends oldest first.
 fn default_backend_candidates<'a, 'b>(
@@ -1523,6 +1589,7 @@ fn store_of(derivation: &Derivation) -> &str {
         Derivation::IngressRoutes { ingresses, .. }
         | Derivation::IngressTls { ingresses, .. }
         | Derivation::Ingresses { ingresses, .. }
+        | Derivation::IngressAnnotations { ingresses, .. }
         | Derivation::IngressDefaultBackends { ingresses, .. } => ingresses,
         Derivation::TlsCertificates { secrets } => secrets,
     }
@@ -1555,6 +1622,9 @@ fn compute(derivation: &Derivation, slot: Slot, inputs: &[Source<'_>]) -> Value 
             ingress_tls(slot, (store_of(derivation), *ingresses), *secrets, &ours)
         }
         (Derivation::Ingresses { .. }, [ingresses]) => ingress_rows(slot, *ingresses, &ours),
+        (Derivation::IngressAnnotations { .. }, [ingresses]) => {
+            annotation_rows(slot, (store_of(derivation), *ingresses), &ours)
+        }
         (Derivation::IngressDefaultBackends { .. }, [ingresses, services]) => {
             default_backends(*ingresses, *services, &ours)
         }
@@ -2088,6 +2158,56 @@ mod tests {
     }
 
     #[test]
+    fn ingress_nginx_annotations_get_a_row_per_annotated_ingress() {
+        let mut s = Stores::new();
+        s.add("ingresses", StoreConfig::default()).unwrap();
+        s.derive(
+            "nginx",
+            Derivation::IngressAnnotations {
+                ingresses: "ingresses".into(),
+                classes: None,
+            },
+        )
+        .unwrap();
+        let ing = |name: &str, annotations: Json| json!({"metadata": {"namespace": "ns", "name": name, "annotations": annotations}});
+        apply(
+            &mut s,
+            "ingresses",
+            ing("plain", json!({"cert-manager.io/issuer": "x"})),
+        );
+        apply(
+            &mut s,
+            "ingresses",
+            ing(
+                "legacy",
+                json!({
+                    "nginx.ingress.kubernetes.io/server-snippet": "return 200;",
+                    "nginx.ingress.kubernetes.io/limit-rps": "5",
+                }),
+            ),
+        );
+        let rows = derived(&s, "nginx");
+        assert_eq!(rows.as_array().unwrap().len(), 1, "{rows}");
+        let row = &rows[0];
+        assert_eq!(row["ingress"], "legacy");
+        assert!(
+            row["refused"]
+                .as_str()
+                .unwrap()
+                .starts_with("nginx.ingress.kubernetes.io/server-snippet refused: raw NGINX config is never rendered"),
+            "{row}"
+        );
+        assert_eq!(
+            row["not_applied"],
+            "ingress-nginx annotations not applied: nginx.ingress.kubernetes.io/limit-rps (not-yet-supported) (see docs/nginx-annotations.md)"
+        );
+        assert_eq!(row["origin"], json!(["ingresses", "ns", "legacy"]));
+        // A new version is judged again: without its nginx annotations it has no row.
+        apply(&mut s, "ingresses", ing("legacy", json!({})));
+        assert_eq!(derived(&s, "nginx"), json!([]));
+    }
+
+    #[test]
     fn joins_pointing_at_each_other_keep_nothing_alive() {
         let mut s = Stores::new();
         s.add("x", StoreConfig::default()).unwrap();
@@ -2374,6 +2494,8 @@ mod tests {
             "default_backends": {"kind": "ingressDefaultBackends", "ingresses": "ingresses",
                                  "services": "services", "classes": classes},
             "ingresses": {"kind": "ingresses", "ingresses": "ingresses", "classes": classes},
+            "nginx_annotations": {"kind": "ingressAnnotations", "ingresses": "ingresses",
+                                  "classes": classes},
             "routes_exact": {"kind": "ingressRoutes", "ingresses": "ingresses",
                              "services": "services", "exact": true, "classes": classes},
             "routes_prefix": {"kind": "ingressRoutes", "ingresses": "ingresses",

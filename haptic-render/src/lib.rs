@@ -45,6 +45,7 @@ pub mod derived;
 pub mod fileset;
 pub mod fixtures;
 pub mod functions;
+pub mod nginx;
 pub mod provenance;
 pub mod reference;
 pub mod render;

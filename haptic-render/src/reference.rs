@@ -41,6 +41,7 @@ pub const STORES: [(&str, &[&str]); 5] = [
 /// | `derived.tls` | [`Derivation::IngressTls`] of `ingresses` and `secrets` |
 /// | `derived.ingresses` | [`Derivation::Ingresses`]: our Ingresses |
 /// | `derived.default_backends` | [`Derivation::IngressDefaultBackends`] of `ingresses` and `services` |
+/// | `derived.nginx_annotations` | [`Derivation::IngressAnnotations`]: our Ingresses that carry ingress-nginx annotations |
 /// | `derived.certificates` | [`Derivation::TlsCertificates`] of `secrets` |
 ///
 /// Every view reads only our Ingresses ([`classes`]: IngressClasses of `ingressclasses` whose
@@ -65,7 +66,7 @@ pub fn classes() -> IngressClassFilter {
 }
 
 /// The derived views of the reference set, by name.
-pub fn derivations() -> [(&'static str, Derivation); 7] {
+pub fn derivations() -> [(&'static str, Derivation); 8] {
     let ingresses = || "ingresses".to_owned();
     let services = || "services".to_owned();
     [
@@ -89,6 +90,13 @@ pub fn derivations() -> [(&'static str, Derivation); 7] {
         (
             "ingresses",
             Derivation::Ingresses {
+                ingresses: ingresses(),
+                classes: Some(classes()),
+            },
+        ),
+        (
+            "nginx_annotations",
+            Derivation::IngressAnnotations {
                 ingresses: ingresses(),
                 classes: Some(classes()),
             },

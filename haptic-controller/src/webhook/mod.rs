@@ -18,6 +18,10 @@
 //!   reading its store leaves it out, [`haptic_render::Stores::is_ours`]) is allowed at once,
 //!   without rendering. The ValidatingWebhookConfiguration's `matchConditions` keep most of
 //!   them from being sent at all.
+//! - An Ingress of ours carrying an ingress-nginx annotation ([`haptic_render::nginx`], the
+//!   registry): a raw-config one (`*-snippet`) is denied, naming it and why (never rendered:
+//!   CVE-2025-1974); the others are allowed with a warning naming each and its verdict (none
+//!   is applied), after the checks above.
 //! - A body that is not an AdmissionReview v1 with a request: 400. A review that has not
 //!   finished within its budget, or that cannot be judged (no `haproxy` to run), is answered
 //!   as the failure policy says: denied (`fail`) or allowed with a warning (`ignore`).
@@ -66,7 +70,7 @@ use crate::{
     state::StateCache,
     validation::{self, Checker},
 };
-use haptic_render::{Change, FileSet};
+use haptic_render::{Change, FileSet, nginx};
 
 /// The default budget of one review: below the ValidatingWebhookConfiguration's
 /// `timeoutSeconds` (10 in `deploy/webhook/`), so the answer is ours, not the API server's.
@@ -436,6 +440,44 @@ impl Webhook {
         if !self.cache.read().await.stores.is_ours(&store.name, &object) {
             return Verdict::Allowed(Vec::new());
         }
+        // Its ingress-nginx annotations: a snippet is refused, the others are not applied
+        // (never silently: a warning names each). A removal is not judged by them.
+        let nginx = if resource.resource == "ingresses" && request.operation != Operation::Delete {
+            nginx::judge_object(&object)
+        } else {
+            Vec::new()
+        };
+        if let Some(refused) = nginx::refusal(&nginx) {
+            return Verdict::Denied(format!("{what}: {refused}"));
+        }
+        let warnings: Vec<String> = nginx
+            .iter()
+            .filter(|f| f.verdict != nginx::Verdict::Refused)
+            .map(|f| {
+                format!(
+                    "{what}: {} is not applied ({}): {}",
+                    f.annotation, f.verdict, f.note
+                )
+            })
+            .collect();
+        match self
+            .review_ours(request, what, object, &config, &store)
+            .await
+        {
+            Verdict::Allowed(more) => Verdict::Allowed(warnings.into_iter().chain(more).collect()),
+            other => other,
+        }
+    }
+
+    /// The render, policy, `haproxy -c` and validation tests of a change to a resource of ours.
+    async fn review_ours(
+        &self,
+        request: &AdmissionRequest<DynamicObject>,
+        what: &str,
+        object: Json,
+        config: &ValidatedConfig,
+        store: &config::WatchedStore,
+    ) -> Verdict {
         let namespace = object
             .pointer("/metadata/namespace")
             .and_then(Json::as_str)
@@ -503,10 +545,10 @@ impl Webhook {
             Ok(Err(other)) => return other,
             Err(error) => return Verdict::Unjudged(format!("the render panicked: {error}")),
         };
-        if let Some(verdict) = self.check_set(what, &files, Some(&config)).await {
+        if let Some(verdict) = self.check_set(what, &files, Some(config)).await {
             return verdict;
         }
-        match self.config_tests(&config).await {
+        match self.config_tests(config).await {
             Ok(()) => Verdict::Allowed(Vec::new()),
             Err(failures) => Verdict::Denied(format!(
                 "{what}: the config's validation tests fail: {failures}"

@@ -590,13 +590,20 @@ pub fn component(
                 retry_at = Some(tokio::time::Instant::now() + backoff);
                 continue;
             }
-            let write = state.sync(&apis, &htc);
+            // Freshness is checked again before every write inside: a replica stopped
+            // mid-sync (SIGSTOP, a long GC-like pause) must not finish it once its successor holds the Lease.
+            let fresh = || ctx.lease_is_fresh();
+            let write = state.sync(&apis, &htc, &fresh);
             let result = tokio::select! {
                 () = ctx.token().cancelled() => return,
                 result = tokio::time::timeout(Duration::from_secs(30), write) => result,
             };
             match result {
-                Ok(Ok(())) => backoff = Duration::from_millis(500),
+                Ok(Ok(Synced::Done)) => backoff = Duration::from_millis(500),
+                Ok(Ok(Synced::NotFresh)) => {
+                    debug!("stopped publishing: this replica's Lease is no longer fresh");
+                    retry_at = Some(tokio::time::Instant::now() + backoff);
+                }
                 Ok(Err(error)) => {
                     warn!(%error, retry_in = ?backoff, "publishing the config failed");
                     retry_at = Some(tokio::time::Instant::now() + backoff);
@@ -610,6 +617,15 @@ pub fn component(
             }
         }
     }
+}
+
+/// How a [`Publisher::sync`] ended without an error.
+#[derive(Debug, PartialEq, Eq)]
+enum Synced {
+    /// The cluster holds what the set says.
+    Done,
+    /// The Lease stopped being fresh before a write: the rest was not written.
+    NotFresh,
 }
 
 /// The publisher's view of this term.
@@ -643,12 +659,18 @@ impl Publisher {
     }
 
     /// Writes what differs from the cluster: specs, then statuses; deletes stale objects.
-    async fn sync(&mut self, apis: &Apis, htc: &str) -> Result<(), kube::Error> {
+    /// `fresh` is asked before each write; once it says no, nothing more is written.
+    async fn sync(
+        &mut self,
+        apis: &Apis,
+        htc: &str,
+        fresh: &(dyn Fn() -> bool + Sync),
+    ) -> Result<Synced, kube::Error> {
         if self.desired.is_empty() {
-            return Ok(());
+            return Ok(Synced::Done);
         }
         let Some(htc_uid) = self.htc_uid.clone() else {
-            return Ok(());
+            return Ok(Synced::Done);
         };
         if self.published.is_none() {
             self.published = Some(apis.existing(htc).await?);
@@ -700,6 +722,9 @@ impl Publisher {
                 },
                 "spec": object.spec,
             });
+            if !fresh() {
+                return Ok(Synced::NotFresh);
+            }
             let uid = apis.apply(object.kind, &object.name, &body).await?;
             info!(kind = object.kind, name = %object.name, checksum = %object.checksum, "published");
             if object.kind == "HAProxyCfg" {
@@ -719,6 +744,9 @@ impl Publisher {
             .cloned()
             .collect();
         for (kind, name) in stale {
+            if !fresh() {
+                return Ok(Synced::NotFresh);
+            }
             apis.delete(&kind, &name).await?;
             info!(%kind, %name, "unpublished a file the set no longer has");
             published.remove(&(kind, name));
@@ -764,10 +792,13 @@ impl Publisher {
             if self.statuses.get(&key) == Some(&status) {
                 continue;
             }
+            if !fresh() {
+                return Ok(Synced::NotFresh);
+            }
             apis.status(d.kind, &d.name, &status).await?;
             self.statuses.insert(key, status);
         }
-        Ok(())
+        Ok(Synced::Done)
     }
 }
 

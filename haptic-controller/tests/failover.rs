@@ -166,14 +166,19 @@ async fn crash_graceful_and_stale_leaders() {
             .await_route("shop.example", "/", (200, "backend b"))
             .await;
     }
-    let status_writes = f
+    let status_writes: Vec<String> = f
         .cluster
         .server
         .requests()
         .into_iter()
         .filter(|r| r.client == stale_name && r.subresource == "status" && r.verb == "patch")
-        .count();
-    assert_eq!(status_writes, 0, "the stale leader wrote no status");
+        .map(|r| format!("{} {}/{}", r.resource, r.namespace, r.name))
+        .collect();
+    assert!(
+        status_writes.is_empty(),
+        "the stale leader wrote no status: {status_writes:?}\n{}",
+        stale.logs()
+    );
     assert_eq!(
         f.cluster.leader().await.as_deref(),
         Some(successor.as_str())

@@ -244,6 +244,18 @@ pub fn template_set() -> TemplateSet {
             "gateway",
             include_str!("../templates/snippets/gateway.tera"),
         ),
+        (
+            "gateway-rules",
+            include_str!("../templates/snippets/gateway-rules.tera"),
+        ),
+        (
+            "gateway-shared",
+            include_str!("../templates/snippets/gateway-shared.tera"),
+        ),
+        (
+            "gateway-crt-list",
+            include_str!("../templates/snippets/gateway-crt-list.tera"),
+        ),
     ] {
         set.template_snippets
             .insert(name.to_owned(), template(source));

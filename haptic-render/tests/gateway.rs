@@ -241,10 +241,15 @@ impl World {
     }
 
     fn serve(&self, port: u16) -> Front {
+        self.serve_with(port, free_port())
+    }
+
+    /// As [`World::serve`], the Ingress frontend on `http_port`.
+    fn serve_with(&self, port: u16, http_port: u16) -> Front {
         let mut set = reference::template_set();
         set.extra_context.insert(
             "haproxy".into(),
-            json!({"maxconn": 1000, "http_port": free_port(), "https_port": free_port(),
+            json!({"maxconn": 1000, "http_port": http_port, "https_port": free_port(),
                 "bind_address": "127.0.0.1",
                 "timeout_connect": "2s", "timeout_client": "10s", "timeout_server": "10s",
                 "stats_socket": null, "route_debug": false, "health_checks": false}),
@@ -719,4 +724,41 @@ fn gateway_listener_unsupported_protocol_and_invalid_route_kinds() {
     assert_eq!(reason(1, "Accepted"), "UnsupportedProtocol");
     assert_eq!(reason(2, "ResolvedRefs"), "InvalidRouteKinds");
     assert_eq!(listeners[2]["supportedKinds"], json!([]));
+}
+
+#[test]
+fn gateway_listener_shares_the_ingress_port() {
+    let mut w = world(&["infra-backend-v1", "infra-backend-v2"]);
+    apply(
+        &mut w.stores,
+        "ingressclasses",
+        haptic_render::fixtures::ingress_class("haptic", true),
+    );
+    apply(
+        &mut w.stores,
+        "ingresses",
+        json!({"apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
+            "metadata": {"namespace": NS, "name": "shop"},
+            "spec": {"rules": [{"host": "shop.example", "http": {"paths": [{"path": "/", "pathType": "Prefix",
+                "backend": {"service": {"name": "infra-backend-v2", "port": {"number": 8080}}}}]}}]}}),
+    );
+    let port = free_port();
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "gw",
+            json!([{"name": "http", "port": port, "protocol": "HTTP", "hostname": "gw.example"}]),
+        ),
+    );
+    w.route(route(
+        "simple",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [{"backendRefs": to("infra-backend-v1")}]}),
+    ));
+    // The listener's port is the Ingress frontend's: one frontend serves both.
+    let f = w.serve_with(port, port);
+    assert_eq!(f.to("gw.example", "/"), "infra-backend-v1");
+    assert_eq!(f.to("shop.example", "/"), "infra-backend-v2");
+    assert_eq!(f.to("other.example", "/"), "404");
 }

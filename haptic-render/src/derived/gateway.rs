@@ -378,7 +378,7 @@ fn selects(selector: &Json, labels: &Json) -> bool {
     })
 }
 
-/// The view: `{frontends, backends, statuses}`.
+/// The view: `{frontends, http_ports, https_ports, backends, statuses}`.
 pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) -> Value {
     let _ = slot;
     // Our classes.
@@ -1220,10 +1220,21 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
     }
 
     // Backends: the endpoints of each Service port the routes name.
+    // Only the slices of the Services routed to: a cluster's other slices are not walked
+    // further than their label.
+    let wanted: BTreeSet<(String, String)> = backends
+        .values()
+        .map(|b| (s(b, "/namespace").to_owned(), s(b, "/service").to_owned()))
+        .collect();
     let mut by_service: HashMap<(&str, &str), Vec<&std::sync::Arc<Extracts>>> = HashMap::new();
-    for ((namespace, _), slice, extracts) in inputs.slices.entries() {
+    for ((namespace, _), slice, extracts) in
+        inputs
+            .slices
+            .entries()
+            .take(if wanted.is_empty() { 0 } else { usize::MAX })
+    {
         let service = extracts.slice(slice).service.as_str();
-        if !service.is_empty() {
+        if !service.is_empty() && wanted.contains(&(namespace.clone(), service.to_owned())) {
             by_service
                 .entry((namespace.as_str(), service))
                 .or_default()
@@ -1257,8 +1268,18 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
         .collect();
     let _ = sanitize;
 
+    let ports_of = |https: bool| -> Vec<Json> {
+        frontends
+            .iter()
+            .filter(|f| f["https"] == https)
+            .map(|f| f["port"].clone())
+            .collect()
+    };
+    let (http_ports, https_ports) = (ports_of(false), ports_of(true));
     super::row([
         ("frontends", Value::from_serializable(&frontends)),
+        ("http_ports", Value::from_serializable(&http_ports)),
+        ("https_ports", Value::from_serializable(&https_ports)),
         ("backends", Value::from(backend_rows)),
         ("statuses", Value::from_serializable(&statuses)),
     ])

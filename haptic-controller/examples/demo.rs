@@ -8,6 +8,12 @@
 //! with TLS from a generated Secret. It prints what runs and what to try, and keeps the process
 //! table up to date; Ctrl-C (or SIGTERM) stops everything and removes its temporary data.
 //!
+//! Gateway API: once the Gateway API CRDs are served (installed by the user, or by the demo
+//! from `--gateway-api-crds <file>`, e.g. the standard-install.yaml of Gateway API v1.5.1), the
+//! demo creates the GatewayClass `haptic` (controller `haproxy-haptic.org/gateway-controller`),
+//! the Gateway `default/demo` whose HTTP listener shares the Ingress frontend's port, and the
+//! HTTPRoute `default/gw-shop` (gw.demo.example to the shop).
+//!
 //! `--real` runs it on a real kube-apiserver with etcd instead (`real.rs`).
 //!
 //! `--smoke` checks every printed claim by itself (the shop routes, plain HTTP to the blog is
@@ -182,7 +188,9 @@ impl Demo {
              EOF\n\
              \x20 curl -H 'Host: new.demo.example' http://{http}/\n\
              \x20 # the same with ingressClassName: nginx (another controller's class) is left alone: 404\n\
-             \x20 kill <the leader's pid below>   # the other replica takes over; the demo restarts the killed one\n\n\
+             \x20 kill <the leader's pid below>   # the other replica takes over; the demo restarts the killed one\n\
+             \x20 # Gateway API: install its CRDs (or start with --gateway-api-crds <standard-install.yaml>);\n\
+             \x20 # the demo then creates a GatewayClass, a Gateway and an HTTPRoute (docs/gateway-api.md)\n\n\
              Stop: Ctrl-C, or kill {demo} (the demo's pid): everything stops and its files are removed.\n",
             demo = std::process::id(),
             http = a.http_addr(),
@@ -190,6 +198,105 @@ impl Demo {
             hp = https.port(),
             ip2 = self.agents[1].http_addr(),
         )
+    }
+
+    /// Installs the CRDs of `file` (multi-document YAML), if given; then, once the Gateway API
+    /// is served, creates the demo's GatewayClass, Gateway and HTTPRoute. Runs until done.
+    async fn gateway_api(client: kube::Client, http_port: u16, crds: Option<String>) {
+        use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
+        let resource = |group: &str, version: &str, kind: &str, plural: &str| {
+            ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), plural)
+        };
+        if let Some(file) = crds {
+            let crd = resource(
+                "apiextensions.k8s.io",
+                "v1",
+                "CustomResourceDefinition",
+                "customresourcedefinitions",
+            );
+            let api: Api<DynamicObject> = Api::all_with(client.clone(), &crd);
+            let docs: Vec<serde_json::Value> = match std::fs::read_to_string(&file)
+                .map_err(|e| e.to_string())
+                .and_then(|text| serde_saphyr::from_multiple(&text).map_err(|e| e.to_string()))
+            {
+                Ok(docs) => docs,
+                Err(error) => {
+                    eprintln!("demo: the Gateway API CRDs of {file}: {error}");
+                    return;
+                }
+            };
+            for doc in docs
+                .into_iter()
+                .filter(|d| d["kind"] == "CustomResourceDefinition")
+            {
+                let Ok(object) = serde_json::from_value::<DynamicObject>(doc) else {
+                    continue;
+                };
+                if let Err(error) = api.create(&PostParams::default(), &object).await {
+                    eprintln!("demo: creating a Gateway API CRD: {error}");
+                }
+            }
+        }
+        let gv = kube::core::GroupVersion::gv("gateway.networking.k8s.io", "v1");
+        while !kube::discovery::pinned_group(&client, &gv)
+            .await
+            .map(|g| {
+                g.versioned_resources("v1")
+                    .iter()
+                    .any(|(ar, _)| ar.plural == "httproutes")
+            })
+            .unwrap_or(false)
+        {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        let objects = [
+            (
+                resource(
+                    "gateway.networking.k8s.io",
+                    "v1",
+                    "GatewayClass",
+                    "gatewayclasses",
+                ),
+                None,
+                json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "GatewayClass",
+                    "metadata": {"name": "haptic"},
+                    "spec": {"controllerName": "haproxy-haptic.org/gateway-controller"}}),
+            ),
+            (
+                resource("gateway.networking.k8s.io", "v1", "Gateway", "gateways"),
+                Some(NS),
+                json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+                    "metadata": {"name": "demo", "namespace": NS},
+                    "spec": {"gatewayClassName": "haptic", "listeners": [
+                        {"name": "http", "protocol": "HTTP", "port": http_port}]}}),
+            ),
+            (
+                resource("gateway.networking.k8s.io", "v1", "HTTPRoute", "httproutes"),
+                Some(NS),
+                json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+                    "metadata": {"name": "gw-shop", "namespace": NS},
+                    "spec": {"parentRefs": [{"name": "demo"}], "hostnames": ["gw.demo.example"],
+                        "rules": [{"backendRefs": [{"name": "shop", "port": 80}]}]}}),
+            ),
+        ];
+        for (ar, namespace, value) in objects {
+            let api: Api<DynamicObject> = match namespace {
+                Some(ns) => Api::namespaced_with(client.clone(), ns, &ar),
+                None => Api::all_with(client.clone(), &ar),
+            };
+            let Ok(object) = serde_json::from_value::<DynamicObject>(value) else {
+                continue;
+            };
+            if let Err(error) = api.create(&PostParams::default(), &object).await {
+                eprintln!(
+                    "demo: creating the {} of the Gateway API demo: {error}",
+                    ar.kind
+                );
+            }
+        }
+        println!(
+            "Gateway API: GatewayClass haptic, Gateway {NS}/demo (HTTP on the Ingress port) and HTTPRoute {NS}/gw-shop created; try\n  curl -H 'Host: gw.demo.example' http://127.0.0.2:{http_port}/"
+        );
     }
 
     async fn stop(self) {
@@ -405,6 +512,15 @@ async fn main() -> ExitCode {
         return real::run(smoke_mode).await;
     }
     let mut demo = start().await;
+    let crds = std::env::args()
+        .skip_while(|a| a != "--gateway-api-crds")
+        .nth(1);
+    // Owned by the demo: aborted when it stops.
+    let gateway_api = tokio::spawn(Demo::gateway_api(
+        demo.cluster.client.clone(),
+        demo.agents[0].http_port,
+        crds,
+    ));
     let code = if smoke_mode {
         let failures = smoke(&mut demo).await;
         if failures.is_empty() {
@@ -425,6 +541,7 @@ async fn main() -> ExitCode {
         interactive(&mut demo).await;
         ExitCode::SUCCESS
     };
+    gateway_api.abort();
     demo.stop().await;
     code
 }

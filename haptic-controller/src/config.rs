@@ -32,6 +32,10 @@ pub struct WatchedStore {
     pub field_selector: Option<String>,
     /// Index and ignore fields of its store.
     pub store: StoreConfig,
+    /// The one namespace watched (none: all).
+    pub namespace: Option<String>,
+    /// Whether the resource may not be served (its store then stays empty and synced).
+    pub optional: bool,
 }
 
 /// Leader election as configured.
@@ -264,6 +268,8 @@ pub fn validate(
             label_selector: watched.label_selector.clone().filter(|s| !s.is_empty()),
             field_selector: watched.field_selector.clone().filter(|s| !s.is_empty()),
             store,
+            namespace: watched.namespace.clone().filter(|s| !s.is_empty()),
+            optional: watched.optional,
         });
     }
     let mut derivations = Vec::new();

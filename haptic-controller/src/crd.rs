@@ -322,6 +322,15 @@ pub struct WatchedResource {
     /// ValidatingWebhookConfiguration must send them (`deploy/webhook/`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub enable_validation_webhook: bool,
+    /// Watch only this namespace (default: every namespace). A namespaced watch needs only a
+    /// Role there, not a ClusterRole.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    /// The resource may not be served (default false): while the API server does not serve it
+    /// (its CRD is not installed), the store stays empty and counts as synced, so renders go on
+    /// without it; the controller says so once and starts watching when it appears.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub optional: bool,
 }
 
 /// A template's source.

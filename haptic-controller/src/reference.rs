@@ -11,13 +11,30 @@ use crate::crd::{
 };
 
 /// The resource each reference store watches: (store, apiVersion, plural).
-const RESOURCES: [(&str, &str, &str); 5] = [
+const RESOURCES: [(&str, &str, &str); 11] = [
     ("ingresses", "networking.k8s.io/v1", "ingresses"),
     ("services", "v1", "services"),
     ("endpointslices", "discovery.k8s.io/v1", "endpointslices"),
     ("secrets", "v1", "secrets"),
     ("ingressclasses", "networking.k8s.io/v1", "ingressclasses"),
+    (
+        "gatewayclasses",
+        "gateway.networking.k8s.io/v1",
+        "gatewayclasses",
+    ),
+    ("gateways", "gateway.networking.k8s.io/v1", "gateways"),
+    ("httproutes", "gateway.networking.k8s.io/v1", "httproutes"),
+    (
+        "referencegrants",
+        "gateway.networking.k8s.io/v1beta1",
+        "referencegrants",
+    ),
+    ("namespaces", "v1", "namespaces"),
+    ("haproxy_pods", "v1", "pods"),
 ];
+
+/// The label of the HAProxy pods in the reference spec (its `podSelector`).
+const POD_LABEL: (&str, &str) = ("app.kubernetes.io/name", "haproxy");
 
 /// The reference spec, for HAProxy pods labelled `app.kubernetes.io/name: haproxy`.
 pub fn spec() -> HAProxyTemplateConfigSpec {
@@ -36,22 +53,26 @@ pub fn spec() -> HAProxyTemplateConfigSpec {
                 api_version: (*api_version).to_owned(),
                 resources: (*plural).to_owned(),
                 index_by: Some(index.iter().map(|s| (*s).to_owned()).collect()),
-                label_selector: None,
+                // The HAProxy pods (Gateway status.addresses), in the controller's namespace
+                // (`spec_in`), by the label of the podSelector.
+                label_selector: (name == "haproxy_pods")
+                    .then(|| format!("{}={}", POD_LABEL.0, POD_LABEL.1)),
                 // Only TLS Secrets can hold Ingress certificates; the rest are never read.
                 field_selector: (name == "secrets").then(|| "type=kubernetes.io/tls".to_owned()),
                 // An Ingress is what a user writes by hand: the webhook checks it before it
                 // reaches the stores. (The templates leave broken Services, slices and Secrets
                 // out, and those come from controllers and cert-manager.)
                 enable_validation_webhook: name == "ingresses",
+                namespace: None,
+                // The Gateway API CRDs are the user's to install: without them the Ingress
+                // routing goes on.
+                optional: api_version.starts_with("gateway.networking.k8s.io/"),
             },
         );
     }
     HAProxyTemplateConfigSpec {
         pod_selector: PodSelector {
-            match_labels: BTreeMap::from([(
-                "app.kubernetes.io/name".to_owned(),
-                "haproxy".to_owned(),
-            )]),
+            match_labels: BTreeMap::from([(POD_LABEL.0.to_owned(), POD_LABEL.1.to_owned())]),
         },
         controller: Default::default(),
         agent: Default::default(),
@@ -296,11 +317,15 @@ fn tests() -> BTreeMap<String, ValidationTest> {
     serde_json::from_value(tests).unwrap_or_default()
 }
 
-/// The reference spec for a controller in `namespace`: [`spec`] with the default certificate
+/// The reference spec for a controller in `namespace`: [`spec`] watching the HAProxy pods
+/// there, with the default certificate
 /// the controller generates there (`extraContext.haproxy.default_certificate`:
 /// `<namespace>/haptic-default-certificate`).
 pub fn spec_in(namespace: &str) -> HAProxyTemplateConfigSpec {
     let mut spec = spec();
+    if let Some(pods) = spec.watched_resources.get_mut("haproxy_pods") {
+        pods.namespace = Some(namespace.to_owned());
+    }
     if let Some(haproxy) = spec
         .templating_settings
         .extra_context

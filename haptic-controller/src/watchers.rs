@@ -22,7 +22,7 @@ use kube::{
     runtime::{WatchStreamExt, watcher},
 };
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::{
     config::{ValidatedConfig, WatchedStore},
@@ -141,14 +141,24 @@ async fn install(
     bus.publish(ControllerEvent::StoresChanged { store: "*".into() });
 }
 
+/// How often an optional resource that is not served is looked for again.
+const OPTIONAL_POLL: Duration = Duration::from_secs(2);
+
 /// Finds the resource through discovery, retrying (with a log line) until it exists.
+///
+/// An optional resource that is not served is said once (info), its store marked synced (it
+/// stays empty: renders go on without it), and looked for again every [`OPTIONAL_POLL`]
+/// quietly, until its CRD is installed.
 async fn resolve(
     client: &Client,
+    cache: &StateCache,
+    bus: &EventBus<ControllerEvent>,
     spec: &WatchedStore,
     token: &CancellationToken,
 ) -> Option<ApiResource> {
     let gv = GroupVersion::gv(&spec.group, &spec.version);
     let mut delay = Duration::from_millis(500);
+    let mut said = false;
     loop {
         let found = match discovery::pinned_group(client, &gv).await {
             Ok(group) => group
@@ -162,7 +172,27 @@ async fn resolve(
             Err(error) => Err(error.to_string()),
         };
         match found {
-            Ok(ar) => return Some(ar),
+            Ok(ar) => {
+                if said {
+                    info!(store = %spec.name, resource = %spec.plural, "an optional resource is served now: watching it");
+                }
+                return Some(ar);
+            }
+            Err(error) if spec.optional => {
+                if !said {
+                    said = true;
+                    info!(store = %spec.name, %error, "an optional resource is not served (its CRD is not installed?): its store stays empty until it is");
+                    let synced = cache.write().await.unsynced.remove(&spec.name);
+                    if synced {
+                        bus.publish(ControllerEvent::StoresChanged {
+                            store: spec.name.as_str().into(),
+                        });
+                    }
+                } else {
+                    debug!(store = %spec.name, %error, "an optional resource is still not served");
+                }
+                delay = OPTIONAL_POLL;
+            }
             Err(error) => {
                 warn!(store = %spec.name, %error, retry_in = ?delay, "resource not found through discovery");
             }
@@ -171,7 +201,9 @@ async fn resolve(
             () = token.cancelled() => return None,
             () = tokio::time::sleep(delay) => {}
         }
-        delay = (delay * 2).min(Duration::from_secs(30));
+        if !spec.optional {
+            delay = (delay * 2).min(Duration::from_secs(30));
+        }
     }
 }
 
@@ -182,10 +214,13 @@ async fn watch_store(
     spec: WatchedStore,
     token: CancellationToken,
 ) {
-    let Some(ar) = resolve(&client, &spec, &token).await else {
+    let Some(ar) = resolve(&client, &cache, &bus, &spec, &token).await else {
         return;
     };
-    let api: Api<DynamicObject> = Api::all_with(client, &ar);
+    let api: Api<DynamicObject> = match &spec.namespace {
+        Some(namespace) => Api::namespaced_with(client, namespace, &ar),
+        None => Api::all_with(client, &ar),
+    };
     let mut config = watcher::Config::default();
     if let Some(labels) = &spec.label_selector {
         config = config.labels(labels);

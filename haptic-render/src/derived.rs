@@ -108,6 +108,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
+pub mod gateway;
+
 use serde::{Deserialize, Serialize};
 use tera::Value;
 use tera::value::{Key, Map};
@@ -277,6 +279,37 @@ pub enum Derivation {
         /// The store of v1 Secrets.
         secrets: String,
     },
+    /// The Gateway API ([`gateway`]): `{frontends, backends, statuses}` from the GatewayClasses
+    /// whose `spec.controllerName` is `controllerName`, their Gateways, the HTTPRoutes attached
+    /// to them and the ReferenceGrants that let routes and listeners refer across namespaces.
+    GatewayApi {
+        /// gateway.networking.k8s.io/v1 GatewayClasses.
+        gateway_classes: String,
+        /// gateway.networking.k8s.io/v1 Gateways.
+        gateways: String,
+        /// gateway.networking.k8s.io/v1 HTTPRoutes.
+        http_routes: String,
+        /// gateway.networking.k8s.io/v1beta1 ReferenceGrants.
+        reference_grants: String,
+        /// v1 Services.
+        services: String,
+        /// discovery.k8s.io/v1 EndpointSlices.
+        endpoint_slices: String,
+        /// v1 Secrets (listener certificates).
+        secrets: String,
+        /// v1 Namespaces (`allowedRoutes.namespaces.from: Selector`).
+        namespaces: String,
+        /// v1 Pods: the HAProxy pods, whose addresses are the Gateways' `status.addresses`.
+        pods: String,
+        /// The `controllerName` of our GatewayClasses; default
+        /// [`gateway::DEFAULT_GATEWAY_CONTROLLER`].
+        #[serde(default = "default_gateway_controller")]
+        controller_name: String,
+    },
+}
+
+fn default_gateway_controller() -> String {
+    gateway::DEFAULT_GATEWAY_CONTROLLER.to_owned()
 }
 
 impl Derivation {
@@ -310,6 +343,28 @@ impl Derivation {
                 vec![ingresses]
             }
             Self::TlsCertificates { secrets } => vec![secrets],
+            Self::GatewayApi {
+                gateway_classes,
+                gateways,
+                http_routes,
+                reference_grants,
+                services,
+                endpoint_slices,
+                secrets,
+                namespaces,
+                pods,
+                ..
+            } => vec![
+                gateway_classes,
+                gateways,
+                http_routes,
+                reference_grants,
+                services,
+                endpoint_slices,
+                secrets,
+                namespaces,
+                pods,
+            ],
         };
         if let Some(classes) = self.classes() {
             inputs.push(&classes.ingress_classes);
@@ -324,7 +379,8 @@ impl Derivation {
             Self::ServiceBackends {
                 routed_by: None, ..
             }
-            | Self::TlsCertificates { .. } => None,
+            | Self::TlsCertificates { .. }
+            | Self::GatewayApi { .. } => None,
             Self::ServiceBackends { classes, .. }
             | Self::IngressRoutes { classes, .. }
             | Self::IngressTls { classes, .. }
@@ -338,7 +394,7 @@ impl Derivation {
     pub fn ingresses(&self) -> Option<&str> {
         match self {
             Self::ServiceBackends { routed_by, .. } => routed_by.as_deref(),
-            Self::TlsCertificates { .. } => None,
+            Self::TlsCertificates { .. } | Self::GatewayApi { .. } => None,
             Self::IngressRoutes { ingresses, .. }
             | Self::IngressTls { ingresses, .. }
             | Self::Ingresses { ingresses, .. }
@@ -357,6 +413,7 @@ impl Derivation {
             Self::IngressDefaultBackends { .. } => 4,
             Self::TlsCertificates { .. } => 5,
             Self::IngressAnnotations { .. } => 6,
+            Self::GatewayApi { .. } => 7,
         }
     }
 }
@@ -412,7 +469,7 @@ pub(crate) struct Extracts {
     class: OnceLock<IngressClassExtract>,
     /// The rows this resource last contributed to a view, and what they were joined with, per
     /// kind of view ([`Derivation::slot`]).
-    rows: Mutex<[Option<Contribution>; 7]>,
+    rows: Mutex<[Option<Contribution>; 8]>,
 }
 
 /// An IngressClass: whether it is ours (by controller name) and marked default.
@@ -1592,6 +1649,7 @@ fn store_of(derivation: &Derivation) -> &str {
         | Derivation::IngressAnnotations { ingresses, .. }
         | Derivation::IngressDefaultBackends { ingresses, .. } => ingresses,
         Derivation::TlsCertificates { secrets } => secrets,
+        Derivation::GatewayApi { http_routes, .. } => http_routes,
     }
 }
 
@@ -1629,6 +1687,39 @@ fn compute(derivation: &Derivation, slot: Slot, inputs: &[Source<'_>]) -> Value 
             default_backends(*ingresses, *services, &ours)
         }
         (Derivation::TlsCertificates { .. }, [secrets]) => tls_certificates(slot, *secrets),
+        (
+            Derivation::GatewayApi {
+                controller_name,
+                gateways: gateway_store,
+                http_routes: route_store,
+                ..
+            },
+            [
+                classes,
+                gateways,
+                routes,
+                grants,
+                services,
+                slices,
+                secrets,
+                namespaces,
+                pods,
+            ],
+        ) => gateway::gateway_view(
+            slot,
+            &gateway::Inputs {
+                classes: *classes,
+                gateways: (gateway_store, *gateways),
+                routes: (route_store, *routes),
+                grants: *grants,
+                services: *services,
+                slices: *slices,
+                secrets: *secrets,
+                namespaces: *namespaces,
+                pods: *pods,
+            },
+            controller_name,
+        ),
         // `Stores` passes the stores `inputs()` names, so this does not happen.
         _ => Value::from(Vec::<Value>::new()),
     }
@@ -2503,6 +2594,12 @@ mod tests {
             "tls": {"kind": "ingressTls", "ingresses": "ingresses", "secrets": "secrets",
                     "classes": classes},
             "certificates": {"kind": "tlsCertificates", "secrets": "secrets"},
+            "gateway": {"kind": "gatewayApi", "gatewayClasses": "gatewayclasses",
+                        "gateways": "gateways", "httpRoutes": "httproutes",
+                        "referenceGrants": "referencegrants", "services": "services",
+                        "endpointSlices": "endpointslices", "secrets": "secrets",
+                        "namespaces": "namespaces", "pods": "haproxy_pods",
+                        "controllerName": "haproxy-haptic.org/gateway-controller"},
         });
         // The controller name and `classless` have defaults.
         let short: Derivation = serde_json::from_value(json!({"kind": "ingresses",

@@ -17,7 +17,13 @@ use crate::store::{self, StoreConfig, Stores};
 /// | `endpointslices` | discovery.k8s.io/v1 EndpointSlice | namespace, label `kubernetes.io/service-name` |
 /// | `secrets` | v1 Secret | namespace, name |
 /// | `ingressclasses` | networking.k8s.io/v1 IngressClass (cluster-scoped) | name |
-pub const STORES: [(&str, &[&str]); 5] = [
+/// | `gatewayclasses` | gateway.networking.k8s.io/v1 GatewayClass (cluster-scoped) | name |
+/// | `gateways` | gateway.networking.k8s.io/v1 Gateway | namespace, name |
+/// | `httproutes` | gateway.networking.k8s.io/v1 HTTPRoute | namespace, name |
+/// | `referencegrants` | gateway.networking.k8s.io/v1beta1 ReferenceGrant | namespace, name |
+/// | `namespaces` | v1 Namespace (cluster-scoped) | name |
+/// | `haproxy_pods` | v1 Pod: the HAProxy pods | namespace, name |
+pub const STORES: [(&str, &[&str]); 11] = [
     ("ingresses", &["metadata.namespace", "metadata.name"]),
     ("services", &["metadata.namespace", "metadata.name"]),
     (
@@ -29,6 +35,12 @@ pub const STORES: [(&str, &[&str]); 5] = [
     ),
     ("secrets", &["metadata.namespace", "metadata.name"]),
     ("ingressclasses", &["metadata.name"]),
+    ("gatewayclasses", &["metadata.name"]),
+    ("gateways", &["metadata.namespace", "metadata.name"]),
+    ("httproutes", &["metadata.namespace", "metadata.name"]),
+    ("referencegrants", &["metadata.namespace", "metadata.name"]),
+    ("namespaces", &["metadata.name"]),
+    ("haproxy_pods", &["metadata.namespace", "metadata.name"]),
 ];
 
 /// Empty stores configured as the reference set expects them ([`STORES`]), with the derived
@@ -43,6 +55,7 @@ pub const STORES: [(&str, &[&str]); 5] = [
 /// | `derived.default_backends` | [`Derivation::IngressDefaultBackends`] of `ingresses` and `services` |
 /// | `derived.nginx_annotations` | [`Derivation::IngressAnnotations`]: our Ingresses that carry ingress-nginx annotations |
 /// | `derived.certificates` | [`Derivation::TlsCertificates`] of `secrets` |
+/// | `derived.gateway` | [`Derivation::GatewayApi`]: Gateways of our GatewayClasses and their HTTPRoutes |
 ///
 /// Every view reads only our Ingresses ([`classes`]: IngressClasses of `ingressclasses` whose
 /// controller is [`crate::derived::DEFAULT_CONTROLLER`]; class-less Ingresses only through a
@@ -66,7 +79,7 @@ pub fn classes() -> IngressClassFilter {
 }
 
 /// The derived views of the reference set, by name.
-pub fn derivations() -> [(&'static str, Derivation); 8] {
+pub fn derivations() -> [(&'static str, Derivation); 9] {
     let ingresses = || "ingresses".to_owned();
     let services = || "services".to_owned();
     [
@@ -131,6 +144,21 @@ pub fn derivations() -> [(&'static str, Derivation); 8] {
             "certificates",
             Derivation::TlsCertificates {
                 secrets: "secrets".to_owned(),
+            },
+        ),
+        (
+            "gateway",
+            Derivation::GatewayApi {
+                gateway_classes: "gatewayclasses".to_owned(),
+                gateways: "gateways".to_owned(),
+                http_routes: "httproutes".to_owned(),
+                reference_grants: "referencegrants".to_owned(),
+                services: services(),
+                endpoint_slices: "endpointslices".to_owned(),
+                secrets: "secrets".to_owned(),
+                namespaces: "namespaces".to_owned(),
+                pods: "haproxy_pods".to_owned(),
+                controller_name: crate::derived::gateway::DEFAULT_GATEWAY_CONTROLLER.to_owned(),
             },
         ),
     ]
@@ -211,6 +239,22 @@ pub fn template_set() -> TemplateSet {
         (
             "cluster-view",
             include_str!("../templates/snippets/cluster-view.tera"),
+        ),
+        (
+            "gateway",
+            include_str!("../templates/snippets/gateway.tera"),
+        ),
+        (
+            "gateway-rules",
+            include_str!("../templates/snippets/gateway-rules.tera"),
+        ),
+        (
+            "gateway-shared",
+            include_str!("../templates/snippets/gateway-shared.tera"),
+        ),
+        (
+            "gateway-crt-list",
+            include_str!("../templates/snippets/gateway-crt-list.tera"),
         ),
     ] {
         set.template_snippets

@@ -493,7 +493,9 @@ impl Store {
     fn merge_sub(info: &ResourceInfo, existing: &Value, incoming: Value, sub: Sub) -> Value {
         match sub {
             Sub::Status => {
-                let mut new = existing.clone();
+                // At the version of this request: a custom resource is stored once for all
+                // its served versions, as kube-apiserver converts it.
+                let mut new = Self::present(info, existing);
                 new["status"] = incoming.get("status").cloned().unwrap_or(Value::Null);
                 if new["status"].is_null()
                     && let Some(map) = new.as_object_mut()
@@ -613,7 +615,9 @@ impl Store {
             }
             return Err(ApiError::not_found(info, name));
         };
-        let mut patched = existing.clone();
+        // Patched at the version of this request (custom resources are served at every
+        // version, whichever one created them).
+        let mut patched = Self::present(info, &existing);
         match kind {
             PatchKind::Merge | PatchKind::Apply => json_patch::merge(&mut patched, &patch),
             PatchKind::Strategic => strategic_merge(&mut patched, &patch),

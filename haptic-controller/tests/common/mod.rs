@@ -297,6 +297,11 @@ pub fn local(
     http_port: u16,
 ) -> HAProxyTemplateConfigSpec {
     spec.pod_selector.match_labels = BTreeMap::from([("app".to_owned(), "haproxy".to_owned())]);
+    // The reference's store of the HAProxy pods (Gateway addresses) follows the podSelector.
+    if let Some(pods) = spec.watched_resources.get_mut("haproxy_pods") {
+        pods.label_selector = Some("app=haproxy".to_owned());
+        pods.namespace = Some(NS.to_owned());
+    }
     let le = &mut spec.controller.leader_election;
     le.lease_duration = "3s".into();
     le.renew_deadline = "2s".into();

@@ -1,0 +1,1329 @@
+//! The Gateway API view ([`super::Derivation::GatewayApi`]): GatewayClasses, Gateways,
+//! HTTPRoutes and ReferenceGrants of `gateway.networking.k8s.io` joined with Services,
+//! EndpointSlices, TLS Secrets, Namespaces and the HAProxy pods into what the gateway templates
+//! read: one frontend per listener port with its matches in the order the spec gives them
+//! precedence, the actions of each match, the backends the routes name, and the status of every
+//! object of our classes (GatewayClass, Gateway, HTTPRoute parents).
+//!
+//! The resources are read as JSON, field by field, with the CRD defaults applied here (a real API
+//! server applies them on write; a store may hold objects written without them): a parentRef's
+//! group and kind, a backendRef's kind and weight, a rule's matches, a match's path, a header
+//! match's type, a listener's `allowedRoutes.namespaces.from`.
+//!
+//! Precedence of matches on one port (the HTTPRoute spec's order, hostname first): an exact
+//! hostname, then wildcard hostnames longest first, then no hostname; then an Exact path, then
+//! the longest PathPrefix; a method match; more header matches; more query parameter matches;
+//! the oldest route; the route first by `namespace/name`; the first rule and match in list order.
+//! HAProxy tries the matches in that order and takes the first that matches.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use serde_json::{Value as Json, json};
+use tera::Value;
+
+use super::{Extracts, Slot, origin, sanitize};
+use crate::functions::{backend_name, is_config_token, is_hostname, is_wildcard_host, ssl_file};
+use crate::store::Source;
+
+/// The `controllerName` of the GatewayClasses this view takes, unless the derivation names
+/// another.
+pub const DEFAULT_GATEWAY_CONTROLLER: &str = "haproxy-haptic.org/gateway-controller";
+
+/// The Gateway API group.
+pub const GROUP: &str = "gateway.networking.k8s.io";
+
+/// The stores the view reads.
+pub(super) struct Inputs<'a> {
+    pub(super) classes: Source<'a>,
+    pub(super) gateways: (&'a str, Source<'a>),
+    pub(super) routes: (&'a str, Source<'a>),
+    pub(super) grants: Source<'a>,
+    pub(super) services: Source<'a>,
+    pub(super) slices: Source<'a>,
+    pub(super) secrets: Source<'a>,
+    pub(super) namespaces: Source<'a>,
+    pub(super) pods: Source<'a>,
+}
+
+fn js(value: &Value) -> Json {
+    serde_json::to_value(value).unwrap_or(Json::Null)
+}
+
+fn s<'a>(v: &'a Json, pointer: &str) -> &'a str {
+    v.pointer(pointer)
+        .and_then(Json::as_str)
+        .unwrap_or_default()
+}
+
+fn arr<'a>(v: &'a Json, pointer: &str) -> &'a [Json] {
+    v.pointer(pointer)
+        .and_then(Json::as_array)
+        .map_or(&[][..], Vec::as_slice)
+}
+
+fn generation(v: &Json) -> i64 {
+    v.pointer("/metadata/generation")
+        .and_then(Json::as_i64)
+        .unwrap_or(0)
+}
+
+/// RFC 3339 (UTC, seconds) of a Unix time.
+fn rfc3339(unix: i64) -> String {
+    let days = unix.div_euclid(86_400);
+    let secs = unix.rem_euclid(86_400);
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = if m <= 2 { y + 1 } else { y };
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        secs / 3600,
+        secs % 3600 / 60,
+        secs % 60
+    )
+}
+
+/// A condition as the API defines it. Its `lastTransitionTime` is the one `previous` (the
+/// conditions the object shows now) holds for the same type and status, else now: a status
+/// that does not change is declared exactly as it is, so it is never written again.
+fn condition(
+    previous: &[Json],
+    kind: &str,
+    ok: bool,
+    reason: &str,
+    message: &str,
+    observed: i64,
+) -> Json {
+    let status = if ok { "True" } else { "False" };
+    let since = previous
+        .iter()
+        .find(|c| s(c, "/type") == kind && s(c, "/status") == status)
+        .and_then(|c| c.get("lastTransitionTime").cloned())
+        .unwrap_or_else(|| Json::from(rfc3339(crate::certificate::now_unix())));
+    json!({
+        "lastTransitionTime": since,
+        "message": message,
+        "observedGeneration": observed,
+        "reason": reason,
+        "status": status,
+        "type": kind,
+    })
+}
+
+/// How a match names hosts: one host, a wildcard (its suffix with the dot, `.bar.com`), any.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Host {
+    Exact(String),
+    Wildcard(String),
+    Any,
+}
+
+impl Host {
+    fn parse(h: &str) -> Option<Self> {
+        let h = h.to_ascii_lowercase();
+        if h.is_empty() {
+            Some(Self::Any)
+        } else if let Some(rest) = h.strip_prefix('*') {
+            is_wildcard_host(&h).then(|| Self::Wildcard(rest.to_owned()))
+        } else {
+            is_hostname(&h).then_some(Self::Exact(h))
+        }
+    }
+
+    fn covers(&self, host: &str) -> bool {
+        match self {
+            Self::Any => true,
+            Self::Exact(e) => e == host,
+            Self::Wildcard(suffix) => host.ends_with(suffix.as_str()) && host.len() > suffix.len(),
+        }
+    }
+
+    /// Sorts first for the most specific: exact, then wildcards longest first, then any.
+    fn rank(&self) -> (u8, std::cmp::Reverse<usize>) {
+        match self {
+            Self::Exact(h) => (0, std::cmp::Reverse(h.len())),
+            Self::Wildcard(s) => (1, std::cmp::Reverse(s.len())),
+            Self::Any => (2, std::cmp::Reverse(0)),
+        }
+    }
+
+    fn condition(&self) -> String {
+        match self {
+            Self::Exact(h) => format!(" {{ var(txn.gwhost) -m str {h} }}"),
+            Self::Wildcard(s) => format!(" {{ var(txn.gwhost) -m end {s} }}"),
+            Self::Any => String::new(),
+        }
+    }
+}
+
+/// The hostnames a route gets on a listener: the intersection of the listener's hostname (none:
+/// any) with the route's (none: any); empty when they do not intersect.
+fn intersect(listener: &Host, route: &[Host]) -> Vec<Host> {
+    if route.is_empty() {
+        return vec![listener.clone()];
+    }
+    let mut out = Vec::new();
+    for r in route {
+        let both = match (listener, r) {
+            (Host::Any, r) => Some(r.clone()),
+            (l, Host::Any) => Some(l.clone()),
+            (Host::Exact(l), Host::Exact(r)) => (l == r).then(|| Host::Exact(l.clone())),
+            (Host::Wildcard(_), Host::Exact(r)) => {
+                listener.covers(r).then(|| Host::Exact(r.clone()))
+            }
+            (Host::Exact(l), Host::Wildcard(_)) => r.covers(l).then(|| Host::Exact(l.clone())),
+            (Host::Wildcard(l), Host::Wildcard(rs)) => {
+                if l.ends_with(rs.as_str()) {
+                    Some(Host::Wildcard(l.clone()))
+                } else if rs.ends_with(l.as_str()) {
+                    Some(Host::Wildcard(rs.clone()))
+                } else {
+                    None
+                }
+            }
+        };
+        if let Some(h) = both
+            && !out.contains(&h)
+        {
+            out.push(h);
+        }
+    }
+    out
+}
+
+/// A text HAProxy can take inside single quotes: printable ASCII without a quote or backslash.
+fn quotable(text: &str) -> bool {
+    text.bytes()
+        .all(|b| (0x20..0x7f).contains(&b) && b != b'\'' && b != b'\\')
+}
+
+fn is_token(text: &str) -> bool {
+    !text.is_empty()
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+        && !text.contains('\'')
+}
+
+fn is_plain_path(path: &str) -> bool {
+    path.starts_with('/') && is_config_token(path) && quotable(path) && !path.contains('%')
+}
+
+/// A log-format string in single quotes: `%` doubled.
+fn log_format(text: &str) -> String {
+    format!("'{}'", text.replace('%', "%%"))
+}
+
+#[derive(Debug, Clone)]
+enum PathMatch {
+    Exact(String),
+    /// Without its trailing slash; `/` is the empty prefix.
+    Prefix(String),
+}
+
+impl PathMatch {
+    fn rank(&self) -> (u8, std::cmp::Reverse<usize>) {
+        match self {
+            Self::Exact(p) => (0, std::cmp::Reverse(p.len())),
+            Self::Prefix(p) => (1, std::cmp::Reverse(p.len())),
+        }
+    }
+
+    fn condition(&self) -> String {
+        match self {
+            Self::Exact(p) => format!(" {{ path -m str {p} }}"),
+            Self::Prefix(p) if p.is_empty() => String::new(),
+            // The request path with a `/` appended begins with the prefix and a `/`: /foo
+            // matches /foo and /foo/bar, not /foobar.
+            Self::Prefix(p) => format!(" {{ var(txn.gwpath) -m beg {p}/ }}"),
+        }
+    }
+}
+
+/// A rule's match: path, method, headers and query parameters (name, value).
+type RuleMatch = (
+    PathMatch,
+    Option<String>,
+    Vec<(String, String)>,
+    Vec<(String, String)>,
+);
+
+/// One match of a rule on one listener port, with what decides its precedence.
+struct MatchRow {
+    host: Host,
+    path: PathMatch,
+    method: Option<String>,
+    headers: Vec<(String, String)>,
+    queries: Vec<(String, String)>,
+    age: (String, String, String),
+    rule: usize,
+    index: usize,
+    action: usize,
+    origin: (String, String),
+}
+
+impl MatchRow {
+    fn key(&self) -> impl Ord + '_ {
+        (
+            self.host.rank(),
+            self.path.rank(),
+            self.method.is_none(),
+            std::cmp::Reverse(self.headers.len()),
+            std::cmp::Reverse(self.queries.len()),
+            &self.age,
+            self.rule,
+            self.index,
+        )
+    }
+
+    fn condition(&self) -> String {
+        let mut c = self.host.condition();
+        c.push_str(&self.path.condition());
+        if let Some(m) = &self.method {
+            c.push_str(&format!(" {{ method {m} }}"));
+        }
+        for (name, value) in &self.headers {
+            c.push_str(&format!(" {{ req.hdr({name}) -m str '{value}' }}"));
+        }
+        for (name, value) in &self.queries {
+            c.push_str(&format!(" {{ url_param({name}) -m str '{value}' }}"));
+        }
+        c
+    }
+}
+
+/// What a rule does, once per listener port it is served on.
+struct Action {
+    request_headers: Vec<Json>,
+    response_headers: Vec<Json>,
+    redirect: Option<Json>,
+    /// `(weight, backend)`; no backend: that share answers 500.
+    shares: Vec<(i64, Option<String>)>,
+    origin: (String, String),
+}
+
+struct Listener {
+    name: String,
+    port: i64,
+    https: bool,
+    host: Host,
+    /// Route kinds allowed; empty with `invalid_kinds`: none.
+    invalid_kinds: bool,
+    from: String,
+    selector: Json,
+    /// The accepted route of this listener, by problem; none: the listener is usable.
+    problem: Option<(&'static str, &'static str, String)>,
+    resolved: Option<(&'static str, String)>,
+    certificates: Vec<String>,
+    attached: i64,
+}
+
+struct Gateway {
+    namespace: String,
+    name: String,
+    object: Json,
+    listeners: Vec<Listener>,
+}
+
+/// Whether a ReferenceGrant in `to_namespace` lets a `from_kind` of `from_namespace` refer to
+/// the `to_kind` (core group) named `to_name`.
+fn granted(
+    grants: &[Json],
+    from_kind: &str,
+    from_namespace: &str,
+    to_namespace: &str,
+    to_kind: &str,
+    to_name: &str,
+) -> bool {
+    grants.iter().any(|g| {
+        s(g, "/metadata/namespace") == to_namespace
+            && arr(g, "/spec/from").iter().any(|f| {
+                s(f, "/group") == GROUP
+                    && s(f, "/kind") == from_kind
+                    && s(f, "/namespace") == from_namespace
+            })
+            && arr(g, "/spec/to").iter().any(|t| {
+                s(t, "/group").is_empty()
+                    && s(t, "/kind") == to_kind
+                    && (s(t, "/name").is_empty() || s(t, "/name") == to_name)
+            })
+    })
+}
+
+/// Whether a label selector (matchLabels, matchExpressions) selects `labels`.
+fn selects(selector: &Json, labels: &Json) -> bool {
+    let label = |k: &str| labels.get(k).and_then(Json::as_str);
+    if let Some(m) = selector.get("matchLabels").and_then(Json::as_object)
+        && !m.iter().all(|(k, v)| label(k) == v.as_str())
+    {
+        return false;
+    }
+    arr(selector, "/matchExpressions").iter().all(|e| {
+        let key = s(e, "/key");
+        let values: Vec<&str> = arr(e, "/values").iter().filter_map(Json::as_str).collect();
+        match s(e, "/operator") {
+            "In" => label(key).is_some_and(|v| values.contains(&v)),
+            "NotIn" => label(key).is_none_or(|v| !values.contains(&v)),
+            "Exists" => label(key).is_some(),
+            "DoesNotExist" => label(key).is_none(),
+            _ => false,
+        }
+    })
+}
+
+/// The view: `{frontends, http_ports, https_ports, backends, statuses}`.
+pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) -> Value {
+    let _ = slot;
+    // Our classes.
+    let mut classes = BTreeSet::new();
+    let mut statuses: Vec<Json> = Vec::new();
+    for ((_, name), class, _) in inputs.classes.entries() {
+        let class = js(class);
+        if s(&class, "/spec/controllerName") != controller {
+            continue;
+        }
+        classes.insert(name.clone());
+        let previous = arr(&class, "/status/conditions");
+        statuses.push(json!({
+            "object": object_ref(&class),
+            "field": "conditions",
+            "value": [condition(previous, "Accepted", true, "Accepted", "accepted by haptic", generation(&class))],
+        }));
+    }
+    let grants: Vec<Json> = inputs.grants.entries().map(|(_, g, _)| js(g)).collect();
+    let namespace_labels: HashMap<String, Json> = inputs
+        .namespaces
+        .entries()
+        .map(|((_, name), ns, _)| {
+            let ns = js(ns);
+            let mut labels = ns
+                .pointer("/metadata/labels")
+                .cloned()
+                .unwrap_or_else(|| json!({}));
+            // kube-apiserver sets this label on every namespace.
+            if let Some(map) = labels.as_object_mut() {
+                map.entry("kubernetes.io/metadata.name")
+                    .or_insert_with(|| Json::from(name.as_str()));
+            }
+            (name.clone(), labels)
+        })
+        .collect();
+    let mut addresses: Vec<(String, String)> = inputs
+        .pods
+        .entries()
+        .filter_map(|((_, name), pod, _)| {
+            let pod = js(pod);
+            let ip = s(&pod, "/status/podIP");
+            (!ip.is_empty()
+                && s(&pod, "/status/phase") == "Running"
+                && pod.pointer("/metadata/deletionTimestamp").is_none())
+            .then(|| (name.clone(), ip.to_owned()))
+        })
+        .collect();
+    addresses.sort();
+    let addresses: Vec<Json> = addresses
+        .iter()
+        .map(|(_, ip)| json!({"type": "IPAddress", "value": ip}))
+        .collect();
+
+    // Gateways of our classes and their listeners.
+    let mut gateways: Vec<Gateway> = Vec::new();
+    for ((namespace, name), gw, _) in inputs.gateways.1.entries() {
+        let gw = js(gw);
+        if !classes.contains(s(&gw, "/spec/gatewayClassName")) {
+            continue;
+        }
+        let mut listeners = Vec::new();
+        for l in arr(&gw, "/spec/listeners") {
+            let protocol = s(l, "/protocol");
+            let port = l.get("port").and_then(Json::as_i64).unwrap_or(0);
+            let mut listener = Listener {
+                name: s(l, "/name").to_owned(),
+                port,
+                https: protocol == "HTTPS",
+                host: Host::parse(s(l, "/hostname")).unwrap_or(Host::Any),
+                invalid_kinds: false,
+                from: match s(l, "/allowedRoutes/namespaces/from") {
+                    "" => "Same".to_owned(),
+                    f => f.to_owned(),
+                },
+                selector: l
+                    .pointer("/allowedRoutes/namespaces/selector")
+                    .cloned()
+                    .unwrap_or(Json::Null),
+                problem: None,
+                resolved: None,
+                certificates: Vec::new(),
+                attached: 0,
+            };
+            if protocol != "HTTP" && protocol != "HTTPS" {
+                listener.problem = Some((
+                    "UnsupportedProtocol",
+                    "Invalid",
+                    format!("protocol {protocol} is not supported: HTTP and HTTPS are"),
+                ));
+            } else if !(1..=65535).contains(&port) {
+                listener.problem = Some(("PortUnavailable", "Invalid", format!("port {port}")));
+            }
+            let kinds = arr(l, "/allowedRoutes/kinds");
+            if !kinds.is_empty() {
+                let valid = kinds
+                    .iter()
+                    .filter(|k| {
+                        matches!(k.get("group").and_then(Json::as_str), None | Some(GROUP))
+                            && s(k, "/kind") == "HTTPRoute"
+                    })
+                    .count();
+                if valid < kinds.len() {
+                    listener.resolved = Some((
+                        "InvalidRouteKinds",
+                        "only HTTPRoute (gateway.networking.k8s.io) is supported".to_owned(),
+                    ));
+                }
+                listener.invalid_kinds = valid == 0;
+            }
+            if listener.https && listener.problem.is_none() {
+                if !matches!(s(l, "/tls/mode"), "" | "Terminate") {
+                    listener.problem = Some((
+                        "UnsupportedValue",
+                        "Invalid",
+                        "tls.mode Passthrough is not supported on HTTPS listeners".to_owned(),
+                    ));
+                }
+                let refs = arr(l, "/tls/certificateRefs");
+                if refs.is_empty() {
+                    listener.resolved = Some((
+                        "InvalidCertificateRef",
+                        "an HTTPS listener needs tls.certificateRefs".to_owned(),
+                    ));
+                }
+                for r in refs {
+                    let ns = match s(r, "/namespace") {
+                        "" => namespace.as_str(),
+                        n => n,
+                    };
+                    let secret = s(r, "/name");
+                    let problem = if !s(r, "/group").is_empty()
+                        || !matches!(s(r, "/kind"), "" | "Secret")
+                    {
+                        Some((
+                            "InvalidCertificateRef",
+                            format!(
+                                "certificateRef {}/{} {secret}: only core Secrets are supported",
+                                s(r, "/group"),
+                                s(r, "/kind")
+                            ),
+                        ))
+                    } else if ns != namespace
+                        && !granted(&grants, "Gateway", namespace, ns, "Secret", secret)
+                    {
+                        Some((
+                            "RefNotPermitted",
+                            format!("Secret {ns}/{secret}: no ReferenceGrant in {ns} allows it"),
+                        ))
+                    } else {
+                        match inputs.secrets.get_entry(ns, secret) {
+                            None => Some((
+                                "InvalidCertificateRef",
+                                format!("Secret {ns}/{secret} does not exist"),
+                            )),
+                            Some((value, extracts)) => match extracts.certificate(value) {
+                                Ok(_) => {
+                                    listener.certificates.push(ssl_file(ns, secret));
+                                    None
+                                }
+                                Err(why) => Some((
+                                    "InvalidCertificateRef",
+                                    format!("Secret {ns}/{secret}: {why}"),
+                                )),
+                            },
+                        }
+                    };
+                    if let Some(p) = problem
+                        && listener.resolved.is_none()
+                    {
+                        listener.resolved = Some(p);
+                    }
+                }
+            }
+            listeners.push(listener);
+        }
+        gateways.push(Gateway {
+            namespace: namespace.clone(),
+            name: name.clone(),
+            object: gw,
+            listeners,
+        });
+    }
+    // A port serves one protocol: the first listener (oldest Gateway first) decides.
+    let mut port_protocol: BTreeMap<i64, bool> = BTreeMap::new();
+    {
+        let mut order: Vec<usize> = (0..gateways.len()).collect();
+        order.sort_by_key(|&i| {
+            (
+                s(&gateways[i].object, "/metadata/creationTimestamp").to_owned(),
+                i,
+            )
+        });
+        for i in order {
+            for l in &mut gateways[i].listeners {
+                if l.problem.is_some() {
+                    continue;
+                }
+                let https = *port_protocol.entry(l.port).or_insert(l.https);
+                if https != l.https {
+                    l.problem = Some((
+                        "ProtocolConflict",
+                        "Conflicted",
+                        format!("port {} already serves another protocol", l.port),
+                    ));
+                }
+            }
+        }
+    }
+
+    // Routes.
+    let mut matches: BTreeMap<i64, Vec<MatchRow>> = BTreeMap::new();
+    let mut actions: Vec<Action> = Vec::new();
+    let mut backends: BTreeMap<String, Json> = BTreeMap::new();
+    let gateway_index: HashMap<(String, String), usize> = gateways
+        .iter()
+        .enumerate()
+        .map(|(i, g)| ((g.namespace.clone(), g.name.clone()), i))
+        .collect();
+    let (route_store, routes) = inputs.routes;
+    for ((namespace, name), route, _) in routes.entries() {
+        let route = js(route);
+        let route_generation = generation(&route);
+        let previous_parents = arr(&route, "/status/parents");
+        let route_hosts: Vec<Host> = arr(&route, "/spec/hostnames")
+            .iter()
+            .filter_map(|h| h.as_str().and_then(Host::parse))
+            .collect();
+        let age = (
+            s(&route, "/metadata/creationTimestamp").to_owned(),
+            namespace.clone(),
+            name.clone(),
+        );
+        // Backends and filters, resolved once per route.
+        let mut resolved: Option<(&'static str, String)> = None;
+        let mut accepted_problem: Option<(&'static str, String)> = None;
+        struct Rule {
+            shares: Vec<(i64, Option<String>)>,
+            request_headers: Vec<Json>,
+            response_headers: Vec<Json>,
+            redirect: Option<(Json, Option<i64>, Option<String>)>,
+            matches: Vec<RuleMatch>,
+        }
+        let mut rules = Vec::new();
+        for rule in arr(&route, "/spec/rules") {
+            let mut shares = Vec::new();
+            for b in arr(rule, "/backendRefs") {
+                let weight = b.get("weight").and_then(Json::as_i64).unwrap_or(1);
+                let group = s(b, "/group");
+                let kind = match s(b, "/kind") {
+                    "" => "Service",
+                    k => k,
+                };
+                let target_ns = match s(b, "/namespace") {
+                    "" => namespace.as_str(),
+                    n => n,
+                };
+                let svc = s(b, "/name");
+                let port = b.get("port").and_then(Json::as_i64);
+                let backend = if !group.is_empty() || kind != "Service" {
+                    resolved.get_or_insert((
+                        "InvalidKind",
+                        format!("backendRef {group}/{kind} {svc}: only Services are supported"),
+                    ));
+                    None
+                } else if target_ns != namespace
+                    && !granted(&grants, "HTTPRoute", namespace, target_ns, "Service", svc)
+                {
+                    resolved.get_or_insert((
+                        "RefNotPermitted",
+                        format!(
+                            "Service {target_ns}/{svc}: no ReferenceGrant in {target_ns} allows it"
+                        ),
+                    ));
+                    None
+                } else {
+                    let found = inputs
+                        .services
+                        .get_entry(target_ns, svc)
+                        .and_then(|(v, e)| {
+                            let service = e.service(target_ns, svc, v);
+                            let p = service.ports.iter().find(|p| Some(p.number) == port)?;
+                            Some((p.name.clone(), p.number, js(&p.app_protocol)))
+                        });
+                    match found {
+                        None => {
+                            resolved.get_or_insert((
+                                "BackendNotFound",
+                                format!(
+                                    "Service {target_ns}/{svc} port {} does not exist",
+                                    port.map_or("(none)".to_owned(), |p| p.to_string())
+                                ),
+                            ));
+                            None
+                        }
+                        Some((port_name, number, app_protocol)) => {
+                            let backend =
+                                format!("gw_{}", backend_name(target_ns, svc, &number.to_string()));
+                            backends.entry(backend.clone()).or_insert_with(|| {
+                                json!({
+                                    "name": backend,
+                                    "namespace": target_ns,
+                                    "service": svc,
+                                    "port_name": port_name,
+                                    "app_protocol": app_protocol,
+                                })
+                            });
+                            Some(backend)
+                        }
+                    }
+                };
+                shares.push((weight.max(0), backend));
+            }
+            let mut request_headers = Vec::new();
+            let mut response_headers = Vec::new();
+            let mut redirect = None;
+            for f in arr(rule, "/filters") {
+                match s(f, "/type") {
+                    t @ ("RequestHeaderModifier" | "ResponseHeaderModifier") => {
+                        let key = if t == "RequestHeaderModifier" {
+                            "/requestHeaderModifier"
+                        } else {
+                            "/responseHeaderModifier"
+                        };
+                        let out = if t == "RequestHeaderModifier" {
+                            &mut request_headers
+                        } else {
+                            &mut response_headers
+                        };
+                        for name in arr(f, &format!("{key}/remove"))
+                            .iter()
+                            .filter_map(Json::as_str)
+                        {
+                            if is_token(name) {
+                                out.push(json!({"op": "del-header", "name": name, "value": ""}));
+                            } else {
+                                accepted_problem.get_or_insert((
+                                    "UnsupportedValue",
+                                    format!("header name {name:?}"),
+                                ));
+                            }
+                        }
+                        for (op, list) in [("set-header", "set"), ("add-header", "add")] {
+                            for h in arr(f, &format!("{key}/{list}")) {
+                                let (hn, hv) = (s(h, "/name"), s(h, "/value"));
+                                if is_token(hn) && quotable(hv) {
+                                    if op == "set-header" {
+                                        out.push(
+                                            json!({"op": "del-header", "name": hn, "value": ""}),
+                                        );
+                                    }
+                                    out.push(json!({"op": "add-header", "name": hn, "value": log_format(hv)}));
+                                } else {
+                                    accepted_problem.get_or_insert((
+                                        "UnsupportedValue",
+                                        format!("header {hn:?}: {hv:?}"),
+                                    ));
+                                }
+                            }
+                        }
+                    }
+                    "RequestRedirect" => {
+                        let r = f.get("requestRedirect").cloned().unwrap_or(Json::Null);
+                        let port = r.get("port").and_then(Json::as_i64);
+                        let path = match s(&r, "/path/type") {
+                            "" => None,
+                            "ReplaceFullPath" if is_plain_path(s(&r, "/path/replaceFullPath")) => {
+                                Some(s(&r, "/path/replaceFullPath").to_owned())
+                            }
+                            other => {
+                                accepted_problem.get_or_insert((
+                                    "UnsupportedValue",
+                                    format!("requestRedirect path {other} is not supported"),
+                                ));
+                                None
+                            }
+                        };
+                        let host = s(&r, "/hostname");
+                        let scheme = s(&r, "/scheme");
+                        if (!host.is_empty() && !is_hostname(host))
+                            || !matches!(scheme, "" | "http" | "https")
+                        {
+                            accepted_problem.get_or_insert((
+                                "UnsupportedValue",
+                                "requestRedirect hostname or scheme".to_owned(),
+                            ));
+                        } else {
+                            redirect = Some((r, port, path));
+                        }
+                    }
+                    other => {
+                        accepted_problem.get_or_insert((
+                            "UnsupportedValue",
+                            format!("filter {other} is not supported"),
+                        ));
+                    }
+                }
+            }
+            let mut rule_matches = Vec::new();
+            let given = arr(rule, "/matches");
+            let default = [json!({})];
+            for m in if given.is_empty() {
+                &default[..]
+            } else {
+                given
+            } {
+                let value = match s(m, "/path/value") {
+                    "" => "/",
+                    v => v,
+                };
+                let path = match s(m, "/path/type") {
+                    "Exact" if is_plain_path(value) => PathMatch::Exact(value.to_owned()),
+                    "" | "PathPrefix" if is_plain_path(value) => {
+                        PathMatch::Prefix(value.trim_end_matches('/').to_owned())
+                    }
+                    other => {
+                        accepted_problem.get_or_insert((
+                            "UnsupportedValue",
+                            format!("path match {other} {value:?} is not supported"),
+                        ));
+                        continue;
+                    }
+                };
+                let method = match s(m, "/method") {
+                    "" => None,
+                    m if is_token(m) => Some(m.to_owned()),
+                    _ => continue,
+                };
+                let mut headers = Vec::new();
+                let mut queries = Vec::new();
+                let mut ok = true;
+                for (list, out) in [("/headers", &mut headers), ("/queryParams", &mut queries)] {
+                    for h in arr(m, list) {
+                        let (hn, hv) = (s(h, "/name"), s(h, "/value"));
+                        if matches!(s(h, "/type"), "" | "Exact") && is_token(hn) && quotable(hv) {
+                            out.push((hn.to_owned(), hv.to_owned()));
+                        } else {
+                            ok = false;
+                        }
+                    }
+                }
+                if !ok {
+                    accepted_problem.get_or_insert((
+                        "UnsupportedValue",
+                        "only Exact header and query parameter matches are supported".to_owned(),
+                    ));
+                    continue;
+                }
+                rule_matches.push((path, method, headers, queries));
+            }
+            rules.push(Rule {
+                shares,
+                request_headers,
+                response_headers,
+                redirect,
+                matches: rule_matches,
+            });
+        }
+
+        // Parents.
+        let mut parents = Vec::new();
+        for p in arr(&route, "/spec/parentRefs") {
+            let group = p.get("group").and_then(Json::as_str).unwrap_or(GROUP);
+            let kind = p.get("kind").and_then(Json::as_str).unwrap_or("Gateway");
+            if group != GROUP || kind != "Gateway" {
+                continue;
+            }
+            let gw_ns = match s(p, "/namespace") {
+                "" => namespace.as_str(),
+                n => n,
+            };
+            let Some(&gi) = gateway_index.get(&(gw_ns.to_owned(), s(p, "/name").to_owned())) else {
+                continue;
+            };
+            let section = s(p, "/sectionName");
+            let port = p.get("port").and_then(Json::as_i64);
+            let gateway = &mut gateways[gi];
+            let candidates: Vec<usize> = (0..gateway.listeners.len())
+                .filter(|&i| {
+                    let l = &gateway.listeners[i];
+                    (section.is_empty() || l.name == section) && port.is_none_or(|p| p == l.port)
+                })
+                .collect();
+            let allowed: Vec<usize> = candidates
+                .iter()
+                .copied()
+                .filter(|&i| {
+                    let l = &gateway.listeners[i];
+                    let ns_ok = match l.from.as_str() {
+                        "All" => true,
+                        "Selector" => namespace_labels
+                            .get(namespace.as_str())
+                            .is_some_and(|labels| selects(&l.selector, labels)),
+                        _ => namespace == &gateway.namespace,
+                    };
+                    ns_ok && !l.invalid_kinds
+                })
+                .collect();
+            let attached: Vec<(usize, Vec<Host>)> = allowed
+                .iter()
+                .filter_map(|&i| {
+                    let hosts = intersect(&gateway.listeners[i].host, &route_hosts);
+                    (!hosts.is_empty()).then_some((i, hosts))
+                })
+                .collect();
+            let (accepted, reason, message) = if candidates.is_empty() {
+                (
+                    false,
+                    "NoMatchingParent",
+                    "no listener matches sectionName and port".to_owned(),
+                )
+            } else if allowed.is_empty() {
+                (
+                    false,
+                    "NotAllowedByListeners",
+                    "no listener allows this route's namespace and kind".to_owned(),
+                )
+            } else if attached.is_empty() {
+                (
+                    false,
+                    "NoMatchingListenerHostname",
+                    "no listener hostname intersects the route's hostnames".to_owned(),
+                )
+            } else if let Some((reason, message)) = &accepted_problem {
+                (false, *reason, message.clone())
+            } else {
+                (true, "Accepted", "accepted by haptic".to_owned())
+            };
+            let previous = previous_parents
+                .iter()
+                .find(|pp| {
+                    s(pp, "/controllerName") == controller
+                        && s(pp, "/parentRef/name") == s(p, "/name")
+                        && s(pp, "/parentRef/namespace") == gw_ns
+                        && s(pp, "/parentRef/sectionName") == section
+                })
+                .map_or(&[][..], |pp| arr(pp, "/conditions"));
+            let (rr_ok, rr_reason, rr_message) = match &resolved {
+                None => (true, "ResolvedRefs", "every backendRef resolves".to_owned()),
+                Some((reason, message)) => (false, *reason, message.clone()),
+            };
+            let mut parent_ref = json!({"group": GROUP, "kind": "Gateway", "namespace": gw_ns, "name": s(p, "/name")});
+            if !section.is_empty() {
+                parent_ref["sectionName"] = Json::from(section);
+            }
+            if let Some(port) = port {
+                parent_ref["port"] = Json::from(port);
+            }
+            parents.push(json!({
+                "parentRef": parent_ref,
+                "controllerName": controller,
+                "conditions": [
+                    condition(previous, "Accepted", accepted, reason, &message, route_generation),
+                    condition(previous, "ResolvedRefs", rr_ok, rr_reason, &rr_message, route_generation),
+                ],
+            }));
+            if !accepted {
+                continue;
+            }
+            for (li, hosts) in attached {
+                let listener = &mut gateway.listeners[li];
+                listener.attached += 1;
+                if listener.problem.is_some()
+                    || (listener.https && listener.certificates.is_empty())
+                {
+                    continue;
+                }
+                let listener_port = listener.port;
+                let https = listener.https;
+                for (ri, rule) in rules.iter().enumerate() {
+                    let redirect = rule.redirect.as_ref().map(|(r, port, path)| {
+                        let scheme = match s(r, "/scheme") {
+                            "" => {
+                                if https {
+                                    "https"
+                                } else {
+                                    "http"
+                                }
+                            }
+                            sch => sch,
+                        };
+                        let host = match s(r, "/hostname") {
+                            "" => "%[var(txn.gwhost)]".to_owned(),
+                            h => h.to_owned(),
+                        };
+                        let port = match (port, s(r, "/scheme")) {
+                            (Some(p), _) => Some(*p),
+                            (None, "") => Some(listener_port),
+                            (None, _) => None,
+                        }
+                        .filter(|p| !matches!((scheme, *p), ("http", 80) | ("https", 443)));
+                        let port = port.map_or(String::new(), |p| format!(":{p}"));
+                        let path = path.clone().unwrap_or_else(|| "%[pathq]".to_owned());
+                        json!({
+                            "location": format!("{scheme}://{host}{port}{path}"),
+                            "code": r.get("statusCode").and_then(Json::as_i64).unwrap_or(302),
+                        })
+                    });
+                    let action = actions.len();
+                    actions.push(Action {
+                        request_headers: rule.request_headers.clone(),
+                        response_headers: rule.response_headers.clone(),
+                        redirect,
+                        shares: rule.shares.clone(),
+                        origin: (namespace.clone(), name.clone()),
+                    });
+                    for host in &hosts {
+                        for (mi, (path, method, headers, queries)) in
+                            rule.matches.iter().enumerate()
+                        {
+                            matches.entry(listener_port).or_default().push(MatchRow {
+                                host: host.clone(),
+                                path: path.clone(),
+                                method: method.clone(),
+                                headers: headers.clone(),
+                                queries: queries.clone(),
+                                age: age.clone(),
+                                rule: ri,
+                                index: mi,
+                                action,
+                                origin: (namespace.clone(), name.clone()),
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        if !parents.is_empty() {
+            // Parents other controllers wrote are kept as they are.
+            let mut all: Vec<Json> = previous_parents
+                .iter()
+                .filter(|pp| s(pp, "/controllerName") != controller)
+                .cloned()
+                .collect();
+            all.extend(parents);
+            statuses.push(json!({
+                "object": object_ref(&route),
+                "field": "parents",
+                "value": all,
+            }));
+        }
+    }
+
+    // Gateway status.
+    let mut certificates: BTreeMap<i64, Vec<String>> = BTreeMap::new();
+    for g in &gateways {
+        let observed = generation(&g.object);
+        let previous = arr(&g.object, "/status/conditions");
+        let previous_listeners = arr(&g.object, "/status/listeners");
+        let mut listeners = Vec::new();
+        let mut all_valid = true;
+        for l in &g.listeners {
+            let prev = previous_listeners
+                .iter()
+                .find(|p| s(p, "/name") == l.name)
+                .map_or(&[][..], |p| arr(p, "/conditions"));
+            let mut conditions = Vec::new();
+            let (acc_ok, acc_reason, acc_msg) = match &l.problem {
+                Some((reason, _, message)) if *reason != "ProtocolConflict" => {
+                    (false, *reason, message.clone())
+                }
+                _ => (true, "Accepted", "accepted by haptic".to_owned()),
+            };
+            conditions.push(condition(
+                prev, "Accepted", acc_ok, acc_reason, &acc_msg, observed,
+            ));
+            let conflicted = matches!(&l.problem, Some(("ProtocolConflict", _, _)));
+            conditions.push(condition(
+                prev,
+                "Conflicted",
+                conflicted,
+                if conflicted {
+                    "ProtocolConflict"
+                } else {
+                    "NoConflicts"
+                },
+                if conflicted {
+                    "another listener serves this port with another protocol"
+                } else {
+                    "no conflicts"
+                },
+                observed,
+            ));
+            let (rr_ok, rr_reason, rr_msg) = match &l.resolved {
+                None => (true, "ResolvedRefs", "every reference resolves".to_owned()),
+                Some((reason, message)) => (false, *reason, message.clone()),
+            };
+            conditions.push(condition(
+                prev,
+                "ResolvedRefs",
+                rr_ok,
+                rr_reason,
+                &rr_msg,
+                observed,
+            ));
+            let programmed = l.problem.is_none()
+                && (!l.https || !l.certificates.is_empty())
+                && l.resolved.is_none()
+                && !addresses.is_empty();
+            conditions.push(condition(
+                prev,
+                "Programmed",
+                programmed,
+                if programmed { "Programmed" } else { "Invalid" },
+                if programmed {
+                    "served by the HAProxy pods"
+                } else {
+                    "not served"
+                },
+                observed,
+            ));
+            all_valid &= programmed;
+            if l.problem.is_none() && l.https && !l.certificates.is_empty() {
+                let list = certificates.entry(l.port).or_default();
+                for c in &l.certificates {
+                    if !list.contains(c) {
+                        list.push(c.clone());
+                    }
+                }
+            }
+            let kinds = if l
+                .problem
+                .as_ref()
+                .is_some_and(|p| p.0 == "UnsupportedProtocol")
+                || l.invalid_kinds
+            {
+                json!([])
+            } else {
+                json!([{"group": GROUP, "kind": "HTTPRoute"}])
+            };
+            listeners.push(json!({
+                "name": l.name,
+                "supportedKinds": kinds,
+                "attachedRoutes": l.attached,
+                "conditions": conditions,
+            }));
+        }
+        let programmed = !addresses.is_empty();
+        let conditions = json!([
+            condition(
+                previous,
+                "Accepted",
+                true,
+                if all_valid {
+                    "Accepted"
+                } else {
+                    "ListenersNotValid"
+                },
+                if all_valid {
+                    "accepted by haptic"
+                } else {
+                    "some listeners are not valid"
+                },
+                observed
+            ),
+            condition(
+                previous,
+                "Programmed",
+                programmed,
+                if programmed {
+                    "Programmed"
+                } else {
+                    "AddressNotAssigned"
+                },
+                if programmed {
+                    "served by the HAProxy pods"
+                } else {
+                    "no HAProxy pod is running"
+                },
+                observed
+            ),
+        ]);
+        let object = object_ref(&g.object);
+        statuses.push(json!({"object": object, "field": "addresses", "value": addresses}));
+        statuses.push(json!({"object": object, "field": "conditions", "value": conditions}));
+        statuses.push(json!({"object": object, "field": "listeners", "value": listeners}));
+    }
+
+    // Frontends: a port per listener port that has a usable listener.
+    let mut ports: BTreeMap<i64, bool> = BTreeMap::new();
+    for g in &gateways {
+        for l in &g.listeners {
+            if l.problem.is_none() && (!l.https || certificates.contains_key(&l.port)) {
+                ports.insert(l.port, l.https);
+            }
+        }
+    }
+    let gateway_store = inputs.gateways.0;
+    let _ = gateway_store;
+    let mut frontends = Vec::new();
+    for (port, https) in ports {
+        let mut rows = matches.remove(&port).unwrap_or_default();
+        rows.sort_by(|a, b| a.key().cmp(&b.key()));
+        let mut used: BTreeSet<usize> = BTreeSet::new();
+        let match_rows: Vec<Json> = rows
+            .iter()
+            .map(|m| {
+                used.insert(m.action);
+                json!({
+                    "action": m.action,
+                    "condition": m.condition(),
+                    "origin": [route_store, m.origin.0, m.origin.1],
+                })
+            })
+            .collect();
+        let action_rows: Vec<Json> = used
+            .iter()
+            .map(|&i| {
+                let a = &actions[i];
+                let total: i64 = a.shares.iter().map(|(w, _)| *w).sum();
+                let mut upper = 0;
+                let shares: Vec<Json> = a
+                    .shares
+                    .iter()
+                    .filter(|(w, _)| *w > 0)
+                    .map(|(w, b)| {
+                        upper += w;
+                        json!({"upper": upper, "backend": b})
+                    })
+                    .collect();
+                json!({
+                    "id": i,
+                    "request_headers": a.request_headers,
+                    "response_headers": a.response_headers,
+                    "redirect": a.redirect,
+                    "total": total,
+                    "shares": shares,
+                    "origin": [route_store, a.origin.0, a.origin.1],
+                })
+            })
+            .collect();
+        frontends.push(json!({
+            "port": port,
+            "https": https,
+            "certificates": certificates.get(&port).cloned().unwrap_or_default(),
+            "matches": match_rows,
+            "actions": action_rows,
+        }));
+    }
+
+    // Backends: the endpoints of each Service port the routes name.
+    // Only the slices of the Services routed to: a cluster's other slices are not walked
+    // further than their label.
+    let wanted: BTreeSet<(String, String)> = backends
+        .values()
+        .map(|b| (s(b, "/namespace").to_owned(), s(b, "/service").to_owned()))
+        .collect();
+    let mut by_service: HashMap<(&str, &str), Vec<&std::sync::Arc<Extracts>>> = HashMap::new();
+    for ((namespace, _), slice, extracts) in
+        inputs
+            .slices
+            .entries()
+            .take(if wanted.is_empty() { 0 } else { usize::MAX })
+    {
+        let service = extracts.slice(slice).service.as_str();
+        if !service.is_empty() && wanted.contains(&(namespace.clone(), service.to_owned())) {
+            by_service
+                .entry((namespace.as_str(), service))
+                .or_default()
+                .push(extracts);
+        }
+    }
+    let backend_rows: Vec<Value> = backends
+        .into_values()
+        .map(|b| {
+            let (ns, svc, port_name) =
+                (s(&b, "/namespace"), s(&b, "/service"), s(&b, "/port_name"));
+            let mut endpoints: Vec<Value> = Vec::new();
+            for e in by_service.get(&(ns, svc)).map_or(&[][..], Vec::as_slice) {
+                if let Some(slice) = e.slice.get() {
+                    for (name, rows) in &slice.ports {
+                        if name == port_name {
+                            endpoints.extend(rows.as_array().unwrap_or_default().iter().cloned());
+                        }
+                    }
+                }
+            }
+            super::row([
+                ("name", Value::from(s(&b, "/name"))),
+                ("endpoints", Value::from(endpoints)),
+                ("app_protocol", Value::from(s(&b, "/app_protocol"))),
+                ("namespace", Value::from(ns)),
+                ("service", Value::from(svc)),
+                ("origin", origin("services", ns, svc)),
+            ])
+        })
+        .collect();
+    let _ = sanitize;
+
+    let ports_of = |https: bool| -> Vec<Json> {
+        frontends
+            .iter()
+            .filter(|f| f["https"] == https)
+            .map(|f| f["port"].clone())
+            .collect()
+    };
+    let (http_ports, https_ports) = (ports_of(false), ports_of(true));
+    super::row([
+        ("frontends", Value::from_serializable(&frontends)),
+        ("http_ports", Value::from_serializable(&http_ports)),
+        ("https_ports", Value::from_serializable(&https_ports)),
+        ("backends", Value::from(backend_rows)),
+        ("statuses", Value::from_serializable(&statuses)),
+    ])
+}
+
+/// What `set_status` needs of an object.
+fn object_ref(object: &Json) -> Json {
+    let mut meta = json!({"name": s(object, "/metadata/name")});
+    if let Some(ns) = object.pointer("/metadata/namespace").and_then(Json::as_str) {
+        meta["namespace"] = Json::from(ns);
+    }
+    json!({
+        "apiVersion": s(object, "/apiVersion"),
+        "kind": s(object, "/kind"),
+        "metadata": meta,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Host, intersect, rfc3339};
+
+    #[test]
+    fn rfc3339_formats_unix_times() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(1_764_650_000), "2025-12-02T04:33:20Z");
+    }
+
+    #[test]
+    fn hostnames_intersect_as_the_spec_says() {
+        let h = |s: &str| Host::parse(s).unwrap_or(Host::Any);
+        assert_eq!(
+            intersect(&h("*.wildcard.io"), &[h("foo.bar.wildcard.io")]),
+            vec![h("foo.bar.wildcard.io")]
+        );
+        assert_eq!(
+            intersect(&h("very.specific.com"), &[h("*.specific.com")]),
+            vec![h("very.specific.com")]
+        );
+        assert!(intersect(&h("very.specific.com"), &[h("other.com")]).is_empty());
+        assert_eq!(intersect(&h(""), &[]), vec![Host::Any]);
+        assert_eq!(
+            intersect(&h("*.anotherwildcard.io"), &[h("*.anotherwildcard.io")]),
+            vec![h("*.anotherwildcard.io")]
+        );
+    }
+}

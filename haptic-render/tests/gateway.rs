@@ -1,0 +1,764 @@
+//! Gateway API semantics of the reference set at the HTTP level, through a running HAProxy:
+//! one test per GATEWAY-HTTP core conformance behaviour, named after the upstream test
+//! (kubernetes-sigs/gateway-api v1.5.1 `conformance/tests`), over the reference templates and
+//! the `derived.gateway` view. Requests reach real backends: a second HAProxy whose frontends
+//! answer with their name and what they received. Status is judged on what the render asks the
+//! cluster to show (`set_status`).
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use haptic_render::{Renderer, StatusRequest, Stores, reference};
+use serde_json::{Value as Json, json};
+
+const CONTROLLER: &str = "haproxy-haptic.org/gateway-controller";
+const NS: &str = "infra";
+
+/// A running HAProxy, killed when dropped, however the test ends.
+struct Running {
+    child: Child,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn start(dir: tempfile::TempDir, ports: &[u16]) -> Running {
+    let child = Command::new(common::haproxy())
+        .arg("-db")
+        .arg("-f")
+        .arg(dir.path().join("haproxy.cfg"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let running = Running { child, _dir: dir };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for port in ports {
+        while TcpStream::connect(("127.0.0.1", *port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "haproxy did not listen on {port}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    running
+}
+
+/// Echo backends, one port per name: each answers 200 `backend=<name> path=<path?query>`
+/// followed by the request's headers.
+fn echoes(names: &[&str]) -> (Running, BTreeMap<String, u16>) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = String::from(
+        "global\n    maxconn 100\n\
+         defaults\n    mode http\n    timeout connect 2s\n    timeout client 10s\n    timeout server 10s\n",
+    );
+    let mut ports = BTreeMap::new();
+    for name in names {
+        let port = free_port();
+        cfg.push_str(&format!(
+            "frontend {name}\n    bind 127.0.0.1:{port}\n\
+             \x20   http-request return status 200 content-type text/plain lf-string \"backend={name} path=%[pathq]\\n%[req.hdrs]\"\n"
+        ));
+        ports.insert((*name).to_owned(), port);
+    }
+    std::fs::write(dir.path().join("haproxy.cfg"), cfg).unwrap();
+    let list: Vec<u16> = ports.values().copied().collect();
+    (start(dir, &list), ports)
+}
+
+struct Answer {
+    status: u16,
+    head: String,
+    body: String,
+}
+
+impl Answer {
+    /// The backend that answered, `404`/`500`/... otherwise.
+    fn backend(&self) -> String {
+        match self.body.strip_prefix("backend=") {
+            Some(rest) if self.status == 200 => {
+                rest.split_whitespace().next().unwrap_or("").to_owned()
+            }
+            _ => self.status.to_string(),
+        }
+    }
+}
+
+fn get(port: u16, host: &str, path: &str, headers: &[(&str, &str)]) -> Answer {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\n{extra}Connection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    Answer {
+        status,
+        head: head.to_owned(),
+        body: body.to_owned(),
+    }
+}
+
+/// The reference stores with a GatewayClass of ours, a pod at 127.0.0.1, the namespaces and a
+/// Service (port 8080) per echo backend, in namespace `infra` unless its name says `web-`.
+struct World {
+    stores: Stores,
+    _echo: Running,
+}
+
+fn apply(stores: &mut Stores, store: &str, resource: Json) {
+    stores.get_mut(store).unwrap().apply(&resource).unwrap();
+}
+
+fn world(names: &[&str]) -> World {
+    let (echo, echoes) = echoes(names);
+    let mut stores = reference::stores().unwrap();
+    apply(
+        &mut stores,
+        "gatewayclasses",
+        json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "GatewayClass",
+            "metadata": {"name": "haptic", "generation": 1},
+            "spec": {"controllerName": CONTROLLER}}),
+    );
+    apply(
+        &mut stores,
+        "haproxy_pods",
+        json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"namespace": "haptic", "name": "haproxy-1"},
+            "status": {"phase": "Running", "podIP": "127.0.0.1"}}),
+    );
+    for ns in [NS, "web"] {
+        apply(
+            &mut stores,
+            "namespaces",
+            json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
+        );
+    }
+    for (name, port) in &echoes {
+        let ns = if name.starts_with("web-") { "web" } else { NS };
+        apply(
+            &mut stores,
+            "services",
+            json!({"apiVersion": "v1", "kind": "Service",
+                "metadata": {"namespace": ns, "name": name},
+                "spec": {"ports": [{"name": "http", "port": 8080}]}}),
+        );
+        apply(
+            &mut stores,
+            "endpointslices",
+            json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"namespace": ns, "name": format!("{name}-1"),
+                    "labels": {"kubernetes.io/service-name": name}},
+                "addressType": "IPv4",
+                "ports": [{"name": "http", "port": port}],
+                "endpoints": [{"addresses": ["127.0.0.1"]}]}),
+        );
+    }
+    World {
+        stores,
+        _echo: echo,
+    }
+}
+
+fn gateway(name: &str, listeners: Json) -> Json {
+    json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+        "metadata": {"namespace": NS, "name": name, "generation": 1,
+            "creationTimestamp": "2026-01-01T00:00:00Z"},
+        "spec": {"gatewayClassName": "haptic", "listeners": listeners}})
+}
+
+fn route(name: &str, created: &str, spec: Json) -> Json {
+    json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+        "metadata": {"namespace": NS, "name": name, "generation": 3,
+            "creationTimestamp": created},
+        "spec": spec})
+}
+
+fn to(backend: &str) -> Json {
+    json!([{"name": backend, "port": 8080}])
+}
+
+/// A front HAProxy rendering the reference set over the world, with a Gateway `gw` listening
+/// for HTTP on a free port (all namespaces), and the statuses asked for.
+struct Front {
+    port: u16,
+    statuses: Vec<StatusRequest>,
+    _running: Running,
+}
+
+impl World {
+    fn route(&mut self, resource: Json) {
+        apply(&mut self.stores, "httproutes", resource);
+    }
+
+    fn front(&mut self) -> Front {
+        let port = free_port();
+        apply(
+            &mut self.stores,
+            "gateways",
+            gateway(
+                "gw",
+                json!([{"name": "http", "port": port, "protocol": "HTTP",
+                    "allowedRoutes": {"namespaces": {"from": "All"}}}]),
+            ),
+        );
+        self.serve(port)
+    }
+
+    fn serve(&self, port: u16) -> Front {
+        self.serve_with(port, free_port())
+    }
+
+    /// As [`World::serve`], the Ingress frontend on `http_port`.
+    fn serve_with(&self, port: u16, http_port: u16) -> Front {
+        let mut set = reference::template_set();
+        set.extra_context.insert(
+            "haproxy".into(),
+            json!({"maxconn": 1000, "http_port": http_port, "https_port": free_port(),
+                "bind_address": "127.0.0.1",
+                "timeout_connect": "2s", "timeout_client": "10s", "timeout_server": "10s",
+                "stats_socket": null, "route_debug": false, "health_checks": false}),
+        );
+        let (files, requests) = Renderer::compile(&set)
+            .unwrap()
+            .render_all(&self.stores)
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        files.write_to(dir.path()).unwrap();
+        common::check_dir(dir.path());
+        Front {
+            port,
+            statuses: requests.statuses,
+            _running: start(dir, &[port]),
+        }
+    }
+}
+
+impl Front {
+    fn to(&self, host: &str, path: &str) -> String {
+        get(self.port, host, path, &[]).backend()
+    }
+
+    fn with(&self, path: &str, headers: &[(&str, &str)]) -> String {
+        get(self.port, "example.com", path, headers).backend()
+    }
+
+    /// The status field `field` declared for `kind` `name`.
+    fn status(&self, kind: &str, name: &str, field: &str) -> Json {
+        self.statuses
+            .iter()
+            .find(|s| s.kind == kind && s.name == name && s.field == field)
+            .map(|s| s.value.clone())
+            .unwrap_or(Json::Null)
+    }
+
+    /// The conditions of the route's first parent, as `type=status/reason`.
+    fn parent_conditions(&self, route: &str) -> Vec<String> {
+        let parents = self.status("HTTPRoute", route, "parents");
+        parents[0]["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| {
+                format!(
+                    "{}={}/{}",
+                    c["type"].as_str().unwrap(),
+                    c["status"].as_str().unwrap(),
+                    c["reason"].as_str().unwrap()
+                )
+            })
+            .collect()
+    }
+}
+
+#[test]
+fn http_route_simple_same_namespace() {
+    let mut w = world(&["infra-backend-v1"]);
+    w.route(route(
+        "simple",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [{"backendRefs": to("infra-backend-v1")}]}),
+    ));
+    let f = w.front();
+    assert_eq!(f.to("anything.example", "/"), "infra-backend-v1");
+    assert_eq!(
+        f.parent_conditions("simple"),
+        ["Accepted=True/Accepted", "ResolvedRefs=True/ResolvedRefs"]
+    );
+    let parents = f.status("HTTPRoute", "simple", "parents");
+    assert_eq!(parents[0]["controllerName"], CONTROLLER);
+    assert_eq!(parents[0]["conditions"][0]["observedGeneration"], 3);
+    assert_eq!(
+        f.status("Gateway", "gw", "addresses"),
+        json!([{"type": "IPAddress", "value": "127.0.0.1"}])
+    );
+    assert_eq!(
+        f.status("Gateway", "gw", "listeners")[0]["attachedRoutes"],
+        1
+    );
+    assert_eq!(
+        f.status("GatewayClass", "haptic", "conditions")[0]["status"],
+        "True"
+    );
+}
+
+#[test]
+fn http_route_exact_path_matching() {
+    let mut w = world(&["infra-backend-v1", "infra-backend-v2"]);
+    w.route(route(
+        "exact",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [
+            {"matches": [{"path": {"type": "Exact", "value": "/one"}}], "backendRefs": to("infra-backend-v1")},
+            {"matches": [{"path": {"type": "Exact", "value": "/two"}}], "backendRefs": to("infra-backend-v2")},
+        ]}),
+    ));
+    let f = w.front();
+    assert_eq!(f.to("example.com", "/one"), "infra-backend-v1");
+    assert_eq!(f.to("example.com", "/two"), "infra-backend-v2");
+    for path in ["/", "/one/example", "/two/", "/Two"] {
+        assert_eq!(f.to("example.com", path), "404", "{path}");
+    }
+}
+
+#[test]
+fn http_route_matching() {
+    let mut w = world(&["infra-backend-v1", "infra-backend-v2"]);
+    w.route(route(
+        "matching",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/"}}], "backendRefs": to("infra-backend-v1")},
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/v2"}}, {"headers": [{"name": "version", "value": "two"}]}],
+             "backendRefs": to("infra-backend-v2")},
+        ]}),
+    ));
+    let f = w.front();
+    assert_eq!(f.with("/", &[]), "infra-backend-v1");
+    assert_eq!(f.with("/example", &[]), "infra-backend-v1");
+    assert_eq!(f.with("/v2", &[]), "infra-backend-v2");
+    assert_eq!(f.with("/v2/", &[]), "infra-backend-v2");
+    assert_eq!(f.with("/v2/example", &[]), "infra-backend-v2");
+    // A prefix matches whole path segments.
+    assert_eq!(f.with("/v2example", &[]), "infra-backend-v1");
+    assert_eq!(f.with("/", &[("version", "two")]), "infra-backend-v2");
+}
+
+#[test]
+fn http_route_path_match_order() {
+    let mut w = world(&["infra-backend-v1", "infra-backend-v2", "infra-backend-v3"]);
+    w.route(route(
+        "order",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/match"}},
+                         {"path": {"type": "PathPrefix", "value": "/match/prefix"}}], "backendRefs": to("infra-backend-v1")},
+            {"matches": [{"path": {"type": "Exact", "value": "/match/exact"}},
+                         {"path": {"type": "PathPrefix", "value": "/match/prefix/one"}}], "backendRefs": to("infra-backend-v2")},
+            {"matches": [{"path": {"type": "Exact", "value": "/match/exact/one"}},
+                         {"path": {"type": "PathPrefix", "value": "/match/"}, "headers": [{"name": "x", "value": "y"}]},
+                         {"path": {"type": "PathPrefix", "value": "/match/any"}}], "backendRefs": to("infra-backend-v3")},
+        ]}),
+    ));
+    let f = w.front();
+    assert_eq!(f.with("/match/exact/one", &[]), "infra-backend-v3");
+    assert_eq!(f.with("/match/exact", &[]), "infra-backend-v2");
+    assert_eq!(f.with("/match", &[]), "infra-backend-v1");
+    assert_eq!(f.with("/match/prefix/one/any", &[]), "infra-backend-v2");
+    assert_eq!(f.with("/match/prefix/any", &[]), "infra-backend-v1");
+    assert_eq!(f.with("/match/any", &[]), "infra-backend-v3");
+}
+
+#[test]
+fn http_route_header_matching() {
+    let mut w = world(&["infra-backend-v1", "infra-backend-v2"]);
+    w.route(route(
+        "headers",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [
+            {"matches": [{"headers": [{"name": "version", "value": "one"}]}], "backendRefs": to("infra-backend-v1")},
+            {"matches": [{"headers": [{"name": "version", "value": "two"}]}], "backendRefs": to("infra-backend-v2")},
+            {"matches": [{"headers": [{"name": "version", "value": "two"}, {"name": "color", "value": "orange"}]}],
+             "backendRefs": to("infra-backend-v1")},
+        ]}),
+    ));
+    let f = w.front();
+    assert_eq!(f.with("/", &[("Version", "one")]), "infra-backend-v1");
+    assert_eq!(f.with("/", &[("version", "two")]), "infra-backend-v2");
+    // More header matches win.
+    assert_eq!(
+        f.with("/", &[("version", "two"), ("color", "orange")]),
+        "infra-backend-v1"
+    );
+    assert_eq!(f.with("/", &[("color", "orange")]), "404");
+    assert_eq!(f.with("/", &[("version", "three")]), "404");
+}
+
+#[test]
+fn http_route_matching_across_routes() {
+    let mut w = world(&["infra-backend-v1", "infra-backend-v2"]);
+    w.route(route(
+        "part1",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["example.com", "example.net"], "rules": [
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/"}}], "backendRefs": to("infra-backend-v1")},
+        ]}),
+    ));
+    w.route(route(
+        "part2",
+        "2026-01-02T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["example.com"], "rules": [
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/v2"}}, {"headers": [{"name": "version", "value": "two"}]}],
+             "backendRefs": to("infra-backend-v2")},
+        ]}),
+    ));
+    let f = w.front();
+    assert_eq!(f.to("example.com", "/"), "infra-backend-v1");
+    assert_eq!(f.to("example.com", "/v2"), "infra-backend-v2");
+    assert_eq!(f.to("example.net", "/v2"), "infra-backend-v1");
+    assert_eq!(
+        get(f.port, "example.com", "/", &[("version", "two")]).backend(),
+        "infra-backend-v2"
+    );
+    assert_eq!(f.to("example.org", "/"), "404");
+}
+
+#[test]
+fn http_route_hostname_intersection() {
+    let mut w = world(&["infra-backend-v1", "infra-backend-v2"]);
+    let port = free_port();
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "gw",
+            json!([
+                {"name": "specific", "port": port, "protocol": "HTTP", "hostname": "very.specific.com"},
+                {"name": "wildcard", "port": port, "protocol": "HTTP", "hostname": "*.wildcard.io"},
+            ]),
+        ),
+    );
+    w.route(route(
+        "specific",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["non.matching.com", "*.specific.com"],
+               "rules": [{"backendRefs": to("infra-backend-v1")}]}),
+    ));
+    w.route(route(
+        "wild",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["bar.wildcard.io", "foo.bar.wildcard.io"],
+               "rules": [{"backendRefs": to("infra-backend-v2")}]}),
+    ));
+    w.route(route(
+        "none",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["specific.but.wrong.com"],
+               "rules": [{"backendRefs": to("infra-backend-v2")}]}),
+    ));
+    let f = w.serve(port);
+    assert_eq!(f.to("very.specific.com", "/"), "infra-backend-v1");
+    assert_eq!(f.to("very.specific.com:1234", "/"), "infra-backend-v1");
+    assert_eq!(f.to("non.matching.com", "/"), "404");
+    assert_eq!(f.to("bar.wildcard.io", "/"), "infra-backend-v2");
+    assert_eq!(f.to("foo.bar.wildcard.io", "/"), "infra-backend-v2");
+    assert_eq!(f.to("baz.wildcard.io", "/"), "404");
+    assert_eq!(f.to("specific.but.wrong.com", "/"), "404");
+    assert_eq!(
+        f.parent_conditions("none")[0],
+        "Accepted=False/NoMatchingListenerHostname"
+    );
+    let listeners = f.status("Gateway", "gw", "listeners");
+    assert_eq!(listeners[0]["attachedRoutes"], 1);
+    assert_eq!(listeners[1]["attachedRoutes"], 1);
+}
+
+#[test]
+fn http_route_weight() {
+    let mut w = world(&["infra-backend-v1", "infra-backend-v2", "infra-backend-v3"]);
+    w.route(route(
+        "weights",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [{"backendRefs": [
+            {"name": "infra-backend-v1", "port": 8080, "weight": 70},
+            {"name": "infra-backend-v2", "port": 8080, "weight": 30},
+            {"name": "infra-backend-v3", "port": 8080, "weight": 0},
+        ]}]}),
+    ));
+    let f = w.front();
+    let mut seen: BTreeMap<String, u32> = BTreeMap::new();
+    for _ in 0..500 {
+        *seen.entry(f.to("example.com", "/")).or_default() += 1;
+    }
+    let v1 = f64::from(seen.get("infra-backend-v1").copied().unwrap_or(0)) / 500.0;
+    let v2 = f64::from(seen.get("infra-backend-v2").copied().unwrap_or(0)) / 500.0;
+    assert!(
+        (v1 - 0.7).abs() < 0.07 && (v2 - 0.3).abs() < 0.07,
+        "{seen:?}"
+    );
+    assert_eq!(seen.len(), 2, "{seen:?}");
+}
+
+#[test]
+fn http_route_request_header_modifier() {
+    let mut w = world(&["infra-backend-v1"]);
+    w.route(route(
+        "modifier",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [{"filters": [{"type": "RequestHeaderModifier",
+            "requestHeaderModifier": {"set": [{"name": "X-Header-Set", "value": "set-overwrites-values"}],
+                "add": [{"name": "X-Header-Add", "value": "add-appends-values"}],
+                "remove": ["X-Header-Remove"]}}],
+            "backendRefs": to("infra-backend-v1")}]}),
+    ));
+    let f = w.front();
+    let answer = get(
+        f.port,
+        "example.com",
+        "/",
+        &[
+            ("x-header-set", "some-other-value"),
+            ("x-header-add", "something"),
+            ("x-header-remove", "gone"),
+        ],
+    );
+    let received = answer.body.to_lowercase();
+    assert!(
+        received.contains("x-header-set: set-overwrites-values"),
+        "{received}"
+    );
+    assert!(!received.contains("some-other-value"), "{received}");
+    assert!(received.contains("x-header-add: something"), "{received}");
+    assert!(
+        received.contains("x-header-add: add-appends-values"),
+        "{received}"
+    );
+    assert!(!received.contains("x-header-remove"), "{received}");
+}
+
+#[test]
+fn http_route_redirect_host_and_status() {
+    let mut w = world(&["infra-backend-v1"]);
+    w.route(route(
+        "redirect",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/hostname-redirect"}}],
+             "filters": [{"type": "RequestRedirect", "requestRedirect": {"hostname": "example.org"}}]},
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/host-and-status"}}],
+             "filters": [{"type": "RequestRedirect", "requestRedirect": {"hostname": "example.org", "statusCode": 301, "port": 80}}]},
+        ]}),
+    ));
+    let f = w.front();
+    let a = get(f.port, "example.com", "/hostname-redirect?q=1", &[]);
+    assert_eq!(a.status, 302);
+    let location = format!(
+        "location: http://example.org:{}/hostname-redirect?q=1",
+        f.port
+    );
+    assert!(a.head.to_lowercase().contains(&location), "{}", a.head);
+    let a = get(f.port, "example.com", "/host-and-status", &[]);
+    assert_eq!(a.status, 301);
+    assert!(
+        a.head
+            .to_lowercase()
+            .contains("location: http://example.org/host-and-status"),
+        "{}",
+        a.head
+    );
+}
+
+#[test]
+fn http_route_invalid_nonexistent_backend_ref() {
+    let mut w = world(&["infra-backend-v1"]);
+    w.route(route(
+        "missing",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [{"backendRefs": to("nonexistent")}]}),
+    ));
+    let f = w.front();
+    assert_eq!(f.to("example.com", "/"), "500");
+    assert_eq!(
+        f.parent_conditions("missing"),
+        [
+            "Accepted=True/Accepted",
+            "ResolvedRefs=False/BackendNotFound"
+        ]
+    );
+}
+
+#[test]
+fn http_route_no_backend_refs() {
+    let mut w = world(&["infra-backend-v1"]);
+    w.route(route(
+        "none",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/forward"}}], "backendRefs": to("infra-backend-v1")},
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/omitted"}}]},
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/empty"}}], "backendRefs": []},
+        ]}),
+    ));
+    let f = w.front();
+    assert_eq!(f.to("example.com", "/forward"), "infra-backend-v1");
+    assert_eq!(f.to("example.com", "/omitted"), "500");
+    assert_eq!(f.to("example.com", "/empty"), "500");
+}
+
+#[test]
+fn http_route_reference_grant() {
+    let mut w = world(&["web-backend"]);
+    w.route(route(
+        "cross",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [{"backendRefs": [{"name": "web-backend", "namespace": "web", "port": 8080}]}]}),
+    ));
+    // HTTPRouteInvalidCrossNamespaceBackendRef: without a ReferenceGrant, 500.
+    {
+        let f = w.front();
+        assert_eq!(f.to("example.com", "/"), "500");
+        assert_eq!(
+            f.parent_conditions("cross"),
+            [
+                "Accepted=True/Accepted",
+                "ResolvedRefs=False/RefNotPermitted"
+            ]
+        );
+    }
+    apply(
+        &mut w.stores,
+        "referencegrants",
+        json!({"apiVersion": "gateway.networking.k8s.io/v1beta1", "kind": "ReferenceGrant",
+            "metadata": {"namespace": "web", "name": "allow-infra"},
+            "spec": {"from": [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "namespace": NS}],
+                     "to": [{"group": "", "kind": "Service", "name": "web-backend"}]}}),
+    );
+    let f = w.front();
+    assert_eq!(f.to("example.com", "/"), "web-backend");
+    assert_eq!(
+        f.parent_conditions("cross"),
+        ["Accepted=True/Accepted", "ResolvedRefs=True/ResolvedRefs"]
+    );
+}
+
+#[test]
+fn http_route_invalid_parent_ref_not_matching_section_name() {
+    let mut w = world(&["infra-backend-v1"]);
+    w.route(route(
+        "section",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw", "sectionName": "nope"}], "rules": [{"backendRefs": to("infra-backend-v1")}]}),
+    ));
+    let f = w.front();
+    assert_eq!(
+        f.parent_conditions("section")[0],
+        "Accepted=False/NoMatchingParent"
+    );
+    assert_eq!(f.to("example.com", "/"), "404");
+}
+
+#[test]
+fn gateway_listener_unsupported_protocol_and_invalid_route_kinds() {
+    let mut w = world(&["infra-backend-v1"]);
+    let port = free_port();
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "gw",
+            json!([
+                {"name": "http", "port": port, "protocol": "HTTP"},
+                {"name": "udp", "port": free_port(), "protocol": "UDP"},
+                {"name": "kinds", "port": port, "protocol": "HTTP",
+                 "allowedRoutes": {"kinds": [{"kind": "FooRoute"}]}},
+            ]),
+        ),
+    );
+    let f = w.serve(port);
+    let listeners = f.status("Gateway", "gw", "listeners");
+    let reason = |i: usize, kind: &str| {
+        listeners[i]["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == kind)
+            .map(|c| c["reason"].as_str().unwrap().to_owned())
+            .unwrap()
+    };
+    assert_eq!(reason(0, "Accepted"), "Accepted");
+    assert_eq!(reason(1, "Accepted"), "UnsupportedProtocol");
+    assert_eq!(reason(2, "ResolvedRefs"), "InvalidRouteKinds");
+    assert_eq!(listeners[2]["supportedKinds"], json!([]));
+}
+
+#[test]
+fn gateway_listener_shares_the_ingress_port() {
+    let mut w = world(&["infra-backend-v1", "infra-backend-v2"]);
+    apply(
+        &mut w.stores,
+        "ingressclasses",
+        haptic_render::fixtures::ingress_class("haptic", true),
+    );
+    apply(
+        &mut w.stores,
+        "ingresses",
+        json!({"apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
+            "metadata": {"namespace": NS, "name": "shop"},
+            "spec": {"rules": [{"host": "shop.example", "http": {"paths": [{"path": "/", "pathType": "Prefix",
+                "backend": {"service": {"name": "infra-backend-v2", "port": {"number": 8080}}}}]}}]}}),
+    );
+    let port = free_port();
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "gw",
+            json!([{"name": "http", "port": port, "protocol": "HTTP", "hostname": "gw.example"}]),
+        ),
+    );
+    w.route(route(
+        "simple",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [{"backendRefs": to("infra-backend-v1")}]}),
+    ));
+    // The listener's port is the Ingress frontend's: one frontend serves both.
+    let f = w.serve_with(port, port);
+    assert_eq!(f.to("gw.example", "/"), "infra-backend-v1");
+    assert_eq!(f.to("shop.example", "/"), "infra-backend-v2");
+    assert_eq!(f.to("other.example", "/"), "404");
+}

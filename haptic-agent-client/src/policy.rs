@@ -308,15 +308,12 @@ impl Policy {
 
     /// Every violation in `files`, in file and line order (empty: the set passes).
     pub fn violations(&self, files: &FileSet) -> Vec<Violation> {
-        let mut checker = Checker {
-            policy: self,
-            violations: Vec::new(),
-            crt_lists: BTreeSet::new(),
-            spoe: BTreeSet::new(),
-            bases: vec![String::new()],
-            file: MAIN_CONFIG.to_owned(),
-            line: 0,
-        };
+        self.violations_and_roles(files).0
+    }
+
+    /// [`Policy::violations`], and the [`Roles`] `haproxy.cfg` gives the set's other files.
+    pub fn violations_and_roles(&self, files: &FileSet) -> (Vec<Violation>, Roles) {
+        let mut checker = self.checker();
         if let Some(config) = files.get(MAIN_CONFIG) {
             checker.config(&String::from_utf8_lossy(config));
         }
@@ -325,36 +322,58 @@ impl Policy {
         // HAProxy resolves a relative crt-list against the set's root (`-C`, `default-path
         // config`), a `default-path origin` and `crt-base`: every place it could be found in
         // the set is checked.
-        let in_set = |named: &BTreeSet<String>| {
+        let candidates = |named: &BTreeSet<String>| {
             let mut found = BTreeSet::new();
             for name in named {
                 for base in &checker.bases {
-                    let path = if base.is_empty() {
+                    found.insert(if base.is_empty() {
                         name.clone()
                     } else {
                         format!("{}/{name}", base.trim_end_matches('/'))
-                    };
-                    if files.get(&path).is_some() {
-                        found.insert(path);
-                    }
+                    });
                 }
             }
             found
         };
-        let (lists, spoe) = (in_set(&lists), in_set(&spoe));
-        for path in lists {
-            if let Some(content) = files.get(&path) {
-                checker.file = path;
-                checker.crt_list(&String::from_utf8_lossy(content));
-            }
+        let roles = Roles {
+            crt_lists: candidates(&lists),
+            spoe: candidates(&spoe),
+        };
+        checker.files(files, &roles, |_| true);
+        (checker.violations, roles)
+    }
+
+    /// The violations a change brings into a set that passed the policy: `files` is the whole
+    /// new set, `changed` the paths the change added or rewrote, `roles` those of the set
+    /// before it. When `haproxy.cfg` changed, the whole set is checked
+    /// ([`Policy::violations_and_roles`]); otherwise only the changed files `haproxy.cfg`
+    /// makes crt-lists or SPOE configurations (the policy reads no other file), with the same
+    /// result as a check of the whole set, and the roles stay.
+    pub fn violations_of_change<'a>(
+        &self,
+        files: &FileSet,
+        changed: impl IntoIterator<Item = &'a str>,
+        roles: &Roles,
+    ) -> (Vec<Violation>, Roles) {
+        let changed: BTreeSet<&str> = changed.into_iter().collect();
+        if changed.contains(MAIN_CONFIG) {
+            return self.violations_and_roles(files);
         }
-        for path in spoe {
-            if let Some(content) = files.get(&path) {
-                checker.file = path;
-                checker.spoe(&String::from_utf8_lossy(content));
-            }
+        let mut checker = self.checker();
+        checker.files(files, roles, |path| changed.contains(path));
+        (checker.violations, roles.clone())
+    }
+
+    fn checker(&self) -> Checker<'_> {
+        Checker {
+            policy: self,
+            violations: Vec::new(),
+            crt_lists: BTreeSet::new(),
+            spoe: BTreeSet::new(),
+            bases: vec![String::new()],
+            file: MAIN_CONFIG.to_owned(),
+            line: 0,
         }
-        checker.violations
     }
 
     /// Why `path` does not resolve inside the set or under an allowed prefix, if it does not.
@@ -518,6 +537,16 @@ enum Section {
     Program,
     Ring,
     Other,
+}
+
+/// What a set's `haproxy.cfg` makes of its other files, as far as the policy reads them: the
+/// paths (in the set or not) it would read as crt-lists and as SPOE configurations. The agent
+/// keeps it with its live set, so that a change that leaves `haproxy.cfg` alone is checked by
+/// its changed files only ([`Policy::violations_of_change`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Roles {
+    crt_lists: BTreeSet<String>,
+    spoe: BTreeSet<String>,
 }
 
 struct Checker<'a> {
@@ -793,6 +822,23 @@ impl Checker<'_> {
                 if word.text == "-f" {
                     self.path("-f", words.get(i + 1));
                 }
+            }
+        }
+    }
+
+    /// Checks the crt-lists and SPOE configurations of `files` that `roles` names and
+    /// `wanted` selects, in path order.
+    fn files(&mut self, files: &FileSet, roles: &Roles, wanted: impl Fn(&str) -> bool) {
+        for path in &roles.crt_lists {
+            if let Some(content) = files.get(path).filter(|_| wanted(path)) {
+                self.file = path.clone();
+                self.crt_list(&String::from_utf8_lossy(content));
+            }
+        }
+        for path in &roles.spoe {
+            if let Some(content) = files.get(path).filter(|_| wanted(path)) {
+                self.file = path.clone();
+                self.spoe(&String::from_utf8_lossy(content));
             }
         }
     }

@@ -15,6 +15,7 @@
 //! | `superseded`  | 409    | same epoch as the live set, older generation; nothing was written |
 //! | `invalid`     | 422    | `haproxy -c` refused the set; the live set is untouched        |
 //! | `refused_by_policy` | 422 | the set breaks the agent's config policy ([`crate::policy`]); nothing was written and `haproxy -c` did not run |
+//! | `base_mismatch` | 412  | a delta ([`DeltaRequest`]) named a base that is not the agent's live set; nothing was written |
 //! | `rolled_back` | 500    | the set passed the check but failed to load; last-known-good is live again |
 //!
 //! Other failures (401, 400, 413, 503) carry an [`ErrorBody`].
@@ -28,6 +29,9 @@ use sha2::{Digest, Sha256};
 
 /// Path of the apply endpoint.
 pub const APPLY_PATH: &str = "/v1/apply";
+/// Path of the delta apply endpoint: a [`WireDelta`] body, the same answers as
+/// [`APPLY_PATH`] plus `base_mismatch` (412). An agent that predates it answers 404.
+pub const DELTA_PATH: &str = "/v1/apply-delta";
 /// Path of the state endpoint.
 pub const STATE_PATH: &str = "/v1/state";
 /// The file every set must hold at its root: HAProxy's main configuration.
@@ -239,6 +243,24 @@ impl FileSet {
         below || above
     }
 
+    /// Writes `content` at `path`: replaces the file when the set holds it, else adds it as
+    /// [`FileSet::insert`] does.
+    pub fn put(&mut self, path: impl Into<String>, content: impl Into<Bytes>) -> Result<()> {
+        let path = path.into();
+        match self.files.get_mut(&path) {
+            Some(existing) => {
+                *existing = content.into();
+                Ok(())
+            }
+            None => self.insert(path, content),
+        }
+    }
+
+    /// Removes the file at `path`; whether the set held it.
+    pub fn remove(&mut self, path: &str) -> bool {
+        self.files.remove(path).is_some()
+    }
+
     /// Builder form of [`FileSet::insert`].
     pub fn with(mut self, path: impl Into<String>, content: impl Into<Bytes>) -> Result<Self> {
         self.insert(path, content)?;
@@ -353,18 +375,7 @@ impl ApplyRequest {
         let files = self
             .files
             .iter()
-            .map(|(path, content)| match std::str::from_utf8(content) {
-                Ok(text) => WireFile {
-                    path: path.to_owned(),
-                    text: Some(text.to_owned()),
-                    base64: None,
-                },
-                Err(_) => WireFile {
-                    path: path.to_owned(),
-                    text: None,
-                    base64: Some(base64::engine::general_purpose::STANDARD.encode(content)),
-                },
-            })
+            .map(|(path, content)| WireFile::of(path, content))
             .collect();
         WireApply {
             epoch: self.epoch,
@@ -404,6 +415,45 @@ pub struct WireFile {
     pub base64: Option<String>,
 }
 
+impl WireFile {
+    /// The file on the wire: text when it is UTF-8, base64 otherwise.
+    pub fn of(path: &str, content: &[u8]) -> Self {
+        match std::str::from_utf8(content) {
+            Ok(text) => Self {
+                path: path.to_owned(),
+                text: Some(text.to_owned()),
+                base64: None,
+            },
+            Err(_) => Self {
+                path: path.to_owned(),
+                text: None,
+                base64: Some(base64::engine::general_purpose::STANDARD.encode(content)),
+            },
+        }
+    }
+
+    /// The path and the content, decoded.
+    pub fn decode(self) -> Result<(String, Bytes)> {
+        let content = match (self.text, self.base64) {
+            (Some(text), None) => Bytes::from(text),
+            (None, Some(encoded)) => base64::engine::general_purpose::STANDARD
+                .decode(encoded)
+                .map(Bytes::from)
+                .map_err(|error| Error::Content {
+                    path: self.path.clone(),
+                    reason: error.to_string(),
+                })?,
+            _ => {
+                return Err(Error::Content {
+                    path: self.path,
+                    reason: "needs exactly one of `text` and `base64`".to_owned(),
+                });
+            }
+        };
+        Ok((self.path, content))
+    }
+}
+
 impl WireApply {
     /// Decodes and checks the wire form: every path valid and unique, [`MAIN_CONFIG`] present,
     /// contents well-formed, and the checksum matching the files.
@@ -411,23 +461,8 @@ impl WireApply {
         validate_leader(&self.leader)?;
         let mut files = FileSet::new();
         for file in self.files {
-            let content = match (file.text, file.base64) {
-                (Some(text), None) => Bytes::from(text),
-                (None, Some(encoded)) => base64::engine::general_purpose::STANDARD
-                    .decode(encoded)
-                    .map(Bytes::from)
-                    .map_err(|error| Error::Content {
-                        path: file.path.clone(),
-                        reason: error.to_string(),
-                    })?,
-                _ => {
-                    return Err(Error::Content {
-                        path: file.path,
-                        reason: "needs exactly one of `text` and `base64`".to_owned(),
-                    });
-                }
-            };
-            files.insert(file.path, content)?;
+            let (path, content) = file.decode()?;
+            files.insert(path, content)?;
         }
         files.validate()?;
         let actual = files.checksum();
@@ -447,6 +482,198 @@ impl WireApply {
     }
 }
 
+/// A change to a set the agent already runs: the checksum of that set (`base`), the files
+/// added or changed (whole), the files removed, and the checksum of the whole set they make.
+/// The agent makes the whole set from its live one and the delta, checks that it hashes to
+/// `checksum`, and from there treats it exactly as an [`ApplyRequest`] of that set: fence,
+/// generation, journal, `unchanged`, runtime or reload path, last-known-good. An agent whose
+/// live set is not `base` answers [`ApplyResponse::BaseMismatch`] and writes nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeltaRequest {
+    /// See [`ApplyRequest::epoch`].
+    pub epoch: u64,
+    /// See [`ApplyRequest::leader`].
+    pub leader: String,
+    /// See [`ApplyRequest::generation`].
+    pub generation: u64,
+    /// Checksum of the set the delta applies to: the agent's live set must be it.
+    pub base: String,
+    /// Checksum of the whole set the delta makes of `base`.
+    pub checksum: String,
+    /// Files added or changed, with their whole content.
+    pub files: BTreeMap<String, Bytes>,
+    /// Files removed.
+    pub removed: Vec<String>,
+}
+
+impl DeltaRequest {
+    /// The delta that makes `target`'s set of `base` (whose checksum is `base_checksum`).
+    pub fn between(base: &FileSet, base_checksum: &str, target: &ApplyRequest) -> Self {
+        let files = target
+            .files
+            .iter()
+            .filter(|(path, content)| base.get(path) != Some(*content))
+            .map(|(path, content)| (path.to_owned(), content.clone()))
+            .collect();
+        let removed = base
+            .iter()
+            .filter(|(path, _)| target.files.get(path).is_none())
+            .map(|(path, _)| path.to_owned())
+            .collect();
+        Self {
+            epoch: target.epoch,
+            leader: target.leader.clone(),
+            generation: target.generation,
+            base: base_checksum.to_owned(),
+            checksum: target.checksum.clone(),
+            files,
+            removed,
+        }
+    }
+
+    /// The paths the delta adds or changes.
+    pub fn changed(&self) -> impl Iterator<Item = &str> {
+        self.files.keys().map(String::as_str)
+    }
+
+    /// The whole set the delta makes of `base`: checked as a whole set is (paths, conflicts,
+    /// [`MAIN_CONFIG`], [`MAX_FILES`]) and against `checksum`. `base` must be the set whose
+    /// checksum is [`DeltaRequest::base`]; the caller vouches for that.
+    pub fn apply_to(&self, base: &FileSet) -> Result<FileSet> {
+        let mut files = base.clone();
+        for path in &self.removed {
+            validate_path(path)?;
+            if !files.remove(path) {
+                return Err(Error::Content {
+                    path: path.clone(),
+                    reason: "removed by the delta, but not in the base set".to_owned(),
+                });
+            }
+        }
+        for (path, content) in &self.files {
+            files.put(path.clone(), content.clone())?;
+        }
+        files.validate()?;
+        let actual = files.checksum();
+        if actual != self.checksum {
+            return Err(Error::Checksum {
+                claimed: self.checksum.clone(),
+                actual,
+            });
+        }
+        Ok(files)
+    }
+
+    /// The request for the whole set `files` (what [`DeltaRequest::apply_to`] returned).
+    pub fn into_request(self, files: FileSet) -> ApplyRequest {
+        ApplyRequest {
+            epoch: self.epoch,
+            leader: self.leader,
+            generation: self.generation,
+            checksum: self.checksum,
+            files,
+        }
+    }
+
+    /// The JSON wire form.
+    pub fn to_wire(&self) -> WireDelta {
+        WireDelta {
+            epoch: self.epoch,
+            leader: self.leader.clone(),
+            generation: self.generation,
+            base: self.base.clone(),
+            checksum: self.checksum.clone(),
+            files: self
+                .files
+                .iter()
+                .map(|(path, content)| WireFile::of(path, content))
+                .collect(),
+            removed: self.removed.clone(),
+        }
+    }
+}
+
+/// Whether `checksum` is a set checksum as [`checksum`] writes it: 64 lowercase hex digits.
+pub fn is_checksum(checksum: &str) -> bool {
+    checksum.len() == 64
+        && checksum
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// The JSON body of `POST /v1/apply-delta`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WireDelta {
+    /// See [`ApplyRequest::epoch`].
+    pub epoch: u64,
+    /// See [`ApplyRequest::leader`].
+    pub leader: String,
+    /// See [`ApplyRequest::generation`].
+    pub generation: u64,
+    /// See [`DeltaRequest::base`].
+    pub base: String,
+    /// See [`DeltaRequest::checksum`].
+    pub checksum: String,
+    /// Files added or changed, each with exactly one of `text` or `base64`.
+    #[serde(default)]
+    pub files: Vec<WireFile>,
+    /// Paths removed.
+    #[serde(default)]
+    pub removed: Vec<String>,
+}
+
+impl WireDelta {
+    /// Decodes and checks the wire form: leader, both checksums well-formed, every path valid
+    /// and named once, at most [`MAX_FILES`] of them. Whether it fits a base is the agent's to
+    /// check ([`DeltaRequest::apply_to`]).
+    pub fn into_delta(self) -> Result<DeltaRequest> {
+        validate_leader(&self.leader)?;
+        for claimed in [&self.base, &self.checksum] {
+            if !is_checksum(claimed) {
+                return Err(Error::Checksum {
+                    claimed: claimed.chars().take(80).collect(),
+                    actual: "not 64 lowercase hex digits".to_owned(),
+                });
+            }
+        }
+        if self.files.len() + self.removed.len() > MAX_FILES {
+            return Err(Error::TooManyFiles {
+                count: self.files.len() + self.removed.len(),
+            });
+        }
+        let mut files = BTreeMap::new();
+        for file in self.files {
+            let (path, content) = file.decode()?;
+            validate_path(&path)?;
+            if files.insert(path.clone(), content).is_some() {
+                return Err(Error::Conflict { path });
+            }
+        }
+        for path in &self.removed {
+            validate_path(path)?;
+            if files.contains_key(path) {
+                return Err(Error::Conflict { path: path.clone() });
+            }
+        }
+        let mut removed = self.removed;
+        removed.sort();
+        if let Some(pair) = removed.windows(2).find(|pair| pair[0] == pair[1]) {
+            return Err(Error::Conflict {
+                path: pair[0].clone(),
+            });
+        }
+        Ok(DeltaRequest {
+            epoch: self.epoch,
+            leader: self.leader,
+            generation: self.generation,
+            base: self.base,
+            checksum: self.checksum,
+            files,
+            removed,
+        })
+    }
+}
+
 /// An encoded apply body, ready to send to any number of agents.
 #[derive(Debug, Clone)]
 pub struct EncodedBody {
@@ -460,8 +687,17 @@ pub struct EncodedBody {
 
 /// Serializes `apply` and gzips it (fast level) when the JSON is larger than `threshold`.
 pub fn encode_apply(apply: &WireApply, threshold: usize) -> EncodedBody {
+    encode_json(apply, threshold)
+}
+
+/// Serializes `delta` and gzips it (fast level) when the JSON is larger than `threshold`.
+pub fn encode_delta(delta: &WireDelta, threshold: usize) -> EncodedBody {
+    encode_json(delta, threshold)
+}
+
+fn encode_json(value: &impl Serialize, threshold: usize) -> EncodedBody {
     // Serializing plain structs of strings and integers cannot fail.
-    let json = serde_json::to_vec(apply).unwrap_or_default();
+    let json = serde_json::to_vec(value).unwrap_or_default();
     let json_len = json.len();
     if json_len <= threshold {
         return EncodedBody {
@@ -487,6 +723,15 @@ pub fn encode_apply(apply: &WireApply, threshold: usize) -> EncodedBody {
 
 /// Inflates and parses an apply body, refusing one that inflates past `limit` bytes.
 pub fn decode_apply(body: &[u8], gzip: bool, limit: usize) -> Result<WireApply> {
+    decode_json(body, gzip, limit)
+}
+
+/// Inflates and parses a delta body, refusing one that inflates past `limit` bytes.
+pub fn decode_delta(body: &[u8], gzip: bool, limit: usize) -> Result<WireDelta> {
+    decode_json(body, gzip, limit)
+}
+
+fn decode_json<T: serde::de::DeserializeOwned>(body: &[u8], gzip: bool, limit: usize) -> Result<T> {
     if !gzip {
         return serde_json::from_slice(body).map_err(Error::Json);
     }
@@ -597,6 +842,15 @@ pub enum ApplyResponse {
         #[serde(default)]
         more: usize,
     },
+    /// A delta's base is not the agent's live set (it was restarted and its set on disk no
+    /// longer verifies, another set went live, or it never had that one): nothing was
+    /// written and the fence was not touched. Send the whole set.
+    BaseMismatch {
+        /// The base the delta named.
+        base: String,
+        /// Checksum of the agent's live set (none when nothing is live).
+        live_checksum: Option<String>,
+    },
     /// The set passed the check but HAProxy failed to load it; the previous set was restored.
     RolledBack {
         /// Checksum of the set that failed to load.
@@ -617,6 +871,7 @@ impl ApplyResponse {
             Self::Applied { .. } | Self::Unchanged { .. } => 200,
             Self::Fenced { .. } | Self::Superseded { .. } => 409,
             Self::Invalid { .. } | Self::RefusedByPolicy { .. } => 422,
+            Self::BaseMismatch { .. } => 412,
             Self::RolledBack { .. } => 500,
         }
     }
@@ -630,6 +885,7 @@ impl ApplyResponse {
             Self::Superseded { .. } => "superseded",
             Self::Invalid { .. } => "invalid",
             Self::RefusedByPolicy { .. } => "refused_by_policy",
+            Self::BaseMismatch { .. } => "base_mismatch",
             Self::RolledBack { .. } => "rolled_back",
         }
     }

@@ -20,13 +20,14 @@ use opentelemetry::{
 };
 
 /// Apply outcomes counted; anything else counts as `error`.
-pub const OUTCOMES: [&str; 9] = [
+pub const OUTCOMES: [&str; 10] = [
     "applied",
     "unchanged",
     "fenced",
     "superseded",
     "invalid",
     "refused_by_policy",
+    "base_mismatch",
     "rolled_back",
     "rejected",
     "error",

@@ -1337,6 +1337,44 @@ mod tests {
     }
 
     #[test]
+    fn a_change_is_checked_by_what_it_changes_with_the_result_of_a_whole_check() {
+        let policy = Policy::default();
+        let base = set("global\n  crt-base certs\nfrontend f\n  bind :443 ssl crt-list l.list\n")
+            .with("certs/l.list", "ssl/a.pem a.example\n")
+            .and_then(|s| s.with("maps/m.map", "a b\n"))
+            .expect("set");
+        let (found, roles) = policy.violations_and_roles(&base);
+        assert!(found.is_empty(), "{found:?}");
+        // A crt-list line that leaves the set, a map (not read by the policy), a file added
+        // at another place the crt-list could be found (the set's root).
+        let mut changed = base.clone();
+        changed
+            .put("certs/l.list", "/etc/k.pem a.example\n")
+            .expect("put");
+        changed.put("maps/m.map", "/etc/passwd b\n").expect("put");
+        changed.put("l.list", "../x.pem b.example\n").expect("put");
+        let paths = ["certs/l.list", "maps/m.map", "l.list"];
+        let (of_change, kept) = policy.violations_of_change(&changed, paths, &roles);
+        assert_eq!(of_change, policy.violations(&changed));
+        assert_eq!(of_change.len(), 2, "{of_change:?}");
+        assert_eq!(kept, roles);
+        // Only the map changed: nothing to read.
+        let (none, _) = policy.violations_of_change(&changed, ["maps/m.map"], &roles);
+        assert!(none.is_empty());
+        // haproxy.cfg changed: the whole set is checked, and the roles follow it.
+        let mut config = changed.clone();
+        config
+            .put(
+                MAIN_CONFIG,
+                "frontend f\n  bind :443 ssl crt-list other.list\n",
+            )
+            .expect("put");
+        let (whole, roles) = policy.violations_of_change(&config, [MAIN_CONFIG], &roles);
+        assert_eq!(whole, policy.violations(&config));
+        assert_eq!(roles, policy.violations_and_roles(&config).1);
+    }
+
+    #[test]
     fn a_crt_list_under_crt_base_or_origin_is_checked_too() {
         for (global, path) in [
             ("crt-base ssl", "ssl/certs.list"),

@@ -483,7 +483,8 @@ impl WireApply {
 }
 
 /// A change to a set the agent already runs: the checksum of that set (`base`), the files
-/// added or changed (whole), the files removed, and the checksum of the whole set they make.
+/// added or changed (whole, or as line hunks against the base's file), the files removed, and
+/// the checksum of the whole set they make.
 /// The agent makes the whole set from its live one and the delta, checks that it hashes to
 /// `checksum`, and from there treats it exactly as an [`ApplyRequest`] of that set: fence,
 /// generation, journal, `unchanged`, runtime or reload path, last-known-good. An agent whose
@@ -502,19 +503,137 @@ pub struct DeltaRequest {
     pub checksum: String,
     /// Files added or changed, with their whole content.
     pub files: BTreeMap<String, Bytes>,
+    /// Text files of the base changed by a few lines: the hunks that make the new content of
+    /// the base's (map entries, `server` lines of `haproxy.cfg`, crt-list lines).
+    pub patches: BTreeMap<String, Vec<Hunk>>,
     /// Files removed.
     pub removed: Vec<String>,
 }
 
+/// Lines replaced in a text file: `remove` lines from line `at` (0-based, in the base file)
+/// replaced by `insert` (each line with its `\n`, the last one without it when the file ends
+/// without one). Hunks of a file come in line order and do not overlap.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hunk {
+    /// First line replaced, in the base file.
+    pub at: usize,
+    /// How many lines are replaced.
+    pub remove: usize,
+    /// The lines that take their place.
+    #[serde(default)]
+    pub insert: Vec<String>,
+}
+
+/// Files smaller than this travel whole: hunks would save nothing worth their work.
+const PATCH_MIN_BYTES: usize = 4096;
+
+/// The hunks that make `new` of `old`, compared line by line (lines end at `\n`): the common
+/// head and tail are left out; between them, when both have as many lines, each run of
+/// changed lines is a hunk (a `server` line or a map entry rewritten in place), else the
+/// whole middle is one.
+pub fn line_hunks(old: &str, new: &str) -> Vec<Hunk> {
+    let a: Vec<&str> = old.split_inclusive('\n').collect();
+    let b: Vec<&str> = new.split_inclusive('\n').collect();
+    let head = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+    let tail = a[head..]
+        .iter()
+        .rev()
+        .zip(b[head..].iter().rev())
+        .take_while(|(x, y)| x == y)
+        .count();
+    let (a_mid, b_mid) = (&a[head..a.len() - tail], &b[head..b.len() - tail]);
+    if a_mid.is_empty() && b_mid.is_empty() {
+        return Vec::new();
+    }
+    let owned = |lines: &[&str]| lines.iter().map(|line| (*line).to_owned()).collect();
+    if a_mid.len() != b_mid.len() {
+        return vec![Hunk {
+            at: head,
+            remove: a_mid.len(),
+            insert: owned(b_mid),
+        }];
+    }
+    let mut hunks: Vec<Hunk> = Vec::new();
+    for (i, (x, y)) in a_mid.iter().zip(b_mid).enumerate() {
+        if x == y {
+            continue;
+        }
+        let at = head + i;
+        match hunks.last_mut() {
+            Some(last) if last.at + last.remove == at => {
+                last.remove += 1;
+                last.insert.push((*y).to_owned());
+            }
+            _ => hunks.push(Hunk {
+                at,
+                remove: 1,
+                insert: vec![(*y).to_owned()],
+            }),
+        }
+    }
+    hunks
+}
+
+/// `base` with `hunks` applied; an error names what does not fit (`path` for the message).
+pub fn apply_hunks(path: &str, base: &[u8], hunks: &[Hunk]) -> Result<Bytes> {
+    let refuse = |reason: &str| Error::Content {
+        path: path.to_owned(),
+        reason: reason.to_owned(),
+    };
+    let text =
+        std::str::from_utf8(base).map_err(|_| refuse("patched, but not UTF-8 in the base"))?;
+    let lines: Vec<&str> = text.split_inclusive('\n').collect();
+    let mut out = String::with_capacity(text.len() + 64);
+    let mut next = 0;
+    for hunk in hunks {
+        let end = hunk
+            .at
+            .checked_add(hunk.remove)
+            .filter(|end| hunk.at >= next && *end <= lines.len())
+            .ok_or_else(|| refuse("hunks out of order or beyond the base file"))?;
+        lines[next..hunk.at]
+            .iter()
+            .for_each(|line| out.push_str(line));
+        hunk.insert.iter().for_each(|line| out.push_str(line));
+        next = end;
+    }
+    lines[next..].iter().for_each(|line| out.push_str(line));
+    Ok(Bytes::from(out))
+}
+
 impl DeltaRequest {
     /// The delta that makes `target`'s set of `base` (whose checksum is `base_checksum`).
+    /// A text file of both that changed by a few lines travels as hunks; other changed files
+    /// whole.
     pub fn between(base: &FileSet, base_checksum: &str, target: &ApplyRequest) -> Self {
-        let files = target
-            .files
-            .iter()
-            .filter(|(path, content)| base.get(path) != Some(*content))
-            .map(|(path, content)| (path.to_owned(), content.clone()))
-            .collect();
+        let mut files = BTreeMap::new();
+        let mut patches = BTreeMap::new();
+        for (path, content) in target.files.iter() {
+            let Some(old) = base.get(path) else {
+                files.insert(path.to_owned(), content.clone());
+                continue;
+            };
+            if old == content {
+                continue;
+            }
+            let texts = std::str::from_utf8(old)
+                .ok()
+                .zip(std::str::from_utf8(content).ok())
+                .filter(|_| content.len() >= PATCH_MIN_BYTES);
+            if let Some((old, new)) = texts {
+                let hunks = line_hunks(old, new);
+                let inserted: usize = hunks
+                    .iter()
+                    .flat_map(|hunk| &hunk.insert)
+                    .map(String::len)
+                    .sum();
+                if inserted < new.len() / 2 {
+                    patches.insert(path.to_owned(), hunks);
+                    continue;
+                }
+            }
+            files.insert(path.to_owned(), content.clone());
+        }
         let removed = base
             .iter()
             .filter(|(path, _)| target.files.get(path).is_none())
@@ -527,13 +646,17 @@ impl DeltaRequest {
             base: base_checksum.to_owned(),
             checksum: target.checksum.clone(),
             files,
+            patches,
             removed,
         }
     }
 
     /// The paths the delta adds or changes.
     pub fn changed(&self) -> impl Iterator<Item = &str> {
-        self.files.keys().map(String::as_str)
+        self.files
+            .keys()
+            .chain(self.patches.keys())
+            .map(String::as_str)
     }
 
     /// The whole set the delta makes of `base`: checked as a whole set is (paths, conflicts,
@@ -552,6 +675,13 @@ impl DeltaRequest {
         }
         for (path, content) in &self.files {
             files.put(path.clone(), content.clone())?;
+        }
+        for (path, hunks) in &self.patches {
+            let base_content = base.get(path).ok_or_else(|| Error::Content {
+                path: path.clone(),
+                reason: "patched by the delta, but not in the base set".to_owned(),
+            })?;
+            files.put(path.clone(), apply_hunks(path, base_content, hunks)?)?;
         }
         files.validate()?;
         let actual = files.checksum();
@@ -588,9 +718,26 @@ impl DeltaRequest {
                 .iter()
                 .map(|(path, content)| WireFile::of(path, content))
                 .collect(),
+            patches: self
+                .patches
+                .iter()
+                .map(|(path, hunks)| WirePatch {
+                    path: path.clone(),
+                    hunks: hunks.clone(),
+                })
+                .collect(),
             removed: self.removed.clone(),
         }
     }
+}
+
+/// A patched file on the wire.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WirePatch {
+    /// Relative path inside the set (and the base).
+    pub path: String,
+    /// The hunks, in line order.
+    pub hunks: Vec<Hunk>,
 }
 
 /// Whether `checksum` is a set checksum as [`checksum`] writes it: 64 lowercase hex digits.
@@ -617,6 +764,9 @@ pub struct WireDelta {
     /// Files added or changed, each with exactly one of `text` or `base64`.
     #[serde(default)]
     pub files: Vec<WireFile>,
+    /// Text files changed by hunks against the base's.
+    #[serde(default)]
+    pub patches: Vec<WirePatch>,
     /// Paths removed.
     #[serde(default)]
     pub removed: Vec<String>,
@@ -636,10 +786,9 @@ impl WireDelta {
                 });
             }
         }
-        if self.files.len() + self.removed.len() > MAX_FILES {
-            return Err(Error::TooManyFiles {
-                count: self.files.len() + self.removed.len(),
-            });
+        let count = self.files.len() + self.patches.len() + self.removed.len();
+        if count > MAX_FILES {
+            return Err(Error::TooManyFiles { count });
         }
         let mut files = BTreeMap::new();
         for file in self.files {
@@ -649,9 +798,19 @@ impl WireDelta {
                 return Err(Error::Conflict { path });
             }
         }
+        let mut patches = BTreeMap::new();
+        for patch in self.patches {
+            validate_path(&patch.path)?;
+            if files.contains_key(&patch.path) {
+                return Err(Error::Conflict { path: patch.path });
+            }
+            if patches.insert(patch.path.clone(), patch.hunks).is_some() {
+                return Err(Error::Conflict { path: patch.path });
+            }
+        }
         for path in &self.removed {
             validate_path(path)?;
-            if files.contains_key(path) {
+            if files.contains_key(path) || patches.contains_key(path) {
                 return Err(Error::Conflict { path: path.clone() });
             }
         }
@@ -669,6 +828,7 @@ impl WireDelta {
             base: self.base,
             checksum: self.checksum,
             files,
+            patches,
             removed,
         })
     }
@@ -1012,6 +1172,77 @@ mod tests {
                 .expect("valid");
             assert_eq!(back, request);
         }
+    }
+
+    #[test]
+    fn line_hunks_rebuild_the_new_text() {
+        let old: String = (0..400)
+            .map(|i| format!("server s{i} 10.0.0.{i}:80\n"))
+            .collect();
+        let cases = [
+            old.replace("s7 10.0.0.7", "s7 10.0.0.99")
+                .replace("s300 10.0.0.300", "s300 10.1.1.1"),
+            old.replace("s7 10.0.0.7:80\n", ""),
+            format!("{old}tail without newline"),
+            format!("head\n{old}"),
+            String::new(),
+            old.clone(),
+        ];
+        for new in &cases {
+            let hunks = line_hunks(&old, new);
+            let rebuilt = apply_hunks("f", old.as_bytes(), &hunks).expect("applies");
+            assert_eq!(std::str::from_utf8(&rebuilt).expect("utf-8"), new);
+        }
+        let two = line_hunks(&old, &cases[0]);
+        assert_eq!(
+            two.iter().map(|h| (h.at, h.remove)).collect::<Vec<_>>(),
+            [(7, 1), (300, 1)],
+            "changes in place are one hunk each"
+        );
+        let bad = [Hunk {
+            at: 399,
+            remove: 2,
+            insert: Vec::new(),
+        }];
+        assert!(apply_hunks("f", old.as_bytes(), &bad).is_err());
+    }
+
+    #[test]
+    fn a_delta_round_trips_and_makes_the_target_set() {
+        let cfg: String = (0..400)
+            .map(|i| format!("server s{i} 10.0.0.{i}:80\n"))
+            .collect();
+        let base = FileSet::new()
+            .with("haproxy.cfg", cfg.clone())
+            .and_then(|s| s.with("maps/a.map", "a be_a\n"))
+            .and_then(|s| s.with("certs/a.pem", vec![0xffu8, 0, 1]))
+            .expect("set");
+        let target = FileSet::new()
+            .with("haproxy.cfg", cfg.replace("s9 10.0.0.9", "s9 10.9.9.9"))
+            .and_then(|s| s.with("maps/b.map", "b be_b\n"))
+            .and_then(|s| s.with("certs/a.pem", vec![0xfeu8, 0, 1]))
+            .expect("set");
+        let request = ApplyRequest::new(3, "leader-0", 2, target.clone()).expect("request");
+        let delta = DeltaRequest::between(&base, &base.checksum(), &request);
+        assert_eq!(delta.removed, ["maps/a.map"]);
+        assert_eq!(delta.patches.keys().collect::<Vec<_>>(), ["haproxy.cfg"]);
+        assert_eq!(
+            delta.files.keys().collect::<Vec<_>>(),
+            ["certs/a.pem", "maps/b.map"]
+        );
+        let body = encode_delta(&delta.to_wire(), 0);
+        let back = decode_delta(&body.bytes, true, 1 << 20)
+            .expect("decode")
+            .into_delta()
+            .expect("valid");
+        assert_eq!(back, delta);
+        assert_eq!(back.apply_to(&base).expect("applies"), target);
+        // Another base: the checksum does not come out.
+        let other = base.clone().with("x", "y").expect("set");
+        assert!(matches!(
+            delta.apply_to(&other),
+            Err(Error::Checksum { .. })
+        ));
     }
 
     #[test]

@@ -462,10 +462,15 @@ impl Agent {
                 let files = delta
                     .apply_to(&base.files)
                     .map_err(|error| Error::BadRequest(error.to_string()))?;
+                let config_hunks = delta.patches.get(MAIN_CONFIG).and_then(|hunks| {
+                    let old = base.files.get(MAIN_CONFIG)?;
+                    Some((old.as_ref(), hunks.as_slice()))
+                });
                 let checked = policy.violations_of_change(
                     &files,
                     delta.changed(),
                     base.roles.as_ref().unwrap_or(&Roles::default()),
+                    config_hunks,
                 );
                 Ok((delta.into_request(files), checked))
             })

@@ -576,7 +576,10 @@ fn section_of(keyword: &str) -> Option<Section> {
 
 /// The lines of the new configuration `hunks` inserted (0-based ranges, in order), when no
 /// line they remove or insert is [`structural`]; none otherwise.
-fn changed_lines(old: &str, hunks: &[crate::protocol::Hunk]) -> Option<Vec<std::ops::Range<usize>>> {
+fn changed_lines(
+    old: &str,
+    hunks: &[crate::protocol::Hunk],
+) -> Option<Vec<std::ops::Range<usize>>> {
     let old_lines: Vec<&str> = old.split_inclusive('\n').collect();
     let mut ranges = Vec::with_capacity(hunks.len());
     let mut shift: isize = 0;
@@ -794,7 +797,10 @@ impl Checker<'_> {
             while changed.get(next).is_some_and(|range| range.end <= index) {
                 next += 1;
             }
-            if changed.get(next).is_some_and(|range| range.contains(&index)) {
+            if changed
+                .get(next)
+                .is_some_and(|range| range.contains(&index))
+            {
                 self.line = index + 1;
                 self.config_line(line, &mut section);
             } else if let Some(header) = section_header(line) {
@@ -816,8 +822,8 @@ impl Checker<'_> {
         let arg = |i: usize| args.get(i);
         match keyword {
             "global" => *section = Section::Global,
-            "defaults" | "frontend" | "backend" | "listen" | "peers" | "resolvers"
-            | "mailers" | "log-forward" | "http-errors" => *section = Section::Proxy,
+            "defaults" | "frontend" | "backend" | "listen" | "peers" | "resolvers" | "mailers"
+            | "log-forward" | "http-errors" => *section = Section::Proxy,
             "ring" => *section = Section::Ring,
             "program" => {
                 *section = Section::Program;
@@ -887,9 +893,8 @@ impl Checker<'_> {
             "backing-file" if *section == Section::Ring => self.path(keyword, arg(1)),
             "http-request" | "http-response" | "http-after-response" | "http-error" => {
                 let answers = keyword == "http-error"
-                    || arg(1).is_some_and(|w| {
-                        matches!(w.text.as_ref(), "return" | "deny" | "tarpit")
-                    });
+                    || arg(1)
+                        .is_some_and(|w| matches!(w.text.as_ref(), "return" | "deny" | "tarpit"));
                 if answers {
                     for (i, word) in args.iter().enumerate() {
                         if matches!(word.text.as_ref(), "file" | "lf-file" | "errorfile") {
@@ -1496,8 +1501,14 @@ mod tests {
             base.replace("backend b3\n", "global\n  daemon\nbackend b3\n"),
             // Lines added and removed, and a crt-list named.
             base.replace("  server s1 10.0.0.4:80\n", ""),
-            base.replace("backend b5\n", "backend b5\n  http-request return file /etc/x\n"),
-            base.replace("backend b6\n", "frontend f\n  bind :443 ssl crt-list /etc/l\nbackend b6\n"),
+            base.replace(
+                "backend b5\n",
+                "backend b5\n  http-request return file /etc/x\n",
+            ),
+            base.replace(
+                "backend b6\n",
+                "frontend f\n  bind :443 ssl crt-list /etc/l\nbackend b6\n",
+            ),
             // Inside the program section: not configuration.
             base.replace("command /bin/true", "command /bin/false"),
         ];
@@ -1511,7 +1522,10 @@ mod tests {
                 Some((base.as_bytes(), &hunks)),
             );
             assert_eq!(
-                found.iter().filter(|v| !v.to_string().contains("program")).collect::<Vec<_>>(),
+                found
+                    .iter()
+                    .filter(|v| !v.to_string().contains("program"))
+                    .collect::<Vec<_>>(),
                 policy
                     .violations(&changed)
                     .iter()
@@ -1522,8 +1536,12 @@ mod tests {
         }
         let first = set(&cases[0]);
         let hunks = line_hunks(&base, &cases[0]);
-        let (found, _) =
-            policy.violations_of_change(&first, [MAIN_CONFIG], &roles, Some((base.as_bytes(), &hunks)));
+        let (found, _) = policy.violations_of_change(
+            &first,
+            [MAIN_CONFIG],
+            &roles,
+            Some((base.as_bytes(), &hunks)),
+        );
         assert_eq!(found.len(), 2, "{found:?}");
     }
 

@@ -311,6 +311,16 @@ impl Agent {
         set
     }
 
+    /// The live set read from disk again (and held so), whatever memory held.
+    async fn live_set_from_disk(&self) -> Result<Option<Arc<HeldSet>>> {
+        if let Some(name) = self.shared.store.link(CURRENT)?
+            && let Ok(mut held) = self.shared.held.lock()
+        {
+            held.retain(|set| set.name != name);
+        }
+        self.live_set().await
+    }
+
     /// The live set (`current`), from memory, or read from disk (and verified: its checksum
     /// is recomputed from its files, and the policy checks it) when memory does not hold it.
     async fn live_set(&self) -> Result<Option<Arc<HeldSet>>> {
@@ -605,10 +615,17 @@ impl Agent {
 
         // The live set: its checksum, and its files for a runtime apply (from memory; read
         // from disk and verified only when memory does not hold it).
-        let live = self
-            .live_set()
-            .await?
-            .map(|held| (held.name.clone(), held.checksum.clone(), held.files.clone()));
+        let mut held = self.live_set().await?;
+        if held
+            .as_ref()
+            .is_some_and(|held| held.checksum == request.checksum)
+        {
+            // `unchanged` only for files that are on disk as they were written: re-sending the
+            // set is how the leader repairs a set changed on disk (drift), so the live set is
+            // read and hashed again for it (and only for it).
+            held = self.live_set_from_disk().await?;
+        }
+        let live = held.map(|held| (held.name.clone(), held.checksum.clone(), held.files.clone()));
         let running = match &shared.supervisor {
             Some(supervisor) => supervisor.is_running().await,
             None => true,

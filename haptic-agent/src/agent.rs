@@ -467,6 +467,7 @@ impl Agent {
                     });
                 }
             };
+            agent.shared.metrics.count_delta();
             let policy = agent.shared.config.policy.clone();
             let (request, (violations, roles)) = blocking(move || -> Result<_> {
                 let files = delta

@@ -164,6 +164,14 @@ async fn a_delta_gives_the_same_live_set_and_files_as_a_whole_apply() {
         .collect();
     assert_eq!(live_files(&other.data), rebased_want);
 
+    assert_eq!(
+        common::value(
+            &common::scrape(&serving.agent.url).await,
+            "haptic_agent_deltas_total",
+            &[]
+        ),
+        3.0
+    );
     // The same delta again: unchanged; the journal has every delta by its whole set.
     let report = client
         .apply_delta(&serving.agent.url, &delta(&third, &fourth))

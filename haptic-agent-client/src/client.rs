@@ -9,8 +9,8 @@ use tokio::time::Instant;
 use tracing::{debug, instrument, warn};
 
 use crate::protocol::{
-    APPLY_PATH, AgentState, ApplyRequest, ApplyResponse, EncodedBody, ErrorBody, STATE_PATH,
-    Timing, encode_apply,
+    APPLY_PATH, AgentState, ApplyRequest, ApplyResponse, DELTA_PATH, DeltaRequest, EncodedBody,
+    ErrorBody, STATE_PATH, Timing, encode_apply, encode_delta,
 };
 
 /// Errors of the client. Refusals (`Fenced`, `Superseded`, `Invalid`, `RefusedByPolicy`, `RolledBack`,
@@ -60,6 +60,20 @@ pub enum Error {
         live_checksum: Option<String>,
         /// Why the load failed.
         reason: String,
+    },
+    /// A delta named a base that is not the agent's live set (412 `base_mismatch`): nothing
+    /// was written; send the whole set.
+    #[error("the agent does not hold the delta's base (live: {live_checksum:?})")]
+    BaseMismatch {
+        /// The checksum live on the agent.
+        live_checksum: Option<String>,
+    },
+    /// The agent does not know the delta endpoint (404 or 405: an agent older than deltas):
+    /// send it whole sets.
+    #[error("the agent does not take deltas ({status})")]
+    DeltasUnsupported {
+        /// HTTP status.
+        status: u16,
     },
     /// The agent refused our bearer token (401).
     #[error("the agent refused the bearer token")]
@@ -327,6 +341,26 @@ impl PreparedApply {
     }
 }
 
+/// A delta encoded once, to send to every agent that holds its base.
+#[derive(Debug, Clone)]
+pub struct PreparedDelta {
+    epoch: u64,
+    base: String,
+    body: EncodedBody,
+}
+
+impl PreparedDelta {
+    /// Size of the body on the wire.
+    pub fn wire_len(&self) -> usize {
+        self.body.bytes.len()
+    }
+
+    /// Checksum of the set the delta applies to.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+}
+
 /// The agent client. Cheap to clone; clones share the connection pool.
 #[derive(Debug, Clone)]
 pub struct AgentClient {
@@ -382,6 +416,35 @@ impl AgentClient {
         }
     }
 
+    /// Encodes `delta` once for [`AgentClient::apply_delta_prepared`].
+    pub fn prepare_delta(&self, delta: &DeltaRequest) -> PreparedDelta {
+        PreparedDelta {
+            epoch: delta.epoch,
+            base: delta.base.clone(),
+            body: encode_delta(&delta.to_wire(), self.config.compress_threshold),
+        }
+    }
+
+    /// Applies `delta` to the agent at `base` (see [`AgentClient::apply_delta_prepared`]).
+    pub async fn apply_delta(&self, base: &Url, delta: &DeltaRequest) -> Result<ApplyReport> {
+        self.apply_delta_prepared(base, &self.prepare_delta(delta))
+            .await
+    }
+
+    /// Applies a prepared delta to the agent at `base`: the answers of
+    /// [`AgentClient::apply_prepared`], plus [`Error::BaseMismatch`] when the agent's live set
+    /// is not the delta's base and [`Error::DeltasUnsupported`] from an agent older than
+    /// deltas. After either, send the whole set.
+    #[instrument(skip(self, prepared), fields(agent = %base, epoch = prepared.epoch, delta_base = %prepared.base))]
+    pub async fn apply_delta_prepared(
+        &self,
+        base: &Url,
+        prepared: &PreparedDelta,
+    ) -> Result<ApplyReport> {
+        let url = join(base, DELTA_PATH)?;
+        self.post_apply(url, &prepared.body).await
+    }
+
     /// Applies `request` to the agent at `base`.
     pub async fn apply(&self, base: &Url, request: &ApplyRequest) -> Result<ApplyReport> {
         self.apply_prepared(base, &self.prepare(request)).await
@@ -395,6 +458,11 @@ impl AgentClient {
         prepared: &PreparedApply,
     ) -> Result<ApplyReport> {
         let url = join(base, APPLY_PATH)?;
+        self.post_apply(url, &prepared.body).await
+    }
+
+    /// Posts an apply or delta body to `url` and reads the answer.
+    async fn post_apply(&self, url: Url, encoded: &EncodedBody) -> Result<ApplyReport> {
         let started = Instant::now();
         let (status, body, attempts) = self
             .send_with_retries(|| {
@@ -403,8 +471,8 @@ impl AgentClient {
                     .post(url.clone())
                     .header(header::AUTHORIZATION, self.auth.clone())
                     .header(header::CONTENT_TYPE, "application/json")
-                    .body(prepared.body.bytes.clone());
-                if prepared.body.gzip {
+                    .body(encoded.bytes.clone());
+                if encoded.gzip {
                     request = request.header(header::CONTENT_ENCODING, "gzip");
                 }
                 request
@@ -459,6 +527,19 @@ impl AgentClient {
                 live_checksum,
                 reason,
             }),
+            Ok(ApplyResponse::BaseMismatch { live_checksum, .. }) => {
+                Err(Error::BaseMismatch { live_checksum })
+            }
+            _ if url.path() == DELTA_PATH
+                && matches!(
+                    status,
+                    StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED
+                ) =>
+            {
+                Err(Error::DeltasUnsupported {
+                    status: status.as_u16(),
+                })
+            }
             _ => Err(refusal(status, &body)),
         }
     }

@@ -33,5 +33,5 @@ pub mod protocol;
 pub mod tls;
 
 pub use client::{AgentClient, ApplyReport, ClientConfig, Error, Outcome, PodResult, Target};
-pub use policy::{Policy, PolicyError, Violation};
-pub use protocol::{AgentState, ApplyRequest, ApplyResponse, FileSet, Timing};
+pub use policy::{Policy, PolicyError, Roles, Violation};
+pub use protocol::{AgentState, ApplyRequest, ApplyResponse, DeltaRequest, FileSet, Timing};

@@ -308,15 +308,12 @@ impl Policy {
 
     /// Every violation in `files`, in file and line order (empty: the set passes).
     pub fn violations(&self, files: &FileSet) -> Vec<Violation> {
-        let mut checker = Checker {
-            policy: self,
-            violations: Vec::new(),
-            crt_lists: BTreeSet::new(),
-            spoe: BTreeSet::new(),
-            bases: vec![String::new()],
-            file: MAIN_CONFIG.to_owned(),
-            line: 0,
-        };
+        self.violations_and_roles(files).0
+    }
+
+    /// [`Policy::violations`], and the [`Roles`] `haproxy.cfg` gives the set's other files.
+    pub fn violations_and_roles(&self, files: &FileSet) -> (Vec<Violation>, Roles) {
+        let mut checker = self.checker();
         if let Some(config) = files.get(MAIN_CONFIG) {
             checker.config(&String::from_utf8_lossy(config));
         }
@@ -325,36 +322,69 @@ impl Policy {
         // HAProxy resolves a relative crt-list against the set's root (`-C`, `default-path
         // config`), a `default-path origin` and `crt-base`: every place it could be found in
         // the set is checked.
-        let in_set = |named: &BTreeSet<String>| {
+        let candidates = |named: &BTreeSet<String>| {
             let mut found = BTreeSet::new();
             for name in named {
                 for base in &checker.bases {
-                    let path = if base.is_empty() {
+                    found.insert(if base.is_empty() {
                         name.clone()
                     } else {
                         format!("{}/{name}", base.trim_end_matches('/'))
-                    };
-                    if files.get(&path).is_some() {
-                        found.insert(path);
-                    }
+                    });
                 }
             }
             found
         };
-        let (lists, spoe) = (in_set(&lists), in_set(&spoe));
-        for path in lists {
-            if let Some(content) = files.get(&path) {
-                checker.file = path;
-                checker.crt_list(&String::from_utf8_lossy(content));
-            }
+        let roles = Roles {
+            crt_lists: candidates(&lists),
+            spoe: candidates(&spoe),
+        };
+        checker.files(files, &roles, |_| true);
+        (checker.violations, roles)
+    }
+
+    /// The violations a change brings into a set that passed the policy, with the result of a
+    /// check of the whole set: `files` is the whole new set, `changed` the paths the change
+    /// added or rewrote, `roles` those of the set before it. Only the changed files
+    /// `haproxy.cfg` makes crt-lists or SPOE configurations are read (the policy reads no
+    /// other file). When `haproxy.cfg` changed by `config_hunks` (the old text and the hunks
+    /// that made the new one), only the lines they inserted are checked, each in its section;
+    /// when a changed line opens a section or names a crt-list, an SPOE configuration or a
+    /// base directory, or `haproxy.cfg` changed otherwise, the whole set is checked
+    /// ([`Policy::violations_and_roles`]) and the roles follow it.
+    pub fn violations_of_change<'a>(
+        &self,
+        files: &FileSet,
+        changed: impl IntoIterator<Item = &'a str>,
+        roles: &Roles,
+        config_hunks: Option<(&[u8], &[crate::protocol::Hunk])>,
+    ) -> (Vec<Violation>, Roles) {
+        let changed: BTreeSet<&str> = changed.into_iter().collect();
+        let mut checker = self.checker();
+        if changed.contains(MAIN_CONFIG) {
+            let lines = config_hunks.and_then(|(old, hunks)| {
+                let new = std::str::from_utf8(files.get(MAIN_CONFIG)?).ok()?;
+                Some((new, changed_lines(std::str::from_utf8(old).ok()?, hunks)?))
+            });
+            let Some((new, lines)) = lines else {
+                return self.violations_and_roles(files);
+            };
+            checker.config_lines(new, &lines);
         }
-        for path in spoe {
-            if let Some(content) = files.get(&path) {
-                checker.file = path;
-                checker.spoe(&String::from_utf8_lossy(content));
-            }
+        checker.files(files, roles, |path| changed.contains(path));
+        (checker.violations, roles.clone())
+    }
+
+    fn checker(&self) -> Checker<'_> {
+        Checker {
+            policy: self,
+            violations: Vec::new(),
+            crt_lists: BTreeSet::new(),
+            spoe: BTreeSet::new(),
+            bases: vec![String::new()],
+            file: MAIN_CONFIG.to_owned(),
+            line: 0,
         }
-        checker.violations
     }
 
     /// Why `path` does not resolve inside the set or under an allowed prefix, if it does not.
@@ -510,6 +540,75 @@ fn words(line: &str) -> Vec<Word<'_>> {
     out
 }
 
+/// The section a line opens, if it is a section header: [`Checker::config_line`]'s rule,
+/// read from the first words alone (a line with quotes or escapes is read as it does).
+fn section_header(line: &str) -> Option<Section> {
+    let keyword = if line.contains(['"', '\'', '\\', '$', '#']) {
+        let words = words(line);
+        let skip = usize::from(
+            words
+                .first()
+                .is_some_and(|w| matches!(w.text.as_ref(), "no" | "default")),
+        );
+        return words.get(skip).and_then(|w| section_of(&w.text));
+    } else {
+        let mut words = line.split_ascii_whitespace();
+        match words.next()? {
+            "no" | "default" => words.next()?,
+            first => first,
+        }
+    };
+    section_of(keyword)
+}
+
+/// The section a header keyword opens.
+fn section_of(keyword: &str) -> Option<Section> {
+    match keyword {
+        "global" => Some(Section::Global),
+        "defaults" | "frontend" | "backend" | "listen" | "peers" | "resolvers" | "mailers"
+        | "log-forward" | "http-errors" => Some(Section::Proxy),
+        "ring" => Some(Section::Ring),
+        "program" => Some(Section::Program),
+        "userlist" | "cache" | "fcgi-app" => Some(Section::Other),
+        _ => None,
+    }
+}
+
+/// The lines of the new configuration `hunks` inserted (0-based ranges, in order), when no
+/// line they remove or insert is [`structural`]; none otherwise.
+fn changed_lines(
+    old: &str,
+    hunks: &[crate::protocol::Hunk],
+) -> Option<Vec<std::ops::Range<usize>>> {
+    let old_lines: Vec<&str> = old.split_inclusive('\n').collect();
+    let mut ranges = Vec::with_capacity(hunks.len());
+    let mut shift: isize = 0;
+    for hunk in hunks {
+        let removed = old_lines.get(hunk.at..hunk.at.checked_add(hunk.remove)?)?;
+        if removed
+            .iter()
+            .copied()
+            .chain(hunk.insert.iter().map(String::as_str))
+            .any(structural)
+        {
+            return None;
+        }
+        let start = hunk.at.checked_add_signed(shift)?;
+        ranges.push(start..start + hunk.insert.len());
+        shift += hunk.insert.len() as isize - hunk.remove as isize;
+    }
+    Some(ranges)
+}
+
+/// Whether a configuration line can change more than itself: a section header, or a line
+/// that names crt-lists, SPOE configurations or the directories they resolve against.
+fn structural(line: &str) -> bool {
+    section_header(line).is_some()
+        || ["crt-list", "crt-base", "default-path", "spoe"]
+            .iter()
+            .any(|word| line.contains(word))
+}
+
 /// Where a configuration line is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Section {
@@ -518,6 +617,16 @@ enum Section {
     Program,
     Ring,
     Other,
+}
+
+/// What a set's `haproxy.cfg` makes of its other files, as far as the policy reads them: the
+/// paths (in the set or not) it would read as crt-lists and as SPOE configurations. The agent
+/// keeps it with its live set, so that a change that leaves `haproxy.cfg` alone is checked by
+/// its changed files only ([`Policy::violations_of_change`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Roles {
+    crt_lists: BTreeSet<String>,
+    spoe: BTreeSet<String>,
 }
 
 struct Checker<'a> {
@@ -675,124 +784,166 @@ impl Checker<'_> {
         let mut section = Section::Other;
         for (index, line) in text.lines().enumerate() {
             self.line = index + 1;
-            let words = words(line);
-            let Some(first) = words.first() else { continue };
-            // `no option x` and `default option x` name the same keyword as `option x`.
-            let skip = usize::from(matches!(first.text.as_ref(), "no" | "default"));
-            let args = &words[skip..];
-            let Some(keyword) = args.first().map(|word| word.text.as_ref()) else {
-                continue;
-            };
-            let arg = |i: usize| args.get(i);
-            match keyword {
-                "global" => section = Section::Global,
-                "defaults" | "frontend" | "backend" | "listen" | "peers" | "resolvers"
-                | "mailers" | "log-forward" | "http-errors" => section = Section::Proxy,
-                "ring" => section = Section::Ring,
-                "program" => {
-                    section = Section::Program;
-                    self.needs("program", Capability::Program);
-                }
-                "userlist" | "cache" | "fcgi-app" => section = Section::Other,
-                _ => {}
+            self.config_line(line, &mut section);
+        }
+    }
+
+    /// Checks the lines of `text` in `changed` (0-based line ranges of `text`, in order): the
+    /// others only move the section along. For a configuration whose other lines passed.
+    fn config_lines(&mut self, text: &str, changed: &[std::ops::Range<usize>]) {
+        let mut section = Section::Other;
+        let mut next = 0;
+        for (index, line) in text.lines().enumerate() {
+            while changed.get(next).is_some_and(|range| range.end <= index) {
+                next += 1;
             }
-            if section == Section::Program {
-                // A program's command line is not HAProxy configuration.
-                continue;
+            if changed
+                .get(next)
+                .is_some_and(|range| range.contains(&index))
+            {
+                self.line = index + 1;
+                self.config_line(line, &mut section);
+            } else if let Some(header) = section_header(line) {
+                section = header;
             }
-            self.expressions(keyword, &words);
-            match keyword {
-                "lua-load" | "lua-load-per-thread" | "lua-prepend-path" => {
-                    self.needs(keyword, Capability::Lua);
-                    self.path(keyword, arg(1));
+        }
+    }
+
+    /// Checks one line of `haptic.cfg` in `section`, which a section header changes.
+    fn config_line(&mut self, line: &str, section: &mut Section) {
+        let words = words(line);
+        let Some(first) = words.first() else { return };
+        // `no option x` and `default option x` name the same keyword as `option x`.
+        let skip = usize::from(matches!(first.text.as_ref(), "no" | "default"));
+        let args = &words[skip..];
+        let Some(keyword) = args.first().map(|word| word.text.as_ref()) else {
+            return;
+        };
+        let arg = |i: usize| args.get(i);
+        match keyword {
+            "global" => *section = Section::Global,
+            "defaults" | "frontend" | "backend" | "listen" | "peers" | "resolvers" | "mailers"
+            | "log-forward" | "http-errors" => *section = Section::Proxy,
+            "ring" => *section = Section::Ring,
+            "program" => {
+                *section = Section::Program;
+                self.needs("program", Capability::Program);
+            }
+            "userlist" | "cache" | "fcgi-app" => *section = Section::Other,
+            _ => {}
+        }
+        if *section == Section::Program {
+            // A program's command line is not HAProxy configuration.
+            return;
+        }
+        self.expressions(keyword, &words);
+        match keyword {
+            "lua-load" | "lua-load-per-thread" | "lua-prepend-path" => {
+                self.needs(keyword, Capability::Lua);
+                self.path(keyword, arg(1));
+            }
+            "setenv" | "presetenv" | "resetenv" | "unsetenv" => {
+                self.needs(keyword, Capability::Env);
+            }
+            "external-check" | "insecure-fork-wanted" | "insecure-setuid-wanted" => {
+                self.needs(keyword, Capability::ExternalCheck);
+            }
+            "option" if arg(1).is_some_and(|w| w.text == "external-check") => {
+                self.needs("option external-check", Capability::ExternalCheck);
+            }
+            "ssl-engine" | "ssl-provider" => self.needs(keyword, Capability::SslEngine),
+            "ssl-provider-path" => {
+                self.needs(keyword, Capability::SslEngine);
+                self.path(keyword, arg(1));
+            }
+            "daemon" if *section == Section::Global => self.refuse(
+                "daemon",
+                "a daemonised HAProxy outlives the agent that supervises it",
+            ),
+            "default-path" => match arg(1).map(|w| w.text.as_ref()) {
+                Some("origin") => {
+                    self.path("default-path origin", arg(2));
+                    self.base(arg(2));
                 }
-                "setenv" | "presetenv" | "resetenv" | "unsetenv" => {
-                    self.needs(keyword, Capability::Env);
-                }
-                "external-check" | "insecure-fork-wanted" | "insecure-setuid-wanted" => {
-                    self.needs(keyword, Capability::ExternalCheck);
-                }
-                "option" if arg(1).is_some_and(|w| w.text == "external-check") => {
-                    self.needs("option external-check", Capability::ExternalCheck);
-                }
-                "ssl-engine" | "ssl-provider" => self.needs(keyword, Capability::SslEngine),
-                "ssl-provider-path" => {
-                    self.needs(keyword, Capability::SslEngine);
-                    self.path(keyword, arg(1));
-                }
-                "daemon" if section == Section::Global => self.refuse(
-                    "daemon",
-                    "a daemonised HAProxy outlives the agent that supervises it",
+                Some("parent") => self.refuse(
+                    "default-path",
+                    "`parent` resolves relative paths outside the set",
                 ),
-                "default-path" => match arg(1).map(|w| w.text.as_ref()) {
-                    Some("origin") => {
-                        self.path("default-path origin", arg(2));
-                        self.base(arg(2));
-                    }
-                    Some("parent") => self.refuse(
-                        "default-path",
-                        "`parent` resolves relative paths outside the set",
-                    ),
-                    _ => {}
-                },
-                "unix-bind" => {
-                    if let Some(i) = args.iter().position(|w| w.text == "prefix") {
-                        self.path("unix-bind prefix", arg(i + 1));
-                    }
-                }
-                "stats" if arg(1).is_some_and(|w| w.text == "socket") => {
-                    self.address("stats socket", arg(2));
-                }
-                "log" => self.address("log", arg(1)),
-                "bind" | "dgram-bind" => {
-                    self.address(keyword, arg(1));
-                    self.options(keyword, &args[1..]);
-                }
-                "server" | "peer" | "nameserver" | "mailer" => {
-                    self.address(keyword, arg(2));
-                    self.options(keyword, &args[2..]);
-                }
-                "default-server" | "server-template" => self.options(keyword, &args[1..]),
-                "errorfile" => self.path("errorfile", arg(2)),
-                "backing-file" if section == Section::Ring => self.path(keyword, arg(1)),
-                "http-request" | "http-response" | "http-after-response" | "http-error" => {
-                    let answers = keyword == "http-error"
-                        || arg(1).is_some_and(|w| {
-                            matches!(w.text.as_ref(), "return" | "deny" | "tarpit")
-                        });
-                    if answers {
-                        for (i, word) in args.iter().enumerate() {
-                            if matches!(word.text.as_ref(), "file" | "lf-file" | "errorfile") {
-                                self.path(&format!("{keyword} {}", word.text), arg(i + 1));
-                            }
-                        }
-                    }
-                }
-                "filter" if arg(1).is_some_and(|w| w.text == "spoe") => {
-                    if let Some(i) = args.iter().position(|w| w.text == "config") {
-                        self.path("filter spoe config", arg(i + 1));
-                        if let Some(file) = arg(i + 1)
-                            && file.env.is_empty()
-                        {
-                            self.spoe
-                                .insert(file.text.trim_start_matches("./").to_owned());
-                        }
-                    }
-                }
-                known if section == Section::Global && GLOBAL_FILES.contains(&known) => {
-                    self.path(known, arg(1));
-                    if known == "crt-base" {
-                        self.base(arg(1));
-                    }
-                }
-                "server-state-file" => self.path(keyword, arg(1)),
                 _ => {}
-            }
-            // ACL and map files (`acl x ... -f file`, `if { ... -f file }`).
-            for (i, word) in words.iter().enumerate() {
-                if word.text == "-f" {
-                    self.path("-f", words.get(i + 1));
+            },
+            "unix-bind" => {
+                if let Some(i) = args.iter().position(|w| w.text == "prefix") {
+                    self.path("unix-bind prefix", arg(i + 1));
                 }
+            }
+            "stats" if arg(1).is_some_and(|w| w.text == "socket") => {
+                self.address("stats socket", arg(2));
+            }
+            "log" => self.address("log", arg(1)),
+            "bind" | "dgram-bind" => {
+                self.address(keyword, arg(1));
+                self.options(keyword, &args[1..]);
+            }
+            "server" | "peer" | "nameserver" | "mailer" => {
+                self.address(keyword, arg(2));
+                self.options(keyword, &args[2..]);
+            }
+            "default-server" | "server-template" => self.options(keyword, &args[1..]),
+            "errorfile" => self.path("errorfile", arg(2)),
+            "backing-file" if *section == Section::Ring => self.path(keyword, arg(1)),
+            "http-request" | "http-response" | "http-after-response" | "http-error" => {
+                let answers = keyword == "http-error"
+                    || arg(1)
+                        .is_some_and(|w| matches!(w.text.as_ref(), "return" | "deny" | "tarpit"));
+                if answers {
+                    for (i, word) in args.iter().enumerate() {
+                        if matches!(word.text.as_ref(), "file" | "lf-file" | "errorfile") {
+                            self.path(&format!("{keyword} {}", word.text), arg(i + 1));
+                        }
+                    }
+                }
+            }
+            "filter" if arg(1).is_some_and(|w| w.text == "spoe") => {
+                if let Some(i) = args.iter().position(|w| w.text == "config") {
+                    self.path("filter spoe config", arg(i + 1));
+                    if let Some(file) = arg(i + 1)
+                        && file.env.is_empty()
+                    {
+                        self.spoe
+                            .insert(file.text.trim_start_matches("./").to_owned());
+                    }
+                }
+            }
+            known if *section == Section::Global && GLOBAL_FILES.contains(&known) => {
+                self.path(known, arg(1));
+                if known == "crt-base" {
+                    self.base(arg(1));
+                }
+            }
+            "server-state-file" => self.path(keyword, arg(1)),
+            _ => {}
+        }
+        // ACL and map files (`acl x ... -f file`, `if { ... -f file }`).
+        for (i, word) in words.iter().enumerate() {
+            if word.text == "-f" {
+                self.path("-f", words.get(i + 1));
+            }
+        }
+    }
+
+    /// Checks the crt-lists and SPOE configurations of `files` that `roles` names and
+    /// `wanted` selects, in path order.
+    fn files(&mut self, files: &FileSet, roles: &Roles, wanted: impl Fn(&str) -> bool) {
+        for path in &roles.crt_lists {
+            if let Some(content) = files.get(path).filter(|_| wanted(path)) {
+                self.file = path.clone();
+                self.crt_list(&String::from_utf8_lossy(content));
+            }
+        }
+        for path in &roles.spoe {
+            if let Some(content) = files.get(path).filter(|_| wanted(path)) {
+                self.file = path.clone();
+                self.spoe(&String::from_utf8_lossy(content));
             }
         }
     }
@@ -1288,6 +1439,110 @@ mod tests {
         assert_eq!(found.len(), 2, "{found:?}");
         assert!(found[0].starts_with("maps/certs.list:3: crt-list certificate: "));
         assert!(found[1].starts_with("maps/certs.list:4: crt-list ca-file: "));
+    }
+
+    #[test]
+    fn a_change_is_checked_by_what_it_changes_with_the_result_of_a_whole_check() {
+        let policy = Policy::default();
+        let base = set("global\n  crt-base certs\nfrontend f\n  bind :443 ssl crt-list l.list\n")
+            .with("certs/l.list", "ssl/a.pem a.example\n")
+            .and_then(|s| s.with("maps/m.map", "a b\n"))
+            .expect("set");
+        let (found, roles) = policy.violations_and_roles(&base);
+        assert!(found.is_empty(), "{found:?}");
+        // A crt-list line that leaves the set, a map (not read by the policy), a file added
+        // at another place the crt-list could be found (the set's root).
+        let mut changed = base.clone();
+        changed
+            .put("certs/l.list", "/etc/k.pem a.example\n")
+            .expect("put");
+        changed.put("maps/m.map", "/etc/passwd b\n").expect("put");
+        changed.put("l.list", "../x.pem b.example\n").expect("put");
+        let paths = ["certs/l.list", "maps/m.map", "l.list"];
+        let (of_change, kept) = policy.violations_of_change(&changed, paths, &roles, None);
+        assert_eq!(of_change, policy.violations(&changed));
+        assert_eq!(of_change.len(), 2, "{of_change:?}");
+        assert_eq!(kept, roles);
+        // Only the map changed: nothing to read.
+        let (none, _) = policy.violations_of_change(&changed, ["maps/m.map"], &roles, None);
+        assert!(none.is_empty());
+        // haproxy.cfg changed: the whole set is checked, and the roles follow it.
+        let mut config = changed.clone();
+        config
+            .put(
+                MAIN_CONFIG,
+                "frontend f\n  bind :443 ssl crt-list other.list\n",
+            )
+            .expect("put");
+        let (whole, roles) = policy.violations_of_change(&config, [MAIN_CONFIG], &roles, None);
+        assert_eq!(whole, policy.violations(&config));
+        assert_eq!(roles, policy.violations_and_roles(&config).1);
+    }
+
+    #[test]
+    fn changed_configuration_lines_are_checked_in_their_section_as_a_whole_check_would() {
+        use crate::protocol::line_hunks;
+        let policy = Policy::default();
+        let mut base = String::from("global\n  maxconn 100\ndefaults\n  mode http\n");
+        for i in 0..50 {
+            base.push_str(&format!("backend b{i}\n  server s1 10.0.0.{i}:80\n"));
+        }
+        base.push_str("program p\n  command /bin/true\n");
+        let files = set(&base);
+        let (none, roles) = policy.violations_and_roles(&files);
+        assert!(none.is_empty() || none.len() == 1, "{none:?}");
+        let cases = [
+            // A server line that leaves the set, one that is fine, an env read.
+            base.replace("s1 10.0.0.7:80", "s1 unix@/run/x.sock")
+                .replace("s1 10.0.0.9:80", "s1 10.9.9.9:80")
+                .replace("s1 10.0.0.20:80", "s1 \"${SECRET}\":80"),
+            // `daemon` is refused in global only: moved into a backend, a whole check.
+            base.replace("  maxconn 100\n", "  maxconn 100\n  daemon\n"),
+            base.replace("backend b3\n", "global\n  daemon\nbackend b3\n"),
+            // Lines added and removed, and a crt-list named.
+            base.replace("  server s1 10.0.0.4:80\n", ""),
+            base.replace(
+                "backend b5\n",
+                "backend b5\n  http-request return file /etc/x\n",
+            ),
+            base.replace(
+                "backend b6\n",
+                "frontend f\n  bind :443 ssl crt-list /etc/l\nbackend b6\n",
+            ),
+            // Inside the program section: not configuration.
+            base.replace("command /bin/true", "command /bin/false"),
+        ];
+        for new in &cases {
+            let changed = set(new);
+            let hunks = line_hunks(&base, new);
+            let (found, _) = policy.violations_of_change(
+                &changed,
+                [MAIN_CONFIG],
+                &roles,
+                Some((base.as_bytes(), &hunks)),
+            );
+            assert_eq!(
+                found
+                    .iter()
+                    .filter(|v| !v.to_string().contains("program"))
+                    .collect::<Vec<_>>(),
+                policy
+                    .violations(&changed)
+                    .iter()
+                    .filter(|v| !v.to_string().contains("program"))
+                    .collect::<Vec<_>>(),
+                "{new}"
+            );
+        }
+        let first = set(&cases[0]);
+        let hunks = line_hunks(&base, &cases[0]);
+        let (found, _) = policy.violations_of_change(
+            &first,
+            [MAIN_CONFIG],
+            &roles,
+            Some((base.as_bytes(), &hunks)),
+        );
+        assert_eq!(found.len(), 2, "{found:?}");
     }
 
     #[test]

@@ -15,6 +15,7 @@
 //! | `superseded`  | 409    | same epoch as the live set, older generation; nothing was written |
 //! | `invalid`     | 422    | `haproxy -c` refused the set; the live set is untouched        |
 //! | `refused_by_policy` | 422 | the set breaks the agent's config policy ([`crate::policy`]); nothing was written and `haproxy -c` did not run |
+//! | `base_mismatch` | 412  | a delta ([`DeltaRequest`]) named a base that is not the agent's live set; nothing was written |
 //! | `rolled_back` | 500    | the set passed the check but failed to load; last-known-good is live again |
 //!
 //! Other failures (401, 400, 413, 503) carry an [`ErrorBody`].
@@ -28,6 +29,9 @@ use sha2::{Digest, Sha256};
 
 /// Path of the apply endpoint.
 pub const APPLY_PATH: &str = "/v1/apply";
+/// Path of the delta apply endpoint: a [`WireDelta`] body, the same answers as
+/// [`APPLY_PATH`] plus `base_mismatch` (412). An agent that predates it answers 404.
+pub const DELTA_PATH: &str = "/v1/apply-delta";
 /// Path of the state endpoint.
 pub const STATE_PATH: &str = "/v1/state";
 /// The file every set must hold at its root: HAProxy's main configuration.
@@ -239,6 +243,24 @@ impl FileSet {
         below || above
     }
 
+    /// Writes `content` at `path`: replaces the file when the set holds it, else adds it as
+    /// [`FileSet::insert`] does.
+    pub fn put(&mut self, path: impl Into<String>, content: impl Into<Bytes>) -> Result<()> {
+        let path = path.into();
+        match self.files.get_mut(&path) {
+            Some(existing) => {
+                *existing = content.into();
+                Ok(())
+            }
+            None => self.insert(path, content),
+        }
+    }
+
+    /// Removes the file at `path`; whether the set held it.
+    pub fn remove(&mut self, path: &str) -> bool {
+        self.files.remove(path).is_some()
+    }
+
     /// Builder form of [`FileSet::insert`].
     pub fn with(mut self, path: impl Into<String>, content: impl Into<Bytes>) -> Result<Self> {
         self.insert(path, content)?;
@@ -353,18 +375,7 @@ impl ApplyRequest {
         let files = self
             .files
             .iter()
-            .map(|(path, content)| match std::str::from_utf8(content) {
-                Ok(text) => WireFile {
-                    path: path.to_owned(),
-                    text: Some(text.to_owned()),
-                    base64: None,
-                },
-                Err(_) => WireFile {
-                    path: path.to_owned(),
-                    text: None,
-                    base64: Some(base64::engine::general_purpose::STANDARD.encode(content)),
-                },
-            })
+            .map(|(path, content)| WireFile::of(path, content))
             .collect();
         WireApply {
             epoch: self.epoch,
@@ -404,6 +415,45 @@ pub struct WireFile {
     pub base64: Option<String>,
 }
 
+impl WireFile {
+    /// The file on the wire: text when it is UTF-8, base64 otherwise.
+    pub fn of(path: &str, content: &[u8]) -> Self {
+        match std::str::from_utf8(content) {
+            Ok(text) => Self {
+                path: path.to_owned(),
+                text: Some(text.to_owned()),
+                base64: None,
+            },
+            Err(_) => Self {
+                path: path.to_owned(),
+                text: None,
+                base64: Some(base64::engine::general_purpose::STANDARD.encode(content)),
+            },
+        }
+    }
+
+    /// The path and the content, decoded.
+    pub fn decode(self) -> Result<(String, Bytes)> {
+        let content = match (self.text, self.base64) {
+            (Some(text), None) => Bytes::from(text),
+            (None, Some(encoded)) => base64::engine::general_purpose::STANDARD
+                .decode(encoded)
+                .map(Bytes::from)
+                .map_err(|error| Error::Content {
+                    path: self.path.clone(),
+                    reason: error.to_string(),
+                })?,
+            _ => {
+                return Err(Error::Content {
+                    path: self.path,
+                    reason: "needs exactly one of `text` and `base64`".to_owned(),
+                });
+            }
+        };
+        Ok((self.path, content))
+    }
+}
+
 impl WireApply {
     /// Decodes and checks the wire form: every path valid and unique, [`MAIN_CONFIG`] present,
     /// contents well-formed, and the checksum matching the files.
@@ -411,23 +461,8 @@ impl WireApply {
         validate_leader(&self.leader)?;
         let mut files = FileSet::new();
         for file in self.files {
-            let content = match (file.text, file.base64) {
-                (Some(text), None) => Bytes::from(text),
-                (None, Some(encoded)) => base64::engine::general_purpose::STANDARD
-                    .decode(encoded)
-                    .map(Bytes::from)
-                    .map_err(|error| Error::Content {
-                        path: file.path.clone(),
-                        reason: error.to_string(),
-                    })?,
-                _ => {
-                    return Err(Error::Content {
-                        path: file.path,
-                        reason: "needs exactly one of `text` and `base64`".to_owned(),
-                    });
-                }
-            };
-            files.insert(file.path, content)?;
+            let (path, content) = file.decode()?;
+            files.insert(path, content)?;
         }
         files.validate()?;
         let actual = files.checksum();
@@ -447,6 +482,358 @@ impl WireApply {
     }
 }
 
+/// A change to a set the agent already runs: the checksum of that set (`base`), the files
+/// added or changed (whole, or as line hunks against the base's file), the files removed, and
+/// the checksum of the whole set they make.
+/// The agent makes the whole set from its live one and the delta, checks that it hashes to
+/// `checksum`, and from there treats it exactly as an [`ApplyRequest`] of that set: fence,
+/// generation, journal, `unchanged`, runtime or reload path, last-known-good. An agent whose
+/// live set is not `base` answers [`ApplyResponse::BaseMismatch`] and writes nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeltaRequest {
+    /// See [`ApplyRequest::epoch`].
+    pub epoch: u64,
+    /// See [`ApplyRequest::leader`].
+    pub leader: String,
+    /// See [`ApplyRequest::generation`].
+    pub generation: u64,
+    /// Checksum of the set the delta applies to: the agent's live set must be it.
+    pub base: String,
+    /// Checksum of the whole set the delta makes of `base`.
+    pub checksum: String,
+    /// Files added or changed, with their whole content.
+    pub files: BTreeMap<String, Bytes>,
+    /// Text files of the base changed by a few lines: the hunks that make the new content of
+    /// the base's (map entries, `server` lines of `haproxy.cfg`, crt-list lines).
+    pub patches: BTreeMap<String, Vec<Hunk>>,
+    /// Files removed.
+    pub removed: Vec<String>,
+}
+
+/// Lines replaced in a text file: `remove` lines from line `at` (0-based, in the base file)
+/// replaced by `insert` (each line with its `\n`, the last one without it when the file ends
+/// without one). Hunks of a file come in line order and do not overlap.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hunk {
+    /// First line replaced, in the base file.
+    pub at: usize,
+    /// How many lines are replaced.
+    pub remove: usize,
+    /// The lines that take their place.
+    #[serde(default)]
+    pub insert: Vec<String>,
+}
+
+/// Files smaller than this travel whole: hunks would save nothing worth their work.
+const PATCH_MIN_BYTES: usize = 4096;
+
+/// The hunks that make `new` of `old`, compared line by line (lines end at `\n`): the common
+/// head and tail are left out; between them, when both have as many lines, each run of
+/// changed lines is a hunk (a `server` line or a map entry rewritten in place), else the
+/// whole middle is one.
+pub fn line_hunks(old: &str, new: &str) -> Vec<Hunk> {
+    let a: Vec<&str> = old.split_inclusive('\n').collect();
+    let b: Vec<&str> = new.split_inclusive('\n').collect();
+    let head = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+    let tail = a[head..]
+        .iter()
+        .rev()
+        .zip(b[head..].iter().rev())
+        .take_while(|(x, y)| x == y)
+        .count();
+    let (a_mid, b_mid) = (&a[head..a.len() - tail], &b[head..b.len() - tail]);
+    if a_mid.is_empty() && b_mid.is_empty() {
+        return Vec::new();
+    }
+    let owned = |lines: &[&str]| lines.iter().map(|line| (*line).to_owned()).collect();
+    if a_mid.len() != b_mid.len() {
+        return vec![Hunk {
+            at: head,
+            remove: a_mid.len(),
+            insert: owned(b_mid),
+        }];
+    }
+    let mut hunks: Vec<Hunk> = Vec::new();
+    for (i, (x, y)) in a_mid.iter().zip(b_mid).enumerate() {
+        if x == y {
+            continue;
+        }
+        let at = head + i;
+        match hunks.last_mut() {
+            Some(last) if last.at + last.remove == at => {
+                last.remove += 1;
+                last.insert.push((*y).to_owned());
+            }
+            _ => hunks.push(Hunk {
+                at,
+                remove: 1,
+                insert: vec![(*y).to_owned()],
+            }),
+        }
+    }
+    hunks
+}
+
+/// `base` with `hunks` applied; an error names what does not fit (`path` for the message).
+pub fn apply_hunks(path: &str, base: &[u8], hunks: &[Hunk]) -> Result<Bytes> {
+    let refuse = |reason: &str| Error::Content {
+        path: path.to_owned(),
+        reason: reason.to_owned(),
+    };
+    let text =
+        std::str::from_utf8(base).map_err(|_| refuse("patched, but not UTF-8 in the base"))?;
+    let lines: Vec<&str> = text.split_inclusive('\n').collect();
+    let mut out = String::with_capacity(text.len() + 64);
+    let mut next = 0;
+    for hunk in hunks {
+        let end = hunk
+            .at
+            .checked_add(hunk.remove)
+            .filter(|end| hunk.at >= next && *end <= lines.len())
+            .ok_or_else(|| refuse("hunks out of order or beyond the base file"))?;
+        lines[next..hunk.at]
+            .iter()
+            .for_each(|line| out.push_str(line));
+        hunk.insert.iter().for_each(|line| out.push_str(line));
+        next = end;
+    }
+    lines[next..].iter().for_each(|line| out.push_str(line));
+    Ok(Bytes::from(out))
+}
+
+impl DeltaRequest {
+    /// The delta that makes `target`'s set of `base` (whose checksum is `base_checksum`).
+    /// A text file of both that changed by a few lines travels as hunks; other changed files
+    /// whole.
+    pub fn between(base: &FileSet, base_checksum: &str, target: &ApplyRequest) -> Self {
+        let mut files = BTreeMap::new();
+        let mut patches = BTreeMap::new();
+        for (path, content) in target.files.iter() {
+            let Some(old) = base.get(path) else {
+                files.insert(path.to_owned(), content.clone());
+                continue;
+            };
+            if old == content {
+                continue;
+            }
+            let texts = std::str::from_utf8(old)
+                .ok()
+                .zip(std::str::from_utf8(content).ok())
+                .filter(|_| content.len() >= PATCH_MIN_BYTES);
+            if let Some((old, new)) = texts {
+                let hunks = line_hunks(old, new);
+                let inserted: usize = hunks
+                    .iter()
+                    .flat_map(|hunk| &hunk.insert)
+                    .map(String::len)
+                    .sum();
+                if inserted < new.len() / 2 {
+                    patches.insert(path.to_owned(), hunks);
+                    continue;
+                }
+            }
+            files.insert(path.to_owned(), content.clone());
+        }
+        let removed = base
+            .iter()
+            .filter(|(path, _)| target.files.get(path).is_none())
+            .map(|(path, _)| path.to_owned())
+            .collect();
+        Self {
+            epoch: target.epoch,
+            leader: target.leader.clone(),
+            generation: target.generation,
+            base: base_checksum.to_owned(),
+            checksum: target.checksum.clone(),
+            files,
+            patches,
+            removed,
+        }
+    }
+
+    /// The paths the delta adds or changes.
+    pub fn changed(&self) -> impl Iterator<Item = &str> {
+        self.files
+            .keys()
+            .chain(self.patches.keys())
+            .map(String::as_str)
+    }
+
+    /// The whole set the delta makes of `base`: checked as a whole set is (paths, conflicts,
+    /// [`MAIN_CONFIG`], [`MAX_FILES`]) and against `checksum`. `base` must be the set whose
+    /// checksum is [`DeltaRequest::base`]; the caller vouches for that.
+    pub fn apply_to(&self, base: &FileSet) -> Result<FileSet> {
+        let mut files = base.clone();
+        for path in &self.removed {
+            validate_path(path)?;
+            if !files.remove(path) {
+                return Err(Error::Content {
+                    path: path.clone(),
+                    reason: "removed by the delta, but not in the base set".to_owned(),
+                });
+            }
+        }
+        for (path, content) in &self.files {
+            files.put(path.clone(), content.clone())?;
+        }
+        for (path, hunks) in &self.patches {
+            let base_content = base.get(path).ok_or_else(|| Error::Content {
+                path: path.clone(),
+                reason: "patched by the delta, but not in the base set".to_owned(),
+            })?;
+            files.put(path.clone(), apply_hunks(path, base_content, hunks)?)?;
+        }
+        files.validate()?;
+        let actual = files.checksum();
+        if actual != self.checksum {
+            return Err(Error::Checksum {
+                claimed: self.checksum.clone(),
+                actual,
+            });
+        }
+        Ok(files)
+    }
+
+    /// The request for the whole set `files` (what [`DeltaRequest::apply_to`] returned).
+    pub fn into_request(self, files: FileSet) -> ApplyRequest {
+        ApplyRequest {
+            epoch: self.epoch,
+            leader: self.leader,
+            generation: self.generation,
+            checksum: self.checksum,
+            files,
+        }
+    }
+
+    /// The JSON wire form.
+    pub fn to_wire(&self) -> WireDelta {
+        WireDelta {
+            epoch: self.epoch,
+            leader: self.leader.clone(),
+            generation: self.generation,
+            base: self.base.clone(),
+            checksum: self.checksum.clone(),
+            files: self
+                .files
+                .iter()
+                .map(|(path, content)| WireFile::of(path, content))
+                .collect(),
+            patches: self
+                .patches
+                .iter()
+                .map(|(path, hunks)| WirePatch {
+                    path: path.clone(),
+                    hunks: hunks.clone(),
+                })
+                .collect(),
+            removed: self.removed.clone(),
+        }
+    }
+}
+
+/// A patched file on the wire.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WirePatch {
+    /// Relative path inside the set (and the base).
+    pub path: String,
+    /// The hunks, in line order.
+    pub hunks: Vec<Hunk>,
+}
+
+/// Whether `checksum` is a set checksum as [`checksum`] writes it: 64 lowercase hex digits.
+pub fn is_checksum(checksum: &str) -> bool {
+    checksum.len() == 64
+        && checksum
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// The JSON body of `POST /v1/apply-delta`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WireDelta {
+    /// See [`ApplyRequest::epoch`].
+    pub epoch: u64,
+    /// See [`ApplyRequest::leader`].
+    pub leader: String,
+    /// See [`ApplyRequest::generation`].
+    pub generation: u64,
+    /// See [`DeltaRequest::base`].
+    pub base: String,
+    /// See [`DeltaRequest::checksum`].
+    pub checksum: String,
+    /// Files added or changed, each with exactly one of `text` or `base64`.
+    #[serde(default)]
+    pub files: Vec<WireFile>,
+    /// Text files changed by hunks against the base's.
+    #[serde(default)]
+    pub patches: Vec<WirePatch>,
+    /// Paths removed.
+    #[serde(default)]
+    pub removed: Vec<String>,
+}
+
+impl WireDelta {
+    /// Decodes and checks the wire form: leader, both checksums well-formed, every path valid
+    /// and named once, at most [`MAX_FILES`] of them. Whether it fits a base is the agent's to
+    /// check ([`DeltaRequest::apply_to`]).
+    pub fn into_delta(self) -> Result<DeltaRequest> {
+        validate_leader(&self.leader)?;
+        for claimed in [&self.base, &self.checksum] {
+            if !is_checksum(claimed) {
+                return Err(Error::Checksum {
+                    claimed: claimed.chars().take(80).collect(),
+                    actual: "not 64 lowercase hex digits".to_owned(),
+                });
+            }
+        }
+        let count = self.files.len() + self.patches.len() + self.removed.len();
+        if count > MAX_FILES {
+            return Err(Error::TooManyFiles { count });
+        }
+        let mut files = BTreeMap::new();
+        for file in self.files {
+            let (path, content) = file.decode()?;
+            validate_path(&path)?;
+            if files.insert(path.clone(), content).is_some() {
+                return Err(Error::Conflict { path });
+            }
+        }
+        let mut patches = BTreeMap::new();
+        for patch in self.patches {
+            validate_path(&patch.path)?;
+            if files.contains_key(&patch.path) {
+                return Err(Error::Conflict { path: patch.path });
+            }
+            if patches.insert(patch.path.clone(), patch.hunks).is_some() {
+                return Err(Error::Conflict { path: patch.path });
+            }
+        }
+        for path in &self.removed {
+            validate_path(path)?;
+            if files.contains_key(path) || patches.contains_key(path) {
+                return Err(Error::Conflict { path: path.clone() });
+            }
+        }
+        let mut removed = self.removed;
+        removed.sort();
+        if let Some(pair) = removed.windows(2).find(|pair| pair[0] == pair[1]) {
+            return Err(Error::Conflict {
+                path: pair[0].clone(),
+            });
+        }
+        Ok(DeltaRequest {
+            epoch: self.epoch,
+            leader: self.leader,
+            generation: self.generation,
+            base: self.base,
+            checksum: self.checksum,
+            files,
+            patches,
+            removed,
+        })
+    }
+}
+
 /// An encoded apply body, ready to send to any number of agents.
 #[derive(Debug, Clone)]
 pub struct EncodedBody {
@@ -460,8 +847,17 @@ pub struct EncodedBody {
 
 /// Serializes `apply` and gzips it (fast level) when the JSON is larger than `threshold`.
 pub fn encode_apply(apply: &WireApply, threshold: usize) -> EncodedBody {
+    encode_json(apply, threshold)
+}
+
+/// Serializes `delta` and gzips it (fast level) when the JSON is larger than `threshold`.
+pub fn encode_delta(delta: &WireDelta, threshold: usize) -> EncodedBody {
+    encode_json(delta, threshold)
+}
+
+fn encode_json(value: &impl Serialize, threshold: usize) -> EncodedBody {
     // Serializing plain structs of strings and integers cannot fail.
-    let json = serde_json::to_vec(apply).unwrap_or_default();
+    let json = serde_json::to_vec(value).unwrap_or_default();
     let json_len = json.len();
     if json_len <= threshold {
         return EncodedBody {
@@ -487,6 +883,15 @@ pub fn encode_apply(apply: &WireApply, threshold: usize) -> EncodedBody {
 
 /// Inflates and parses an apply body, refusing one that inflates past `limit` bytes.
 pub fn decode_apply(body: &[u8], gzip: bool, limit: usize) -> Result<WireApply> {
+    decode_json(body, gzip, limit)
+}
+
+/// Inflates and parses a delta body, refusing one that inflates past `limit` bytes.
+pub fn decode_delta(body: &[u8], gzip: bool, limit: usize) -> Result<WireDelta> {
+    decode_json(body, gzip, limit)
+}
+
+fn decode_json<T: serde::de::DeserializeOwned>(body: &[u8], gzip: bool, limit: usize) -> Result<T> {
     if !gzip {
         return serde_json::from_slice(body).map_err(Error::Json);
     }
@@ -597,6 +1002,15 @@ pub enum ApplyResponse {
         #[serde(default)]
         more: usize,
     },
+    /// A delta's base is not the agent's live set (it was restarted and its set on disk no
+    /// longer verifies, another set went live, or it never had that one): nothing was
+    /// written and the fence was not touched. Send the whole set.
+    BaseMismatch {
+        /// The base the delta named.
+        base: String,
+        /// Checksum of the agent's live set (none when nothing is live).
+        live_checksum: Option<String>,
+    },
     /// The set passed the check but HAProxy failed to load it; the previous set was restored.
     RolledBack {
         /// Checksum of the set that failed to load.
@@ -617,6 +1031,7 @@ impl ApplyResponse {
             Self::Applied { .. } | Self::Unchanged { .. } => 200,
             Self::Fenced { .. } | Self::Superseded { .. } => 409,
             Self::Invalid { .. } | Self::RefusedByPolicy { .. } => 422,
+            Self::BaseMismatch { .. } => 412,
             Self::RolledBack { .. } => 500,
         }
     }
@@ -630,6 +1045,7 @@ impl ApplyResponse {
             Self::Superseded { .. } => "superseded",
             Self::Invalid { .. } => "invalid",
             Self::RefusedByPolicy { .. } => "refused_by_policy",
+            Self::BaseMismatch { .. } => "base_mismatch",
             Self::RolledBack { .. } => "rolled_back",
         }
     }
@@ -756,6 +1172,77 @@ mod tests {
                 .expect("valid");
             assert_eq!(back, request);
         }
+    }
+
+    #[test]
+    fn line_hunks_rebuild_the_new_text() {
+        let old: String = (0..400)
+            .map(|i| format!("server s{i} 10.0.0.{i}:80\n"))
+            .collect();
+        let cases = [
+            old.replace("s7 10.0.0.7", "s7 10.0.0.99")
+                .replace("s300 10.0.0.300", "s300 10.1.1.1"),
+            old.replace("s7 10.0.0.7:80\n", ""),
+            format!("{old}tail without newline"),
+            format!("head\n{old}"),
+            String::new(),
+            old.clone(),
+        ];
+        for new in &cases {
+            let hunks = line_hunks(&old, new);
+            let rebuilt = apply_hunks("f", old.as_bytes(), &hunks).expect("applies");
+            assert_eq!(std::str::from_utf8(&rebuilt).expect("utf-8"), new);
+        }
+        let two = line_hunks(&old, &cases[0]);
+        assert_eq!(
+            two.iter().map(|h| (h.at, h.remove)).collect::<Vec<_>>(),
+            [(7, 1), (300, 1)],
+            "changes in place are one hunk each"
+        );
+        let bad = [Hunk {
+            at: 399,
+            remove: 2,
+            insert: Vec::new(),
+        }];
+        assert!(apply_hunks("f", old.as_bytes(), &bad).is_err());
+    }
+
+    #[test]
+    fn a_delta_round_trips_and_makes_the_target_set() {
+        let cfg: String = (0..400)
+            .map(|i| format!("server s{i} 10.0.0.{i}:80\n"))
+            .collect();
+        let base = FileSet::new()
+            .with("haproxy.cfg", cfg.clone())
+            .and_then(|s| s.with("maps/a.map", "a be_a\n"))
+            .and_then(|s| s.with("certs/a.pem", vec![0xffu8, 0, 1]))
+            .expect("set");
+        let target = FileSet::new()
+            .with("haproxy.cfg", cfg.replace("s9 10.0.0.9", "s9 10.9.9.9"))
+            .and_then(|s| s.with("maps/b.map", "b be_b\n"))
+            .and_then(|s| s.with("certs/a.pem", vec![0xfeu8, 0, 1]))
+            .expect("set");
+        let request = ApplyRequest::new(3, "leader-0", 2, target.clone()).expect("request");
+        let delta = DeltaRequest::between(&base, &base.checksum(), &request);
+        assert_eq!(delta.removed, ["maps/a.map"]);
+        assert_eq!(delta.patches.keys().collect::<Vec<_>>(), ["haproxy.cfg"]);
+        assert_eq!(
+            delta.files.keys().collect::<Vec<_>>(),
+            ["certs/a.pem", "maps/b.map"]
+        );
+        let body = encode_delta(&delta.to_wire(), 0);
+        let back = decode_delta(&body.bytes, true, 1 << 20)
+            .expect("decode")
+            .into_delta()
+            .expect("valid");
+        assert_eq!(back, delta);
+        assert_eq!(back.apply_to(&base).expect("applies"), target);
+        // Another base: the checksum does not come out.
+        let other = base.clone().with("x", "y").expect("set");
+        assert!(matches!(
+            delta.apply_to(&other),
+            Err(Error::Checksum { .. })
+        ));
     }
 
     #[test]

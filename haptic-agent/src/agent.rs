@@ -8,7 +8,7 @@ use std::{
 };
 
 use haptic_agent_client::{
-    AgentState, ApplyRequest, ApplyResponse, Timing,
+    AgentState, ApplyRequest, ApplyResponse, DeltaRequest, FileSet, Roles, Timing,
     protocol::{MAIN_CONFIG, MAX_FENCE_STEP, MAX_VIOLATIONS, ReloadRecord},
 };
 use tokio::{sync::Mutex, time::Instant};
@@ -76,11 +76,32 @@ struct Shared {
     /// Checksum of the set HAProxy was last confirmed to have loaded (by this process: none
     /// after a restart until a load is confirmed). `unchanged` needs it to match.
     loaded: StdMutex<Option<String>>,
+    /// The live set and the one before it, in memory (newest first, at most [`HELD_SETS`]):
+    /// an apply compares with and builds on the live set without reading it from disk.
+    held: StdMutex<Vec<Arc<HeldSet>>>,
     /// The last readiness probe and when it ran.
     ready: Mutex<Option<(Instant, Result<(), String>)>>,
     /// Bodies being inflated and parsed at once: one per core, so that concurrent gzip
     /// bodies cannot take every blocking thread and all memory at once.
     decode: tokio::sync::Semaphore,
+}
+
+/// How many complete sets the agent keeps in memory: the live one and last-known-good.
+const HELD_SETS: usize = 2;
+
+/// A complete set the agent holds in memory. A complete set's files are never modified, so
+/// its name (unique per write) stands for its content. Read from disk once (at start, or after
+/// a rollback to a set no longer held), or kept from the apply that wrote it.
+#[derive(Debug)]
+struct HeldSet {
+    /// Its name in the store.
+    name: String,
+    /// The checksum of its files (as verified: sent and checked, or recomputed from disk).
+    checksum: String,
+    files: FileSet,
+    /// The roles `haproxy.cfg` gives its files, when the set passes the policy: a delta may
+    /// build on it then, and is checked by what it changes. None: not a base for deltas.
+    roles: Option<Roles>,
 }
 
 /// How long a readiness probe's answer is served from the cache.
@@ -245,6 +266,7 @@ impl Agent {
                 }),
                 unsettled: StdMutex::new(None),
                 loaded: StdMutex::new(None),
+                held: StdMutex::new(Vec::new()),
                 ready: Mutex::new(None),
                 decode: tokio::sync::Semaphore::new(
                     std::thread::available_parallelism().map_or(1, usize::from),
@@ -254,7 +276,83 @@ impl Agent {
         if let Some(meta) = agent.live_meta() {
             agent.shared.metrics.set_generation(meta.generation);
         }
+        // The live set, into memory: verified against disk (its checksum recomputed from the
+        // files and compared with the one recorded) and against the policy, once.
+        match agent.live_set().await {
+            Ok(Some(live)) => info!(
+                set = %live.name,
+                checksum = %live.checksum,
+                files = live.files.len(),
+                delta_base = live.roles.is_some(),
+                "live set held in memory"
+            ),
+            Ok(None) => {}
+            Err(error) => {
+                warn!(%error, "the live set could not be read; the next apply sends it whole")
+            }
+        }
         Ok(agent)
+    }
+
+    /// The set held in memory under `name`, if any.
+    fn held(&self, name: &str) -> Option<Arc<HeldSet>> {
+        let held = self.shared.held.lock().ok()?;
+        held.iter().find(|set| set.name == name).cloned()
+    }
+
+    /// Keeps `set` in memory as the newest, dropping the oldest beyond [`HELD_SETS`].
+    fn hold(&self, set: HeldSet) -> Arc<HeldSet> {
+        let set = Arc::new(set);
+        if let Ok(mut held) = self.shared.held.lock() {
+            held.retain(|other| other.name != set.name);
+            held.insert(0, set.clone());
+            held.truncate(HELD_SETS);
+        }
+        set
+    }
+
+    /// The live set read from disk again (and held so), whatever memory held.
+    async fn live_set_from_disk(&self) -> Result<Option<Arc<HeldSet>>> {
+        if let Some(name) = self.shared.store.link(CURRENT)?
+            && let Ok(mut held) = self.shared.held.lock()
+        {
+            held.retain(|set| set.name != name);
+        }
+        self.live_set().await
+    }
+
+    /// The live set (`current`), from memory, or read from disk (and verified: its checksum
+    /// is recomputed from its files, and the policy checks it) when memory does not hold it.
+    async fn live_set(&self) -> Result<Option<Arc<HeldSet>>> {
+        let Some(name) = self.shared.store.link(CURRENT)? else {
+            return Ok(None);
+        };
+        if let Some(held) = self.held(&name) {
+            return Ok(Some(held));
+        }
+        let store = self.shared.store.clone();
+        let policy = self.shared.config.policy.clone();
+        let read_name = name.clone();
+        let set = blocking(move || -> Result<HeldSet> {
+            let files = store.read_set(&read_name)?;
+            let checksum = files.checksum();
+            let recorded = store.meta(&read_name).map(|meta| meta.checksum);
+            if recorded.as_deref() != Some(checksum.as_str()) {
+                warn!(set = %read_name, ?recorded, on_disk = %checksum, "the live set's files do not hash to the checksum recorded for it");
+            }
+            let (violations, roles) = policy.violations_and_roles(&files);
+            if let Some(first) = violations.first() {
+                warn!(set = %read_name, %first, "the live set breaks the config policy; it is no base for deltas");
+            }
+            Ok(HeldSet {
+                name: read_name,
+                checksum,
+                files,
+                roles: violations.is_empty().then_some(roles),
+            })
+        })
+        .await??;
+        Ok(Some(self.hold(set)))
     }
 
     /// The settings in use.
@@ -304,10 +402,10 @@ impl Agent {
         let started = Instant::now();
         let result = tokio::spawn(async move {
             let policy = agent.shared.config.policy.clone();
-            let (request, violations) = blocking(move || {
+            let (request, (violations, roles)) = blocking(move || {
                 check_request(request).map(|request| {
-                    let violations = policy.violations(&request.files);
-                    (request, violations)
+                    let checked = policy.violations_and_roles(&request.files);
+                    (request, checked)
                 })
             })
             .await??;
@@ -329,25 +427,110 @@ impl Agent {
                     more,
                 });
             }
-            agent.apply_serialized(request).await
+            agent.apply_serialized(request, roles).await
         })
         .await
         .map_err(|error| Error::Task(error.to_string()))
         .and_then(|result| result);
-        self.shared.journal.record(pending, &result).await;
+        self.answered(pending, &result, started).await;
+        result
+    }
+
+    /// Applies a delta: the whole set it makes of the live set, as [`Agent::apply`] would
+    /// apply that set, with the policy checking only what the delta changes. When the live
+    /// set is not the delta's base (or is none, or broke the policy when it was read from
+    /// disk), answers `base_mismatch` and writes nothing, unless the live set is already the
+    /// one the delta makes (a delta sent again): that is applied as the whole set. A delta that does not make a set
+    /// hashing to its checksum is [`Error::BadRequest`]; nothing is written.
+    pub async fn apply_delta(&self, delta: DeltaRequest) -> Result<ApplyResponse> {
+        let pending = crate::journal::Pending::of_delta(&delta);
+        let agent = self.clone();
+        let started = Instant::now();
+        let result = tokio::spawn(async move {
+            haptic_agent_client::protocol::validate_leader(&delta.leader)
+                .map_err(|error| Error::BadRequest(error.to_string()))?;
+            let live = agent.live_set().await?;
+            let base = match live {
+                // A delta re-sent after it was applied (a retry whose first answer was lost)
+                // names the set live now: that set, whose fence and generation rules follow.
+                Some(live) if live.checksum == delta.checksum && live.roles.is_some() => {
+                    let roles = live.roles.clone().unwrap_or_default();
+                    let request = delta.into_request(live.files.clone());
+                    return agent.apply_serialized(request, roles).await;
+                }
+                Some(live) if live.checksum == delta.base && live.roles.is_some() => live,
+                other => {
+                    info!(base = %delta.base, live = ?other.as_ref().map(|live| &live.checksum), "delta refused: its base is not the live set");
+                    return Ok(ApplyResponse::BaseMismatch {
+                        base: delta.base,
+                        live_checksum: other.map(|live| live.checksum.clone()),
+                    });
+                }
+            };
+            agent.shared.metrics.count_delta();
+            let policy = agent.shared.config.policy.clone();
+            let (request, (violations, roles)) = blocking(move || -> Result<_> {
+                let files = delta
+                    .apply_to(&base.files)
+                    .map_err(|error| Error::BadRequest(error.to_string()))?;
+                let config_hunks = delta.patches.get(MAIN_CONFIG).and_then(|hunks| {
+                    let old = base.files.get(MAIN_CONFIG)?;
+                    Some((old.as_ref(), hunks.as_slice()))
+                });
+                let checked = policy.violations_of_change(
+                    &files,
+                    delta.changed(),
+                    base.roles.as_ref().unwrap_or(&Roles::default()),
+                    config_hunks,
+                );
+                Ok((delta.into_request(files), checked))
+            })
+            .await??;
+            if !violations.is_empty() {
+                info!(
+                    checksum = %request.checksum,
+                    violations = violations.len(),
+                    first = %violations[0],
+                    "delta refused by the config policy"
+                );
+                let more = violations.len().saturating_sub(MAX_VIOLATIONS);
+                let mut violations = violations;
+                violations.truncate(MAX_VIOLATIONS);
+                return Ok(ApplyResponse::RefusedByPolicy {
+                    checksum: request.checksum,
+                    violations,
+                    more,
+                });
+            }
+            agent.apply_serialized(request, roles).await
+        })
+        .await
+        .map_err(|error| Error::Task(error.to_string()))
+        .and_then(|result| result);
+        self.answered(pending, &result, started).await;
+        result
+    }
+
+    /// Journal, readiness and metrics after an apply was answered.
+    async fn answered(
+        &self,
+        pending: crate::journal::Pending,
+        result: &Result<ApplyResponse>,
+        started: Instant,
+    ) {
+        self.shared.journal.record(pending, result).await;
         self.forget_readiness().await;
         let metrics = &self.shared.metrics;
         metrics.observe_apply(started.elapsed());
-        match &result {
+        match result {
             Ok(response) => metrics.count_apply(response.outcome()),
             Err(_) => metrics.count_apply("error"),
         }
-        result
     }
 
     // The leader is a validated pod name; `?` escapes it in the log all the same.
     #[instrument(skip_all, fields(epoch = request.epoch, leader = ?request.leader, generation = request.generation, checksum = %request.checksum))]
-    async fn apply_serialized(&self, request: ApplyRequest) -> Result<ApplyResponse> {
+    async fn apply_serialized(&self, request: ApplyRequest, roles: Roles) -> Result<ApplyResponse> {
         let shared = &self.shared;
         // While an apply waits for HAProxy to finish a reload whose outcome is unknown, others
         // are answered 503 at once rather than queued behind it.
@@ -431,16 +614,19 @@ impl Agent {
             });
         }
 
-        // The live set as it is on disk: its checksum, and its files for a runtime apply.
-        let store = shared.store.clone();
-        let live = blocking(move || -> Result<_> {
-            let Some(name) = store.link(CURRENT)? else {
-                return Ok(None);
-            };
-            let files = store.read_set(&name)?;
-            Ok(Some((name, files.checksum(), files)))
-        })
-        .await??;
+        // The live set: its checksum, and its files for a runtime apply (from memory; read
+        // from disk and verified only when memory does not hold it).
+        let mut held = self.live_set().await?;
+        if held
+            .as_ref()
+            .is_some_and(|held| held.checksum == request.checksum)
+        {
+            // `unchanged` only for files that are on disk as they were written: re-sending the
+            // set is how the leader repairs a set changed on disk (drift), so the live set is
+            // read and hashed again for it (and only for it).
+            held = self.live_set_from_disk().await?;
+        }
+        let live = held.map(|held| (held.name.clone(), held.checksum.clone(), held.files.clone()));
         let running = match &shared.supervisor {
             Some(supervisor) => supervisor.is_running().await,
             None => true,
@@ -488,7 +674,7 @@ impl Agent {
             && self.loaded().as_deref() == Some(checksum.as_str())
         {
             match self
-                .apply_at_runtime(name, files, &request, started)
+                .apply_at_runtime(name, files, &request, &roles, started)
                 .await?
             {
                 Runtime::Applied(response) => return Ok(response),
@@ -497,7 +683,9 @@ impl Agent {
             }
         }
         let previous = live.map(|(name, _, _)| name);
-        let result = self.apply_by_reload(request, previous, started).await;
+        let result = self
+            .apply_by_reload(request, roles, previous, started)
+            .await;
         let Some((ops, took, live_checksum)) = runtime else {
             return result;
         };
@@ -543,8 +731,9 @@ impl Agent {
     async fn apply_at_runtime(
         &self,
         live_name: &str,
-        live: &haptic_agent_client::FileSet,
+        live: &FileSet,
         request: &ApplyRequest,
+        roles: &Roles,
         started: Instant,
     ) -> Result<Runtime> {
         let shared = &self.shared;
@@ -613,13 +802,22 @@ impl Agent {
         })
         .await
         .and_then(|written| written);
-        if let Err(error) = written {
-            // HAProxy runs what the disk does not hold: load the live set again.
-            warn!(%error, "writing the set after its runtime change failed; reloading the live set");
-            let live_checksum = live.checksum();
-            let _ = self.load_settled(&live_checksum).await;
-            return Err(error);
-        }
+        let name = match written {
+            Ok(name) => name,
+            Err(error) => {
+                // HAProxy runs what the disk does not hold: load the live set again.
+                warn!(%error, "writing the set after its runtime change failed; reloading the live set");
+                let live_checksum = live.checksum();
+                let _ = self.load_settled(&live_checksum).await;
+                return Err(error);
+            }
+        };
+        self.hold(HeldSet {
+            name,
+            checksum: request.checksum.clone(),
+            files: request.files.clone(),
+            roles: Some(roles.clone()),
+        });
         if let Ok(mut loaded) = shared.loaded.lock() {
             *loaded = Some(request.checksum.clone());
         }
@@ -651,6 +849,7 @@ impl Agent {
     async fn apply_by_reload(
         &self,
         request: ApplyRequest,
+        roles: Roles,
         previous: Option<String>,
         started: Instant,
     ) -> Result<ApplyResponse> {
@@ -664,7 +863,7 @@ impl Agent {
             .iter()
             .map(|(path, _)| path.to_owned())
             .collect();
-        let files = request.files;
+        let files = request.files.clone();
         let (name, staged) = blocking(move || store.write_staged(&files, &checksum)).await??;
         let written = phase.elapsed();
 
@@ -731,6 +930,14 @@ impl Agent {
             Ok(())
         })
         .await??;
+        // `current` now: held whether it loads or not (a rollback points `current` back at
+        // `previous`, which memory holds too, or reads from disk).
+        self.hold(HeldSet {
+            name: name.clone(),
+            checksum: request.checksum.clone(),
+            files: request.files,
+            roles: Some(roles),
+        });
 
         let swapped = Swapped {
             checksum: request.checksum,

@@ -91,6 +91,16 @@ impl Pending {
             checksum: request.checksum.clone(),
         }
     }
+
+    /// The fields of `delta` the journal keeps (those of the whole set it makes).
+    pub fn of_delta(delta: &haptic_agent_client::DeltaRequest) -> Self {
+        Self {
+            epoch: delta.epoch,
+            leader: delta.leader.clone(),
+            generation: delta.generation,
+            checksum: delta.checksum.clone(),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -156,12 +166,14 @@ impl Journal {
     /// Records the answer to `pending`: in memory at once, then appended to the file and
     /// fsynced (on a blocking thread). A failed write is logged and counted, never returned.
     ///
-    /// A malformed request (`BadRequest`) and a set the policy refuses are not recorded: they
-    /// are refused before the fence, and their contract is that nothing at all is written.
+    /// A malformed request (`BadRequest`), a set the policy refuses and a delta whose base
+    /// is not live are not recorded: they are refused before the fence, and their contract is
+    /// that nothing at all is written.
     pub async fn record(&self, pending: Pending, result: &Result<ApplyResponse, Error>) {
         if matches!(
             result,
-            Err(Error::BadRequest(_)) | Ok(ApplyResponse::RefusedByPolicy { .. })
+            Err(Error::BadRequest(_))
+                | Ok(ApplyResponse::RefusedByPolicy { .. } | ApplyResponse::BaseMismatch { .. })
         ) {
             return;
         }

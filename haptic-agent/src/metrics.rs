@@ -20,13 +20,14 @@ use opentelemetry::{
 };
 
 /// Apply outcomes counted; anything else counts as `error`.
-pub const OUTCOMES: [&str; 9] = [
+pub const OUTCOMES: [&str; 10] = [
     "applied",
     "unchanged",
     "fenced",
     "superseded",
     "invalid",
     "refused_by_policy",
+    "base_mismatch",
     "rolled_back",
     "rejected",
     "error",
@@ -47,6 +48,8 @@ pub const LIVE_GENERATION: &str = "haptic_agent_live_generation";
 pub const MASTER_CLI_CONNECTIONS_TOTAL: &str = "haptic_agent_master_cli_connections_total";
 /// Applies made live through the runtime API, with no reload.
 pub const RELOADS_AVOIDED_TOTAL: &str = "haptic_agent_reloads_avoided_total";
+/// Deltas that built on the live set (a `base_mismatch` is counted among the applies).
+pub const DELTAS_TOTAL: &str = "haptic_agent_deltas_total";
 /// `haptic_agent_reload_duration_seconds`.
 pub const RELOAD_DURATION: &str = "haptic_agent_reload_duration_seconds";
 /// `haptic_agent_check_duration_seconds`.
@@ -84,6 +87,7 @@ pub struct Metrics {
     check: Histogram<f64>,
     apply: Histogram<f64>,
     reloads_avoided: Counter<u64>,
+    deltas: Counter<u64>,
     /// The same count, for `/v1/state`.
     reloads_avoided_count: AtomicU64,
     // Kept so the callback lives as long as the agent.
@@ -110,6 +114,11 @@ impl Metrics {
                 RELOADS_AVOIDED_TOTAL,
                 "Applies made live through the runtime API, with no reload.",
             ),
+            deltas: counter(
+                meter,
+                DELTAS_TOTAL,
+                "Deltas that built on the live set: what changed, not the whole set.",
+            ),
             reloads_avoided_count: AtomicU64::new(0),
             _cli_connections: cli_connections.map(|read| {
                 meter
@@ -124,7 +133,13 @@ impl Metrics {
             metrics.applies.add(0, &[KeyValue::new("outcome", outcome)]);
         }
         metrics.reloads_avoided.add(0, &[]);
+        metrics.deltas.add(0, &[]);
         metrics
+    }
+
+    /// Counts a delta that built on the live set.
+    pub fn count_delta(&self) {
+        self.deltas.add(1, &[]);
     }
 
     /// Counts one apply with `outcome` (an [`ApplyResponse`](haptic_agent_client::ApplyResponse)

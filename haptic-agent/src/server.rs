@@ -18,7 +18,9 @@ use axum::{
     response::{IntoResponse, Response},
     routing::{get, post},
 };
-use haptic_agent_client::protocol::{APPLY_PATH, ErrorBody, STATE_PATH, WireApply, decode_apply};
+use haptic_agent_client::protocol::{
+    APPLY_PATH, DELTA_PATH, ErrorBody, STATE_PATH, WireApply, WireDelta, decode_apply, decode_delta,
+};
 use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq as _;
 use tokio::net::TcpListener;
@@ -66,6 +68,7 @@ pub fn router(agent: Agent) -> Router {
     let (limit, body_timeout) = (agent.config().max_body_bytes, agent.config().body_timeout);
     let protected = Router::new()
         .route(APPLY_PATH, post(apply))
+        .route(DELTA_PATH, post(apply_delta))
         .route(STATE_PATH, get(state))
         .route(crate::journal::JOURNAL_PATH, get(journal))
         .layer(DefaultBodyLimit::max(limit))
@@ -223,7 +226,38 @@ async fn read_body(limit: usize, timeout: Duration, request: Request, next: Next
     }
 }
 
+/// What a body decodes to.
+enum Decoded {
+    Whole(haptic_agent_client::ApplyRequest),
+    Delta(haptic_agent_client::DeltaRequest),
+}
+
 async fn apply(State(agent): State<Agent>, headers: HeaderMap, body: Bytes) -> Response {
+    handle(agent, headers, body, |body, gzip, limit| {
+        decode_apply(body, gzip, limit)
+            .and_then(WireApply::into_request)
+            .map(Decoded::Whole)
+    })
+    .await
+}
+
+async fn apply_delta(State(agent): State<Agent>, headers: HeaderMap, body: Bytes) -> Response {
+    handle(agent, headers, body, |body, gzip, limit| {
+        decode_delta(body, gzip, limit)
+            .and_then(WireDelta::into_delta)
+            .map(Decoded::Delta)
+    })
+    .await
+}
+
+async fn handle(
+    agent: Agent,
+    headers: HeaderMap,
+    body: Bytes,
+    decode: impl FnOnce(&[u8], bool, usize) -> haptic_agent_client::protocol::Result<Decoded>
+    + Send
+    + 'static,
+) -> Response {
     // Content codings are case-insensitive (RFC 9110 8.4.1).
     let encoding = headers
         .get(header::CONTENT_ENCODING)
@@ -250,10 +284,7 @@ async fn apply(State(agent): State<Agent>, headers: HeaderMap, body: Bytes) -> R
             "shutting down",
         );
     };
-    let decoded = tokio::task::spawn_blocking(move || {
-        decode_apply(&body, gzip, limit).and_then(WireApply::into_request)
-    })
-    .await;
+    let decoded = tokio::task::spawn_blocking(move || decode(&body, gzip, limit)).await;
     let request = match decoded {
         Ok(Ok(request)) => request,
         Ok(Err(refusal)) => {
@@ -274,7 +305,11 @@ async fn apply(State(agent): State<Agent>, headers: HeaderMap, body: Bytes) -> R
             );
         }
     };
-    match agent.apply(request).await {
+    let answer = match request {
+        Decoded::Whole(request) => agent.apply(request).await,
+        Decoded::Delta(delta) => agent.apply_delta(delta).await,
+    };
+    match answer {
         Ok(response) => json(
             StatusCode::from_u16(response.status()).unwrap_or(StatusCode::OK),
             &response,

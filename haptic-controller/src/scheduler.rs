@@ -13,6 +13,14 @@
 //! with every new set (microseconds since the Unix epoch, or one more than the last: it keeps
 //! rising across restarts, which matters in disabled mode where the epoch stays 0). A fenced
 //! refusal above our epoch gets one `reclaim`; a second, or `ForeignLeader`, ends the term.
+//!
+//! Deltas: a pod whose live set (as its last answer said) is one of the sets this leader
+//! still holds ([`HELD_SETS`]: those live on some pod, and the newest) gets only what changed
+//! against it (`/v1/apply-delta`, encoded once per base). An agent that does not hold that
+//! base answers `base_mismatch`, and an agent older than deltas answers 404: either way the
+//! pod gets the whole set at once (no backoff), and an old agent gets only whole sets until its
+//! address changes (a new pod). A pod whose live set is unknown (a new leader, a new pod,
+//! drift) gets the whole set.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -21,8 +29,8 @@ use std::{
 };
 
 use haptic_agent_client::{
-    AgentClient, ApplyRequest, ClientConfig, Error as ClientError, FileSet, Target,
-    client::{ApplyReport, PreparedApply},
+    AgentClient, ApplyRequest, ClientConfig, DeltaRequest, Error as ClientError, FileSet, Target,
+    client::{ApplyReport, PreparedApply, PreparedDelta},
 };
 use haptic_eventbus::Filter;
 use haptic_leadership::LeaderContext;
@@ -37,6 +45,10 @@ use crate::{
         TokenState,
     },
 };
+
+/// How many sets the scheduler keeps as delta bases (the desired one first, then those live on
+/// some pod). Each is the whole set (about 7 MB at 10,000 Ingresses).
+pub const HELD_SETS: usize = 3;
 
 /// Backoff of a failing pod: doubling from this...
 const BACKOFF_INITIAL: Duration = Duration::from_millis(500);
@@ -76,7 +88,18 @@ struct Failure {
 struct Prepared {
     checksum: String,
     epoch: u64,
-    body: Arc<PreparedApply>,
+    request: Arc<ApplyRequest>,
+    /// The whole set, encoded when a pod first needs it.
+    whole: Option<Arc<PreparedApply>>,
+    /// Deltas by base checksum, encoded when a pod first needs one.
+    deltas: BTreeMap<String, Arc<PreparedDelta>>,
+}
+
+/// What one apply sends.
+#[derive(Clone)]
+enum Body {
+    Whole(Arc<PreparedApply>),
+    Delta(Arc<PreparedDelta>),
 }
 
 type Answer = (String, String, Result<ApplyReport, ClientError>);
@@ -108,6 +131,13 @@ struct Scheduler {
     generation: u64,
     reclaimed_above: Option<u64>,
     targets: BTreeMap<String, Target>,
+    /// Sets sent in this term, by checksum (newest first, at most [`HELD_SETS`]): the bases
+    /// deltas are made against.
+    held: Vec<(String, FileSet)>,
+    /// Pods that get the whole set next (their agent did not hold a delta's base).
+    whole_next: BTreeSet<String>,
+    /// Pods whose agent does not take deltas (older than them), with the URL it answered at.
+    no_deltas: BTreeMap<String, String>,
 }
 
 impl Scheduler {
@@ -130,6 +160,9 @@ impl Scheduler {
             generation: 0,
             reclaimed_above: None,
             targets: BTreeMap::new(),
+            held: Vec::new(),
+            whole_next: BTreeSet::new(),
+            no_deltas: BTreeMap::new(),
         }
     }
 
@@ -172,6 +205,10 @@ impl Scheduler {
                 self.targets.retain(|name, _| pods.pods.contains_key(name));
                 self.live.retain(|name, _| pods.pods.contains_key(name));
                 self.failed.retain(|name, _| pods.pods.contains_key(name));
+                self.whole_next.retain(|name| pods.pods.contains_key(name));
+                // A pod at a new address is a new agent: it may take deltas.
+                self.no_deltas
+                    .retain(|name, url| pods.pods.get(name).is_some_and(|pod| pod.url == *url));
                 self.report();
             }
             ControllerEvent::AgentToken(token) => {
@@ -225,16 +262,59 @@ impl Scheduler {
         };
     }
 
-    /// The request for the desired set at the current epoch, encoded once for every pod.
-    fn prepared(&mut self) -> Option<Arc<PreparedApply>> {
-        let desired = self.desired.clone()?;
+    /// What `pod` gets for the desired set at the current epoch: a delta against its live
+    /// set when this leader holds that set and the pod takes deltas, else the whole set. Each
+    /// body is encoded once for every pod that gets it.
+    fn body_for(&mut self, pod: &str) -> Option<Body> {
+        self.prepared()?;
         let client = self.client.clone()?;
+        let base = self
+            .live
+            .get(pod)
+            .filter(|_| !self.whole_next.contains(pod) && !self.no_deltas.contains_key(pod))
+            .cloned();
+        let prepared = self.prepared.as_mut()?;
+        if let Some(base) = base.filter(|base| *base != prepared.checksum) {
+            if let Some(delta) = prepared.deltas.get(&base) {
+                return Some(Body::Delta(delta.clone()));
+            }
+            if let Some((_, files)) = self.held.iter().find(|(checksum, _)| *checksum == base) {
+                let delta = DeltaRequest::between(files, &base, &prepared.request);
+                debug!(%pod, %base, changed = delta.files.len(), removed = delta.removed.len(), "delta prepared");
+                let delta = Arc::new(client.prepare_delta(&delta));
+                prepared.deltas.insert(base, delta.clone());
+                return Some(Body::Delta(delta));
+            }
+        }
+        let whole = prepared
+            .whole
+            .get_or_insert_with(|| Arc::new(client.prepare(&prepared.request)));
+        Some(Body::Whole(whole.clone()))
+    }
+
+    /// Keeps `files` as a delta base, newest first, dropping sets no pod runs beyond
+    /// [`HELD_SETS`].
+    fn hold(&mut self, checksum: &str, files: &FileSet) {
+        self.held.retain(|(held, _)| held != checksum);
+        self.held.insert(0, (checksum.to_owned(), files.clone()));
+        let live: BTreeSet<&String> = self.live.values().collect();
+        let mut kept = 0;
+        self.held.retain(|(held, _)| {
+            kept += 1;
+            kept == 1 || (kept <= HELD_SETS && live.contains(held))
+        });
+    }
+
+    /// The request for the desired set at the current epoch.
+    fn prepared(&mut self) -> Option<Arc<ApplyRequest>> {
+        let desired = self.desired.clone()?;
+        self.client.as_ref()?;
         let epoch = self.ctx.epoch();
         if let Some(p) = &self.prepared
             && p.checksum == desired.checksum
             && p.epoch == epoch
         {
-            return Some(p.body.clone());
+            return Some(p.request.clone());
         }
         let mut files = FileSet::new();
         for (path, content) in desired.files.iter() {
@@ -256,13 +336,16 @@ impl Scheduler {
                 return None;
             }
         };
-        let body = Arc::new(client.prepare(&request));
+        self.hold(&request.checksum, &request.files);
+        let request = Arc::new(request);
         self.prepared = Some(Prepared {
             checksum: desired.checksum.clone(),
             epoch,
-            body: body.clone(),
+            request: request.clone(),
+            whole: None,
+            deltas: BTreeMap::new(),
         });
-        Some(body)
+        Some(request)
     }
 
     fn target(&mut self, pod: &str) -> Option<Target> {
@@ -317,7 +400,9 @@ impl Scheduler {
             {
                 continue;
             }
-            let Some(body) = self.prepared() else { return };
+            let Some(body) = self.body_for(&pod) else {
+                return;
+            };
             let Some(target) = self.target(&pod) else {
                 // An address that is no URL: retried later (the pod may be updated), not in a
                 // tight loop.
@@ -341,17 +426,21 @@ impl Scheduler {
             self.started.insert(pod.clone(), now);
             let span = info_span!(parent: &desired.span, "apply", %pod);
             let answer_span = span.clone();
+            self.whole_next.remove(&pod);
             let apply = async move {
-                let result =
-                    match tokio::time::timeout(watchdog, client.apply_prepared(&target.url, &body))
-                        .await
-                    {
-                        Ok(result) => result,
-                        Err(_) => Err(ClientError::Unavailable {
-                            attempts: 1,
-                            message: format!("deployment watchdog: no answer within {watchdog:?}"),
-                        }),
-                    };
+                let sent = async {
+                    match &body {
+                        Body::Whole(body) => client.apply_prepared(&target.url, body).await,
+                        Body::Delta(delta) => client.apply_delta_prepared(&target.url, delta).await,
+                    }
+                };
+                let result = match tokio::time::timeout(watchdog, sent).await {
+                    Ok(result) => result,
+                    Err(_) => Err(ClientError::Unavailable {
+                        attempts: 1,
+                        message: format!("deployment watchdog: no answer within {watchdog:?}"),
+                    }),
+                };
                 (target.name, checksum, result, now.elapsed(), answer_span)
             };
             self.tasks.spawn(apply.instrument(span));
@@ -401,6 +490,22 @@ impl Scheduler {
             Err(error) => error,
         };
         let (retry, message) = match &error {
+            ClientError::BaseMismatch { live_checksum } => {
+                // Not a failure: the whole set goes at once.
+                debug!(%pod, ?live_checksum, "the agent does not hold the delta's base; sending the whole set");
+                self.live.remove(&pod);
+                self.whole_next.insert(pod.clone());
+                self.started.remove(&pod);
+                return true;
+            }
+            ClientError::DeltasUnsupported { status } => {
+                info!(%pod, status, "the agent takes no deltas (an older agent): whole sets from now on");
+                if let Some(url) = self.pods.pods.get(&pod).map(|p| p.url.clone()) {
+                    self.no_deltas.insert(pod.clone(), url);
+                }
+                self.started.remove(&pod);
+                return true;
+            }
             ClientError::Fenced { fence, epoch } => {
                 let fenced = |outcome: String| {
                     ControllerEvent::Fenced(Arc::new(FencedRefusal {

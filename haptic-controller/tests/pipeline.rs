@@ -197,6 +197,15 @@ async fn ingress_to_haproxy_on_every_pod() {
 
     published_configs(&cluster, &agents).await;
 
+    // Sets after the first went to the pods as deltas against the set each ran.
+    let metrics = agents[0].fetch("/metrics").await.expect("agent metrics");
+    let deltas = metrics
+        .lines()
+        .find_map(|line| line.strip_prefix("haptic_agent_deltas_total "))
+        .and_then(|value| value.trim().parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no haptic_agent_deltas_total in {metrics}"));
+    assert!(deltas >= 1.0, "{deltas} deltas");
+
     // A third pod started later gets the current set, with no change to render.
     cluster.ingress("shop", "shop.example", "/", "web-a").await;
     agents[0]

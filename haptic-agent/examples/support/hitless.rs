@@ -10,6 +10,10 @@
 //! 127.0.0.3. The measured change moves that Service from one to the other. At 10,000
 //! Ingresses the slots carry no `check`: HAProxy reserves a file descriptor per checked
 //! server, and 133,000 of them exceed this machine's `nofile` hard limit (20,000).
+//!
+//! Each change is sent as a delta against the set applied before (as the leader sends it);
+//! `HAPTIC_BENCH_WHOLE=1` sends whole sets instead, `HAPTIC_BENCH_RUNTIME_ONLY=1` leaves out
+//! the reload-path rows.
 
 use std::{
     net::SocketAddr,
@@ -21,7 +25,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use base64::Engine as _;
 use haptic_agent::{Agent, AgentConfig};
-use haptic_agent_client::{AgentClient, ApplyRequest, FileSet};
+use haptic_agent_client::{AgentClient, ApplyRequest, DeltaRequest, FileSet};
 use haptic_render::{Renderer, Stores, fixtures, reference};
 use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
 use rustls::pki_types::{CertificateDer, ServerName, pem::PemObject as _};
@@ -253,19 +257,46 @@ impl Series {
     }
 }
 
-/// Applies `files` and waits, meanwhile, until `served` says the change is served: (served
-/// after, answered after, the agent's report).
+/// Whether the bench sends whole sets (`HAPTIC_BENCH_WHOLE` set), as before deltas, rather
+/// than a delta against the set applied before.
+fn whole_sets() -> bool {
+    std::env::var_os("HAPTIC_BENCH_WHOLE").is_some()
+}
+
+/// Applies `files` (a delta against `base` unless [`whole_sets`]) and waits, meanwhile, until
+/// `served` says the change is served: (served after, answered after, the agent's report,
+/// the request applied).
 async fn timed<F: std::future::Future<Output = bool>>(
     client: &AgentClient,
     url: &reqwest::Url,
     files: FileSet,
     generation: u64,
+    base: &ApplyRequest,
     served: impl Fn() -> F,
-) -> Result<(Duration, Duration, haptic_agent_client::ApplyReport)> {
+) -> Result<(
+    Duration,
+    Duration,
+    haptic_agent_client::ApplyReport,
+    ApplyRequest,
+)> {
     let request = ApplyRequest::new(1, "bench", generation, files)?;
-    let prepared = client.prepare(&request);
+    // Prepared before the clock starts, as the leader prepares one body for every agent.
+    let body = if whole_sets() {
+        Ok(client.prepare(&request))
+    } else {
+        Err(client.prepare_delta(&DeltaRequest::between(
+            &base.files,
+            &base.checksum,
+            &request,
+        )))
+    };
     let started = Instant::now();
-    let apply = client.apply_prepared(url, &prepared);
+    let apply = async {
+        match &body {
+            Ok(whole) => client.apply_prepared(url, whole).await,
+            Err(delta) => client.apply_delta_prepared(url, delta).await,
+        }
+    };
     let probe = async {
         // Bounded: a change not served within 60 s fails the bench.
         while started.elapsed() < Duration::from_secs(60) {
@@ -286,7 +317,7 @@ async fn timed<F: std::future::Future<Output = bool>>(
     let (report, answered) = report;
     let report = report?;
     let seen = seen.context("the change was not served within 60 s")?;
-    Ok((seen, answered, report))
+    Ok((seen, answered, report, request))
 }
 
 /// The measured Service's answer through HAProxy, on a fresh connection.
@@ -316,8 +347,8 @@ async fn endpoint_changes(
         .pool_max_idle_per_host(0)
         .timeout(Duration::from_secs(2))
         .build()?;
-    let first = ApplyRequest::new(1, "bench", 1, cluster.render()?)?;
-    client.apply(&agent.url, &first).await?;
+    let mut base = ApplyRequest::new(1, "bench", 1, cluster.render()?)?;
+    client.apply(&agent.url, &base).await?;
     let mut series = Series {
         served: Vec::new(),
         answered: Vec::new(),
@@ -333,11 +364,16 @@ async fn endpoint_changes(
         };
         cluster.endpoint(ip)?;
         let files = cluster.render()?;
-        let (seen, answered, report) =
-            timed(client, &agent.url, files, sample as u64 + 2, || async {
-                answer(&traffic, http).await.as_deref() == Some(ip)
-            })
-            .await?;
+        let (seen, answered, report, applied) = timed(
+            client,
+            &agent.url,
+            files,
+            sample as u64 + 2,
+            &base,
+            || async { answer(&traffic, http).await.as_deref() == Some(ip) },
+        )
+        .await?;
+        base = applied;
         // The first change also warms up the path; it is not counted.
         if sample > 0 {
             series.served.push(seen);
@@ -375,9 +411,8 @@ async fn certificate_rotations(
         .iter()
         .filter(|(path, _)| path.starts_with("ssl/"))
         .count();
-    client
-        .apply(&agent.url, &ApplyRequest::new(1, "bench", 1, first)?)
-        .await?;
+    let mut base = ApplyRequest::new(1, "bench", 1, first)?;
+    client.apply(&agent.url, &base).await?;
     let mut series = Series {
         served: Vec::new(),
         answered: Vec::new(),
@@ -390,10 +425,12 @@ async fn certificate_rotations(
         let connector = &connectors[sample % 2];
         cluster.secret(cert, key)?;
         let files = cluster.render()?;
-        let (seen, answered, report) = timed(client, &agent.url, files, sample as u64 + 2, || {
-            handshake(connector, https)
-        })
-        .await?;
+        let (seen, answered, report, applied) =
+            timed(client, &agent.url, files, sample as u64 + 2, &base, || {
+                handshake(connector, https)
+            })
+            .await?;
+        base = applied;
         if sample > 0 {
             series.served.push(seen);
             series.answered.push(answered);
@@ -429,6 +466,12 @@ impl Rows {
     }
 }
 
+/// Whether only the runtime rows run (`HAPTIC_BENCH_RUNTIME_ONLY` set): the reload-path rows
+/// take minutes at 10,000 Ingresses.
+fn runtime_only() -> bool {
+    std::env::var_os("HAPTIC_BENCH_RUNTIME_ONLY").is_some()
+}
+
 /// The hitless rows of the table.
 pub(crate) async fn rows(haproxy: &Path, client: &AgentClient) -> Result<String> {
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -439,6 +482,9 @@ pub(crate) async fn rows(haproxy: &Path, client: &AgentClient) -> Result<String>
             &format!("endpoint change to served, {ingresses} Ingresses, runtime API"),
             "p99 <= 50 ms, 0 reloads",
         ));
+        if runtime_only() {
+            continue;
+        }
         let reload = endpoint_changes(haproxy, client, ingresses, false, reload_samples).await?;
         rows.push_str(&reload.row(
             &format!("the same, forced through the reload path, {ingresses} Ingresses"),
@@ -454,6 +500,9 @@ pub(crate) async fn rows(haproxy: &Path, client: &AgentClient) -> Result<String>
         &format!("certificate rotation to served, {certificates} TLS certificates, runtime API"),
         "<= 100 ms, 0 reloads",
     ));
+    if runtime_only() {
+        return Ok(rows.0);
+    }
     let (reload, _) = certificate_rotations(haproxy, client, 10_000, false, 5).await?;
     rows.push_str(&reload.row(
         &format!("the same, forced through the reload path, {certificates} certificates"),

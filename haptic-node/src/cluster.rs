@@ -233,6 +233,8 @@ fn start(state: &Path, assets: &Path, bins: &Path) -> Result<()> {
             ),
             "--service-cluster-ip-range=10.0.0.0/24".to_owned(),
             "--allow-privileged=true".to_owned(),
+            // `kubectl logs` through the process kubelet's endpoint on the bridge.
+            "--kubelet-preferred-address-types=InternalIP".to_owned(),
             "--v=0".to_owned(),
         ],
     )?;

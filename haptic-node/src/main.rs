@@ -11,6 +11,7 @@
 //! - `haptic-node agent ...`: the process kubelet (started by `up`).
 
 mod cluster;
+mod kubelet;
 mod net;
 mod node;
 mod pod;

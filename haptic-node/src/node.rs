@@ -52,7 +52,7 @@ async fn register(nodes: &Api<Node>) -> Result<()> {
     Ok(())
 }
 
-async fn heartbeat(nodes: &Api<Node>) -> Result<()> {
+async fn heartbeat(nodes: &Api<Node>, kubelet_port: u16) -> Result<()> {
     let now = now();
     let ready = |type_: &str, status: &str, reason: &str| {
         json!({ "type": type_, "status": status, "reason": reason, "message": reason,
@@ -63,6 +63,7 @@ async fn heartbeat(nodes: &Api<Node>) -> Result<()> {
             { "type": "InternalIP", "address": net::BRIDGE_IP },
             { "type": "Hostname", "address": NODE_NAME },
         ],
+        "daemonEndpoints": { "kubeletEndpoint": { "Port": kubelet_port } },
         "capacity": { "cpu": "8", "memory": "16Gi", "pods": "250" },
         "allocatable": { "cpu": "8", "memory": "16Gi", "pods": "250" },
         "conditions": [
@@ -108,12 +109,19 @@ pub(crate) async fn run(flags: &Flags) -> Result<()> {
         api_port: api_port.to_owned(),
     };
     let nodes: Api<Node> = Api::all(client.clone());
+    let (listener, kubelet_port, acceptor) = crate::kubelet::bind().await?;
     register(&nodes).await?;
-    heartbeat(&nodes).await?;
-    info!(node = NODE_NAME, "registered");
+    heartbeat(&nodes, kubelet_port).await?;
+    info!(node = NODE_NAME, kubelet_port, "registered");
 
     let token = CancellationToken::new();
     let tracker = TaskTracker::new();
+    tracker.spawn(crate::kubelet::serve(
+        state.clone(),
+        listener,
+        acceptor,
+        token.clone(),
+    ));
     {
         let token = token.clone();
         tracker.spawn(async move {
@@ -142,7 +150,7 @@ pub(crate) async fn run(flags: &Flags) -> Result<()> {
                     () = token.cancelled() => return,
                     () = tokio::time::sleep(Duration::from_secs(10)) => {}
                 }
-                if let Err(error) = heartbeat(&nodes).await {
+                if let Err(error) = heartbeat(&nodes, kubelet_port).await {
                     warn!(error = format!("{error:#}"), "heartbeat failed");
                 }
             }
@@ -171,6 +179,9 @@ pub(crate) async fn run(flags: &Flags) -> Result<()> {
                     seen.push(uid.clone());
                     if let Some((sender, _)) = running.get(&uid) {
                         sender.send_replace(p);
+                    } else if p.metadata.deletion_timestamp.is_some() {
+                        // Nothing of it runs here (a restart of the kubelet): it can go.
+                        forget(&client, &p).await;
                     } else if !pod::finished(&p) {
                         let (sender, receiver) = watch::channel(p);
                         let cancel = token.child_token();
@@ -178,13 +189,16 @@ pub(crate) async fn run(flags: &Flags) -> Result<()> {
                         running.insert(uid, (sender, cancel));
                     }
                 }
-                // Gone from the API (deleted with grace 0, or by us): stop and clean.
-                running.retain(|uid, (sender, cancel)| {
-                    let keep = seen.contains(uid) && !sender.is_closed();
-                    if !keep {
-                        cancel.cancel();
+                // Gone from the API with no deletion seen (a force delete, grace 0): the
+                // kubelet's answer is a kill, not a graceful stop.
+                running.retain(|uid, (sender, _)| {
+                    if !seen.contains(uid) && sender.borrow().metadata.deletion_grace_period_seconds != Some(0) {
+                        sender.send_modify(|p| {
+                            p.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::now()));
+                            p.metadata.deletion_grace_period_seconds = Some(0);
+                        });
                     }
-                    keep
+                    !sender.is_closed()
                 });
             }
             Err(error) => warn!(%error, "listing Pods failed"),
@@ -202,6 +216,21 @@ pub(crate) async fn run(flags: &Flags) -> Result<()> {
         warn!("some Pods did not stop in time; `down` cleans what is left");
     }
     Ok(())
+}
+
+async fn forget(client: &kube::Client, p: &Pod) {
+    let (Some(name), Some(ns)) = (p.metadata.name.as_deref(), p.metadata.namespace.as_deref())
+    else {
+        return;
+    };
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let params = kube::api::DeleteParams {
+        grace_period_seconds: Some(0),
+        ..kube::api::DeleteParams::default()
+    };
+    if let Err(error) = api.delete(name, &params).await {
+        warn!(%error, pod = %format!("{ns}/{name}"), "final delete failed");
+    }
 }
 
 async fn bind(client: &kube::Client, p: &Pod) {

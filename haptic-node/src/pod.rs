@@ -568,8 +568,10 @@ pub(crate) async fn run(shared: Shared, mut pods: watch::Receiver<Pod>, cancel: 
             }),
             ..DeleteParams::default()
         };
-        if let Err(error) = api.delete(&name, &params).await {
-            warn!(%error, pod = %name, "final delete failed");
+        match api.delete(&name, &params).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => {}
+            Err(error) => warn!(%error, pod = %name, "final delete failed"),
         }
     }
     info!(pod = %format!("{ns}/{name}"), "stopped and cleaned");
@@ -742,6 +744,11 @@ async fn lifecycle(
                 rt.restarts += 1;
             }
             if rt.child.is_none() && now_i >= rt.next_start && (rt.pid == 0 || restart_always) {
+                if rt.pid != 0 {
+                    // `kubectl logs --previous` reads the last instance's.
+                    let log = dir.join(format!("{}.log", rt.name));
+                    let _ = fs::rename(&log, dir.join(format!("{}.log.prev", rt.name)));
+                }
                 match spawn(shared, &pod, c, dir, &netns, &ip).await {
                     Ok(child) => {
                         rt.pid = child.id().unwrap_or(0);

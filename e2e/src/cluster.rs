@@ -291,9 +291,10 @@ impl Cluster {
                 .flatten()
                 .find(|p| p.name.as_deref() == Some("http"))
                 .and_then(|p| p.port);
-            let ready = slice.endpoints.iter().find(|e| {
-                e.conditions.as_ref().and_then(|c| c.ready) == Some(true)
-            });
+            let ready = slice
+                .endpoints
+                .iter()
+                .find(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true));
             if let (Some(port), Some(endpoint)) = (port, ready)
                 && let Some(address) = endpoint.addresses.first()
             {
@@ -449,14 +450,14 @@ impl Cluster {
             }
         }
     }
-
 }
 
 /// The maxconn the local run lowers `deploy/`'s 10000 to when this process's open-file hard
 /// limit is below the 20039 descriptors HAProxy 2.6 asks for it (about 2 per connection plus
 /// a few), or `None` when `deploy/` fits as written.
 fn local_maxconn() -> Result<Option<u32>> {
-    let limits = std::fs::read_to_string("/proc/self/limits").context("reading /proc/self/limits")?;
+    let limits =
+        std::fs::read_to_string("/proc/self/limits").context("reading /proc/self/limits")?;
     let hard = limits
         .lines()
         .find(|l| l.starts_with("Max open files"))

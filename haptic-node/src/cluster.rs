@@ -23,6 +23,8 @@ use crate::{Flags, net};
 const COMPONENTS: [&str; 4] = ["etcd", "kube-apiserver", "kube-controller-manager", "node"];
 /// The node's name.
 pub(crate) const NODE_NAME: &str = "haptic-node";
+/// Set when `up` is interrupted (Ctrl-C, SIGTERM): it stops waiting and cleans up.
+static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 /// How long `up` waits for a Ready node.
 const UP_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -156,6 +158,20 @@ fn start(state: &Path, assets: &Path, bins: &Path) -> Result<()> {
         fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
         Ok(path)
     };
+    // A Ctrl-C during `up` ends in `down`, not in detached leftovers.
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.spawn(async {
+        let Ok(mut term) =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        else {
+            return;
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        INTERRUPTED.store(true, std::sync::atomic::Ordering::SeqCst);
+    });
     net::bridge_up()?;
     fs::write(state.join("bridge"), net::BRIDGE)?;
 
@@ -242,7 +258,6 @@ fn start(state: &Path, assets: &Path, bins: &Path) -> Result<()> {
     write_kubeconfig(&kubeconfig, &server, &ca_path, &token)?;
     fs::write(state.join("server"), format!("{} {port}", net::BRIDGE_IP))?;
 
-    let runtime = tokio::runtime::Runtime::new()?;
     let deadline = Instant::now() + UP_TIMEOUT;
     runtime.block_on(async {
         let client = client(state).await?;
@@ -317,6 +332,9 @@ where
     Fut: std::future::Future<Output = Option<()>>,
 {
     loop {
+        if INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst) {
+            bail!("interrupted while waiting for {what}");
+        }
         if probe().await.is_some() {
             return Ok(());
         }

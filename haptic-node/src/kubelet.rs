@@ -102,14 +102,19 @@ fn answer(state: &std::path::Path, target: &str) -> (&'static str, Vec<u8>) {
             .map(|(_, v)| v.to_owned())
     };
     let prefix = format!("{ns}_{pod}_");
-    let dir = std::fs::read_dir(state.join("pods")).ok().and_then(|entries| {
-        entries
-            .flatten()
-            .find(|e| e.file_name().to_string_lossy().starts_with(&prefix))
-            .map(|e| e.path())
-    });
+    let dir = std::fs::read_dir(state.join("pods"))
+        .ok()
+        .and_then(|entries| {
+            entries
+                .flatten()
+                .find(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+                .map(|e| e.path())
+        });
     let Some(dir) = dir else {
-        return ("404 Not Found", format!("pod {ns}/{pod} is not running here\n").into_bytes());
+        return (
+            "404 Not Found",
+            format!("pod {ns}/{pod} is not running here\n").into_bytes(),
+        );
     };
     let name = if param("previous").as_deref() == Some("true") {
         format!("{container}.log.prev")

@@ -3,11 +3,7 @@
 //! task per Pod bound here ([`crate::pod`]). A Pod gone from the API, or deleted, is stopped
 //! and cleaned; SIGTERM stops every Pod and exits.
 
-use std::{
-    collections::HashMap,
-    path::PathBuf,
-    time::Duration,
-};
+use std::{collections::HashMap, path::PathBuf, time::Duration};
 
 use anyhow::{Context, Result};
 use k8s_openapi::api::core::v1::{Binding, Node, Pod};
@@ -192,9 +188,14 @@ pub(crate) async fn run(flags: &Flags) -> Result<()> {
                 // Gone from the API with no deletion seen (a force delete, grace 0): the
                 // kubelet's answer is a kill, not a graceful stop.
                 running.retain(|uid, (sender, _)| {
-                    if !seen.contains(uid) && sender.borrow().metadata.deletion_grace_period_seconds != Some(0) {
+                    if !seen.contains(uid)
+                        && sender.borrow().metadata.deletion_grace_period_seconds != Some(0)
+                    {
                         sender.send_modify(|p| {
-                            p.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::now()));
+                            p.metadata.deletion_timestamp =
+                                Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                                    jiff::Timestamp::now(),
+                                ));
                             p.metadata.deletion_grace_period_seconds = Some(0);
                         });
                     }
@@ -261,6 +262,8 @@ async fn bind(client: &kube::Client, p: &Pod) {
     drop(api);
     match result {
         Ok(()) => info!(pod = %format!("{ns}/{name}"), node = NODE_NAME, "bound"),
-        Err(error) => warn!(pod = %format!("{ns}/{name}"), error = format!("{error:#}"), "binding failed"),
+        Err(error) => {
+            warn!(pod = %format!("{ns}/{name}"), error = format!("{error:#}"), "binding failed")
+        }
     }
 }

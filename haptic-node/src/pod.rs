@@ -182,9 +182,9 @@ async fn prepare_volumes(shared: &Shared, pod: &Pod, dir: &Path) -> Result<()> {
                 None => data.keys().map(|k| (k.clone(), k.clone())).collect(),
             };
             for (key, path) in items {
-                let value = data
-                    .get(&key)
-                    .with_context(|| format!("{what}: ConfigMap {} has no key {key}", source.name))?;
+                let value = data.get(&key).with_context(|| {
+                    format!("{what}: ConfigMap {} has no key {key}", source.name)
+                })?;
                 write(&root, &path, value.as_bytes())?;
             }
         } else if let Some(source) = &volume.secret {
@@ -272,7 +272,9 @@ async fn prepare_volumes(shared: &Shared, pod: &Pod, dir: &Path) -> Result<()> {
                 }
             }
         } else {
-            bail!("{what}: only emptyDir, configMap, secret, projected and downwardAPI volumes are supported by the process kubelet");
+            bail!(
+                "{what}: only emptyDir, configMap, secret, projected and downwardAPI volumes are supported by the process kubelet"
+            );
         }
     }
     Ok(())
@@ -344,8 +346,8 @@ async fn spawn(
     let spec = pod.spec.as_ref().context("no spec")?;
     let ns = pod.metadata.namespace.clone().unwrap_or_default();
     let image = container.image.clone().unwrap_or_default();
-    let (entry, default_args) = image_entry(&shared.bins, &image)
-        .with_context(|| format!("image {image} is not known"))?;
+    let (entry, default_args) =
+        image_entry(&shared.bins, &image).with_context(|| format!("image {image} is not known"))?;
     let mut env = BTreeMap::new();
     env.insert("PATH".to_owned(), PATH.to_owned());
     env.insert("HOME".to_owned(), "/".to_owned());
@@ -353,9 +355,18 @@ async fn spawn(
         "HOSTNAME".to_owned(),
         pod.metadata.name.clone().unwrap_or_default(),
     );
-    env.insert("KUBERNETES_SERVICE_HOST".to_owned(), shared.api_host.clone());
-    env.insert("KUBERNETES_SERVICE_PORT".to_owned(), shared.api_port.clone());
-    env.insert("KUBERNETES_SERVICE_PORT_HTTPS".to_owned(), shared.api_port.clone());
+    env.insert(
+        "KUBERNETES_SERVICE_HOST".to_owned(),
+        shared.api_host.clone(),
+    );
+    env.insert(
+        "KUBERNETES_SERVICE_PORT".to_owned(),
+        shared.api_port.clone(),
+    );
+    env.insert(
+        "KUBERNETES_SERVICE_PORT_HTTPS".to_owned(),
+        shared.api_port.clone(),
+    );
     env.insert(
         "KUBERNETES_PORT".to_owned(),
         format!("tcp://{}:{}", shared.api_host, shared.api_port),
@@ -365,15 +376,24 @@ async fn spawn(
             expand(value, &env)
         } else if let Some(from) = &var.value_from {
             if let Some(f) = &from.field_ref {
-                field(pod, &f.field_path, ip)
-                    .with_context(|| format!("env {}: field {} unsupported", var.name, f.field_path))?
+                field(pod, &f.field_path, ip).with_context(|| {
+                    format!("env {}: field {} unsupported", var.name, f.field_path)
+                })?
             } else if let Some(r) = &from.secret_key_ref {
                 let api: Api<Secret> = Api::namespaced(shared.client.clone(), &ns);
                 let secret = api.get_opt(&r.name).await?;
-                match secret.and_then(|s| s.data).and_then(|d| d.get(&r.key).cloned()) {
+                match secret
+                    .and_then(|s| s.data)
+                    .and_then(|d| d.get(&r.key).cloned())
+                {
                     Some(v) => String::from_utf8_lossy(&v.0).into_owned(),
                     None if r.optional == Some(true) => continue,
-                    None => bail!("env {}: Secret {ns}/{} key {} not found", var.name, r.name, r.key),
+                    None => bail!(
+                        "env {}: Secret {ns}/{} key {} not found",
+                        var.name,
+                        r.name,
+                        r.key
+                    ),
                 }
             } else if let Some(r) = &from.config_map_key_ref {
                 let api: Api<ConfigMap> = Api::namespaced(shared.client.clone(), &ns);
@@ -381,7 +401,12 @@ async fn spawn(
                 match cm.and_then(|c| c.data).and_then(|d| d.get(&r.key).cloned()) {
                     Some(v) => v,
                     None if r.optional == Some(true) => continue,
-                    None => bail!("env {}: ConfigMap {ns}/{} key {} not found", var.name, r.name, r.key),
+                    None => bail!(
+                        "env {}: ConfigMap {ns}/{} key {} not found",
+                        var.name,
+                        r.name,
+                        r.key
+                    ),
                 }
             } else {
                 bail!("env {}: resourceFieldRef is not supported", var.name)
@@ -470,7 +495,16 @@ async fn spawn(
         .open(dir.join(format!("{}.log", container.name)))?;
     let mut command = tokio::process::Command::new("/usr/sbin/ip");
     command
-        .args(["netns", "exec", netns, "unshare", "--mount", "--propagation", "private", "--"])
+        .args([
+            "netns",
+            "exec",
+            netns,
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "--",
+        ])
         .args(["/bin/sh", "-c", &script, "sh"])
         .args(&argv)
         .env_clear()
@@ -490,7 +524,10 @@ async fn spawn(
     Ok(child)
 }
 
-fn port_of(container: &Container, port: &k8s_openapi::apimachinery::pkg::util::intstr::IntOrString) -> Option<u16> {
+fn port_of(
+    container: &Container,
+    port: &k8s_openapi::apimachinery::pkg::util::intstr::IntOrString,
+) -> Option<u16> {
     use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
     match port {
         IntOrString::Int(p) => u16::try_from(*p).ok(),
@@ -511,8 +548,9 @@ async fn probe(container: &Container, probe: &Probe, ip: &str) -> bool {
             let port = port_of(container, &get.port)?;
             let mut stream = tokio::net::TcpStream::connect((ip, port)).await.ok()?;
             let path = get.path.clone().unwrap_or_else(|| "/".to_owned());
-            let request =
-                format!("GET {path} HTTP/1.0\r\nHost: {ip}:{port}\r\nUser-Agent: kube-probe/1.34\r\n\r\n");
+            let request = format!(
+                "GET {path} HTTP/1.0\r\nHost: {ip}:{port}\r\nUser-Agent: kube-probe/1.34\r\n\r\n"
+            );
             stream.write_all(request.as_bytes()).await.ok()?;
             let mut head = vec![0u8; 64];
             let n = stream.read(&mut head).await.ok()?;
@@ -521,7 +559,10 @@ async fn probe(container: &Container, probe: &Probe, ip: &str) -> bool {
             (200..400).contains(&code).then_some(())
         } else if let Some(tcp) = &probe.tcp_socket {
             let port = port_of(container, &tcp.port)?;
-            tokio::net::TcpStream::connect((ip, port)).await.ok().map(|_| ())
+            tokio::net::TcpStream::connect((ip, port))
+                .await
+                .ok()
+                .map(|_| ())
         } else {
             // exec and gRPC probes are not run: they pass.
             Some(())
@@ -582,7 +623,11 @@ async fn patch_status(api: &Api<Pod>, name: &str, status: &Value, last: &mut Val
         return;
     }
     match api
-        .patch_status(name, &PatchParams::default(), &Patch::Merge(json!({ "status": status })))
+        .patch_status(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "status": status })),
+        )
         .await
     {
         Ok(_) => *last = status.clone(),
@@ -648,9 +693,15 @@ async fn lifecycle(
             unknown.join(", ")
         );
         let mut status = base("Pending", None);
-        status["conditions"] = json!([cond("PodScheduled", true, None), cond("Ready", false, Some("ContainersNotReady"))]);
+        status["conditions"] = json!([
+            cond("PodScheduled", true, None),
+            cond("Ready", false, Some("ContainersNotReady"))
+        ]);
         status["containerStatuses"] = Value::Array(
-            spec.containers.iter().map(|c| waiting(c, "ErrImagePull", &message)).collect(),
+            spec.containers
+                .iter()
+                .map(|c| waiting(c, "ErrImagePull", &message))
+                .collect(),
         );
         patch_status(api, &name, &status, &mut last).await;
         warn!(pod = %name, %message, "unknown image");
@@ -665,9 +716,15 @@ async fn lifecycle(
             Err(error) => {
                 let message = format!("{error:#}");
                 let mut status = base("Pending", None);
-                status["conditions"] = json!([cond("PodScheduled", true, None), cond("Ready", false, Some("ContainersNotReady"))]);
+                status["conditions"] = json!([
+                    cond("PodScheduled", true, None),
+                    cond("Ready", false, Some("ContainersNotReady"))
+                ]);
                 status["containerStatuses"] = Value::Array(
-                    spec.containers.iter().map(|c| waiting(c, "ContainerCreating", &message)).collect(),
+                    spec.containers
+                        .iter()
+                        .map(|c| waiting(c, "ContainerCreating", &message))
+                        .collect(),
                 );
                 patch_status(api, &name, &status, &mut last).await;
                 if ended(pods, cancel, Duration::from_secs(1)).await {
@@ -686,7 +743,11 @@ async fn lifecycle(
         let mut backoff = Duration::from_secs(1);
         loop {
             let mut status = base("Pending", Some(&ip));
-            status["conditions"] = json!([cond("PodScheduled", true, None), cond("Initialized", false, Some("ContainersNotInitialized")), cond("Ready", false, Some("ContainersNotReady"))]);
+            status["conditions"] = json!([
+                cond("PodScheduled", true, None),
+                cond("Initialized", false, Some("ContainersNotInitialized")),
+                cond("Ready", false, Some("ContainersNotReady"))
+            ]);
             patch_status(api, &name, &status, &mut last).await;
             let mut child = spawn(shared, &pod, c, dir, &netns, &ip).await?;
             let code = tokio::select! {
@@ -787,7 +848,9 @@ async fn lifecycle(
                             rt.ready = true;
                         } else {
                             rt.readiness_failures += 1;
-                            if rt.readiness_failures >= p.failure_threshold.unwrap_or(3) || !rt.ready {
+                            if rt.readiness_failures >= p.failure_threshold.unwrap_or(3)
+                                || !rt.ready
+                            {
                                 rt.ready = false;
                             }
                         }
@@ -821,10 +884,15 @@ async fn lifecycle(
             ready_since = None;
         }
         let transition = ready_since.clone().unwrap_or_else(|| start_time.clone());
-        let ready_cond = |t: &str| {
-            json!({ "type": t, "status": if all_ready { "True" } else { "False" }, "lastTransitionTime": transition })
-        };
-        let mut status = base(if all_running || restart_always { "Running" } else { "Failed" }, Some(&ip));
+        let ready_cond = |t: &str| json!({ "type": t, "status": if all_ready { "True" } else { "False" }, "lastTransitionTime": transition });
+        let mut status = base(
+            if all_running || restart_always {
+                "Running"
+            } else {
+                "Failed"
+            },
+            Some(&ip),
+        );
         status["conditions"] = json!([
             cond("PodReadyToStartContainers", true, None),
             cond("Initialized", true, None),
@@ -910,8 +978,14 @@ async fn wait_end(pods: &mut watch::Receiver<Pod>, cancel: &CancellationToken) {
 }
 
 /// Waits `bound`; `true` when the Pod was deleted or the kubelet stops meanwhile.
-async fn ended(pods: &mut watch::Receiver<Pod>, cancel: &CancellationToken, bound: Duration) -> bool {
-    tokio::time::timeout(bound, wait_end(pods, cancel)).await.is_ok()
+async fn ended(
+    pods: &mut watch::Receiver<Pod>,
+    cancel: &CancellationToken,
+    bound: Duration,
+) -> bool {
+    tokio::time::timeout(bound, wait_end(pods, cancel))
+        .await
+        .is_ok()
 }
 
 #[cfg(test)]

@@ -21,7 +21,10 @@ pub(crate) fn kubeconfig() -> PathBuf {
 }
 
 fn node_bin() -> PathBuf {
-    super::root().join("target").join("debug").join("haptic-node")
+    super::root()
+        .join("target")
+        .join("debug")
+        .join("haptic-node")
 }
 
 fn node(args: &[&str]) -> Result<()> {

@@ -36,7 +36,10 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
 /// `e2e --local [--keep]`: the scenarios on a fresh local cluster (`cargo xtask cluster`),
 /// taken down afterwards unless `--keep`.
 fn local(args: &[String]) -> Result<()> {
-    if let Some(other) = args.iter().find(|a| !matches!(a.as_str(), "--local" | "--keep")) {
+    if let Some(other) = args
+        .iter()
+        .find(|a| !matches!(a.as_str(), "--local" | "--keep"))
+    {
         bail!("e2e --local takes only --keep (got `{other}`)");
     }
     if !super::on_path("kubectl") {
@@ -56,7 +59,11 @@ fn local(args: &[String]) -> Result<()> {
         .args(["run", "--quiet", "-p", "haptic-e2e", "--", "--local"])
         .arg(super::cluster::kubeconfig())
         .current_dir(super::root());
-    let result = wait_bounded_stderr(&mut command, RUN_BOUND, "cargo run -p haptic-e2e -- --local");
+    let result = wait_bounded_stderr(
+        &mut command,
+        RUN_BOUND,
+        "cargo run -p haptic-e2e -- --local",
+    );
     eprintln!(
         "xtask: e2e --local took {:.0?} (cluster build and start {:.0?})",
         started.elapsed(),

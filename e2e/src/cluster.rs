@@ -10,10 +10,10 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail};
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::{core::v1::Secret, discovery::v1::EndpointSlice};
 use kube::{
     Api, Client,
-    api::PostParams,
+    api::{ListParams, PostParams},
     config::{KubeConfigOptions, Kubeconfig},
 };
 use serde::Deserialize;
@@ -35,8 +35,10 @@ pub(crate) struct Cluster {
     pub(crate) client: Client,
     /// The agent image (the e2e's backends run its HAProxy).
     pub(crate) agent_image: String,
-    /// The host port the HAProxy NodePort 30080 is published on.
+    /// The host port the HAProxy NodePort 30080 is published on (kind).
     pub(crate) http_port: u16,
+    /// The local cluster: HAProxy is reached at a ready endpoint of its Service.
+    pub(crate) local: bool,
     root: PathBuf,
 }
 
@@ -213,10 +215,93 @@ impl Cluster {
             client,
             agent_image,
             http_port,
+            local: false,
             root,
         };
         cluster.install().await?;
         Ok(cluster)
+    }
+
+    /// The local cluster (`haptic-node`, already up and empty): `deploy/` applied as a user
+    /// does. When this machine's open-file hard limit is below what `deploy/`'s maxconn needs
+    /// (HAProxy refuses to start, `strict-limits`), an overlay in `target/` lowers maxconn, as
+    /// deploy/README.md tells a user to, and says so.
+    pub(crate) async fn local(options: &Options, kubeconfig: &Path) -> Result<Self> {
+        let root = options.root.clone();
+        let agent_image = images(&root)?
+            .into_iter()
+            .find(|image| image.dockerfile.ends_with("/agent.Dockerfile"))
+            .map(|image| image.reference)
+            .context("deploy/kustomization.yaml names no haptic-agent image")?;
+        let kc = Kubeconfig::read_from(kubeconfig)
+            .with_context(|| format!("reading {}", kubeconfig.display()))?;
+        let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+            .await
+            .context("using the local cluster's kubeconfig")?;
+        let client = Client::try_from(config).context("building the client")?;
+        let cluster = Self {
+            name: "local".to_owned(),
+            kubeconfig: kubeconfig.to_owned(),
+            client,
+            agent_image,
+            http_port: 0,
+            local: true,
+            root,
+        };
+        let kustomization = match local_maxconn()? {
+            None => "deploy/".to_owned(),
+            Some(maxconn) => {
+                let dir = cluster.root.join("target/local-cluster/e2e-overlay");
+                std::fs::create_dir_all(&dir)
+                    .with_context(|| format!("creating {}", dir.display()))?;
+                let overlay = format!(
+                    "# written by haptic-e2e --local: deploy/ with maxconn lowered to this machine's nofile limit\n\
+                     resources:\n  - ../../../deploy\n\
+                     patches:\n  - target:\n      group: haproxy-haptic.org\n      kind: HAProxyTemplateConfig\n      name: haptic-config\n\
+                     \x20   patch: |-\n      - op: replace\n        path: /spec/templatingSettings/extraContext/haproxy/maxconn\n        value: {maxconn}\n"
+                );
+                std::fs::write(dir.join("kustomization.yaml"), overlay)?;
+                eprintln!(
+                    "e2e: this machine's nofile hard limit is below what deploy/'s maxconn 10000 needs (20039 descriptors): \
+                     applying deploy/ through an overlay with maxconn {maxconn} ({})",
+                    dir.display()
+                );
+                dir.display().to_string()
+            }
+        };
+        cluster.install_with(&kustomization, false).await?;
+        Ok(cluster)
+    }
+
+    /// Where HAProxy's HTTP port answers: the kind port mapping, or (local) a ready endpoint
+    /// of the `haproxy` Service's EndpointSlices, port `http`.
+    pub(crate) async fn http_endpoint(&self) -> Result<(String, u16)> {
+        if !self.local {
+            return Ok(("127.0.0.1".to_owned(), self.http_port));
+        }
+        let slices: Api<EndpointSlice> = Api::namespaced(self.client.clone(), NAMESPACE);
+        let list = slices
+            .list(&ListParams::default().labels("kubernetes.io/service-name=haproxy"))
+            .await
+            .context("listing the haproxy Service's EndpointSlices")?;
+        for slice in list.items {
+            let port = slice
+                .ports
+                .iter()
+                .flatten()
+                .find(|p| p.name.as_deref() == Some("http"))
+                .and_then(|p| p.port);
+            let ready = slice
+                .endpoints
+                .iter()
+                .find(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true));
+            if let (Some(port), Some(endpoint)) = (port, ready)
+                && let Some(address) = endpoint.addresses.first()
+            {
+                return Ok((address.clone(), u16::try_from(port)?));
+            }
+        }
+        bail!("the haproxy Service has no ready endpoint")
     }
 
     /// `kubectl --kubeconfig <ours> <args>` from the root, bounded.
@@ -231,6 +316,10 @@ impl Cluster {
     /// Secret, then `deploy/`; the HAProxy Service becomes the NodePort (30080, 30443) that
     /// `deploy/kind/cluster.yaml` publishes; waits for both Deployments.
     async fn install(&self) -> Result<()> {
+        self.install_with("deploy/", true).await
+    }
+
+    async fn install_with(&self, kustomization: &str, node_ports: bool) -> Result<()> {
         self.kubectl(&["apply", "-f", "deploy/crd.yaml"], MINUTE)
             .show()
             .await?;
@@ -252,18 +341,12 @@ impl Cluster {
             .await?;
         self.create_token().await?;
         // The agent channel's certificates: the controller's own CA (deploy/'s default).
-        self.kubectl(&["apply", "-k", "deploy/"], 2 * MINUTE)
+        self.kubectl(&["apply", "-k", kustomization], 2 * MINUTE)
             .show()
             .await?;
-        let node_ports = r#"{"spec":{"type":"NodePort","ports":[{"name":"http","port":80,"targetPort":"http","nodePort":30080},{"name":"https","port":443,"targetPort":"https","nodePort":30443}]}}"#;
-        self.kubectl(
-            &[
-                "-n", NAMESPACE, "patch", "service", "haproxy", "--type", "merge", "-p", node_ports,
-            ],
-            MINUTE,
-        )
-        .show()
-        .await?;
+        if node_ports {
+            self.node_ports().await?;
+        }
         for deployment in ["deployment/haptic-controller", "deployment/haproxy"] {
             self.kubectl(
                 &[
@@ -280,6 +363,19 @@ impl Cluster {
             .show()
             .await?;
         }
+        Ok(())
+    }
+
+    async fn node_ports(&self) -> Result<()> {
+        let node_ports = r#"{"spec":{"type":"NodePort","ports":[{"name":"http","port":80,"targetPort":"http","nodePort":30080},{"name":"https","port":443,"targetPort":"https","nodePort":30443}]}}"#;
+        self.kubectl(
+            &[
+                "-n", NAMESPACE, "patch", "service", "haproxy", "--type", "merge", "-p", node_ports,
+            ],
+            MINUTE,
+        )
+        .show()
+        .await?;
         Ok(())
     }
 
@@ -354,7 +450,28 @@ impl Cluster {
             }
         }
     }
+}
 
+/// The maxconn the local run lowers `deploy/`'s 10000 to when this process's open-file hard
+/// limit is below the 20039 descriptors HAProxy 2.6 asks for it (about 2 per connection plus
+/// a few), or `None` when `deploy/` fits as written.
+fn local_maxconn() -> Result<Option<u32>> {
+    let limits =
+        std::fs::read_to_string("/proc/self/limits").context("reading /proc/self/limits")?;
+    let hard = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .and_then(|l| l.split_whitespace().nth(4))
+        .and_then(|v| v.parse::<u64>().ok());
+    Ok(match hard {
+        // "unlimited" or plenty.
+        None => None,
+        Some(hard) if hard >= 20_100 => None,
+        Some(hard) => Some(u32::try_from((hard.saturating_sub(600) / 2 / 100) * 100)?),
+    })
+}
+
+impl Cluster {
     /// Deletes the cluster; a failure is printed, not returned.
     pub(crate) async fn delete(&self) {
         if let Err(error) = Cmd::new(

@@ -6,6 +6,12 @@
 //! Flags: `--name NAME` (the kind cluster, default `haptic-e2e`), `--keep` (leave the cluster
 //! up afterwards), `--skip-build` (use images already built under the names of
 //! `deploy/kustomization.yaml`).
+//!
+//! `--local KUBECONFIG`: the same scenarios on the local cluster with no containers
+//! (`cargo xtask e2e --local` starts it: `haptic-node`), freshly up; nothing is built or
+//! loaded (its process kubelet runs the workspace's binaries for the images `deploy/` names),
+//! HAProxy is reached at a ready endpoint of the `haproxy` Service (a Pod address on the
+//! bridge: there is no kube-proxy), and the cluster is left to `cargo xtask cluster down`.
 
 mod cluster;
 mod cmd;
@@ -25,6 +31,8 @@ pub(crate) struct Options {
     pub(crate) skip_build: bool,
     /// The workspace root.
     pub(crate) root: PathBuf,
+    /// The local cluster's admin kubeconfig (`--local`), instead of kind.
+    pub(crate) local: Option<PathBuf>,
 }
 
 fn options() -> Result<Options> {
@@ -34,21 +42,30 @@ fn options() -> Result<Options> {
         keep: false,
         skip_build: false,
         root: manifest.parent().map(PathBuf::from).unwrap_or(manifest),
+        local: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--keep" => options.keep = true,
             "--skip-build" => options.skip_build = true,
+            "--local" => match args.next() {
+                Some(kubeconfig) => options.local = Some(PathBuf::from(kubeconfig)),
+                None => bail!("--local needs the local cluster's kubeconfig"),
+            },
             "--name" => match args.next() {
                 Some(name) => options.name = name,
                 None => bail!("--name needs a value"),
             },
             "-h" | "--help" => {
-                println!("usage: haptic-e2e [--name NAME] [--keep] [--skip-build]");
+                println!(
+                    "usage: haptic-e2e [--name NAME] [--keep] [--skip-build] | --local KUBECONFIG"
+                );
                 std::process::exit(0);
             }
-            other => bail!("unknown argument `{other}` (known: --name NAME, --keep, --skip-build)"),
+            other => bail!(
+                "unknown argument `{other}` (known: --name NAME, --keep, --skip-build, --local KUBECONFIG)"
+            ),
         }
     }
     Ok(options)
@@ -58,13 +75,23 @@ fn options() -> Result<Options> {
 async fn main() -> ExitCode {
     let result = async {
         let options = options()?;
-        cmd::preflight().await?;
-        let cluster = cluster::Cluster::up(&options).await?;
+        let started = std::time::Instant::now();
+        let cluster = match &options.local {
+            Some(kubeconfig) => cluster::Cluster::local(&options, kubeconfig).await?,
+            None => {
+                cmd::preflight().await?;
+                cluster::Cluster::up(&options).await?
+            }
+        };
+        eprintln!("e2e: installed in {:.0?}", started.elapsed());
         let outcome = scenarios::run(&cluster).await;
         if outcome.is_err() {
             cluster.diagnose().await;
         }
-        if options.keep {
+        eprintln!("e2e: finished in {:.0?}", started.elapsed());
+        if options.local.is_some() {
+            // The local cluster is `cargo xtask`'s to stop.
+        } else if options.keep {
             eprintln!(
                 "e2e: cluster `{}` kept; kubeconfig {}",
                 options.name,

@@ -189,15 +189,15 @@ impl<'a> Kube<'a> {
         Ok(())
     }
 
-    /// Waits until a request for the e2e host through HAProxy (the kind port mapping) is
-    /// answered 200 by `backend`.
+    /// Waits until a request for the e2e host through HAProxy (the kind port mapping, or on
+    /// the local cluster a ready endpoint of the haproxy Service) is answered 200 by `backend`.
     async fn wait_served_by(&self, backend: &str, bound: Duration) -> Result<()> {
-        let port = self.cluster.http_port;
         wait_for(
-            &format!("http://127.0.0.1:{port}/ (Host: {HOST}) answered by {backend}"),
+            &format!("GET / (Host: {HOST}) through HAProxy answered by {backend}"),
             bound,
             || async {
-                let (status, body) = http_get(port, HOST).await?;
+                let (host, port) = self.cluster.http_endpoint().await?;
+                let (status, body) = http_get(&host, port, HOST).await?;
                 if status == 200 && body.trim() == backend {
                     return Ok(Some(()));
                 }
@@ -493,11 +493,11 @@ where
     }
 }
 
-/// `GET /` with `Host: host` on 127.0.0.1:`port`: the status code and the body.
-async fn http_get(port: u16, host: &str) -> Result<(u16, String)> {
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+/// `GET /` with `Host: host` on `address:port`: the status code and the body.
+async fn http_get(address: &str, port: u16, host: &str) -> Result<(u16, String)> {
+    let mut stream = tokio::net::TcpStream::connect((address, port))
         .await
-        .with_context(|| format!("connecting to 127.0.0.1:{port}"))?;
+        .with_context(|| format!("connecting to {address}:{port}"))?;
     let request = format!("GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
     stream.write_all(request.as_bytes()).await?;
     let mut response = Vec::new();

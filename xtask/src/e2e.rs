@@ -17,6 +17,9 @@ use anyhow::{Context, Result, bail};
 const RUN_BOUND: Duration = Duration::from_secs(3 * 60 * 60);
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
+    if args.iter().any(|a| a == "--local") {
+        return local(args);
+    }
     preflight()?;
     let mut command = Command::new(super::cargo_bin());
     command
@@ -26,6 +29,57 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let (status, _) = wait_bounded_stderr(&mut command, RUN_BOUND, "cargo run -p haptic-e2e")?;
     if !status.success() {
         bail!("the e2e failed ({status})");
+    }
+    Ok(())
+}
+
+/// `e2e --local [--keep]`: the scenarios on a fresh local cluster (`cargo xtask cluster`),
+/// taken down afterwards unless `--keep`.
+fn local(args: &[String]) -> Result<()> {
+    if let Some(other) = args
+        .iter()
+        .find(|a| !matches!(a.as_str(), "--local" | "--keep"))
+    {
+        bail!("e2e --local takes only --keep (got `{other}`)");
+    }
+    if !super::on_path("kubectl") {
+        bail!("e2e --local applies deploy/ with kubectl, which is not on PATH");
+    }
+    let keep = args.iter().any(|a| a == "--keep");
+    let started = Instant::now();
+    // A fresh cluster: the scenarios install deploy/ into an empty one.
+    if super::cluster::state_dir().exists() {
+        eprintln!("xtask: taking the running local cluster down for a fresh one");
+        super::cluster::run(&["down".to_owned()])?;
+    }
+    super::cluster::up()?;
+    let up = started.elapsed();
+    let mut command = Command::new(super::cargo_bin());
+    command
+        .args(["run", "--quiet", "-p", "haptic-e2e", "--", "--local"])
+        .arg(super::cluster::kubeconfig())
+        .current_dir(super::root());
+    let result = wait_bounded_stderr(
+        &mut command,
+        RUN_BOUND,
+        "cargo run -p haptic-e2e -- --local",
+    );
+    eprintln!(
+        "xtask: e2e --local took {:.0?} (cluster build and start {:.0?})",
+        started.elapsed(),
+        up
+    );
+    if keep {
+        eprintln!(
+            "xtask: cluster kept: KUBECONFIG={} (cargo xtask cluster down)",
+            super::cluster::kubeconfig().display()
+        );
+    } else {
+        super::cluster::run(&["down".to_owned()])?;
+    }
+    let (status, _) = result?;
+    if !status.success() {
+        bail!("the e2e on the local cluster failed ({status})");
     }
     Ok(())
 }

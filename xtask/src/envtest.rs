@@ -1,8 +1,9 @@
 //! `cargo xtask envtest`: the real API server's binaries (kube-apiserver and etcd) for the
-//! tests' real tier, following controller-runtime envtest's convention.
+//! tests' real tier, following controller-runtime envtest's convention, and
+//! kube-controller-manager beside them for the local cluster (`cargo xtask cluster`).
 //!
-//! When `KUBEBUILDER_ASSETS` names a directory holding both binaries, that directory is the
-//! answer. Otherwise they are built once per machine with `go build` from the Go module in
+//! When `KUBEBUILDER_ASSETS` names a directory holding the three binaries, that directory is
+//! the answer. Otherwise they are built once per machine with `go build` from the Go module in
 //! `xtask/envtest/` (k8s.io/kubernetes and go.etcd.io/etcd, fetched through the Go module proxy
 //! and nothing else) into a cache outside `target/`, keyed by their versions, so `cargo clean`
 //! does not cost a 17-minute rebuild. The build goes to a temporary directory renamed into
@@ -21,8 +22,10 @@ use anyhow::{Context, Result, bail};
 pub(crate) const KUBERNETES_VERSION: &str = "v1.34.4";
 /// The etcd release Kubernetes v1.34 is tested with.
 pub(crate) const ETCD_VERSION: &str = "v3.6.4";
-/// The binaries a usable asset directory holds.
-const BINARIES: [&str; 2] = ["kube-apiserver", "etcd"];
+/// The binaries a usable asset directory holds. A cache from before kube-controller-manager
+/// joined them is incomplete and built again (with a warm Go build cache, kube-controller-manager
+/// costs about 4 minutes on 2 cores, the other two a relink).
+const BINARIES: [&str; 3] = ["kube-apiserver", "etcd", "kube-controller-manager"];
 
 /// `cargo xtask envtest [--check]`: ensures the assets and prints their directory.
 pub(crate) fn run(args: &[String]) -> Result<()> {
@@ -67,16 +70,16 @@ fn existing() -> Result<Option<PathBuf>> {
             return Ok(Some(dir));
         }
         eprintln!(
-            "xtask: KUBEBUILDER_ASSETS={} does not hold both {}; using the xtask cache",
+            "xtask: KUBEBUILDER_ASSETS={} does not hold all of {}; using the xtask cache",
             dir.display(),
-            BINARIES.join(" and ")
+            BINARIES.join(", ")
         );
     }
     let cache = cache_dir()?;
     Ok(complete(&cache).then_some(cache))
 }
 
-/// Returns a directory holding kube-apiserver and etcd, building them first when needed.
+/// Returns a directory holding kube-apiserver, etcd and kube-controller-manager, building them first when needed.
 pub(crate) fn ensure() -> Result<PathBuf> {
     if let Some(dir) = existing()? {
         return Ok(dir);
@@ -86,7 +89,7 @@ pub(crate) fn ensure() -> Result<PathBuf> {
     Ok(cache)
 }
 
-/// `go build` of both binaries into a temporary sibling of `cache`, then a rename.
+/// `go build` of the binaries into a temporary sibling of `cache`, then a rename.
 fn build_into(cache: &Path) -> Result<()> {
     let go = which("go").context(
         "the envtest assets are built with Go, and `go` is not on PATH: install Go >= 1.24 \
@@ -113,8 +116,9 @@ fn build_into(cache: &Path) -> Result<()> {
     fs::create_dir_all(&staging).with_context(|| format!("creating {}", staging.display()))?;
 
     eprintln!(
-        "xtask: building kube-apiserver {KUBERNETES_VERSION} and etcd {ETCD_VERSION} with {} \
-         (once per machine; cold: about 17 minutes and 2 GB of RAM on 2 cores) into {}",
+        "xtask: building kube-apiserver and kube-controller-manager {KUBERNETES_VERSION} and etcd \
+         {ETCD_VERSION} with {} (once per machine; cold: about 21 minutes and 2 GB of RAM on 2 \
+         cores) into {}",
         go.display(),
         cache.display()
     );
@@ -127,8 +131,8 @@ fn build_into(cache: &Path) -> Result<()> {
     if !complete(&staging) {
         let _ = fs::remove_dir_all(&staging);
         bail!(
-            "`go build` succeeded but did not write both {}",
-            BINARIES.join(" and ")
+            "`go build` succeeded but did not write all of {}",
+            BINARIES.join(", ")
         );
     }
     if cache.exists() {
@@ -147,7 +151,7 @@ fn build_into(cache: &Path) -> Result<()> {
 
 fn go_build(go: &Path, module: &Path, out: &Path) -> Result<()> {
     eprintln!(
-        "xtask: go build ./kube-apiserver ./etcd (CGO off, -trimpath, stripped; modules come \
+        "xtask: go build ./kube-apiserver ./etcd ./kube-controller-manager (CGO off, -trimpath, stripped; modules come \
          through GOPROXY; each package is listed as it builds)"
     );
     let ldflags = format!(
@@ -160,7 +164,7 @@ fn go_build(go: &Path, module: &Path, out: &Path) -> Result<()> {
     let build = Command::new(go)
         .args(["build", "-v", "-trimpath", "-ldflags", &ldflags, "-o"])
         .arg(out_arg)
-        .args(["./kube-apiserver", "./etcd"])
+        .args(["./kube-apiserver", "./etcd", "./kube-controller-manager"])
         .env("CGO_ENABLED", "0")
         .current_dir(module)
         .status()

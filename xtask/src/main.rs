@@ -11,6 +11,8 @@
 //!   `--real` on a real kube-apiserver with etcd instead of the stand-in.
 //! - `envtest`: prints a directory holding kube-apiserver and etcd for the real-API-server
 //!   tier, building them once per machine with Go when `KUBEBUILDER_ASSETS` does not hold them.
+//! - `cluster up|down|status`: a local cluster with no containers (`haptic-node`), and
+//!   `e2e --local`: the e2e scenarios on it.
 //! - `apiserver`: runs the haptic-testkit API server until Ctrl-C and prints a kubeconfig path.
 //! - `chaos [--runs N] [--seed S] [--minutes M] ...`: the seeded fault campaign (haptic-chaos).
 
@@ -22,6 +24,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 
+mod cluster;
 mod e2e;
 mod envtest;
 
@@ -43,6 +46,7 @@ fn run() -> Result<()> {
         "test" => test(&rest),
         "bench" => bench(&rest),
         "e2e" => e2e::run(&rest),
+        "cluster" => cluster::run(&rest),
         "envtest" => envtest::run(&rest),
         "apiserver" => cargo(
             &[
@@ -71,13 +75,20 @@ const HELP: &str = "usage: cargo xtask <task>
   test               install test tools if missing, build the envtest assets if missing, then fmt --check, clippy -D warnings,
                      all tests (KUBEBUILDER_ASSETS set: the real-API-server tier), validate deploy/haptic-config.yaml, demo smoke, a short chaos campaign
   setup              only install the test tools (haproxy)
-  envtest [--check]  print a directory holding kube-apiserver and etcd for the real-API-server tests
-                     (KUBEBUILDER_ASSETS if it holds both, else built once with Go into ~/.cache/haptic/envtest)
+  envtest [--check]  print a directory holding kube-apiserver, etcd (the real-API-server tests) and kube-controller-manager
+                     (KUBEBUILDER_ASSETS if it holds the three, else built once with Go into ~/.cache/haptic/envtest)
   demo [--smoke] [--real]
                      the whole system on this machine (API server, 2 controllers, 2 agents with HAProxy, a demo app); --smoke checks
                      it and exits; --real uses a real kube-apiserver + etcd (envtest assets, root for network namespaces)
   bench [NAME...]    run benchmarks: election, agent, render, eventbus, controller, webhook (default: all)
   e2e [ARGS]         acceptance scenarios on a kind cluster (needs docker, kind, kubectl; --keep, --skip-build)
+  e2e --local [ARGS] the same scenarios on the local cluster below (root, kubectl; brings it up when it is down;
+                     --keep leaves it up): deploy/ applied as written, its Pods run as local processes
+  cluster up|down|status
+                     a local Kubernetes cluster with no containers (root): etcd, kube-apiserver, kube-controller-manager
+                     (envtest assets) and a process kubelet (haptic-node) running the project's images as the workspace's
+                     binaries, each Pod in a network namespace on bridge hptc0 (10.88.0.0/24); state in target/local-cluster
+                     (KUBECONFIG=target/local-cluster/admin.kubeconfig); not part of `test`
   apiserver [ARGS]   run the haptic-testkit API server until Ctrl-C (prints the kubeconfig path)
   chaos [ARGS]       seeded fault campaign: 3 replicas, 3 agents, faults; no stale apply may go live
                      (--runs N, --seed S, --minutes M, --fault-seconds, --plan, --verbose, --keep)";

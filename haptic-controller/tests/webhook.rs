@@ -215,6 +215,44 @@ async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate()
         ],
         "{answer}"
     );
+    // A value that cannot be applied is denied, naming the annotation and why; one applied
+    // differently is allowed with a warning saying how; a supported one silently.
+    let mut invalid = ingress_json("legacy", "legacy.example.com");
+    invalid["metadata"]["annotations"] = json!({
+        "nginx.ingress.kubernetes.io/whitelist-source-range": "10.0.0.0/8,10.1.2.3/40",
+        "nginx.ingress.kubernetes.io/proxy-body-size": "8 MB",
+        "nginx.ingress.kubernetes.io/force-ssl-redirect": "true",
+    });
+    let (_, answer) = post(
+        &trusting,
+        port,
+        review("CREATE", INGRESS, "legacy", invalid, Value::Null),
+    )
+    .await;
+    let (allowed, message, _) = response(&answer);
+    assert!(!allowed, "{answer}");
+    assert_eq!(
+        message,
+        "Ingress default/legacy: invalid ingress-nginx annotation values: nginx.ingress.kubernetes.io/whitelist-source-range: \"10.1.2.3/40\" has a prefix length that is not 0-32; nginx.ingress.kubernetes.io/proxy-body-size: \"8 MB\" is not a size (bytes, or a number with a k, m or g suffix)"
+    );
+    let mut applied = ingress_json("legacy", "legacy.example.com");
+    applied["metadata"]["annotations"] = json!({
+        "nginx.ingress.kubernetes.io/whitelist-source-range": "10.0.0.0/8",
+        "nginx.ingress.kubernetes.io/proxy-body-size": "8m",
+    });
+    let (_, answer) = post(
+        &trusting,
+        port,
+        review("CREATE", INGRESS, "legacy", applied, Value::Null),
+    )
+    .await;
+    let (allowed, message, warnings) = response(&answer);
+    assert!(allowed, "{message}");
+    assert_eq!(warnings.len(), 1, "{answer}");
+    assert!(
+        warnings[0].starts_with("Ingress default/legacy: nginx.ingress.kubernetes.io/proxy-body-size is applied, differently from ingress-nginx: a request whose Content-Length is over the size"),
+        "{answer}"
+    );
     // Another controller's Ingress may carry them: not ours, not judged.
     let mut theirs = snippet.clone();
     theirs["spec"]["ingressClassName"] = json!("nginx");

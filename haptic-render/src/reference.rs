@@ -41,7 +41,7 @@ pub const STORES: [(&str, &[&str]); 5] = [
 /// | `derived.tls` | [`Derivation::IngressTls`] of `ingresses` and `secrets` |
 /// | `derived.ingresses` | [`Derivation::Ingresses`]: our Ingresses |
 /// | `derived.default_backends` | [`Derivation::IngressDefaultBackends`] of `ingresses` and `services` |
-/// | `derived.nginx_annotations` | [`Derivation::IngressAnnotations`]: our Ingresses that carry ingress-nginx annotations |
+/// | `derived.nginx_annotations` | [`Derivation::IngressAnnotations`]: our Ingresses that carry ingress-nginx annotations (their Events) |
 /// | `derived.certificates` | [`Derivation::TlsCertificates`] of `secrets` |
 ///
 /// Every view reads only our Ingresses ([`classes`]: IngressClasses of `ingressclasses` whose
@@ -211,6 +211,10 @@ pub fn template_set() -> TemplateSet {
         (
             "cluster-view",
             include_str!("../templates/snippets/cluster-view.tera"),
+        ),
+        (
+            "nginx-backend",
+            include_str!("../templates/snippets/nginx-backend.tera"),
         ),
     ] {
         set.template_snippets

@@ -112,9 +112,9 @@ const fn differs(name: &'static str, note: &'static str) -> Annotation {
 
 /// Every ingress-nginx annotation HAPTIC knows, sorted by name (a test keeps it so).
 pub static ANNOTATIONS: &[Annotation] = &[
-    lost(
+    differs(
         "affinity",
-        "cookie session affinity is lost: requests are balanced without stickiness",
+        "`cookie`: HAProxy inserts a cookie naming the server (`session-cookie-name`, default INGRESSCOOKIE) and sends the client back to it while it is up; the cookie is a session cookie with Path=/ unless `session-cookie-max-age` or `-expires` give its Max-Age; other values are refused",
     ),
     supported(
         "allowlist-source-range",
@@ -146,9 +146,9 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "auth-type",
         "basic authentication is not enforced: the route is open",
     ),
-    lost(
+    supported(
         "backend-protocol",
-        "the backend is spoken to in plain HTTP/1.1 (no HTTPS, gRPC or h2c)",
+        "HTTP (HTTP/1.1 in clear text), HTTPS (TLS, the certificate not verified, as ingress-nginx), GRPC and H2C (HTTP/2 in clear text), GRPCS (HTTP/2 over TLS, not verified); it wins over the Service port's appProtocol; AUTO_HTTP and FCGI are refused",
     ),
     lost(
         "canary",
@@ -193,7 +193,10 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "limit-whitelist",
         "no rate limit applies, so there is nothing to exempt",
     ),
-    lost("load-balance", "round-robin balancing is used"),
+    differs(
+        "load-balance",
+        "`round_robin` is HAProxy's roundrobin; `ewma` becomes leastconn (fewest active requests, not a latency average); other values are refused",
+    ),
     refused("modsecurity-snippet"),
     supported(
         "permanent-redirect",
@@ -207,17 +210,17 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "proxy-body-size",
         "a request whose Content-Length is over the size (`8m`, `512k`, `1g` or bytes; `0`: no limit) gets 413; a chunked body without Content-Length is not limited, and without the annotation no limit applies (nginx's default was 1m)",
     ),
-    lost(
+    supported(
         "proxy-connect-timeout",
-        "the config's default connect timeout applies",
+        "seconds (`5`, or `5s`): HAProxy's `timeout connect` for the route's backend",
     ),
-    lost(
+    supported(
         "proxy-read-timeout",
-        "the config's default server timeout applies",
+        "seconds (`60`, or `60s`): HAProxy's `timeout server` for the route's backend (504 when the backend is silent longer)",
     ),
-    lost(
+    differs(
         "proxy-send-timeout",
-        "the config's default server timeout applies",
+        "HAProxy has one server inactivity timeout for both directions: `timeout server` is the larger of proxy-read-timeout and proxy-send-timeout",
     ),
     lost(
         "proxy-ssl-name",
@@ -245,10 +248,22 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "service-upstream",
         "requests go to the Pods' endpoints, not the Service's cluster IP",
     ),
-    lost("session-cookie-expires", "cookie session affinity is lost"),
-    lost("session-cookie-max-age", "cookie session affinity is lost"),
-    lost("session-cookie-name", "cookie session affinity is lost"),
-    lost("session-cookie-path", "cookie session affinity is lost"),
+    differs(
+        "session-cookie-expires",
+        "the cookie's Max-Age in seconds (with both, max-age); HAProxy also stops honouring it after that long",
+    ),
+    differs(
+        "session-cookie-max-age",
+        "the cookie's Max-Age in seconds (with both, max-age); HAProxy also stops honouring it after that long",
+    ),
+    supported(
+        "session-cookie-name",
+        "the name of the affinity cookie (default INGRESSCOOKIE)",
+    ),
+    differs(
+        "session-cookie-path",
+        "not applied: HAProxy's inserted cookie has Path=/ (it still pins only the requests that carry it)",
+    ),
     lost(
         "ssl-passthrough",
         "TLS is terminated by HAProxy, not passed through to the backend",
@@ -262,13 +277,13 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "temporal-redirect",
         "requests that route to this Ingress are redirected to the URL with 302; it wins over `permanent-redirect`, as in ingress-nginx",
     ),
-    lost(
+    differs(
         "upstream-hash-by",
-        "round-robin balancing is used, not hashing",
+        "consistent hashing on `$request_uri` (path and query), `$uri` (path), `$remote_addr` (source), `$http_<name>` (a header), `$cookie_<name>`, `$arg_<name>` (a query parameter); other expressions or several variables are refused; ingress-nginx's subset hashing is not carried over",
     ),
-    lost(
+    supported(
         "upstream-vhost",
-        "the backend sees the client's Host header",
+        "the Host header the backend sees (a host name, optionally with a port)",
     ),
     lost(
         "use-regex",
@@ -278,7 +293,10 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "whitelist-source-range",
         "the older name of allowlist-source-range (which wins when both are set): clients whose address is outside the comma-separated CIDRs (IPv4 or IPv6; a bare address is one host) get 403; on a stored Ingress, a list that does not parse denies every client (403)",
     ),
-    lost("x-forwarded-prefix", "no X-Forwarded-Prefix header is sent"),
+    supported(
+        "x-forwarded-prefix",
+        "the X-Forwarded-Prefix header the backend sees",
+    ),
 ];
 
 /// The registry's entry for `name` (after [`PREFIX`]).
@@ -443,6 +461,23 @@ pub struct Policy {
     pub app_root: Option<String>,
     /// `proxy-body-size` in bytes (none: no limit, `0` included).
     pub body_limit: Option<u64>,
+    /// `proxy-connect-timeout` in seconds.
+    pub connect_timeout: Option<u64>,
+    /// The larger of `proxy-read-timeout` and `proxy-send-timeout`, in seconds.
+    pub server_timeout: Option<u64>,
+    /// `backend-protocol`: `HTTP`, `HTTPS`, `GRPC`, `GRPCS` or `H2C`.
+    pub protocol: Option<&'static str>,
+    /// `upstream-vhost`: the Host the backend sees.
+    pub upstream_vhost: Option<String>,
+    /// `x-forwarded-prefix`: the X-Forwarded-Prefix the backend sees.
+    pub forwarded_prefix: Option<String>,
+    /// `affinity: cookie`: the cookie's name and Max-Age in seconds.
+    pub affinity: Option<(String, Option<u64>)>,
+    /// `load-balance: ewma` (least connections).
+    pub least_conn: bool,
+    /// `upstream-hash-by`: what to hash (`request_uri`, `uri`, `remote_addr`, `header`,
+    /// `cookie`, `arg`) and the name (header, cookie, argument; `""` otherwise).
+    pub hash_by: Option<(&'static str, String)>,
 }
 
 impl Default for Policy {
@@ -457,6 +492,14 @@ impl Default for Policy {
             redirect: None,
             app_root: None,
             body_limit: None,
+            connect_timeout: None,
+            server_timeout: None,
+            protocol: None,
+            upstream_vhost: None,
+            forwarded_prefix: None,
+            affinity: None,
+            least_conn: false,
+            hash_by: None,
         }
     }
 }
@@ -527,6 +570,56 @@ fn parse_size(value: &str) -> Result<u64, String> {
         .ok_or_else(|| {
             format!("{value:?} is not a size (bytes, or a number with a k, m or g suffix)")
         })
+}
+
+/// NGINX seconds: a number, optionally with an `s` suffix (ingress-nginx reads a number).
+fn parse_seconds(value: &str) -> Result<u64, String> {
+    value
+        .strip_suffix('s')
+        .unwrap_or(value)
+        .parse::<u64>()
+        .ok()
+        .filter(|n| (1..=86_400).contains(n))
+        .ok_or_else(|| format!("{value:?} is not a number of seconds (1-86400)"))
+}
+
+/// Whether a name is a token of letters, digits, `-`, `_` and `.` (a header, cookie or query
+/// parameter name).
+fn is_name(value: &str) -> bool {
+    !value.is_empty()
+        && value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+/// `upstream-hash-by`: one NGINX variable.
+fn parse_hash_by(value: &str) -> Result<(&'static str, String), String> {
+    let (kind, name) = match value {
+        "$request_uri" => ("request_uri", ""),
+        "$uri" => ("uri", ""),
+        "$remote_addr" | "$binary_remote_addr" => ("remote_addr", ""),
+        _ => {
+            let (kind, name) = [("$http_", "header"), ("$cookie_", "cookie"), ("$arg_", "arg")]
+                .into_iter()
+                .find_map(|(prefix, kind)| Some((kind, value.strip_prefix(prefix)?)))
+                .ok_or_else(|| {
+                    format!("{value:?} is not one of $request_uri, $uri, $remote_addr, $http_<name>, $cookie_<name>, $arg_<name>")
+                })?;
+            if !is_name(name) {
+                return Err(format!(
+                    "{value:?} does not name a header, cookie or argument"
+                ));
+            }
+            // NGINX's $http_x_real_ip is the header X-Real-Ip.
+            let name = if kind == "header" {
+                name.replace('_', "-")
+            } else {
+                name.to_owned()
+            };
+            return Ok((kind, name));
+        }
+    };
+    Ok((kind, name.to_owned()))
 }
 
 /// A redirect URL: absolute http(s), one config token; of NGINX's variables only
@@ -634,6 +727,112 @@ impl Policy {
                 Err(reason) => bad("proxy-body-size", reason, "no limit applies"),
             }
         }
+        let mut seconds = |name: &str| match get(name).map(parse_seconds) {
+            None => None,
+            Some(Ok(n)) => Some(n),
+            Some(Err(reason)) => {
+                bad(name, reason, "the config's default timeout applies");
+                None
+            }
+        };
+        policy.connect_timeout = seconds("proxy-connect-timeout");
+        let read = seconds("proxy-read-timeout");
+        let send = seconds("proxy-send-timeout");
+        policy.server_timeout = read.max(send);
+        if let Some(protocol) = get("backend-protocol") {
+            match protocol.to_ascii_uppercase().as_str() {
+                "HTTP" => policy.protocol = Some("HTTP"),
+                "HTTPS" => policy.protocol = Some("HTTPS"),
+                "GRPC" => policy.protocol = Some("GRPC"),
+                "GRPCS" => policy.protocol = Some("GRPCS"),
+                "H2C" => policy.protocol = Some("H2C"),
+                _ => bad(
+                    "backend-protocol",
+                    format!("{protocol:?} is not one of HTTP, HTTPS, GRPC, GRPCS, H2C"),
+                    "the Service port's appProtocol decides",
+                ),
+            }
+        }
+        let host_like = |v: &str| {
+            !v.is_empty()
+                && v.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | ':' | '[' | ']'))
+        };
+        if let Some(vhost) = get("upstream-vhost") {
+            if host_like(vhost) {
+                policy.upstream_vhost = Some(vhost.to_owned());
+            } else {
+                bad(
+                    "upstream-vhost",
+                    format!(
+                        "{vhost:?} is not a host name (letters, digits, `-`, `.`, a `:port`); NGINX variables are not expanded"
+                    ),
+                    "the backend sees the client's Host",
+                );
+            }
+        }
+        if let Some(prefix) = get("x-forwarded-prefix") {
+            if config_safe(prefix) && !prefix.contains('$') {
+                policy.forwarded_prefix = Some(prefix.to_owned());
+            } else {
+                bad(
+                    "x-forwarded-prefix",
+                    format!(
+                        "{prefix:?} is not one token without spaces, quotes, `#`, `$` or backslashes"
+                    ),
+                    "no X-Forwarded-Prefix is sent",
+                );
+            }
+        }
+        if let Some(affinity) = get("affinity") {
+            if affinity == "cookie" {
+                let name = get("session-cookie-name").unwrap_or("INGRESSCOOKIE");
+                let max_age = ["session-cookie-max-age", "session-cookie-expires"]
+                    .into_iter()
+                    .find_map(|n| Some((n, get(n)?)))
+                    .and_then(|(n, v)| match v.parse::<u64>() {
+                        Ok(age) => Some(age),
+                        Err(_) => {
+                            bad(
+                                n,
+                                format!("{v:?} is not a number of seconds"),
+                                "the cookie is a session cookie",
+                            );
+                            None
+                        }
+                    });
+                if is_name(name) {
+                    policy.affinity = Some((name.to_owned(), max_age));
+                } else {
+                    bad(
+                        "session-cookie-name",
+                        format!("{name:?} is not a cookie name (letters, digits, `-`, `_`, `.`)"),
+                        "no session affinity",
+                    );
+                }
+            } else {
+                bad(
+                    "affinity",
+                    format!("{affinity:?} is not \"cookie\""),
+                    "no session affinity",
+                );
+            }
+        }
+        match get("load-balance") {
+            None | Some("round_robin") => {}
+            Some("ewma") => policy.least_conn = true,
+            Some(other) => bad(
+                "load-balance",
+                format!("{other:?} is not round_robin or ewma"),
+                "round robin",
+            ),
+        }
+        if let Some(hash) = get("upstream-hash-by") {
+            match parse_hash_by(hash) {
+                Ok(by) => policy.hash_by = Some(by),
+                Err(reason) => bad("upstream-hash-by", reason, "no hashing: round robin"),
+            }
+        }
         (policy, invalid)
     }
 
@@ -648,6 +847,14 @@ impl Policy {
             redirect,
             app_root,
             body_limit,
+            connect_timeout,
+            server_timeout,
+            protocol,
+            upstream_vhost,
+            forwarded_prefix,
+            affinity,
+            least_conn,
+            hash_by,
         } = self;
         allow.is_some()
             || deny.is_some()
@@ -655,6 +862,14 @@ impl Policy {
             || redirect.is_some()
             || app_root.is_some()
             || body_limit.is_some()
+            || connect_timeout.is_some()
+            || server_timeout.is_some()
+            || protocol.is_some()
+            || upstream_vhost.is_some()
+            || forwarded_prefix.is_some()
+            || affinity.is_some()
+            || *least_conn
+            || hash_by.is_some()
     }
 
     /// A short id of the policy (16 hex digits of its sha256): the same policies share it.
@@ -667,7 +882,11 @@ impl Policy {
     /// The policy as the templates read it (`p` in the snippet `nginx-backend`): `allow`,
     /// `deny` (lists of CIDRs; `invalid` when they did not parse; none when not set),
     /// `force_ssl_redirect`, `redirect` (URL, HAProxy-escaped: `%` doubled, `$request_uri` and
-    /// `$host` as sample expressions) and `redirect_code`, `app_root`, `body_limit`.
+    /// `$host` as sample expressions) and `redirect_code`, `app_root`, `body_limit` (bytes),
+    /// `connect_timeout` and `server_timeout` (seconds), `protocol` (`HTTP`, `HTTPS`, `GRPC`,
+    /// `GRPCS`, `H2C`), `upstream_vhost`, `forwarded_prefix`, `cookie` and `cookie_max_age`
+    /// (affinity), `least_conn`, `hash_by` (`request_uri`, `uri`, `remote_addr`, `header`,
+    /// `cookie`, `arg`) and `hash_name`.
     pub fn row(&self) -> tera::Value {
         let sources = |s: &Option<Sources>| match s {
             None => tera::Value::none(),
@@ -714,6 +933,55 @@ impl Policy {
                 .map(|root| tera::Value::from(root.replace('%', "%%")))),
         );
         put("body_limit", opt(self.body_limit.map(tera::Value::from)));
+        put(
+            "connect_timeout",
+            opt(self.connect_timeout.map(tera::Value::from)),
+        );
+        put(
+            "server_timeout",
+            opt(self.server_timeout.map(tera::Value::from)),
+        );
+        put("protocol", opt(self.protocol.map(tera::Value::from)));
+        put(
+            "upstream_vhost",
+            opt(self.upstream_vhost.as_deref().map(tera::Value::from)),
+        );
+        put(
+            "forwarded_prefix",
+            opt(self
+                .forwarded_prefix
+                .as_deref()
+                .map(|p| tera::Value::from(p.replace('%', "%%")))),
+        );
+        put(
+            "cookie",
+            opt(self
+                .affinity
+                .as_ref()
+                .map(|(name, _)| tera::Value::from(name.as_str()))),
+        );
+        put(
+            "cookie_max_age",
+            opt(self
+                .affinity
+                .as_ref()
+                .and_then(|(_, age)| age.map(tera::Value::from))),
+        );
+        put("least_conn", tera::Value::from(self.least_conn));
+        put(
+            "hash_by",
+            opt(self
+                .hash_by
+                .as_ref()
+                .map(|(kind, _)| tera::Value::from(*kind))),
+        );
+        put(
+            "hash_name",
+            opt(self
+                .hash_by
+                .as_ref()
+                .map(|(_, name)| tera::Value::from(name.as_str()))),
+        );
         tera::Value::from(map)
     }
 }

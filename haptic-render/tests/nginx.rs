@@ -63,8 +63,9 @@ fn start(dir: tempfile::TempDir, ports: &[u16]) -> Running {
     running
 }
 
-/// The echo backends: plain HTTP on `plain` answering 200 with the path, Host and
-/// X-Forwarded-Prefix it received; TLS (the fixture certificate) on `tls`; HTTP/2 in clear
+/// The echo backends: plain HTTP on `plain` (on 127.0.0.1 and 127.0.0.2) answering 200 with
+/// the path, Host, X-Forwarded-Prefix and HTTP version it received and the address it was
+/// reached on; TLS (the fixture certificate) on `tls`; HTTP/2 in clear
 /// text on `h2c`, each saying what it is.
 fn echo_backends(plain: u16, tls: u16, h2c: u16) -> Running {
     let dir = tempfile::tempdir().unwrap();
@@ -76,8 +77,8 @@ fn echo_backends(plain: u16, tls: u16, h2c: u16) -> Running {
     let cfg = format!(
         "global\n    maxconn 100\n    default-path config\n\
          defaults\n    mode http\n    timeout connect 2s\n    timeout client 10s\n    timeout server 10s\n\
-         frontend plain\n    bind 127.0.0.1:{plain}\n\
-         \x20   http-request return status 200 content-type text/plain lf-string \"uri=%[url] host=%[req.hdr(host)] prefix=%[req.fhdr(x-forwarded-prefix)] ver=%[req.ver]\"\n\
+         frontend plain\n    bind 127.0.0.1:{plain}\n    bind 127.0.0.2:{plain}\n\
+         \x20   http-request return status 200 content-type text/plain lf-string \"uri=%[url] host=%[req.hdr(host)] prefix=%[req.fhdr(x-forwarded-prefix)] ver=%[req.ver] dst=%[dst]\"\n\
          frontend tls\n    bind 127.0.0.1:{tls} ssl crt echo.pem alpn h2,http/1.1\n\
          \x20   http-request return status 200 content-type text/plain lf-string \"tls=%[ssl_fc] ver=%[req.ver]\"\n\
          frontend h2c\n    bind 127.0.0.1:{h2c} proto h2\n\
@@ -159,8 +160,23 @@ fn apply(stores: &mut Stores, store: &str, resource: Json) {
 }
 
 /// A Service `name` in `namespace`: port 80 (`http`) to the plain echo, 443 (`https`) to the
-/// TLS echo, 81 (`h2c`) to the h2c echo, all without appProtocol.
+/// TLS echo, 81 (`h2c`) to the h2c echo, all without appProtocol; one endpoint, 127.0.0.1.
 fn service(stores: &mut Stores, namespace: &str, name: &str, ports: (u16, u16, u16)) {
+    service_at(stores, namespace, name, ports, &["127.0.0.1"]);
+}
+
+/// As [`service`], with endpoints at `addresses`.
+fn service_at(
+    stores: &mut Stores,
+    namespace: &str,
+    name: &str,
+    ports: (u16, u16, u16),
+    addresses: &[&str],
+) {
+    let endpoints: Vec<Json> = addresses
+        .iter()
+        .map(|a| json!({"addresses": [a]}))
+        .collect();
     apply(
         stores,
         "services",
@@ -178,13 +194,25 @@ fn service(stores: &mut Stores, namespace: &str, name: &str, ports: (u16, u16, u
             "addressType": "IPv4",
             "ports": [{"name": "http", "port": ports.0}, {"name": "https", "port": ports.1},
                 {"name": "h2c", "port": ports.2}],
-            "endpoints": [{"addresses": ["127.0.0.1"]}]}),
+            "endpoints": endpoints}),
     );
 }
 
 /// An Ingress `name` in namespace `a` for `host`, Prefix `path` to Service `web` port
 /// `port`, with `annotations` (names after the ingress-nginx prefix).
 fn ingress(name: &str, host: &str, path: &str, port: u16, annotations: &[(&str, &str)]) -> Json {
+    ingress_to(name, host, path, ("web", port), annotations)
+}
+
+/// As [`ingress`], to Service `service.0` port `service.1`.
+fn ingress_to(
+    name: &str,
+    host: &str,
+    path: &str,
+    service: (&str, u16),
+    annotations: &[(&str, &str)],
+) -> Json {
+    let (service, port) = service;
     let annotations: serde_json::Map<String, Json> = annotations
         .iter()
         .map(|(k, v)| (format!("nginx.ingress.kubernetes.io/{k}"), json!(v)))
@@ -193,7 +221,7 @@ fn ingress(name: &str, host: &str, path: &str, port: u16, annotations: &[(&str, 
         "metadata": {"namespace": "a", "name": name, "creationTimestamp": "2026-01-01T00:00:00Z",
             "annotations": annotations, "uid": format!("uid-{name}")},
         "spec": {"rules": [{"host": host, "http": {"paths": [{"path": path, "pathType": "Prefix",
-            "backend": {"service": {"name": "web", "port": {"number": port}}}}]}}]}})
+            "backend": {"service": {"name": service, "port": {"number": port}}}}]}}]}})
 }
 
 /// A front HAProxy rendering the reference set over `stores`, and the Events it asks for.
@@ -447,4 +475,148 @@ fn ingresses_sharing_a_service_keep_their_own_annotations() {
     let f = front(&s);
     assert_eq!(f.get("tls-default.example.com", "/").status, 308);
     assert_eq!(f.get("tls-plain.example.com", "/").status, 200);
+}
+
+/// How the backend is spoken to, what it sees, how long it is waited for, and which endpoint
+/// a client sticks to.
+#[test]
+fn backend_protocol_host_prefix_timeouts_affinity_and_hashing() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    // A backend that accepts and never answers.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_port = silent.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in silent.incoming() {
+            held.push(stream);
+        }
+    });
+    let mut s = stores();
+    service(&mut s, "a", "web", ports);
+    service_at(&mut s, "a", "pair", ports, &["127.0.0.1", "127.0.0.2"]);
+    service(
+        &mut s,
+        "a",
+        "silent",
+        (silent_port, silent_port, silent_port),
+    );
+    for (name, service, annotations) in [
+        ("https", ("web", 443), &[("backend-protocol", "HTTPS")][..]),
+        ("grpcs", ("web", 443), &[("backend-protocol", "GRPCS")][..]),
+        ("grpc", ("web", 81), &[("backend-protocol", "GRPC")][..]),
+        ("h2c", ("web", 81), &[("backend-protocol", "h2c")][..]),
+        (
+            "vhost",
+            ("web", 80),
+            &[
+                ("upstream-vhost", "internal.svc:8080"),
+                ("x-forwarded-prefix", "/shop"),
+            ][..],
+        ),
+        ("slow", ("silent", 80), &[("proxy-read-timeout", "1")][..]),
+        ("round", ("pair", 80), &[][..]),
+        (
+            "sticky",
+            ("pair", 80),
+            &[("affinity", "cookie"), ("session-cookie-name", "route")][..],
+        ),
+        (
+            "hashed",
+            ("pair", 80),
+            &[("upstream-hash-by", "$arg_user")][..],
+        ),
+        (
+            "ewma",
+            ("pair", 80),
+            &[("load-balance", "ewma"), ("proxy-connect-timeout", "2s")][..],
+        ),
+    ] {
+        apply(
+            &mut s,
+            "ingresses",
+            ingress_to(
+                name,
+                &format!("{name}.example.com"),
+                "/",
+                service,
+                annotations,
+            ),
+        );
+    }
+    let f = front(&s);
+    let body = |name: &str, path: &str| f.get(&format!("{name}.example.com"), path).body;
+    assert!(
+        body("https", "/").starts_with("tls=1 ver=1.1"),
+        "{}",
+        body("https", "/")
+    );
+    assert!(
+        body("grpcs", "/").starts_with("tls=1 ver=2.0"),
+        "{}",
+        body("grpcs", "/")
+    );
+    assert!(
+        body("grpc", "/").starts_with("h2c ver=2.0"),
+        "{}",
+        body("grpc", "/")
+    );
+    assert!(
+        body("h2c", "/").starts_with("h2c ver=2.0"),
+        "{}",
+        body("h2c", "/")
+    );
+    let seen = body("vhost", "/a?b=c");
+    assert!(
+        seen.starts_with("uri=/a?b=c host=internal.svc:8080 prefix=/shop ver=1.1"),
+        "{seen}"
+    );
+
+    // proxy-read-timeout: a silent backend is given up on (504) after a second, well before
+    // the config's 10s (the client's own read timeout).
+    let answer = f.get("slow.example.com", "/");
+    assert_eq!(answer.status, 504, "{answer:?}");
+
+    let dst = |answer: &Answer| {
+        answer
+            .body
+            .rsplit_once("dst=")
+            .map(|(_, d)| d.to_owned())
+            .unwrap_or_default()
+    };
+    // Without affinity, requests spread over both endpoints.
+    let spread: std::collections::BTreeSet<String> = (0..6)
+        .map(|_| dst(&f.get("round.example.com", "/")))
+        .collect();
+    assert_eq!(spread.len(), 2, "{spread:?}");
+    // With it, the cookie HAProxy sets keeps a client on one endpoint.
+    let first = f.get("sticky.example.com", "/");
+    let cookie = first
+        .header("set-cookie")
+        .and_then(|c| c.split(';').next())
+        .unwrap_or_default()
+        .to_owned();
+    assert!(cookie.starts_with("route="), "{first:?}");
+    let pinned: std::collections::BTreeSet<String> = (0..6)
+        .map(|_| {
+            dst(&request(
+                f.http,
+                "GET",
+                "sticky.example.com",
+                "/",
+                &format!("Cookie: {cookie}\r\n"),
+                "",
+            ))
+        })
+        .collect();
+    assert_eq!(pinned.len(), 1, "{pinned:?}");
+    assert!(pinned.contains(&dst(&first)), "{pinned:?} {first:?}");
+    // upstream-hash-by $arg_user: one user, one endpoint.
+    for user in ["alice", "bob", "carol"] {
+        let hashed: std::collections::BTreeSet<String> = (0..4)
+            .map(|_| dst(&f.get("hashed.example.com", &format!("/?user={user}"))))
+            .collect();
+        assert_eq!(hashed.len(), 1, "{user}: {hashed:?}");
+    }
+    assert_eq!(f.get("ewma.example.com", "/").status, 200);
 }

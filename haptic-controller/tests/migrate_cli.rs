@@ -38,8 +38,8 @@ fn the_report_names_each_annotation_and_exits_1() {
     let want = format!(
         "Ingress shop/storefront ({file}):
   differs nginx.ingress.kubernetes.io/proxy-body-size: a request whose Content-Length is over the size (`8m`, `512k`, `1g` or bytes; `0`: no limit) gets 413; a chunked body without Content-Length is not limited, and without the annotation no limit applies (nginx's default was 1m)
-  not-yet-supported nginx.ingress.kubernetes.io/rewrite-target: the path is passed to the backend unchanged
-  not-yet-supported nginx.ingress.kubernetes.io/use-regex: paths are matched as the Ingress pathType says, not as regular expressions
+  differs nginx.ingress.kubernetes.io/rewrite-target: as NGINX's `rewrite <path> <target> break`: when the path matches, the whole path is replaced by the target, `$1`...`$9` being the path's capture groups, the query string kept; the Ingress's non-Exact paths are matched as case-insensitive regular expressions (PCRE2) from the path's start, as NGINX's `~*` locations, after the host's Exact paths and before its Prefix paths; ingress-nginx made every path of the host a regex, HAPTIC only this Ingress's; a path with a backslash is refused, one HAProxy cannot compile fails the webhook's config check
+  differs nginx.ingress.kubernetes.io/use-regex: `true`: the Ingress's non-Exact paths are matched as case-insensitive regular expressions (PCRE2) from the path's start, as NGINX's `~*` locations, after the host's Exact paths and before its Prefix paths; ingress-nginx made every path of the host a regex, HAPTIC only this Ingress's; a path with a backslash is refused, one HAProxy cannot compile fails the webhook's config check
   supported nginx.ingress.kubernetes.io/whitelist-source-range: the older name of allowlist-source-range (which wins when both are set): clients whose address is outside the comma-separated CIDRs (IPv4 or IPv6; a bare address is one host) get 403; on a stored Ingress, a list that does not parse denies every client (403)
 Ingress monitoring/grafana ({file}):
   not-yet-supported nginx.ingress.kubernetes.io/auth-realm: basic authentication is not enforced

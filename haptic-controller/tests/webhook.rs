@@ -178,7 +178,7 @@ async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate()
     let mut snippet = ingress_json("legacy", "legacy.example.com");
     snippet["metadata"]["annotations"] = json!({
         "nginx.ingress.kubernetes.io/server-snippet": "location /x { return 200; }",
-        "nginx.ingress.kubernetes.io/rewrite-target": "/",
+        "nginx.ingress.kubernetes.io/ssl-passthrough": "true",
     });
     let (_, answer) = post(
         &trusting,
@@ -195,7 +195,7 @@ async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate()
     assert_eq!(answer["response"]["status"]["code"], 403);
     let mut unsupported = ingress_json("legacy", "legacy.example.com");
     unsupported["metadata"]["annotations"] = json!({
-        "nginx.ingress.kubernetes.io/rewrite-target": "/",
+        "nginx.ingress.kubernetes.io/ssl-passthrough": "true",
         "nginx.ingress.kubernetes.io/no-such-thing": "on",
         "haproxy-haptic.org/ssl-redirect": "false",
     });
@@ -211,7 +211,7 @@ async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate()
         warnings,
         [
             "Ingress default/legacy: nginx.ingress.kubernetes.io/no-such-thing is not applied (unknown): not an annotation HAPTIC knows (a typo, or one the registry does not list)",
-            "Ingress default/legacy: nginx.ingress.kubernetes.io/rewrite-target is not applied (not-yet-supported): the path is passed to the backend unchanged",
+            "Ingress default/legacy: nginx.ingress.kubernetes.io/ssl-passthrough is not applied (not-yet-supported): TLS is terminated by HAProxy, not passed through to the backend",
         ],
         "{answer}"
     );
@@ -284,7 +284,7 @@ async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate()
         ),
         (
             "AnnotationNotSupported",
-            "ingress-nginx annotations not applied: nginx.ingress.kubernetes.io/rewrite-target (not-yet-supported)",
+            "ingress-nginx annotations not applied: nginx.ingress.kubernetes.io/ssl-passthrough (not-yet-supported)",
         ),
     ] {
         let api = cluster.api::<k8s_openapi::api::events::v1::Event>();

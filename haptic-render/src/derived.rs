@@ -471,10 +471,6 @@ struct IngressExtract {
     /// What is not applied of its ingress-nginx annotations ([`crate::nginx`]); none when it
     /// carries none.
     nginx: Option<NginxFindings>,
-    /// The policy of its ingress-nginx annotations ([`crate::nginx::Policy`]) when it asks
-    /// something of its routes: its id and its row. Its routes then go to a backend of their
-    /// own per Service port and policy (`<backend>_nginx_<id>`).
-    policy: Option<(String, Value)>,
 }
 
 /// The messages of an Ingress's Events about its ingress-nginx annotations (none where there
@@ -561,6 +557,11 @@ struct PathExtract {
     path: Value,
     path_type: Value,
     target: ServiceRef,
+    /// The path is a regular expression (`use-regex`, `rewrite-target`; not for Exact paths).
+    regex: bool,
+    /// The id and row of the ingress-nginx policy of this path's routes, when there is one
+    /// ([`crate::nginx::Policy::for_path`]).
+    policy: Option<(String, Value)>,
 }
 
 impl Extracts {
@@ -677,6 +678,8 @@ impl Extracts {
                         path: Value::from(text(p, &["path"])),
                         path_type: Value::from(text(p, &["pathType"])),
                         target: ServiceRef::of(backend),
+                        regex: false,
+                        policy: None,
                     });
                 }
             }
@@ -706,6 +709,16 @@ impl Extracts {
                 })
                 .unwrap_or_default();
             let (policy, invalid) = crate::nginx::Policy::parse(&annotations);
+            if policy.applies_per_route() || policy.use_regex {
+                let (id, row) = (policy.id(), policy.row());
+                for p in &mut paths {
+                    p.regex = policy.use_regex && !p.exact;
+                    if policy.applies_per_route() {
+                        let path = p.path.as_str().unwrap_or_default();
+                        p.policy = Some(policy.for_path(&id, &row, path));
+                    }
+                }
+            }
             IngressExtract {
                 paths,
                 class,
@@ -713,9 +726,6 @@ impl Extracts {
                 default_backend,
                 ssl_redirect: annotation(SSL_REDIRECT_ANNOTATION) != "false" && policy.ssl_redirect,
                 nginx: nginx_findings(&annotations, &invalid),
-                policy: policy
-                    .applies_per_route()
-                    .then(|| (policy.id(), policy.row())),
             }
         })
     }
@@ -1003,6 +1013,19 @@ fn route_key(p: &PathExtract) -> (bool, &str, &str) {
     (p.exact, p.host.as_str().unwrap_or_default(), path)
 }
 
+/// A regular expression matching a rule's host as the frontend lowercases it: any host for
+/// none, one label for a wildcard's `*`, dots escaped. (Hosts that are neither plain names
+/// nor wildcards are left out by the templates.)
+fn host_pattern(host: &str) -> String {
+    match host {
+        "" => "[^/]*".to_owned(),
+        _ => match host.strip_prefix("*.") {
+            Some(rest) => format!("[^./]+\\.{}", rest.replace('.', "\\.")),
+            None => host.replace('.', "\\."),
+        },
+    }
+}
+
 /// A copy of a row with one field set.
 fn with_field(row: &Value, key: &'static str, value: Value) -> Value {
     let mut map = row.as_map().cloned().unwrap_or_default();
@@ -1082,9 +1105,12 @@ fn routed_ports(
     };
     let ours = ours.of(ingresses);
     for ing in &ours {
-        let policy = ing.ingress.policy.as_ref().map(|p| (ing, p));
         for p in &ing.ingress.paths {
-            add(ing.namespace, &p.target, policy);
+            add(
+                ing.namespace,
+                &p.target,
+                p.policy.as_ref().map(|policy| (ing, policy)),
+            );
         }
     }
     if let Some((ing, DefaultBackendExtract::Service(target))) =
@@ -1290,7 +1316,7 @@ fn ingress_routes(
                     .zip(&resolved)
                     .map(|(p, svc)| {
                         let port = svc.and_then(|(svc, _)| svc.resolve(&p.target));
-                        let (port, backend) = match (port, &ing.ingress.policy) {
+                        let (port, backend) = match (port, &p.policy) {
                             (Some(port), None) => (Value::from(port.number), port.backend.clone()),
                             (Some(port), Some((id, _))) => (
                                 Value::from(port.number),
@@ -1313,6 +1339,15 @@ fn ingress_routes(
                                 Value::from(svc.is_some_and(|(svc, _)| svc.external_name)),
                             ),
                             ("origin", origin.clone()),
+                            ("regex", Value::from(p.regex)),
+                            (
+                                "host_pattern",
+                                if p.regex {
+                                    Value::from(host_pattern(p.host.as_str().unwrap_or_default()))
+                                } else {
+                                    Value::none()
+                                },
+                            ),
                         ])
                     })
                     .collect()

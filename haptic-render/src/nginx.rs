@@ -238,9 +238,9 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "proxy-ssl-verify",
         "the backend is spoken to in plain HTTP (no TLS to the backend)",
     ),
-    lost(
+    differs(
         "rewrite-target",
-        "the path is passed to the backend unchanged",
+        "as NGINX's `rewrite <path> <target> break`: when the path matches, the whole path is replaced by the target, `$1`...`$9` being the path's capture groups, the query string kept; the Ingress's non-Exact paths are matched as case-insensitive regular expressions (PCRE2) from the path's start, as NGINX's `~*` locations, after the host's Exact paths and before its Prefix paths; ingress-nginx made every path of the host a regex, HAPTIC only this Ingress's; a path with a backslash is refused, one HAProxy cannot compile fails the webhook's config check",
     ),
     lost("server-alias", "the alias hosts are not routed"),
     refused("server-snippet"),
@@ -285,9 +285,9 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "upstream-vhost",
         "the Host header the backend sees (a host name, optionally with a port)",
     ),
-    lost(
+    differs(
         "use-regex",
-        "paths are matched as the Ingress pathType says, not as regular expressions",
+        "`true`: the Ingress's non-Exact paths are matched as case-insensitive regular expressions (PCRE2) from the path's start, as NGINX's `~*` locations, after the host's Exact paths and before its Prefix paths; ingress-nginx made every path of the host a regex, HAPTIC only this Ingress's; a path with a backslash is refused, one HAProxy cannot compile fails the webhook's config check",
     ),
     supported(
         "whitelist-source-range",
@@ -475,6 +475,10 @@ pub struct Policy {
     pub affinity: Option<(String, Option<u64>)>,
     /// `load-balance: ewma` (least connections).
     pub least_conn: bool,
+    /// `rewrite-target`, with `$N` written `\\N` (HAProxy's back-references).
+    pub rewrite_target: Option<String>,
+    /// `use-regex: "true"`, or a `rewrite-target`: the Ingress's paths are regular expressions.
+    pub use_regex: bool,
     /// `upstream-hash-by`: what to hash (`request_uri`, `uri`, `remote_addr`, `header`,
     /// `cookie`, `arg`) and the name (header, cookie, argument; `""` otherwise).
     pub hash_by: Option<(&'static str, String)>,
@@ -500,6 +504,8 @@ impl Default for Policy {
             affinity: None,
             least_conn: false,
             hash_by: None,
+            rewrite_target: None,
+            use_regex: false,
         }
     }
 }
@@ -685,6 +691,7 @@ impl Policy {
         };
         policy.force_ssl_redirect = flag("force-ssl-redirect") == Some(true);
         policy.ssl_redirect = flag("ssl-redirect") != Some(false);
+        let use_regex = flag("use-regex") == Some(true);
         let code = match get("permanent-redirect-code") {
             None => 301,
             Some(code) => match code.parse::<u16>() {
@@ -833,6 +840,25 @@ impl Policy {
                 Err(reason) => bad("upstream-hash-by", reason, "no hashing: round robin"),
             }
         }
+        if let Some(target) = get("rewrite-target") {
+            let plain = (1..=9).fold(target.to_owned(), |t, n| t.replace(&format!("${n}"), ""));
+            if target.starts_with('/') && config_safe(target) && !plain.contains('$') {
+                let mut haproxy = target.to_owned();
+                for n in 1..=9 {
+                    haproxy = haproxy.replace(&format!("${n}"), &format!("\\{n}"));
+                }
+                policy.rewrite_target = Some(haproxy.replace('%', "%%"));
+            } else {
+                bad(
+                    "rewrite-target",
+                    format!(
+                        "{target:?} is not an absolute path (no spaces, quotes, `#` or backslashes) whose only NGINX variables are $1 to $9"
+                    ),
+                    "the path is passed on unchanged",
+                );
+            }
+        }
+        policy.use_regex = use_regex || policy.rewrite_target.is_some();
         (policy, invalid)
     }
 
@@ -855,6 +881,8 @@ impl Policy {
             affinity,
             least_conn,
             hash_by,
+            rewrite_target,
+            use_regex: _,
         } = self;
         allow.is_some()
             || deny.is_some()
@@ -870,6 +898,7 @@ impl Policy {
             || affinity.is_some()
             || *least_conn
             || hash_by.is_some()
+            || rewrite_target.is_some()
     }
 
     /// A short id of the policy (16 hex digits of its sha256): the same policies share it.
@@ -982,7 +1011,28 @@ impl Policy {
                 .as_ref()
                 .map(|(_, name)| tera::Value::from(name.as_str()))),
         );
+        put("rewrite_path", tera::Value::none());
+        put(
+            "rewrite_target",
+            opt(self.rewrite_target.as_deref().map(tera::Value::from)),
+        );
         tera::Value::from(map)
+    }
+
+    /// The id and row of the policy for the routes of one path: with a `rewrite-target`, the
+    /// path is the rewrite's regex (`rewrite_path` in the row) and part of the id.
+    pub fn for_path(&self, id: &str, row: &tera::Value, path: &str) -> (String, tera::Value) {
+        if self.rewrite_target.is_none() {
+            return (id.to_owned(), row.clone());
+        }
+        use sha2::Digest as _;
+        let digest = sha2::Sha256::digest(format!("{id} {path}").as_bytes());
+        let mut map = row.as_map().cloned().unwrap_or_default();
+        map.insert(
+            tera::value::Key::Str("rewrite_path"),
+            tera::Value::from(path),
+        );
+        (hex::encode(&digest[..8]), tera::Value::from(map))
     }
 }
 
@@ -1019,7 +1069,7 @@ mod tests {
             );
         }
         assert_eq!(
-            lookup("rewrite-target").map(|a| a.verdict),
+            lookup("ssl-passthrough").map(|a| a.verdict),
             Some(Verdict::NotYetSupported)
         );
         assert_eq!(
@@ -1033,7 +1083,7 @@ mod tests {
         let found = judge([
             "nginx.ingress.kubernetes.io/server-snippet",
             "nginx.ingress.kubernetes.io/lua-snippet",
-            "nginx.ingress.kubernetes.io/rewrite-target",
+            "nginx.ingress.kubernetes.io/ssl-passthrough",
             "nginx.ingress.kubernetes.io/made-up",
             "haproxy-haptic.org/ssl-redirect",
             "kubernetes.io/ingress.class",
@@ -1048,12 +1098,12 @@ mod tests {
                 ("nginx.ingress.kubernetes.io/lua-snippet", Verdict::Refused),
                 ("nginx.ingress.kubernetes.io/made-up", Verdict::Unknown),
                 (
-                    "nginx.ingress.kubernetes.io/rewrite-target",
-                    Verdict::NotYetSupported
-                ),
-                (
                     "nginx.ingress.kubernetes.io/server-snippet",
                     Verdict::Refused
+                ),
+                (
+                    "nginx.ingress.kubernetes.io/ssl-passthrough",
+                    Verdict::NotYetSupported
                 ),
             ]
         );
@@ -1067,11 +1117,100 @@ mod tests {
         assert_eq!(
             not_applied(&found).as_deref(),
             Some(
-                "ingress-nginx annotations not applied: nginx.ingress.kubernetes.io/made-up (unknown), nginx.ingress.kubernetes.io/rewrite-target (not-yet-supported) (see docs/nginx-annotations.md)"
+                "ingress-nginx annotations not applied: nginx.ingress.kubernetes.io/made-up (unknown), nginx.ingress.kubernetes.io/ssl-passthrough (not-yet-supported) (see docs/nginx-annotations.md)"
             )
         );
         assert_eq!(not_applied(&found[..1]), None);
         assert_eq!(refusal(&found[1..2]), None);
+    }
+
+    #[test]
+    fn values_are_parsed_and_invalid_ones_named() {
+        let a = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+            pairs
+                .iter()
+                .map(|(k, v)| (format!("{PREFIX}{k}"), (*v).to_owned()))
+                .collect()
+        };
+        let owned = a(&[
+            ("whitelist-source-range", "10.0.0.0/8, 2001:db8::1"),
+            ("proxy-body-size", "8m"),
+            ("permanent-redirect", "https://x.example.com$request_uri"),
+            ("permanent-redirect-code", "308"),
+            ("rewrite-target", "/$2"),
+            ("upstream-hash-by", "$http_x_user"),
+            ("proxy-read-timeout", "30"),
+            ("proxy-send-timeout", "90s"),
+        ]);
+        let pairs: Vec<(&str, &str)> = owned
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        let (policy, invalid) = Policy::parse(&pairs);
+        assert_eq!(invalid, []);
+        assert_eq!(
+            policy.allow,
+            Some(Sources::Ranges(vec![
+                "10.0.0.0/8".to_owned(),
+                "2001:db8::1/128".to_owned()
+            ]))
+        );
+        assert_eq!(policy.body_limit, Some(8 << 20));
+        assert_eq!(
+            policy.redirect,
+            Some(("https://x.example.com$request_uri".to_owned(), 308))
+        );
+        assert_eq!(policy.rewrite_target.as_deref(), Some("/\\2"));
+        assert!(policy.use_regex);
+        assert_eq!(policy.hash_by, Some(("header", "x-user".to_owned())));
+        assert_eq!(policy.server_timeout, Some(90));
+        assert!(policy.applies_per_route());
+
+        let owned = a(&[
+            ("allowlist-source-range", "10.0.0.0/8,bogus"),
+            ("proxy-body-size", "-1"),
+            ("temporal-redirect", "ftp://x"),
+            ("app-root", "app"),
+            ("backend-protocol", "FCGI"),
+            ("rewrite-target", "/$host"),
+        ]);
+        let pairs: Vec<(&str, &str)> = owned
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        let (policy, invalid) = Policy::parse(&pairs);
+        let named: Vec<&str> = invalid.iter().map(|i| i.annotation.as_str()).collect();
+        assert_eq!(
+            named,
+            [
+                "nginx.ingress.kubernetes.io/allowlist-source-range",
+                "nginx.ingress.kubernetes.io/temporal-redirect",
+                "nginx.ingress.kubernetes.io/app-root",
+                "nginx.ingress.kubernetes.io/proxy-body-size",
+                "nginx.ingress.kubernetes.io/backend-protocol",
+                "nginx.ingress.kubernetes.io/rewrite-target",
+            ]
+        );
+        // The allow-list fails closed; the others are left out.
+        assert_eq!(policy.allow, Some(Sources::Invalid));
+        assert_eq!(
+            invalid[0].stored(),
+            "nginx.ingress.kubernetes.io/allowlist-source-range: \"bogus\" is not an IP address or CIDR: every client is denied (403)"
+        );
+        assert_eq!(
+            (
+                policy.body_limit,
+                policy.redirect,
+                policy.app_root,
+                policy.protocol
+            ),
+            (None, None, None, None)
+        );
+        assert!(!policy.use_regex);
+        // Without ingress-nginx annotations, nothing per route and the host's redirect stays.
+        let (policy, invalid) = Policy::parse(&[("kubernetes.io/ingress.class", "x")]);
+        assert_eq!((policy.clone(), invalid), (Policy::default(), vec![]));
+        assert!(policy.ssl_redirect && !policy.applies_per_route());
     }
 
     /// The checked-in table is the registry's: regenerate it with

@@ -142,7 +142,9 @@ fn template(source: &str) -> Template {
 
 /// The reference template set.
 ///
-/// Outputs: `haproxy.cfg`; `maps/routes-exact.map` and `maps/routes-prefix.map` (routing);
+/// Outputs: `haproxy.cfg`; `maps/routes-exact.map`, `maps/routes-prefix.map` and
+/// `maps/routes-regex.map` (routing; regex paths of ingress-nginx's use-regex and
+/// rewrite-target);
 /// `maps/certs.list` (the HTTPS crt-list); `maps/ssl-redirect.map` (hosts redirected to HTTPS); `ssl/<namespace>_<secret>.pem` for every usable
 /// TLS Secret.
 ///
@@ -179,6 +181,10 @@ pub fn template_set() -> TemplateSet {
         (
             "routes-prefix.map",
             include_str!("../templates/maps/routes-prefix.map.tera"),
+        ),
+        (
+            "routes-regex.map",
+            include_str!("../templates/maps/routes-regex.map.tera"),
         ),
         (
             "certs.list",

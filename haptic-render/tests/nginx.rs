@@ -620,3 +620,72 @@ fn backend_protocol_host_prefix_timeouts_affinity_and_hashing() {
     }
     assert_eq!(f.get("ewma.example.com", "/").status, 200);
 }
+
+/// rewrite-target with capture groups: the Ingress's paths are regular expressions matched from
+/// the start (case-insensitively), and the whole path is replaced, the query string kept.
+#[test]
+fn rewrite_target_with_capture_groups() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    service(&mut s, "a", "web", ports);
+    apply(
+        &mut s,
+        "ingresses",
+        ingress("site", "shop.example.com", "/", 80, &[]),
+    );
+    let mut api = ingress(
+        "api",
+        "shop.example.com",
+        "/api(/|$)(.*)",
+        80,
+        &[("rewrite-target", "/v2/$2"), ("x-forwarded-prefix", "/api")],
+    );
+    api["spec"]["rules"][0]["http"]["paths"][0]["pathType"] = json!("ImplementationSpecific");
+    apply(&mut s, "ingresses", api);
+    apply(
+        &mut s,
+        "ingresses",
+        ingress(
+            "docs",
+            "docs.example.com",
+            "/[a-z]+/docs",
+            80,
+            &[("use-regex", "true")],
+        ),
+    );
+    apply(
+        &mut s,
+        "ingresses",
+        ingress(
+            "strip",
+            "strip.example.com",
+            "/old",
+            80,
+            &[("rewrite-target", "/")],
+        ),
+    );
+    let f = front(&s);
+    let seen = |host: &str, path: &str| {
+        let answer = f.get(host, path);
+        assert_eq!(answer.status, 200, "{host}{path}: {answer:?}");
+        answer.body
+    };
+    for (path, want) in [
+        ("/api/users/7?full=1", "uri=/v2/users/7?full=1 "),
+        ("/API/users", "uri=/v2/users "),
+        ("/api", "uri=/v2/ "),
+        // Not the regex: the site's Prefix path, unchanged.
+        ("/apiary", "uri=/apiary "),
+        ("/shop", "uri=/shop "),
+    ] {
+        let body = seen("shop.example.com", path);
+        assert!(body.starts_with(want), "{path}: {body}");
+    }
+    assert!(seen("shop.example.com", "/api/x").contains("prefix=/api "));
+    // use-regex without a rewrite: matched as a regex, passed on unchanged.
+    assert!(seen("docs.example.com", "/en/docs/x").starts_with("uri=/en/docs/x "));
+    assert_eq!(f.get("docs.example.com", "/12/docs").status, 404);
+    // A target without captures replaces the whole path, as NGINX's rewrite does.
+    assert!(seen("strip.example.com", "/old/a/b?q=1").starts_with("uri=/?q=1 "));
+}

@@ -123,7 +123,7 @@ impl Params {
                 );
                 add("proxy-body-size", "8m".to_owned());
                 add("proxy-read-timeout", "120".to_owned());
-                if (i / self.annotated_every) % 2 == 0 {
+                if (i / self.annotated_every).is_multiple_of(2) {
                     add("force-ssl-redirect", "true".to_owned());
                     add("x-forwarded-prefix", format!("/{name}"));
                 }

@@ -161,12 +161,27 @@ pub static ANNOTATIONS: &[Annotation] = &[
     lost("canary-weight", "no weighted traffic split"),
     lost("canary-weight-total", "no weighted traffic split"),
     refused("configuration-snippet"),
-    lost("cors-allow-credentials", "no CORS headers are added"),
-    lost("cors-allow-headers", "no CORS headers are added"),
-    lost("cors-allow-methods", "no CORS headers are added"),
-    lost("cors-allow-origin", "no CORS headers are added"),
-    lost("cors-expose-headers", "no CORS headers are added"),
-    lost("cors-max-age", "no CORS headers are added"),
+    supported(
+        "cors-allow-credentials",
+        "`true` (the default) sends Access-Control-Allow-Credentials: true",
+    ),
+    supported(
+        "cors-allow-headers",
+        "a comma-separated list of tokens (default DNT, Keep-Alive, User-Agent, X-Requested-With, If-Modified-Since, Cache-Control, Content-Type, Range, Authorization)",
+    ),
+    supported(
+        "cors-allow-methods",
+        "a comma-separated list of tokens (default GET, PUT, POST, DELETE, PATCH, OPTIONS)",
+    ),
+    supported(
+        "cors-allow-origin",
+        "`*` (the default: every origin, answered `*`) or a comma-separated list of `http(s)://host[:port]` origins, a leading `*.` matching one label; a listed origin is echoed back, others get no CORS headers",
+    ),
+    supported(
+        "cors-expose-headers",
+        "a comma-separated list of header names (default none)",
+    ),
+    supported("cors-max-age", "seconds (default 1728000)"),
     lost(
         "custom-http-errors",
         "the backend's error pages are returned as they are",
@@ -175,9 +190,9 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "denylist-source-range",
         "clients whose address is inside the comma-separated CIDRs get 403 (checked before the allow-list); on a stored Ingress, a list that does not parse denies every client (403)",
     ),
-    lost(
+    supported(
         "enable-cors",
-        "no CORS headers are added and preflight requests go to the backend",
+        "`true`: a preflight (OPTIONS) from an allowed origin is answered 204 with the CORS headers, without reaching the backend; other responses to an allowed origin carry them; the cors-* annotations or ingress-nginx's defaults give their values",
     ),
     supported(
         "force-ssl-redirect",
@@ -479,6 +494,8 @@ pub struct Policy {
     pub rewrite_target: Option<String>,
     /// `use-regex: "true"`, or a `rewrite-target`: the Ingress's paths are regular expressions.
     pub use_regex: bool,
+    /// `enable-cors: "true"`, with the cors-* values.
+    pub cors: Option<Cors>,
     /// `upstream-hash-by`: what to hash (`request_uri`, `uri`, `remote_addr`, `header`,
     /// `cookie`, `arg`) and the name (header, cookie, argument; `""` otherwise).
     pub hash_by: Option<(&'static str, String)>,
@@ -506,8 +523,80 @@ impl Default for Policy {
             hash_by: None,
             rewrite_target: None,
             use_regex: false,
+            cors: None,
         }
     }
+}
+
+/// CORS as `enable-cors` and the cors-* annotations ask (ingress-nginx's defaults where they
+/// are absent).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Cors {
+    /// The allowed origins as anchored regular expressions; empty for `*` (any origin).
+    pub origins: Vec<String>,
+    /// `Access-Control-Allow-Methods`.
+    pub methods: String,
+    /// `Access-Control-Allow-Headers`.
+    pub headers: String,
+    /// `Access-Control-Expose-Headers` (`""`: none).
+    pub expose: String,
+    /// `Access-Control-Allow-Credentials: true`.
+    pub credentials: bool,
+    /// `Access-Control-Max-Age`.
+    pub max_age: u64,
+}
+
+/// A comma-separated list of tokens (methods, header names), written `a, b, c`.
+fn parse_tokens(value: &str) -> Result<String, String> {
+    let tokens: Vec<&str> = value
+        .split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .collect();
+    if tokens.iter().all(|t| is_name(t)) {
+        Ok(tokens.join(", "))
+    } else {
+        Err(format!(
+            "{value:?} is not a comma-separated list of names (letters, digits, `-`, `_`, `.`)"
+        ))
+    }
+}
+
+/// A CORS origin list: `*`, or `http(s)://host[:port]` origins (a leading `*.` for one label)
+/// as anchored regular expressions.
+fn parse_origins(value: &str) -> Result<Vec<String>, String> {
+    let mut origins = Vec::new();
+    for origin in value.split(',').map(str::trim).filter(|o| !o.is_empty()) {
+        if origin == "*" {
+            return Ok(Vec::new());
+        }
+        let (scheme, rest) = origin
+            .split_once("://")
+            .filter(|(scheme, _)| matches!(*scheme, "http" | "https"))
+            .ok_or_else(|| format!("{origin:?} is not `*` or an http(s)://host[:port] origin"))?;
+        let (wild, host) = match rest.strip_prefix("*.") {
+            Some(host) => (true, host),
+            None => (false, rest),
+        };
+        if host.is_empty()
+            || !host
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | ':'))
+        {
+            return Err(format!(
+                "{origin:?} is not `*` or an http(s)://host[:port] origin"
+            ));
+        }
+        let host = host.to_ascii_lowercase().replace('.', "\\.");
+        origins.push(format!(
+            "^{scheme}://{}{host}$",
+            if wild { "[^./]+\\." } else { "" }
+        ));
+    }
+    if origins.is_empty() {
+        return Err("the list names no origin".to_owned());
+    }
+    Ok(origins)
 }
 
 /// The value of one annotation (after [`PREFIX`]) among `annotations`, trimmed.
@@ -692,6 +781,8 @@ impl Policy {
         policy.force_ssl_redirect = flag("force-ssl-redirect") == Some(true);
         policy.ssl_redirect = flag("ssl-redirect") != Some(false);
         let use_regex = flag("use-regex") == Some(true);
+        let enable_cors = flag("enable-cors") == Some(true);
+        let cors_credentials = flag("cors-allow-credentials");
         let code = match get("permanent-redirect-code") {
             None => 301,
             Some(code) => match code.parse::<u16>() {
@@ -859,6 +950,52 @@ impl Policy {
             }
         }
         policy.use_regex = use_regex || policy.rewrite_target.is_some();
+        if enable_cors {
+            let mut cors = Cors {
+                origins: Vec::new(),
+                methods: "GET, PUT, POST, DELETE, PATCH, OPTIONS".to_owned(),
+                headers: "DNT, Keep-Alive, User-Agent, X-Requested-With, If-Modified-Since, Cache-Control, Content-Type, Range, Authorization".to_owned(),
+                expose: String::new(),
+                credentials: cors_credentials != Some(false),
+                max_age: 1_728_000,
+            };
+            let mut ok = true;
+            if let Some(origins) = get("cors-allow-origin") {
+                match parse_origins(origins) {
+                    Ok(origins) => cors.origins = origins,
+                    Err(reason) => {
+                        ok = false;
+                        bad("cors-allow-origin", reason, "no CORS headers are added");
+                    }
+                }
+            }
+            for (name, field) in [
+                ("cors-allow-methods", &mut cors.methods),
+                ("cors-allow-headers", &mut cors.headers),
+                ("cors-expose-headers", &mut cors.expose),
+            ] {
+                if let Some(value) = get(name) {
+                    match parse_tokens(value) {
+                        Ok(tokens) => *field = tokens,
+                        Err(reason) => bad(name, reason, "ingress-nginx's default applies"),
+                    }
+                }
+            }
+            if let Some(age) = get("cors-max-age") {
+                match age.parse::<u64>() {
+                    Ok(age) => cors.max_age = age,
+                    Err(_) => bad(
+                        "cors-max-age",
+                        format!("{age:?} is not a number of seconds"),
+                        "ingress-nginx's default applies",
+                    ),
+                }
+            }
+            // An origin list that does not parse must not become `*`.
+            if ok {
+                policy.cors = Some(cors);
+            }
+        }
         (policy, invalid)
     }
 
@@ -883,6 +1020,7 @@ impl Policy {
             hash_by,
             rewrite_target,
             use_regex: _,
+            cors,
         } = self;
         allow.is_some()
             || deny.is_some()
@@ -899,6 +1037,7 @@ impl Policy {
             || *least_conn
             || hash_by.is_some()
             || rewrite_target.is_some()
+            || cors.is_some()
     }
 
     /// A short id of the policy (16 hex digits of its sha256): the same policies share it.
@@ -1012,6 +1151,30 @@ impl Policy {
                 .map(|(_, name)| tera::Value::from(name.as_str()))),
         );
         put("rewrite_path", tera::Value::none());
+        put(
+            "cors",
+            opt(self.cors.as_ref().map(|c| {
+                let mut map = tera::value::Map::new();
+                let mut put = |key: &'static str, value: tera::Value| {
+                    map.insert(tera::value::Key::Str(key), value);
+                };
+                put(
+                    "origins",
+                    tera::Value::from(
+                        c.origins
+                            .iter()
+                            .map(|o| tera::Value::from(o.as_str()))
+                            .collect::<Vec<_>>(),
+                    ),
+                );
+                put("methods", tera::Value::from(c.methods.as_str()));
+                put("headers", tera::Value::from(c.headers.as_str()));
+                put("expose", tera::Value::from(c.expose.as_str()));
+                put("credentials", tera::Value::from(c.credentials));
+                put("max_age", tera::Value::from(c.max_age));
+                tera::Value::from(map)
+            })),
+        );
         put(
             "rewrite_target",
             opt(self.rewrite_target.as_deref().map(tera::Value::from)),

@@ -689,3 +689,112 @@ fn rewrite_target_with_capture_groups() {
     // A target without captures replaces the whole path, as NGINX's rewrite does.
     assert!(seen("strip.example.com", "/old/a/b?q=1").starts_with("uri=/?q=1 "));
 }
+
+/// enable-cors: a preflight from an allowed origin is answered here (204) with the headers;
+/// other answers to it carry them; an origin not listed gets none, and its preflight goes on to
+/// the backend.
+#[test]
+fn cors_preflights_and_headers() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    service(&mut s, "a", "web", ports);
+    apply(
+        &mut s,
+        "ingresses",
+        ingress(
+            "any",
+            "any.example.com",
+            "/",
+            80,
+            &[("enable-cors", "true")],
+        ),
+    );
+    apply(
+        &mut s,
+        "ingresses",
+        ingress(
+            "listed",
+            "listed.example.com",
+            "/",
+            80,
+            &[
+                ("enable-cors", "true"),
+                (
+                    "cors-allow-origin",
+                    "https://app.example.com, https://*.tenant.example.com:8443",
+                ),
+                ("cors-allow-methods", "GET,POST"),
+                ("cors-allow-credentials", "false"),
+                ("cors-expose-headers", "X-Total"),
+                ("cors-max-age", "60"),
+            ],
+        ),
+    );
+    let f = front(&s);
+    let preflight = |host: &str, origin: &str| {
+        request(
+            f.http,
+            "OPTIONS",
+            host,
+            "/api",
+            &format!("Origin: {origin}\r\nAccess-Control-Request-Method: POST\r\n"),
+            "",
+        )
+    };
+    let answer = preflight("any.example.com", "https://whoever.example.org");
+    assert_eq!(answer.status, 204, "{answer:?}");
+    assert_eq!(answer.header("access-control-allow-origin"), Some("*"));
+    assert_eq!(
+        answer.header("access-control-allow-credentials"),
+        Some("true")
+    );
+    assert_eq!(
+        answer.header("access-control-allow-methods"),
+        Some("get, put, post, delete, patch, options")
+    );
+    assert_eq!(answer.header("access-control-max-age"), Some("1728000"));
+    let answer = request(
+        f.http,
+        "GET",
+        "any.example.com",
+        "/",
+        "Origin: https://whoever.example.org\r\n",
+        "",
+    );
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert_eq!(answer.header("access-control-allow-origin"), Some("*"));
+
+    for origin in [
+        "https://app.example.com",
+        "https://eu.tenant.example.com:8443",
+    ] {
+        let answer = preflight("listed.example.com", origin);
+        assert_eq!(answer.status, 204, "{origin}: {answer:?}");
+        assert_eq!(answer.header("access-control-allow-origin"), Some(origin));
+        assert_eq!(answer.header("access-control-allow-credentials"), None);
+        assert_eq!(
+            answer.header("access-control-allow-methods"),
+            Some("get, post")
+        );
+        assert_eq!(
+            answer.header("access-control-expose-headers"),
+            Some("x-total")
+        );
+        assert_eq!(answer.header("access-control-max-age"), Some("60"));
+    }
+    for origin in [
+        "https://evil.example.com",
+        "http://app.example.com",
+        "https://a.b.tenant.example.com:8443",
+        "https://app.example.com.evil.org",
+    ] {
+        let answer = preflight("listed.example.com", origin);
+        assert_eq!(answer.status, 200, "{origin}: {answer:?}");
+        assert_eq!(
+            answer.header("access-control-allow-origin"),
+            None,
+            "{origin}"
+        );
+    }
+}

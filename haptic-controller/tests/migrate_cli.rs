@@ -42,9 +42,9 @@ fn the_report_names_each_annotation_and_exits_1() {
   differs nginx.ingress.kubernetes.io/use-regex: `true`: the Ingress's non-Exact paths are matched as case-insensitive regular expressions (PCRE2) from the path's start, as NGINX's `~*` locations, after the host's Exact paths and before its Prefix paths; ingress-nginx made every path of the host a regex, HAPTIC only this Ingress's; a path with a backslash is refused, one HAProxy cannot compile fails the webhook's config check
   supported nginx.ingress.kubernetes.io/whitelist-source-range: the older name of allowlist-source-range (which wins when both are set): clients whose address is outside the comma-separated CIDRs (IPv4 or IPv6; a bare address is one host) get 403; on a stored Ingress, a list that does not parse denies every client (403)
 Ingress monitoring/grafana ({file}):
-  not-yet-supported nginx.ingress.kubernetes.io/auth-realm: basic authentication is not enforced
-  not-yet-supported nginx.ingress.kubernetes.io/auth-secret: basic authentication is not enforced: the route is open
-  not-yet-supported nginx.ingress.kubernetes.io/auth-type: basic authentication is not enforced: the route is open
+  supported nginx.ingress.kubernetes.io/auth-realm: the realm of the 401 challenge (default `Authentication Required`)
+  differs nginx.ingress.kubernetes.io/auth-secret: a Secret of the Ingress's own namespace (`name`, or `<own namespace>/name`; another namespace is refused) whose key `auth` holds htpasswd lines; bcrypt (`htpasswd -B`), SHA-256/512-crypt and MD5-crypt hashes are accepted, apr1 (htpasswd's default) and {{SHA}} are not (HAProxy checks passwords with crypt(3)): the webhook denies them; a stored Ingress keeps the users it can check, and with none (or no such Secret) every request gets 401
+  supported nginx.ingress.kubernetes.io/auth-type: `basic` (with `auth-secret`): a request without valid credentials gets 401; `digest` is refused
   refused nginx.ingress.kubernetes.io/configuration-snippet: raw NGINX config is never rendered (CVE-2025-1974: config injected from an Ingress ran in the controller); express the need with Ingress fields, or ask the platform team to add it to the HAProxyTemplateConfig
   => denied by the admission webhook: remove the snippet annotations first
 Ingress web/docs ({file}): no ingress-nginx annotations: carried over as it is

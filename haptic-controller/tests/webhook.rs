@@ -235,6 +235,24 @@ async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate()
         message,
         "Ingress default/legacy: invalid ingress-nginx annotation values: nginx.ingress.kubernetes.io/whitelist-source-range: \"10.1.2.3/40\" has a prefix length that is not 0-32; nginx.ingress.kubernetes.io/proxy-body-size: \"8 MB\" is not a size (bytes, or a number with a k, m or g suffix)"
     );
+    // basic auth from a Secret that does not exist: denied by the render, naming it.
+    let mut auth = ingress_json("legacy", "legacy.example.com");
+    auth["metadata"]["annotations"] = json!({
+        "nginx.ingress.kubernetes.io/auth-type": "basic",
+        "nginx.ingress.kubernetes.io/auth-secret": "no-such-secret",
+    });
+    let (_, answer) = post(
+        &trusting,
+        port,
+        review("CREATE", INGRESS, "legacy", auth, Value::Null),
+    )
+    .await;
+    let (allowed, message, _) = response(&answer);
+    assert!(!allowed, "{answer}");
+    assert!(
+        message.contains("metadata.annotations[nginx.ingress.kubernetes.io/auth-secret] \"no-such-secret\" cannot be applied: Secret no-such-secret does not exist"),
+        "{message}"
+    );
     let mut applied = ingress_json("legacy", "legacy.example.com");
     applied["metadata"]["annotations"] = json!({
         "nginx.ingress.kubernetes.io/whitelist-source-range": "10.0.0.0/8",

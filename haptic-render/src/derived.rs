@@ -708,7 +708,8 @@ impl Extracts {
                         .collect()
                 })
                 .unwrap_or_default();
-            let (policy, invalid) = crate::nginx::Policy::parse(&annotations);
+            let (policy, invalid) =
+                crate::nginx::Policy::parse_in(text(ing, &["metadata", "namespace"]), &annotations);
             if policy.applies_per_route() || policy.use_regex {
                 let (id, row) = (policy.id(), policy.row());
                 for p in &mut paths {

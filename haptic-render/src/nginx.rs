@@ -124,10 +124,13 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "app-root",
         "a request for `/` that routes to this Ingress is redirected (302) to the path; ingress-nginx did so for every request for `/` on the host",
     ),
-    lost("auth-realm", "basic authentication is not enforced"),
-    lost(
+    supported(
+        "auth-realm",
+        "the realm of the 401 challenge (default `Authentication Required`)",
+    ),
+    differs(
         "auth-secret",
-        "basic authentication is not enforced: the route is open",
+        "a Secret of the Ingress's own namespace (`name`, or `<own namespace>/name`; another namespace is refused) whose key `auth` holds htpasswd lines; bcrypt (`htpasswd -B`), SHA-256/512-crypt and MD5-crypt hashes are accepted, apr1 (htpasswd's default) and {SHA} are not (HAProxy checks passwords with crypt(3)): the webhook denies them; a stored Ingress keeps the users it can check, and with none (or no such Secret) every request gets 401",
     ),
     refused("auth-snippet"),
     lost(
@@ -142,9 +145,9 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "auth-tls-verify-depth",
         "client certificates are not requested or verified",
     ),
-    lost(
+    supported(
         "auth-type",
-        "basic authentication is not enforced: the route is open",
+        "`basic` (with `auth-secret`): a request without valid credentials gets 401; `digest` is refused",
     ),
     supported(
         "backend-protocol",
@@ -494,6 +497,9 @@ pub struct Policy {
     pub rewrite_target: Option<String>,
     /// `use-regex: "true"`, or a `rewrite-target`: the Ingress's paths are regular expressions.
     pub use_regex: bool,
+    /// `auth-type: basic`: the name of the `auth-secret` (in the Ingress's namespace) and the
+    /// realm.
+    pub auth: Option<(String, String)>,
     /// `enable-cors: "true"`, with the cors-* values.
     pub cors: Option<Cors>,
     /// `upstream-hash-by`: what to hash (`request_uri`, `uri`, `remote_addr`, `header`,
@@ -524,6 +530,7 @@ impl Default for Policy {
             rewrite_target: None,
             use_regex: false,
             cors: None,
+            auth: None,
         }
     }
 }
@@ -742,6 +749,11 @@ impl Policy {
     /// The policy of an Ingress's annotations (`(key, value)` pairs, any keys), and the
     /// annotations whose values cannot be applied.
     pub fn parse(annotations: &[(&str, &str)]) -> (Self, Vec<Invalid>) {
+        Self::parse_in("", annotations)
+    }
+
+    /// [`Policy::parse`] for an Ingress of `namespace` (an `auth-secret` may name it).
+    pub fn parse_in(namespace: &str, annotations: &[(&str, &str)]) -> (Self, Vec<Invalid>) {
         let mut invalid = Vec::new();
         let mut bad = |name: &str, reason: String, instead: &'static str| {
             invalid.push(Invalid {
@@ -996,6 +1008,61 @@ impl Policy {
                 policy.cors = Some(cors);
             }
         }
+        match (get("auth-type"), get("auth-secret")) {
+            (None, None) => {}
+            (Some("basic"), Some(secret)) => {
+                let name = match secret.split_once('/') {
+                    Some((ns, name)) if ns == namespace => Some(name),
+                    Some(_) => None,
+                    None => Some(secret),
+                };
+                let realm = get("auth-realm").unwrap_or("Authentication Required");
+                let realm_ok = !realm.is_empty()
+                    && realm
+                        .chars()
+                        .all(|c| !c.is_control() && !matches!(c, '"' | '\\' | '$' | '%'));
+                match name.filter(|n| is_name(n)) {
+                    Some(name) if realm_ok => {
+                        policy.auth = Some((name.to_owned(), realm.to_owned()));
+                    }
+                    Some(name) => {
+                        bad(
+                            "auth-realm",
+                            format!("{realm:?} has a quote, backslash, `$` or `%`"),
+                            "the default realm is used",
+                        );
+                        policy.auth = Some((name.to_owned(), "Authentication Required".to_owned()));
+                    }
+                    None => {
+                        bad(
+                            "auth-secret",
+                            format!("{secret:?} is not a Secret of the Ingress's own namespace"),
+                            "every request gets 401",
+                        );
+                        policy.auth = Some((String::new(), "Authentication Required".to_owned()));
+                    }
+                }
+            }
+            (Some("basic"), None) => bad(
+                "auth-type",
+                "`basic` needs nginx.ingress.kubernetes.io/auth-secret".to_owned(),
+                "every request gets 401",
+            ),
+            (Some(other), _) => bad(
+                "auth-type",
+                format!("{other:?} is not \"basic\""),
+                "every request gets 401",
+            ),
+            (None, Some(_)) => bad(
+                "auth-secret",
+                "it needs nginx.ingress.kubernetes.io/auth-type: basic".to_owned(),
+                "no authentication",
+            ),
+        }
+        // An authentication that cannot be applied must not open the route.
+        if policy.auth.is_none() && get("auth-type").is_some_and(|t| !t.is_empty()) {
+            policy.auth = Some((String::new(), "Authentication Required".to_owned()));
+        }
         (policy, invalid)
     }
 
@@ -1021,6 +1088,7 @@ impl Policy {
             rewrite_target,
             use_regex: _,
             cors,
+            auth,
         } = self;
         allow.is_some()
             || deny.is_some()
@@ -1038,6 +1106,7 @@ impl Policy {
             || hash_by.is_some()
             || rewrite_target.is_some()
             || cors.is_some()
+            || auth.is_some()
     }
 
     /// A short id of the policy (16 hex digits of its sha256): the same policies share it.
@@ -1152,6 +1221,20 @@ impl Policy {
         );
         put("rewrite_path", tera::Value::none());
         put(
+            "auth_secret",
+            opt(self
+                .auth
+                .as_ref()
+                .map(|(secret, _)| tera::Value::from(secret.as_str()))),
+        );
+        put(
+            "auth_realm",
+            opt(self
+                .auth
+                .as_ref()
+                .map(|(_, realm)| tera::Value::from(realm.as_str()))),
+        );
+        put(
             "cors",
             opt(self.cors.as_ref().map(|c| {
                 let mut map = tera::value::Map::new();
@@ -1199,6 +1282,51 @@ impl Policy {
     }
 }
 
+/// The users of htpasswd lines (`user:hash`) whose hashes HAProxy can check with crypt(3)
+/// (bcrypt `$2a$`/`$2b$`/`$2y$`, SHA-512/256-crypt `$6$`/`$5$`, MD5-crypt `$1$`), and an error
+/// naming the lines it cannot take (`""` when none): apr1, `{SHA}`, plain text, user names
+/// that are not one token.
+pub fn htpasswd(text: &str) -> (Vec<(String, String)>, String) {
+    let mut users = Vec::new();
+    let mut refused = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let Some((user, hash)) = line.split_once(':') else {
+            refused.push(format!("line {} is not user:hash", n + 1));
+            continue;
+        };
+        let user_ok = !user.is_empty()
+            && user
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '@'));
+        let hash_ok = ["$2a$", "$2b$", "$2y$", "$6$", "$5$", "$1$"]
+            .iter()
+            .any(|p| hash.starts_with(p))
+            && config_safe(hash);
+        match (user_ok, hash_ok) {
+            (true, true) => users.push((user.to_owned(), hash.to_owned())),
+            (false, _) => refused.push(format!("line {}: the user name is not one token", n + 1)),
+            (true, false) => refused.push(format!(
+                "user {user}: {} hashes cannot be checked (use bcrypt: htpasswd -B)",
+                if hash.starts_with("$apr1$") {
+                    "apr1"
+                } else if hash.starts_with("{SHA}") {
+                    "{SHA}"
+                } else {
+                    "such"
+                }
+            )),
+        }
+    }
+    if users.is_empty() && refused.is_empty() {
+        refused.push("no user".to_owned());
+    }
+    (users, refused.join("; "))
+}
+
 /// The annotations of a resource (`metadata.annotations`) whose values cannot be applied.
 pub fn invalid_values(object: &serde_json::Value) -> Vec<Invalid> {
     let pairs: Vec<(&str, &str)> = object
@@ -1210,7 +1338,11 @@ pub fn invalid_values(object: &serde_json::Value) -> Vec<Invalid> {
                 .collect()
         })
         .unwrap_or_default();
-    Policy::parse(&pairs).1
+    let namespace = object
+        .pointer("/metadata/namespace")
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or_default();
+    Policy::parse_in(namespace, &pairs).1
 }
 
 #[cfg(test)]

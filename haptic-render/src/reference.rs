@@ -222,6 +222,10 @@ pub fn template_set() -> TemplateSet {
             "nginx-backend",
             include_str!("../templates/snippets/nginx-backend.tera"),
         ),
+        (
+            "nginx-userlist",
+            include_str!("../templates/snippets/nginx-userlist.tera"),
+        ),
     ] {
         set.template_snippets
             .insert(name.to_owned(), template(source));

@@ -798,3 +798,119 @@ fn cors_preflights_and_headers() {
         );
     }
 }
+
+/// auth-type basic with auth-secret: 401 without valid credentials, 200 with them; the Secret
+/// is read from the Ingress's own namespace only; hashes HAProxy cannot check are left out
+/// (with an Event), and with no usable user, or no Secret, every request gets 401.
+#[test]
+fn basic_authentication_from_a_secret_of_the_ingress_namespace() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    service(&mut s, "a", "web", ports);
+    // bcrypt, SHA-512-crypt and MD5-crypt of "secret"; apr1 cannot be checked by crypt(3).
+    let htpasswd = "alice:$2b$05$ERu7VgXqoHLTArkD/dYmMuZv5uAxu3YTSmWkbyjNItQuph9sdytmm\n\
+                    bob:$6$seeY8xusLGC0yXwP$8GJn.tKxCCQcfLEpaU4k1V64OQrqTC4NNcBOmu9bovcaGPkCNGscVdoRHU3xbCcqC3e8KMj5EDWzdrBl508d0.\n\
+                    carol:$1$35.Rg.KE$1VjsdoBWBoqP/DY5oaBDb1\n";
+    let secret = |namespace: &str, name: &str, text: &str| {
+        use base64::Engine as _;
+        json!({"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"namespace": namespace, "name": name},
+            "data": {"auth": base64::engine::general_purpose::STANDARD.encode(text)}})
+    };
+    apply(&mut s, "secrets", secret("a", "users", htpasswd));
+    apply(
+        &mut s,
+        "secrets",
+        secret(
+            "a",
+            "mixed",
+            "dave:$apr1$RiVNuA2X$k/HrzK9dfZk8pRKr1yT2A/\nalice:$2b$05$ERu7VgXqoHLTArkD/dYmMuZv5uAxu3YTSmWkbyjNItQuph9sdytmm\n",
+        ),
+    );
+    // Another namespace's Secret of the same name: never read.
+    apply(&mut s, "secrets", secret("b", "theirs", htpasswd));
+    for (name, secret) in [
+        ("guarded", "users"),
+        ("qualified", "a/users"),
+        ("mixed", "mixed"),
+        ("missing", "nothing-here"),
+        ("foreign", "b/theirs"),
+    ] {
+        let annotations = [
+            ("auth-type", "basic"),
+            ("auth-secret", secret),
+            ("auth-realm", "Team A only"),
+        ];
+        apply(
+            &mut s,
+            "ingresses",
+            ingress(name, &format!("{name}.example.com"), "/", 80, &annotations),
+        );
+    }
+    let f = front(&s);
+    let with = |name: &str, credentials: Option<&str>| {
+        use base64::Engine as _;
+        let header = credentials.map_or(String::new(), |c| {
+            format!(
+                "Authorization: Basic {}\r\n",
+                base64::engine::general_purpose::STANDARD.encode(c)
+            )
+        });
+        request(
+            f.http,
+            "GET",
+            &format!("{name}.example.com"),
+            "/",
+            &header,
+            "",
+        )
+    };
+    let answer = with("guarded", None);
+    assert_eq!(answer.status, 401, "{answer:?}");
+    assert_eq!(
+        answer.header("www-authenticate"),
+        Some("basic realm=\"team a only\"")
+    );
+    for user in ["alice", "bob", "carol"] {
+        assert_eq!(
+            with("guarded", Some(&format!("{user}:secret"))).status,
+            200,
+            "{user}"
+        );
+        assert_eq!(
+            with("qualified", Some(&format!("{user}:secret"))).status,
+            200,
+            "{user}"
+        );
+    }
+    assert_eq!(with("guarded", Some("alice:wrong")).status, 401);
+    assert_eq!(with("guarded", Some("mallory:secret")).status, 401);
+    // The user with an apr1 hash is left out, and an Event says so; the others still log in.
+    assert_eq!(with("mixed", Some("alice:secret")).status, 200);
+    assert_eq!(with("mixed", Some("dave:secret")).status, 401);
+    assert!(
+        f.events("mixed", "AnnotationInvalid")
+            .iter()
+            .any(|m| m.contains("user dave: apr1 hashes cannot be checked")),
+        "{:?}",
+        f.events
+    );
+    // No such Secret, or one of another namespace: nobody gets in.
+    assert_eq!(with("missing", Some("alice:secret")).status, 401);
+    assert!(
+        f.events("missing", "AnnotationInvalid")
+            .iter()
+            .any(|m| m.contains("Secret nothing-here does not exist")),
+        "{:?}",
+        f.events
+    );
+    assert_eq!(with("foreign", Some("alice:secret")).status, 401);
+    assert!(
+        f.events("foreign", "AnnotationInvalid")
+            .iter()
+            .any(|m| m.contains("\"b/theirs\" is not a Secret of the Ingress's own namespace")),
+        "{:?}",
+        f.events
+    );
+}

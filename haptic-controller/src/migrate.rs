@@ -18,9 +18,12 @@ pub struct IngressReport {
     pub name: String,
     /// Its ingress-nginx annotations, sorted, each with its verdict and note.
     pub annotations: Vec<Finding>,
-    /// Whether the webhook denies it (a snippet).
+    /// Its annotations whose values cannot be applied (the webhook denies it for them).
+    pub invalid: Vec<nginx::Invalid>,
+    /// Whether the webhook denies it (a snippet, an invalid value).
     pub refused: bool,
-    /// Whether it would behave differently under HAPTIC (an annotation is not applied).
+    /// Whether it would behave differently under HAPTIC (an annotation is not applied, is
+    /// refused, or is applied differently).
     pub changes: bool,
 }
 
@@ -56,14 +59,17 @@ impl Report {
                     .to_owned()
             };
             let annotations = nginx::judge_object(doc);
-            let refused = annotations.iter().any(|f| f.verdict == Verdict::Refused);
-            let changes = !annotations.is_empty();
+            let invalid = nginx::invalid_values(doc);
+            let refused =
+                annotations.iter().any(|f| f.verdict == Verdict::Refused) || !invalid.is_empty();
+            let changes = refused || annotations.iter().any(|f| f.verdict != Verdict::Supported);
             self.behaves_differently |= changes;
             self.ingresses.push(IngressReport {
                 source: source.to_owned(),
                 namespace: text("/metadata/namespace"),
                 name: text("/metadata/name"),
                 annotations,
+                invalid,
                 refused,
                 changes,
             });
@@ -92,10 +98,24 @@ impl Report {
             for f in &ing.annotations {
                 out.push_str(&format!("  {} {}: {}\n", f.verdict, f.annotation, f.note));
             }
-            if ing.refused {
-                out.push_str(
+            for i in &ing.invalid {
+                out.push_str(&format!("  invalid {}\n", i.stored()));
+            }
+            let snippets = ing
+                .annotations
+                .iter()
+                .any(|f| f.verdict == Verdict::Refused);
+            match (snippets, !ing.invalid.is_empty()) {
+                (true, false) => out.push_str(
                     "  => denied by the admission webhook: remove the snippet annotations first\n",
-                );
+                ),
+                (false, true) => out.push_str(
+                    "  => denied by the admission webhook: fix the invalid values first\n",
+                ),
+                (true, true) => out.push_str(
+                    "  => denied by the admission webhook: remove the snippet annotations and fix the invalid values first\n",
+                ),
+                (false, false) => {}
             }
         }
         let changed = self.ingresses.iter().filter(|i| i.changes).count();

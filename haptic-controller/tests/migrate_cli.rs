@@ -37,14 +37,14 @@ fn the_report_names_each_annotation_and_exits_1() {
     assert_eq!(code, 1, "{out}{err}");
     let want = format!(
         "Ingress shop/storefront ({file}):
-  not-yet-supported nginx.ingress.kubernetes.io/proxy-body-size: HAProxy sets no request body limit (nginx's default was 1m)
-  not-yet-supported nginx.ingress.kubernetes.io/rewrite-target: the path is passed to the backend unchanged
-  not-yet-supported nginx.ingress.kubernetes.io/use-regex: paths are matched as the Ingress pathType says, not as regular expressions
-  not-yet-supported nginx.ingress.kubernetes.io/whitelist-source-range: the source allow-list is not enforced: every client reaches the route
+  differs nginx.ingress.kubernetes.io/proxy-body-size: a request whose Content-Length is over the size (`8m`, `512k`, `1g` or bytes; `0`: no limit) gets 413; a chunked body without Content-Length is not limited, and without the annotation no limit applies (nginx's default was 1m)
+  differs nginx.ingress.kubernetes.io/rewrite-target: as NGINX's `rewrite <path> <target> break`: when the path matches, the whole path is replaced by the target, `$1`...`$9` being the path's capture groups, the query string kept; the Ingress's non-Exact paths are matched as case-insensitive regular expressions (PCRE2) from the path's start, as NGINX's `~*` locations, after the host's Exact paths and before its Prefix paths; ingress-nginx made every path of the host a regex, HAPTIC only this Ingress's; a path with a backslash is refused, one HAProxy cannot compile fails the webhook's config check
+  differs nginx.ingress.kubernetes.io/use-regex: `true`: the Ingress's non-Exact paths are matched as case-insensitive regular expressions (PCRE2) from the path's start, as NGINX's `~*` locations, after the host's Exact paths and before its Prefix paths; ingress-nginx made every path of the host a regex, HAPTIC only this Ingress's; a path with a backslash is refused, one HAProxy cannot compile fails the webhook's config check
+  supported nginx.ingress.kubernetes.io/whitelist-source-range: the older name of allowlist-source-range (which wins when both are set): clients whose address is outside the comma-separated CIDRs (IPv4 or IPv6; a bare address is one host) get 403; on a stored Ingress, a list that does not parse denies every client (403)
 Ingress monitoring/grafana ({file}):
-  not-yet-supported nginx.ingress.kubernetes.io/auth-realm: basic authentication is not enforced
-  not-yet-supported nginx.ingress.kubernetes.io/auth-secret: basic authentication is not enforced: the route is open
-  not-yet-supported nginx.ingress.kubernetes.io/auth-type: basic authentication is not enforced: the route is open
+  supported nginx.ingress.kubernetes.io/auth-realm: the realm of the 401 challenge (default `Authentication Required`)
+  differs nginx.ingress.kubernetes.io/auth-secret: a Secret of the Ingress's own namespace (`name`, or `<own namespace>/name`; another namespace is refused) whose key `auth` holds htpasswd lines; bcrypt (`htpasswd -B`), SHA-256/512-crypt and MD5-crypt hashes are accepted, apr1 (htpasswd's default) and {{SHA}} are not (HAProxy checks passwords with crypt(3)): the webhook denies them; a stored Ingress keeps the users it can check, and with none (or no such Secret) every request gets 401
+  supported nginx.ingress.kubernetes.io/auth-type: `basic` (with `auth-secret`): a request without valid credentials gets 401; `digest` is refused
   refused nginx.ingress.kubernetes.io/configuration-snippet: raw NGINX config is never rendered (CVE-2025-1974: config injected from an Ingress ran in the controller); express the need with Ingress fields, or ask the platform team to add it to the HAProxyTemplateConfig
   => denied by the admission webhook: remove the snippet annotations first
 Ingress web/docs ({file}): no ingress-nginx annotations: carried over as it is
@@ -95,6 +95,28 @@ fn json_output_and_exit_codes() {
         out.ends_with(
             "1 Ingresses: 0 would behave differently (0 refused), 1 carried over as they are\n"
         ),
+        "{out}"
+    );
+    // Only supported annotations: carried over, exit 0. A value that does not parse: exit 1,
+    // the webhook would deny it.
+    let supported = dir.path().join("supported.yaml");
+    let doc = |name: &str, range: &str| {
+        format!(
+            "apiVersion: networking.k8s.io/v1\nkind: Ingress\nmetadata:\n  name: {name}\n  namespace: b\n  annotations:\n    nginx.ingress.kubernetes.io/allowlist-source-range: \"{range}\"\n    nginx.ingress.kubernetes.io/force-ssl-redirect: \"true\"\n"
+        )
+    };
+    std::fs::write(&supported, doc("ok", "10.0.0.0/8, 192.168.1.1")).expect("write");
+    let (code, out, err) = migrate(&["-f", &supported.display().to_string()]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("  supported nginx.ingress.kubernetes.io/force-ssl-redirect: `true`: plain HTTP requests that route to this Ingress are redirected to HTTPS (308)"),
+        "{out}"
+    );
+    std::fs::write(&supported, doc("bad", "10.0.0.0/33")).expect("write");
+    let (code, out, err) = migrate(&["-f", &supported.display().to_string()]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        out.contains("  invalid nginx.ingress.kubernetes.io/allowlist-source-range: \"10.0.0.0/33\" has a prefix length that is not 0-32: every client is denied (403)\n  => denied by the admission webhook: fix the invalid values first\n"),
         "{out}"
     );
     // A file that cannot be read: exit 2, naming it.
@@ -148,7 +170,7 @@ async fn from_the_cluster_through_a_kubeconfig() {
         out,
         format!(
             "Ingress {NS}/legacy (cluster):
-  not-yet-supported nginx.ingress.kubernetes.io/ssl-redirect: HTTP is redirected to HTTPS for TLS hosts as by default; to turn it off use `haproxy-haptic.org/ssl-redirect: \"false\"`
+  differs nginx.ingress.kubernetes.io/ssl-redirect: `false` turns off the redirect to HTTPS for the hosts of this Ingress's TLS section, as `haproxy-haptic.org/ssl-redirect: \"false\"` does: per host, not per path (another Ingress's TLS section for the host redirects it); `true` is the default
 Ingress {NS}/plain (cluster): no ingress-nginx annotations: carried over as it is
 2 Ingresses: 1 would behave differently (0 refused), 1 carried over as they are
 "

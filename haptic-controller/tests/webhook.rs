@@ -178,7 +178,7 @@ async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate()
     let mut snippet = ingress_json("legacy", "legacy.example.com");
     snippet["metadata"]["annotations"] = json!({
         "nginx.ingress.kubernetes.io/server-snippet": "location /x { return 200; }",
-        "nginx.ingress.kubernetes.io/rewrite-target": "/",
+        "nginx.ingress.kubernetes.io/ssl-passthrough": "true",
     });
     let (_, answer) = post(
         &trusting,
@@ -195,7 +195,7 @@ async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate()
     assert_eq!(answer["response"]["status"]["code"], 403);
     let mut unsupported = ingress_json("legacy", "legacy.example.com");
     unsupported["metadata"]["annotations"] = json!({
-        "nginx.ingress.kubernetes.io/rewrite-target": "/",
+        "nginx.ingress.kubernetes.io/ssl-passthrough": "true",
         "nginx.ingress.kubernetes.io/no-such-thing": "on",
         "haproxy-haptic.org/ssl-redirect": "false",
     });
@@ -211,8 +211,64 @@ async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate()
         warnings,
         [
             "Ingress default/legacy: nginx.ingress.kubernetes.io/no-such-thing is not applied (unknown): not an annotation HAPTIC knows (a typo, or one the registry does not list)",
-            "Ingress default/legacy: nginx.ingress.kubernetes.io/rewrite-target is not applied (not-yet-supported): the path is passed to the backend unchanged",
+            "Ingress default/legacy: nginx.ingress.kubernetes.io/ssl-passthrough is not applied (not-yet-supported): TLS is terminated by HAProxy, not passed through to the backend",
         ],
+        "{answer}"
+    );
+    // A value that cannot be applied is denied, naming the annotation and why; one applied
+    // differently is allowed with a warning saying how; a supported one silently.
+    let mut invalid = ingress_json("legacy", "legacy.example.com");
+    invalid["metadata"]["annotations"] = json!({
+        "nginx.ingress.kubernetes.io/whitelist-source-range": "10.0.0.0/8,10.1.2.3/40",
+        "nginx.ingress.kubernetes.io/proxy-body-size": "8 MB",
+        "nginx.ingress.kubernetes.io/force-ssl-redirect": "true",
+    });
+    let (_, answer) = post(
+        &trusting,
+        port,
+        review("CREATE", INGRESS, "legacy", invalid, Value::Null),
+    )
+    .await;
+    let (allowed, message, _) = response(&answer);
+    assert!(!allowed, "{answer}");
+    assert_eq!(
+        message,
+        "Ingress default/legacy: invalid ingress-nginx annotation values: nginx.ingress.kubernetes.io/whitelist-source-range: \"10.1.2.3/40\" has a prefix length that is not 0-32; nginx.ingress.kubernetes.io/proxy-body-size: \"8 MB\" is not a size (bytes, or a number with a k, m or g suffix)"
+    );
+    // basic auth from a Secret that does not exist: denied by the render, naming it.
+    let mut auth = ingress_json("legacy", "legacy.example.com");
+    auth["metadata"]["annotations"] = json!({
+        "nginx.ingress.kubernetes.io/auth-type": "basic",
+        "nginx.ingress.kubernetes.io/auth-secret": "no-such-secret",
+    });
+    let (_, answer) = post(
+        &trusting,
+        port,
+        review("CREATE", INGRESS, "legacy", auth, Value::Null),
+    )
+    .await;
+    let (allowed, message, _) = response(&answer);
+    assert!(!allowed, "{answer}");
+    assert!(
+        message.contains("metadata.annotations[nginx.ingress.kubernetes.io/auth-secret] \"no-such-secret\" cannot be applied: Secret no-such-secret does not exist"),
+        "{message}"
+    );
+    let mut applied = ingress_json("legacy", "legacy.example.com");
+    applied["metadata"]["annotations"] = json!({
+        "nginx.ingress.kubernetes.io/whitelist-source-range": "10.0.0.0/8",
+        "nginx.ingress.kubernetes.io/proxy-body-size": "8m",
+    });
+    let (_, answer) = post(
+        &trusting,
+        port,
+        review("CREATE", INGRESS, "legacy", applied, Value::Null),
+    )
+    .await;
+    let (allowed, message, warnings) = response(&answer);
+    assert!(allowed, "{message}");
+    assert_eq!(warnings.len(), 1, "{answer}");
+    assert!(
+        warnings[0].starts_with("Ingress default/legacy: nginx.ingress.kubernetes.io/proxy-body-size is applied, differently from ingress-nginx: a request whose Content-Length is over the size"),
         "{answer}"
     );
     // Another controller's Ingress may carry them: not ours, not judged.
@@ -246,7 +302,7 @@ async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate()
         ),
         (
             "AnnotationNotSupported",
-            "ingress-nginx annotations not applied: nginx.ingress.kubernetes.io/rewrite-target (not-yet-supported)",
+            "ingress-nginx annotations not applied: nginx.ingress.kubernetes.io/ssl-passthrough (not-yet-supported)",
         ),
     ] {
         let api = cluster.api::<k8s_openapi::api::events::v1::Event>();

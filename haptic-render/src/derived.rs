@@ -26,6 +26,7 @@
 //! | `port`, `port_name` | the Service port's number and name (`""` when it has none) |
 //! | `app_protocol` | the Service port's `appProtocol` (`""` when it has none) |
 //! | `endpoints` | the endpoints of the Service's EndpointSlices (label `kubernetes.io/service-name`, same namespace) on the slice port with the same name, ready or not: slices by name, then port, then endpoint order; FQDN slices and endpoints without addresses are left out |
+//! | `policy` | none; with `routedBy`, for the routes of Ingresses whose ingress-nginx annotations ask something of their requests, a copy of the port's row per policy, named `<backend>_nginx_<id>`, with the policy's row ([`crate::nginx::Policy::row`]) and the `origin` of the first such Ingress; the port's own row is then written only when a path without a policy (or the default backend) routes to it |
 //!
 //! An endpoint:
 //!
@@ -53,7 +54,7 @@
 //! | `path`, `path_type` | as written, `""` when absent (not checked) |
 //! | `service` | the Service the path names |
 //! | `port` | the Service port it resolves to, by number or by name as the path asks; none when the Service or the port does not exist |
-//! | `backend` | that Service port's backend name (as a backend row's `name`); none when unresolved (an ExternalName Service included), so that a template decides what such a path gets |
+//! | `backend` | that Service port's backend name (as a backend row's `name`; `<backend>_nginx_<id>` when the Ingress's ingress-nginx annotations ask something of its requests); none when unresolved (an ExternalName Service included), so that a template decides what such a path gets |
 //! | `conflict` | none; or, when an older Ingress claims the same route (host, path as the map writes it, Exact or not), its `namespace/name` |
 //! | `external_name` | whether the Service is an ExternalName Service |
 //!
@@ -89,10 +90,11 @@
 //! `name`, `object` (the resource).
 //!
 //! [`Derivation::IngressAnnotations`]: a row per Ingress that carries
-//! `nginx.ingress.kubernetes.io/*` annotations (sorted by namespace and name), none of which
-//! is applied ([`crate::nginx`], the registry): `refused`, the message of a `SnippetRefused`
-//! Event (`""` when no snippet), `not_applied`, the message of an `AnnotationNotSupported`
-//! Event (`""` when all are snippets), `namespace`, `ingress`, `origin`.
+//! `nginx.ingress.kubernetes.io/*` annotations (sorted by namespace and name), judged by the
+//! registry ([`crate::nginx`]): `refused`, the message of a `SnippetRefused` Event (`""` when
+//! no snippet), `not_applied`, the message of an `AnnotationNotSupported` Event (`""` when
+//! every one is supported or refused), `invalid`, the message of an `AnnotationInvalid` Event
+//! (`""` when every value parses), `namespace`, `ingress`, `origin`.
 //!
 //! [`Derivation::IngressDefaultBackends`]: a row per Ingress with a `spec.defaultBackend`, the
 //! winner first (the oldest whose default backend is a Service), then the other Service backends
@@ -523,21 +525,40 @@ struct IngressExtract {
     default_backend: Option<DefaultBackendExtract>,
     /// Not turned off by the annotation `haproxy-haptic.org/ssl-redirect: "false"`.
     ssl_redirect: bool,
-    /// What is not applied of its ingress-nginx annotations ([`crate::nginx`]): the message of
-    /// the refused ones and of the others (none when there are none).
-    nginx: Option<(Option<String>, Option<String>)>,
+    /// What is not applied of its ingress-nginx annotations ([`crate::nginx`]); none when it
+    /// carries none.
+    nginx: Option<NginxFindings>,
 }
 
-/// The ingress-nginx annotations of an Ingress, judged by the registry: the messages of its
-/// Events (refused, not applied); none when it carries none.
-fn nginx_findings(ing: &Value) -> Option<(Option<String>, Option<String>)> {
-    let annotations = path(ing, &["metadata", "annotations"])?.as_map()?;
-    let found = crate::nginx::judge(annotations.keys().filter_map(Key::as_str));
-    (!found.is_empty()).then(|| {
-        (
-            crate::nginx::refusal(&found),
-            crate::nginx::not_applied(&found),
-        )
+/// The messages of an Ingress's Events about its ingress-nginx annotations (none where there
+/// is nothing to say).
+#[derive(Debug)]
+struct NginxFindings {
+    /// The refused ones (snippets).
+    refused: Option<String>,
+    /// The ones not applied (not yet supported, unknown).
+    not_applied: Option<String>,
+    /// The ones whose values cannot be applied, and what is done instead.
+    invalid: Option<String>,
+}
+
+/// The ingress-nginx annotations of an Ingress, judged by the registry, and the values that
+/// cannot be applied; none when it carries none.
+fn nginx_findings(
+    annotations: &[(&str, &str)],
+    invalid: &[crate::nginx::Invalid],
+) -> Option<NginxFindings> {
+    let found = crate::nginx::judge(annotations.iter().map(|(key, _)| *key));
+    (!found.is_empty()).then(|| NginxFindings {
+        refused: crate::nginx::refusal(&found),
+        not_applied: crate::nginx::not_applied(&found),
+        invalid: (!invalid.is_empty()).then(|| {
+            let all: Vec<String> = invalid.iter().map(crate::nginx::Invalid::stored).collect();
+            format!(
+                "ingress-nginx annotations with values that cannot be applied: {}",
+                all.join("; ")
+            )
+        }),
     })
 }
 
@@ -593,6 +614,11 @@ struct PathExtract {
     path: Value,
     path_type: Value,
     target: ServiceRef,
+    /// The path is a regular expression (`use-regex`, `rewrite-target`; not for Exact paths).
+    regex: bool,
+    /// The id and row of the ingress-nginx policy of this path's routes, when there is one
+    /// ([`crate::nginx::Policy::for_path`]).
+    policy: Option<(String, Value)>,
 }
 
 impl Extracts {
@@ -709,6 +735,8 @@ impl Extracts {
                         path: Value::from(text(p, &["path"])),
                         path_type: Value::from(text(p, &["pathType"])),
                         target: ServiceRef::of(backend),
+                        regex: false,
+                        policy: None,
                     });
                 }
             }
@@ -729,13 +757,33 @@ impl Extracts {
                     }
                 });
             let created = text(ing, &["metadata", "creationTimestamp"]);
+            let annotations: Vec<(&str, &str)> = path(ing, &["metadata", "annotations"])
+                .and_then(Value::as_map)
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|(k, v)| Some((k.as_str()?, v.as_str()?)))
+                        .collect()
+                })
+                .unwrap_or_default();
+            let (policy, invalid) =
+                crate::nginx::Policy::parse_in(text(ing, &["metadata", "namespace"]), &annotations);
+            if policy.applies_per_route() || policy.use_regex {
+                let (id, row) = (policy.id(), policy.row());
+                for p in &mut paths {
+                    p.regex = policy.use_regex && !p.exact;
+                    if policy.applies_per_route() {
+                        let path = p.path.as_str().unwrap_or_default();
+                        p.policy = Some(policy.for_path(&id, &row, path));
+                    }
+                }
+            }
             IngressExtract {
                 paths,
                 class,
                 created: (!created.is_empty()).then(|| created.to_owned()),
                 default_backend,
-                ssl_redirect: annotation(SSL_REDIRECT_ANNOTATION) != "false",
-                nginx: nginx_findings(ing),
+                ssl_redirect: annotation(SSL_REDIRECT_ANNOTATION) != "false" && policy.ssl_redirect,
+                nginx: nginx_findings(&annotations, &invalid),
             }
         })
     }
@@ -1023,6 +1071,19 @@ fn route_key(p: &PathExtract) -> (bool, &str, &str) {
     (p.exact, p.host.as_str().unwrap_or_default(), path)
 }
 
+/// A regular expression matching a rule's host as the frontend lowercases it: any host for
+/// none, one label for a wildcard's `*`, dots escaped. (Hosts that are neither plain names
+/// nor wildcards are left out by the templates.)
+fn host_pattern(host: &str) -> String {
+    match host {
+        "" => "[^/]*".to_owned(),
+        _ => match host.strip_prefix("*.") {
+            Some(rest) => format!("[^./]+\\.{}", rest.replace('.', "\\.")),
+            None => host.replace('.', "\\."),
+        },
+    }
+}
+
 /// A copy of a row with one field set.
 fn with_field(row: &Value, key: &'static str, value: Value) -> Value {
     let mut map = row.as_map().cloned().unwrap_or_default();
@@ -1030,15 +1091,38 @@ fn with_field(row: &Value, key: &'static str, value: Value) -> Value {
     Value::from(map)
 }
 
-/// The Service ports Ingress paths resolve to: namespace -> Service -> port numbers. Owned,
-/// so that a view keeps it while only its slices change (the commonest event: Pods come and
-/// go), and looked up by `&str` without allocating.
-type Routed = HashMap<String, HashMap<String, Vec<i64>>>;
+/// The Service ports Ingress paths resolve to: namespace -> Service -> ports. Owned, so that
+/// a view keeps it while only its slices change (the commonest event: Pods come and go), and
+/// looked up by `&str` without allocating.
+type Routed = HashMap<String, HashMap<String, Vec<RoutedPort>>>;
 
-fn routed_ports(ingresses: Source<'_>, services: Source<'_>, ours: &Ours<'_>) -> Routed {
+/// A Service port paths resolve to: whether a path without an ingress-nginx policy does (then
+/// its own backend is written), and the backends of the policies of the others.
+#[derive(Debug, Clone)]
+struct RoutedPort {
+    number: i64,
+    plain: bool,
+    /// `(name, policy row, origin of the first Ingress with it)`, one per policy.
+    variants: Vec<(String, Value, Value)>,
+}
+
+/// The backend of a Service port for the routes of Ingresses with an ingress-nginx policy
+/// (`id`, [`crate::nginx::Policy::id`]): `<backend>_nginx_<id>`. A Service backend's name
+/// ends in its port number, so it never takes this form.
+fn variant_name(backend: &Value, id: &str) -> String {
+    format!("{}_nginx_{id}", backend.as_str().unwrap_or_default())
+}
+
+fn routed_ports(
+    (store, ingresses): (&str, Source<'_>),
+    services: Source<'_>,
+    ours: &Ours<'_>,
+) -> Routed {
     let by_name = services_by_name(services);
     let mut routed = Routed::new();
-    let mut add = |namespace: &str, target: &ServiceRef| {
+    let mut add = |namespace: &str,
+                   target: &ServiceRef,
+                   policy: Option<(&OurIngress<'_>, &(String, Value))>| {
         let resolved = by_name
             .get(&(namespace, target.service.as_str()))
             .and_then(|(svc, _)| svc.resolve(target));
@@ -1048,30 +1132,63 @@ fn routed_ports(ingresses: Source<'_>, services: Source<'_>, ours: &Ours<'_>) ->
                 .or_default()
                 .entry(target.service.clone())
                 .or_default();
-            if !ports.contains(&port.number) {
-                ports.push(port.number);
+            let i = match ports.iter().position(|p| p.number == port.number) {
+                Some(i) => i,
+                None => {
+                    ports.push(RoutedPort {
+                        number: port.number,
+                        plain: false,
+                        variants: Vec::new(),
+                    });
+                    ports.len() - 1
+                }
+            };
+            let Some(routed_port) = ports.get_mut(i) else {
+                return;
+            };
+            match policy {
+                None => routed_port.plain = true,
+                Some((ing, (id, row))) => {
+                    let name = variant_name(&port.backend, id);
+                    if !routed_port.variants.iter().any(|(n, _, _)| *n == name) {
+                        routed_port.variants.push((
+                            name,
+                            row.clone(),
+                            origin(store, ing.namespace, ing.name),
+                        ));
+                    }
+                }
             }
         }
     };
     let ours = ours.of(ingresses);
     for ing in &ours {
         for p in &ing.ingress.paths {
-            add(ing.namespace, &p.target);
+            add(
+                ing.namespace,
+                &p.target,
+                p.policy.as_ref().map(|policy| (ing, policy)),
+            );
         }
     }
     if let Some((ing, DefaultBackendExtract::Service(target))) =
         default_backend_candidates(&ours).first()
     {
-        add(ing.namespace, target);
+        add(ing.namespace, target, None);
     }
     routed
 }
 
-fn is_routed(routed: &Routed, namespace: &str, service: &str, port: i64) -> bool {
+fn routed_port<'r>(
+    routed: &'r Routed,
+    namespace: &str,
+    service: &str,
+    port: i64,
+) -> Option<&'r RoutedPort> {
     routed
         .get(namespace)
         .and_then(|services| services.get(service))
-        .is_some_and(|ports| ports.contains(&port))
+        .and_then(|ports| ports.iter().find(|p| p.number == port))
 }
 
 /// Each Service's extract (and extracts, for joins) by (namespace, name).
@@ -1124,9 +1241,12 @@ fn service_backends(
         // A row per port, in port order: row `i` is port `i`'s.
         let keep = |i: usize| match (&routed, ports.get(i)) {
             (None, _) => true,
-            (Some(routed), Some(port)) => is_routed(routed, namespace, service, port.number),
+            (Some(routed), Some(port)) => {
+                routed_port(routed, namespace, service, port.number).is_some()
+            }
             (Some(_), None) => false,
         };
+        let first = rows.len();
         extracts.rows_into_if(
             slot,
             slices.iter().map(|e| Some(*e)),
@@ -1166,12 +1286,44 @@ fn service_backends(
                             ("port", Value::from(port.number)),
                             ("port_name", Value::from(port.name.as_str())),
                             ("origin", origin.clone()),
+                            ("policy", Value::none()),
                         ])
                     })
                     .collect()
             },
             keep,
         );
+        // The backends of ingress-nginx policies: a copy of the port's row each, under its
+        // own name; the port's own row only when a path without a policy routes to it.
+        let Some(routed) = routed else { continue };
+        let ported = |row: &Value| {
+            attr(row, "port")
+                .and_then(|p| integer(Some(p)))
+                .and_then(|p| routed_port(routed, namespace, service, p))
+        };
+        let Some(added) = rows.get(first..) else {
+            continue;
+        };
+        if added
+            .iter()
+            .all(|row| ported(row).is_none_or(|p| p.plain && p.variants.is_empty()))
+        {
+            continue;
+        }
+        let added: Vec<Value> = rows.drain(first..).collect();
+        for base in added {
+            let Some(port) = ported(&base) else { continue };
+            if port.plain {
+                rows.push(base.clone());
+            }
+            for (name, policy, origin) in &port.variants {
+                let mut map = base.as_map().cloned().unwrap_or_default();
+                map.insert(Key::Str("name"), Value::from(name.as_str()));
+                map.insert(Key::Str("policy"), policy.clone());
+                map.insert(Key::Str("origin"), origin.clone());
+                rows.push(Value::from(map));
+            }
+        }
     }
     Value::from(rows)
 }
@@ -1222,9 +1374,13 @@ fn ingress_routes(
                     .zip(&resolved)
                     .map(|(p, svc)| {
                         let port = svc.and_then(|(svc, _)| svc.resolve(&p.target));
-                        let (port, backend) = match port {
-                            Some(port) => (Value::from(port.number), port.backend.clone()),
-                            None => (Value::none(), Value::none()),
+                        let (port, backend) = match (port, &p.policy) {
+                            (Some(port), None) => (Value::from(port.number), port.backend.clone()),
+                            (Some(port), Some((id, _))) => (
+                                Value::from(port.number),
+                                Value::from(variant_name(&port.backend, id)),
+                            ),
+                            (None, _) => (Value::none(), Value::none()),
                         };
                         row([
                             ("backend", backend),
@@ -1241,6 +1397,15 @@ fn ingress_routes(
                                 Value::from(svc.is_some_and(|(svc, _)| svc.external_name)),
                             ),
                             ("origin", origin.clone()),
+                            ("regex", Value::from(p.regex)),
+                            (
+                                "host_pattern",
+                                if p.regex {
+                                    Value::from(host_pattern(p.host.as_str().unwrap_or_default()))
+                                } else {
+                                    Value::none()
+                                },
+                            ),
                         ])
                     })
                     .collect()
@@ -1380,20 +1545,16 @@ fn annotation_rows(slot: Slot, (store, ingresses): (&str, Source<'_>), ours: &Ou
     let ours = ours.of(ingresses);
     let mut rows = Vec::new();
     for ing in &ours {
-        let Some((refused, not_applied)) = &ing.ingress.nginx else {
+        let Some(found) = &ing.ingress.nginx else {
             continue;
         };
+        let text = |message: &Option<String>| Value::from(message.as_deref().unwrap_or_default());
         ing.extracts
             .rows_into(slot, std::iter::empty(), &mut rows, || {
                 vec![row([
-                    (
-                        "refused",
-                        Value::from(refused.as_deref().unwrap_or_default()),
-                    ),
-                    (
-                        "not_applied",
-                        Value::from(not_applied.as_deref().unwrap_or_default()),
-                    ),
+                    ("refused", text(&found.refused)),
+                    ("not_applied", text(&found.not_applied)),
+                    ("invalid", text(&found.invalid)),
                     ("namespace", Value::from(ing.namespace)),
                     ("ingress", Value::from(ing.name)),
                     ("origin", origin(store, ing.namespace, ing.name)),
@@ -1595,8 +1756,10 @@ impl DerivedView {
                                 .is_none_or(|(built, _)| *built != from)
                             {
                                 let ours = Ours::new(self.derivation.classes(), classes);
+                                let ingresses =
+                                    (self.derivation.ingresses().unwrap_or_default(), *ingresses);
                                 state.routed =
-                                    Some((from, routed_ports(*ingresses, *services, &ours)));
+                                    Some((from, routed_ports(ingresses, *services, &ours)));
                             }
                             state.routed.as_ref().map(|(_, routed)| routed)
                         }
@@ -1659,9 +1822,13 @@ fn compute(derivation: &Derivation, slot: Slot, inputs: &[Source<'_>]) -> Value 
     let ours = Ours::new(derivation.classes(), classes);
     match (derivation, inputs) {
         (Derivation::ServiceBackends { .. }, [services, slices, rest @ ..]) => {
-            let routed = rest
-                .first()
-                .map(|ingresses| routed_ports(*ingresses, *services, &ours));
+            let routed = rest.first().map(|ingresses| {
+                routed_ports(
+                    (derivation.ingresses().unwrap_or_default(), *ingresses),
+                    *services,
+                    &ours,
+                )
+            });
             service_backends(
                 slot,
                 (store_of(derivation), *services),
@@ -1824,7 +1991,7 @@ mod tests {
             rows,
             json!([
                 {"name": "ns_web_80", "namespace": "ns", "service": "web", "port": 80,
-                 "port_name": "http", "app_protocol": "", "origin": ["services", "ns", "web"], "endpoints": [
+                 "port_name": "http", "app_protocol": "", "origin": ["services", "ns", "web"], "policy": null, "endpoints": [
                     {"name": "web-b_10.0.0.1", "address": "10.0.0.1", "port": 8080,
                      "endpoint": "10.0.0.1:8080", "ready": true, "terminating": false, "slice": "web-b"},
                     {"name": "web-b_10.0.0.2", "address": "10.0.0.2", "port": 8080,
@@ -1832,7 +1999,7 @@ mod tests {
                  ]},
                 // No slice port named `admin`; the port without a number is left out.
                 {"name": "ns_web_81", "namespace": "ns", "service": "web", "port": 81,
-                 "port_name": "admin", "app_protocol": "", "origin": ["services", "ns", "web"], "endpoints": []},
+                 "port_name": "admin", "app_protocol": "", "origin": ["services", "ns", "web"], "policy": null, "endpoints": []},
             ])
         );
     }

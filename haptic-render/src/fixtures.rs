@@ -1,5 +1,6 @@
 //! Deterministic fixtures for tests and benchmarks: N Ingresses with their Services,
-//! EndpointSlices (three endpoints each) and, for some, TLS Secrets.
+//! EndpointSlices (three endpoints each) and, for some, TLS Secrets; a quarter carry 3 to 5
+//! ingress-nginx annotations.
 //!
 //! The same [`Params`] always give the same resources, byte for byte: no randomness, no clock.
 //!
@@ -55,6 +56,10 @@ pub struct Params {
     pub not_ready_every: usize,
     /// Every n-th Ingress also has a rule without a host; 0 for none. Default 10.
     pub hostless_every: usize,
+    /// Every n-th Ingress (from the second) carries ingress-nginx annotations HAPTIC applies:
+    /// an allow-list, a body size and a read timeout, and every other one of them also
+    /// force-ssl-redirect and x-forwarded-prefix (3 to 5); 0 for none. Default 4: a quarter.
+    pub annotated_every: usize,
 }
 
 impl Params {
@@ -66,6 +71,7 @@ impl Params {
             tls_every: 4,
             not_ready_every: 5,
             hostless_every: 10,
+            annotated_every: 4,
         }
     }
 
@@ -100,12 +106,30 @@ impl Params {
                 spec["tls"] = json!([{"hosts": [host], "secretName": secret}]);
                 fixtures.secrets.push(tls_secret(&namespace, &secret));
             }
-            fixtures.ingresses.push(json!({
+            let mut ingress = json!({
                 "apiVersion": "networking.k8s.io/v1",
                 "kind": "Ingress",
                 "metadata": {"namespace": namespace, "name": name},
                 "spec": spec,
-            }));
+            });
+            if self.annotated_every != 0 && i % self.annotated_every == 1 % self.annotated_every {
+                let mut annotations = serde_json::Map::new();
+                let mut add = |key: &str, value: String| {
+                    annotations.insert(format!("{}{key}", crate::nginx::PREFIX), Json::from(value));
+                };
+                add(
+                    "whitelist-source-range",
+                    "10.0.0.0/8, 192.168.0.0/16".to_owned(),
+                );
+                add("proxy-body-size", "8m".to_owned());
+                add("proxy-read-timeout", "120".to_owned());
+                if (i / self.annotated_every).is_multiple_of(2) {
+                    add("force-ssl-redirect", "true".to_owned());
+                    add("x-forwarded-prefix", format!("/{name}"));
+                }
+                ingress["metadata"]["annotations"] = Json::Object(annotations);
+            }
+            fixtures.ingresses.push(ingress);
             fixtures.services.push(json!({
                 "apiVersion": "v1",
                 "kind": "Service",

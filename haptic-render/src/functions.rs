@@ -11,6 +11,7 @@
 //! | `b64decode` | filter | `{{ "aGk=" \| b64decode }}`, `{{ x \| b64decode(default="") }}` | `hi`; bad input is an error, or `default` when given |
 //! | `sort_by` | filter | `{% for s in items \| sort_by(field="spec.priority", reverse=true) %}` | items by priority, highest first, missing last |
 //! | `group_by_field` | filter | `{% for g in slices \| group_by_field(field="metadata.namespace") %}{{ g.key }}: {{ g.items \| length }}{% endfor %}` | groups sorted by key |
+//! | `htpasswd` | filter | `{% set h = text \| htpasswd %}` | `{users: [{user, hash}], error}`: the htpasswd lines whose hashes HAProxy can check ([`crate::nginx::htpasswd`]), and why others are left out |
 //! | `http_path` | test | `{% if p.path is http_path %}` | true for `/`-rooted paths without whitespace, control characters or `#` |
 //! | `hostname` | test | `{% if rule.host is hostname %}` | true for non-wildcard DNS names (lowercase letters, digits, `-`, `.`) |
 //! | `wildcard_host` | test | `{% if rule.host is wildcard_host %}` | true for `*.` followed by such a name |
@@ -347,6 +348,26 @@ pub(crate) fn register(tera: &mut Tera) {
             }
         },
     );
+    tera.register_filter("htpasswd", |s: &str, _: Kwargs, _: &State| {
+        let (users, error) = crate::nginx::htpasswd(s);
+        let mut map = tera::value::Map::new();
+        map.insert(
+            tera::value::Key::Str("users"),
+            Value::from(
+                users
+                    .into_iter()
+                    .map(|(user, hash)| {
+                        let mut row = tera::value::Map::new();
+                        row.insert(tera::value::Key::Str("user"), Value::from(user));
+                        row.insert(tera::value::Key::Str("hash"), Value::from(hash));
+                        Value::from(row)
+                    })
+                    .collect::<Vec<_>>(),
+            ),
+        );
+        map.insert(tera::value::Key::Str("error"), Value::from(error));
+        Value::from(map)
+    });
     tera.register_test("http_path", |v: &Value, _: Kwargs, _: &State| {
         v.as_str().is_some_and(is_http_path)
     });

@@ -53,7 +53,7 @@ pub const STORES: [(&str, &[&str]); 11] = [
 /// | `derived.tls` | [`Derivation::IngressTls`] of `ingresses` and `secrets` |
 /// | `derived.ingresses` | [`Derivation::Ingresses`]: our Ingresses |
 /// | `derived.default_backends` | [`Derivation::IngressDefaultBackends`] of `ingresses` and `services` |
-/// | `derived.nginx_annotations` | [`Derivation::IngressAnnotations`]: our Ingresses that carry ingress-nginx annotations |
+/// | `derived.nginx_annotations` | [`Derivation::IngressAnnotations`]: our Ingresses that carry ingress-nginx annotations (their Events) |
 /// | `derived.certificates` | [`Derivation::TlsCertificates`] of `secrets` |
 /// | `derived.gateway` | [`Derivation::GatewayApi`]: Gateways of our GatewayClasses and their HTTPRoutes |
 ///
@@ -170,7 +170,9 @@ fn template(source: &str) -> Template {
 
 /// The reference template set.
 ///
-/// Outputs: `haproxy.cfg`; `maps/routes-exact.map` and `maps/routes-prefix.map` (routing);
+/// Outputs: `haproxy.cfg`; `maps/routes-exact.map`, `maps/routes-prefix.map` and
+/// `maps/routes-regex.map` (routing; regex paths of ingress-nginx's use-regex and
+/// rewrite-target);
 /// `maps/certs.list` (the HTTPS crt-list); `maps/ssl-redirect.map` (hosts redirected to HTTPS); `ssl/<namespace>_<secret>.pem` for every usable
 /// TLS Secret.
 ///
@@ -207,6 +209,10 @@ pub fn template_set() -> TemplateSet {
         (
             "routes-prefix.map",
             include_str!("../templates/maps/routes-prefix.map.tera"),
+        ),
+        (
+            "routes-regex.map",
+            include_str!("../templates/maps/routes-regex.map.tera"),
         ),
         (
             "certs.list",
@@ -255,6 +261,14 @@ pub fn template_set() -> TemplateSet {
         (
             "gateway-crt-list",
             include_str!("../templates/snippets/gateway-crt-list.tera"),
+        ),
+        (
+            "nginx-backend",
+            include_str!("../templates/snippets/nginx-backend.tera"),
+        ),
+        (
+            "nginx-userlist",
+            include_str!("../templates/snippets/nginx-userlist.tera"),
         ),
     ] {
         set.template_snippets

@@ -46,6 +46,13 @@ fn raw_renderer() -> &'static Renderer {
 
 const N: usize = 4;
 
+/// The fixtures without ingress-nginx annotations: the raw templates predate them.
+fn unannotated() -> fixtures::Fixtures {
+    let mut params = fixtures::Params::new(N);
+    params.annotated_every = 0;
+    params.generate()
+}
+
 #[derive(Debug, Clone)]
 enum Event {
     /// The generated resource `i` of a store, as generated.
@@ -64,7 +71,7 @@ enum Event {
 
 fn base(store: &str, i: usize) -> Json {
     static F: OnceLock<fixtures::Fixtures> = OnceLock::new();
-    let f = F.get_or_init(|| fixtures::generate(N));
+    let f = F.get_or_init(unannotated);
     match store {
         "ingresses" => f.ingresses[i].clone(),
         "services" => f.services[i].clone(),
@@ -211,9 +218,9 @@ proptest! {
         events in prop::collection::vec(arb_event(), 1..24),
     ) {
         let mut stores = reference::stores().unwrap();
-        fixtures::generate(N).load(&mut stores).unwrap();
+        unannotated().load(&mut stores).unwrap();
         let mut model: BTreeMap<(&'static str, (String, String)), Json> = BTreeMap::new();
-        for (store, resource) in fixtures::generate(N).resources() {
+        for (store, resource) in unannotated().resources() {
             model.insert((store, key(resource)), resource.clone());
         }
         // A first render, so that the next ones start from cached views.

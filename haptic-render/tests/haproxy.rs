@@ -89,8 +89,8 @@ fn a_thousand_ingresses_render_a_config_haproxy_accepts() {
             .count(),
         250
     );
-    // haproxy.cfg, three maps, the crt-list, a PEM per TLS Secret.
-    assert_eq!(files.len(), 5 + 250);
+    // haproxy.cfg, four maps, the crt-list, a PEM per TLS Secret.
+    assert_eq!(files.len(), 6 + 250);
 }
 
 #[test]

@@ -135,9 +135,9 @@ fn requests_are_routed_by_host_exact_and_longest_prefix() {
         ("other.example.com", "/elsewhere", "default-backend"),
         // Generated Ingresses: Prefix / on port 80, Exact /healthz by port name.
         (
-            "app-00001.team-01.example.com",
+            "app-00002.team-02.example.com",
             "/healthz",
-            "team-01_app-00001_80",
+            "team-02_app-00002_80",
         ),
         (
             "app-00003.team-03.example.com",
@@ -150,13 +150,19 @@ fn requests_are_routed_by_host_exact_and_longest_prefix() {
             "team-00_app-00000_9090",
         ),
         (
-            "app-00001.team-01.example.com",
+            "app-00002.team-02.example.com",
             "/metrics/x",
-            "team-01_app-00001_80",
+            "team-02_app-00002_80",
         ),
     ] {
         assert_eq!(route(http, host, path), backend, "{host}{path}");
     }
+    // A generated Ingress with ingress-nginx annotations: its routes go to its own backend.
+    let annotated = route(http, "app-00001.team-01.example.com", "/healthz");
+    assert!(
+        annotated.starts_with("team-01_app-00001_80_nginx_"),
+        "{annotated}"
+    );
 
     // Without the debug header, an unrouted request reaches the default backend's 404.
     let mut stream = TcpStream::connect(("127.0.0.1", http)).unwrap();

@@ -450,14 +450,30 @@ impl Webhook {
         if let Some(refused) = nginx::refusal(&nginx) {
             return Verdict::Denied(format!("{what}: {refused}"));
         }
+        // A value that cannot be applied (a CIDR, a size, a URL that does not parse) is denied,
+        // naming the annotation: a stored one would be left out, or deny every client.
+        if !nginx.is_empty() {
+            let invalid = nginx::invalid_values(&object);
+            if !invalid.is_empty() {
+                let all: Vec<String> = invalid.iter().map(ToString::to_string).collect();
+                return Verdict::Denied(format!(
+                    "{what}: invalid ingress-nginx annotation values: {}",
+                    all.join("; ")
+                ));
+            }
+        }
         let warnings: Vec<String> = nginx
             .iter()
-            .filter(|f| f.verdict != nginx::Verdict::Refused)
-            .map(|f| {
-                format!(
+            .filter_map(|f| match f.verdict {
+                nginx::Verdict::Refused | nginx::Verdict::Supported => None,
+                nginx::Verdict::Differs => Some(format!(
+                    "{what}: {} is applied, differently from ingress-nginx: {}",
+                    f.annotation, f.note
+                )),
+                _ => Some(format!(
                     "{what}: {} is not applied ({}): {}",
                     f.annotation, f.verdict, f.note
-                )
+                )),
             })
             .collect();
         match self

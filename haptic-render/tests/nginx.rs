@@ -1,0 +1,916 @@
+//! ingress-nginx annotations of the reference set at the HTTP level, through a running HAProxy:
+//! source allow- and deny-lists (403), the redirects (to HTTPS, permanent, temporal, app-root),
+//! the body size (413), what a stored Ingress with a value that does not parse gets (its
+//! annotation left out, a source list denying everyone, a Warning Event), and two Ingresses
+//! sharing a Service with different annotations.
+//!
+//! The backend is a second HAProxy that answers with what it received.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use haptic_render::{EventRequest, Renderer, StoreConfig, Stores, fixtures, reference};
+use serde_json::{Value as Json, json};
+
+/// A running HAProxy, killed when dropped, however the test ends.
+struct Running {
+    child: Child,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts HAProxy on `dir/haproxy.cfg` and waits, with a bound, until `ports` accept.
+fn start(dir: tempfile::TempDir, ports: &[u16]) -> Running {
+    let child = Command::new(common::haproxy())
+        .arg("-db")
+        .arg("-f")
+        .arg(dir.path().join("haproxy.cfg"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let running = Running { child, _dir: dir };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for port in ports {
+        while TcpStream::connect(("127.0.0.1", *port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "haproxy did not listen on {port}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    running
+}
+
+/// The echo backends: plain HTTP on `plain` (on 127.0.0.1 and 127.0.0.2) answering 200 with
+/// the path, Host, X-Forwarded-Prefix and HTTP version it received and the address it was
+/// reached on; TLS (the fixture certificate) on `tls`; HTTP/2 in clear
+/// text on `h2c`, each saying what it is.
+fn echo_backends(plain: u16, tls: u16, h2c: u16) -> Running {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("echo.pem"),
+        format!("{}{}", fixtures::TLS_CERT_PEM, fixtures::TLS_KEY_PEM),
+    )
+    .unwrap();
+    let cfg = format!(
+        "global\n    maxconn 100\n    default-path config\n\
+         defaults\n    mode http\n    timeout connect 2s\n    timeout client 10s\n    timeout server 10s\n\
+         frontend plain\n    bind 127.0.0.1:{plain}\n    bind 127.0.0.2:{plain}\n\
+         \x20   http-request return status 200 content-type text/plain lf-string \"uri=%[url] host=%[req.hdr(host)] prefix=%[req.fhdr(x-forwarded-prefix)] ver=%[req.ver] dst=%[dst]\"\n\
+         frontend tls\n    bind 127.0.0.1:{tls} ssl crt echo.pem alpn h2,http/1.1\n\
+         \x20   http-request return status 200 content-type text/plain lf-string \"tls=%[ssl_fc] ver=%[req.ver]\"\n\
+         frontend h2c\n    bind 127.0.0.1:{h2c} proto h2\n\
+         \x20   http-request return status 200 content-type text/plain lf-string \"h2c ver=%[req.ver]\"\n"
+    );
+    std::fs::write(dir.path().join("haproxy.cfg"), cfg).unwrap();
+    start(dir, &[plain, tls, h2c])
+}
+
+/// An answer: status, head (lowercased) and body.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    head: String,
+    body: String,
+}
+
+impl Answer {
+    /// The value of header `name` (lowercase), if any.
+    fn header(&self, name: &str) -> Option<&str> {
+        self.head.lines().find_map(|line| {
+            let (key, value) = line.split_once(':')?;
+            (key == name).then(|| value.trim())
+        })
+    }
+}
+
+/// `method path` with `Host: host`, `headers` (each ending in CRLF) and `body`, on `port`.
+fn request(port: u16, method: &str, host: &str, path: &str, headers: &str, body: &str) -> Answer {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{headers}Connection: close\r\n\r\n{body}"
+    )
+    .unwrap();
+    let mut response = Vec::new();
+    // A server may answer (413) and close before it read the body: what arrived counts.
+    let _ = stream.read_to_end(&mut response);
+    let response = String::from_utf8_lossy(&response).into_owned();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    Answer {
+        status,
+        head: head.to_lowercase(),
+        body: body.to_owned(),
+    }
+}
+
+fn get(port: u16, host: &str, path: &str) -> Answer {
+    request(port, "GET", host, path, "", "")
+}
+
+/// The reference stores, with our class the default.
+fn stores() -> Stores {
+    let mut stores = Stores::new();
+    for (name, index) in reference::STORES {
+        stores
+            .add(name, StoreConfig::index_by(index.iter().copied()))
+            .unwrap();
+    }
+    for (name, derivation) in reference::derivations() {
+        stores.derive(name, derivation).unwrap();
+    }
+    let mut class = fixtures::ingress_class("haproxy", true);
+    class["spec"]["controller"] = json!(haptic_render::derived::DEFAULT_CONTROLLER);
+    apply(&mut stores, "ingressclasses", class);
+    stores
+}
+
+fn apply(stores: &mut Stores, store: &str, resource: Json) {
+    stores.get_mut(store).unwrap().apply(&resource).unwrap();
+}
+
+/// A Service `name` in `namespace`: port 80 (`http`) to the plain echo, 443 (`https`) to the
+/// TLS echo, 81 (`h2c`) to the h2c echo, all without appProtocol; one endpoint, 127.0.0.1.
+fn service(stores: &mut Stores, namespace: &str, name: &str, ports: (u16, u16, u16)) {
+    service_at(stores, namespace, name, ports, &["127.0.0.1"]);
+}
+
+/// As [`service`], with endpoints at `addresses`.
+fn service_at(
+    stores: &mut Stores,
+    namespace: &str,
+    name: &str,
+    ports: (u16, u16, u16),
+    addresses: &[&str],
+) {
+    let endpoints: Vec<Json> = addresses
+        .iter()
+        .map(|a| json!({"addresses": [a]}))
+        .collect();
+    apply(
+        stores,
+        "services",
+        json!({"metadata": {"namespace": namespace, "name": name}, "spec": {"ports": [
+            {"name": "http", "port": 80},
+            {"name": "https", "port": 443},
+            {"name": "h2c", "port": 81},
+        ]}}),
+    );
+    apply(
+        stores,
+        "endpointslices",
+        json!({"metadata": {"namespace": namespace, "name": format!("{name}-1"),
+                "labels": {"kubernetes.io/service-name": name}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": ports.0}, {"name": "https", "port": ports.1},
+                {"name": "h2c", "port": ports.2}],
+            "endpoints": endpoints}),
+    );
+}
+
+/// An Ingress `name` in namespace `a` for `host`, Prefix `path` to Service `web` port
+/// `port`, with `annotations` (names after the ingress-nginx prefix).
+fn ingress(name: &str, host: &str, path: &str, port: u16, annotations: &[(&str, &str)]) -> Json {
+    ingress_to(name, host, path, ("web", port), annotations)
+}
+
+/// As [`ingress`], to Service `service.0` port `service.1`.
+fn ingress_to(
+    name: &str,
+    host: &str,
+    path: &str,
+    service: (&str, u16),
+    annotations: &[(&str, &str)],
+) -> Json {
+    let (service, port) = service;
+    let annotations: serde_json::Map<String, Json> = annotations
+        .iter()
+        .map(|(k, v)| (format!("nginx.ingress.kubernetes.io/{k}"), json!(v)))
+        .collect();
+    json!({"apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
+        "metadata": {"namespace": "a", "name": name, "creationTimestamp": "2026-01-01T00:00:00Z",
+            "annotations": annotations, "uid": format!("uid-{name}")},
+        "spec": {"rules": [{"host": host, "http": {"paths": [{"path": path, "pathType": "Prefix",
+            "backend": {"service": {"name": service, "port": {"number": port}}}}]}}]}})
+}
+
+/// A front HAProxy rendering the reference set over `stores`, and the Events it asks for.
+struct Front {
+    http: u16,
+    https: u16,
+    events: Vec<EventRequest>,
+    _running: Running,
+}
+
+fn front(stores: &Stores) -> Front {
+    let (http, https) = (free_port(), free_port());
+    let mut set = reference::template_set();
+    set.extra_context.insert(
+        "haproxy".into(),
+        json!({"maxconn": 1000, "http_port": http, "https_port": https,
+            "timeout_connect": "2s", "timeout_client": "10s", "timeout_server": "10s",
+            "stats_socket": null, "route_debug": false, "health_checks": false}),
+    );
+    let (files, requests) = Renderer::compile(&set).unwrap().render_all(stores).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    files.write_to(dir.path()).unwrap();
+    common::check_dir(dir.path());
+    Front {
+        http,
+        https,
+        events: requests.events,
+        _running: start(dir, &[http]),
+    }
+}
+
+impl Front {
+    fn get(&self, host: &str, path: &str) -> Answer {
+        get(self.http, host, path)
+    }
+
+    /// The Events asked for about Ingress `a/name` with `reason`: their messages.
+    fn events(&self, name: &str, reason: &str) -> Vec<&str> {
+        self.events
+            .iter()
+            .filter(|e| e.name.as_deref() == Some(name) && e.reason == reason)
+            .map(|e| e.message.as_str())
+            .collect()
+    }
+}
+
+#[test]
+fn source_lists_redirects_and_body_size() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    service(&mut s, "a", "web", ports);
+    for (name, annotations) in [
+        ("open", &[][..]),
+        (
+            "allowed",
+            &[("allowlist-source-range", "10.0.0.0/8, 127.0.0.1")][..],
+        ),
+        (
+            "outside",
+            &[("whitelist-source-range", "10.0.0.0/8,::1/128")][..],
+        ),
+        // allowlist wins over its older name.
+        (
+            "both",
+            &[
+                ("whitelist-source-range", "127.0.0.0/8"),
+                ("allowlist-source-range", "192.168.0.0/16"),
+            ][..],
+        ),
+        ("denied", &[("denylist-source-range", "127.0.0.0/24")][..]),
+        (
+            "deny-wins",
+            &[
+                ("denylist-source-range", "127.0.0.1"),
+                ("allowlist-source-range", "127.0.0.0/8"),
+            ][..],
+        ),
+        (
+            "broken-allow",
+            &[("allowlist-source-range", "10.0.0.300/8")][..],
+        ),
+        ("broken-deny", &[("denylist-source-range", "nonsense")][..]),
+        ("force", &[("force-ssl-redirect", "true")][..]),
+        (
+            "moved",
+            &[("permanent-redirect", "https://new.example.com$request_uri")][..],
+        ),
+        (
+            "moved-308",
+            &[
+                ("permanent-redirect", "https://new.example.com/x%20y"),
+                ("permanent-redirect-code", "308"),
+            ][..],
+        ),
+        (
+            "temporary",
+            &[
+                ("temporal-redirect", "http://$host/maintenance"),
+                ("permanent-redirect", "https://ignored.example.com"),
+            ][..],
+        ),
+        ("rooted", &[("app-root", "/app/")][..]),
+        ("limited", &[("proxy-body-size", "1k")][..]),
+        ("unlimited", &[("proxy-body-size", "0")][..]),
+        ("broken-size", &[("proxy-body-size", "10q")][..]),
+    ] {
+        apply(
+            &mut s,
+            "ingresses",
+            ingress(name, &format!("{name}.example.com"), "/", 80, annotations),
+        );
+    }
+    let f = front(&s);
+    let status = |name: &str| f.get(&format!("{name}.example.com"), "/x").status;
+
+    // The source lists: the client is 127.0.0.1.
+    for (name, want) in [
+        ("open", 200),
+        ("allowed", 200),
+        ("outside", 403),
+        ("both", 403),
+        ("denied", 403),
+        ("deny-wins", 403),
+        // A list that does not parse denies everyone, and says so.
+        ("broken-allow", 403),
+        ("broken-deny", 403),
+    ] {
+        assert_eq!(status(name), want, "{name}");
+    }
+    let invalid = f.events("broken-allow", "AnnotationInvalid");
+    assert_eq!(invalid.len(), 1, "{:?}", f.events);
+    assert!(
+        invalid[0].contains("nginx.ingress.kubernetes.io/allowlist-source-range: \"10.0.0.300/8\" is not an IP address or CIDR: every client is denied (403)"),
+        "{}",
+        invalid[0]
+    );
+    assert!(f.events("allowed", "AnnotationInvalid").is_empty());
+    assert!(f.events("allowed", "AnnotationNotSupported").is_empty());
+
+    // The redirects.
+    let answer = f.get("force.example.com", "/cart?x=1");
+    assert_eq!(answer.status, 308, "{answer:?}");
+    assert_eq!(
+        answer.header("location"),
+        Some("https://force.example.com/cart?x=1")
+    );
+    let answer = f.get("moved.example.com", "/a/b?c=d");
+    assert_eq!(answer.status, 301, "{answer:?}");
+    assert_eq!(
+        answer.header("location"),
+        Some("https://new.example.com/a/b?c=d")
+    );
+    let answer = f.get("moved-308.example.com", "/a");
+    assert_eq!(answer.status, 308, "{answer:?}");
+    assert_eq!(
+        answer.header("location"),
+        Some("https://new.example.com/x%20y")
+    );
+    let answer = f.get("temporary.example.com", "/a");
+    assert_eq!(answer.status, 302, "{answer:?}");
+    assert_eq!(
+        answer.header("location"),
+        Some("http://temporary.example.com/maintenance")
+    );
+    let answer = f.get("rooted.example.com", "/");
+    assert_eq!(answer.status, 302, "{answer:?}");
+    assert_eq!(answer.header("location"), Some("/app/"));
+    let answer = f.get("rooted.example.com", "/app/x");
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert!(answer.body.starts_with("uri=/app/x "), "{}", answer.body);
+
+    // The body size: over 1k is refused with 413; 0 and a size that does not parse are no limit.
+    let post = |name: &str, size: usize| {
+        request(
+            f.http,
+            "POST",
+            &format!("{name}.example.com"),
+            "/upload",
+            &format!("Content-Length: {size}\r\n"),
+            &"x".repeat(size),
+        )
+        .status
+    };
+    assert_eq!(post("limited", 1024), 200);
+    assert_eq!(post("limited", 1025), 413);
+    assert_eq!(post("unlimited", 5000), 200);
+    assert_eq!(post("broken-size", 5000), 200);
+    assert!(
+        f.events("broken-size", "AnnotationInvalid")
+            .first()
+            .is_some_and(|m| m
+                .contains("nginx.ingress.kubernetes.io/proxy-body-size: \"10q\" is not a size")),
+        "{:?}",
+        f.events
+    );
+    let _ = f.https;
+}
+
+/// Two Ingresses routing to one Service port with different annotations each keep their own:
+/// the Service's backend is written once per policy.
+#[test]
+fn ingresses_sharing_a_service_keep_their_own_annotations() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    service(&mut s, "a", "web", ports);
+    apply(
+        &mut s,
+        "ingresses",
+        ingress("open", "shared.example.com", "/open", 80, &[]),
+    );
+    apply(
+        &mut s,
+        "ingresses",
+        ingress(
+            "closed",
+            "shared.example.com",
+            "/closed",
+            80,
+            &[("allowlist-source-range", "10.0.0.0/8")],
+        ),
+    );
+    apply(
+        &mut s,
+        "ingresses",
+        ingress(
+            "same",
+            "other.example.com",
+            "/",
+            80,
+            &[("allowlist-source-range", "10.0.0.0/8")],
+        ),
+    );
+    let f = front(&s);
+    assert_eq!(f.get("shared.example.com", "/open").status, 200);
+    assert_eq!(f.get("shared.example.com", "/closed").status, 403);
+    assert_eq!(f.get("other.example.com", "/").status, 403);
+
+    // ssl-redirect "false" keeps plain HTTP for the hosts of the Ingress's TLS section.
+    apply(&mut s, "secrets", fixtures::tls_secret("a", "tls"));
+    for (name, annotations) in [
+        ("tls-default", &[][..]),
+        ("tls-plain", &[("ssl-redirect", "false")][..]),
+    ] {
+        let mut ing = ingress(name, &format!("{name}.example.com"), "/", 80, annotations);
+        ing["spec"]["tls"] =
+            json!([{"hosts": [format!("{name}.example.com")], "secretName": "tls"}]);
+        apply(&mut s, "ingresses", ing);
+    }
+    let f = front(&s);
+    assert_eq!(f.get("tls-default.example.com", "/").status, 308);
+    assert_eq!(f.get("tls-plain.example.com", "/").status, 200);
+}
+
+/// How the backend is spoken to, what it sees, how long it is waited for, and which endpoint
+/// a client sticks to.
+#[test]
+fn backend_protocol_host_prefix_timeouts_affinity_and_hashing() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    // A backend that accepts and never answers.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_port = silent.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in silent.incoming() {
+            held.push(stream);
+        }
+    });
+    let mut s = stores();
+    service(&mut s, "a", "web", ports);
+    service_at(&mut s, "a", "pair", ports, &["127.0.0.1", "127.0.0.2"]);
+    service(
+        &mut s,
+        "a",
+        "silent",
+        (silent_port, silent_port, silent_port),
+    );
+    for (name, service, annotations) in [
+        ("https", ("web", 443), &[("backend-protocol", "HTTPS")][..]),
+        ("grpcs", ("web", 443), &[("backend-protocol", "GRPCS")][..]),
+        ("grpc", ("web", 81), &[("backend-protocol", "GRPC")][..]),
+        ("h2c", ("web", 81), &[("backend-protocol", "h2c")][..]),
+        (
+            "vhost",
+            ("web", 80),
+            &[
+                ("upstream-vhost", "internal.svc:8080"),
+                ("x-forwarded-prefix", "/shop"),
+            ][..],
+        ),
+        ("slow", ("silent", 80), &[("proxy-read-timeout", "1")][..]),
+        ("round", ("pair", 80), &[][..]),
+        (
+            "sticky",
+            ("pair", 80),
+            &[("affinity", "cookie"), ("session-cookie-name", "route")][..],
+        ),
+        (
+            "hashed",
+            ("pair", 80),
+            &[("upstream-hash-by", "$arg_user")][..],
+        ),
+        (
+            "ewma",
+            ("pair", 80),
+            &[("load-balance", "ewma"), ("proxy-connect-timeout", "2s")][..],
+        ),
+    ] {
+        apply(
+            &mut s,
+            "ingresses",
+            ingress_to(
+                name,
+                &format!("{name}.example.com"),
+                "/",
+                service,
+                annotations,
+            ),
+        );
+    }
+    let f = front(&s);
+    let body = |name: &str, path: &str| f.get(&format!("{name}.example.com"), path).body;
+    assert!(
+        body("https", "/").starts_with("tls=1 ver=1.1"),
+        "{}",
+        body("https", "/")
+    );
+    assert!(
+        body("grpcs", "/").starts_with("tls=1 ver=2.0"),
+        "{}",
+        body("grpcs", "/")
+    );
+    assert!(
+        body("grpc", "/").starts_with("h2c ver=2.0"),
+        "{}",
+        body("grpc", "/")
+    );
+    assert!(
+        body("h2c", "/").starts_with("h2c ver=2.0"),
+        "{}",
+        body("h2c", "/")
+    );
+    let seen = body("vhost", "/a?b=c");
+    assert!(
+        seen.starts_with("uri=/a?b=c host=internal.svc:8080 prefix=/shop ver=1.1"),
+        "{seen}"
+    );
+
+    // proxy-read-timeout: a silent backend is given up on (504) after a second, well before
+    // the config's 10s (the client's own read timeout).
+    let answer = f.get("slow.example.com", "/");
+    assert_eq!(answer.status, 504, "{answer:?}");
+
+    let dst = |answer: &Answer| {
+        answer
+            .body
+            .rsplit_once("dst=")
+            .map(|(_, d)| d.to_owned())
+            .unwrap_or_default()
+    };
+    // Without affinity, requests spread over both endpoints.
+    let spread: std::collections::BTreeSet<String> = (0..6)
+        .map(|_| dst(&f.get("round.example.com", "/")))
+        .collect();
+    assert_eq!(spread.len(), 2, "{spread:?}");
+    // With it, the cookie HAProxy sets keeps a client on one endpoint.
+    let first = f.get("sticky.example.com", "/");
+    let cookie = first
+        .header("set-cookie")
+        .and_then(|c| c.split(';').next())
+        .unwrap_or_default()
+        .to_owned();
+    assert!(cookie.starts_with("route="), "{first:?}");
+    let pinned: std::collections::BTreeSet<String> = (0..6)
+        .map(|_| {
+            dst(&request(
+                f.http,
+                "GET",
+                "sticky.example.com",
+                "/",
+                &format!("Cookie: {cookie}\r\n"),
+                "",
+            ))
+        })
+        .collect();
+    assert_eq!(pinned.len(), 1, "{pinned:?}");
+    assert!(pinned.contains(&dst(&first)), "{pinned:?} {first:?}");
+    // upstream-hash-by $arg_user: one user, one endpoint.
+    for user in ["alice", "bob", "carol"] {
+        let hashed: std::collections::BTreeSet<String> = (0..4)
+            .map(|_| dst(&f.get("hashed.example.com", &format!("/?user={user}"))))
+            .collect();
+        assert_eq!(hashed.len(), 1, "{user}: {hashed:?}");
+    }
+    assert_eq!(f.get("ewma.example.com", "/").status, 200);
+}
+
+/// rewrite-target with capture groups: the Ingress's paths are regular expressions matched from
+/// the start (case-insensitively), and the whole path is replaced, the query string kept.
+#[test]
+fn rewrite_target_with_capture_groups() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    service(&mut s, "a", "web", ports);
+    apply(
+        &mut s,
+        "ingresses",
+        ingress("site", "shop.example.com", "/", 80, &[]),
+    );
+    let mut api = ingress(
+        "api",
+        "shop.example.com",
+        "/api(/|$)(.*)",
+        80,
+        &[("rewrite-target", "/v2/$2"), ("x-forwarded-prefix", "/api")],
+    );
+    api["spec"]["rules"][0]["http"]["paths"][0]["pathType"] = json!("ImplementationSpecific");
+    apply(&mut s, "ingresses", api);
+    apply(
+        &mut s,
+        "ingresses",
+        ingress(
+            "docs",
+            "docs.example.com",
+            "/[a-z]+/docs",
+            80,
+            &[("use-regex", "true")],
+        ),
+    );
+    apply(
+        &mut s,
+        "ingresses",
+        ingress(
+            "strip",
+            "strip.example.com",
+            "/old",
+            80,
+            &[("rewrite-target", "/")],
+        ),
+    );
+    let f = front(&s);
+    let seen = |host: &str, path: &str| {
+        let answer = f.get(host, path);
+        assert_eq!(answer.status, 200, "{host}{path}: {answer:?}");
+        answer.body
+    };
+    for (path, want) in [
+        ("/api/users/7?full=1", "uri=/v2/users/7?full=1 "),
+        ("/API/users", "uri=/v2/users "),
+        ("/api", "uri=/v2/ "),
+        // Not the regex: the site's Prefix path, unchanged.
+        ("/apiary", "uri=/apiary "),
+        ("/shop", "uri=/shop "),
+    ] {
+        let body = seen("shop.example.com", path);
+        assert!(body.starts_with(want), "{path}: {body}");
+    }
+    assert!(seen("shop.example.com", "/api/x").contains("prefix=/api "));
+    // use-regex without a rewrite: matched as a regex, passed on unchanged.
+    assert!(seen("docs.example.com", "/en/docs/x").starts_with("uri=/en/docs/x "));
+    assert_eq!(f.get("docs.example.com", "/12/docs").status, 404);
+    // A target without captures replaces the whole path, as NGINX's rewrite does.
+    assert!(seen("strip.example.com", "/old/a/b?q=1").starts_with("uri=/?q=1 "));
+}
+
+/// enable-cors: a preflight from an allowed origin is answered here (204) with the headers;
+/// other answers to it carry them; an origin not listed gets none, and its preflight goes on to
+/// the backend.
+#[test]
+fn cors_preflights_and_headers() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    service(&mut s, "a", "web", ports);
+    apply(
+        &mut s,
+        "ingresses",
+        ingress(
+            "any",
+            "any.example.com",
+            "/",
+            80,
+            &[("enable-cors", "true")],
+        ),
+    );
+    apply(
+        &mut s,
+        "ingresses",
+        ingress(
+            "listed",
+            "listed.example.com",
+            "/",
+            80,
+            &[
+                ("enable-cors", "true"),
+                (
+                    "cors-allow-origin",
+                    "https://app.example.com, https://*.tenant.example.com:8443",
+                ),
+                ("cors-allow-methods", "GET,POST"),
+                ("cors-allow-credentials", "false"),
+                ("cors-expose-headers", "X-Total"),
+                ("cors-max-age", "60"),
+            ],
+        ),
+    );
+    let f = front(&s);
+    let preflight = |host: &str, origin: &str| {
+        request(
+            f.http,
+            "OPTIONS",
+            host,
+            "/api",
+            &format!("Origin: {origin}\r\nAccess-Control-Request-Method: POST\r\n"),
+            "",
+        )
+    };
+    let answer = preflight("any.example.com", "https://whoever.example.org");
+    assert_eq!(answer.status, 204, "{answer:?}");
+    assert_eq!(answer.header("access-control-allow-origin"), Some("*"));
+    assert_eq!(
+        answer.header("access-control-allow-credentials"),
+        Some("true")
+    );
+    assert_eq!(
+        answer.header("access-control-allow-methods"),
+        Some("get, put, post, delete, patch, options")
+    );
+    assert_eq!(answer.header("access-control-max-age"), Some("1728000"));
+    let answer = request(
+        f.http,
+        "GET",
+        "any.example.com",
+        "/",
+        "Origin: https://whoever.example.org\r\n",
+        "",
+    );
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert_eq!(answer.header("access-control-allow-origin"), Some("*"));
+
+    for origin in [
+        "https://app.example.com",
+        "https://eu.tenant.example.com:8443",
+    ] {
+        let answer = preflight("listed.example.com", origin);
+        assert_eq!(answer.status, 204, "{origin}: {answer:?}");
+        assert_eq!(answer.header("access-control-allow-origin"), Some(origin));
+        assert_eq!(answer.header("access-control-allow-credentials"), None);
+        assert_eq!(
+            answer.header("access-control-allow-methods"),
+            Some("get, post")
+        );
+        assert_eq!(
+            answer.header("access-control-expose-headers"),
+            Some("x-total")
+        );
+        assert_eq!(answer.header("access-control-max-age"), Some("60"));
+    }
+    for origin in [
+        "https://evil.example.com",
+        "http://app.example.com",
+        "https://a.b.tenant.example.com:8443",
+        "https://app.example.com.evil.org",
+    ] {
+        let answer = preflight("listed.example.com", origin);
+        assert_eq!(answer.status, 200, "{origin}: {answer:?}");
+        assert_eq!(
+            answer.header("access-control-allow-origin"),
+            None,
+            "{origin}"
+        );
+    }
+}
+
+/// auth-type basic with auth-secret: 401 without valid credentials, 200 with them; the Secret
+/// is read from the Ingress's own namespace only; hashes HAProxy cannot check are left out
+/// (with an Event), and with no usable user, or no Secret, every request gets 401.
+#[test]
+fn basic_authentication_from_a_secret_of_the_ingress_namespace() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    service(&mut s, "a", "web", ports);
+    // bcrypt, SHA-512-crypt and MD5-crypt of "secret"; apr1 cannot be checked by crypt(3).
+    let htpasswd = "alice:$2b$05$ERu7VgXqoHLTArkD/dYmMuZv5uAxu3YTSmWkbyjNItQuph9sdytmm\n\
+                    bob:$6$seeY8xusLGC0yXwP$8GJn.tKxCCQcfLEpaU4k1V64OQrqTC4NNcBOmu9bovcaGPkCNGscVdoRHU3xbCcqC3e8KMj5EDWzdrBl508d0.\n\
+                    carol:$1$35.Rg.KE$1VjsdoBWBoqP/DY5oaBDb1\n";
+    let secret = |namespace: &str, name: &str, text: &str| {
+        use base64::Engine as _;
+        json!({"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"namespace": namespace, "name": name},
+            "data": {"auth": base64::engine::general_purpose::STANDARD.encode(text)}})
+    };
+    apply(&mut s, "secrets", secret("a", "users", htpasswd));
+    apply(
+        &mut s,
+        "secrets",
+        secret(
+            "a",
+            "mixed",
+            "dave:$apr1$RiVNuA2X$k/HrzK9dfZk8pRKr1yT2A/\nalice:$2b$05$ERu7VgXqoHLTArkD/dYmMuZv5uAxu3YTSmWkbyjNItQuph9sdytmm\n",
+        ),
+    );
+    // Another namespace's Secret of the same name: never read.
+    apply(&mut s, "secrets", secret("b", "theirs", htpasswd));
+    for (name, secret) in [
+        ("guarded", "users"),
+        ("qualified", "a/users"),
+        ("mixed", "mixed"),
+        ("missing", "nothing-here"),
+        ("foreign", "b/theirs"),
+    ] {
+        let annotations = [
+            ("auth-type", "basic"),
+            ("auth-secret", secret),
+            ("auth-realm", "Team A only"),
+        ];
+        apply(
+            &mut s,
+            "ingresses",
+            ingress(name, &format!("{name}.example.com"), "/", 80, &annotations),
+        );
+    }
+    let f = front(&s);
+    let with = |name: &str, credentials: Option<&str>| {
+        use base64::Engine as _;
+        let header = credentials.map_or(String::new(), |c| {
+            format!(
+                "Authorization: Basic {}\r\n",
+                base64::engine::general_purpose::STANDARD.encode(c)
+            )
+        });
+        request(
+            f.http,
+            "GET",
+            &format!("{name}.example.com"),
+            "/",
+            &header,
+            "",
+        )
+    };
+    let answer = with("guarded", None);
+    assert_eq!(answer.status, 401, "{answer:?}");
+    assert_eq!(
+        answer.header("www-authenticate"),
+        Some("basic realm=\"team a only\"")
+    );
+    for user in ["alice", "bob", "carol"] {
+        assert_eq!(
+            with("guarded", Some(&format!("{user}:secret"))).status,
+            200,
+            "{user}"
+        );
+        assert_eq!(
+            with("qualified", Some(&format!("{user}:secret"))).status,
+            200,
+            "{user}"
+        );
+    }
+    assert_eq!(with("guarded", Some("alice:wrong")).status, 401);
+    assert_eq!(with("guarded", Some("mallory:secret")).status, 401);
+    // The user with an apr1 hash is left out, and an Event says so; the others still log in.
+    assert_eq!(with("mixed", Some("alice:secret")).status, 200);
+    assert_eq!(with("mixed", Some("dave:secret")).status, 401);
+    assert!(
+        f.events("mixed", "AnnotationInvalid")
+            .iter()
+            .any(|m| m.contains("user dave: apr1 hashes cannot be checked")),
+        "{:?}",
+        f.events
+    );
+    // No such Secret, or one of another namespace: nobody gets in.
+    assert_eq!(with("missing", Some("alice:secret")).status, 401);
+    assert!(
+        f.events("missing", "AnnotationInvalid")
+            .iter()
+            .any(|m| m.contains("Secret nothing-here does not exist")),
+        "{:?}",
+        f.events
+    );
+    assert_eq!(with("foreign", Some("alice:secret")).status, 401);
+    assert!(
+        f.events("foreign", "AnnotationInvalid")
+            .iter()
+            .any(|m| m.contains("\"b/theirs\" is not a Secret of the Ingress's own namespace")),
+        "{:?}",
+        f.events
+    );
+}

@@ -491,6 +491,13 @@ fn http_route_hostname_intersection() {
         json!({"parentRefs": [{"name": "gw"}], "hostnames": ["specific.but.wrong.com"],
                "rules": [{"backendRefs": to("infra-backend-v2")}]}),
     ));
+    // Hostnames given, none valid: not every host.
+    w.route(route(
+        "invalid",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["Not_A.Host"],
+               "rules": [{"backendRefs": to("infra-backend-v2")}]}),
+    ));
     let f = w.serve(port);
     assert_eq!(f.to("very.specific.com", "/"), "infra-backend-v1");
     assert_eq!(f.to("very.specific.com:1234", "/"), "infra-backend-v1");
@@ -501,6 +508,10 @@ fn http_route_hostname_intersection() {
     assert_eq!(f.to("specific.but.wrong.com", "/"), "404");
     assert_eq!(
         f.parent_conditions("none")[0],
+        "Accepted=False/NoMatchingListenerHostname"
+    );
+    assert_eq!(
+        f.parent_conditions("invalid")[0],
         "Accepted=False/NoMatchingListenerHostname"
     );
     let listeners = f.status("Gateway", "gw", "listeners");

@@ -111,6 +111,12 @@ impl Env {
     }
 
     pub async fn apply_htc(&self, spec: &HAProxyTemplateConfigSpec) {
+        let mut spec = spec.clone();
+        // The reference store of the HAProxy pods watches the controller's namespace, where
+        // deploy/rbac.yaml's Role lets it.
+        if let Some(pods) = spec.watched_resources.get_mut("haproxy_pods") {
+            pods.namespace = Some(self.ns.clone());
+        }
         let htc = HAProxyTemplateConfig::new(HTC, spec.clone());
         let api = self.api::<HAProxyTemplateConfig>(&self.ns);
         match api.get_opt(HTC).await.expect("get HTC") {

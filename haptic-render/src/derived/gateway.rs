@@ -603,10 +603,13 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
         let route = js(route);
         let route_generation = generation(&route);
         let previous_parents = arr(&route, "/status/parents");
-        let route_hosts: Vec<Host> = arr(&route, "/spec/hostnames")
+        let given_hosts = arr(&route, "/spec/hostnames");
+        let route_hosts: Vec<Host> = given_hosts
             .iter()
             .filter_map(|h| h.as_str().and_then(Host::parse))
             .collect();
+        // Hostnames given, none usable: the route matches no listener, never every host.
+        let no_usable_host = !given_hosts.is_empty() && route_hosts.is_empty();
         let age = (
             s(&route, "/metadata/creationTimestamp").to_owned(),
             namespace.clone(),
@@ -874,14 +877,16 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
                             .is_some_and(|labels| selects(&l.selector, labels)),
                         _ => namespace == &gateway.namespace,
                     };
-                    ns_ok && !l.invalid_kinds
+                    // A listener of a protocol we do not serve takes no routes.
+                    let served = !matches!(&l.problem, Some(("UnsupportedProtocol", _, _)));
+                    ns_ok && !l.invalid_kinds && served
                 })
                 .collect();
             let attached: Vec<(usize, Vec<Host>)> = allowed
                 .iter()
                 .filter_map(|&i| {
                     let hosts = intersect(&gateway.listeners[i].host, &route_hosts);
-                    (!hosts.is_empty()).then_some((i, hosts))
+                    (!hosts.is_empty() && !no_usable_host).then_some((i, hosts))
                 })
                 .collect();
             let (accepted, reason, message) = if candidates.is_empty() {

@@ -2349,7 +2349,8 @@ mod tests {
                 "legacy",
                 json!({
                     "nginx.ingress.kubernetes.io/server-snippet": "return 200;",
-                    "nginx.ingress.kubernetes.io/limit-rps": "5",
+                    "nginx.ingress.kubernetes.io/ssl-passthrough": "true",
+                    "nginx.ingress.kubernetes.io/proxy-body-size": "10 parsecs",
                 }),
             ),
         );
@@ -2366,7 +2367,11 @@ mod tests {
         );
         assert_eq!(
             row["not_applied"],
-            "ingress-nginx annotations not applied: nginx.ingress.kubernetes.io/limit-rps (not-yet-supported) (see docs/nginx-annotations.md)"
+            "ingress-nginx annotations not applied: nginx.ingress.kubernetes.io/ssl-passthrough (not-yet-supported) (see docs/nginx-annotations.md)"
+        );
+        assert_eq!(
+            row["invalid"],
+            "ingress-nginx annotations with values that cannot be applied: nginx.ingress.kubernetes.io/proxy-body-size: \"10 parsecs\" is not a size (bytes, or a number with a k, m or g suffix): no limit applies"
         );
         assert_eq!(row["origin"], json!(["ingresses", "ns", "legacy"]));
         // A new version is judged again: without its nginx annotations it has no row.

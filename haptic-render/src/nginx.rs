@@ -205,11 +205,17 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "from-to-www-redirect",
         "no redirect between `www.` and the bare host",
     ),
-    lost("limit-connections", "no per-client connection limit"),
-    lost("limit-rps", "no per-client request rate limit"),
-    lost(
+    supported(
+        "limit-connections",
+        "per client address: a request while more than that many of its requests are in progress on this route gets 503",
+    ),
+    differs(
+        "limit-rps",
+        "per client address, over a sliding one-second window: more than 6 × the rate (NGINX's rate plus its default burst of 5 × the rate) gets 503; NGINX's leaky bucket lets the burst refill at the rate instead",
+    ),
+    supported(
         "limit-whitelist",
-        "no rate limit applies, so there is nothing to exempt",
+        "comma-separated CIDRs exempt from limit-rps and limit-connections",
     ),
     differs(
         "load-balance",
@@ -500,6 +506,12 @@ pub struct Policy {
     /// `auth-type: basic`: the name of the `auth-secret` (in the Ingress's namespace) and the
     /// realm.
     pub auth: Option<(String, String)>,
+    /// `limit-rps`.
+    pub limit_rps: Option<u64>,
+    /// `limit-connections`.
+    pub limit_connections: Option<u64>,
+    /// `limit-whitelist`: the CIDRs exempt from the limits.
+    pub limit_exempt: Vec<String>,
     /// `enable-cors: "true"`, with the cors-* values.
     pub cors: Option<Cors>,
     /// `upstream-hash-by`: what to hash (`request_uri`, `uri`, `remote_addr`, `header`,
@@ -531,6 +543,9 @@ impl Default for Policy {
             use_regex: false,
             cors: None,
             auth: None,
+            limit_rps: None,
+            limit_connections: None,
+            limit_exempt: Vec::new(),
         }
     }
 }
@@ -1059,6 +1074,28 @@ impl Policy {
                 "no authentication",
             ),
         }
+        for (name, field) in [
+            ("limit-rps", &mut policy.limit_rps),
+            ("limit-connections", &mut policy.limit_connections),
+        ] {
+            if let Some(value) = get(name) {
+                match value.parse::<u64>() {
+                    Ok(0) => {}
+                    Ok(n) if n <= 1_000_000 => *field = Some(n),
+                    _ => bad(
+                        name,
+                        format!("{value:?} is not a number from 0 to 1000000"),
+                        "no limit",
+                    ),
+                }
+            }
+        }
+        if let Some(exempt) = get("limit-whitelist") {
+            match parse_sources(exempt) {
+                Ok(ranges) => policy.limit_exempt = ranges,
+                Err(reason) => bad("limit-whitelist", reason, "no client is exempt"),
+            }
+        }
         // An authentication that cannot be applied must not open the route.
         if policy.auth.is_none() && get("auth-type").is_some_and(|t| !t.is_empty()) {
             policy.auth = Some((String::new(), "Authentication Required".to_owned()));
@@ -1089,6 +1126,9 @@ impl Policy {
             use_regex: _,
             cors,
             auth,
+            limit_rps,
+            limit_connections,
+            limit_exempt: _,
         } = self;
         allow.is_some()
             || deny.is_some()
@@ -1107,6 +1147,8 @@ impl Policy {
             || rewrite_target.is_some()
             || cors.is_some()
             || auth.is_some()
+            || limit_rps.is_some()
+            || limit_connections.is_some()
     }
 
     /// A short id of the policy (16 hex digits of its sha256): the same policies share it.
@@ -1220,6 +1262,23 @@ impl Policy {
                 .map(|(_, name)| tera::Value::from(name.as_str()))),
         );
         put("rewrite_path", tera::Value::none());
+        put(
+            "limit_requests",
+            opt(self.limit_rps.map(|rps| tera::Value::from(rps * 6))),
+        );
+        put(
+            "limit_connections",
+            opt(self.limit_connections.map(tera::Value::from)),
+        );
+        put(
+            "limit_exempt",
+            tera::Value::from(
+                self.limit_exempt
+                    .iter()
+                    .map(|r| tera::Value::from(r.as_str()))
+                    .collect::<Vec<_>>(),
+            ),
+        );
         put(
             "auth_secret",
             opt(self

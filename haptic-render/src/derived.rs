@@ -710,6 +710,29 @@ impl Extracts {
                 .unwrap_or_default();
             let (policy, invalid) =
                 crate::nginx::Policy::parse_in(text(ing, &["metadata", "namespace"]), &annotations);
+            // server-alias: every path of a rule with a host, for each alias too.
+            if !policy.aliases.is_empty() {
+                let aliased: Vec<PathExtract> = paths
+                    .iter()
+                    .filter(|p| p.host.as_str().is_some_and(|h| !h.is_empty()))
+                    .flat_map(|p| {
+                        policy.aliases.iter().map(move |alias| PathExtract {
+                            exact: p.exact,
+                            host: Value::from(alias.as_str()),
+                            path: p.path.clone(),
+                            path_type: p.path_type.clone(),
+                            target: ServiceRef {
+                                service: p.target.service.clone(),
+                                want_number: p.target.want_number,
+                                want_name: p.target.want_name.clone(),
+                            },
+                            regex: false,
+                            policy: None,
+                        })
+                    })
+                    .collect();
+                paths.extend(aliased);
+            }
             if policy.applies_per_route() || policy.use_regex {
                 let (id, row) = (policy.id(), policy.row());
                 for p in &mut paths {

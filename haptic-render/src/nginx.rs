@@ -266,7 +266,10 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "rewrite-target",
         "as NGINX's `rewrite <path> <target> break`: when the path matches, the whole path is replaced by the target, `$1`...`$9` being the path's capture groups, the query string kept; the Ingress's non-Exact paths are matched as case-insensitive regular expressions (PCRE2) from the path's start, as NGINX's `~*` locations, after the host's Exact paths and before its Prefix paths; ingress-nginx made every path of the host a regex, HAPTIC only this Ingress's; a path with a backslash is refused, one HAProxy cannot compile fails the webhook's config check",
     ),
-    lost("server-alias", "the alias hosts are not routed"),
+    differs(
+        "server-alias",
+        "comma-separated host names (or `*.` wildcards) routed as every rule of the Ingress that has a host; an alias another Ingress routes first is theirs (a RouteConflict Event), as for any host",
+    ),
     refused("server-snippet"),
     lost(
         "service-upstream",
@@ -506,6 +509,8 @@ pub struct Policy {
     /// `auth-type: basic`: the name of the `auth-secret` (in the Ingress's namespace) and the
     /// realm.
     pub auth: Option<(String, String)>,
+    /// `server-alias`: more hosts for the Ingress's rules.
+    pub aliases: Vec<String>,
     /// `limit-rps`.
     pub limit_rps: Option<u64>,
     /// `limit-connections`.
@@ -546,6 +551,7 @@ impl Default for Policy {
             limit_rps: None,
             limit_connections: None,
             limit_exempt: Vec::new(),
+            aliases: Vec::new(),
         }
     }
 }
@@ -1096,6 +1102,27 @@ impl Policy {
                 Err(reason) => bad("limit-whitelist", reason, "no client is exempt"),
             }
         }
+        if let Some(aliases) = get("server-alias") {
+            let hosts: Vec<&str> = aliases
+                .split(',')
+                .map(str::trim)
+                .filter(|h| !h.is_empty())
+                .collect();
+            let plain = |h: &str| crate::functions::is_hostname(h);
+            if !hosts.is_empty()
+                && hosts
+                    .iter()
+                    .all(|h| plain(h) || h.strip_prefix("*.").is_some_and(plain))
+            {
+                policy.aliases = hosts.into_iter().map(str::to_owned).collect();
+            } else {
+                bad(
+                    "server-alias",
+                    format!("{aliases:?} is not a comma-separated list of lowercase host names"),
+                    "the aliases are not routed",
+                );
+            }
+        }
         // An authentication that cannot be applied must not open the route.
         if policy.auth.is_none() && get("auth-type").is_some_and(|t| !t.is_empty()) {
             policy.auth = Some((String::new(), "Authentication Required".to_owned()));
@@ -1129,6 +1156,7 @@ impl Policy {
             limit_rps,
             limit_connections,
             limit_exempt: _,
+            aliases: _,
         } = self;
         allow.is_some()
             || deny.is_some()

@@ -958,3 +958,41 @@ fn rate_limits_per_client_and_exempt_addresses() {
         .collect();
     assert_eq!(statuses, [200; 12]);
 }
+
+/// server-alias: the alias hosts route as the Ingress's own host, annotations included.
+#[test]
+fn server_aliases_route_like_the_host() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    service(&mut s, "a", "web", ports);
+    apply(
+        &mut s,
+        "ingresses",
+        ingress(
+            "site",
+            "shop.example.com",
+            "/",
+            80,
+            &[
+                ("server-alias", "www.shop.example.com, *.shop.example.org"),
+                ("x-forwarded-prefix", "/alias"),
+            ],
+        ),
+    );
+    let f = front(&s);
+    for host in [
+        "shop.example.com",
+        "www.shop.example.com",
+        "eu.shop.example.org",
+    ] {
+        let answer = f.get(host, "/x");
+        assert_eq!(answer.status, 200, "{host}: {answer:?}");
+        assert!(
+            answer.body.contains("prefix=/alias "),
+            "{host}: {}",
+            answer.body
+        );
+    }
+    assert_eq!(f.get("other.example.com", "/x").status, 404);
+}

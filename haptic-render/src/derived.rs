@@ -767,6 +767,29 @@ impl Extracts {
                 .unwrap_or_default();
             let (policy, invalid) =
                 crate::nginx::Policy::parse_in(text(ing, &["metadata", "namespace"]), &annotations);
+            // server-alias: every path of a rule with a host, for each alias too.
+            if !policy.aliases.is_empty() {
+                let aliased: Vec<PathExtract> = paths
+                    .iter()
+                    .filter(|p| p.host.as_str().is_some_and(|h| !h.is_empty()))
+                    .flat_map(|p| {
+                        policy.aliases.iter().map(move |alias| PathExtract {
+                            exact: p.exact,
+                            host: Value::from(alias.as_str()),
+                            path: p.path.clone(),
+                            path_type: p.path_type.clone(),
+                            target: ServiceRef {
+                                service: p.target.service.clone(),
+                                want_number: p.target.want_number,
+                                want_name: p.target.want_name.clone(),
+                            },
+                            regex: false,
+                            policy: None,
+                        })
+                    })
+                    .collect();
+                paths.extend(aliased);
+            }
             if policy.applies_per_route() || policy.use_regex {
                 let (id, row) = (policy.id(), policy.row());
                 for p in &mut paths {
@@ -2440,7 +2463,8 @@ mod tests {
                 "legacy",
                 json!({
                     "nginx.ingress.kubernetes.io/server-snippet": "return 200;",
-                    "nginx.ingress.kubernetes.io/limit-rps": "5",
+                    "nginx.ingress.kubernetes.io/ssl-passthrough": "true",
+                    "nginx.ingress.kubernetes.io/proxy-body-size": "10 parsecs",
                 }),
             ),
         );
@@ -2457,7 +2481,11 @@ mod tests {
         );
         assert_eq!(
             row["not_applied"],
-            "ingress-nginx annotations not applied: nginx.ingress.kubernetes.io/limit-rps (not-yet-supported) (see docs/nginx-annotations.md)"
+            "ingress-nginx annotations not applied: nginx.ingress.kubernetes.io/ssl-passthrough (not-yet-supported) (see docs/nginx-annotations.md)"
+        );
+        assert_eq!(
+            row["invalid"],
+            "ingress-nginx annotations with values that cannot be applied: nginx.ingress.kubernetes.io/proxy-body-size: \"10 parsecs\" is not a size (bytes, or a number with a k, m or g suffix): no limit applies"
         );
         assert_eq!(row["origin"], json!(["ingresses", "ns", "legacy"]));
         // A new version is judged again: without its nginx annotations it has no row.

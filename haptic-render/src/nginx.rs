@@ -130,7 +130,7 @@ pub static ANNOTATIONS: &[Annotation] = &[
     ),
     differs(
         "auth-secret",
-        "a Secret of the Ingress's own namespace (`name`, or `<own namespace>/name`; another namespace is refused) whose key `auth` holds htpasswd lines; bcrypt (`htpasswd -B`), SHA-256/512-crypt and MD5-crypt hashes are accepted, apr1 (htpasswd's default) and {SHA} are not (HAProxy checks passwords with crypt(3)): the webhook denies them; a stored Ingress keeps the users it can check, and with none (or no such Secret) every request gets 401",
+        "a Secret of the Ingress's own namespace (`name`, or `<own namespace>/name`; another namespace is refused) whose key `auth` holds htpasswd lines; bcrypt (`htpasswd -B`), SHA-256/512-crypt and MD5-crypt hashes are accepted, apr1 (htpasswd's default) and {SHA} are not (HAProxy checks passwords with crypt(3)): the webhook denies them; a stored Ingress keeps the users it can check, and with none (or no such Secret) every request gets 401; the reference config's `secrets` store selects only kubernetes.io/tls Secrets, so an Opaque htpasswd Secret is not seen until it selects them too",
     ),
     refused("auth-snippet"),
     lost(
@@ -205,11 +205,17 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "from-to-www-redirect",
         "no redirect between `www.` and the bare host",
     ),
-    lost("limit-connections", "no per-client connection limit"),
-    lost("limit-rps", "no per-client request rate limit"),
-    lost(
+    supported(
+        "limit-connections",
+        "per client address: a request while more than that many of its requests are in progress on this route gets 503",
+    ),
+    differs(
+        "limit-rps",
+        "per client address, over a sliding one-second window: more than 6 × the rate (NGINX's rate plus its default burst of 5 × the rate) gets 503; NGINX's leaky bucket lets the burst refill at the rate instead",
+    ),
+    supported(
         "limit-whitelist",
-        "no rate limit applies, so there is nothing to exempt",
+        "comma-separated CIDRs exempt from limit-rps and limit-connections",
     ),
     differs(
         "load-balance",
@@ -260,7 +266,10 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "rewrite-target",
         "as NGINX's `rewrite <path> <target> break`: when the path matches, the whole path is replaced by the target, `$1`...`$9` being the path's capture groups, the query string kept; the Ingress's non-Exact paths are matched as case-insensitive regular expressions (PCRE2) from the path's start, as NGINX's `~*` locations, after the host's Exact paths and before its Prefix paths; ingress-nginx made every path of the host a regex, HAPTIC only this Ingress's; a path with a backslash is refused, one HAProxy cannot compile fails the webhook's config check",
     ),
-    lost("server-alias", "the alias hosts are not routed"),
+    differs(
+        "server-alias",
+        "comma-separated host names (or `*.` wildcards) routed as every rule of the Ingress that has a host; an alias another Ingress routes first is theirs (a RouteConflict Event), as for any host",
+    ),
     refused("server-snippet"),
     lost(
         "service-upstream",
@@ -500,6 +509,14 @@ pub struct Policy {
     /// `auth-type: basic`: the name of the `auth-secret` (in the Ingress's namespace) and the
     /// realm.
     pub auth: Option<(String, String)>,
+    /// `server-alias`: more hosts for the Ingress's rules.
+    pub aliases: Vec<String>,
+    /// `limit-rps`.
+    pub limit_rps: Option<u64>,
+    /// `limit-connections`.
+    pub limit_connections: Option<u64>,
+    /// `limit-whitelist`: the CIDRs exempt from the limits.
+    pub limit_exempt: Vec<String>,
     /// `enable-cors: "true"`, with the cors-* values.
     pub cors: Option<Cors>,
     /// `upstream-hash-by`: what to hash (`request_uri`, `uri`, `remote_addr`, `header`,
@@ -531,6 +548,10 @@ impl Default for Policy {
             use_regex: false,
             cors: None,
             auth: None,
+            limit_rps: None,
+            limit_connections: None,
+            limit_exempt: Vec::new(),
+            aliases: Vec::new(),
         }
     }
 }
@@ -1059,6 +1080,49 @@ impl Policy {
                 "no authentication",
             ),
         }
+        for (name, field) in [
+            ("limit-rps", &mut policy.limit_rps),
+            ("limit-connections", &mut policy.limit_connections),
+        ] {
+            if let Some(value) = get(name) {
+                match value.parse::<u64>() {
+                    Ok(0) => {}
+                    Ok(n) if n <= 1_000_000 => *field = Some(n),
+                    _ => bad(
+                        name,
+                        format!("{value:?} is not a number from 0 to 1000000"),
+                        "no limit",
+                    ),
+                }
+            }
+        }
+        if let Some(exempt) = get("limit-whitelist") {
+            match parse_sources(exempt) {
+                Ok(ranges) => policy.limit_exempt = ranges,
+                Err(reason) => bad("limit-whitelist", reason, "no client is exempt"),
+            }
+        }
+        if let Some(aliases) = get("server-alias") {
+            let hosts: Vec<&str> = aliases
+                .split(',')
+                .map(str::trim)
+                .filter(|h| !h.is_empty())
+                .collect();
+            let plain = |h: &str| crate::functions::is_hostname(h);
+            if !hosts.is_empty()
+                && hosts
+                    .iter()
+                    .all(|h| plain(h) || h.strip_prefix("*.").is_some_and(plain))
+            {
+                policy.aliases = hosts.into_iter().map(str::to_owned).collect();
+            } else {
+                bad(
+                    "server-alias",
+                    format!("{aliases:?} is not a comma-separated list of lowercase host names"),
+                    "the aliases are not routed",
+                );
+            }
+        }
         // An authentication that cannot be applied must not open the route.
         if policy.auth.is_none() && get("auth-type").is_some_and(|t| !t.is_empty()) {
             policy.auth = Some((String::new(), "Authentication Required".to_owned()));
@@ -1089,6 +1153,10 @@ impl Policy {
             use_regex: _,
             cors,
             auth,
+            limit_rps,
+            limit_connections,
+            limit_exempt: _,
+            aliases: _,
         } = self;
         allow.is_some()
             || deny.is_some()
@@ -1107,6 +1175,8 @@ impl Policy {
             || rewrite_target.is_some()
             || cors.is_some()
             || auth.is_some()
+            || limit_rps.is_some()
+            || limit_connections.is_some()
     }
 
     /// A short id of the policy (16 hex digits of its sha256): the same policies share it.
@@ -1220,6 +1290,23 @@ impl Policy {
                 .map(|(_, name)| tera::Value::from(name.as_str()))),
         );
         put("rewrite_path", tera::Value::none());
+        put(
+            "limit_requests",
+            opt(self.limit_rps.map(|rps| tera::Value::from(rps * 6))),
+        );
+        put(
+            "limit_connections",
+            opt(self.limit_connections.map(tera::Value::from)),
+        );
+        put(
+            "limit_exempt",
+            tera::Value::from(
+                self.limit_exempt
+                    .iter()
+                    .map(|r| tera::Value::from(r.as_str()))
+                    .collect::<Vec<_>>(),
+            ),
+        );
         put(
             "auth_secret",
             opt(self

@@ -914,3 +914,85 @@ fn basic_authentication_from_a_secret_of_the_ingress_namespace() {
         f.events
     );
 }
+
+/// limit-rps: a client sending faster than the rate and its burst gets 503; one in
+/// limit-whitelist never does.
+#[test]
+fn rate_limits_per_client_and_exempt_addresses() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    service(&mut s, "a", "web", ports);
+    apply(
+        &mut s,
+        "ingresses",
+        ingress(
+            "limited",
+            "limited.example.com",
+            "/",
+            80,
+            &[("limit-rps", "1")],
+        ),
+    );
+    apply(
+        &mut s,
+        "ingresses",
+        ingress(
+            "exempt",
+            "exempt.example.com",
+            "/",
+            80,
+            &[("limit-rps", "1"), ("limit-whitelist", "127.0.0.0/8")],
+        ),
+    );
+    let f = front(&s);
+    // 1 request a second plus a burst of 5: the first 6 of a quick series pass, the rest of
+    // the second are refused.
+    let statuses: Vec<u16> = (0..12)
+        .map(|_| f.get("limited.example.com", "/").status)
+        .collect();
+    assert_eq!(statuses[..6], [200; 6], "{statuses:?}");
+    assert!(statuses[6..].contains(&503), "{statuses:?}");
+    let statuses: Vec<u16> = (0..12)
+        .map(|_| f.get("exempt.example.com", "/").status)
+        .collect();
+    assert_eq!(statuses, [200; 12]);
+}
+
+/// server-alias: the alias hosts route as the Ingress's own host, annotations included.
+#[test]
+fn server_aliases_route_like_the_host() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    service(&mut s, "a", "web", ports);
+    apply(
+        &mut s,
+        "ingresses",
+        ingress(
+            "site",
+            "shop.example.com",
+            "/",
+            80,
+            &[
+                ("server-alias", "www.shop.example.com, *.shop.example.org"),
+                ("x-forwarded-prefix", "/alias"),
+            ],
+        ),
+    );
+    let f = front(&s);
+    for host in [
+        "shop.example.com",
+        "www.shop.example.com",
+        "eu.shop.example.org",
+    ] {
+        let answer = f.get(host, "/x");
+        assert_eq!(answer.status, 200, "{host}: {answer:?}");
+        assert!(
+            answer.body.contains("prefix=/alias "),
+            "{host}: {}",
+            answer.body
+        );
+    }
+    assert_eq!(f.get("other.example.com", "/x").status, 404);
+}

@@ -37,20 +37,25 @@ use tracing::{info, warn};
 
 use crate::{net, node::Shared};
 
-/// Pod numbers (the last octet) in use.
-static NUMBERS: Mutex<Option<HashSet<u8>>> = Mutex::new(None);
+/// Pod numbers (the last octet) in use, and the last one handed out.
+static NUMBERS: Mutex<Option<(HashSet<u8>, u8)>> = Mutex::new(None);
 
+/// The next free number after the last one given: an address is not reused at once, while
+/// EndpointSlices may still name the Pod that had it.
 fn allocate() -> Option<u8> {
     let mut guard = NUMBERS.lock().ok()?;
-    let used = guard.get_or_insert_with(HashSet::new);
-    let n = (2..=254u8).find(|n| !used.contains(n))?;
+    let (used, last) = guard.get_or_insert_with(|| (HashSet::new(), 254));
+    let n = (1..=253u16)
+        .map(|step| 2 + ((u16::from(*last) - 2 + step) % 253) as u8)
+        .find(|n| !used.contains(n))?;
     used.insert(n);
+    *last = n;
     Some(n)
 }
 
 fn release(n: u8) {
     if let Ok(mut guard) = NUMBERS.lock()
-        && let Some(used) = guard.as_mut()
+        && let Some((used, _)) = guard.as_mut()
     {
         used.remove(&n);
     }
@@ -1005,6 +1010,19 @@ mod tests {
         );
         assert_eq!(image_entry(bins, "nginx:1.27"), None);
         assert_eq!(image_entry(bins, "docker.io/library/haptic-agentx"), None);
+    }
+
+    #[test]
+    fn addresses_are_not_reused_at_once() {
+        let first = allocate().expect("one");
+        let second = allocate().expect("two");
+        assert_ne!(first, second);
+        release(first);
+        let third = allocate().expect("three");
+        assert_ne!(third, first, "a released address waits its turn");
+        assert!((2..=254).contains(&third));
+        release(second);
+        release(third);
     }
 
     #[test]

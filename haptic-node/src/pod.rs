@@ -144,9 +144,35 @@ fn field(pod: &Pod, path: &str, ip: &str) -> Option<String> {
     }
 }
 
+/// How often a running Pod's Secret, ConfigMap and downward-API files are written again (the
+/// kubelet's sync: a rotated Secret reaches the Pod without a restart).
+const VOLUME_SYNC: Duration = Duration::from_secs(10);
+
+/// The shortest `expirationSeconds` of the Pod's projected tokens (the API's default 3607).
+fn token_ttl(pod: &Pod) -> Option<Duration> {
+    pod.spec
+        .as_ref()?
+        .volumes
+        .iter()
+        .flatten()
+        .filter_map(|v| v.projected.as_ref())
+        .flat_map(|p| p.sources.iter().flatten())
+        .filter_map(|s| s.service_account_token.as_ref())
+        .map(|t| Duration::from_secs(t.expiration_seconds.unwrap_or(3607).max(600) as u64))
+        .min()
+}
+
 /// The volumes' directories, filled. `Err` with a message while something they need is
-/// missing (a Secret not created yet): the Pod stays `ContainerCreating`.
-async fn prepare_volumes(shared: &Shared, pod: &Pod, dir: &Path) -> Result<()> {
+/// missing (a Secret not created yet): the Pod stays `ContainerCreating`. `resync`: a running
+/// Pod's files written again (emptyDirs left alone); `tokens`: ServiceAccount tokens
+/// requested again too. Each file is replaced by a rename: a reader sees the old or the new.
+async fn prepare_volumes(
+    shared: &Shared,
+    pod: &Pod,
+    dir: &Path,
+    resync: bool,
+    tokens: bool,
+) -> Result<()> {
     let ns = pod.metadata.namespace.clone().unwrap_or_default();
     let spec = pod.spec.as_ref().context("the Pod has no spec")?;
     let security = spec.security_context.as_ref();
@@ -160,11 +186,20 @@ async fn prepare_volumes(shared: &Shared, pod: &Pod, dir: &Path) -> Result<()> {
         if let Some(parent) = path.parent() {
             fs::create_dir_all(parent)?;
         }
-        fs::write(&path, bytes).with_context(|| format!("writing {}", path.display()))?;
-        fs::set_permissions(&path, fs::Permissions::from_mode(0o644))?;
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let staged = path.with_file_name(format!("..{name}.tmp"));
+        fs::write(&staged, bytes).with_context(|| format!("writing {}", staged.display()))?;
+        fs::set_permissions(&staged, fs::Permissions::from_mode(0o644))?;
+        fs::rename(&staged, &path).with_context(|| format!("replacing {}", path.display()))?;
         Ok(())
     };
     for volume in spec.volumes.iter().flatten() {
+        if resync && volume.empty_dir.is_some() {
+            continue;
+        }
         let root = dir.join("volumes").join(&volume.name);
         fs::create_dir_all(&root)?;
         fs::set_permissions(&root, fs::Permissions::from_mode(0o755))?;
@@ -215,7 +250,9 @@ async fn prepare_volumes(shared: &Shared, pod: &Pod, dir: &Path) -> Result<()> {
             }
         } else if let Some(projected) = &volume.projected {
             for source in projected.sources.iter().flatten() {
-                if let Some(token) = &source.service_account_token {
+                if let Some(token) = &source.service_account_token
+                    && tokens
+                {
                     let account = spec
                         .service_account_name
                         .clone()
@@ -716,7 +753,7 @@ async fn lifecycle(
 
     // Volumes (waiting for what they need), then the network.
     loop {
-        match prepare_volumes(shared, &pod, dir).await {
+        match prepare_volumes(shared, &pod, dir, false, true).await {
             Ok(()) => break,
             Err(error) => {
                 let message = format!("{error:#}");
@@ -793,8 +830,23 @@ async fn lifecycle(
         .collect();
     let restart_always = spec.restart_policy.as_deref().unwrap_or("Always") != "Never";
     let mut ready_since: Option<String> = None;
+    let ttl = token_ttl(&pod);
+    let mut next_sync = Instant::now() + VOLUME_SYNC;
+    // Like the kubelet: a new token at 80 % of the old one's life.
+    let mut next_token = ttl.map(|t| Instant::now() + t * 4 / 5);
     loop {
         let now_i = Instant::now();
+        if now_i >= next_sync {
+            next_sync = now_i + VOLUME_SYNC;
+            let tokens = next_token.is_some_and(|due| now_i >= due);
+            match prepare_volumes(shared, &pod, dir, true, tokens).await {
+                Ok(()) if tokens => next_token = ttl.map(|t| now_i + t * 4 / 5),
+                Ok(()) => {}
+                Err(error) => {
+                    warn!(pod = %name, error = format!("{error:#}"), "volume sync failed; the files stay as they were");
+                }
+            }
+        }
         for (rt, c) in containers.iter_mut().zip(&spec.containers) {
             // Exited: record, then restart with a back-off.
             if let Some(child) = rt.child.as_mut()

@@ -14,7 +14,7 @@ use crate::protocol::{
 };
 
 /// Errors of the client. Refusals (`Fenced`, `Superseded`, `Invalid`, `RefusedByPolicy`, `RolledBack`,
-/// `Unauthorized`, `Rejected`) are never retried; `Unavailable` and `Transport` are returned once the
+/// `BaseMismatch`, `DeltasUnsupported`, `Unauthorized`, `Rejected`) are never retried; `Unavailable` and `Transport` are returned once the
 /// retries are spent.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

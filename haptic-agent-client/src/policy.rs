@@ -543,6 +543,21 @@ fn words(line: &str) -> Vec<Word<'_>> {
 /// The section a line opens, if it is a section header: [`Checker::config_line`]'s rule,
 /// read from the first words alone (a line with quotes or escapes is read as it does).
 fn section_header(line: &str) -> Option<Section> {
+    // Only the first two words matter: those without quotes, escapes, `$` or `#` read the
+    // same split at blanks (most lines: the rest of the line is not looked at).
+    let special = |word: &str| word.contains(['"', '\'', '\\', '$', '#']);
+    let mut first_two = line.split_ascii_whitespace();
+    let first = first_two.next()?;
+    let keyword = if special(first) {
+        None
+    } else if matches!(first, "no" | "default") {
+        first_two.next().filter(|second| !special(second))
+    } else {
+        Some(first)
+    };
+    if let Some(keyword) = keyword {
+        return section_of(keyword);
+    }
     let keyword = if line.contains(['"', '\'', '\\', '$', '#']) {
         let words = words(line);
         let skip = usize::from(

@@ -333,3 +333,32 @@ async fn fan_out_bounds_concurrency_and_returns_one_result_per_pod_in_order() {
     assert!(max <= 3, "at most 3 in flight, saw {max}");
     assert!(max >= 2, "applies overlap, saw {max}");
 }
+
+#[tokio::test]
+async fn a_delta_to_an_agent_older_than_deltas_says_so_and_the_whole_set_goes() {
+    // The script serves `/v1/apply` only, as an agent older than deltas does.
+    let script = Script::new(vec![applied("whole")]);
+    let addr = script.clone().serve().await;
+    let base = request(1);
+    let target = ApplyRequest::new(
+        3,
+        "leader-0",
+        2,
+        base.files
+            .clone()
+            .with("maps/new.map", "a b\n")
+            .expect("set"),
+    )
+    .expect("request");
+    let delta = haptic_agent_client::DeltaRequest::between(&base.files, &base.checksum, &target);
+    match client(4).apply_delta(&url(addr), &delta).await {
+        Err(Error::DeltasUnsupported { status }) => assert_eq!(status, 404),
+        other => panic!("expected DeltasUnsupported, got {other:?}"),
+    }
+    assert_eq!(script.requests.load(Ordering::SeqCst), 0, "not retried");
+    let report = client(4)
+        .apply(&url(addr), &target)
+        .await
+        .expect("the whole set");
+    assert_eq!(report.checksum, "whole");
+}

@@ -253,12 +253,11 @@ pub fn plan(live: &FileSet, new: &FileSet) -> Result<Plan> {
             continue;
         }
         if path == MAIN_CONFIG {
-            let text = |bytes: &[u8]| {
+            let text = |bytes| {
                 std::str::from_utf8(bytes)
-                    .map(str::to_owned)
                     .map_err(|_| Error::NeedsReload("haproxy.cfg is not UTF-8".to_owned()))
             };
-            plan.servers = config_changes(&text(old)?, &text(content)?)?;
+            plan.servers = config_changes(text(old)?, text(content)?)?;
         } else {
             plan.files.push((path.to_owned(), content.clone()));
         }

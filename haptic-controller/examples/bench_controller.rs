@@ -89,6 +89,36 @@ async fn all_route(agents: &[Agent], host: &str) {
     }
 }
 
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The agent's journal entries answered since `since_ms`: (ms after it, outcome).
+async fn journal_since(agent: &Agent, since_ms: u64) -> Vec<(u64, String)> {
+    let Some(body) = agent.fetch("/v1/journal").await else {
+        return Vec::new();
+    };
+    let Ok(journal) = serde_json::from_str::<serde_json::Value>(&body) else {
+        return Vec::new();
+    };
+    journal["entries"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|entry| {
+            let at = entry["at_ms"].as_u64()?;
+            (at >= since_ms).then(|| {
+                (
+                    at - since_ms,
+                    entry["outcome"].as_str().unwrap_or("?").to_owned(),
+                )
+            })
+        })
+        .collect()
+}
+
 /// Until every agent's fence is above `epoch`: the new leader's first apply reached it (an
 /// apply raises the fence before anything else, also when its set is already live).
 async fn all_accept(agents: &[Agent], epoch: u64) {
@@ -187,6 +217,7 @@ async fn main() {
         let mut samples = Vec::new();
         for i in 0..20 {
             let start = Instant::now();
+            let start_ms = unix_ms();
             cluster
                 .ingress(
                     &format!("new-{i}"),
@@ -195,8 +226,23 @@ async fn main() {
                     "web-a",
                 )
                 .await;
-            all_route(&agents, &format!("new{i}.example")).await;
+            let mut routed = Vec::new();
+            for agent in &agents {
+                all_route(std::slice::from_ref(agent), &format!("new{i}.example")).await;
+                routed.push(start.elapsed());
+            }
             samples.push(start.elapsed());
+            // Where each change's time went: when each agent routed it, and what each agent's
+            // journal recorded since the Ingress was created (answered at, outcome).
+            let mut applies = Vec::new();
+            for agent in &agents {
+                applies.push(journal_since(agent, start_ms).await);
+            }
+            eprintln!(
+                "change {i}: {} (routed per agent at {:?}); agent applies since (ms after create, outcome): {applies:?}",
+                ms(start.elapsed()),
+                routed.iter().map(|d| d.as_millis()).collect::<Vec<_>>()
+            );
             // Past minDeploymentInterval, so each change measures the pipeline, not the pacing.
             tokio::time::sleep(Duration::from_millis(150)).await;
         }

@@ -1,0 +1,97 @@
+//! Where an endpoint change's delta spends its CPU before the runtime commands, on the rendered
+//! 10k-Ingress reference set: the leader's diff and encoding, then the agent's decoding,
+//! rebuilding the set (with its checksum), the policy of the change and the runtime plan.
+//! 20 runs of each step, p50 and the slowest.
+//!
+//! `cargo run --release -p haptic-agent --example delta_time`
+
+use std::time::{Duration, Instant};
+
+use haptic_agent_client::{
+    ApplyRequest, DeltaRequest, FileSet, Policy,
+    protocol::{MAIN_CONFIG, decode_delta, encode_delta},
+};
+
+fn time<T>(what: &str, mut step: impl FnMut() -> T) -> T {
+    let mut times: Vec<Duration> = Vec::new();
+    let mut out = None;
+    for _ in 0..20 {
+        let started = Instant::now();
+        out = Some(step());
+        times.push(started.elapsed());
+    }
+    times.sort();
+    println!("{what}: p50 {:?}, slowest {:?}", times[10], times[19]);
+    out.expect("ran")
+}
+
+fn main() {
+    let mut stores = haptic_render::reference::stores().expect("stores");
+    haptic_render::fixtures::generate(10_000)
+        .load(&mut stores)
+        .expect("fixtures");
+    let rendered = haptic_render::Renderer::compile(&haptic_render::reference::template_set())
+        .expect("compiles")
+        .render(&stores)
+        .expect("renders");
+    let mut base = FileSet::new();
+    for (path, content) in rendered.iter() {
+        base.insert(path, content.to_vec()).expect("path");
+    }
+    // An endpoint change: one server line's address.
+    let cfg = String::from_utf8_lossy(base.get(MAIN_CONFIG).expect("cfg")).into_owned();
+    let line = cfg
+        .lines()
+        .find(|line| line.trim_start().starts_with("server ") && line.contains(':'))
+        .expect("a server line");
+    let address = line
+        .split_ascii_whitespace()
+        .nth(2)
+        .expect("an address")
+        .to_owned();
+    let changed = cfg.replacen(line, &line.replacen(&address, "10.99.99.99:8080", 1), 1);
+    let mut target = base.clone();
+    target.put(MAIN_CONFIG, changed).expect("put");
+    let base_checksum = time("base checksum (7 MB)", || base.checksum());
+    let request = ApplyRequest::new(1, "bench", 2, target).expect("request");
+    println!(
+        "{} files, {} bytes, haptic.cfg {} bytes",
+        base.len(),
+        base.total_bytes(),
+        cfg.len()
+    );
+    let delta = time("leader: DeltaRequest::between", || {
+        DeltaRequest::between(&base, &base_checksum, &request)
+    });
+    let body = time("leader: encode", || {
+        encode_delta(&delta.to_wire(), 64 << 10)
+    });
+    println!(
+        "delta: {} whole files, {} patched, body {} bytes",
+        delta.files.len(),
+        delta.patches.len(),
+        body.bytes.len()
+    );
+    let decoded = time("agent: decode", || {
+        decode_delta(&body.bytes, body.gzip, 64 << 20)
+            .expect("decodes")
+            .into_delta()
+            .expect("valid")
+    });
+    let files = time("agent: apply_to (the set and its checksum)", || {
+        decoded.apply_to(&base).expect("applies")
+    });
+    let policy = Policy::default();
+    let (_, roles) = policy.violations_and_roles(&base);
+    time("agent: policy of the change", || {
+        let hunks = decoded.patches.get(MAIN_CONFIG).map(Vec::as_slice);
+        let old = base.get(MAIN_CONFIG).map(AsRef::as_ref);
+        policy.violations_of_change(&files, decoded.changed(), &roles, old.zip(hunks))
+    });
+    time("agent: policy of the whole set (before)", || {
+        policy.violations(&files)
+    });
+    time("agent: runtime plan", || {
+        haptic_agent::runtime::plan(&base, &files).expect("a runtime change")
+    });
+}

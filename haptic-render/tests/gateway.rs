@@ -11,7 +11,7 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -35,29 +35,28 @@ impl Drop for Running {
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    common::free_port()
 }
 
 fn start(dir: tempfile::TempDir, ports: &[u16]) -> Running {
+    let log = dir.path().join("haproxy.stderr");
     let child = Command::new(common::haproxy())
         .arg("-db")
         .arg("-f")
         .arg(dir.path().join("haproxy.cfg"))
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .unwrap();
-    let running = Running { child, _dir: dir };
+    let mut running = Running { child, _dir: dir };
     let deadline = Instant::now() + Duration::from_secs(20);
     for port in ports {
         while TcpStream::connect(("127.0.0.1", *port)).is_err() {
+            let exited = running.child.try_wait().unwrap();
             assert!(
-                Instant::now() < deadline,
-                "haproxy did not listen on {port}"
+                exited.is_none() && Instant::now() < deadline,
+                "haproxy did not listen on {port} (exited: {exited:?}): {}",
+                std::fs::read_to_string(&log).unwrap_or_default()
             );
             std::thread::sleep(Duration::from_millis(20));
         }

@@ -32,11 +32,7 @@ impl Drop for Running {
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    common::free_port()
 }
 
 /// Starts HAProxy on `dir/haproxy.cfg` and waits, with a bound, until `ports` accept.

@@ -71,3 +71,20 @@ pub fn render_reference(stores: &Stores) -> FileSet {
         .render(stores)
         .unwrap_or_else(|e| panic!("reference set renders: {e}"))
 }
+
+/// A port for a test's HAProxy to bind on 127.0.0.1: free when chosen, picked at random
+/// below the kernel's ephemeral range (32768 and up), so that no outgoing connection of this
+/// or another test can take it between now and HAProxy's bind (a port the OS hands out for
+/// `bind(:0)` is in that range and can be reused by any client socket meanwhile).
+pub fn free_port() -> u16 {
+    use std::hash::{BuildHasher, RandomState};
+    let random = RandomState::new();
+    for attempt in 0u32..1000 {
+        let pick = random.hash_one((std::process::id(), attempt, std::time::Instant::now()));
+        let port = 20_000 + u16::try_from(pick % 12_000).unwrap_or(0);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port between 20000 and 32000 on 127.0.0.1 after 1000 tries");
+}

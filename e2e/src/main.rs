@@ -71,39 +71,44 @@ fn options() -> Result<Options> {
     Ok(options)
 }
 
+/// `haptic-node down` for the local cluster whose kubeconfig is `kubeconfig` (it lies in the
+/// cluster's state directory; haptic-node is built beside this binary).
+fn local_down(kubeconfig: &std::path::Path) {
+    let (Some(state), Ok(exe)) = (kubeconfig.parent(), std::env::current_exe()) else {
+        return;
+    };
+    let node = exe.with_file_name("haptic-node");
+    match std::process::Command::new(&node)
+        .arg("down")
+        .arg("--state")
+        .arg(state)
+        .status()
+    {
+        Ok(status) if status.success() => {}
+        Ok(status) => eprintln!("e2e: {} down failed ({status})", node.display()),
+        Err(error) => eprintln!("e2e: running {}: {error}", node.display()),
+    }
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
-    let result = async {
-        let options = options()?;
-        let started = std::time::Instant::now();
-        let cluster = match &options.local {
-            Some(kubeconfig) => cluster::Cluster::local(&options, kubeconfig).await?,
-            None => {
-                cmd::preflight().await?;
-                cluster::Cluster::up(&options).await?
-            }
-        };
-        eprintln!("e2e: installed in {:.0?}", started.elapsed());
-        let outcome = scenarios::run(&cluster).await;
-        if outcome.is_err() {
-            cluster.diagnose().await;
+    let options = match options() {
+        Ok(options) => options,
+        Err(error) => {
+            eprintln!("e2e: {error:#}");
+            return ExitCode::FAILURE;
         }
-        eprintln!("e2e: finished in {:.0?}", started.elapsed());
-        if options.local.is_some() {
-            // The local cluster is `cargo xtask`'s to stop.
-        } else if options.keep {
-            eprintln!(
-                "e2e: cluster `{}` kept; kubeconfig {}",
-                options.name,
-                cluster.kubeconfig.display()
-            );
-        } else {
-            cluster.delete().await;
-        }
-        outcome
+    };
+    let local_down_after = options.local.clone().filter(|_| !options.keep);
+    // Ctrl-C on the local cluster still ends in `down` (unless --keep).
+    let outcome = tokio::select! {
+        result = run(options) => result,
+        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
+    };
+    if let Some(kubeconfig) = local_down_after {
+        local_down(&kubeconfig);
     }
-    .await;
-    match result {
+    match outcome {
         Ok(()) => {
             eprintln!("e2e: all scenarios passed");
             ExitCode::SUCCESS
@@ -113,4 +118,33 @@ async fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+async fn run(options: Options) -> Result<()> {
+    let started = std::time::Instant::now();
+    let cluster = match &options.local {
+        Some(kubeconfig) => cluster::Cluster::local(&options, kubeconfig).await?,
+        None => {
+            cmd::preflight().await?;
+            cluster::Cluster::up(&options).await?
+        }
+    };
+    eprintln!("e2e: installed in {:.0?}", started.elapsed());
+    let outcome = scenarios::run(&cluster).await;
+    if outcome.is_err() {
+        cluster.diagnose().await;
+    }
+    eprintln!("e2e: finished in {:.0?}", started.elapsed());
+    if options.local.is_some() {
+        // The local cluster is stopped by `main` (or kept with --keep).
+    } else if options.keep {
+        eprintln!(
+            "e2e: cluster `{}` kept; kubeconfig {}",
+            options.name,
+            cluster.kubeconfig.display()
+        );
+    } else {
+        cluster.delete().await;
+    }
+    outcome
 }

@@ -198,6 +198,17 @@ fn start(state: &Path, assets: &Path, bins: &Path) -> Result<()> {
     let ca_path = write("ca.crt", &ca.pem())?;
     let cert_path = write("apiserver.crt", &serving.pem())?;
     let key_path = write("apiserver.key", &serving_key.serialize_pem())?;
+    // The API server's client certificate for the kubelet endpoint (`kubectl logs`): the
+    // process kubelet accepts no other client.
+    let kubelet_client_key = KeyPair::generate()?;
+    let mut kubelet_client = CertificateParams::new(Vec::<String>::new())?;
+    kubelet_client
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "kube-apiserver-kubelet-client");
+    kubelet_client.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+    let kubelet_client = kubelet_client.signed_by(&kubelet_client_key, &issuer)?;
+    let kubelet_client_cert = write("kubelet-client.crt", &kubelet_client.pem())?;
+    let kubelet_client_key = write("kubelet-client.key", &kubelet_client_key.serialize_pem())?;
     let sa_key = KeyPair::generate()?;
     let sa_key_path = write("sa.key", &sa_key.serialize_pem())?;
     let sa_pub_path = write("sa.pub", &sa_key.public_key_pem())?;
@@ -251,6 +262,11 @@ fn start(state: &Path, assets: &Path, bins: &Path) -> Result<()> {
             "--allow-privileged=true".to_owned(),
             // `kubectl logs` through the process kubelet's endpoint on the bridge.
             "--kubelet-preferred-address-types=InternalIP".to_owned(),
+            format!(
+                "--kubelet-client-certificate={}",
+                kubelet_client_cert.display()
+            ),
+            format!("--kubelet-client-key={}", kubelet_client_key.display()),
             "--v=0".to_owned(),
         ],
     )?;

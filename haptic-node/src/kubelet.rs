@@ -1,14 +1,15 @@
 //! The one kubelet API the process kubelet serves: `GET /containerLogs/NS/POD/CONTAINER`
 //! (`tailLines`, `previous`), over HTTPS with a certificate of its own, on the bridge address.
 //! kube-apiserver proxies `kubectl logs` here (it reaches the Node by its InternalIP and, given
-//! no kubelet CA, does not verify the certificate, as on a kubeadm cluster). `follow` answers
-//! what is there and ends.
+//! no kubelet CA, does not verify the certificate, as on a kubeadm cluster). Only a client
+//! certificate from the cluster's CA is served (the API server's `kubelet-client`): a Pod on
+//! the bridge reads no other Pod's logs. `follow` answers what is there and ends.
 
 use std::{path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::{Context, Result};
 use rcgen::{CertificateParams, KeyPair};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, pem::PemObject as _};
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::TcpListener,
@@ -21,22 +22,30 @@ use crate::net;
 
 /// Binds the bridge address on a port the OS picks; returns the listener, its port and the
 /// TLS acceptor (a self-signed certificate for the bridge address).
-pub(crate) async fn bind() -> Result<(TcpListener, u16, TlsAcceptor)> {
+pub(crate) async fn bind(state: &std::path::Path) -> Result<(TcpListener, u16, TlsAcceptor)> {
     let listener = TcpListener::bind((net::BRIDGE_IP, 0))
         .await
         .context("binding the kubelet port")?;
     let port = listener.local_addr()?.port();
     let key = KeyPair::generate()?;
     let cert = CertificateParams::new(vec![net::BRIDGE_IP.to_owned()])?.self_signed(&key)?;
-    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()?
-    .with_no_client_auth()
-    .with_single_cert(
-        vec![CertificateDer::from(cert.der().to_vec())],
-        PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
-    )?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for ca in CertificateDer::pem_file_iter(state.join("ca.crt"))? {
+        roots.add(ca?)?;
+    }
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        Arc::new(roots),
+        provider.clone(),
+    )
+    .build()?;
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(
+            vec![CertificateDer::from(cert.der().to_vec())],
+            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+        )?;
     Ok((listener, port, TlsAcceptor::from(Arc::new(config))))
 }
 

@@ -105,7 +105,7 @@ pub(crate) async fn run(flags: &Flags) -> Result<()> {
         api_port: api_port.to_owned(),
     };
     let nodes: Api<Node> = Api::all(client.clone());
-    let (listener, kubelet_port, acceptor) = crate::kubelet::bind().await?;
+    let (listener, kubelet_port, acceptor) = crate::kubelet::bind(&state).await?;
     register(&nodes).await?;
     heartbeat(&nodes, kubelet_port).await?;
     info!(node = NODE_NAME, kubelet_port, "registered");

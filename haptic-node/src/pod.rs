@@ -37,20 +37,25 @@ use tracing::{info, warn};
 
 use crate::{net, node::Shared};
 
-/// Pod numbers (the last octet) in use.
-static NUMBERS: Mutex<Option<HashSet<u8>>> = Mutex::new(None);
+/// Pod numbers (the last octet) in use, and the last one handed out.
+static NUMBERS: Mutex<Option<(HashSet<u8>, u8)>> = Mutex::new(None);
 
+/// The next free number after the last one given: an address is not reused at once, while
+/// EndpointSlices may still name the Pod that had it.
 fn allocate() -> Option<u8> {
     let mut guard = NUMBERS.lock().ok()?;
-    let used = guard.get_or_insert_with(HashSet::new);
-    let n = (2..=254u8).find(|n| !used.contains(n))?;
+    let (used, last) = guard.get_or_insert_with(|| (HashSet::new(), 254));
+    let n = (1..=253u16)
+        .map(|step| 2 + ((u16::from(*last) - 2 + step) % 253) as u8)
+        .find(|n| !used.contains(n))?;
     used.insert(n);
+    *last = n;
     Some(n)
 }
 
 fn release(n: u8) {
     if let Ok(mut guard) = NUMBERS.lock()
-        && let Some(used) = guard.as_mut()
+        && let Some((used, _)) = guard.as_mut()
     {
         used.remove(&n);
     }
@@ -139,9 +144,35 @@ fn field(pod: &Pod, path: &str, ip: &str) -> Option<String> {
     }
 }
 
+/// How often a running Pod's Secret, ConfigMap and downward-API files are written again (the
+/// kubelet's sync: a rotated Secret reaches the Pod without a restart).
+const VOLUME_SYNC: Duration = Duration::from_secs(10);
+
+/// The shortest `expirationSeconds` of the Pod's projected tokens (the API's default 3607).
+fn token_ttl(pod: &Pod) -> Option<Duration> {
+    pod.spec
+        .as_ref()?
+        .volumes
+        .iter()
+        .flatten()
+        .filter_map(|v| v.projected.as_ref())
+        .flat_map(|p| p.sources.iter().flatten())
+        .filter_map(|s| s.service_account_token.as_ref())
+        .map(|t| Duration::from_secs(t.expiration_seconds.unwrap_or(3607).max(600) as u64))
+        .min()
+}
+
 /// The volumes' directories, filled. `Err` with a message while something they need is
-/// missing (a Secret not created yet): the Pod stays `ContainerCreating`.
-async fn prepare_volumes(shared: &Shared, pod: &Pod, dir: &Path) -> Result<()> {
+/// missing (a Secret not created yet): the Pod stays `ContainerCreating`. `resync`: a running
+/// Pod's files written again (emptyDirs left alone); `tokens`: ServiceAccount tokens
+/// requested again too. Each file is replaced by a rename: a reader sees the old or the new.
+async fn prepare_volumes(
+    shared: &Shared,
+    pod: &Pod,
+    dir: &Path,
+    resync: bool,
+    tokens: bool,
+) -> Result<()> {
     let ns = pod.metadata.namespace.clone().unwrap_or_default();
     let spec = pod.spec.as_ref().context("the Pod has no spec")?;
     let security = spec.security_context.as_ref();
@@ -155,11 +186,20 @@ async fn prepare_volumes(shared: &Shared, pod: &Pod, dir: &Path) -> Result<()> {
         if let Some(parent) = path.parent() {
             fs::create_dir_all(parent)?;
         }
-        fs::write(&path, bytes).with_context(|| format!("writing {}", path.display()))?;
-        fs::set_permissions(&path, fs::Permissions::from_mode(0o644))?;
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let staged = path.with_file_name(format!("..{name}.tmp"));
+        fs::write(&staged, bytes).with_context(|| format!("writing {}", staged.display()))?;
+        fs::set_permissions(&staged, fs::Permissions::from_mode(0o644))?;
+        fs::rename(&staged, &path).with_context(|| format!("replacing {}", path.display()))?;
         Ok(())
     };
     for volume in spec.volumes.iter().flatten() {
+        if resync && volume.empty_dir.is_some() {
+            continue;
+        }
         let root = dir.join("volumes").join(&volume.name);
         fs::create_dir_all(&root)?;
         fs::set_permissions(&root, fs::Permissions::from_mode(0o755))?;
@@ -210,7 +250,9 @@ async fn prepare_volumes(shared: &Shared, pod: &Pod, dir: &Path) -> Result<()> {
             }
         } else if let Some(projected) = &volume.projected {
             for source in projected.sources.iter().flatten() {
-                if let Some(token) = &source.service_account_token {
+                if let Some(token) = &source.service_account_token
+                    && tokens
+                {
                     let account = spec
                         .service_account_name
                         .clone()
@@ -711,7 +753,7 @@ async fn lifecycle(
 
     // Volumes (waiting for what they need), then the network.
     loop {
-        match prepare_volumes(shared, &pod, dir).await {
+        match prepare_volumes(shared, &pod, dir, false, true).await {
             Ok(()) => break,
             Err(error) => {
                 let message = format!("{error:#}");
@@ -788,8 +830,23 @@ async fn lifecycle(
         .collect();
     let restart_always = spec.restart_policy.as_deref().unwrap_or("Always") != "Never";
     let mut ready_since: Option<String> = None;
+    let ttl = token_ttl(&pod);
+    let mut next_sync = Instant::now() + VOLUME_SYNC;
+    // Like the kubelet: a new token at 80 % of the old one's life.
+    let mut next_token = ttl.map(|t| Instant::now() + t * 4 / 5);
     loop {
         let now_i = Instant::now();
+        if now_i >= next_sync {
+            next_sync = now_i + VOLUME_SYNC;
+            let tokens = next_token.is_some_and(|due| now_i >= due);
+            match prepare_volumes(shared, &pod, dir, true, tokens).await {
+                Ok(()) if tokens => next_token = ttl.map(|t| now_i + t * 4 / 5),
+                Ok(()) => {}
+                Err(error) => {
+                    warn!(pod = %name, error = format!("{error:#}"), "volume sync failed; the files stay as they were");
+                }
+            }
+        }
         for (rt, c) in containers.iter_mut().zip(&spec.containers) {
             // Exited: record, then restart with a back-off.
             if let Some(child) = rt.child.as_mut()
@@ -1005,6 +1062,19 @@ mod tests {
         );
         assert_eq!(image_entry(bins, "nginx:1.27"), None);
         assert_eq!(image_entry(bins, "docker.io/library/haptic-agentx"), None);
+    }
+
+    #[test]
+    fn addresses_are_not_reused_at_once() {
+        let first = allocate().expect("one");
+        let second = allocate().expect("two");
+        assert_ne!(first, second);
+        release(first);
+        let third = allocate().expect("three");
+        assert_ne!(third, first, "a released address waits its turn");
+        assert!((2..=254).contains(&third));
+        release(second);
+        release(third);
     }
 
     #[test]

@@ -196,6 +196,23 @@ async fn a_pod_runs_as_a_process_and_leaves_nothing_behind() {
     .expect("the projected token, in the container's mount namespace");
     assert_eq!(token.split('.').count(), 3, "a JWT");
 
+    // A changed ConfigMap reaches the running container's mount (the kubelet's sync).
+    let patch = json!({ "data": { "haproxy.cfg": "# changed\n" } });
+    cms.patch(
+        "echo",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(&patch),
+    )
+    .await
+    .expect("patch cm");
+    let mounted = format!("/proc/{pid}/root/etc/echo/haproxy.cfg");
+    eventually(
+        "the new ConfigMap in the container",
+        Duration::from_secs(30),
+        || async { (std::fs::read_to_string(&mounted).ok()? == "# changed\n").then_some(()) },
+    )
+    .await;
+
     // An image it does not know: Pending, ErrImagePull, and why.
     let unknown: Pod = serde_json::from_value(json!({
         "metadata": { "name": "nginx" },

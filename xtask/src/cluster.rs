@@ -46,7 +46,7 @@ pub(crate) fn up() -> Result<()> {
         bail!("the local cluster needs root (a bridge, network namespaces, mounts, setpriv)");
     }
     super::ensure_test_tools()?;
-    let assets = super::envtest::ensure()?;
+    let assets = super::envtest::ensure_all()?;
     super::cargo(
         &[
             "build",

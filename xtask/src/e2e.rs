@@ -55,9 +55,12 @@ fn local(args: &[String]) -> Result<()> {
     super::cluster::up()?;
     let up = started.elapsed();
     let mut command = Command::new(super::cargo_bin());
+    // haptic-e2e takes the cluster down at its end, and on Ctrl-C (which ends this process
+    // at once), unless --keep.
     command
         .args(["run", "--quiet", "-p", "haptic-e2e", "--", "--local"])
         .arg(super::cluster::kubeconfig())
+        .args(keep.then_some("--keep"))
         .current_dir(super::root());
     let result = wait_bounded_stderr(
         &mut command,
@@ -74,7 +77,7 @@ fn local(args: &[String]) -> Result<()> {
             "xtask: cluster kept: KUBECONFIG={} (cargo xtask cluster down)",
             super::cluster::kubeconfig().display()
         );
-    } else {
+    } else if super::cluster::state_dir().exists() {
         super::cluster::run(&["down".to_owned()])?;
     }
     let (status, _) = result?;

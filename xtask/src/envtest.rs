@@ -2,8 +2,8 @@
 //! tests' real tier, following controller-runtime envtest's convention, and
 //! kube-controller-manager beside them for the local cluster (`cargo xtask cluster`).
 //!
-//! When `KUBEBUILDER_ASSETS` names a directory holding the three binaries, that directory is
-//! the answer. Otherwise they are built once per machine with `go build` from the Go module in
+//! When `KUBEBUILDER_ASSETS` names a directory holding the binaries a task needs (the tests:
+//! kube-apiserver and etcd; the cluster: the three), that directory is the answer. Otherwise they are built once per machine with `go build` from the Go module in
 //! `xtask/envtest/` (k8s.io/kubernetes and go.etcd.io/etcd, fetched through the Go module proxy
 //! and nothing else) into a cache outside `target/`, keyed by their versions, so `cargo clean`
 //! does not cost a 17-minute rebuild. The build goes to a temporary directory renamed into
@@ -22,10 +22,12 @@ use anyhow::{Context, Result, bail};
 pub(crate) const KUBERNETES_VERSION: &str = "v1.34.4";
 /// The etcd release Kubernetes v1.34 is tested with.
 pub(crate) const ETCD_VERSION: &str = "v3.6.4";
-/// The binaries a usable asset directory holds. A cache from before kube-controller-manager
-/// joined them is incomplete and built again (with a warm Go build cache, kube-controller-manager
-/// costs about 4 minutes on 2 cores, the other two a relink).
+/// The binaries a build writes. A cache from before kube-controller-manager joined them still
+/// serves the tests; the local cluster builds it again (with a warm Go build cache,
+/// kube-controller-manager costs about 4 minutes on 2 cores, the other two a relink).
 const BINARIES: [&str; 3] = ["kube-apiserver", "etcd", "kube-controller-manager"];
+/// What the real-API-server tests need.
+const FOR_TESTS: [&str; 2] = ["kube-apiserver", "etcd"];
 
 /// `cargo xtask envtest [--check]`: ensures the assets and prints their directory.
 pub(crate) fn run(args: &[String]) -> Result<()> {
@@ -33,9 +35,10 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         bail!("unknown envtest argument `{other}` (known: --check)");
     }
     let dir = if args.iter().any(|a| a == "--check") {
-        existing()?.context("no envtest assets yet: run `cargo xtask envtest` to build them")?
+        existing(&BINARIES)?
+            .context("no envtest assets yet: run `cargo xtask envtest` to build them")?
     } else {
-        ensure()?
+        ensure_all()?
     };
     println!("{}", dir.display());
     Ok(())
@@ -58,30 +61,41 @@ pub(crate) fn cache_dir() -> Result<PathBuf> {
         .join(format!("k8s-{KUBERNETES_VERSION}-etcd-{ETCD_VERSION}")))
 }
 
-fn complete(dir: &Path) -> bool {
-    BINARIES.iter().all(|b| dir.join(b).is_file())
+fn complete(dir: &Path, needed: &[&str]) -> bool {
+    needed.iter().all(|b| dir.join(b).is_file())
 }
 
 /// The assets when they exist already (KUBEBUILDER_ASSETS first, then the cache).
-fn existing() -> Result<Option<PathBuf>> {
+fn existing(needed: &[&str]) -> Result<Option<PathBuf>> {
     if let Some(assets) = env::var_os("KUBEBUILDER_ASSETS").filter(|v| !v.is_empty()) {
         let dir = PathBuf::from(assets);
-        if complete(&dir) {
+        if complete(&dir, needed) {
             return Ok(Some(dir));
         }
         eprintln!(
             "xtask: KUBEBUILDER_ASSETS={} does not hold all of {}; using the xtask cache",
             dir.display(),
-            BINARIES.join(", ")
+            needed.join(", ")
         );
     }
     let cache = cache_dir()?;
-    Ok(complete(&cache).then_some(cache))
+    Ok(complete(&cache, needed).then_some(cache))
 }
 
-/// Returns a directory holding kube-apiserver, etcd and kube-controller-manager, building them first when needed.
+/// Returns a directory holding kube-apiserver and etcd (the tests' real tier), building the
+/// assets first when needed.
 pub(crate) fn ensure() -> Result<PathBuf> {
-    if let Some(dir) = existing()? {
+    ensure_with(&FOR_TESTS)
+}
+
+/// Returns a directory holding kube-apiserver, etcd and kube-controller-manager (the local
+/// cluster), building them first when needed.
+pub(crate) fn ensure_all() -> Result<PathBuf> {
+    ensure_with(&BINARIES)
+}
+
+fn ensure_with(needed: &[&str]) -> Result<PathBuf> {
+    if let Some(dir) = existing(needed)? {
         return Ok(dir);
     }
     let cache = cache_dir()?;
@@ -128,7 +142,7 @@ fn build_into(cache: &Path) -> Result<()> {
         let _ = fs::remove_dir_all(&staging);
         return Err(error);
     }
-    if !complete(&staging) {
+    if !complete(&staging, &BINARIES) {
         let _ = fs::remove_dir_all(&staging);
         bail!(
             "`go build` succeeded but did not write all of {}",

@@ -82,8 +82,9 @@ const HELP: &str = "usage: cargo xtask <task>
                      it and exits; --real uses a real kube-apiserver + etcd (envtest assets, root for network namespaces)
   bench [NAME...]    run benchmarks: election, agent, render, eventbus, controller, webhook (default: all)
   e2e [ARGS]         acceptance scenarios on a kind cluster (needs docker, kind, kubectl; --keep, --skip-build)
-  e2e --local [ARGS] the same scenarios on the local cluster below (root, kubectl; brings it up when it is down;
-                     --keep leaves it up): deploy/ applied as written, its Pods run as local processes
+  e2e --local [--keep]
+                     the same scenarios on a fresh local cluster (below; root, kubectl), taken down at the end and on
+                     Ctrl-C unless --keep: deploy/ applied as deploy/README.md says, its Pods run as local processes
   cluster up|down|status
                      a local Kubernetes cluster with no containers (root): etcd, kube-apiserver, kube-controller-manager
                      (envtest assets) and a process kubelet (haptic-node) running the project's images as the workspace's

@@ -95,7 +95,9 @@ fn ensure_built() -> Result<PathBuf> {
         "the conformance suite is built with Go, and `go` is not on PATH: install Go >= 1.25",
     )?;
     let module = super::root().join("xtask").join("conformance");
-    let parent = cache.parent().context("the cache directory has no parent")?;
+    let parent = cache
+        .parent()
+        .context("the cache directory has no parent")?;
     fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
     let staging = parent.join(format!(".building-{}", std::process::id()));
     if staging.exists() {
@@ -238,11 +240,7 @@ fn on_cluster(options: &Options, cache: &Path) -> Result<()> {
     let kubeconfig = super::cluster::kubeconfig();
     // The CRDs before deploy/: the controller watches the Gateway API kinds from its start.
     let crds = options.crds.to_string_lossy().into_owned();
-    kubectl(
-        &kubeconfig,
-        &["apply", "--server-side", "-f", &crds],
-        None,
-    )?;
+    kubectl(&kubeconfig, &["apply", "--server-side", "-f", &crds], None)?;
     kubectl(
         &kubeconfig,
         &[
@@ -294,10 +292,7 @@ fn on_cluster(options: &Options, cache: &Path) -> Result<()> {
         .arg("-organization=haptic")
         .arg("-project=haptic")
         .arg("-url=https://github.com/haptic-rs/haptic")
-        .arg(format!(
-            "-version={}",
-            env!("CARGO_PKG_VERSION")
-        ))
+        .arg(format!("-version={}", env!("CARGO_PKG_VERSION")))
         .arg("-contact=https://github.com/haptic-rs/haptic/issues")
         .arg(format!("-report-output={}", report.display()))
         .current_dir(&out_dir)
@@ -335,7 +330,10 @@ fn on_cluster(options: &Options, cache: &Path) -> Result<()> {
     }
     let (status, _) = result?;
     if !status.success() {
-        bail!("the conformance suite failed ({status}); its log: {}", log.display());
+        bail!(
+            "the conformance suite failed ({status}); its log: {}",
+            log.display()
+        );
     }
     Ok(())
 }
@@ -357,7 +355,8 @@ fn summary(log: &str) -> (Vec<String>, Vec<String>, Vec<String>) {
         };
         let name = rest.split_whitespace().next().unwrap_or_default();
         let mut parts = name.split('/');
-        if let (Some("TestConformance"), Some(test), None) = (parts.next(), parts.next(), parts.next())
+        if let (Some("TestConformance"), Some(test), None) =
+            (parts.next(), parts.next(), parts.next())
         {
             list.push(test.to_owned());
         }

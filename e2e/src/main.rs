@@ -12,6 +12,8 @@
 //! loaded (its process kubelet runs the workspace's binaries for the images `deploy/` names),
 //! HAProxy is reached at a ready endpoint of the `haproxy` Service (a Pod address on the
 //! bridge: there is no kube-proxy), and the cluster is left to `cargo xtask cluster down`.
+//! `--install-only` (with `--local`): `deploy/` applied and rolled out, no scenario, the
+//! cluster kept (`cargo xtask conformance` installs the controller so).
 
 mod cluster;
 mod cmd;
@@ -33,6 +35,8 @@ pub(crate) struct Options {
     pub(crate) root: PathBuf,
     /// The local cluster's admin kubeconfig (`--local`), instead of kind.
     pub(crate) local: Option<PathBuf>,
+    /// Only apply `deploy/` (local cluster) and keep it: no scenario.
+    pub(crate) install_only: bool,
 }
 
 fn options() -> Result<Options> {
@@ -43,12 +47,14 @@ fn options() -> Result<Options> {
         skip_build: false,
         root: manifest.parent().map(PathBuf::from).unwrap_or(manifest),
         local: None,
+        install_only: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--keep" => options.keep = true,
             "--skip-build" => options.skip_build = true,
+            "--install-only" => options.install_only = true,
             "--local" => match args.next() {
                 Some(kubeconfig) => options.local = Some(PathBuf::from(kubeconfig)),
                 None => bail!("--local needs the local cluster's kubeconfig"),
@@ -59,14 +65,20 @@ fn options() -> Result<Options> {
             },
             "-h" | "--help" => {
                 println!(
-                    "usage: haptic-e2e [--name NAME] [--keep] [--skip-build] | --local KUBECONFIG"
+                    "usage: haptic-e2e [--name NAME] [--keep] [--skip-build] | --local KUBECONFIG [--keep] [--install-only]"
                 );
                 std::process::exit(0);
             }
             other => bail!(
-                "unknown argument `{other}` (known: --name NAME, --keep, --skip-build, --local KUBECONFIG)"
+                "unknown argument `{other}` (known: --name NAME, --keep, --skip-build, --local KUBECONFIG, --install-only)"
             ),
         }
+    }
+    if options.install_only {
+        if options.local.is_none() {
+            bail!("--install-only goes with --local KUBECONFIG");
+        }
+        options.keep = true;
     }
     Ok(options)
 }
@@ -100,6 +112,7 @@ async fn main() -> ExitCode {
         }
     };
     let local_down_after = options.local.clone().filter(|_| !options.keep);
+    let install_only = options.install_only;
     // Ctrl-C on the local cluster still ends in `down` (unless --keep).
     let outcome = tokio::select! {
         result = run(options) => result,
@@ -109,6 +122,10 @@ async fn main() -> ExitCode {
         local_down(&kubeconfig);
     }
     match outcome {
+        Ok(()) if install_only => {
+            eprintln!("e2e: deploy/ installed (--install-only)");
+            ExitCode::SUCCESS
+        }
         Ok(()) => {
             eprintln!("e2e: all scenarios passed");
             ExitCode::SUCCESS
@@ -130,6 +147,9 @@ async fn run(options: Options) -> Result<()> {
         }
     };
     eprintln!("e2e: installed in {:.0?}", started.elapsed());
+    if options.install_only {
+        return Ok(());
+    }
     let outcome = scenarios::run(&cluster).await;
     if outcome.is_err() {
         cluster.diagnose().await;

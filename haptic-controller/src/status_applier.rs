@@ -79,8 +79,12 @@ pub fn component(
             if pending.is_empty() {
                 continue;
             }
+            let mut by_object: HashMap<ObjectKey<'_>, Vec<&StatusRequest>> = HashMap::new();
+            for request in &declared {
+                by_object.entry(object(request)).or_default().push(request);
+            }
             let mut failed = 0usize;
-            for (request, ar) in pending {
+            for (request, ar) in pending_objects(pending) {
                 if !ctx.lease_is_fresh() {
                     debug!("not writing template status: this replica's Lease is not fresh");
                     failed += 1;
@@ -90,8 +94,16 @@ pub fn component(
                     Some(ns) => Api::namespaced_with(client.clone(), ns, &ar),
                     None => Api::all_with(client.clone(), &ar),
                 };
+                // Every field the templates declare for this object, in one apply: a
+                // server-side apply removes the fields its manager owned and left out, so a
+                // patch of one field would drop the others (a Gateway's `conditions` reverting
+                // to the CRD's defaults when its `listeners` are written).
+                let fields: &[&StatusRequest] =
+                    by_object.get(&object(&request)).map_or(&[], Vec::as_slice);
                 let mut status = serde_json::Map::new();
-                status.insert(request.field.clone(), request.value.clone());
+                for field in fields {
+                    status.insert(field.field.clone(), field.value.clone());
+                }
                 let patch = json!({
                     "apiVersion": request.api_version,
                     "kind": request.kind,
@@ -106,8 +118,11 @@ pub fn component(
                 };
                 match result {
                     Ok(Ok(_)) => {
-                        info!(kind = %request.kind, namespace = ?request.namespace, name = %request.name, field = %request.field, "template status written");
-                        written.insert(key(&request), request.value.clone());
+                        let names: Vec<&str> = fields.iter().map(|f| f.field.as_str()).collect();
+                        info!(kind = %request.kind, namespace = ?request.namespace, name = %request.name, fields = ?names, "template status written");
+                        for field in fields {
+                            written.insert(key(field), field.value.clone());
+                        }
                     }
                     Ok(Err(kube::Error::Api(status))) if status.code == 404 => {
                         // Gone since the render: the next render no longer declares it.
@@ -131,6 +146,39 @@ pub fn component(
             }
         }
     }
+}
+
+/// One object: (apiVersion, kind, namespace, name).
+type ObjectKey<'a> = (&'a str, &'a str, Option<&'a str>, &'a str);
+
+fn object(request: &StatusRequest) -> ObjectKey<'_> {
+    (
+        &request.api_version,
+        &request.kind,
+        request.namespace.as_deref(),
+        &request.name,
+    )
+}
+
+/// The pending fields, one (the first) per object: each object is written once, with all of
+/// its declared fields.
+fn pending_objects(
+    pending: Vec<(StatusRequest, ApiResource)>,
+) -> Vec<(StatusRequest, ApiResource)> {
+    let mut seen = std::collections::HashSet::new();
+    let mut out = Vec::new();
+    for (request, ar) in pending {
+        let first = seen.insert((
+            request.api_version.clone(),
+            request.kind.clone(),
+            request.namespace.clone(),
+            request.name.clone(),
+        ));
+        if first {
+            out.push((request, ar));
+        }
+    }
+    out
 }
 
 /// The declared fields that neither the store nor this term's writes already hold, each with

@@ -68,13 +68,28 @@ pub(crate) fn pod_netns(n: u8) -> Result<(String, String)> {
         };
         exec(&["addr", "add", &format!("{ip_addr}/24"), "dev", &peer_if])?;
         exec(&["link", "set", &peer_if, "up"])?;
-        exec(&["link", "set", "lo", "up"])
+        exec(&["link", "set", "lo", "up"])?;
+        // As container runtimes do (Docker, containerd, CRI-O): any port is bindable in the
+        // Pod's own namespace, so a non-root HAProxy serves a Gateway listener on 80 or 443.
+        sysctl_in(&netns, "net.ipv4.ip_unprivileged_port_start=0")
     };
     if let Err(error) = setup() {
         delete_netns(&netns);
         return Err(error);
     }
     Ok((netns, ip_addr))
+}
+
+/// `sysctl -w SETTING` inside the namespace `netns`.
+fn sysctl_in(netns: &str, setting: &str) -> Result<()> {
+    let status = Command::new("ip")
+        .args(["netns", "exec", netns, "sysctl", "-q", "-w", setting])
+        .status()
+        .with_context(|| format!("running sysctl {setting} in {netns}"))?;
+    if !status.success() {
+        bail!("sysctl -w {setting} in {netns} failed ({status})");
+    }
+    Ok(())
 }
 
 /// Kills every process left in the namespace, then deletes it (the veth pair goes with it).

@@ -87,6 +87,9 @@ fn image_entry(bins: &Path, image: &str) -> Option<(PathBuf, Vec<String>)> {
     match name {
         "haptic-controller" => Some((bins.join("haptic-controller"), vec!["run".to_owned()])),
         "haptic-agent" => Some((bins.join("haptic-agent"), Vec::new())),
+        // The Gateway API conformance suite's backend (gcr.io/k8s-staging-gateway-api/echo-basic),
+        // built from the suite's Go module by `cargo xtask conformance`, which links it here.
+        "echo-basic" => Some((bins.join("echo-basic"), Vec::new())),
         _ => None,
     }
 }
@@ -1050,7 +1053,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_the_projects_images_are_known() {
+    fn only_known_images_map_to_binaries() {
         let bins = Path::new("/b");
         assert_eq!(
             image_entry(bins, "ghcr.io/haptic-rs/haptic-controller:0.1.0"),
@@ -1059,6 +1062,13 @@ mod tests {
         assert_eq!(
             image_entry(bins, "haptic-agent"),
             Some((bins.join("haptic-agent"), Vec::new()))
+        );
+        assert_eq!(
+            image_entry(
+                bins,
+                "gcr.io/k8s-staging-gateway-api/echo-basic:v20260204-monthly-2026.01-60-g28382302"
+            ),
+            Some((bins.join("echo-basic"), Vec::new()))
         );
         assert_eq!(image_entry(bins, "nginx:1.27"), None);
         assert_eq!(image_entry(bins, "docker.io/library/haptic-agentx"), None);

@@ -126,7 +126,7 @@ fn missing_tools(path: Option<&std::ffi::OsStr>) -> Result<()> {
 
 /// Runs `command` and waits at most `bound`; past it the child is killed. Returns the exit
 /// status and, when the caller piped it, the standard error (short: it is read at exit).
-fn wait_bounded_stderr(
+pub(crate) fn wait_bounded_stderr(
     command: &mut Command,
     bound: Duration,
     what: &str,

@@ -194,13 +194,13 @@ fn go_build(go: &Path, module: &Path, out: &Path) -> Result<()> {
     Ok(())
 }
 
-fn go_env(go: &Path, key: &str) -> Option<String> {
+pub(crate) fn go_env(go: &Path, key: &str) -> Option<String> {
     let out = Command::new(go).args(["env", key]).output().ok()?;
     let value = String::from_utf8_lossy(&out.stdout).trim().to_owned();
     (!value.is_empty()).then_some(value)
 }
 
-fn which(binary: &str) -> Option<PathBuf> {
+pub(crate) fn which(binary: &str) -> Option<PathBuf> {
     env::var_os("PATH").and_then(|paths| {
         env::split_paths(&paths)
             .map(|dir| dir.join(binary))

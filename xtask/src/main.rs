@@ -12,7 +12,8 @@
 //! - `envtest`: prints a directory holding kube-apiserver and etcd for the real-API-server
 //!   tier, building them once per machine with Go when `KUBEBUILDER_ASSETS` does not hold them.
 //! - `cluster up|down|status`: a local cluster with no containers (`haptic-node`), and
-//!   `e2e --local`: the e2e scenarios on it.
+//!   `e2e --local`: the e2e scenarios on it; `conformance gateway`: the official Gateway API
+//!   conformance suite (GATEWAY-HTTP) on it.
 //! - `apiserver`: runs the haptic-testkit API server until Ctrl-C and prints a kubeconfig path.
 //! - `chaos [--runs N] [--seed S] [--minutes M] ...`: the seeded fault campaign (haptic-chaos).
 
@@ -25,6 +26,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 
 mod cluster;
+mod conformance;
 mod e2e;
 mod envtest;
 
@@ -47,6 +49,7 @@ fn run() -> Result<()> {
         "bench" => bench(&rest),
         "e2e" => e2e::run(&rest),
         "cluster" => cluster::run(&rest),
+        "conformance" => conformance::run(&rest),
         "envtest" => envtest::run(&rest),
         "apiserver" => cargo(
             &[
@@ -90,6 +93,11 @@ const HELP: &str = "usage: cargo xtask <task>
                      (envtest assets) and a process kubelet (haptic-node) running the project's images as the workspace's
                      binaries, each Pod in a network namespace on bridge hptc0 (10.88.0.0/24); state in target/local-cluster
                      (KUBECONFIG=target/local-cluster/admin.kubeconfig); not part of `test`
+  conformance gateway [--keep] [--crds PATH] [--run-test NAME] [--skip-tests A,B]
+                     the official Gateway API v1.5.1 conformance suite, profile GATEWAY-HTTP, on a fresh local cluster
+                     (root, kubectl, Go; suite built once into ~/.cache/haptic/conformance); CRDs from --crds, else
+                     $HAPTIC_GATEWAY_API_CRDS, else /work/shared/gateway-api/standard-install-v1.5.1.yaml; report and log in
+                     target/conformance/; not part of `test`
   apiserver [ARGS]   run the haptic-testkit API server until Ctrl-C (prints the kubeconfig path)
   chaos [ARGS]       seeded fault campaign: 3 replicas, 3 agents, faults; no stale apply may go live
                      (--runs N, --seed S, --minutes M, --fault-seconds, --plan, --verbose, --keep)";

@@ -27,15 +27,28 @@ pub(crate) async fn checksum(
     let mut stores = config.empty_stores();
     for watched in &config.stores {
         let gv = GroupVersion::gv(&watched.group, &watched.version);
-        let group = discovery::pinned_group(client, &gv)
-            .await
-            .with_context(|| format!("discovering {}", gv.api_version()))?;
-        let (ar, _) = group
-            .versioned_resources(&watched.version)
-            .into_iter()
-            .find(|(ar, _)| ar.plural == watched.plural)
-            .with_context(|| format!("{} serves no {}", gv.api_version(), watched.plural))?;
-        let api: Api<DynamicObject> = Api::all_with(client.clone(), &ar);
+        // As the controller's watchers: an optional resource that is not served (its CRD
+        // not installed) leaves its store empty; a watch of one namespace lists that one.
+        let served = match discovery::pinned_group(client, &gv).await {
+            Ok(group) => group
+                .versioned_resources(&watched.version)
+                .into_iter()
+                .find(|(ar, _)| ar.plural == watched.plural)
+                .map(|(ar, _)| ar),
+            Err(_) if watched.optional => None,
+            Err(error) => {
+                return Err(error).with_context(|| format!("discovering {}", gv.api_version()));
+            }
+        };
+        let ar = match served {
+            Some(ar) => ar,
+            None if watched.optional => continue,
+            None => anyhow::bail!("{} serves no {}", gv.api_version(), watched.plural),
+        };
+        let api: Api<DynamicObject> = match &watched.namespace {
+            Some(namespace) => Api::namespaced_with(client.clone(), namespace, &ar),
+            None => Api::all_with(client.clone(), &ar),
+        };
         let mut params = ListParams::default();
         if let Some(labels) = &watched.label_selector {
             params = params.labels(labels);

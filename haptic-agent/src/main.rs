@@ -111,7 +111,9 @@ async fn main() -> Result<()> {
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        // Colour codes only on a terminal: a pod's log, a file or a test's pipe gets plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match args.log_format {
         LogFormat::Text => logs.init(),
         LogFormat::Json => logs.json().init(),

@@ -63,6 +63,7 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube_client=off")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = (|| -> Result<()> {

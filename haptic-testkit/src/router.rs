@@ -523,9 +523,16 @@ async fn serve(
                     "error decoding patch: the patch is not a JSON object",
                 ));
             }
-            let (o, created) = shared
-                .lock_store()
-                .patch(&info, ns, &name, kind, patch, sub, dry_run)?;
+            let (o, created) = shared.lock_store().patch(
+                &info,
+                ns,
+                &name,
+                kind,
+                patch,
+                sub,
+                dry_run,
+                query.get("fieldManager").map(String::as_str),
+            )?;
             Ok((if created { 201 } else { 200 }, o))
         }
         (Method::DELETE, Some(name)) => {

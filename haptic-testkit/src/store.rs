@@ -99,6 +99,9 @@ pub(crate) struct Store {
     compacted: u64,
     pub(crate) registry: Registry,
     tx: broadcast::Sender<Arc<Event>>,
+    /// Server-side apply's field ownership, per object: for each (manager, whether it applied
+    /// to the status subresource), the leaf paths its last apply set.
+    applied: HashMap<(StorageKey, (String, String)), BTreeMap<(String, bool), Vec<Vec<String>>>>,
 }
 
 fn now_rfc3339() -> String {
@@ -147,6 +150,7 @@ impl Store {
             compacted: 0,
             registry: Registry::builtin(),
             tx: broadcast::channel(watch_buffer.max(16)).0,
+            applied: HashMap::new(),
         };
         let Some(ns_info) = store.registry.get("", "v1", "namespaces").cloned() else {
             return store;
@@ -596,7 +600,12 @@ impl Store {
         patch: Value,
         sub: Sub,
         dry_run: bool,
+        manager: Option<&str>,
     ) -> Result<(Value, bool), ApiError> {
+        let owner = manager
+            .filter(|_| kind == PatchKind::Apply)
+            .map(|m| (m.to_owned(), sub == Sub::Status));
+        let applied_paths = owner.as_ref().map(|_| applied_leaves(&patch, sub));
         let Some(existing) = self
             .objects(info)
             .and_then(|o| o.get(&Self::key(info, ns, name)))
@@ -611,7 +620,14 @@ impl Store {
                     )));
                 }
                 meta_mut(&mut object).remove("resourceVersion");
-                return self.create(info, ns, object, dry_run).map(|o| (o, true));
+                let created = self.create(info, ns, object, dry_run)?;
+                if let (Some(owner), Some(paths), false) = (owner, applied_paths, dry_run) {
+                    self.applied
+                        .entry((info.storage_key(), Self::key(info, ns, name)))
+                        .or_default()
+                        .insert(owner, paths);
+                }
+                return Ok((created, true));
             }
             return Err(ApiError::not_found(info, name));
         };
@@ -619,7 +635,13 @@ impl Store {
         // version, whichever one created them).
         let mut patched = Self::present(info, &existing);
         match kind {
-            PatchKind::Merge | PatchKind::Apply => json_patch::merge(&mut patched, &patch),
+            PatchKind::Merge => json_patch::merge(&mut patched, &patch),
+            PatchKind::Apply => {
+                json_patch::merge(&mut patched, &patch);
+                if let (Some(owner), Some(paths)) = (&owner, &applied_paths) {
+                    self.drop_unapplied(info, ns, name, owner, paths, &mut patched);
+                }
+            }
             PatchKind::Strategic => strategic_merge(&mut patched, &patch),
             PatchKind::Json => {
                 let ops: json_patch::Patch = serde_json::from_value(patch)
@@ -656,8 +678,48 @@ impl Store {
             ));
         }
         let new = Self::merge_sub(info, &existing, patched, sub);
-        self.commit_update(info, ns, name, existing, new, dry_run)
-            .map(|o| (o, false))
+        let updated = self.commit_update(info, ns, name, existing, new, dry_run)?;
+        if let (Some(owner), Some(paths), false) = (owner, applied_paths, dry_run) {
+            self.applied
+                .entry((info.storage_key(), Self::key(info, ns, name)))
+                .or_default()
+                .insert(owner, paths);
+        }
+        Ok((updated, false))
+    }
+
+    /// Removes from `patched` the fields `owner`'s previous apply set and this one leaves out,
+    /// unless another manager's apply set them too: what field ownership does on the real
+    /// server (a manager that stops applying a field gives it up, and the field goes).
+    fn drop_unapplied(
+        &self,
+        info: &ResourceInfo,
+        ns: Option<&str>,
+        name: &str,
+        owner: &(String, bool),
+        paths: &[Vec<String>],
+        patched: &mut Value,
+    ) {
+        let Some(managers) = self
+            .applied
+            .get(&(info.storage_key(), Self::key(info, ns, name)))
+        else {
+            return;
+        };
+        let Some(previous) = managers.get(owner) else {
+            return;
+        };
+        let overlaps = |a: &[String], b: &[String]| a.starts_with(b) || b.starts_with(a);
+        for path in previous {
+            let still_applied = paths.iter().any(|p| overlaps(p, path));
+            let owned_elsewhere = managers
+                .iter()
+                .filter(|(other, _)| *other != owner)
+                .any(|(_, theirs)| theirs.iter().any(|p| overlaps(p, path)));
+            if !still_applied && !owned_elsewhere {
+                remove_path(patched, path);
+            }
+        }
     }
 
     /// DELETE: removes an object after checking preconditions; answers with its last state.
@@ -708,6 +770,7 @@ impl Store {
         let Some(mut object) = self.objects.get_mut(&storage).and_then(|o| o.remove(&key)) else {
             return Value::Null;
         };
+        self.applied.remove(&(storage.clone(), key.clone()));
         let rv = self.bump();
         meta_mut(&mut object).insert("resourceVersion".to_owned(), json!(rv.to_string()));
         self.emit(storage, EventType::Deleted, object.clone(), None);
@@ -866,4 +929,54 @@ fn merge_key(items: &[Value]) -> Option<&'static str> {
     ["name", "type", "containerPort", "port", "ip"]
         .into_iter()
         .find(|k| !items.is_empty() && items.iter().all(|i| i.get(*k).is_some()))
+}
+
+/// The leaf paths an apply body sets, for field ownership: objects are walked into, lists and
+/// scalars are leaves (lists are owned whole here: the real server merges lists of `listType:
+/// map` by key). Identity fields are no one's to own; an apply to the status subresource owns
+/// only `status`, one to the main resource everything else.
+fn applied_leaves(patch: &Value, sub: Sub) -> Vec<Vec<String>> {
+    fn walk(value: &Value, path: &mut Vec<String>, out: &mut Vec<Vec<String>>) {
+        match value {
+            Value::Object(map) if !map.is_empty() => {
+                for (key, child) in map {
+                    path.push(key.clone());
+                    walk(child, path, out);
+                    path.pop();
+                }
+            }
+            _ => out.push(path.clone()),
+        }
+    }
+    let mut out = Vec::new();
+    walk(patch, &mut Vec::new(), &mut out);
+    out.retain(|path| {
+        let first = path.first().map(String::as_str);
+        let identity = matches!(first, Some("apiVersion" | "kind"))
+            || (first == Some("metadata")
+                && matches!(
+                    path.get(1).map(String::as_str),
+                    Some("name" | "namespace" | "resourceVersion" | "uid" | "generation")
+                ));
+        let status = first == Some("status");
+        !identity && status == (sub == Sub::Status)
+    });
+    out
+}
+
+/// Removes the field at `path` (nothing when it is not there).
+fn remove_path(value: &mut Value, path: &[String]) {
+    let Some((last, parents)) = path.split_last() else {
+        return;
+    };
+    let mut at = value;
+    for key in parents {
+        match at.get_mut(key.as_str()) {
+            Some(next) => at = next,
+            None => return,
+        }
+    }
+    if let Some(map) = at.as_object_mut() {
+        map.remove(last.as_str());
+    }
 }

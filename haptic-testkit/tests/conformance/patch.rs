@@ -218,13 +218,58 @@ async fn server_side_apply_needs_a_field_manager_creates_and_merges(
         .await
         .unwrap();
     let data = merged.data.unwrap();
-    // The real server removes a field its manager no longer applies (field ownership); the
-    // stand-in's apply is a merge and keeps it (README: what is approximated).
-    let kept = if server.is_real() { None } else { Some("1") };
+    // A field its manager no longer applies is removed (field ownership), on both servers.
     assert_eq!(
         (data.get("a").map(String::as_str), data["b"].as_str()),
-        (kept, "2")
+        (None, "2")
     );
+    server.shutdown().await;
+}
+
+async fn server_side_apply_removes_only_what_no_manager_applies(backend: haptic_testkit::Backend) {
+    let server = crate::common::Server::start(backend).await;
+    let cms: Api<ConfigMap> = Api::default_namespaced(server.client().unwrap());
+    let body = |data: serde_json::Value| {
+        json!({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": { "name": "owners" },
+            "data": data,
+        })
+    };
+    let a = PatchParams::apply("manager-a");
+    let b = PatchParams::apply("manager-b");
+    cms.patch(
+        "owners",
+        &a,
+        &Patch::Apply(body(json!({ "a": "1", "shared": "s" }))),
+    )
+    .await
+    .unwrap();
+    cms.patch(
+        "owners",
+        &b,
+        &Patch::Apply(body(json!({ "b": "2", "shared": "s" }))),
+    )
+    .await
+    .unwrap();
+    // A gives up `a` (nobody else set it: removed) and `shared` (B set it too: kept).
+    let after = cms
+        .patch("owners", &a, &Patch::Apply(body(json!({ "a2": "3" }))))
+        .await
+        .unwrap();
+    let data = after.data.unwrap_or_default();
+    let keys: Vec<&str> = data.keys().map(String::as_str).collect();
+    assert_eq!(keys, ["a2", "b", "shared"]);
+    // A plain merge patch from A's manager name is not an apply: it removes nothing.
+    let merged = cms
+        .patch(
+            "owners",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "data": { "m": "4" } })),
+        )
+        .await
+        .unwrap();
+    assert_eq!(merged.data.unwrap_or_default().len(), 4);
     server.shutdown().await;
 }
 
@@ -298,6 +343,7 @@ crate::on_both!(
     both: [
         merge_json_and_strategic_patches,
         server_side_apply_needs_a_field_manager_creates_and_merges,
+        server_side_apply_removes_only_what_no_manager_applies,
         resource_version_inside_a_patch_is_a_precondition,
     ],
     stand_in_only: [

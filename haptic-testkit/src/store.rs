@@ -88,6 +88,10 @@ pub(crate) struct WatchStart {
     pub(crate) events: broadcast::Receiver<Arc<Event>>,
 }
 
+/// Per (field manager, whether it applied to the status subresource): the leaf paths (keys from
+/// the object's root) its last server-side apply set.
+type Owners = BTreeMap<(String, bool), Vec<Vec<String>>>;
+
 /// Everything the server stores.
 #[derive(Debug)]
 pub(crate) struct Store {
@@ -101,7 +105,7 @@ pub(crate) struct Store {
     tx: broadcast::Sender<Arc<Event>>,
     /// Server-side apply's field ownership, per object: for each (manager, whether it applied
     /// to the status subresource), the leaf paths its last apply set.
-    applied: HashMap<(StorageKey, (String, String)), BTreeMap<(String, bool), Vec<Vec<String>>>>,
+    applied: HashMap<(StorageKey, (String, String)), Owners>,
 }
 
 fn now_rfc3339() -> String {

@@ -130,7 +130,7 @@ pub static ANNOTATIONS: &[Annotation] = &[
     ),
     differs(
         "auth-secret",
-        "a Secret of the Ingress's own namespace (`name`, or `<own namespace>/name`; another namespace is refused) whose key `auth` holds htpasswd lines; bcrypt (`htpasswd -B`), SHA-256/512-crypt and MD5-crypt hashes are accepted, apr1 (htpasswd's default) and {SHA} are not (HAProxy checks passwords with crypt(3)): the webhook denies them; a stored Ingress keeps the users it can check, and with none (or no such Secret) every request gets 401; the reference config's `secrets` store selects only kubernetes.io/tls Secrets, so an Opaque htpasswd Secret is not seen until it selects them too",
+        "a Secret of the Ingress's own namespace (`name`, or `<own namespace>/name`; another namespace is refused) whose key `auth` holds htpasswd lines; bcrypt (`htpasswd -B`), SHA-256/512-crypt and MD5-crypt hashes are accepted, apr1 (htpasswd's default) and {SHA} are not (HAProxy checks passwords with crypt(3)): the webhook denies them; a stored Ingress keeps the users it can check, and with none (or no such Secret) every request gets 401; the Secret must carry the label `haproxy-haptic.org/auth-secret: \"true\"`: the controller watches only Secrets so labelled, never an application's other Secrets",
     ),
     refused("auth-snippet"),
     lost(

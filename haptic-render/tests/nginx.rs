@@ -814,10 +814,10 @@ fn basic_authentication_from_a_secret_of_the_ingress_namespace() {
             "metadata": {"namespace": namespace, "name": name},
             "data": {"auth": base64::engine::general_purpose::STANDARD.encode(text)}})
     };
-    apply(&mut s, "secrets", secret("a", "users", htpasswd));
+    apply(&mut s, "auth_secrets", secret("a", "users", htpasswd));
     apply(
         &mut s,
-        "secrets",
+        "auth_secrets",
         secret(
             "a",
             "mixed",
@@ -825,13 +825,16 @@ fn basic_authentication_from_a_secret_of_the_ingress_namespace() {
         ),
     );
     // Another namespace's Secret of the same name: never read.
-    apply(&mut s, "secrets", secret("b", "theirs", htpasswd));
+    apply(&mut s, "auth_secrets", secret("b", "theirs", htpasswd));
+    // A Secret without the label (only in the other Secret stores): never read either.
+    apply(&mut s, "secrets", secret("a", "unlabelled", htpasswd));
     for (name, secret) in [
         ("guarded", "users"),
         ("qualified", "a/users"),
         ("mixed", "mixed"),
         ("missing", "nothing-here"),
         ("foreign", "b/theirs"),
+        ("unlabelled", "unlabelled"),
     ] {
         let annotations = [
             ("auth-type", "basic"),
@@ -898,6 +901,14 @@ fn basic_authentication_from_a_secret_of_the_ingress_namespace() {
         f.events("missing", "AnnotationInvalid")
             .iter()
             .any(|m| m.contains("Secret nothing-here does not exist")),
+        "{:?}",
+        f.events
+    );
+    assert_eq!(with("unlabelled", Some("alice:secret")).status, 401);
+    assert!(
+        f.events("unlabelled", "AnnotationInvalid")
+            .iter()
+            .any(|m| m.contains("Secret unlabelled does not exist or is not labelled haproxy-haptic.org/auth-secret: \"true\"")),
         "{:?}",
         f.events
     );

@@ -57,6 +57,7 @@
 //! | `backend` | that Service port's backend name (as a backend row's `name`; `<backend>_nginx_<id>` when the Ingress's ingress-nginx annotations ask something of its requests); none when unresolved (an ExternalName Service included), so that a template decides what such a path gets |
 //! | `conflict` | none; or, when an older Ingress claims the same route (host, path as the map writes it, Exact or not), its `namespace/name` |
 //! | `external_name` | whether the Service is an ExternalName Service |
+//! | `canary` | whether the Ingress is an ingress-nginx canary (`canary: "true"`): its paths claim no route (nor lose one) |
 //!
 //! [`Derivation::IngressTls`]: a row per TLS entry of an Ingress (Ingresses sorted by namespace
 //! and name, entries in spec order).
@@ -94,7 +95,9 @@
 //! registry ([`crate::nginx`]): `refused`, the message of a `SnippetRefused` Event (`""` when
 //! no snippet), `not_applied`, the message of an `AnnotationNotSupported` Event (`""` when
 //! every one is supported or refused), `invalid`, the message of an `AnnotationInvalid` Event
-//! (`""` when every value parses), `namespace`, `ingress`, `origin`.
+//! (`""` when every value parses), `canary` (none; for a canary Ingress, its split as
+//! [`crate::nginx::Canary::row`] with `paths`: `host`, `path`, `exact`, `service`,
+//! `port_number` or `port_name`), `namespace`, `ingress`, `origin`.
 //!
 //! [`Derivation::IngressDefaultBackends`]: a row per Ingress with a `spec.defaultBackend`, the
 //! winner first (the oldest whose default backend is a Service), then the other Service backends
@@ -528,6 +531,8 @@ struct IngressExtract {
     /// What is not applied of its ingress-nginx annotations ([`crate::nginx`]); none when it
     /// carries none.
     nginx: Option<NginxFindings>,
+    /// An ingress-nginx canary (`canary: "true"`): its paths claim no route.
+    canary: bool,
 }
 
 /// The messages of an Ingress's Events about its ingress-nginx annotations (none where there
@@ -540,6 +545,8 @@ struct NginxFindings {
     not_applied: Option<String>,
     /// The ones whose values cannot be applied, and what is done instead.
     invalid: Option<String>,
+    /// A canary's split ([`crate::nginx::Canary::row`]) with its `paths`; none otherwise.
+    canary: Value,
 }
 
 /// The ingress-nginx annotations of an Ingress, judged by the registry, and the values that
@@ -559,7 +566,30 @@ fn nginx_findings(
                 all.join("; ")
             )
         }),
+        canary: Value::none(),
     })
+}
+
+/// A canary's row ([`crate::nginx::Canary::row`]) with `paths`: per path, `host`, `path`,
+/// `exact`, `service`, and the port it names (`port_number`, or `port_name`).
+fn canary_row(canary: &crate::nginx::Canary, paths: &[PathExtract]) -> Value {
+    let paths: Vec<Value> = paths
+        .iter()
+        .map(|p| {
+            row([
+                ("host", p.host.clone()),
+                ("path", p.path.clone()),
+                ("exact", Value::from(p.exact)),
+                ("service", Value::from(p.target.service.as_str())),
+                (
+                    "port_number",
+                    p.target.want_number.map_or_else(Value::none, Value::from),
+                ),
+                ("port_name", Value::from(p.target.want_name.as_str())),
+            ])
+        })
+        .collect();
+    with_field(&canary.row(), "paths", Value::from(paths))
 }
 
 /// How an Ingress names its class.
@@ -800,13 +830,18 @@ impl Extracts {
                     }
                 }
             }
+            let mut nginx = nginx_findings(&annotations, &invalid);
+            if let (Some(canary), Some(found)) = (&policy.canary, &mut nginx) {
+                found.canary = canary_row(canary, &paths);
+            }
             IngressExtract {
+                canary: policy.canary.is_some(),
                 paths,
                 class,
                 created: (!created.is_empty()).then(|| created.to_owned()),
                 default_backend,
                 ssl_redirect: annotation(SSL_REDIRECT_ANNOTATION) != "false" && policy.ssl_redirect,
-                nginx: nginx_findings(&annotations, &invalid),
+                nginx,
             }
         })
     }
@@ -1363,7 +1398,7 @@ fn ingress_routes(
     let kind = |p: &PathExtract| exact.is_none_or(|exact| p.exact == exact);
     // Who claims each route: the oldest Ingress.
     let mut claims = Claims::with_capacity(ours.len() * 2);
-    for ing in &ours {
+    for ing in ours.iter().filter(|ing| !ing.ingress.canary) {
         let age = ing.age();
         for p in ing.ingress.paths.iter().filter(|p| kind(p)) {
             claims.claim(route_key(p), age);
@@ -1421,6 +1456,7 @@ fn ingress_routes(
                             ),
                             ("origin", origin.clone()),
                             ("regex", Value::from(p.regex)),
+                            ("canary", Value::from(ing.ingress.canary)),
                             (
                                 "host_pattern",
                                 if p.regex {
@@ -1435,7 +1471,7 @@ fn ingress_routes(
             },
             keep,
         );
-        if claims.contested {
+        if claims.contested && !ing.ingress.canary {
             let age = ing.age();
             let kept = paths.iter().filter(|p| kind(p));
             for (row, p) in rows
@@ -1578,6 +1614,7 @@ fn annotation_rows(slot: Slot, (store, ingresses): (&str, Source<'_>), ours: &Ou
                     ("refused", text(&found.refused)),
                     ("not_applied", text(&found.not_applied)),
                     ("invalid", text(&found.invalid)),
+                    ("canary", found.canary.clone()),
                     ("namespace", Value::from(ing.namespace)),
                     ("ingress", Value::from(ing.name)),
                     ("origin", origin(store, ing.namespace, ing.name)),

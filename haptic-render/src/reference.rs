@@ -278,6 +278,10 @@ pub fn template_set() -> TemplateSet {
             "nginx-userlist",
             include_str!("../templates/snippets/nginx-userlist.tera"),
         ),
+        (
+            "nginx-canary",
+            include_str!("../templates/snippets/nginx-canary.tera"),
+        ),
     ] {
         set.template_snippets
             .insert(name.to_owned(), template(source));

@@ -1003,3 +1003,134 @@ fn server_aliases_route_like_the_host() {
     }
     assert_eq!(f.get("other.example.com", "/x").status, 404);
 }
+
+/// canary: a canary Ingress claims no route (though older, it takes nothing from the main
+/// Ingress of the same host and path) and gets the main route's requests by header (always,
+/// never, a value, a pattern), then cookie, then weight, in ingress-nginx's precedence; never
+/// when the main route has rules of its own.
+#[test]
+fn canaries_by_header_cookie_and_weight() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    // The main Service answers from 127.0.0.1, the canary's from 127.0.0.2.
+    service(&mut s, "a", "web", ports);
+    service_at(&mut s, "a", "next", ports, &["127.0.0.2"]);
+    let canaries: [(&str, &[(&str, &str)]); 6] = [
+        ("w0", &[("canary-weight", "0")]),
+        ("w100", &[("canary-weight", "100")]),
+        ("w50", &[("canary-weight", "50")]),
+        (
+            "prec",
+            &[
+                ("canary-by-header", "X-Canary"),
+                ("canary-by-cookie", "canary"),
+                ("canary-weight", "10"),
+                ("canary-weight-total", "10"),
+            ],
+        ),
+        (
+            "hval",
+            &[
+                ("canary-by-header", "X-Version"),
+                ("canary-by-header-value", "v2"),
+            ],
+        ),
+        (
+            "hpat",
+            &[
+                ("canary-by-header", "X-Version"),
+                ("canary-by-header-pattern", "^(beta|v[0-9]+)$"),
+            ],
+        ),
+    ];
+    for (name, annotations) in canaries {
+        let host = format!("{name}.example.com");
+        // The canary sorts first (c- < m-): it would win the route if it claimed one.
+        let mut with_flag = vec![("canary", "true")];
+        with_flag.extend_from_slice(annotations);
+        apply(
+            &mut s,
+            "ingresses",
+            ingress_to(&format!("c-{name}"), &host, "/", ("next", 80), &with_flag),
+        );
+        apply(
+            &mut s,
+            "ingresses",
+            ingress_to(&format!("m-{name}"), &host, "/", ("web", 80), &[]),
+        );
+    }
+    // A main route with an allow-list: its canary would skip it, so it gets nothing.
+    apply(
+        &mut s,
+        "ingresses",
+        ingress_to(
+            "c-guarded",
+            "guarded.example.com",
+            "/",
+            ("next", 80),
+            &[("canary", "true"), ("canary-weight", "100")],
+        ),
+    );
+    apply(
+        &mut s,
+        "ingresses",
+        ingress_to(
+            "m-guarded",
+            "guarded.example.com",
+            "/",
+            ("web", 80),
+            &[("allowlist-source-range", "127.0.0.0/8")],
+        ),
+    );
+    let f = front(&s);
+    let canary = |host: &str, headers: &str| -> bool {
+        let answer = request(
+            f.http,
+            "GET",
+            &format!("{host}.example.com"),
+            "/some/path",
+            headers,
+            "",
+        );
+        assert_eq!(answer.status, 200, "{host} {headers:?}: {answer:?}");
+        assert!(
+            answer.body.ends_with("dst=127.0.0.1") || answer.body.ends_with("dst=127.0.0.2"),
+            "{}",
+            answer.body
+        );
+        answer.body.ends_with("dst=127.0.0.2")
+    };
+    assert!((0..40).all(|_| !canary("w0", "")));
+    assert!((0..40).all(|_| canary("w100", "")));
+    // 400 requests at 50 %: the count is 200 ± 10 (one standard deviation); outside 120-280
+    // is eight of them (a chance below 1e-14).
+    let hits = (0..400).filter(|_| canary("w50", "")).count();
+    assert!((120..=280).contains(&hits), "{hits} of 400 to the canary");
+    // Header, then cookie, then weight (10 of 10: always).
+    assert!(canary("prec", ""));
+    assert!(!canary("prec", "X-Canary: never\r\n"));
+    assert!(!canary("prec", "X-Canary: never\r\nCookie: canary=always\r\n"));
+    assert!(canary("prec", "X-Canary: always\r\nCookie: canary=never\r\n"));
+    assert!(!canary("prec", "X-Canary: maybe\r\nCookie: canary=never\r\n"));
+    assert!(!canary("prec", "Cookie: other=1; canary=never\r\n"));
+    assert!(canary("prec", "Cookie: canary=always\r\n"));
+    // A value or a pattern replaces `always`; no weight: nothing else goes.
+    assert!(canary("hval", "X-Version: v2\r\n"));
+    assert!(!canary("hval", "X-Version: always\r\n"));
+    assert!(!canary("hval", "X-Version: v3\r\n"));
+    assert!(!canary("hval", ""));
+    assert!(canary("hpat", "X-Version: v7\r\n"));
+    assert!(canary("hpat", "X-Version: beta\r\n"));
+    assert!(!canary("hpat", "X-Version: alpha\r\n"));
+    // The main route's own rules are never skipped.
+    assert!((0..20).all(|_| !canary("guarded", "")));
+    // Neither Ingress is told of a conflict.
+    assert!(
+        f.events
+            .iter()
+            .all(|e| e.reason != "RouteConflict"),
+        "{:?}",
+        f.events
+    );
+}

@@ -97,7 +97,8 @@
 //! every one is supported or refused), `invalid`, the message of an `AnnotationInvalid` Event
 //! (`""` when every value parses), `canary` (none; for a canary Ingress, its split as
 //! [`crate::nginx::Canary::row`] with `paths`: `host`, `path`, `exact`, `service`,
-//! `port_number` or `port_name`), `namespace`, `ingress`, `origin`.
+//! `port_number` or `port_name`), `www_redirects` (`[from, to]` host pairs of
+//! `from-to-www-redirect`; `[]` without it), `namespace`, `ingress`, `origin`.
 //!
 //! [`Derivation::IngressDefaultBackends`]: a row per Ingress with a `spec.defaultBackend`, the
 //! winner first (the oldest whose default backend is a Service), then the other Service backends
@@ -547,6 +548,8 @@ struct NginxFindings {
     invalid: Option<String>,
     /// A canary's split ([`crate::nginx::Canary::row`]) with its `paths`; none otherwise.
     canary: Value,
+    /// `from-to-www-redirect`: `[from, to]` host pairs ([`crate::nginx::www_redirects`]).
+    www_redirects: Value,
 }
 
 /// The ingress-nginx annotations of an Ingress, judged by the registry, and the values that
@@ -567,6 +570,7 @@ fn nginx_findings(
             )
         }),
         canary: Value::none(),
+        www_redirects: Value::from(Vec::<Value>::new()),
     })
 }
 
@@ -833,6 +837,15 @@ impl Extracts {
             let mut nginx = nginx_findings(&annotations, &invalid);
             if let (Some(canary), Some(found)) = (&policy.canary, &mut nginx) {
                 found.canary = canary_row(canary, &paths);
+            }
+            if let (true, Some(found)) = (policy.www_redirect, &mut nginx) {
+                let hosts = paths.iter().filter_map(|p| p.host.as_str());
+                found.www_redirects = Value::from(
+                    crate::nginx::www_redirects(hosts)
+                        .into_iter()
+                        .map(|(from, to)| Value::from(vec![Value::from(from), Value::from(to)]))
+                        .collect::<Vec<_>>(),
+                );
             }
             IngressExtract {
                 canary: policy.canary.is_some(),
@@ -1615,6 +1628,7 @@ fn annotation_rows(slot: Slot, (store, ingresses): (&str, Source<'_>), ours: &Ou
                     ("not_applied", text(&found.not_applied)),
                     ("invalid", text(&found.invalid)),
                     ("canary", found.canary.clone()),
+                    ("www_redirects", found.www_redirects.clone()),
                     ("namespace", Value::from(ing.namespace)),
                     ("ingress", Value::from(ing.name)),
                     ("origin", origin(store, ing.namespace, ing.name)),

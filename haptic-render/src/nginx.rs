@@ -216,9 +216,9 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "force-ssl-redirect",
         "`true`: plain HTTP requests that route to this Ingress are redirected to HTTPS (308), with or without a TLS section",
     ),
-    lost(
+    differs(
         "from-to-www-redirect",
-        "no redirect between `www.` and the bare host",
+        "`true`: a request for `www.<host>` when the Ingress's rule is for `<host>` (or for `<host>` when the rule is `www.<host>`) is redirected there with 308, scheme, path and query kept; only requests no route takes are redirected (ingress-nginx skipped the redirect when any Ingress defined the other host at all); wildcard hosts get none",
     ),
     supported(
         "limit-connections",
@@ -540,6 +540,8 @@ pub struct Policy {
     /// `canary: "true"`, with the canary-* values: then every other field keeps its default
     /// (a canary Ingress's other annotations are ignored).
     pub canary: Option<Canary>,
+    /// `from-to-www-redirect: "true"`.
+    pub www_redirect: bool,
 }
 
 /// A canary Ingress's traffic split (`canary-*`): header, then cookie, then weight.
@@ -608,6 +610,7 @@ impl Default for Policy {
             limit_exempt: Vec::new(),
             aliases: Vec::new(),
             canary: None,
+            www_redirect: false,
         }
     }
 }
@@ -822,6 +825,25 @@ fn parse_url(value: &str) -> Result<String, String> {
     Ok(value.to_owned())
 }
 
+/// The redirects of `from-to-www-redirect` for an Ingress's rule hosts: `(from, to)`, `www.`
+/// added to or taken from each plain host (wildcards and `www.` alone get none).
+pub fn www_redirects<'a>(hosts: impl IntoIterator<Item = &'a str>) -> Vec<(String, String)> {
+    let mut pairs: Vec<(String, String)> = hosts
+        .into_iter()
+        .filter(|h| crate::functions::is_hostname(h))
+        .filter_map(|h| match h.strip_prefix("www.") {
+            Some(bare) if crate::functions::is_hostname(bare) && bare.contains('.') => {
+                Some((bare.to_owned(), h.to_owned()))
+            }
+            Some(_) => None,
+            None => Some((format!("www.{h}"), h.to_owned())),
+        })
+        .collect();
+    pairs.sort();
+    pairs.dedup();
+    pairs
+}
+
 /// The canary-* annotations of a canary Ingress; a value that does not parse is left out
 /// (named through `bad`).
 fn parse_canary<'a>(
@@ -955,6 +977,7 @@ impl Policy {
         let enable_cors = flag("enable-cors") == Some(true);
         let cors_credentials = flag("cors-allow-credentials");
         let canary = flag("canary");
+        let www_redirect = flag("from-to-www-redirect") == Some(true);
         let code = match get("permanent-redirect-code") {
             None => 301,
             Some(code) => match code.parse::<u16>() {
@@ -1282,6 +1305,7 @@ impl Policy {
                 ..Self::default()
             };
         } else if canary.is_none() {
+            policy.www_redirect = www_redirect;
             // `canary: "false"` turns a canary off and may keep its values; without it they
             // are most likely a mistake.
             for name in canary_names {
@@ -1325,6 +1349,7 @@ impl Policy {
             limit_exempt: _,
             aliases: _,
             canary: _,
+            www_redirect: _,
         } = self;
         allow.is_some()
             || deny.is_some()
@@ -1827,6 +1852,19 @@ mod tests {
         assert_eq!(
             with(&[("canary", "false"), ("canary-weight", "10")]),
             (Policy::default(), vec![])
+        );
+    }
+
+    #[test]
+    fn www_twins_of_plain_hosts() {
+        // `www.com`'s twin would be a top-level domain: none.
+        let pairs = www_redirects(["shop.example.com", "www.blog.example.com", "*.x.com", "www.com", ""]);
+        assert_eq!(
+            pairs,
+            [
+                ("blog.example.com".to_owned(), "www.blog.example.com".to_owned()),
+                ("www.shop.example.com".to_owned(), "shop.example.com".to_owned()),
+            ]
         );
     }
 

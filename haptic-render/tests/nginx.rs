@@ -1134,3 +1134,43 @@ fn canaries_by_header_cookie_and_weight() {
         f.events
     );
 }
+
+/// from-to-www-redirect: the www./bare twin of the Ingress's host is redirected to it (308, path
+/// and query kept), unless a route takes the request.
+#[test]
+fn from_to_www_redirects_to_the_twin_host() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    service(&mut s, "a", "web", ports);
+    let www = [("from-to-www-redirect", "true")];
+    for (name, host) in [
+        ("shop", "shop.example.org"),
+        ("blog", "www.blog.example.org"),
+        ("taken", "taken.example.org"),
+    ] {
+        apply(&mut s, "ingresses", ingress(name, host, "/", 80, &www));
+    }
+    // The twin of taken.example.org is routed by an Ingress of its own.
+    apply(
+        &mut s,
+        "ingresses",
+        ingress("twin", "www.taken.example.org", "/", 80, &[]),
+    );
+    let f = front(&s);
+    let answer = f.get("www.shop.example.org", "/cart?item=1");
+    assert_eq!(answer.status, 308, "{answer:?}");
+    assert_eq!(
+        answer.header("location"),
+        Some("http://shop.example.org/cart?item=1")
+    );
+    let answer = f.get("blog.example.org:80", "/post");
+    assert_eq!(answer.status, 308, "{answer:?}");
+    assert_eq!(
+        answer.header("location"),
+        Some("http://www.blog.example.org/post")
+    );
+    assert_eq!(f.get("shop.example.org", "/cart").status, 200);
+    assert_eq!(f.get("www.taken.example.org", "/").status, 200);
+    assert_eq!(f.get("www.other.example.org", "/").status, 404);
+}

@@ -26,7 +26,7 @@
 //! | `port`, `port_name` | the Service port's number and name (`""` when it has none) |
 //! | `app_protocol` | the Service port's `appProtocol` (`""` when it has none) |
 //! | `endpoints` | the endpoints of the Service's EndpointSlices (label `kubernetes.io/service-name`, same namespace) on the slice port with the same name, ready or not: slices by name, then port, then endpoint order; FQDN slices and endpoints without addresses are left out |
-//! | `policy` | none; with `routedBy`, for the routes of Ingresses whose ingress-nginx annotations ask something of their requests, a copy of the port's row per policy, named `<backend>_nginx_<id>`, with the policy's row ([`crate::nginx::Policy::row`]) and the `origin` of the first such Ingress; the port's own row is then written only when a path without a policy (or the default backend) routes to it |
+//! | `policy` | none; with `routedBy`, for the routes of Ingresses whose ingress-nginx annotations ask something of their requests, a copy of the port's row per policy, named `<backend>_nginx_<id>`, with the policy's row ([`crate::nginx::Policy::row`]) and the `origin` of the first such Ingress (with `service-upstream`, its `endpoints` are one row for the Service's cluster IP and port, named `cluster-ip_<ip>`, unless the Service is headless); the port's own row is then written only when a path without a policy (or the default backend) routes to it |
 //!
 //! An endpoint:
 //!
@@ -498,6 +498,8 @@ struct ServiceExtract {
     ports: Vec<PortExtract>,
     /// `spec.type` is `ExternalName`.
     external_name: bool,
+    /// `spec.clusterIP`, when it is an IP address (not `None`: headless).
+    cluster_ip: Option<String>,
 }
 
 /// A Service port: name, number, backend name and `appProtocol` (`""` when absent).
@@ -683,6 +685,9 @@ impl Extracts {
             ServiceExtract {
                 ports,
                 external_name,
+                cluster_ip: Some(text(svc, &["spec", "clusterIP"]))
+                    .filter(|ip| crate::functions::is_ip_address(ip))
+                    .map(str::to_owned),
             }
         })
     }
@@ -868,6 +873,25 @@ impl ServiceExtract {
                 || (!target.want_name.is_empty() && port.name == target.want_name)
         })
     }
+}
+
+/// The one endpoint of a backend of ingress-nginx's `service-upstream`: the Service's cluster
+/// IP and port, always ready.
+fn cluster_ip_row(ip: &str, port: i64) -> Value {
+    let endpoint = if ip.contains(':') {
+        format!("[{ip}]:{port}")
+    } else {
+        format!("{ip}:{port}")
+    };
+    row([
+        ("name", Value::from(format!("cluster-ip_{}", sanitize(ip)))),
+        ("endpoint", Value::from(endpoint)),
+        ("ready", Value::from(true)),
+        ("address", Value::from(ip)),
+        ("port", Value::from(port)),
+        ("terminating", Value::from(false)),
+        ("slice", Value::from("")),
+    ])
 }
 
 /// The row of one endpoint of a slice port; none without an address.
@@ -1308,7 +1332,8 @@ fn service_backends(
         let slices: &[&Arc<Extracts>] = by_service
             .get(&(namespace.as_str(), service.as_str()))
             .map_or(&[][..], Vec::as_slice);
-        let ports = &extracts.service(namespace, service, svc).ports;
+        let extract = extracts.service(namespace, service, svc);
+        let (ports, cluster_ip) = (&extract.ports, extract.cluster_ip.as_deref());
         // A row per port, in port order: row `i` is port `i`'s.
         let keep = |i: usize| match (&routed, ports.get(i)) {
             (None, _) => true,
@@ -1389,6 +1414,16 @@ fn service_backends(
             }
             for (name, policy, origin) in &port.variants {
                 let mut map = base.as_map().cloned().unwrap_or_default();
+                // ingress-nginx's service-upstream: the Service's cluster IP, not its endpoints.
+                if let (Some(ip), Some(true)) = (
+                    cluster_ip,
+                    attr(policy, "service_upstream").and_then(Value::as_bool),
+                ) {
+                    map.insert(
+                        Key::Str("endpoints"),
+                        Value::from(vec![cluster_ip_row(ip, port.number)]),
+                    );
+                }
                 map.insert(Key::Str("name"), Value::from(name.as_str()));
                 map.insert(Key::Str("policy"), policy.clone());
                 map.insert(Key::Str("origin"), origin.clone());

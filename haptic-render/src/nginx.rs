@@ -286,9 +286,9 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "comma-separated host names (or `*.` wildcards) routed as every rule of the Ingress that has a host; an alias another Ingress routes first is theirs (a RouteConflict Event), as for any host",
     ),
     refused("server-snippet"),
-    lost(
+    differs(
         "service-upstream",
-        "requests go to the Pods' endpoints, not the Service's cluster IP",
+        "`true`: the route's backend has one server, the Service's cluster IP and port, instead of the endpoints (kube-proxy balances); a headless Service (no cluster IP) keeps its endpoints; HAProxy health-checks the cluster IP like an endpoint",
     ),
     differs(
         "session-cookie-expires",
@@ -542,6 +542,8 @@ pub struct Policy {
     pub canary: Option<Canary>,
     /// `from-to-www-redirect: "true"`.
     pub www_redirect: bool,
+    /// `service-upstream: "true"`: the Service's cluster IP, not its endpoints.
+    pub service_upstream: bool,
 }
 
 /// A canary Ingress's traffic split (`canary-*`): header, then cookie, then weight.
@@ -611,6 +613,7 @@ impl Default for Policy {
             aliases: Vec::new(),
             canary: None,
             www_redirect: false,
+            service_upstream: false,
         }
     }
 }
@@ -978,6 +981,7 @@ impl Policy {
         let cors_credentials = flag("cors-allow-credentials");
         let canary = flag("canary");
         let www_redirect = flag("from-to-www-redirect") == Some(true);
+        policy.service_upstream = flag("service-upstream") == Some(true);
         let code = match get("permanent-redirect-code") {
             None => 301,
             Some(code) => match code.parse::<u16>() {
@@ -1350,6 +1354,7 @@ impl Policy {
             aliases: _,
             canary: _,
             www_redirect: _,
+            service_upstream,
         } = self;
         allow.is_some()
             || deny.is_some()
@@ -1370,6 +1375,7 @@ impl Policy {
             || auth.is_some()
             || limit_rps.is_some()
             || limit_connections.is_some()
+            || *service_upstream
     }
 
     /// A short id of the policy (16 hex digits of its sha256): the same policies share it.
@@ -1386,7 +1392,8 @@ impl Policy {
     /// `connect_timeout` and `server_timeout` (seconds), `protocol` (`HTTP`, `HTTPS`, `GRPC`,
     /// `GRPCS`, `H2C`), `upstream_vhost`, `forwarded_prefix`, `cookie` and `cookie_max_age`
     /// (affinity), `least_conn`, `hash_by` (`request_uri`, `uri`, `remote_addr`, `header`,
-    /// `cookie`, `arg`) and `hash_name`.
+    /// `cookie`, `arg`) and `hash_name`, `service_upstream` (the derived backend then holds the
+    /// Service's cluster IP as its one endpoint).
     pub fn row(&self) -> tera::Value {
         let sources = |s: &Option<Sources>| match s {
             None => tera::Value::none(),
@@ -1468,6 +1475,10 @@ impl Policy {
                 .and_then(|(_, age)| age.map(tera::Value::from))),
         );
         put("least_conn", tera::Value::from(self.least_conn));
+        put(
+            "service_upstream",
+            tera::Value::from(self.service_upstream),
+        );
         put(
             "hash_by",
             opt(self

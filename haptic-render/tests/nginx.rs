@@ -1174,3 +1174,51 @@ fn from_to_www_redirects_to_the_twin_host() {
     assert_eq!(f.get("www.taken.example.org", "/").status, 200);
     assert_eq!(f.get("www.other.example.org", "/").status, 404);
 }
+
+/// service-upstream: the route's backend sends to the Service's cluster IP and port, not to its
+/// endpoints; a route to the same Service without it keeps the endpoints.
+#[test]
+fn service_upstream_goes_to_the_cluster_ip() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    // The Service's port is the echo's, its cluster IP 127.0.0.2, its endpoint 127.0.0.1.
+    apply(
+        &mut s,
+        "services",
+        json!({"metadata": {"namespace": "a", "name": "web"},
+            "spec": {"clusterIP": "127.0.0.2", "ports": [{"name": "http", "port": ports.0}]}}),
+    );
+    apply(
+        &mut s,
+        "endpointslices",
+        json!({"metadata": {"namespace": "a", "name": "web-1",
+                "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": ports.0}],
+            "endpoints": [{"addresses": ["127.0.0.1"]}]}),
+    );
+    apply(
+        &mut s,
+        "ingresses",
+        ingress(
+            "upstream",
+            "upstream.example.com",
+            "/",
+            ports.0,
+            &[("service-upstream", "true")],
+        ),
+    );
+    apply(
+        &mut s,
+        "ingresses",
+        ingress("direct", "direct.example.com", "/", ports.0, &[]),
+    );
+    let f = front(&s);
+    for _ in 0..5 {
+        let answer = f.get("upstream.example.com", "/");
+        assert!(answer.body.ends_with("dst=127.0.0.2"), "{answer:?}");
+        let answer = f.get("direct.example.com", "/");
+        assert!(answer.body.ends_with("dst=127.0.0.1"), "{answer:?}");
+    }
+}

@@ -135,15 +135,15 @@ pub static ANNOTATIONS: &[Annotation] = &[
     refused("auth-snippet"),
     lost(
         "auth-tls-secret",
-        "client certificates are not requested or verified",
+        "client certificates are not requested or verified yet (it needs the Secret's ca.crt on the crt-list line of each of the Ingress's TLS hosts); fail closed: with auth-tls-verify-client `on` (the default) or `optional`, the webhook denies the Ingress and a stored one's routes answer every request with 403; with `off` or `optional_no_ca` nothing was enforced and the routes are served",
     ),
     lost(
         "auth-tls-verify-client",
-        "client certificates are not requested or verified",
+        "client certificates are not requested or verified yet: see auth-tls-secret (`on` and `optional` fail closed)",
     ),
     lost(
         "auth-tls-verify-depth",
-        "client certificates are not requested or verified",
+        "client certificates are not requested or verified yet: see auth-tls-secret",
     ),
     supported(
         "auth-type",
@@ -202,7 +202,7 @@ pub static ANNOTATIONS: &[Annotation] = &[
     supported("cors-max-age", "seconds (default 1728000)"),
     lost(
         "custom-http-errors",
-        "the backend's error pages are returned as they are",
+        "the backend's error pages are returned as they are: ingress-nginx re-sent the request to the default backend (with X-Code, X-Format, ...) when the response had a listed status, and HAProxy cannot ask another Service for a body while answering (only static errorfiles, which would have to come from the config, not from an Ingress)",
     ),
     supported(
         "denylist-source-range",
@@ -263,19 +263,19 @@ pub static ANNOTATIONS: &[Annotation] = &[
     ),
     lost(
         "proxy-ssl-name",
-        "the backend is spoken to in plain HTTP (no TLS to the backend)",
+        "not applied yet: TLS to the backend comes from backend-protocol HTTPS or GRPCS (or appProtocol https), whose certificate is not verified and which presents no client certificate (it needs the Secret's ca.crt and tls.crt as files of the set on the backend's server lines)",
     ),
     lost(
         "proxy-ssl-secret",
-        "the backend is spoken to in plain HTTP (no TLS to the backend)",
+        "not applied yet: TLS to the backend comes from backend-protocol HTTPS or GRPCS (or appProtocol https), whose certificate is not verified and which presents no client certificate (it needs the Secret's ca.crt and tls.crt as files of the set on the backend's server lines)",
     ),
     lost(
         "proxy-ssl-server-name",
-        "the backend is spoken to in plain HTTP (no TLS to the backend)",
+        "not applied yet: TLS to the backend comes from backend-protocol HTTPS or GRPCS (or appProtocol https), whose certificate is not verified and which presents no client certificate (it needs the Secret's ca.crt and tls.crt as files of the set on the backend's server lines)",
     ),
     lost(
         "proxy-ssl-verify",
-        "the backend is spoken to in plain HTTP (no TLS to the backend)",
+        "not applied yet: TLS to the backend comes from backend-protocol HTTPS or GRPCS (or appProtocol https), whose certificate is not verified and which presents no client certificate (it needs the Secret's ca.crt and tls.crt as files of the set on the backend's server lines)",
     ),
     differs(
         "rewrite-target",
@@ -308,7 +308,7 @@ pub static ANNOTATIONS: &[Annotation] = &[
     ),
     lost(
         "ssl-passthrough",
-        "TLS is terminated by HAProxy, not passed through to the backend",
+        "TLS is terminated by HAProxy, not passed through to the backend: passthrough by SNI needs a TCP-mode frontend owning the HTTPS port ahead of the HTTP one (every HTTPS connection one more hop through a loopback, the client address lost to the HTTP frontend unless PROXY protocol carries it); not carried over until that is designed with the hitless reloads",
     ),
     differs(
         "ssl-redirect",
@@ -1287,6 +1287,21 @@ impl Policy {
                     format!("{aliases:?} is not a comma-separated list of lowercase host names"),
                     "the aliases are not routed",
                 );
+            }
+        }
+        // Client certificates that cannot be verified must not open the route: every client is
+        // denied (403), as an allow-list that cannot be applied.
+        if let Some(secret) = get("auth-tls-secret") {
+            let verify = get("auth-tls-verify-client").unwrap_or("on");
+            if matches!(verify, "on" | "optional") {
+                bad(
+                    "auth-tls-secret",
+                    format!(
+                        "{secret:?}: client certificates (auth-tls-verify-client {verify}) are not verified by HAPTIC yet"
+                    ),
+                    "every client is denied (403)",
+                );
+                policy.allow = Some(Sources::Invalid);
             }
         }
         // An authentication that cannot be applied must not open the route.

@@ -1222,3 +1222,36 @@ fn service_upstream_goes_to_the_cluster_ip() {
         assert!(answer.body.ends_with("dst=127.0.0.1"), "{answer:?}");
     }
 }
+
+/// auth-tls-secret cannot be applied yet: with verification on (the default) or optional, the
+/// route fails closed (403) and an Event says why; with it off, the route is served.
+#[test]
+fn client_certificates_that_cannot_be_verified_fail_closed() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    service(&mut s, "a", "web", ports);
+    for (name, verify) in [("on", None), ("optional", Some("optional")), ("off", Some("off"))] {
+        let mut annotations = vec![("auth-tls-secret", "a/client-ca")];
+        if let Some(verify) = verify {
+            annotations.push(("auth-tls-verify-client", verify));
+        }
+        apply(
+            &mut s,
+            "ingresses",
+            ingress(name, &format!("{name}.example.com"), "/", 80, &annotations),
+        );
+    }
+    let f = front(&s);
+    assert_eq!(f.get("on.example.com", "/").status, 403);
+    assert_eq!(f.get("optional.example.com", "/").status, 403);
+    assert_eq!(f.get("off.example.com", "/").status, 200);
+    assert!(
+        f.events("on", "AnnotationInvalid").iter().any(|m| m.contains(
+            "nginx.ingress.kubernetes.io/auth-tls-secret: \"a/client-ca\": client certificates (auth-tls-verify-client on) are not verified by HAPTIC yet: every client is denied (403)"
+        )),
+        "{:?}",
+        f.events
+    );
+    assert!(f.events("off", "AnnotationInvalid").is_empty());
+}

@@ -291,12 +291,13 @@ async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate()
         message.contains("Secret htpasswd does not exist or is not labelled haproxy-haptic.org/auth-secret: \"true\""),
         "{message}"
     );
-    let mut labelled = secrets
-        .get("htpasswd")
-        .await
-        .expect("get the Secret");
+    let mut labelled = secrets.get("htpasswd").await.expect("get the Secret");
     labelled.metadata.labels = Some(
-        [("haproxy-haptic.org/auth-secret".to_owned(), "true".to_owned())].into(),
+        [(
+            "haproxy-haptic.org/auth-secret".to_owned(),
+            "true".to_owned(),
+        )]
+        .into(),
     );
     secrets
         .replace("htpasswd", &kube::api::PostParams::default(), &labelled)

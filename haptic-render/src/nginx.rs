@@ -177,7 +177,10 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "canary-weight",
         "0 to canary-weight-total: that share of the requests no header or cookie decided goes to the canary (HAProxy's `rand`)",
     ),
-    supported("canary-weight-total", "the total of canary-weight (default 100)"),
+    supported(
+        "canary-weight-total",
+        "the total of canary-weight (default 100)",
+    ),
     refused("configuration-snippet"),
     supported(
         "cors-allow-credentials",
@@ -567,7 +570,10 @@ impl Canary {
     /// The canary as the templates read it: `header`, `header_value`, `header_pattern`,
     /// `cookie` (each none when absent), `weight`, `total`.
     pub fn row(&self) -> tera::Value {
-        let opt = |v: &Option<String>| v.as_deref().map_or_else(tera::Value::none, tera::Value::from);
+        let opt = |v: &Option<String>| {
+            v.as_deref()
+                .map_or_else(tera::Value::none, tera::Value::from)
+        };
         let mut map = tera::value::Map::new();
         for (key, value) in [
             ("header", opt(&self.header)),
@@ -888,7 +894,8 @@ fn parse_canary<'a>(
             );
         }
     }
-    if let Some(pattern) = get("canary-by-header-pattern").filter(|_| canary.header_value.is_none()) {
+    if let Some(pattern) = get("canary-by-header-pattern").filter(|_| canary.header_value.is_none())
+    {
         if !pattern.is_empty() && !pattern.chars().any(|c| c == '\'' || c.is_control()) {
             canary.header_pattern = Some(pattern.to_owned());
         } else {
@@ -919,10 +926,12 @@ fn parse_canary<'a>(
             ),
         }
     }
-    if canary.header.is_none() && (canary.header_value.is_some() || canary.header_pattern.is_some()) {
+    if canary.header.is_none() && (canary.header_value.is_some() || canary.header_pattern.is_some())
+    {
         bad(
             "canary-by-header",
-            "canary-by-header-value and -pattern need the header's name in canary-by-header".to_owned(),
+            "canary-by-header-value and -pattern need the header's name in canary-by-header"
+                .to_owned(),
             "not used to choose the canary",
         );
     }
@@ -1490,10 +1499,7 @@ impl Policy {
                 .and_then(|(_, age)| age.map(tera::Value::from))),
         );
         put("least_conn", tera::Value::from(self.least_conn));
-        put(
-            "service_upstream",
-            tera::Value::from(self.service_upstream),
-        );
+        put("service_upstream", tera::Value::from(self.service_upstream));
         put(
             "hash_by",
             opt(self
@@ -1884,12 +1890,24 @@ mod tests {
     #[test]
     fn www_twins_of_plain_hosts() {
         // `www.com`'s twin would be a top-level domain: none.
-        let pairs = www_redirects(["shop.example.com", "www.blog.example.com", "*.x.com", "www.com", ""]);
+        let pairs = www_redirects([
+            "shop.example.com",
+            "www.blog.example.com",
+            "*.x.com",
+            "www.com",
+            "",
+        ]);
         assert_eq!(
             pairs,
             [
-                ("blog.example.com".to_owned(), "www.blog.example.com".to_owned()),
-                ("www.shop.example.com".to_owned(), "shop.example.com".to_owned()),
+                (
+                    "blog.example.com".to_owned(),
+                    "www.blog.example.com".to_owned()
+                ),
+                (
+                    "www.shop.example.com".to_owned(),
+                    "shop.example.com".to_owned()
+                ),
             ]
         );
     }

@@ -1110,9 +1110,18 @@ fn canaries_by_header_cookie_and_weight() {
     // Header, then cookie, then weight (10 of 10: always).
     assert!(canary("prec", ""));
     assert!(!canary("prec", "X-Canary: never\r\n"));
-    assert!(!canary("prec", "X-Canary: never\r\nCookie: canary=always\r\n"));
-    assert!(canary("prec", "X-Canary: always\r\nCookie: canary=never\r\n"));
-    assert!(!canary("prec", "X-Canary: maybe\r\nCookie: canary=never\r\n"));
+    assert!(!canary(
+        "prec",
+        "X-Canary: never\r\nCookie: canary=always\r\n"
+    ));
+    assert!(canary(
+        "prec",
+        "X-Canary: always\r\nCookie: canary=never\r\n"
+    ));
+    assert!(!canary(
+        "prec",
+        "X-Canary: maybe\r\nCookie: canary=never\r\n"
+    ));
     assert!(!canary("prec", "Cookie: other=1; canary=never\r\n"));
     assert!(canary("prec", "Cookie: canary=always\r\n"));
     // A value or a pattern replaces `always`; no weight: nothing else goes.
@@ -1127,9 +1136,7 @@ fn canaries_by_header_cookie_and_weight() {
     assert!((0..20).all(|_| !canary("guarded", "")));
     // Neither Ingress is told of a conflict.
     assert!(
-        f.events
-            .iter()
-            .all(|e| e.reason != "RouteConflict"),
+        f.events.iter().all(|e| e.reason != "RouteConflict"),
         "{:?}",
         f.events
     );
@@ -1231,7 +1238,11 @@ fn client_certificates_that_cannot_be_verified_fail_closed() {
     let _echo = echo_backends(ports.0, ports.1, ports.2);
     let mut s = stores();
     service(&mut s, "a", "web", ports);
-    for (name, verify) in [("on", None), ("optional", Some("optional")), ("off", Some("off"))] {
+    for (name, verify) in [
+        ("on", None),
+        ("optional", Some("optional")),
+        ("off", Some("off")),
+    ] {
         let mut annotations = vec![("auth-tls-secret", "a/client-ca")];
         if let Some(verify) = verify {
             annotations.push(("auth-tls-verify-client", verify));

@@ -181,8 +181,7 @@ fn template(source: &str) -> Template {
 /// Outputs: `haproxy.cfg`; `maps/routes-exact.map`, `maps/routes-prefix.map` and
 /// `maps/routes-regex.map` (routing; regex paths of ingress-nginx's use-regex and
 /// rewrite-target);
-/// `maps/certs.list` (the HTTPS crt-list); `maps/ssl-redirect.map` (hosts redirected to HTTPS);
-/// `maps/www-redirect.map` (ingress-nginx's from-to-www-redirect: host to its www./bare twin); `ssl/<namespace>_<secret>.pem` for every usable
+/// `maps/certs.list` (the HTTPS crt-list); `maps/ssl-redirect.map` (hosts redirected to HTTPS); `ssl/<namespace>_<secret>.pem` for every usable
 /// TLS Secret.
 ///
 /// `extraContext.haproxy` holds the tunables: `maxconn` (50000), `bind_address` (empty: every
@@ -230,10 +229,6 @@ pub fn template_set() -> TemplateSet {
         (
             "ssl-redirect.map",
             include_str!("../templates/maps/ssl-redirect.map.tera"),
-        ),
-        (
-            "www-redirect.map",
-            include_str!("../templates/maps/www-redirect.map.tera"),
         ),
     ] {
         set.maps.insert(name.to_owned(), template(source));

@@ -17,9 +17,10 @@
 //!
 //! // The reference Ingress config passes every check the config loader makes.
 //! let valid = config::validate(&reference::spec(), 1, "1").expect("valid");
-//! // Ingresses, Services, EndpointSlices, TLS Secrets, IngressClasses, the HAProxy pods,
+//! // Ingresses, Services, EndpointSlices, TLS Secrets, labelled htpasswd Secrets,
+//! // IngressClasses, the HAProxy pods,
 //! // Namespaces and the Gateway API kinds (optional: their CRDs are the user's).
-//! assert_eq!(valid.stores.len(), 11);
+//! assert_eq!(valid.stores.len(), 12);
 //! assert_eq!(HAProxyTemplateConfig::crd_name(), "haproxytemplateconfigs.haproxy-haptic.org");
 //! ```
 

@@ -11,11 +11,12 @@ use crate::crd::{
 };
 
 /// The resource each reference store watches: (store, apiVersion, plural).
-const RESOURCES: [(&str, &str, &str); 11] = [
+const RESOURCES: [(&str, &str, &str); 12] = [
     ("ingresses", "networking.k8s.io/v1", "ingresses"),
     ("services", "v1", "services"),
     ("endpointslices", "discovery.k8s.io/v1", "endpointslices"),
     ("secrets", "v1", "secrets"),
+    ("auth_secrets", "v1", "secrets"),
     ("ingressclasses", "networking.k8s.io/v1", "ingressclasses"),
     (
         "gatewayclasses",
@@ -55,8 +56,17 @@ pub fn spec() -> HAProxyTemplateConfigSpec {
                 index_by: Some(index.iter().map(|s| (*s).to_owned()).collect()),
                 // The HAProxy pods (Gateway status.addresses), in the controller's namespace
                 // (`spec_in`), by the label of the podSelector.
-                label_selector: (name == "haproxy_pods")
-                    .then(|| format!("{}={}", POD_LABEL.0, POD_LABEL.1)),
+                // The htpasswd Secrets of ingress-nginx's auth-secret: only those labelled so,
+                // never the cluster's other Opaque Secrets (memory, and what a compromised
+                // controller would hold).
+                label_selector: match name {
+                    "haproxy_pods" => Some(format!("{}={}", POD_LABEL.0, POD_LABEL.1)),
+                    "auth_secrets" => Some(format!(
+                        "{}=true",
+                        haptic_render::reference::AUTH_SECRET_LABEL
+                    )),
+                    _ => None,
+                },
                 // Only TLS Secrets can hold Ingress certificates; the rest are never read.
                 field_selector: (name == "secrets").then(|| "type=kubernetes.io/tls".to_owned()),
                 // An Ingress is what a user writes by hand: the webhook checks it before it

@@ -207,12 +207,14 @@ async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate()
     .await;
     let (allowed, message, warnings) = response(&answer);
     assert!(allowed, "{message}");
+    assert_eq!(warnings.len(), 2, "{answer}");
     assert_eq!(
-        warnings,
-        [
-            "Ingress default/legacy: nginx.ingress.kubernetes.io/no-such-thing is not applied (unknown): not an annotation HAPTIC knows (a typo, or one the registry does not list)",
-            "Ingress default/legacy: nginx.ingress.kubernetes.io/ssl-passthrough is not applied (not-yet-supported): TLS is terminated by HAProxy, not passed through to the backend",
-        ],
+        warnings[0],
+        "Ingress default/legacy: nginx.ingress.kubernetes.io/no-such-thing is not applied (unknown): not an annotation HAPTIC knows (a typo, or one the registry does not list)",
+        "{answer}"
+    );
+    assert!(
+        warnings[1].starts_with("Ingress default/legacy: nginx.ingress.kubernetes.io/ssl-passthrough is not applied (not-yet-supported): TLS is terminated by HAProxy, not passed through to the backend"),
         "{answer}"
     );
     // A value that cannot be applied is denied, naming the annotation and why; one applied
@@ -253,6 +255,71 @@ async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate()
         message.contains("metadata.annotations[nginx.ingress.kubernetes.io/auth-secret] \"no-such-secret\" cannot be applied: Secret no-such-secret does not exist"),
         "{message}"
     );
+    // An htpasswd Secret is read only when labelled haproxy-haptic.org/auth-secret: "true"
+    // (the controller watches no other Opaque Secret): unlabelled, the Ingress is denied, the
+    // message saying what to do; labelled, the controller's store sees it and it is admitted.
+    let secrets: kube::Api<k8s_openapi::api::core::v1::Secret> = cluster.api();
+    let htpasswd = |labelled: bool| -> k8s_openapi::api::core::v1::Secret {
+        let labels = if labelled {
+            json!({"haproxy-haptic.org/auth-secret": "true"})
+        } else {
+            json!({})
+        };
+        serde_json::from_value(json!({"metadata": {"name": "htpasswd", "namespace": "default",
+            "labels": labels}, "type": "Opaque",
+            "data": {"auth": base64("alice:$2b$05$ERu7VgXqoHLTArkD/dYmMuZv5uAxu3YTSmWkbyjNItQuph9sdytmm\n")}}))
+        .expect("secret")
+    };
+    secrets
+        .create(&kube::api::PostParams::default(), &htpasswd(false))
+        .await
+        .expect("create the Secret");
+    let mut auth = ingress_json("legacy", "legacy.example.com");
+    auth["metadata"]["annotations"] = json!({
+        "nginx.ingress.kubernetes.io/auth-type": "basic",
+        "nginx.ingress.kubernetes.io/auth-secret": "htpasswd",
+    });
+    let (_, answer) = post(
+        &trusting,
+        port,
+        review("CREATE", INGRESS, "legacy", auth.clone(), Value::Null),
+    )
+    .await;
+    let (allowed, message, _) = response(&answer);
+    assert!(!allowed, "{answer}");
+    assert!(
+        message.contains("Secret htpasswd does not exist or is not labelled haproxy-haptic.org/auth-secret: \"true\""),
+        "{message}"
+    );
+    let mut labelled = secrets.get("htpasswd").await.expect("get the Secret");
+    labelled.metadata.labels = Some(
+        [(
+            "haproxy-haptic.org/auth-secret".to_owned(),
+            "true".to_owned(),
+        )]
+        .into(),
+    );
+    secrets
+        .replace("htpasswd", &kube::api::PostParams::default(), &labelled)
+        .await
+        .expect("label the Secret");
+    eventually(
+        "the labelled htpasswd Secret admits the Ingress",
+        Duration::from_secs(30),
+        || {
+            let (trusting, auth) = (&trusting, auth.clone());
+            async move {
+                let (_, answer) = post(
+                    trusting,
+                    port,
+                    review("CREATE", INGRESS, "legacy", auth, Value::Null),
+                )
+                .await;
+                response(&answer).0.then_some(())
+            }
+        },
+    )
+    .await;
     let mut applied = ingress_json("legacy", "legacy.example.com");
     applied["metadata"]["annotations"] = json!({
         "nginx.ingress.kubernetes.io/whitelist-source-range": "10.0.0.0/8",

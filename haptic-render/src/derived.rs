@@ -26,7 +26,7 @@
 //! | `port`, `port_name` | the Service port's number and name (`""` when it has none) |
 //! | `app_protocol` | the Service port's `appProtocol` (`""` when it has none) |
 //! | `endpoints` | the endpoints of the Service's EndpointSlices (label `kubernetes.io/service-name`, same namespace) on the slice port with the same name, ready or not: slices by name, then port, then endpoint order; FQDN slices and endpoints without addresses are left out |
-//! | `policy` | none; with `routedBy`, for the routes of Ingresses whose ingress-nginx annotations ask something of their requests, a copy of the port's row per policy, named `<backend>_nginx_<id>`, with the policy's row ([`crate::nginx::Policy::row`]) and the `origin` of the first such Ingress; the port's own row is then written only when a path without a policy (or the default backend) routes to it |
+//! | `policy` | none; with `routedBy`, for the routes of Ingresses whose ingress-nginx annotations ask something of their requests, a copy of the port's row per policy, named `<backend>_nginx_<id>`, with the policy's row ([`crate::nginx::Policy::row`]) and the `origin` of the first such Ingress (with `service-upstream`, its `endpoints` are one row for the Service's cluster IP and port, named `cluster-ip_<ip>`, unless the Service is headless); the port's own row is then written only when a path without a policy (or the default backend) routes to it |
 //!
 //! An endpoint:
 //!
@@ -57,6 +57,7 @@
 //! | `backend` | that Service port's backend name (as a backend row's `name`; `<backend>_nginx_<id>` when the Ingress's ingress-nginx annotations ask something of its requests); none when unresolved (an ExternalName Service included), so that a template decides what such a path gets |
 //! | `conflict` | none; or, when an older Ingress claims the same route (host, path as the map writes it, Exact or not), its `namespace/name` |
 //! | `external_name` | whether the Service is an ExternalName Service |
+//! | `canary` | whether the Ingress is an ingress-nginx canary (`canary: "true"`): its paths claim no route (nor lose one) |
 //!
 //! [`Derivation::IngressTls`]: a row per TLS entry of an Ingress (Ingresses sorted by namespace
 //! and name, entries in spec order).
@@ -94,7 +95,10 @@
 //! registry ([`crate::nginx`]): `refused`, the message of a `SnippetRefused` Event (`""` when
 //! no snippet), `not_applied`, the message of an `AnnotationNotSupported` Event (`""` when
 //! every one is supported or refused), `invalid`, the message of an `AnnotationInvalid` Event
-//! (`""` when every value parses), `namespace`, `ingress`, `origin`.
+//! (`""` when every value parses), `canary` (none; for a canary Ingress, its split as
+//! [`crate::nginx::Canary::row`] with `paths`: `host`, `path`, `exact`, `service`,
+//! `port_number` or `port_name`), `www_redirects` (`[from, to]` host pairs of
+//! `from-to-www-redirect`; `[]` without it), `namespace`, `ingress`, `origin`.
 //!
 //! [`Derivation::IngressDefaultBackends`]: a row per Ingress with a `spec.defaultBackend`, the
 //! winner first (the oldest whose default backend is a Service), then the other Service backends
@@ -494,6 +498,8 @@ struct ServiceExtract {
     ports: Vec<PortExtract>,
     /// `spec.type` is `ExternalName`.
     external_name: bool,
+    /// `spec.clusterIP`, when it is an IP address (not `None`: headless).
+    cluster_ip: Option<String>,
 }
 
 /// A Service port: name, number, backend name and `appProtocol` (`""` when absent).
@@ -528,6 +534,8 @@ struct IngressExtract {
     /// What is not applied of its ingress-nginx annotations ([`crate::nginx`]); none when it
     /// carries none.
     nginx: Option<NginxFindings>,
+    /// An ingress-nginx canary (`canary: "true"`): its paths claim no route.
+    canary: bool,
 }
 
 /// The messages of an Ingress's Events about its ingress-nginx annotations (none where there
@@ -540,6 +548,10 @@ struct NginxFindings {
     not_applied: Option<String>,
     /// The ones whose values cannot be applied, and what is done instead.
     invalid: Option<String>,
+    /// A canary's split ([`crate::nginx::Canary::row`]) with its `paths`; none otherwise.
+    canary: Value,
+    /// `from-to-www-redirect`: `[from, to]` host pairs ([`crate::nginx::www_redirects`]).
+    www_redirects: Value,
 }
 
 /// The ingress-nginx annotations of an Ingress, judged by the registry, and the values that
@@ -559,7 +571,31 @@ fn nginx_findings(
                 all.join("; ")
             )
         }),
+        canary: Value::none(),
+        www_redirects: Value::from(Vec::<Value>::new()),
     })
+}
+
+/// A canary's row ([`crate::nginx::Canary::row`]) with `paths`: per path, `host`, `path`,
+/// `exact`, `service`, and the port it names (`port_number`, or `port_name`).
+fn canary_row(canary: &crate::nginx::Canary, paths: &[PathExtract]) -> Value {
+    let paths: Vec<Value> = paths
+        .iter()
+        .map(|p| {
+            row([
+                ("host", p.host.clone()),
+                ("path", p.path.clone()),
+                ("exact", Value::from(p.exact)),
+                ("service", Value::from(p.target.service.as_str())),
+                (
+                    "port_number",
+                    p.target.want_number.map_or_else(Value::none, Value::from),
+                ),
+                ("port_name", Value::from(p.target.want_name.as_str())),
+            ])
+        })
+        .collect();
+    with_field(&canary.row(), "paths", Value::from(paths))
 }
 
 /// How an Ingress names its class.
@@ -649,6 +685,9 @@ impl Extracts {
             ServiceExtract {
                 ports,
                 external_name,
+                cluster_ip: Some(text(svc, &["spec", "clusterIP"]))
+                    .filter(|ip| crate::functions::is_ip_address(ip))
+                    .map(str::to_owned),
             }
         })
     }
@@ -800,13 +839,27 @@ impl Extracts {
                     }
                 }
             }
+            let mut nginx = nginx_findings(&annotations, &invalid);
+            if let (Some(canary), Some(found)) = (&policy.canary, &mut nginx) {
+                found.canary = canary_row(canary, &paths);
+            }
+            if let (true, Some(found)) = (policy.www_redirect, &mut nginx) {
+                let hosts = paths.iter().filter_map(|p| p.host.as_str());
+                found.www_redirects = Value::from(
+                    crate::nginx::www_redirects(hosts)
+                        .into_iter()
+                        .map(|(from, to)| Value::from(vec![Value::from(from), Value::from(to)]))
+                        .collect::<Vec<_>>(),
+                );
+            }
             IngressExtract {
+                canary: policy.canary.is_some(),
                 paths,
                 class,
                 created: (!created.is_empty()).then(|| created.to_owned()),
                 default_backend,
                 ssl_redirect: annotation(SSL_REDIRECT_ANNOTATION) != "false" && policy.ssl_redirect,
-                nginx: nginx_findings(&annotations, &invalid),
+                nginx,
             }
         })
     }
@@ -820,6 +873,25 @@ impl ServiceExtract {
                 || (!target.want_name.is_empty() && port.name == target.want_name)
         })
     }
+}
+
+/// The one endpoint of a backend of ingress-nginx's `service-upstream`: the Service's cluster
+/// IP and port, always ready.
+fn cluster_ip_row(ip: &str, port: i64) -> Value {
+    let endpoint = if ip.contains(':') {
+        format!("[{ip}]:{port}")
+    } else {
+        format!("{ip}:{port}")
+    };
+    row([
+        ("name", Value::from(format!("cluster-ip_{}", sanitize(ip)))),
+        ("endpoint", Value::from(endpoint)),
+        ("ready", Value::from(true)),
+        ("address", Value::from(ip)),
+        ("port", Value::from(port)),
+        ("terminating", Value::from(false)),
+        ("slice", Value::from("")),
+    ])
 }
 
 /// The row of one endpoint of a slice port; none without an address.
@@ -1260,7 +1332,8 @@ fn service_backends(
         let slices: &[&Arc<Extracts>] = by_service
             .get(&(namespace.as_str(), service.as_str()))
             .map_or(&[][..], Vec::as_slice);
-        let ports = &extracts.service(namespace, service, svc).ports;
+        let extract = extracts.service(namespace, service, svc);
+        let (ports, cluster_ip) = (&extract.ports, extract.cluster_ip.as_deref());
         // A row per port, in port order: row `i` is port `i`'s.
         let keep = |i: usize| match (&routed, ports.get(i)) {
             (None, _) => true,
@@ -1341,6 +1414,16 @@ fn service_backends(
             }
             for (name, policy, origin) in &port.variants {
                 let mut map = base.as_map().cloned().unwrap_or_default();
+                // ingress-nginx's service-upstream: the Service's cluster IP, not its endpoints.
+                if let (Some(ip), Some(true)) = (
+                    cluster_ip,
+                    attr(policy, "service_upstream").and_then(Value::as_bool),
+                ) {
+                    map.insert(
+                        Key::Str("endpoints"),
+                        Value::from(vec![cluster_ip_row(ip, port.number)]),
+                    );
+                }
                 map.insert(Key::Str("name"), Value::from(name.as_str()));
                 map.insert(Key::Str("policy"), policy.clone());
                 map.insert(Key::Str("origin"), origin.clone());
@@ -1363,7 +1446,7 @@ fn ingress_routes(
     let kind = |p: &PathExtract| exact.is_none_or(|exact| p.exact == exact);
     // Who claims each route: the oldest Ingress.
     let mut claims = Claims::with_capacity(ours.len() * 2);
-    for ing in &ours {
+    for ing in ours.iter().filter(|ing| !ing.ingress.canary) {
         let age = ing.age();
         for p in ing.ingress.paths.iter().filter(|p| kind(p)) {
             claims.claim(route_key(p), age);
@@ -1421,6 +1504,7 @@ fn ingress_routes(
                             ),
                             ("origin", origin.clone()),
                             ("regex", Value::from(p.regex)),
+                            ("canary", Value::from(ing.ingress.canary)),
                             (
                                 "host_pattern",
                                 if p.regex {
@@ -1435,7 +1519,7 @@ fn ingress_routes(
             },
             keep,
         );
-        if claims.contested {
+        if claims.contested && !ing.ingress.canary {
             let age = ing.age();
             let kept = paths.iter().filter(|p| kind(p));
             for (row, p) in rows
@@ -1578,6 +1662,8 @@ fn annotation_rows(slot: Slot, (store, ingresses): (&str, Source<'_>), ours: &Ou
                     ("refused", text(&found.refused)),
                     ("not_applied", text(&found.not_applied)),
                     ("invalid", text(&found.invalid)),
+                    ("canary", found.canary.clone()),
+                    ("www_redirects", found.www_redirects.clone()),
                     ("namespace", Value::from(ing.namespace)),
                     ("ingress", Value::from(ing.name)),
                     ("origin", origin(store, ing.namespace, ing.name)),

@@ -130,20 +130,20 @@ pub static ANNOTATIONS: &[Annotation] = &[
     ),
     differs(
         "auth-secret",
-        "a Secret of the Ingress's own namespace (`name`, or `<own namespace>/name`; another namespace is refused) whose key `auth` holds htpasswd lines; bcrypt (`htpasswd -B`), SHA-256/512-crypt and MD5-crypt hashes are accepted, apr1 (htpasswd's default) and {SHA} are not (HAProxy checks passwords with crypt(3)): the webhook denies them; a stored Ingress keeps the users it can check, and with none (or no such Secret) every request gets 401; the reference config's `secrets` store selects only kubernetes.io/tls Secrets, so an Opaque htpasswd Secret is not seen until it selects them too",
+        "a Secret of the Ingress's own namespace (`name`, or `<own namespace>/name`; another namespace is refused) whose key `auth` holds htpasswd lines; bcrypt (`htpasswd -B`), SHA-256/512-crypt and MD5-crypt hashes are accepted, apr1 (htpasswd's default) and {SHA} are not (HAProxy checks passwords with crypt(3)): the webhook denies them; a stored Ingress keeps the users it can check, and with none (or no such Secret) every request gets 401; the Secret must carry the label `haproxy-haptic.org/auth-secret: \"true\"`: the controller watches only Secrets so labelled, never an application's other Secrets",
     ),
     refused("auth-snippet"),
     lost(
         "auth-tls-secret",
-        "client certificates are not requested or verified",
+        "client certificates are not requested or verified yet (it needs the Secret's ca.crt on the crt-list line of each of the Ingress's TLS hosts); fail closed: with auth-tls-verify-client `on` (the default) or `optional`, the webhook denies the Ingress and a stored one's routes answer every request with 403; with `off` or `optional_no_ca` nothing was enforced and the routes are served",
     ),
     lost(
         "auth-tls-verify-client",
-        "client certificates are not requested or verified",
+        "client certificates are not requested or verified yet: see auth-tls-secret (`on` and `optional` fail closed)",
     ),
     lost(
         "auth-tls-verify-depth",
-        "client certificates are not requested or verified",
+        "client certificates are not requested or verified yet: see auth-tls-secret",
     ),
     supported(
         "auth-type",
@@ -153,16 +153,34 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "backend-protocol",
         "HTTP (HTTP/1.1 in clear text), HTTPS (TLS, the certificate not verified, as ingress-nginx), GRPC and H2C (HTTP/2 in clear text), GRPCS (HTTP/2 over TLS, not verified); it wins over the Service port's appProtocol; AUTO_HTTP and FCGI are refused",
     ),
-    lost(
+    differs(
         "canary",
-        "the canary Ingress's paths are routed like any other Ingress's (the oldest claim wins), not split",
+        "`true`: the Ingress's paths claim no route; a request that routes to another Ingress's same host and path (the main Ingress, by the map line it wrote) goes to the canary's Service when canary-by-header, then canary-by-cookie, then canary-weight say so, as in ingress-nginx; the canary Ingress's other annotations are ignored (ingress-nginx kept load-balance, upstream-hash-by and affinity; HAPTIC balances the canary round robin); when the main route's annotations ask something of its requests (authentication, source lists, limits, ...) or its path is a regex, requests are never sent to the canary (its backend would skip those rules)",
     ),
-    lost("canary-by-cookie", "no cookie-based canary routing"),
-    lost("canary-by-header", "no header-based canary routing"),
-    lost("canary-by-header-pattern", "no header-based canary routing"),
-    lost("canary-by-header-value", "no header-based canary routing"),
-    lost("canary-weight", "no weighted traffic split"),
-    lost("canary-weight-total", "no weighted traffic split"),
+    supported(
+        "canary-by-cookie",
+        "a cookie name: `always` sends the request to the canary, `never` keeps it on the main Service, other values fall through to canary-weight",
+    ),
+    supported(
+        "canary-by-header",
+        "a header name: `always` sends the request to the canary, `never` keeps it on the main Service (canary-by-cookie and canary-weight are not asked), other values fall through",
+    ),
+    supported(
+        "canary-by-header-pattern",
+        "a regular expression (PCRE2, unanchored; no `'` or control characters) the header's value is matched with, instead of `always`; ignored when canary-by-header-value is set; no match falls through",
+    ),
+    supported(
+        "canary-by-header-value",
+        "the header value (one token) that sends the request to the canary, instead of `always`; other values fall through",
+    ),
+    supported(
+        "canary-weight",
+        "0 to canary-weight-total: that share of the requests no header or cookie decided goes to the canary (HAProxy's `rand`)",
+    ),
+    supported(
+        "canary-weight-total",
+        "the total of canary-weight (default 100)",
+    ),
     refused("configuration-snippet"),
     supported(
         "cors-allow-credentials",
@@ -187,7 +205,7 @@ pub static ANNOTATIONS: &[Annotation] = &[
     supported("cors-max-age", "seconds (default 1728000)"),
     lost(
         "custom-http-errors",
-        "the backend's error pages are returned as they are",
+        "the backend's error pages are returned as they are: ingress-nginx re-sent the request to the default backend (with X-Code, X-Format, ...) when the response had a listed status, and HAProxy cannot ask another Service for a body while answering (only static errorfiles, which would have to come from the config, not from an Ingress)",
     ),
     supported(
         "denylist-source-range",
@@ -201,9 +219,9 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "force-ssl-redirect",
         "`true`: plain HTTP requests that route to this Ingress are redirected to HTTPS (308), with or without a TLS section",
     ),
-    lost(
+    differs(
         "from-to-www-redirect",
-        "no redirect between `www.` and the bare host",
+        "`true`: a request for `www.<host>` when the Ingress's rule is for `<host>` (or for `<host>` when the rule is `www.<host>`) is redirected there with 308, scheme, path and query kept; only requests no route takes are redirected (ingress-nginx skipped the redirect when any Ingress defined the other host at all); wildcard hosts get none",
     ),
     supported(
         "limit-connections",
@@ -248,19 +266,19 @@ pub static ANNOTATIONS: &[Annotation] = &[
     ),
     lost(
         "proxy-ssl-name",
-        "the backend is spoken to in plain HTTP (no TLS to the backend)",
+        "not applied yet: TLS to the backend comes from backend-protocol HTTPS or GRPCS (or appProtocol https), whose certificate is not verified and which presents no client certificate (it needs the Secret's ca.crt and tls.crt as files of the set on the backend's server lines)",
     ),
     lost(
         "proxy-ssl-secret",
-        "the backend is spoken to in plain HTTP (no TLS to the backend)",
+        "not applied yet: TLS to the backend comes from backend-protocol HTTPS or GRPCS (or appProtocol https), whose certificate is not verified and which presents no client certificate (it needs the Secret's ca.crt and tls.crt as files of the set on the backend's server lines)",
     ),
     lost(
         "proxy-ssl-server-name",
-        "the backend is spoken to in plain HTTP (no TLS to the backend)",
+        "not applied yet: TLS to the backend comes from backend-protocol HTTPS or GRPCS (or appProtocol https), whose certificate is not verified and which presents no client certificate (it needs the Secret's ca.crt and tls.crt as files of the set on the backend's server lines)",
     ),
     lost(
         "proxy-ssl-verify",
-        "the backend is spoken to in plain HTTP (no TLS to the backend)",
+        "not applied yet: TLS to the backend comes from backend-protocol HTTPS or GRPCS (or appProtocol https), whose certificate is not verified and which presents no client certificate (it needs the Secret's ca.crt and tls.crt as files of the set on the backend's server lines)",
     ),
     differs(
         "rewrite-target",
@@ -271,9 +289,9 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "comma-separated host names (or `*.` wildcards) routed as every rule of the Ingress that has a host; an alias another Ingress routes first is theirs (a RouteConflict Event), as for any host",
     ),
     refused("server-snippet"),
-    lost(
+    differs(
         "service-upstream",
-        "requests go to the Pods' endpoints, not the Service's cluster IP",
+        "`true`: the route's backend has one server, the Service's cluster IP and port, instead of the endpoints (kube-proxy balances); a headless Service (no cluster IP) keeps its endpoints; HAProxy health-checks the cluster IP like an endpoint",
     ),
     differs(
         "session-cookie-expires",
@@ -293,7 +311,7 @@ pub static ANNOTATIONS: &[Annotation] = &[
     ),
     lost(
         "ssl-passthrough",
-        "TLS is terminated by HAProxy, not passed through to the backend",
+        "TLS is terminated by HAProxy, not passed through to the backend: passthrough by SNI needs a TCP-mode frontend owning the HTTPS port ahead of the HTTP one (every HTTPS connection one more hop through a loopback, the client address lost to the HTTP frontend unless PROXY protocol carries it); not carried over until that is designed with the hitless reloads",
     ),
     differs(
         "ssl-redirect",
@@ -522,6 +540,53 @@ pub struct Policy {
     /// `upstream-hash-by`: what to hash (`request_uri`, `uri`, `remote_addr`, `header`,
     /// `cookie`, `arg`) and the name (header, cookie, argument; `""` otherwise).
     pub hash_by: Option<(&'static str, String)>,
+    /// `canary: "true"`, with the canary-* values: then every other field keeps its default
+    /// (a canary Ingress's other annotations are ignored).
+    pub canary: Option<Canary>,
+    /// `from-to-www-redirect: "true"`.
+    pub www_redirect: bool,
+    /// `service-upstream: "true"`: the Service's cluster IP, not its endpoints.
+    pub service_upstream: bool,
+}
+
+/// A canary Ingress's traffic split (`canary-*`): header, then cookie, then weight.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Canary {
+    /// `canary-by-header`: the header's name.
+    pub header: Option<String>,
+    /// `canary-by-header-value`: the value that selects the canary (instead of `always`).
+    pub header_value: Option<String>,
+    /// `canary-by-header-pattern`: a regex the value is matched with (without a value).
+    pub header_pattern: Option<String>,
+    /// `canary-by-cookie`: the cookie's name.
+    pub cookie: Option<String>,
+    /// `canary-weight` (0 when absent).
+    pub weight: u64,
+    /// `canary-weight-total` (100 when absent).
+    pub total: u64,
+}
+
+impl Canary {
+    /// The canary as the templates read it: `header`, `header_value`, `header_pattern`,
+    /// `cookie` (each none when absent), `weight`, `total`.
+    pub fn row(&self) -> tera::Value {
+        let opt = |v: &Option<String>| {
+            v.as_deref()
+                .map_or_else(tera::Value::none, tera::Value::from)
+        };
+        let mut map = tera::value::Map::new();
+        for (key, value) in [
+            ("header", opt(&self.header)),
+            ("header_value", opt(&self.header_value)),
+            ("header_pattern", opt(&self.header_pattern)),
+            ("cookie", opt(&self.cookie)),
+            ("weight", tera::Value::from(self.weight)),
+            ("total", tera::Value::from(self.total)),
+        ] {
+            map.insert(tera::value::Key::Str(key), value);
+        }
+        tera::Value::from(map)
+    }
 }
 
 impl Default for Policy {
@@ -552,6 +617,9 @@ impl Default for Policy {
             limit_connections: None,
             limit_exempt: Vec::new(),
             aliases: Vec::new(),
+            canary: None,
+            www_redirect: false,
+            service_upstream: false,
         }
     }
 }
@@ -766,6 +834,110 @@ fn parse_url(value: &str) -> Result<String, String> {
     Ok(value.to_owned())
 }
 
+/// The redirects of `from-to-www-redirect` for an Ingress's rule hosts: `(from, to)`, `www.`
+/// added to or taken from each plain host (wildcards and `www.` alone get none).
+pub fn www_redirects<'a>(hosts: impl IntoIterator<Item = &'a str>) -> Vec<(String, String)> {
+    let mut pairs: Vec<(String, String)> = hosts
+        .into_iter()
+        .filter(|h| crate::functions::is_hostname(h))
+        .filter_map(|h| match h.strip_prefix("www.") {
+            Some(bare) if crate::functions::is_hostname(bare) && bare.contains('.') => {
+                Some((bare.to_owned(), h.to_owned()))
+            }
+            Some(_) => None,
+            None => Some((format!("www.{h}"), h.to_owned())),
+        })
+        .collect();
+    pairs.sort();
+    pairs.dedup();
+    pairs
+}
+
+/// The canary-* annotations of a canary Ingress; a value that does not parse is left out
+/// (named through `bad`).
+fn parse_canary<'a>(
+    get: &impl Fn(&str) -> Option<&'a str>,
+    bad: &mut impl FnMut(&str, String, &'static str),
+) -> Canary {
+    let mut canary = Canary {
+        header: None,
+        header_value: None,
+        header_pattern: None,
+        cookie: None,
+        weight: 0,
+        total: 100,
+    };
+    for (name, field) in [
+        ("canary-by-header", &mut canary.header),
+        ("canary-by-cookie", &mut canary.cookie),
+    ] {
+        if let Some(value) = get(name) {
+            if is_name(value) {
+                *field = Some(value.to_owned());
+            } else {
+                bad(
+                    name,
+                    format!("{value:?} is not a name (letters, digits, `-`, `_`, `.`)"),
+                    "not used to choose the canary",
+                );
+            }
+        }
+    }
+    if let Some(value) = get("canary-by-header-value") {
+        if config_safe(value) {
+            canary.header_value = Some(value.to_owned());
+        } else {
+            bad(
+                "canary-by-header-value",
+                format!("{value:?} is not one token without spaces, quotes, `#` or backslashes"),
+                "the header selects the canary only with `always`",
+            );
+        }
+    }
+    if let Some(pattern) = get("canary-by-header-pattern").filter(|_| canary.header_value.is_none())
+    {
+        if !pattern.is_empty() && !pattern.chars().any(|c| c == '\'' || c.is_control()) {
+            canary.header_pattern = Some(pattern.to_owned());
+        } else {
+            bad(
+                "canary-by-header-pattern",
+                format!("{pattern:?} is empty or has a `'` or a control character"),
+                "the header selects the canary only with `always`",
+            );
+        }
+    }
+    if let Some(total) = get("canary-weight-total") {
+        match total.parse::<u64>() {
+            Ok(n @ 1..=1_000_000) => canary.total = n,
+            _ => bad(
+                "canary-weight-total",
+                format!("{total:?} is not a number from 1 to 1000000"),
+                "100 is used",
+            ),
+        }
+    }
+    if let Some(weight) = get("canary-weight") {
+        match weight.parse::<u64>() {
+            Ok(n) if n <= canary.total => canary.weight = n,
+            _ => bad(
+                "canary-weight",
+                format!("{weight:?} is not a number from 0 to {}", canary.total),
+                "no request is sent to the canary by weight",
+            ),
+        }
+    }
+    if canary.header.is_none() && (canary.header_value.is_some() || canary.header_pattern.is_some())
+    {
+        bad(
+            "canary-by-header",
+            "canary-by-header-value and -pattern need the header's name in canary-by-header"
+                .to_owned(),
+            "not used to choose the canary",
+        );
+    }
+    canary
+}
+
 impl Policy {
     /// The policy of an Ingress's annotations (`(key, value)` pairs, any keys), and the
     /// annotations whose values cannot be applied.
@@ -816,6 +988,9 @@ impl Policy {
         let use_regex = flag("use-regex") == Some(true);
         let enable_cors = flag("enable-cors") == Some(true);
         let cors_credentials = flag("cors-allow-credentials");
+        let canary = flag("canary");
+        let www_redirect = flag("from-to-www-redirect") == Some(true);
+        policy.service_upstream = flag("service-upstream") == Some(true);
         let code = match get("permanent-redirect-code") {
             None => 301,
             Some(code) => match code.parse::<u16>() {
@@ -1123,9 +1298,53 @@ impl Policy {
                 );
             }
         }
+        // Client certificates that cannot be verified must not open the route: every client is
+        // denied (403), as an allow-list that cannot be applied.
+        if let Some(secret) = get("auth-tls-secret") {
+            let verify = get("auth-tls-verify-client").unwrap_or("on");
+            if matches!(verify, "on" | "optional") {
+                bad(
+                    "auth-tls-secret",
+                    format!(
+                        "{secret:?}: client certificates (auth-tls-verify-client {verify}) are not verified by HAPTIC yet"
+                    ),
+                    "every client is denied (403)",
+                );
+                policy.allow = Some(Sources::Invalid);
+            }
+        }
         // An authentication that cannot be applied must not open the route.
         if policy.auth.is_none() && get("auth-type").is_some_and(|t| !t.is_empty()) {
             policy.auth = Some((String::new(), "Authentication Required".to_owned()));
+        }
+        let canary_names = [
+            "canary-by-header",
+            "canary-by-header-value",
+            "canary-by-header-pattern",
+            "canary-by-cookie",
+            "canary-weight",
+            "canary-weight-total",
+        ];
+        if canary == Some(true) {
+            // ingress-nginx ignores a canary Ingress's other annotations: the main Ingress's
+            // apply (and a canary's must not open what the main one closes).
+            policy = Self {
+                canary: Some(parse_canary(&get, &mut bad)),
+                ..Self::default()
+            };
+        } else if canary.is_none() {
+            policy.www_redirect = www_redirect;
+            // `canary: "false"` turns a canary off and may keep its values; without it they
+            // are most likely a mistake.
+            for name in canary_names {
+                if get(name).is_some() {
+                    bad(
+                        name,
+                        "it needs nginx.ingress.kubernetes.io/canary: \"true\"".to_owned(),
+                        "not applied",
+                    );
+                }
+            }
         }
         (policy, invalid)
     }
@@ -1157,6 +1376,9 @@ impl Policy {
             limit_connections,
             limit_exempt: _,
             aliases: _,
+            canary: _,
+            www_redirect: _,
+            service_upstream,
         } = self;
         allow.is_some()
             || deny.is_some()
@@ -1177,6 +1399,7 @@ impl Policy {
             || auth.is_some()
             || limit_rps.is_some()
             || limit_connections.is_some()
+            || *service_upstream
     }
 
     /// A short id of the policy (16 hex digits of its sha256): the same policies share it.
@@ -1193,7 +1416,8 @@ impl Policy {
     /// `connect_timeout` and `server_timeout` (seconds), `protocol` (`HTTP`, `HTTPS`, `GRPC`,
     /// `GRPCS`, `H2C`), `upstream_vhost`, `forwarded_prefix`, `cookie` and `cookie_max_age`
     /// (affinity), `least_conn`, `hash_by` (`request_uri`, `uri`, `remote_addr`, `header`,
-    /// `cookie`, `arg`) and `hash_name`.
+    /// `cookie`, `arg`) and `hash_name`, `service_upstream` (the derived backend then holds the
+    /// Service's cluster IP as its one endpoint).
     pub fn row(&self) -> tera::Value {
         let sources = |s: &Option<Sources>| match s {
             None => tera::Value::none(),
@@ -1275,6 +1499,7 @@ impl Policy {
                 .and_then(|(_, age)| age.map(tera::Value::from))),
         );
         put("least_conn", tera::Value::from(self.least_conn));
+        put("service_upstream", tera::Value::from(self.service_upstream));
         put(
             "hash_by",
             opt(self
@@ -1593,6 +1818,98 @@ mod tests {
         let (policy, invalid) = Policy::parse(&[("kubernetes.io/ingress.class", "x")]);
         assert_eq!((policy.clone(), invalid), (Policy::default(), vec![]));
         assert!(policy.ssl_redirect && !policy.applies_per_route());
+    }
+
+    #[test]
+    fn canary_values_are_parsed_and_invalid_ones_named() {
+        let with = |pairs: &[(&str, &str)]| {
+            let owned: Vec<(String, String)> = pairs
+                .iter()
+                .map(|(k, v)| (format!("{PREFIX}{k}"), (*v).to_owned()))
+                .collect();
+            let pairs: Vec<(&str, &str)> = owned
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            let (policy, invalid) = Policy::parse(&pairs);
+            let named: Vec<String> = invalid.into_iter().map(|i| i.annotation).collect();
+            (policy, named)
+        };
+        let (policy, named) = with(&[
+            ("canary", "true"),
+            ("canary-by-header", "X-Canary"),
+            ("canary-by-header-value", "v2"),
+            ("canary-by-header-pattern", "^ignored$"),
+            ("canary-weight", "30"),
+            ("canary-weight-total", "1000"),
+            ("whitelist-source-range", "10.0.0.0/8"),
+        ]);
+        assert_eq!(named, Vec::<String>::new());
+        // The canary's other annotations are ignored; the pattern too, beside a value.
+        assert_eq!(
+            policy,
+            Policy {
+                canary: Some(Canary {
+                    header: Some("X-Canary".to_owned()),
+                    header_value: Some("v2".to_owned()),
+                    header_pattern: None,
+                    cookie: None,
+                    weight: 30,
+                    total: 1000,
+                }),
+                ..Policy::default()
+            }
+        );
+        assert!(!policy.applies_per_route());
+        let (policy, named) = with(&[
+            ("canary", "true"),
+            ("canary-by-header-pattern", "it's"),
+            ("canary-by-cookie", "a cookie"),
+            ("canary-weight", "101"),
+        ]);
+        assert_eq!(
+            named,
+            [
+                "nginx.ingress.kubernetes.io/canary-by-cookie",
+                "nginx.ingress.kubernetes.io/canary-by-header-pattern",
+                "nginx.ingress.kubernetes.io/canary-weight",
+            ]
+        );
+        assert_eq!(policy.canary.map(|c| c.weight), Some(0));
+        // canary-* without canary: a mistake, named; with canary: "false", a canary turned off.
+        assert_eq!(
+            with(&[("canary-weight", "10")]).1,
+            ["nginx.ingress.kubernetes.io/canary-weight"]
+        );
+        assert_eq!(
+            with(&[("canary", "false"), ("canary-weight", "10")]),
+            (Policy::default(), vec![])
+        );
+    }
+
+    #[test]
+    fn www_twins_of_plain_hosts() {
+        // `www.com`'s twin would be a top-level domain: none.
+        let pairs = www_redirects([
+            "shop.example.com",
+            "www.blog.example.com",
+            "*.x.com",
+            "www.com",
+            "",
+        ]);
+        assert_eq!(
+            pairs,
+            [
+                (
+                    "blog.example.com".to_owned(),
+                    "www.blog.example.com".to_owned()
+                ),
+                (
+                    "www.shop.example.com".to_owned(),
+                    "shop.example.com".to_owned()
+                ),
+            ]
+        );
     }
 
     /// The checked-in table is the registry's: regenerate it with

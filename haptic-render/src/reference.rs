@@ -16,6 +16,7 @@ use crate::store::{self, StoreConfig, Stores};
 /// | `services` | v1 Service | namespace, name |
 /// | `endpointslices` | discovery.k8s.io/v1 EndpointSlice | namespace, label `kubernetes.io/service-name` |
 /// | `secrets` | v1 Secret | namespace, name |
+/// | `auth_secrets` | v1 Secret labelled [`AUTH_SECRET_LABEL`]`=true` (htpasswd for ingress-nginx's `auth-secret`) | namespace, name |
 /// | `ingressclasses` | networking.k8s.io/v1 IngressClass (cluster-scoped) | name |
 /// | `gatewayclasses` | gateway.networking.k8s.io/v1 GatewayClass (cluster-scoped) | name |
 /// | `gateways` | gateway.networking.k8s.io/v1 Gateway | namespace, name |
@@ -23,7 +24,7 @@ use crate::store::{self, StoreConfig, Stores};
 /// | `referencegrants` | gateway.networking.k8s.io/v1beta1 ReferenceGrant | namespace, name |
 /// | `namespaces` | v1 Namespace (cluster-scoped) | name |
 /// | `haproxy_pods` | v1 Pod: the HAProxy pods | namespace, name |
-pub const STORES: [(&str, &[&str]); 11] = [
+pub const STORES: [(&str, &[&str]); 12] = [
     ("ingresses", &["metadata.namespace", "metadata.name"]),
     ("services", &["metadata.namespace", "metadata.name"]),
     (
@@ -34,6 +35,7 @@ pub const STORES: [(&str, &[&str]); 11] = [
         ],
     ),
     ("secrets", &["metadata.namespace", "metadata.name"]),
+    ("auth_secrets", &["metadata.namespace", "metadata.name"]),
     ("ingressclasses", &["metadata.name"]),
     ("gatewayclasses", &["metadata.name"]),
     ("gateways", &["metadata.namespace", "metadata.name"]),
@@ -42,6 +44,12 @@ pub const STORES: [(&str, &[&str]); 11] = [
     ("namespaces", &["metadata.name"]),
     ("haproxy_pods", &["metadata.namespace", "metadata.name"]),
 ];
+
+/// The label that opts a Secret into the `auth_secrets` store (value `true`): the htpasswd
+/// Secrets ingress-nginx's `auth-secret` names. The controller watches only Secrets so
+/// labelled (the API server filters them), so it never holds an application's other Opaque
+/// Secrets; a user labels the htpasswd Secret when moving the Ingress over.
+pub const AUTH_SECRET_LABEL: &str = "haproxy-haptic.org/auth-secret";
 
 /// Empty stores configured as the reference set expects them ([`STORES`]), with the derived
 /// views its templates read:
@@ -269,6 +277,10 @@ pub fn template_set() -> TemplateSet {
         (
             "nginx-userlist",
             include_str!("../templates/snippets/nginx-userlist.tera"),
+        ),
+        (
+            "nginx-frontend",
+            include_str!("../templates/snippets/nginx-frontend.tera"),
         ),
     ] {
         set.template_snippets

@@ -814,10 +814,10 @@ fn basic_authentication_from_a_secret_of_the_ingress_namespace() {
             "metadata": {"namespace": namespace, "name": name},
             "data": {"auth": base64::engine::general_purpose::STANDARD.encode(text)}})
     };
-    apply(&mut s, "secrets", secret("a", "users", htpasswd));
+    apply(&mut s, "auth_secrets", secret("a", "users", htpasswd));
     apply(
         &mut s,
-        "secrets",
+        "auth_secrets",
         secret(
             "a",
             "mixed",
@@ -825,13 +825,16 @@ fn basic_authentication_from_a_secret_of_the_ingress_namespace() {
         ),
     );
     // Another namespace's Secret of the same name: never read.
-    apply(&mut s, "secrets", secret("b", "theirs", htpasswd));
+    apply(&mut s, "auth_secrets", secret("b", "theirs", htpasswd));
+    // A Secret without the label (only in the other Secret stores): never read either.
+    apply(&mut s, "secrets", secret("a", "unlabelled", htpasswd));
     for (name, secret) in [
         ("guarded", "users"),
         ("qualified", "a/users"),
         ("mixed", "mixed"),
         ("missing", "nothing-here"),
         ("foreign", "b/theirs"),
+        ("unlabelled", "unlabelled"),
     ] {
         let annotations = [
             ("auth-type", "basic"),
@@ -898,6 +901,14 @@ fn basic_authentication_from_a_secret_of_the_ingress_namespace() {
         f.events("missing", "AnnotationInvalid")
             .iter()
             .any(|m| m.contains("Secret nothing-here does not exist")),
+        "{:?}",
+        f.events
+    );
+    assert_eq!(with("unlabelled", Some("alice:secret")).status, 401);
+    assert!(
+        f.events("unlabelled", "AnnotationInvalid")
+            .iter()
+            .any(|m| m.contains("Secret unlabelled does not exist or is not labelled haproxy-haptic.org/auth-secret: \"true\"")),
         "{:?}",
         f.events
     );
@@ -991,4 +1002,267 @@ fn server_aliases_route_like_the_host() {
         );
     }
     assert_eq!(f.get("other.example.com", "/x").status, 404);
+}
+
+/// canary: a canary Ingress claims no route (though older, it takes nothing from the main
+/// Ingress of the same host and path) and gets the main route's requests by header (always,
+/// never, a value, a pattern), then cookie, then weight, in ingress-nginx's precedence; never
+/// when the main route has rules of its own.
+#[test]
+fn canaries_by_header_cookie_and_weight() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    // The main Service answers from 127.0.0.1, the canary's from 127.0.0.2.
+    service(&mut s, "a", "web", ports);
+    service_at(&mut s, "a", "next", ports, &["127.0.0.2"]);
+    let canaries: [(&str, &[(&str, &str)]); 6] = [
+        ("w0", &[("canary-weight", "0")]),
+        ("w100", &[("canary-weight", "100")]),
+        ("w50", &[("canary-weight", "50")]),
+        (
+            "prec",
+            &[
+                ("canary-by-header", "X-Canary"),
+                ("canary-by-cookie", "canary"),
+                ("canary-weight", "10"),
+                ("canary-weight-total", "10"),
+            ],
+        ),
+        (
+            "hval",
+            &[
+                ("canary-by-header", "X-Version"),
+                ("canary-by-header-value", "v2"),
+            ],
+        ),
+        (
+            "hpat",
+            &[
+                ("canary-by-header", "X-Version"),
+                ("canary-by-header-pattern", "^(beta|v[0-9]+)$"),
+            ],
+        ),
+    ];
+    for (name, annotations) in canaries {
+        let host = format!("{name}.example.com");
+        // The canary sorts first (c- < m-): it would win the route if it claimed one.
+        let mut with_flag = vec![("canary", "true")];
+        with_flag.extend_from_slice(annotations);
+        apply(
+            &mut s,
+            "ingresses",
+            ingress_to(&format!("c-{name}"), &host, "/", ("next", 80), &with_flag),
+        );
+        apply(
+            &mut s,
+            "ingresses",
+            ingress_to(&format!("m-{name}"), &host, "/", ("web", 80), &[]),
+        );
+    }
+    // A main route with an allow-list: its canary would skip it, so it gets nothing.
+    apply(
+        &mut s,
+        "ingresses",
+        ingress_to(
+            "c-guarded",
+            "guarded.example.com",
+            "/",
+            ("next", 80),
+            &[("canary", "true"), ("canary-weight", "100")],
+        ),
+    );
+    apply(
+        &mut s,
+        "ingresses",
+        ingress_to(
+            "m-guarded",
+            "guarded.example.com",
+            "/",
+            ("web", 80),
+            &[("allowlist-source-range", "127.0.0.0/8")],
+        ),
+    );
+    let f = front(&s);
+    let canary = |host: &str, headers: &str| -> bool {
+        let answer = request(
+            f.http,
+            "GET",
+            &format!("{host}.example.com"),
+            "/some/path",
+            headers,
+            "",
+        );
+        assert_eq!(answer.status, 200, "{host} {headers:?}: {answer:?}");
+        assert!(
+            answer.body.ends_with("dst=127.0.0.1") || answer.body.ends_with("dst=127.0.0.2"),
+            "{}",
+            answer.body
+        );
+        answer.body.ends_with("dst=127.0.0.2")
+    };
+    assert!((0..40).all(|_| !canary("w0", "")));
+    assert!((0..40).all(|_| canary("w100", "")));
+    // 400 requests at 50 %: the count is 200 ± 10 (one standard deviation); outside 120-280
+    // is eight of them (a chance below 1e-14).
+    let hits = (0..400).filter(|_| canary("w50", "")).count();
+    assert!((120..=280).contains(&hits), "{hits} of 400 to the canary");
+    // Header, then cookie, then weight (10 of 10: always).
+    assert!(canary("prec", ""));
+    assert!(!canary("prec", "X-Canary: never\r\n"));
+    assert!(!canary(
+        "prec",
+        "X-Canary: never\r\nCookie: canary=always\r\n"
+    ));
+    assert!(canary(
+        "prec",
+        "X-Canary: always\r\nCookie: canary=never\r\n"
+    ));
+    assert!(!canary(
+        "prec",
+        "X-Canary: maybe\r\nCookie: canary=never\r\n"
+    ));
+    assert!(!canary("prec", "Cookie: other=1; canary=never\r\n"));
+    assert!(canary("prec", "Cookie: canary=always\r\n"));
+    // A value or a pattern replaces `always`; no weight: nothing else goes.
+    assert!(canary("hval", "X-Version: v2\r\n"));
+    assert!(!canary("hval", "X-Version: always\r\n"));
+    assert!(!canary("hval", "X-Version: v3\r\n"));
+    assert!(!canary("hval", ""));
+    assert!(canary("hpat", "X-Version: v7\r\n"));
+    assert!(canary("hpat", "X-Version: beta\r\n"));
+    assert!(!canary("hpat", "X-Version: alpha\r\n"));
+    // The main route's own rules are never skipped.
+    assert!((0..20).all(|_| !canary("guarded", "")));
+    // Neither Ingress is told of a conflict.
+    assert!(
+        f.events.iter().all(|e| e.reason != "RouteConflict"),
+        "{:?}",
+        f.events
+    );
+}
+
+/// from-to-www-redirect: the www./bare twin of the Ingress's host is redirected to it (308, path
+/// and query kept), unless a route takes the request.
+#[test]
+fn from_to_www_redirects_to_the_twin_host() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    service(&mut s, "a", "web", ports);
+    let www = [("from-to-www-redirect", "true")];
+    for (name, host) in [
+        ("shop", "shop.example.org"),
+        ("blog", "www.blog.example.org"),
+        ("taken", "taken.example.org"),
+    ] {
+        apply(&mut s, "ingresses", ingress(name, host, "/", 80, &www));
+    }
+    // The twin of taken.example.org is routed by an Ingress of its own.
+    apply(
+        &mut s,
+        "ingresses",
+        ingress("twin", "www.taken.example.org", "/", 80, &[]),
+    );
+    let f = front(&s);
+    let answer = f.get("www.shop.example.org", "/cart?item=1");
+    assert_eq!(answer.status, 308, "{answer:?}");
+    assert_eq!(
+        answer.header("location"),
+        Some("http://shop.example.org/cart?item=1")
+    );
+    let answer = f.get("blog.example.org:80", "/post");
+    assert_eq!(answer.status, 308, "{answer:?}");
+    assert_eq!(
+        answer.header("location"),
+        Some("http://www.blog.example.org/post")
+    );
+    assert_eq!(f.get("shop.example.org", "/cart").status, 200);
+    assert_eq!(f.get("www.taken.example.org", "/").status, 200);
+    assert_eq!(f.get("www.other.example.org", "/").status, 404);
+}
+
+/// service-upstream: the route's backend sends to the Service's cluster IP and port, not to its
+/// endpoints; a route to the same Service without it keeps the endpoints.
+#[test]
+fn service_upstream_goes_to_the_cluster_ip() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    // The Service's port is the echo's, its cluster IP 127.0.0.2, its endpoint 127.0.0.1.
+    apply(
+        &mut s,
+        "services",
+        json!({"metadata": {"namespace": "a", "name": "web"},
+            "spec": {"clusterIP": "127.0.0.2", "ports": [{"name": "http", "port": ports.0}]}}),
+    );
+    apply(
+        &mut s,
+        "endpointslices",
+        json!({"metadata": {"namespace": "a", "name": "web-1",
+                "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": ports.0}],
+            "endpoints": [{"addresses": ["127.0.0.1"]}]}),
+    );
+    apply(
+        &mut s,
+        "ingresses",
+        ingress(
+            "upstream",
+            "upstream.example.com",
+            "/",
+            ports.0,
+            &[("service-upstream", "true")],
+        ),
+    );
+    apply(
+        &mut s,
+        "ingresses",
+        ingress("direct", "direct.example.com", "/", ports.0, &[]),
+    );
+    let f = front(&s);
+    for _ in 0..5 {
+        let answer = f.get("upstream.example.com", "/");
+        assert!(answer.body.ends_with("dst=127.0.0.2"), "{answer:?}");
+        let answer = f.get("direct.example.com", "/");
+        assert!(answer.body.ends_with("dst=127.0.0.1"), "{answer:?}");
+    }
+}
+
+/// auth-tls-secret cannot be applied yet: with verification on (the default) or optional, the
+/// route fails closed (403) and an Event says why; with it off, the route is served.
+#[test]
+fn client_certificates_that_cannot_be_verified_fail_closed() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    service(&mut s, "a", "web", ports);
+    for (name, verify) in [
+        ("on", None),
+        ("optional", Some("optional")),
+        ("off", Some("off")),
+    ] {
+        let mut annotations = vec![("auth-tls-secret", "a/client-ca")];
+        if let Some(verify) = verify {
+            annotations.push(("auth-tls-verify-client", verify));
+        }
+        apply(
+            &mut s,
+            "ingresses",
+            ingress(name, &format!("{name}.example.com"), "/", 80, &annotations),
+        );
+    }
+    let f = front(&s);
+    assert_eq!(f.get("on.example.com", "/").status, 403);
+    assert_eq!(f.get("optional.example.com", "/").status, 403);
+    assert_eq!(f.get("off.example.com", "/").status, 200);
+    assert!(
+        f.events("on", "AnnotationInvalid").iter().any(|m| m.contains(
+            "nginx.ingress.kubernetes.io/auth-tls-secret: \"a/client-ca\": client certificates (auth-tls-verify-client on) are not verified by HAPTIC yet: every client is denied (403)"
+        )),
+        "{:?}",
+        f.events
+    );
+    assert!(f.events("off", "AnnotationInvalid").is_empty());
 }

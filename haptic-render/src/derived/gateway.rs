@@ -1290,6 +1290,47 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
     ])
 }
 
+/// Whether a Gateway or HTTPRoute is one the view reads: a Gateway of one of our classes
+/// (`spec.gatewayClassName` names a GatewayClass whose `controllerName` is `controller`), an
+/// HTTPRoute with a parentRef naming such a Gateway. `None` when `store` is neither the view's
+/// Gateways nor its HTTPRoutes. Anything else cannot change what is rendered: the admission
+/// webhook lets it through without rendering.
+pub(crate) fn owns(
+    (gateway_store, route_store): (&str, &str),
+    store: &str,
+    object: &Json,
+    classes: Source<'_>,
+    gateways: Source<'_>,
+    controller: &str,
+) -> Option<bool> {
+    let ours_class = |class: &str| {
+        !class.is_empty()
+            && classes
+                .get_entry("", class)
+                .is_some_and(|(c, _)| s(&js(c), "/spec/controllerName") == controller)
+    };
+    if store == gateway_store {
+        return Some(ours_class(s(object, "/spec/gatewayClassName")));
+    }
+    if store != route_store {
+        return None;
+    }
+    let namespace = s(object, "/metadata/namespace");
+    Some(arr(object, "/spec/parentRefs").iter().any(|p| {
+        let group = p.get("group").and_then(Json::as_str).unwrap_or(GROUP);
+        let kind = p.get("kind").and_then(Json::as_str).unwrap_or("Gateway");
+        let gw_ns = match s(p, "/namespace") {
+            "" => namespace,
+            n => n,
+        };
+        group == GROUP
+            && kind == "Gateway"
+            && gateways
+                .get_entry(gw_ns, s(p, "/name"))
+                .is_some_and(|(g, _)| ours_class(s(&js(g), "/spec/gatewayClassName")))
+    }))
+}
+
 /// What `set_status` needs of an object.
 fn object_ref(object: &Json) -> Json {
     let mut meta = json!({"name": s(object, "/metadata/name")});

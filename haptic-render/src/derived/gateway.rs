@@ -434,6 +434,8 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
         .collect();
 
     // Gateways of our classes and their listeners.
+    let mut refusals: Vec<Json> = Vec::new();
+    let (gateway_store, route_store) = (inputs.gateways.0, inputs.routes.0);
     let mut gateways: Vec<Gateway> = Vec::new();
     for ((namespace, name), gw, _) in inputs.gateways.1.entries() {
         let gw = js(gw);
@@ -444,11 +446,14 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
         for l in arr(&gw, "/spec/listeners") {
             let protocol = s(l, "/protocol");
             let port = l.get("port").and_then(Json::as_i64).unwrap_or(0);
+            let host = Host::parse(s(l, "/hostname"));
             let mut listener = Listener {
                 name: s(l, "/name").to_owned(),
                 port,
                 https: protocol == "HTTPS",
-                host: Host::parse(s(l, "/hostname")).unwrap_or(Host::Any),
+                // An invalid hostname (the CRD's pattern refuses it) never widens the listener
+                // to every host: the listener takes no routes.
+                host: host.clone().unwrap_or(Host::Any),
                 invalid_kinds: false,
                 from: match s(l, "/allowedRoutes/namespaces/from") {
                     "" => "Same".to_owned(),
@@ -463,13 +468,36 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
                 certificates: Vec::new(),
                 attached: 0,
             };
-            if protocol != "HTTP" && protocol != "HTTPS" {
+            if host.is_none() {
+                let index = listeners.len();
+                refuse(
+                    &mut refusals,
+                    (gateway_store, namespace.as_str(), name.as_str()),
+                    format!("spec.listeners[{index}].hostname"),
+                    s(l, "/hostname"),
+                    "is not a hostname or a wildcard (`*.` and a hostname)",
+                );
+                listener.problem = Some((
+                    "UnsupportedValue",
+                    "Invalid",
+                    format!("hostname {:?} is not a hostname", s(l, "/hostname")),
+                ));
+            } else if !(1..=65535).contains(&port) {
+                refuse(
+                    &mut refusals,
+                    (gateway_store, namespace.as_str(), name.as_str()),
+                    format!("spec.listeners[{}].port", listeners.len()),
+                    &port.to_string(),
+                    "is not a port (1-65535)",
+                );
+            }
+            if listener.problem.is_none() && protocol != "HTTP" && protocol != "HTTPS" {
                 listener.problem = Some((
                     "UnsupportedProtocol",
                     "Invalid",
                     format!("protocol {protocol} is not supported: HTTP and HTTPS are"),
                 ));
-            } else if !(1..=65535).contains(&port) {
+            } else if listener.problem.is_none() && !(1..=65535).contains(&port) {
                 listener.problem = Some(("PortUnavailable", "Invalid", format!("port {port}")));
             }
             let kinds = arr(l, "/allowedRoutes/kinds");
@@ -598,7 +626,7 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
         .enumerate()
         .map(|(i, g)| ((g.namespace.clone(), g.name.clone()), i))
         .collect();
-    let (route_store, routes) = inputs.routes;
+    let routes = inputs.routes.1;
     for ((namespace, name), route, _) in routes.entries() {
         let route = js(route);
         let route_generation = generation(&route);
@@ -608,6 +636,18 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
             .iter()
             .filter_map(|h| h.as_str().and_then(Host::parse))
             .collect();
+        for (i, h) in given_hosts.iter().enumerate() {
+            let text = h.as_str().unwrap_or_default();
+            if Host::parse(text).is_none_or(|h| h == Host::Any) {
+                refuse(
+                    &mut refusals,
+                    (route_store, namespace.as_str(), name.as_str()),
+                    format!("spec.hostnames[{i}]"),
+                    text,
+                    "is not a hostname or a wildcard (`*.` and a hostname)",
+                );
+            }
+        }
         // Hostnames given, none usable: the route matches no listener, never every host.
         let no_usable_host = !given_hosts.is_empty() && route_hosts.is_empty();
         let age = (
@@ -1171,8 +1211,6 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
             }
         }
     }
-    let gateway_store = inputs.gateways.0;
-    let _ = gateway_store;
     let mut frontends = Vec::new();
     for (port, https) in ports {
         let mut rows = matches.remove(&port).unwrap_or_default();
@@ -1287,7 +1325,25 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
         ("https_ports", Value::from_serializable(&https_ports)),
         ("backends", Value::from(backend_rows)),
         ("statuses", Value::from_serializable(&statuses)),
+        ("refusals", Value::from_serializable(&refusals)),
     ])
+}
+
+/// Records that the admission webhook refuses an object for a field: a value the CRD's schema
+/// refuses (a real API server never stores it; a store may hold it from elsewhere), which the
+/// view leaves out rather than reads otherwise than it says. The template's `refuse(...)`
+/// denies it under review only; one already stored is left out and blocks nobody.
+fn refuse(
+    refusals: &mut Vec<Json>,
+    (store, namespace, name): (&str, &str, &str),
+    field: String,
+    value: &str,
+    reason: &str,
+) {
+    refusals.push(json!({
+        "store": store, "namespace": namespace, "name": name,
+        "field": field, "value": value, "reason": reason,
+    }));
 }
 
 /// Whether a Gateway or HTTPRoute is one the view reads: a Gateway of one of our classes

@@ -518,6 +518,60 @@ fn http_route_hostname_intersection() {
     assert_eq!(listeners[1]["attachedRoutes"], 1);
 }
 
+/// The spec's listener precedence: a request is matched against the routes of the most
+/// specific listener whose hostname matches its host, and only those: when none of them
+/// matches the path it gets 404, never a less specific listener's route.
+#[test]
+fn a_host_uses_only_the_most_specific_listener() {
+    let mut w = world(&["infra-backend-v1", "infra-backend-v2", "infra-backend-v3"]);
+    let port = free_port();
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "gw",
+            json!([
+                {"name": "wild", "port": port, "protocol": "HTTP", "hostname": "*.example.com"},
+                {"name": "foo", "port": port, "protocol": "HTTP", "hostname": "foo.example.com"},
+                {"name": "any", "port": port, "protocol": "HTTP"},
+            ]),
+        ),
+    );
+    for (name, section, rule) in [
+        ("wild", "wild", json!({"backendRefs": to("infra-backend-v1")})),
+        (
+            "foo",
+            "foo",
+            json!({"matches": [{"path": {"type": "Exact", "value": "/only"}}],
+                   "backendRefs": to("infra-backend-v2")}),
+        ),
+        ("any", "any", json!({"backendRefs": to("infra-backend-v3")})),
+    ] {
+        w.route(route(
+            name,
+            "2026-01-01T00:00:00Z",
+            json!({"parentRefs": [{"name": "gw", "sectionName": section}], "rules": [rule]}),
+        ));
+    }
+    let f = w.serve(port);
+    assert_eq!(f.to("foo.example.com", "/only"), "infra-backend-v2");
+    // Not the wildcard listener's route, nor the catch-all listener's.
+    assert_eq!(f.to("foo.example.com", "/"), "404");
+    assert_eq!(f.to("bar.example.com", "/"), "infra-backend-v1");
+    assert_eq!(f.to("a.b.example.com", "/x"), "infra-backend-v1");
+    assert_eq!(f.to("example.org", "/"), "infra-backend-v3");
+    // A wildcard route hostname on the catch-all listener does not take foo.example.com either.
+    w.route(route(
+        "any-wild",
+        "2025-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw", "sectionName": "any"}], "hostnames": ["*.example.com"],
+               "rules": [{"backendRefs": to("infra-backend-v3")}]}),
+    ));
+    let f = w.serve(port);
+    assert_eq!(f.to("foo.example.com", "/"), "404");
+    assert_eq!(f.to("bar.example.com", "/"), "infra-backend-v1");
+}
+
 #[test]
 fn http_route_weight() {
     let mut w = world(&["infra-backend-v1", "infra-backend-v2", "infra-backend-v3"]);

@@ -258,6 +258,8 @@ type RuleMatch = (
 /// One match of a rule on one listener port, with what decides its precedence.
 struct MatchRow {
     host: Host,
+    /// The hostname of the listener the route is attached through.
+    listener: Host,
     path: PathMatch,
     method: Option<String>,
     headers: Vec<(String, String)>,
@@ -992,6 +994,7 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
                     continue;
                 }
                 let listener_port = listener.port;
+                let listener_host = listener.host.clone();
                 let https = listener.https;
                 for (ri, rule) in rules.iter().enumerate() {
                     let redirect = rule.redirect.as_ref().map(|(r, port, path)| {
@@ -1036,6 +1039,7 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
                         {
                             matches.entry(listener_port).or_default().push(MatchRow {
                                 host: host.clone(),
+                                listener: listener_host.clone(),
                                 path: path.clone(),
                                 method: method.clone(),
                                 headers: headers.clone(),
@@ -1204,25 +1208,54 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
 
     // Frontends: a port per listener port that has a usable listener.
     let mut ports: BTreeMap<i64, bool> = BTreeMap::new();
+    // The hostnames of the usable listeners of each port, most specific first.
+    let mut listener_hosts: BTreeMap<i64, Vec<Host>> = BTreeMap::new();
     for g in &gateways {
         for l in &g.listeners {
             if l.problem.is_none() && (!l.https || certificates.contains_key(&l.port)) {
                 ports.insert(l.port, l.https);
+                let hosts = listener_hosts.entry(l.port).or_default();
+                if !hosts.contains(&l.host) {
+                    hosts.push(l.host.clone());
+                }
             }
         }
+    }
+    for hosts in listener_hosts.values_mut() {
+        hosts.sort_by(|a, b| (a.rank(), a).cmp(&(b.rank(), b)));
     }
     let mut frontends = Vec::new();
     for (port, https) in ports {
         let mut rows = matches.remove(&port).unwrap_or_default();
         rows.sort_by(|a, b| a.key().cmp(&b.key()));
+        // A request is matched against the routes of the most specific listener whose
+        // hostname matches its host only (the spec's listener precedence): with several
+        // listener hostnames on a port, txn.gwl picks that listener first, and each match
+        // also requires it. (A less specific listener's route never answers for a host a more
+        // specific listener takes, even when none of that listener's routes matches.)
+        let hosts = listener_hosts.remove(&port).unwrap_or_default();
+        let pick = hosts.len() > 1;
+        let listener_rows: Vec<Json> = if pick {
+            hosts
+                .iter()
+                .enumerate()
+                .map(|(i, h)| json!({"id": i, "condition": h.condition()}))
+                .collect()
+        } else {
+            Vec::new()
+        };
         let mut used: BTreeSet<usize> = BTreeSet::new();
         let match_rows: Vec<Json> = rows
             .iter()
             .map(|m| {
                 used.insert(m.action);
+                let mut condition = m.condition();
+                if pick && let Some(i) = hosts.iter().position(|h| *h == m.listener) {
+                    condition = format!(" {{ var(txn.gwl) -m int eq {i} }}{condition}");
+                }
                 json!({
                     "action": m.action,
-                    "condition": m.condition(),
+                    "condition": condition,
                     "origin": [route_store, m.origin.0, m.origin.1],
                 })
             })
@@ -1257,6 +1290,7 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
             "port": port,
             "https": https,
             "certificates": certificates.get(&port).cloned().unwrap_or_default(),
+            "listeners": listener_rows,
             "matches": match_rows,
             "actions": action_rows,
         }));

@@ -497,7 +497,22 @@ fn http_route_hostname_intersection() {
         json!({"parentRefs": [{"name": "gw"}], "hostnames": ["Not_A.Host"],
                "rules": [{"backendRefs": to("infra-backend-v2")}]}),
     ));
+    // Another Gateway's catch-all listener on the same port (the conformance suite's shared
+    // Gateways): the hosts the first Gateway's listeners take stay theirs.
+    let mut all = gateway(
+        "all",
+        json!([{"name": "any", "port": port, "protocol": "HTTP"}]),
+    );
+    all["metadata"]["creationTimestamp"] = json!("2026-01-02T00:00:00Z");
+    apply(&mut w.stores, "gateways", all);
+    w.route(route(
+        "on-all",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "all"}], "hostnames": ["first.com", "sub.first.com"],
+               "rules": [{"backendRefs": to("infra-backend-v2")}]}),
+    ));
     let f = w.serve(port);
+    assert_eq!(f.to("first.com", "/"), "infra-backend-v2");
     assert_eq!(f.to("very.specific.com", "/"), "infra-backend-v1");
     assert_eq!(f.to("very.specific.com:1234", "/"), "infra-backend-v1");
     assert_eq!(f.to("non.matching.com", "/"), "404");

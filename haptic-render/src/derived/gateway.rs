@@ -118,7 +118,7 @@ fn condition(
 }
 
 /// How a match names hosts: one host, a wildcard (its suffix with the dot, `.bar.com`), any.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 enum Host {
     Exact(String),
     Wildcard(String),
@@ -134,6 +134,18 @@ impl Host {
             is_wildcard_host(&h).then(|| Self::Wildcard(rest.to_owned()))
         } else {
             is_hostname(&h).then_some(Self::Exact(h))
+        }
+    }
+
+    /// Whether every host `other` matches, this matches too.
+    fn covers_host(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Any, _) => true,
+            (_, Self::Any) => false,
+            (Self::Exact(a), Self::Exact(b)) => a == b,
+            (Self::Exact(_), Self::Wildcard(_)) => false,
+            (Self::Wildcard(_), Self::Exact(h)) => self.covers(h),
+            (Self::Wildcard(a), Self::Wildcard(b)) => b.ends_with(a.as_str()),
         }
     }
 
@@ -1229,30 +1241,26 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
         let mut rows = matches.remove(&port).unwrap_or_default();
         rows.sort_by(|a, b| a.key().cmp(&b.key()));
         // A request is matched against the routes of the most specific listener whose
-        // hostname matches its host only (the spec's listener precedence): with several
-        // listener hostnames on a port, txn.gwl picks that listener first, and each match
-        // also requires it. (A less specific listener's route never answers for a host a more
-        // specific listener takes, even when none of that listener's routes matches.)
+        // hostname matches its host only (the spec's listener precedence): a match of a
+        // listener also requires that the host is none of the more specific listener
+        // hostnames of the port its own covers. (A less specific listener's route never
+        // answers for a host a more specific listener takes, even when none of that
+        // listener's routes matches.) The ACLs say it all: no template line is needed.
         let hosts = listener_hosts.remove(&port).unwrap_or_default();
-        let pick = hosts.len() > 1;
-        let listener_rows: Vec<Json> = if pick {
-            hosts
-                .iter()
-                .enumerate()
-                .map(|(i, h)| json!({"id": i, "condition": h.condition()}))
-                .collect()
-        } else {
-            Vec::new()
-        };
+        let mut unless: HashMap<&Host, String> = HashMap::new();
         let mut used: BTreeSet<usize> = BTreeSet::new();
         let match_rows: Vec<Json> = rows
             .iter()
             .map(|m| {
                 used.insert(m.action);
-                let mut condition = m.condition();
-                if pick && let Some(i) = hosts.iter().position(|h| *h == m.listener) {
-                    condition = format!(" {{ var(txn.gwl) -m int eq {i} }}{condition}");
-                }
+                let not_theirs = unless.entry(&m.listener).or_insert_with(|| {
+                    hosts
+                        .iter()
+                        .filter(|h| *h != &m.listener && m.listener.covers_host(h))
+                        .map(|h| format!(" !{}", h.condition().trim_start()))
+                        .collect()
+                });
+                let condition = format!("{}{not_theirs}", m.condition());
                 json!({
                     "action": m.action,
                     "condition": condition,
@@ -1290,7 +1298,6 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
             "port": port,
             "https": https,
             "certificates": certificates.get(&port).cloned().unwrap_or_default(),
-            "listeners": listener_rows,
             "matches": match_rows,
             "actions": action_rows,
         }));

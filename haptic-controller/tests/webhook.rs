@@ -593,9 +593,15 @@ fn gateway_crd(plural: &str, kind: &str, version: &str, namespaced: bool) -> Val
     })
 }
 
-async fn create_object(cluster: &Cluster, (group, version, plural, kind): (&str, &str, &str, &str), namespaced: bool, value: Value) {
+async fn create_object(
+    cluster: &Cluster,
+    (group, version, plural, kind): (&str, &str, &str, &str),
+    namespaced: bool,
+    value: Value,
+) {
     use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
-    let ar = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), plural);
+    let ar =
+        ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), plural);
     let api: Api<DynamicObject> = if namespaced {
         Api::namespaced_with(cluster.client.clone(), NS, &ar)
     } else {
@@ -645,7 +651,13 @@ async fn the_webhook_judges_gateways_and_http_routes_of_our_classes() {
         ("httproutes", "HTTPRoute", "v1", true),
         ("referencegrants", "ReferenceGrant", "v1beta1", true),
     ] {
-        create_object(&cluster, crds, false, gateway_crd(plural, kind, version, namespaced)).await;
+        create_object(
+            &cluster,
+            crds,
+            false,
+            gateway_crd(plural, kind, version, namespaced),
+        )
+        .await;
     }
     let class = (GATEWAY_GROUP, "v1", "gatewayclasses", "GatewayClass");
     for (name, controller) in [
@@ -662,8 +674,20 @@ async fn the_webhook_judges_gateways_and_http_routes_of_our_classes() {
         .await;
     }
     let listener = json!([{"name": "http", "protocol": "HTTP", "port": free_port()}]);
-    create_object(&cluster, GATEWAY, true, gateway_json("gw", "haptic", listener.clone())).await;
-    create_object(&cluster, GATEWAY, true, gateway_json("other", "theirs", listener.clone())).await;
+    create_object(
+        &cluster,
+        GATEWAY,
+        true,
+        gateway_json("gw", "haptic", listener.clone()),
+    )
+    .await;
+    create_object(
+        &cluster,
+        GATEWAY,
+        true,
+        gateway_json("other", "theirs", listener.clone()),
+    )
+    .await;
 
     let certs = cluster.dir.path().join("webhook");
     std::fs::create_dir_all(&certs).expect("mkdir");
@@ -672,8 +696,14 @@ async fn the_webhook_judges_gateways_and_http_routes_of_our_classes() {
     let port = free_port();
     let env = [
         ("HAPTIC_WEBHOOK_ADDR", format!("127.0.0.1:{port}")),
-        ("HAPTIC_WEBHOOK_CERT", certs.join("tls.crt").display().to_string()),
-        ("HAPTIC_WEBHOOK_KEY", certs.join("tls.key").display().to_string()),
+        (
+            "HAPTIC_WEBHOOK_CERT",
+            certs.join("tls.crt").display().to_string(),
+        ),
+        (
+            "HAPTIC_WEBHOOK_KEY",
+            certs.join("tls.key").display().to_string(),
+        ),
     ];
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let controller = Controller::start_with_env(&cluster, "c1", &env).await;
@@ -696,7 +726,12 @@ async fn the_webhook_judges_gateways_and_http_routes_of_our_classes() {
 
     // A RegularExpression path is valid but not supported: allowed, and the warning says what
     // the route's status will. (Eventually: the Gateway API stores load after the CRDs.)
-    let regex = route_json("regex", "gw", "a.example", json!({"type": "RegularExpression", "value": "/a.*"}));
+    let regex = route_json(
+        "regex",
+        "gw",
+        "a.example",
+        json!({"type": "RegularExpression", "value": "/a.*"}),
+    );
     let warnings = eventually(
         "the webhook warns about an unsupported match",
         Duration::from_secs(30),
@@ -709,29 +744,63 @@ async fn the_webhook_judges_gateways_and_http_routes_of_our_classes() {
     .await;
     assert_eq!(
         warnings,
-        ["HTTPRoute default/regex: parentRef Gateway default/gw: Accepted=False (UnsupportedValue): path match RegularExpression \"/a.*\" is not supported"],
+        [
+            "HTTPRoute default/regex: parentRef Gateway default/gw: Accepted=False (UnsupportedValue): path match RegularExpression \"/a.*\" is not supported"
+        ],
         "{}",
         controller.logs()
     );
     // A good route: allowed, nothing to say.
-    let good = route_json("good", "gw", "good.example", json!({"type": "PathPrefix", "value": "/"}));
-    assert_eq!(judge(HTTP_ROUTE, "good", good).await, (true, String::new(), Vec::new()));
+    let good = route_json(
+        "good",
+        "gw",
+        "good.example",
+        json!({"type": "PathPrefix", "value": "/"}),
+    );
+    assert_eq!(
+        judge(HTTP_ROUTE, "good", good).await,
+        (true, String::new(), Vec::new())
+    );
     // A hostname the CRD's pattern refuses: denied, naming the object and the field.
-    let bad = route_json("bad", "gw", "bad host", json!({"type": "PathPrefix", "value": "/"}));
+    let bad = route_json(
+        "bad",
+        "gw",
+        "bad host",
+        json!({"type": "PathPrefix", "value": "/"}),
+    );
     let (allowed, message, _) = judge(HTTP_ROUTE, "bad", bad).await;
     assert!(!allowed);
-    for part in ["HTTPRoute default/bad", "spec.hostnames[0] \"bad host\" is not a hostname"] {
+    for part in [
+        "HTTPRoute default/bad",
+        "spec.hostnames[0] \"bad host\" is not a hostname",
+    ] {
         assert!(message.contains(part), "{part:?} not in {message}");
     }
     // The same route attached to another controller's Gateway: not ours, not rendered.
-    let theirs = route_json("bad", "other", "bad host", json!({"type": "PathPrefix", "value": "/"}));
-    assert_eq!(judge(HTTP_ROUTE, "bad", theirs).await, (true, String::new(), Vec::new()));
+    let theirs = route_json(
+        "bad",
+        "other",
+        "bad host",
+        json!({"type": "PathPrefix", "value": "/"}),
+    );
+    assert_eq!(
+        judge(HTTP_ROUTE, "bad", theirs).await,
+        (true, String::new(), Vec::new())
+    );
 
     // A listener hostname that is not one: denied for our Gateway, allowed for theirs.
     let wide = json!([{"name": "http", "protocol": "HTTP", "port": free_port(), "hostname": "not a host"}]);
-    let (allowed, message, _) = judge(GATEWAY, "wide", gateway_json("wide", "haptic", wide.clone())).await;
+    let (allowed, message, _) = judge(
+        GATEWAY,
+        "wide",
+        gateway_json("wide", "haptic", wide.clone()),
+    )
+    .await;
     assert!(!allowed);
-    for part in ["Gateway default/wide", "spec.listeners[0].hostname \"not a host\""] {
+    for part in [
+        "Gateway default/wide",
+        "spec.listeners[0].hostname \"not a host\"",
+    ] {
         assert!(message.contains(part), "{part:?} not in {message}");
     }
     assert_eq!(
@@ -741,7 +810,8 @@ async fn the_webhook_judges_gateways_and_http_routes_of_our_classes() {
     // An HTTPS listener whose Secret does not exist: the API's answer is ResolvedRefs=False.
     let https = json!([{"name": "https", "protocol": "HTTPS", "port": free_port(),
         "tls": {"certificateRefs": [{"name": "missing"}]}}]);
-    let (allowed, message, warnings) = judge(GATEWAY, "tls", gateway_json("tls", "haptic", https)).await;
+    let (allowed, message, warnings) =
+        judge(GATEWAY, "tls", gateway_json("tls", "haptic", https)).await;
     assert!(allowed, "{message}");
     assert!(
         warnings.iter().any(|w| w == "Gateway default/tls: spec.listeners[name=https]: ResolvedRefs=False (InvalidCertificateRef): Secret default/missing does not exist"),

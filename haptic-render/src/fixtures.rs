@@ -306,7 +306,9 @@ pub fn gateway_api(routes: usize) -> Vec<(&'static str, Json)> {
         ),
     ];
     for (i, service) in base.services.iter().enumerate() {
-        let namespace = service["metadata"]["namespace"].as_str().unwrap_or_default();
+        let namespace = service["metadata"]["namespace"]
+            .as_str()
+            .unwrap_or_default();
         let name = service["metadata"]["name"].as_str().unwrap_or_default();
         // The 10 % share: a Service 20 on, in the same namespace (they are dealt round-robin
         // over 20), so no ReferenceGrant is needed.

@@ -553,7 +553,11 @@ fn a_host_uses_only_the_most_specific_listener() {
         ),
     );
     for (name, section, rule) in [
-        ("wild", "wild", json!({"backendRefs": to("infra-backend-v1")})),
+        (
+            "wild",
+            "wild",
+            json!({"backendRefs": to("infra-backend-v1")}),
+        ),
         (
             "foo",
             "foo",
@@ -1171,12 +1175,18 @@ fn http_route_multiple_gateways() {
     apply(
         &mut w.stores,
         "gateways",
-        gateway("gw-one", json!([{"name": "http", "port": one, "protocol": "HTTP"}])),
+        gateway(
+            "gw-one",
+            json!([{"name": "http", "port": one, "protocol": "HTTP"}]),
+        ),
     );
     apply(
         &mut w.stores,
         "gateways",
-        gateway("gw-two", json!([{"name": "http", "port": two, "protocol": "HTTP"}])),
+        gateway(
+            "gw-two",
+            json!([{"name": "http", "port": two, "protocol": "HTTP"}]),
+        ),
     );
     w.route(route(
         "multiple-gateways",
@@ -1253,10 +1263,8 @@ fn gateway_secret_missing_reference_grant() {
         "secrets",
         haptic_render::fixtures::tls_secret("web", "certificate"),
     );
-    let got = https_listener_conditions(
-        &mut w,
-        json!([{"name": "certificate", "namespace": "web"}]),
-    );
+    let got =
+        https_listener_conditions(&mut w, json!([{"name": "certificate", "namespace": "web"}]));
     assert!(
         got.contains(&"ResolvedRefs=False/RefNotPermitted".to_owned()),
         "{got:?}"
@@ -1287,10 +1295,8 @@ fn gateway_secret_reference_grant_specific() {
         "referencegrants",
         secret_grant(Some("certificate")),
     );
-    let got = https_listener_conditions(
-        &mut w,
-        json!([{"name": "certificate", "namespace": "web"}]),
-    );
+    let got =
+        https_listener_conditions(&mut w, json!([{"name": "certificate", "namespace": "web"}]));
     assert!(
         got.contains(&"ResolvedRefs=True/ResolvedRefs".to_owned())
             && got.contains(&"Programmed=True/Programmed".to_owned()),
@@ -1307,10 +1313,8 @@ fn gateway_secret_reference_grant_all_in_namespace() {
         haptic_render::fixtures::tls_secret("web", "certificate"),
     );
     apply(&mut w.stores, "referencegrants", secret_grant(None));
-    let got = https_listener_conditions(
-        &mut w,
-        json!([{"name": "certificate", "namespace": "web"}]),
-    );
+    let got =
+        https_listener_conditions(&mut w, json!([{"name": "certificate", "namespace": "web"}]));
     assert!(
         got.contains(&"ResolvedRefs=True/ResolvedRefs".to_owned())
             && got.contains(&"Programmed=True/Programmed".to_owned()),
@@ -1333,10 +1337,7 @@ fn http_route_service_types() {
             "headless",
             json!({"clusterIP": "None", "selector": {"app": "v1"}, "ports": [{"name": "http", "port": 8080}]}),
         ),
-        (
-            "manual",
-            json!({"ports": [{"name": "http", "port": 8080}]}),
-        ),
+        ("manual", json!({"ports": [{"name": "http", "port": 8080}]})),
     ] {
         apply(
             &mut w.stores,

@@ -117,7 +117,12 @@ mod tests {
 
     #[test]
     fn unhealthy_conditions_of_the_object_become_warnings_naming_where() {
-        let key = ("HTTPRoute".to_owned(), "shop".to_owned(), "web".to_owned(), false);
+        let key = (
+            "HTTPRoute".to_owned(),
+            "shop".to_owned(),
+            "web".to_owned(),
+            false,
+        );
         let statuses = [
             status(
                 "HTTPRoute",
@@ -127,13 +132,24 @@ mod tests {
                                    cond("ResolvedRefs", "True", "ResolvedRefs")]}]),
             ),
             // Another object's status says nothing about this one.
-            status("Gateway", "conditions", json!([cond("Accepted", "False", "X")])),
+            status(
+                "Gateway",
+                "conditions",
+                json!([cond("Accepted", "False", "X")]),
+            ),
         ];
         assert_eq!(
             warnings("HTTPRoute shop/web", &key, &statuses),
-            ["HTTPRoute shop/web: parentRef Gateway infra/gw sectionName http: Accepted=False (UnsupportedValue): why"]
+            [
+                "HTTPRoute shop/web: parentRef Gateway infra/gw sectionName http: Accepted=False (UnsupportedValue): why"
+            ]
         );
-        let key = ("Gateway".to_owned(), "shop".to_owned(), "web".to_owned(), false);
+        let key = (
+            "Gateway".to_owned(),
+            "shop".to_owned(),
+            "web".to_owned(),
+            false,
+        );
         let listeners = status(
             "Gateway",
             "listeners",
@@ -145,9 +161,16 @@ mod tests {
         );
         assert_eq!(
             warnings("Gateway shop/web", &key, &[listeners.clone()]),
-            ["Gateway shop/web: spec.listeners[name=https]: ResolvedRefs=False (InvalidCertificateRef): why"]
+            [
+                "Gateway shop/web: spec.listeners[name=https]: ResolvedRefs=False (InvalidCertificateRef): why"
+            ]
         );
-        let deleted = ("Gateway".to_owned(), "shop".to_owned(), "web".to_owned(), true);
+        let deleted = (
+            "Gateway".to_owned(),
+            "shop".to_owned(),
+            "web".to_owned(),
+            true,
+        );
         assert!(warnings("Gateway shop/web", &deleted, &[listeners]).is_empty());
     }
 }

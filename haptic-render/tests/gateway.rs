@@ -1369,3 +1369,49 @@ fn http_route_service_types() {
         ["Accepted=True/Accepted", "ResolvedRefs=True/ResolvedRefs"]
     );
 }
+
+/// Extended: URLRewrite with a hostname (HTTPRouteRewriteHost) and ReplaceFullPath
+/// (HTTPRouteRewritePath's full-path cases); ReplacePrefixMatch is not supported: the route is
+/// not accepted (UnsupportedValue) rather than routed otherwise than it says.
+#[test]
+fn http_route_rewrite_host_and_full_path() {
+    let mut w = world(&["infra-backend-v1"]);
+    w.route(route(
+        "rewrite",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/one"}}],
+             "filters": [{"type": "URLRewrite", "urlRewrite": {"hostname": "one.example.org"}}],
+             "backendRefs": to("infra-backend-v1")},
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/full"}}],
+             "filters": [{"type": "URLRewrite", "urlRewrite": {"path": {"type": "ReplaceFullPath", "replaceFullPath": "/one"}}}],
+             "backendRefs": to("infra-backend-v1")},
+        ]}),
+    ));
+    w.route(route(
+        "prefix",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["prefix.example"], "rules": [
+            {"filters": [{"type": "URLRewrite", "urlRewrite": {"path": {"type": "ReplacePrefixMatch", "replacePrefixMatch": "/x"}}}],
+             "backendRefs": to("infra-backend-v1")},
+        ]}),
+    ));
+    let f = w.front();
+    let a = get(f.port, "rewrite.example", "/one/two", &[]);
+    assert_eq!(a.backend(), "infra-backend-v1");
+    let body = a.body.to_lowercase();
+    assert!(body.contains("path=/one/two"), "{body}");
+    assert!(body.contains("host: one.example.org"), "{body}");
+    let a = get(f.port, "rewrite.example", "/full/path?q=1", &[]);
+    assert!(a.body.contains("path=/one?q=1"), "{}", a.body);
+    assert!(
+        a.body.to_lowercase().contains("host: rewrite.example"),
+        "{}",
+        a.body
+    );
+    assert_eq!(
+        f.parent_conditions("prefix")[0],
+        "Accepted=False/UnsupportedValue"
+    );
+    assert_eq!(f.to("prefix.example", "/"), "404");
+}

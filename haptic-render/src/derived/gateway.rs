@@ -318,6 +318,8 @@ struct Action {
     request_headers: Vec<Json>,
     response_headers: Vec<Json>,
     redirect: Option<Json>,
+    /// URLRewrite: `{host, path}` (either may be empty).
+    rewrite: Option<Json>,
     /// `(weight, backend)`; no backend: that share answers 500.
     shares: Vec<(i64, Option<String>)>,
     origin: (String, String),
@@ -677,6 +679,7 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
             request_headers: Vec<Json>,
             response_headers: Vec<Json>,
             redirect: Option<(Json, Option<i64>, Option<String>)>,
+            rewrite: Option<Json>,
             matches: Vec<RuleMatch>,
         }
         let mut rules = Vec::new();
@@ -752,6 +755,7 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
             let mut request_headers = Vec::new();
             let mut response_headers = Vec::new();
             let mut redirect = None;
+            let mut rewrite = None;
             for f in arr(rule, "/filters") {
                 match s(f, "/type") {
                     t @ ("RequestHeaderModifier" | "ResponseHeaderModifier") => {
@@ -826,6 +830,31 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
                             redirect = Some((r, port, path));
                         }
                     }
+                    // The hostname and a full path; a path is written as given, so only a
+                    // plain one (no `%`, quote, space or `#`) is taken.
+                    "URLRewrite" => {
+                        let host = s(f, "/urlRewrite/hostname");
+                        let path = match s(f, "/urlRewrite/path/type") {
+                            "" => Some(""),
+                            "ReplaceFullPath"
+                                if is_plain_path(s(f, "/urlRewrite/path/replaceFullPath")) =>
+                            {
+                                Some(s(f, "/urlRewrite/path/replaceFullPath"))
+                            }
+                            _ => None,
+                        };
+                        match path {
+                            Some(path) if host.is_empty() || is_hostname(host) => {
+                                rewrite = Some(json!({"host": host, "path": path}));
+                            }
+                            _ => {
+                                accepted_problem.get_or_insert((
+                                    "UnsupportedValue",
+                                    "urlRewrite: a hostname and ReplaceFullPath with a plain path are supported".to_owned(),
+                                ));
+                            }
+                        }
+                    }
                     other => {
                         accepted_problem.get_or_insert((
                             "UnsupportedValue",
@@ -891,6 +920,7 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
                 request_headers,
                 response_headers,
                 redirect,
+                rewrite,
                 matches: rule_matches,
             });
         }
@@ -1042,6 +1072,7 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
                         request_headers: rule.request_headers.clone(),
                         response_headers: rule.response_headers.clone(),
                         redirect,
+                        rewrite: rule.rewrite.clone(),
                         shares: rule.shares.clone(),
                         origin: (namespace.clone(), name.clone()),
                     });
@@ -1288,6 +1319,7 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
                     "request_headers": a.request_headers,
                     "response_headers": a.response_headers,
                     "redirect": a.redirect,
+                    "rewrite": a.rewrite,
                     "total": total,
                     "shares": shares,
                     "origin": [route_store, a.origin.0, a.origin.1],

@@ -160,7 +160,7 @@ mod tests {
                 cond("Programmed", "False", "Invalid")]}]),
         );
         assert_eq!(
-            warnings("Gateway shop/web", &key, &[listeners.clone()]),
+            warnings("Gateway shop/web", &key, std::slice::from_ref(&listeners)),
             [
                 "Gateway shop/web: spec.listeners[name=https]: ResolvedRefs=False (InvalidCertificateRef): why"
             ]

@@ -69,10 +69,11 @@ pub fn spec() -> HAProxyTemplateConfigSpec {
                 },
                 // Only TLS Secrets can hold Ingress certificates; the rest are never read.
                 field_selector: (name == "secrets").then(|| "type=kubernetes.io/tls".to_owned()),
-                // An Ingress is what a user writes by hand: the webhook checks it before it
-                // reaches the stores. (The templates leave broken Services, slices and Secrets
-                // out, and those come from controllers and cert-manager.)
-                enable_validation_webhook: name == "ingresses",
+                // Ingresses, Gateways and HTTPRoutes are what users write by hand: the
+                // webhook checks them before they reach the stores. (The templates leave broken
+                // Services, slices and Secrets out, and those come from controllers and
+                // cert-manager.)
+                enable_validation_webhook: matches!(name, "ingresses" | "gateways" | "httproutes"),
                 namespace: None,
                 // The Gateway API CRDs are the user's to install: without them the Ingress
                 // routing goes on.

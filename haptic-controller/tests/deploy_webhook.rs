@@ -135,7 +135,7 @@ fn the_webhook_components_match_the_binary_and_the_reference_config() {
     let budget_ms: u64 = env("HAPTIC_WEBHOOK_BUDGET_MS").parse().expect("budget");
     let vwc = find(&docs, "ValidatingWebhookConfiguration", "haptic-webhook");
     let webhooks = list(&vwc["webhooks"]);
-    assert_eq!(webhooks.len(), 2);
+    assert_eq!(webhooks.len(), 3);
     for hook in webhooks {
         assert_eq!(hook["sideEffects"], "None");
         assert_eq!(hook["admissionReviewVersions"], serde_json::json!(["v1"]));
@@ -222,7 +222,21 @@ fn the_webhook_components_match_the_binary_and_the_reference_config() {
         }
         out
     };
-    assert_eq!(rules(&webhooks[0]), wanted);
+    // Ingresses in the first, Gateways and HTTPRoutes in the third (no match condition:
+    // CEL cannot read GatewayClasses; the controller allows other classes' at once).
+    let resources: BTreeSet<_> = rules(&webhooks[0])
+        .into_iter()
+        .chain(rules(&webhooks[2]))
+        .collect();
+    assert_eq!(resources, wanted);
+    assert!(
+        rules(&webhooks[2])
+            .iter()
+            .all(|(g, _, _)| g == "gateway.networking.k8s.io")
+    );
+    assert_eq!(webhooks[2]["failurePolicy"], "Fail", "the Gateway API rule");
+    assert_eq!(selector(&webhooks[2]), selector(&webhooks[0]));
+    assert!(list(&webhooks[2]["rules"][0]["operations"]).contains(&"DELETE".into()));
     assert!(list(&webhooks[0]["rules"][0]["operations"]).contains(&"DELETE".into()));
     // Other controllers' Ingresses are not sent: the match condition names the IngressClass
     // deploy/ ships, for ingressClassName and for the legacy annotation.

@@ -458,6 +458,144 @@ async fn the_real_api_server_calls_the_webhook_and_the_shipped_failure_policy_ho
     assert!(ok, "{text}");
 }
 
+/// The Gateway API through the shipped webhook configuration on the real API server, with the
+/// standard CRDs of v1.5.1 as users install them (`$HAPTIC_GATEWAY_API_CRDS`, else this
+/// project's copy of the release's `standard-install.yaml`): an HTTPRoute of ours whose match
+/// we do not support is stored (the API answers it with status), and `kubectl` prints the
+/// controller's warning naming the object, its parent and the condition; a Gateway of another
+/// controller's class is allowed without a word.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_real_api_server_sends_gateway_api_objects_to_the_shipped_webhook() {
+    let _turn = SERIAL.lock().await;
+    let crds = std::env::var("HAPTIC_GATEWAY_API_CRDS")
+        .unwrap_or_else(|_| "/work/shared/gateway-api/standard-install-v1.5.1.yaml".to_owned());
+    assert!(
+        Path::new(&crds).exists(),
+        "the Gateway API v1.5.1 standard CRDs: set HAPTIC_GATEWAY_API_CRDS to its standard-install.yaml ({crds} is missing)"
+    );
+    let api = TestApi::start(haptic_testkit::Backend::Real)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let env = Env::start(api, "gwhook").await;
+    let admin = env.api.admin_kubeconfig().expect("kubeconfig");
+    let (ok, text) = kubectl(&admin, &["apply", "--server-side", "-f", &crds]);
+    assert!(ok, "{text}");
+    let (ok, text) = kubectl(
+        &admin,
+        &[
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            "crd/gateways.gateway.networking.k8s.io",
+            "crd/httproutes.gateway.networking.k8s.io",
+            "crd/gatewayclasses.gateway.networking.k8s.io",
+        ],
+    );
+    assert!(ok, "{text}");
+    let group = "gateway.networking.k8s.io/v1";
+    let classes = json!({"apiVersion": "v1", "kind": "List", "items": [
+        {"apiVersion": group, "kind": "GatewayClass", "metadata": {"name": "haptic-gwhook"},
+         "spec": {"controllerName": "haproxy-haptic.org/gateway-controller"}},
+        {"apiVersion": group, "kind": "GatewayClass", "metadata": {"name": "theirs-gwhook"},
+         "spec": {"controllerName": "example.com/other"}},
+    ]});
+    let path = manifest(env.dir.path(), "classes", &classes);
+    let (ok, text) = kubectl(&admin, &["apply", "-f", path.to_str().expect("utf-8")]);
+    assert!(ok, "{text}");
+    let gateway = |name: &str, class: &str| {
+        json!({"apiVersion": group, "kind": "Gateway",
+            "metadata": {"name": name, "namespace": env.apps},
+            "spec": {"gatewayClassName": class, "listeners": [
+                {"name": "http", "protocol": "HTTP", "port": free_port()}]}})
+    };
+    let path = manifest(env.dir.path(), "gw", &gateway("gw", "haptic-gwhook"));
+    let (ok, text) = kubectl(&admin, &["apply", "-f", path.to_str().expect("utf-8")]);
+    assert!(ok, "{text}");
+
+    let (agent_port, http_port) = (free_port(), free_port());
+    env.apply_htc(&lb_spec(&env, agent_port, http_port)).await;
+    let (ca, cert, key) = webhook_certificate();
+    let certs = env.dir.path().join("webhook");
+    std::fs::create_dir_all(&certs).expect("mkdir");
+    std::fs::write(certs.join("tls.crt"), cert).expect("cert");
+    std::fs::write(certs.join("tls.key"), key).expect("key");
+    let port = free_port();
+    let controller = Controller::start(
+        &env,
+        "gwhook-1",
+        &[
+            ("HAPTIC_WEBHOOK_ADDR", format!("127.0.0.1:{port}")),
+            (
+                "HAPTIC_WEBHOOK_CERT",
+                certs.join("tls.crt").display().to_string(),
+            ),
+            (
+                "HAPTIC_WEBHOOK_KEY",
+                certs.join("tls.key").display().to_string(),
+            ),
+        ],
+    )
+    .await;
+    controller.ready().await;
+    let registration = shipped_webhook(&env, port, &ca);
+    let path = manifest(env.dir.path(), "vwc", &registration);
+    let (ok, text) = kubectl(&admin, &["apply", "-f", path.to_str().expect("utf-8")]);
+    assert!(ok, "{text}");
+    let _registered = WebhookRegistration {
+        name: registration["metadata"]["name"]
+            .as_str()
+            .expect("name")
+            .to_owned(),
+        kubeconfig: admin.clone(),
+    };
+    let route = |name: &str, value: &str| {
+        json!({"apiVersion": group, "kind": "HTTPRoute",
+            "metadata": {"name": name, "namespace": env.apps},
+            "spec": {"parentRefs": [{"name": "gw"}], "hostnames": ["gw.example"],
+                "rules": [{"matches": [{"path": {"type": "RegularExpression", "value": value}}],
+                           "backendRefs": [{"name": "web", "port": 80}]}]}})
+    };
+    // Until the registration and the controller's Gateway API stores are in place, the route
+    // goes through without a warning: each try is another route.
+    let mut tries = 0;
+    let warned = eventually(
+        "kubectl prints the webhook's warning",
+        Duration::from_secs(60),
+        || {
+            tries += 1;
+            let name = format!("regex-{tries}");
+            let path = manifest(env.dir.path(), &name, &route(&name, "/a.*"));
+            let admin = admin.clone();
+            async move {
+                let (ok, text) = kubectl(&admin, &["apply", "-f", path.to_str().expect("utf-8")]);
+                assert!(ok, "an unsupported match is stored, not refused: {text}");
+                text.contains("Warning:").then_some((name, text))
+            }
+        },
+    )
+    .await;
+    let (name, text) = warned;
+    let want = format!(
+        "HTTPRoute {apps}/{name}: parentRef Gateway {apps}/gw: Accepted=False (UnsupportedValue): path match RegularExpression \"/a.*\" is not supported",
+        apps = env.apps
+    );
+    assert!(text.contains(&want), "{want:?} not in {text}");
+    // Another controller's Gateway: allowed, nothing said.
+    let path = manifest(
+        env.dir.path(),
+        "theirs",
+        &gateway("theirs", "theirs-gwhook"),
+    );
+    let (ok, text) = kubectl(&admin, &["apply", "-f", path.to_str().expect("utf-8")]);
+    assert!(ok && !text.contains("Warning"), "{text}");
+    // Under deploy/'s RBAC: the controller was refused nothing (the Gateway API kinds included).
+    assert!(
+        forbidden(&controller.logs()).is_empty(),
+        "{}",
+        controller.logs()
+    );
+}
+
 /// The CRDs `haptic-controller crd` prints, as the real API server takes them: structural
 /// schemas accepted and Established, `kubectl explain` reading them, and a value of the wrong
 /// type refused by the server's own schema validation.

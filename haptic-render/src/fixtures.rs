@@ -271,3 +271,76 @@ impl Fixtures {
         self.len() == 0
     }
 }
+
+/// Gateway API fixtures for the render benchmark: our GatewayClass (`haptic`,
+/// [`crate::derived::gateway::DEFAULT_GATEWAY_CONTROLLER`]), one Gateway `infra/gw` with an
+/// HTTP listener on port 8080 that takes routes from all namespaces, and `routes` HTTPRoutes
+/// attached to it, each with its own hostname, a PathPrefix `/` rule with two weighted
+/// backends and an Exact `/healthz` rule with a header match and a request header filter. The
+/// Services and EndpointSlices they name are the Ingress fixtures' (`generate(routes)`), which
+/// come with them; the Ingresses do not. Deterministic, as the rest.
+///
+/// ```
+/// let resources = haptic_render::fixtures::gateway_api(4);
+/// let routes = resources.iter().filter(|(store, _)| *store == "httproutes").count();
+/// assert_eq!(routes, 4);
+/// ```
+pub fn gateway_api(routes: usize) -> Vec<(&'static str, Json)> {
+    let group = crate::derived::gateway::GROUP;
+    let base = generate(routes);
+    let mut out = vec![
+        (
+            "gatewayclasses",
+            json!({"apiVersion": format!("{group}/v1"), "kind": "GatewayClass",
+                "metadata": {"name": "haptic", "generation": 1},
+                "spec": {"controllerName": crate::derived::gateway::DEFAULT_GATEWAY_CONTROLLER}}),
+        ),
+        (
+            "gateways",
+            json!({"apiVersion": format!("{group}/v1"), "kind": "Gateway",
+                "metadata": {"namespace": "infra", "name": "gw", "generation": 1,
+                    "creationTimestamp": "2026-01-01T00:00:00Z"},
+                "spec": {"gatewayClassName": "haptic", "listeners": [
+                    {"name": "http", "port": 8080, "protocol": "HTTP",
+                     "allowedRoutes": {"namespaces": {"from": "All"}}}]}}),
+        ),
+    ];
+    for (i, service) in base.services.iter().enumerate() {
+        let namespace = service["metadata"]["namespace"]
+            .as_str()
+            .unwrap_or_default();
+        let name = service["metadata"]["name"].as_str().unwrap_or_default();
+        // The 10 % share: a Service 20 on, in the same namespace (they are dealt round-robin
+        // over 20), so no ReferenceGrant is needed.
+        let other = base.services[(i + 20) % base.services.len()]["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default();
+        out.push((
+            "httproutes",
+            json!({"apiVersion": format!("{group}/v1"), "kind": "HTTPRoute",
+                "metadata": {"namespace": namespace, "name": name, "generation": 1,
+                    "creationTimestamp": format!("2026-01-01T{:02}:{:02}:{:02}Z", i / 3600 % 24, i / 60 % 60, i % 60)},
+                "spec": {
+                    "parentRefs": [{"name": "gw", "namespace": "infra"}],
+                    "hostnames": [format!("{name}.{namespace}.gw.example.com")],
+                    "rules": [
+                        {"matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+                         "backendRefs": [{"name": name, "port": 80, "weight": 90},
+                                         {"name": other, "port": 80, "weight": 10}]},
+                        {"matches": [{"path": {"type": "Exact", "value": "/healthz"},
+                                      "headers": [{"name": "x-probe", "value": "1"}]}],
+                         "filters": [{"type": "RequestHeaderModifier",
+                                      "requestHeaderModifier": {"set": [{"name": "x-route", "value": name}]}}],
+                         "backendRefs": [{"name": name, "port": 80}]},
+                    ],
+                }}),
+        ));
+    }
+    out.extend(base.services.into_iter().map(|s| ("services", s)));
+    out.extend(
+        base.endpoint_slices
+            .into_iter()
+            .map(|s| ("endpointslices", s)),
+    );
+    out
+}

@@ -349,6 +349,17 @@ impl Renderer {
             .map(|(files, _, _)| files)
     }
 
+    /// Renders with a change laid over the stores, as [`Renderer::render_overlay`], and returns
+    /// with the files what the templates asked the cluster to show ([`Requests`]).
+    pub fn render_overlay_all(
+        &self,
+        stores: &Stores,
+        overlay: &Overlay,
+    ) -> Result<(FileSet, Requests)> {
+        self.render_with(stores, Some(overlay))
+            .map(|(files, requests, _)| (files, requests))
+    }
+
     fn render_with(
         &self,
         stores: &Stores,

@@ -75,18 +75,19 @@ impl Requests {
                 self.events.push(event);
             }
         }
+        if other.statuses.is_empty() {
+            return;
+        }
+        // By key, not by a scan per status: a render declares one status per object (10,000
+        // HTTPRoutes: 10,000), and a scan each made the merge quadratic.
+        let mut index: StatusIndex = self
+            .statuses
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (status_key(s), i))
+            .collect();
         for status in other.statuses {
-            let same = |s: &StatusRequest| {
-                s.api_version == status.api_version
-                    && s.kind == status.kind
-                    && s.namespace == status.namespace
-                    && s.name == status.name
-                    && s.field == status.field
-            };
-            match self.statuses.iter_mut().find(|s| same(s)) {
-                Some(existing) => *existing = status,
-                None => self.statuses.push(status),
-            }
+            put_status(&mut self.statuses, &mut index, status);
         }
     }
 
@@ -96,16 +97,44 @@ impl Requests {
     }
 }
 
+/// What identifies a status field: apiVersion, kind, namespace, name, field.
+type StatusKey = (String, String, Option<String>, String, String);
+
+/// Where each status field is in a list of status requests.
+type StatusIndex = std::collections::HashMap<StatusKey, usize>;
+
+fn status_key(s: &StatusRequest) -> StatusKey {
+    (
+        s.api_version.clone(),
+        s.kind.clone(),
+        s.namespace.clone(),
+        s.name.clone(),
+        s.field.clone(),
+    )
+}
+
+/// Adds `status` to `statuses`, replacing an earlier request for the same field.
+fn put_status(statuses: &mut Vec<StatusRequest>, index: &mut StatusIndex, status: StatusRequest) {
+    match index.entry(status_key(&status)) {
+        std::collections::hash_map::Entry::Occupied(at) => statuses[*at.get()] = status,
+        std::collections::hash_map::Entry::Vacant(at) => {
+            at.insert(statuses.len());
+            statuses.push(status);
+        }
+    }
+}
+
 thread_local! {
-    /// What the template running on this thread asked for so far.
-    static COLLECTED: RefCell<Requests> = RefCell::new(Requests::default());
+    /// What the template running on this thread asked for so far, and where each status
+    /// field is in it.
+    static COLLECTED: RefCell<(Requests, StatusIndex)> = RefCell::new(Default::default());
 }
 
 /// Runs `f` (one template render on this thread) and returns what its templates asked for.
 pub(crate) fn collect<T>(f: impl FnOnce() -> T) -> (T, Requests) {
     COLLECTED.with(|c| c.take());
     let out = f();
-    let requests = COLLECTED.with(|c| c.take());
+    let (requests, _) = COLLECTED.with(|c| c.take());
     (out, requests)
 }
 
@@ -157,9 +186,9 @@ pub(crate) fn register(tera: &mut Tera) {
                 return Err(error("record_event: the object has no metadata.name"));
             }
             COLLECTED.with(|c| {
-                let mut c = c.borrow_mut();
-                if !c.events.contains(&request) {
-                    c.events.push(request);
+                let events = &mut c.borrow_mut().0.events;
+                if !events.contains(&request) {
+                    events.push(request);
                 }
             });
             Ok(String::new())
@@ -199,10 +228,8 @@ pub(crate) fn register(tera: &mut Tera) {
                 value,
             };
             COLLECTED.with(|c| {
-                c.borrow_mut().extend(Requests {
-                    events: Vec::new(),
-                    statuses: vec![request],
-                });
+                let (requests, index) = &mut *c.borrow_mut();
+                put_status(&mut requests.statuses, index, request);
             });
             Ok(String::new())
         },

@@ -708,11 +708,20 @@ impl Stores {
     /// Ingress that every view reading `store` as its Ingresses leaves out by class (an
     /// Ingress of another controller's class, see [`crate::derived::IngressClassFilter`]):
     /// nothing rendered can depend on it, so the admission webhook lets it through without
-    /// rendering. True when no view filters `store`.
+    /// rendering. Likewise a Gateway that is not of a GatewayClass of a Gateway API view's
+    /// controller, and an HTTPRoute none of whose parentRefs names a Gateway of such a class
+    /// (stored now, or in the overlay's change). True when no view filters `store`.
     pub fn is_ours(&self, store: &str, resource: &Json) -> bool {
         let mut filtered = false;
         for view in self.derived.values() {
             let derivation = view.derivation();
+            if let Some(owned) = self.gateway_owns(derivation, store, resource) {
+                if owned {
+                    return true;
+                }
+                filtered = true;
+                continue;
+            }
             if derivation.ingresses() != Some(store) {
                 continue;
             }
@@ -728,6 +737,34 @@ impl Stores {
             filtered = true;
         }
         !filtered
+    }
+
+    /// For a Gateway API view reading `store` as its Gateways or HTTPRoutes: whether the
+    /// resource belongs to one of its classes ([`crate::derived::gateway`]).
+    fn gateway_owns(
+        &self,
+        derivation: &crate::derived::Derivation,
+        store: &str,
+        resource: &Json,
+    ) -> Option<bool> {
+        let crate::derived::Derivation::GatewayApi {
+            gateway_classes,
+            gateways,
+            http_routes,
+            controller_name,
+            ..
+        } = derivation
+        else {
+            return None;
+        };
+        crate::derived::gateway::owns(
+            (gateways, http_routes),
+            store,
+            resource,
+            self.stores.get(gateway_classes)?.source(),
+            self.stores.get(gateways)?.source(),
+            controller_name,
+        )
     }
 
     /// The rows of the derived view `name` as JSON (computed if stale), for callers outside

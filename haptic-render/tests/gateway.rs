@@ -497,7 +497,22 @@ fn http_route_hostname_intersection() {
         json!({"parentRefs": [{"name": "gw"}], "hostnames": ["Not_A.Host"],
                "rules": [{"backendRefs": to("infra-backend-v2")}]}),
     ));
+    // Another Gateway's catch-all listener on the same port (the conformance suite's shared
+    // Gateways): the hosts the first Gateway's listeners take stay theirs.
+    let mut all = gateway(
+        "all",
+        json!([{"name": "any", "port": port, "protocol": "HTTP"}]),
+    );
+    all["metadata"]["creationTimestamp"] = json!("2026-01-02T00:00:00Z");
+    apply(&mut w.stores, "gateways", all);
+    w.route(route(
+        "on-all",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "all"}], "hostnames": ["first.com", "sub.first.com"],
+               "rules": [{"backendRefs": to("infra-backend-v2")}]}),
+    ));
     let f = w.serve(port);
+    assert_eq!(f.to("first.com", "/"), "infra-backend-v2");
     assert_eq!(f.to("very.specific.com", "/"), "infra-backend-v1");
     assert_eq!(f.to("very.specific.com:1234", "/"), "infra-backend-v1");
     assert_eq!(f.to("non.matching.com", "/"), "404");
@@ -516,6 +531,64 @@ fn http_route_hostname_intersection() {
     let listeners = f.status("Gateway", "gw", "listeners");
     assert_eq!(listeners[0]["attachedRoutes"], 1);
     assert_eq!(listeners[1]["attachedRoutes"], 1);
+}
+
+/// The spec's listener precedence: a request is matched against the routes of the most
+/// specific listener whose hostname matches its host, and only those: when none of them
+/// matches the path it gets 404, never a less specific listener's route.
+#[test]
+fn a_host_uses_only_the_most_specific_listener() {
+    let mut w = world(&["infra-backend-v1", "infra-backend-v2", "infra-backend-v3"]);
+    let port = free_port();
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "gw",
+            json!([
+                {"name": "wild", "port": port, "protocol": "HTTP", "hostname": "*.example.com"},
+                {"name": "foo", "port": port, "protocol": "HTTP", "hostname": "foo.example.com"},
+                {"name": "any", "port": port, "protocol": "HTTP"},
+            ]),
+        ),
+    );
+    for (name, section, rule) in [
+        (
+            "wild",
+            "wild",
+            json!({"backendRefs": to("infra-backend-v1")}),
+        ),
+        (
+            "foo",
+            "foo",
+            json!({"matches": [{"path": {"type": "Exact", "value": "/only"}}],
+                   "backendRefs": to("infra-backend-v2")}),
+        ),
+        ("any", "any", json!({"backendRefs": to("infra-backend-v3")})),
+    ] {
+        w.route(route(
+            name,
+            "2026-01-01T00:00:00Z",
+            json!({"parentRefs": [{"name": "gw", "sectionName": section}], "rules": [rule]}),
+        ));
+    }
+    let f = w.serve(port);
+    assert_eq!(f.to("foo.example.com", "/only"), "infra-backend-v2");
+    // Not the wildcard listener's route, nor the catch-all listener's.
+    assert_eq!(f.to("foo.example.com", "/"), "404");
+    assert_eq!(f.to("bar.example.com", "/"), "infra-backend-v1");
+    assert_eq!(f.to("a.b.example.com", "/x"), "infra-backend-v1");
+    assert_eq!(f.to("example.org", "/"), "infra-backend-v3");
+    // A wildcard route hostname on the catch-all listener does not take foo.example.com either.
+    w.route(route(
+        "any-wild",
+        "2025-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw", "sectionName": "any"}], "hostnames": ["*.example.com"],
+               "rules": [{"backendRefs": to("infra-backend-v3")}]}),
+    ));
+    let f = w.serve(port);
+    assert_eq!(f.to("foo.example.com", "/"), "404");
+    assert_eq!(f.to("bar.example.com", "/"), "infra-backend-v1");
 }
 
 #[test]
@@ -771,4 +844,574 @@ fn gateway_listener_shares_the_ingress_port() {
     assert_eq!(f.to("gw.example", "/"), "infra-backend-v1");
     assert_eq!(f.to("shop.example", "/"), "infra-backend-v2");
     assert_eq!(f.to("other.example", "/"), "404");
+}
+
+fn route_in(namespace: &str, name: &str, spec: Json) -> Json {
+    let mut r = route(name, "2026-01-01T00:00:00Z", spec);
+    r["metadata"]["namespace"] = json!(namespace);
+    r
+}
+
+/// The conditions of a condition list, as `type=status/reason`.
+fn conditions(list: &Json) -> Vec<String> {
+    list.as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .map(|c| {
+            format!(
+                "{}={}/{}",
+                c["type"].as_str().unwrap(),
+                c["status"].as_str().unwrap(),
+                c["reason"].as_str().unwrap()
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn http_route_listener_hostname_matching() {
+    let mut w = world(&["infra-backend-v1", "infra-backend-v2", "infra-backend-v3"]);
+    let port = free_port();
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "gw",
+            json!([
+                {"name": "listener-1", "port": port, "protocol": "HTTP", "hostname": "bar.com"},
+                {"name": "listener-2", "port": port, "protocol": "HTTP", "hostname": "foo.bar.com"},
+                {"name": "listener-3", "port": port, "protocol": "HTTP", "hostname": "*.bar.com"},
+                {"name": "listener-4", "port": port, "protocol": "HTTP", "hostname": "*.foo.com"},
+            ]),
+        ),
+    );
+    for (name, sections, backend) in [
+        ("backend-v1", vec!["listener-1"], "infra-backend-v1"),
+        ("backend-v2", vec!["listener-2"], "infra-backend-v2"),
+        (
+            "backend-v3",
+            vec!["listener-3", "listener-4"],
+            "infra-backend-v3",
+        ),
+    ] {
+        let parents: Vec<Json> = sections
+            .iter()
+            .map(|s| json!({"name": "gw", "sectionName": s}))
+            .collect();
+        w.route(route(
+            name,
+            "2026-01-01T00:00:00Z",
+            json!({"parentRefs": parents, "rules": [{"backendRefs": to(backend)}]}),
+        ));
+    }
+    let f = w.serve(port);
+    assert_eq!(f.to("bar.com", "/"), "infra-backend-v1");
+    assert_eq!(f.to("foo.bar.com", "/"), "infra-backend-v2");
+    for host in [
+        "baz.bar.com",
+        "boo.bar.com",
+        "multiple.prefixes.bar.com",
+        "multiple.prefixes.foo.com",
+    ] {
+        assert_eq!(f.to(host, "/"), "infra-backend-v3", "{host}");
+    }
+    assert_eq!(f.to("foo.com", "/"), "404");
+    assert_eq!(f.to("no.matching.host", "/"), "404");
+}
+
+#[test]
+fn http_route_cross_namespace() {
+    let mut w = world(&["web-backend"]);
+    w.route(route_in(
+        "web",
+        "cross-namespace",
+        json!({"parentRefs": [{"name": "gw", "namespace": NS}],
+               "rules": [{"backendRefs": [{"name": "web-backend", "port": 8080}]}]}),
+    ));
+    // The Gateway of World::front takes routes from all namespaces.
+    let f = w.front();
+    assert_eq!(f.to("example.com", "/"), "web-backend");
+    assert_eq!(
+        f.parent_conditions("cross-namespace"),
+        ["Accepted=True/Accepted", "ResolvedRefs=True/ResolvedRefs"]
+    );
+}
+
+#[test]
+fn http_route_invalid_cross_namespace_parent_ref() {
+    let mut w = world(&["web-backend"]);
+    let port = free_port();
+    // allowedRoutes defaults to the Gateway's own namespace.
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "gw",
+            json!([{"name": "http", "port": port, "protocol": "HTTP"}]),
+        ),
+    );
+    w.route(route_in(
+        "web",
+        "invalid-cross-namespace-parent-ref",
+        json!({"parentRefs": [{"name": "gw", "namespace": NS}],
+               "rules": [{"backendRefs": [{"name": "web-backend", "port": 8080}]}]}),
+    ));
+    let f = w.serve(port);
+    assert_eq!(
+        f.parent_conditions("invalid-cross-namespace-parent-ref")[0],
+        "Accepted=False/NotAllowedByListeners"
+    );
+    assert_eq!(f.to("example.com", "/"), "404");
+    assert_eq!(
+        f.status("Gateway", "gw", "listeners")[0]["attachedRoutes"],
+        0
+    );
+}
+
+#[test]
+fn http_route_invalid_cross_namespace_backend_ref() {
+    let mut w = world(&["web-backend"]);
+    w.route(route(
+        "invalid-cross-namespace-backend-ref",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}],
+               "rules": [{"backendRefs": [{"name": "web-backend", "namespace": "web", "port": 8080}]}]}),
+    ));
+    let f = w.front();
+    assert_eq!(f.to("example.com", "/"), "500");
+    assert_eq!(
+        f.parent_conditions("invalid-cross-namespace-backend-ref"),
+        [
+            "Accepted=True/Accepted",
+            "ResolvedRefs=False/RefNotPermitted"
+        ]
+    );
+}
+
+#[test]
+fn http_route_invalid_backend_ref_unknown_kind() {
+    let mut w = world(&["infra-backend-v1"]);
+    w.route(route(
+        "invalid-backend-ref-unknown-kind",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}],
+               "rules": [{"backendRefs": [{"group": "unknownkind.example.com", "kind": "NonExistent",
+                                           "name": "infra-backend-v1", "port": 8080}]}]}),
+    ));
+    let f = w.front();
+    assert_eq!(f.to("example.com", "/"), "500");
+    assert_eq!(
+        f.parent_conditions("invalid-backend-ref-unknown-kind"),
+        ["Accepted=True/Accepted", "ResolvedRefs=False/InvalidKind"]
+    );
+}
+
+#[test]
+fn http_route_partially_invalid_via_invalid_reference_grant() {
+    let mut w = world(&["infra-backend-v1", "web-backend"]);
+    // A grant for another Service: it does not allow web-backend.
+    apply(
+        &mut w.stores,
+        "referencegrants",
+        json!({"apiVersion": "gateway.networking.k8s.io/v1beta1", "kind": "ReferenceGrant",
+            "metadata": {"namespace": "web", "name": "not-this-one"},
+            "spec": {"from": [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "namespace": NS}],
+                     "to": [{"group": "", "kind": "Service", "name": "not-web-backend"}]}}),
+    );
+    w.route(route(
+        "invalid-reference-grant",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/v2"}}],
+             "backendRefs": [{"name": "web-backend", "namespace": "web", "port": 8080}]},
+            {"backendRefs": to("infra-backend-v1")},
+        ]}),
+    ));
+    let f = w.front();
+    assert_eq!(f.to("example.com", "/"), "infra-backend-v1");
+    assert_eq!(f.to("example.com", "/v2"), "500");
+    assert_eq!(
+        f.parent_conditions("invalid-reference-grant"),
+        [
+            "Accepted=True/Accepted",
+            "ResolvedRefs=False/RefNotPermitted"
+        ]
+    );
+}
+
+#[test]
+fn http_route_observed_generation_bump() {
+    let mut w = world(&["infra-backend-v1"]);
+    let mut r = route(
+        "observed-generation-bump",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [{"backendRefs": to("infra-backend-v1")}]}),
+    );
+    w.route(r.clone());
+    let before = w.front();
+    let parents = before.status("HTTPRoute", "observed-generation-bump", "parents");
+    assert_eq!(parents[0]["conditions"][0]["observedGeneration"], 3);
+    drop(before);
+    r["metadata"]["generation"] = json!(4);
+    r["spec"]["rules"][0]["matches"] = json!([{"path": {"type": "PathPrefix", "value": "/v2"}}]);
+    w.route(r);
+    let after = w.front();
+    let parents = after.status("HTTPRoute", "observed-generation-bump", "parents");
+    for c in parents[0]["conditions"].as_array().unwrap() {
+        assert_eq!(c["observedGeneration"], 4, "{c}");
+    }
+    assert_eq!(after.to("example.com", "/v2"), "infra-backend-v1");
+    assert_eq!(after.to("example.com", "/"), "404");
+}
+
+#[test]
+fn gateway_observed_generation_bump() {
+    let mut w = world(&["infra-backend-v1"]);
+    let port = free_port();
+    let mut gw = gateway(
+        "gw",
+        json!([{"name": "http", "port": port, "protocol": "HTTP"}]),
+    );
+    apply(&mut w.stores, "gateways", gw.clone());
+    let f = w.serve(port);
+    assert_eq!(
+        f.status("Gateway", "gw", "conditions")[0]["observedGeneration"],
+        1
+    );
+    drop(f);
+    let second = free_port();
+    gw["metadata"]["generation"] = json!(2);
+    gw["spec"]["listeners"] = json!([
+        {"name": "http", "port": port, "protocol": "HTTP"},
+        {"name": "second", "port": second, "protocol": "HTTP"},
+    ]);
+    apply(&mut w.stores, "gateways", gw);
+    let f = w.serve(port);
+    for c in f.status("Gateway", "gw", "conditions").as_array().unwrap() {
+        assert_eq!(c["observedGeneration"], 2, "{c}");
+    }
+    for l in f.status("Gateway", "gw", "listeners").as_array().unwrap() {
+        for c in l["conditions"].as_array().unwrap() {
+            assert_eq!(c["observedGeneration"], 2, "{c}");
+        }
+    }
+}
+
+#[test]
+fn gateway_class_observed_generation_bump() {
+    let mut w = world(&["infra-backend-v1"]);
+    apply(
+        &mut w.stores,
+        "gatewayclasses",
+        json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "GatewayClass",
+            "metadata": {"name": "haptic", "generation": 2},
+            "spec": {"controllerName": CONTROLLER, "description": "bumped"}}),
+    );
+    let f = w.front();
+    assert_eq!(
+        conditions(&f.status("GatewayClass", "haptic", "conditions")),
+        ["Accepted=True/Accepted"]
+    );
+    assert_eq!(
+        f.status("GatewayClass", "haptic", "conditions")[0]["observedGeneration"],
+        2
+    );
+}
+
+#[test]
+fn gateway_modify_listeners() {
+    let mut w = world(&["infra-backend-v1"]);
+    let port = free_port();
+    let added = free_port();
+    let mut gw = gateway(
+        "gw",
+        json!([{"name": "http", "port": port, "protocol": "HTTP"}]),
+    );
+    apply(&mut w.stores, "gateways", gw.clone());
+    w.route(route(
+        "r",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [{"backendRefs": to("infra-backend-v1")}]}),
+    ));
+    // A listener added: served, with its status.
+    gw["metadata"]["generation"] = json!(2);
+    gw["spec"]["listeners"] = json!([
+        {"name": "http", "port": port, "protocol": "HTTP"},
+        {"name": "added", "port": added, "protocol": "HTTP"},
+    ]);
+    apply(&mut w.stores, "gateways", gw.clone());
+    let f = w.serve(added);
+    assert_eq!(
+        get(added, "example.com", "/", &[]).backend(),
+        "infra-backend-v1"
+    );
+    let listeners = f.status("Gateway", "gw", "listeners");
+    assert_eq!(listeners.as_array().unwrap().len(), 2);
+    assert_eq!(listeners[1]["name"], "added");
+    assert_eq!(listeners[1]["attachedRoutes"], 1);
+    assert!(
+        conditions(&listeners[1]["conditions"]).contains(&"Programmed=True/Programmed".to_owned())
+    );
+    drop(f);
+    // A listener removed: gone from the status and from HAProxy.
+    gw["metadata"]["generation"] = json!(3);
+    gw["spec"]["listeners"] = json!([{"name": "http", "port": port, "protocol": "HTTP"}]);
+    apply(&mut w.stores, "gateways", gw);
+    let f = w.serve(port);
+    let listeners = f.status("Gateway", "gw", "listeners");
+    assert_eq!(listeners.as_array().unwrap().len(), 1);
+    assert_eq!(listeners[0]["name"], "http");
+    assert!(
+        TcpStream::connect(("127.0.0.1", added)).is_err(),
+        "the removed listener's port is not served"
+    );
+}
+
+#[test]
+fn http_route_multiple_gateways() {
+    let mut w = world(&["infra-backend-v1"]);
+    let (one, two) = (free_port(), free_port());
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "gw-one",
+            json!([{"name": "http", "port": one, "protocol": "HTTP"}]),
+        ),
+    );
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "gw-two",
+            json!([{"name": "http", "port": two, "protocol": "HTTP"}]),
+        ),
+    );
+    w.route(route(
+        "multiple-gateways",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw-one"}, {"name": "gw-two"}],
+               "rules": [{"backendRefs": to("infra-backend-v1")}]}),
+    ));
+    let f = w.serve(one);
+    assert_eq!(f.to("example.com", "/"), "infra-backend-v1");
+    assert_eq!(
+        get(two, "example.com", "/", &[]).backend(),
+        "infra-backend-v1"
+    );
+    let parents = f.status("HTTPRoute", "multiple-gateways", "parents");
+    assert_eq!(parents.as_array().unwrap().len(), 2);
+    for p in parents.as_array().unwrap() {
+        assert_eq!(
+            conditions(&p["conditions"]),
+            ["Accepted=True/Accepted", "ResolvedRefs=True/ResolvedRefs"]
+        );
+    }
+}
+
+/// The listener conditions of an HTTPS listener `https` whose certificateRefs are `refs`,
+/// beside an HTTP listener the test's HAProxy is awaited on.
+fn https_listener_conditions(w: &mut World, refs: Json) -> Vec<String> {
+    let port = free_port();
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "gw",
+            json!([
+                {"name": "http", "port": port, "protocol": "HTTP"},
+                {"name": "https", "port": free_port(), "protocol": "HTTPS",
+                 "tls": {"certificateRefs": refs}},
+            ]),
+        ),
+    );
+    let f = w.serve(port);
+    conditions(&f.status("Gateway", "gw", "listeners")[1]["conditions"])
+}
+
+#[test]
+fn gateway_invalid_tls_configuration() {
+    let mut w = world(&["infra-backend-v1"]);
+    // Not a TLS Secret's content: unusable.
+    apply(
+        &mut w.stores,
+        "secrets",
+        json!({"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+            "metadata": {"namespace": NS, "name": "malformed"},
+            "data": {"tls.crt": "bm90IGEgY2VydA==", "tls.key": "bm90IGEga2V5"}}),
+    );
+    for refs in [
+        json!([{"name": "nonexistent"}]),
+        json!([{"name": "malformed"}]),
+        json!([{"group": "wrong.group.company.io", "kind": "WrongKind", "name": "malformed"}]),
+    ] {
+        let got = https_listener_conditions(&mut w, refs.clone());
+        assert!(
+            got.contains(&"ResolvedRefs=False/InvalidCertificateRef".to_owned())
+                && got.contains(&"Programmed=False/Invalid".to_owned()),
+            "{refs}: {got:?}"
+        );
+    }
+}
+
+#[test]
+fn gateway_secret_missing_reference_grant() {
+    let mut w = world(&["infra-backend-v1"]);
+    apply(
+        &mut w.stores,
+        "secrets",
+        haptic_render::fixtures::tls_secret("web", "certificate"),
+    );
+    let got =
+        https_listener_conditions(&mut w, json!([{"name": "certificate", "namespace": "web"}]));
+    assert!(
+        got.contains(&"ResolvedRefs=False/RefNotPermitted".to_owned()),
+        "{got:?}"
+    );
+}
+
+fn secret_grant(to_name: Option<&str>) -> Json {
+    let mut to = json!({"group": "", "kind": "Secret"});
+    if let Some(name) = to_name {
+        to["name"] = json!(name);
+    }
+    json!({"apiVersion": "gateway.networking.k8s.io/v1beta1", "kind": "ReferenceGrant",
+        "metadata": {"namespace": "web", "name": "gateway-secret"},
+        "spec": {"from": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "namespace": NS}],
+                 "to": [to]}})
+}
+
+#[test]
+fn gateway_secret_reference_grant_specific() {
+    let mut w = world(&["infra-backend-v1"]);
+    apply(
+        &mut w.stores,
+        "secrets",
+        haptic_render::fixtures::tls_secret("web", "certificate"),
+    );
+    apply(
+        &mut w.stores,
+        "referencegrants",
+        secret_grant(Some("certificate")),
+    );
+    let got =
+        https_listener_conditions(&mut w, json!([{"name": "certificate", "namespace": "web"}]));
+    assert!(
+        got.contains(&"ResolvedRefs=True/ResolvedRefs".to_owned())
+            && got.contains(&"Programmed=True/Programmed".to_owned()),
+        "{got:?}"
+    );
+}
+
+#[test]
+fn gateway_secret_reference_grant_all_in_namespace() {
+    let mut w = world(&["infra-backend-v1"]);
+    apply(
+        &mut w.stores,
+        "secrets",
+        haptic_render::fixtures::tls_secret("web", "certificate"),
+    );
+    apply(&mut w.stores, "referencegrants", secret_grant(None));
+    let got =
+        https_listener_conditions(&mut w, json!([{"name": "certificate", "namespace": "web"}]));
+    assert!(
+        got.contains(&"ResolvedRefs=True/ResolvedRefs".to_owned())
+            && got.contains(&"Programmed=True/Programmed".to_owned()),
+        "{got:?}"
+    );
+}
+
+#[test]
+fn http_route_service_types() {
+    let mut w = world(&["infra-backend-v1"]);
+    // The same endpoints behind a headless Service and one without a selector (its
+    // EndpointSlice written by hand): routed by their EndpointSlices all the same.
+    let store = w.stores.get("endpointslices").unwrap();
+    let field = |path: &str| store.value_at(NS, "infra-backend-v1-1", path).unwrap();
+    let slice = json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {}, "addressType": "IPv4",
+        "ports": field("ports"), "endpoints": field("endpoints")});
+    for (name, spec) in [
+        (
+            "headless",
+            json!({"clusterIP": "None", "selector": {"app": "v1"}, "ports": [{"name": "http", "port": 8080}]}),
+        ),
+        ("manual", json!({"ports": [{"name": "http", "port": 8080}]})),
+    ] {
+        apply(
+            &mut w.stores,
+            "services",
+            json!({"apiVersion": "v1", "kind": "Service",
+                "metadata": {"namespace": NS, "name": name}, "spec": spec}),
+        );
+        let mut s = slice.clone();
+        s["metadata"]["namespace"] = json!(NS);
+        s["metadata"]["name"] = json!(format!("{name}-1"));
+        s["metadata"]["labels"] = json!({"kubernetes.io/service-name": name});
+        apply(&mut w.stores, "endpointslices", s);
+    }
+    w.route(route(
+        "service-types",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/headless"}}],
+             "backendRefs": [{"name": "headless", "port": 8080}]},
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/manual"}}],
+             "backendRefs": [{"name": "manual", "port": 8080}]},
+        ]}),
+    ));
+    let f = w.front();
+    assert_eq!(f.to("example.com", "/headless"), "infra-backend-v1");
+    assert_eq!(f.to("example.com", "/manual"), "infra-backend-v1");
+    assert_eq!(
+        f.parent_conditions("service-types"),
+        ["Accepted=True/Accepted", "ResolvedRefs=True/ResolvedRefs"]
+    );
+}
+
+/// Extended: URLRewrite with a hostname (HTTPRouteRewriteHost) and ReplaceFullPath
+/// (HTTPRouteRewritePath's full-path cases); ReplacePrefixMatch is not supported: the route is
+/// not accepted (UnsupportedValue) rather than routed otherwise than it says.
+#[test]
+fn http_route_rewrite_host_and_full_path() {
+    let mut w = world(&["infra-backend-v1"]);
+    w.route(route(
+        "rewrite",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/one"}}],
+             "filters": [{"type": "URLRewrite", "urlRewrite": {"hostname": "one.example.org"}}],
+             "backendRefs": to("infra-backend-v1")},
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/full"}}],
+             "filters": [{"type": "URLRewrite", "urlRewrite": {"path": {"type": "ReplaceFullPath", "replaceFullPath": "/one"}}}],
+             "backendRefs": to("infra-backend-v1")},
+        ]}),
+    ));
+    w.route(route(
+        "prefix",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["prefix.example"], "rules": [
+            {"filters": [{"type": "URLRewrite", "urlRewrite": {"path": {"type": "ReplacePrefixMatch", "replacePrefixMatch": "/x"}}}],
+             "backendRefs": to("infra-backend-v1")},
+        ]}),
+    ));
+    let f = w.front();
+    let a = get(f.port, "rewrite.example", "/one/two", &[]);
+    assert_eq!(a.backend(), "infra-backend-v1");
+    let body = a.body.to_lowercase();
+    assert!(body.contains("path=/one/two"), "{body}");
+    assert!(body.contains("host: one.example.org"), "{body}");
+    let a = get(f.port, "rewrite.example", "/full/path?q=1", &[]);
+    assert!(a.body.contains("path=/one?q=1"), "{}", a.body);
+    assert!(
+        a.body.to_lowercase().contains("host: rewrite.example"),
+        "{}",
+        a.body
+    );
+    assert_eq!(
+        f.parent_conditions("prefix")[0],
+        "Accepted=False/UnsupportedValue"
+    );
+    assert_eq!(f.to("prefix.example", "/"), "404");
 }

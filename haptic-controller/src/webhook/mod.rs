@@ -36,6 +36,7 @@
 //! ([`haptic_agent_client::tls`], the listener config the agents use too).
 
 mod checked;
+mod gateway;
 pub mod selector;
 
 use std::{
@@ -514,6 +515,12 @@ impl Webhook {
                 .or_insert_with(|| Json::from(namespace.clone()));
         }
         let delete = request.operation == Operation::Delete;
+        let object_key = (
+            request.kind.kind.clone(),
+            namespace.clone(),
+            name.clone(),
+            delete,
+        );
         let cache = self.cache.clone();
         let store_name = store.name.clone();
         let generation = config.generation;
@@ -536,8 +543,8 @@ impl Webhook {
                 .stores
                 .overlay(&store_name, change)
                 .map_err(|e| Verdict::Denied(e.to_string()))?;
-            match running.renderer.render_overlay(&state.stores, &overlay) {
-                Ok(files) => Ok(files),
+            match running.renderer.render_overlay_all(&state.stores, &overlay) {
+                Ok(rendered) => Ok(rendered),
                 Err(error) => {
                     let error = error.to_string();
                     // The same failure without the change is not this change's.
@@ -555,8 +562,8 @@ impl Webhook {
             }
         })
         .await;
-        let files = match rendered {
-            Ok(Ok(files)) => files,
+        let (files, requests) = match rendered {
+            Ok(Ok(rendered)) => rendered,
             Ok(Err(Verdict::Denied(why))) => return Verdict::Denied(format!("{what}: {why}")),
             Ok(Err(other)) => return other,
             Err(error) => return Verdict::Unjudged(format!("the render panicked: {error}")),
@@ -565,6 +572,10 @@ impl Webhook {
             return verdict;
         }
         match self.config_tests(config).await {
+            // What the Gateway API answers with status rather than a refusal is reported.
+            Ok(()) if request.resource.group == gateway::GROUP => {
+                Verdict::Allowed(gateway::warnings(what, &object_key, &requests.statuses))
+            }
             Ok(()) => Verdict::Allowed(Vec::new()),
             Err(failures) => Verdict::Denied(format!(
                 "{what}: the config's validation tests fail: {failures}"

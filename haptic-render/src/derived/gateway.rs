@@ -118,7 +118,7 @@ fn condition(
 }
 
 /// How a match names hosts: one host, a wildcard (its suffix with the dot, `.bar.com`), any.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 enum Host {
     Exact(String),
     Wildcard(String),
@@ -134,6 +134,18 @@ impl Host {
             is_wildcard_host(&h).then(|| Self::Wildcard(rest.to_owned()))
         } else {
             is_hostname(&h).then_some(Self::Exact(h))
+        }
+    }
+
+    /// Whether every host `other` matches, this matches too.
+    fn covers_host(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Any, _) => true,
+            (_, Self::Any) => false,
+            (Self::Exact(a), Self::Exact(b)) => a == b,
+            (Self::Exact(_), Self::Wildcard(_)) => false,
+            (Self::Wildcard(_), Self::Exact(h)) => self.covers(h),
+            (Self::Wildcard(a), Self::Wildcard(b)) => b.ends_with(a.as_str()),
         }
     }
 
@@ -258,6 +270,8 @@ type RuleMatch = (
 /// One match of a rule on one listener port, with what decides its precedence.
 struct MatchRow {
     host: Host,
+    /// The hostname of the listener the route is attached through.
+    listener: Host,
     path: PathMatch,
     method: Option<String>,
     headers: Vec<(String, String)>,
@@ -304,6 +318,8 @@ struct Action {
     request_headers: Vec<Json>,
     response_headers: Vec<Json>,
     redirect: Option<Json>,
+    /// URLRewrite: `{host, path}` (either may be empty).
+    rewrite: Option<Json>,
     /// `(weight, backend)`; no backend: that share answers 500.
     shares: Vec<(i64, Option<String>)>,
     origin: (String, String),
@@ -434,6 +450,8 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
         .collect();
 
     // Gateways of our classes and their listeners.
+    let mut refusals: Vec<Json> = Vec::new();
+    let (gateway_store, route_store) = (inputs.gateways.0, inputs.routes.0);
     let mut gateways: Vec<Gateway> = Vec::new();
     for ((namespace, name), gw, _) in inputs.gateways.1.entries() {
         let gw = js(gw);
@@ -444,11 +462,14 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
         for l in arr(&gw, "/spec/listeners") {
             let protocol = s(l, "/protocol");
             let port = l.get("port").and_then(Json::as_i64).unwrap_or(0);
+            let host = Host::parse(s(l, "/hostname"));
             let mut listener = Listener {
                 name: s(l, "/name").to_owned(),
                 port,
                 https: protocol == "HTTPS",
-                host: Host::parse(s(l, "/hostname")).unwrap_or(Host::Any),
+                // An invalid hostname (the CRD's pattern refuses it) never widens the listener
+                // to every host: the listener takes no routes.
+                host: host.clone().unwrap_or(Host::Any),
                 invalid_kinds: false,
                 from: match s(l, "/allowedRoutes/namespaces/from") {
                     "" => "Same".to_owned(),
@@ -463,13 +484,36 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
                 certificates: Vec::new(),
                 attached: 0,
             };
-            if protocol != "HTTP" && protocol != "HTTPS" {
+            if host.is_none() {
+                let index = listeners.len();
+                refuse(
+                    &mut refusals,
+                    (gateway_store, namespace.as_str(), name.as_str()),
+                    format!("spec.listeners[{index}].hostname"),
+                    s(l, "/hostname"),
+                    "is not a hostname or a wildcard (`*.` and a hostname)",
+                );
+                listener.problem = Some((
+                    "UnsupportedValue",
+                    "Invalid",
+                    format!("hostname {:?} is not a hostname", s(l, "/hostname")),
+                ));
+            } else if !(1..=65535).contains(&port) {
+                refuse(
+                    &mut refusals,
+                    (gateway_store, namespace.as_str(), name.as_str()),
+                    format!("spec.listeners[{}].port", listeners.len()),
+                    &port.to_string(),
+                    "is not a port (1-65535)",
+                );
+            }
+            if listener.problem.is_none() && protocol != "HTTP" && protocol != "HTTPS" {
                 listener.problem = Some((
                     "UnsupportedProtocol",
                     "Invalid",
                     format!("protocol {protocol} is not supported: HTTP and HTTPS are"),
                 ));
-            } else if !(1..=65535).contains(&port) {
+            } else if listener.problem.is_none() && !(1..=65535).contains(&port) {
                 listener.problem = Some(("PortUnavailable", "Invalid", format!("port {port}")));
             }
             let kinds = arr(l, "/allowedRoutes/kinds");
@@ -598,7 +642,7 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
         .enumerate()
         .map(|(i, g)| ((g.namespace.clone(), g.name.clone()), i))
         .collect();
-    let (route_store, routes) = inputs.routes;
+    let routes = inputs.routes.1;
     for ((namespace, name), route, _) in routes.entries() {
         let route = js(route);
         let route_generation = generation(&route);
@@ -608,6 +652,18 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
             .iter()
             .filter_map(|h| h.as_str().and_then(Host::parse))
             .collect();
+        for (i, h) in given_hosts.iter().enumerate() {
+            let text = h.as_str().unwrap_or_default();
+            if Host::parse(text).is_none_or(|h| h == Host::Any) {
+                refuse(
+                    &mut refusals,
+                    (route_store, namespace.as_str(), name.as_str()),
+                    format!("spec.hostnames[{i}]"),
+                    text,
+                    "is not a hostname or a wildcard (`*.` and a hostname)",
+                );
+            }
+        }
         // Hostnames given, none usable: the route matches no listener, never every host.
         let no_usable_host = !given_hosts.is_empty() && route_hosts.is_empty();
         let age = (
@@ -623,6 +679,7 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
             request_headers: Vec<Json>,
             response_headers: Vec<Json>,
             redirect: Option<(Json, Option<i64>, Option<String>)>,
+            rewrite: Option<Json>,
             matches: Vec<RuleMatch>,
         }
         let mut rules = Vec::new();
@@ -698,6 +755,7 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
             let mut request_headers = Vec::new();
             let mut response_headers = Vec::new();
             let mut redirect = None;
+            let mut rewrite = None;
             for f in arr(rule, "/filters") {
                 match s(f, "/type") {
                     t @ ("RequestHeaderModifier" | "ResponseHeaderModifier") => {
@@ -772,6 +830,31 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
                             redirect = Some((r, port, path));
                         }
                     }
+                    // The hostname and a full path; a path is written as given, so only a
+                    // plain one (no `%`, quote, space or `#`) is taken.
+                    "URLRewrite" => {
+                        let host = s(f, "/urlRewrite/hostname");
+                        let path = match s(f, "/urlRewrite/path/type") {
+                            "" => Some(""),
+                            "ReplaceFullPath"
+                                if is_plain_path(s(f, "/urlRewrite/path/replaceFullPath")) =>
+                            {
+                                Some(s(f, "/urlRewrite/path/replaceFullPath"))
+                            }
+                            _ => None,
+                        };
+                        match path {
+                            Some(path) if host.is_empty() || is_hostname(host) => {
+                                rewrite = Some(json!({"host": host, "path": path}));
+                            }
+                            _ => {
+                                accepted_problem.get_or_insert((
+                                    "UnsupportedValue",
+                                    "urlRewrite: a hostname and ReplaceFullPath with a plain path are supported".to_owned(),
+                                ));
+                            }
+                        }
+                    }
                     other => {
                         accepted_problem.get_or_insert((
                             "UnsupportedValue",
@@ -837,6 +920,7 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
                 request_headers,
                 response_headers,
                 redirect,
+                rewrite,
                 matches: rule_matches,
             });
         }
@@ -952,6 +1036,7 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
                     continue;
                 }
                 let listener_port = listener.port;
+                let listener_host = listener.host.clone();
                 let https = listener.https;
                 for (ri, rule) in rules.iter().enumerate() {
                     let redirect = rule.redirect.as_ref().map(|(r, port, path)| {
@@ -987,6 +1072,7 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
                         request_headers: rule.request_headers.clone(),
                         response_headers: rule.response_headers.clone(),
                         redirect,
+                        rewrite: rule.rewrite.clone(),
                         shares: rule.shares.clone(),
                         origin: (namespace.clone(), name.clone()),
                     });
@@ -996,6 +1082,7 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
                         {
                             matches.entry(listener_port).or_default().push(MatchRow {
                                 host: host.clone(),
+                                listener: listener_host.clone(),
                                 path: path.clone(),
                                 method: method.clone(),
                                 headers: headers.clone(),
@@ -1164,27 +1251,50 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
 
     // Frontends: a port per listener port that has a usable listener.
     let mut ports: BTreeMap<i64, bool> = BTreeMap::new();
+    // The hostnames of the usable listeners of each port, most specific first.
+    let mut listener_hosts: BTreeMap<i64, Vec<Host>> = BTreeMap::new();
     for g in &gateways {
         for l in &g.listeners {
             if l.problem.is_none() && (!l.https || certificates.contains_key(&l.port)) {
                 ports.insert(l.port, l.https);
+                let hosts = listener_hosts.entry(l.port).or_default();
+                if !hosts.contains(&l.host) {
+                    hosts.push(l.host.clone());
+                }
             }
         }
     }
-    let gateway_store = inputs.gateways.0;
-    let _ = gateway_store;
+    for hosts in listener_hosts.values_mut() {
+        hosts.sort_by(|a, b| (a.rank(), a).cmp(&(b.rank(), b)));
+    }
     let mut frontends = Vec::new();
     for (port, https) in ports {
         let mut rows = matches.remove(&port).unwrap_or_default();
         rows.sort_by(|a, b| a.key().cmp(&b.key()));
+        // A request is matched against the routes of the most specific listener whose
+        // hostname matches its host only (the spec's listener precedence): a match of a
+        // listener also requires that the host is none of the more specific listener
+        // hostnames of the port its own covers. (A less specific listener's route never
+        // answers for a host a more specific listener takes, even when none of that
+        // listener's routes matches.) The ACLs say it all: no template line is needed.
+        let hosts = listener_hosts.remove(&port).unwrap_or_default();
+        let mut unless: HashMap<&Host, String> = HashMap::new();
         let mut used: BTreeSet<usize> = BTreeSet::new();
         let match_rows: Vec<Json> = rows
             .iter()
             .map(|m| {
                 used.insert(m.action);
+                let not_theirs = unless.entry(&m.listener).or_insert_with(|| {
+                    hosts
+                        .iter()
+                        .filter(|h| *h != &m.listener && m.listener.covers_host(h))
+                        .map(|h| format!(" !{}", h.condition().trim_start()))
+                        .collect()
+                });
+                let condition = format!("{}{not_theirs}", m.condition());
                 json!({
                     "action": m.action,
-                    "condition": m.condition(),
+                    "condition": condition,
                     "origin": [route_store, m.origin.0, m.origin.1],
                 })
             })
@@ -1209,6 +1319,7 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
                     "request_headers": a.request_headers,
                     "response_headers": a.response_headers,
                     "redirect": a.redirect,
+                    "rewrite": a.rewrite,
                     "total": total,
                     "shares": shares,
                     "origin": [route_store, a.origin.0, a.origin.1],
@@ -1287,7 +1398,66 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
         ("https_ports", Value::from_serializable(&https_ports)),
         ("backends", Value::from(backend_rows)),
         ("statuses", Value::from_serializable(&statuses)),
+        ("refusals", Value::from_serializable(&refusals)),
     ])
+}
+
+/// Records that the admission webhook refuses an object for a field: a value the CRD's schema
+/// refuses (a real API server never stores it; a store may hold it from elsewhere), which the
+/// view leaves out rather than reads otherwise than it says. The template's `refuse(...)`
+/// denies it under review only; one already stored is left out and blocks nobody.
+fn refuse(
+    refusals: &mut Vec<Json>,
+    (store, namespace, name): (&str, &str, &str),
+    field: String,
+    value: &str,
+    reason: &str,
+) {
+    refusals.push(json!({
+        "store": store, "namespace": namespace, "name": name,
+        "field": field, "value": value, "reason": reason,
+    }));
+}
+
+/// Whether a Gateway or HTTPRoute is one the view reads: a Gateway of one of our classes
+/// (`spec.gatewayClassName` names a GatewayClass whose `controllerName` is `controller`), an
+/// HTTPRoute with a parentRef naming such a Gateway. `None` when `store` is neither the view's
+/// Gateways nor its HTTPRoutes. Anything else cannot change what is rendered: the admission
+/// webhook lets it through without rendering.
+pub(crate) fn owns(
+    (gateway_store, route_store): (&str, &str),
+    store: &str,
+    object: &Json,
+    classes: Source<'_>,
+    gateways: Source<'_>,
+    controller: &str,
+) -> Option<bool> {
+    let ours_class = |class: &str| {
+        !class.is_empty()
+            && classes
+                .get_entry("", class)
+                .is_some_and(|(c, _)| s(&js(c), "/spec/controllerName") == controller)
+    };
+    if store == gateway_store {
+        return Some(ours_class(s(object, "/spec/gatewayClassName")));
+    }
+    if store != route_store {
+        return None;
+    }
+    let namespace = s(object, "/metadata/namespace");
+    Some(arr(object, "/spec/parentRefs").iter().any(|p| {
+        let group = p.get("group").and_then(Json::as_str).unwrap_or(GROUP);
+        let kind = p.get("kind").and_then(Json::as_str).unwrap_or("Gateway");
+        let gw_ns = match s(p, "/namespace") {
+            "" => namespace,
+            n => n,
+        };
+        group == GROUP
+            && kind == "Gateway"
+            && gateways
+                .get_entry(gw_ns, s(p, "/name"))
+                .is_some_and(|(g, _)| ours_class(s(&js(g), "/spec/gatewayClassName")))
+    }))
 }
 
 /// What `set_status` needs of an object.

@@ -2,14 +2,15 @@
 
 use std::collections::BTreeMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use tera::{Context, ErrorKind, Tera, Value};
 use tracing::instrument;
 
 use crate::fileset::FileSet;
+use crate::fragments::{self, Active, Fragments};
 use crate::functions::{self, DERIVED_VAR, GET_VAR, INDEX_VAR, REVIEW_VAR};
 use crate::provenance::{self, Counting, ObjectRef, Provenance};
 use crate::requests::{self, Requests};
@@ -75,7 +76,10 @@ fn at_line(line: Option<usize>) -> String {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Where an engine error points: template name, line, message (with its sources).
-fn locate(error: &tera::Error, fallback_template: &str) -> (String, Option<usize>, String) {
+pub(crate) fn locate(
+    error: &tera::Error,
+    fallback_template: &str,
+) -> (String, Option<usize>, String) {
     let mut cause = match error.kind() {
         ErrorKind::SyntaxError(report) | ErrorKind::RenderingError(report) => {
             let template = if report.filename().is_empty() {
@@ -152,9 +156,11 @@ fn precheck(name: &str, source: &str) -> Result<()> {
 /// Rendering needs `&self` only: one renderer can serve concurrent renders.
 #[derive(Debug)]
 pub struct Renderer {
-    tera: Tera,
+    tera: Arc<Tera>,
     outputs: Vec<Output>,
-    extra: Vec<(String, Value)>,
+    extra: Arc<Vec<(String, Value)>>,
+    /// The per-row fragments of `render_each`, kept from one render to the next.
+    fragments: Arc<Fragments>,
     threads: usize,
     /// How long each single output (by index in `outputs`) took in the last render, in
     /// nanoseconds: the next render starts the longest first (0: not rendered yet).
@@ -162,6 +168,30 @@ pub struct Renderer {
     /// How many bytes each output (by index) wrote in the last render (per-item outputs: the
     /// last non-blank item): the next render's buffer starts that large.
     sizes: Vec<AtomicUsize>,
+    /// Where the last render's time went.
+    timings: Mutex<Timings>,
+}
+
+/// Where one render's time went, phase by phase (what [`Renderer::last_timings`] returns).
+#[derive(Debug, Clone, Default)]
+pub struct Timings {
+    /// Rebuilding the store views and derived views a change made stale.
+    pub refresh: std::time::Duration,
+    /// Assembling the template context.
+    pub context: std::time::Duration,
+    /// Each output's template run, by output path (per-item outputs: their entry, all items
+    /// together, summed over threads), in output order.
+    pub outputs: Vec<(String, std::time::Duration)>,
+    /// Running the jobs, wall clock (outputs in parallel).
+    pub templates: std::time::Duration,
+    /// Putting the files in order, with their requests and provenance.
+    pub assemble: std::time::Duration,
+    /// The sha256 checksum of the set.
+    pub checksum: std::time::Duration,
+    /// Fragments of `render_each` rendered by the engine.
+    pub fragments_rendered: u64,
+    /// Fragments of `render_each` reused from an earlier render.
+    pub fragments_reused: u64,
 }
 
 impl Renderer {
@@ -183,6 +213,7 @@ impl Renderer {
         requests::register(&mut tera);
         provenance::register(&mut tera);
         crate::slots::register(&mut tera);
+        fragments::register(&mut tera);
         let added = catch_unwind(AssertUnwindSafe(|| {
             tera.add_raw_templates(sources.iter().map(|(n, s)| (n.as_str(), *s)))
         }));
@@ -213,12 +244,14 @@ impl Renderer {
         let costs = outputs.iter().map(|_| AtomicU64::new(0)).collect();
         let sizes = outputs.iter().map(|_| AtomicUsize::new(0)).collect();
         Ok(Self {
-            tera,
+            tera: Arc::new(tera),
             outputs,
-            extra,
+            extra: Arc::new(extra),
+            fragments: Arc::default(),
             threads,
             costs,
             sizes,
+            timings: Mutex::new(Timings::default()),
         })
     }
 
@@ -237,12 +270,9 @@ impl Renderer {
     /// as the resource under review, which `refuse()` may refuse).
     fn context(&self, stores: &Stores, overlay: Option<&Overlay>) -> Context {
         let mut context = Context::new();
-        for (key, value) in &self.extra {
+        for (key, value) in self.extra.iter() {
             context.insert_value(key.clone(), value.clone());
         }
-        // After a watch event, the changed stores' views and the derived views that read them
-        // are rebuilt here, before any template runs, on the render's threads.
-        stores.refresh(self.threads);
         let views = stores.views(overlay);
         let derived = stores.derived_values_over(overlay);
         if let Some(over) = overlay {
@@ -275,8 +305,10 @@ impl Renderer {
     /// Renders `template` into a buffer of `capacity` bytes to start with (what the same output
     /// took last time: no regrowth, no copies of a multi-megabyte output). `output` names what
     /// was being rendered, for an error.
+    #[allow(clippy::too_many_arguments)]
     fn render_one(
         &self,
+        active: &Active,
         template: &str,
         context: &Context,
         output: impl FnOnce() -> String,
@@ -288,7 +320,9 @@ impl Renderer {
         let ((rendered, asked), marked) = provenance::collect(|| {
             requests::collect(|| {
                 catch_unwind(AssertUnwindSafe(|| {
-                    self.tera.render_to(template, context, Counting(&mut bytes))
+                    fragments::with_active(active.clone(), || {
+                        self.tera.render_to(template, context, Counting(&mut bytes))
+                    })
                 }))
             })
         });
@@ -354,7 +388,15 @@ impl Renderer {
         stores: &Stores,
         overlay: Option<&Overlay>,
     ) -> Result<(FileSet, Requests, Provenance)> {
+        let mut timings = Timings::default();
+        let started = Instant::now();
+        // After a watch event, the changed stores' views and the derived views that read them
+        // are rebuilt here, before any template runs, on the render's threads.
+        stores.refresh(self.threads);
+        timings.refresh = started.elapsed();
+        let started = Instant::now();
         let context = self.context(stores, overlay);
+        timings.context = started.elapsed();
         let mut views = Vec::new();
         for (index, output) in self.outputs.iter().enumerate() {
             if let Some(store_name) = &output.for_each {
@@ -403,16 +445,43 @@ impl Renderer {
                     }),
             );
         }
-        let results = self.run_jobs(&jobs, &context);
+        let started = Instant::now();
+        let active = Active {
+            tera: Arc::clone(&self.tera),
+            fragments: Arc::clone(&self.fragments),
+            extra: Arc::clone(&self.extra),
+            epoch: self.fragments.begin(),
+            // An overlay render reuses fragments but keeps none of its own.
+            keep: overlay.is_none(),
+        };
+        let results = self.run_jobs(&jobs, &context, &active);
+        if overlay.is_none() {
+            self.fragments.end(active.epoch);
+        }
+        (timings.fragments_rendered, timings.fragments_reused) = self.fragments.take_counts();
+        timings.templates = started.elapsed();
+        let started = Instant::now();
         // Back in output order, so that the error reported is the same whatever the job order.
         let mut results: Vec<((usize, usize), Result<Rendered>)> =
             jobs.iter().map(Job::place).zip(results).collect();
         results.sort_by_key(|(place, _)| *place);
+        let mut spent: Vec<std::time::Duration> = vec![Default::default(); self.outputs.len()];
+        for ((index, _), result) in &results {
+            if let (Ok((_, _, took)), Some(spent)) = (result, spent.get_mut(*index)) {
+                *spent += *took;
+            }
+        }
+        timings.outputs = self
+            .outputs
+            .iter()
+            .zip(spent)
+            .map(|(o, t)| (o.path.clone(), t))
+            .collect();
         let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
         let mut asked = Requests::default();
         let mut origins = Provenance::default();
         for (_, result) in results {
-            let (rendered, asked_here) = result?;
+            let (rendered, asked_here, _) = result?;
             asked.extend(asked_here);
             for (path, bytes, origin) in rendered {
                 match origin {
@@ -424,14 +493,34 @@ impl Renderer {
                 }
             }
         }
-        Ok((FileSet::new(files), asked, origins))
+        timings.assemble = started.elapsed();
+        let started = Instant::now();
+        let files = FileSet::new(files);
+        timings.checksum = started.elapsed();
+        if let Ok(mut last) = self.timings.lock() {
+            *last = timings;
+        }
+        Ok((files, asked, origins))
+    }
+
+    /// Where the last render's time went, phase by phase.
+    pub fn last_timings(&self) -> Timings {
+        self.timings.lock().map(|t| t.clone()).unwrap_or_default()
     }
 
     /// Runs the jobs on up to `self.threads` threads; results come back in job order.
-    fn run_jobs(&self, jobs: &[Job<'_>], context: &Context) -> Vec<Result<Rendered>> {
+    fn run_jobs(
+        &self,
+        jobs: &[Job<'_>],
+        context: &Context,
+        active: &Active,
+    ) -> Vec<Result<Rendered>> {
         let threads = self.threads.clamp(1, jobs.len().max(1));
         if threads == 1 {
-            return jobs.iter().map(|job| self.run_job(job, context)).collect();
+            return jobs
+                .iter()
+                .map(|job| self.run_job(job, context, active))
+                .collect();
         }
         let next = AtomicUsize::new(0);
         let slots: Vec<Mutex<Option<Result<Rendered>>>> =
@@ -442,7 +531,7 @@ impl Renderer {
                     loop {
                         let index = next.fetch_add(1, Ordering::Relaxed);
                         let Some(job) = jobs.get(index) else { break };
-                        let result = self.run_job(job, context);
+                        let result = self.run_job(job, context, active);
                         if let Ok(mut slot) = slots[index].lock() {
                             *slot = Some(result);
                         }
@@ -465,7 +554,18 @@ impl Renderer {
             .collect()
     }
 
-    fn run_job(&self, job: &Job<'_>, context: &Context) -> Result<Rendered> {
+    fn run_job(&self, job: &Job<'_>, context: &Context, active: &Active) -> Result<Rendered> {
+        let started = Instant::now();
+        let (files, asked) = self.run_job_untimed(job, context, active)?;
+        Ok((files, asked, started.elapsed()))
+    }
+
+    fn run_job_untimed(
+        &self,
+        job: &Job<'_>,
+        context: &Context,
+        active: &Active,
+    ) -> Result<Produced> {
         match job {
             Job::Single { index, output } => {
                 let started = Instant::now();
@@ -474,6 +574,7 @@ impl Renderer {
                 let mut asked = Requests::default();
                 let mut marks = Vec::new();
                 let bytes = self.render_one(
+                    active,
                     &output.template,
                     context,
                     || output.path.clone(),
@@ -519,6 +620,7 @@ impl Renderer {
                     let label = || format!("{} for {namespace}/{name}", output.template);
                     let capacity = size.map_or(0, |s| s.load(Ordering::Relaxed));
                     let bytes = self.render_one(
+                        active,
                         &output.template,
                         &item_context,
                         label,
@@ -548,7 +650,14 @@ impl Renderer {
 
 /// What one job produced: paths, bytes and where they came from, and what its templates
 /// asked for.
-type Rendered = (Vec<(String, Vec<u8>, Origin)>, Requests);
+type Produced = (Vec<(String, Vec<u8>, Origin)>, Requests);
+
+/// What one job produced, and how long it took.
+type Rendered = (
+    Vec<(String, Vec<u8>, Origin)>,
+    Requests,
+    std::time::Duration,
+);
 
 /// Where one rendered file came from.
 enum Origin {

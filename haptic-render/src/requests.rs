@@ -102,11 +102,21 @@ thread_local! {
 }
 
 /// Runs `f` (one template render on this thread) and returns what its templates asked for.
+///
+/// Nests: a render inside a render (a fragment of `render_each`) collects its own requests,
+/// and the enclosing render's are as they were when it returns.
 pub(crate) fn collect<T>(f: impl FnOnce() -> T) -> (T, Requests) {
-    COLLECTED.with(|c| c.take());
+    let outer = COLLECTED.with(|c| c.take());
     let out = f();
-    let requests = COLLECTED.with(|c| c.take());
+    let requests = COLLECTED.with(|c| c.replace(outer));
     (out, requests)
+}
+
+/// Adds requests made elsewhere (a reused fragment's), as if made here.
+pub(crate) fn replay(requests: Requests) {
+    if !requests.is_empty() {
+        COLLECTED.with(|c| c.borrow_mut().extend(requests));
+    }
 }
 
 fn error(e: impl std::fmt::Display) -> tera::Error {

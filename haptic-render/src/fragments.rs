@@ -1,0 +1,506 @@
+//! Per-row fragments: `render_each(rows=..., template=..., args=...)` renders a snippet once per
+//! row and keeps each row's output, so that the next render reuses it while the row is the
+//! same (render proportional to the change).
+//!
+//! A loop over ten thousand rows in a template re-runs the engine for every row on every
+//! render, although after one watch event one or two rows differ. `render_each` runs the loop
+//! in Rust instead: for each row it renders the snippet `template` with a context of its own
+//! (`row`, `args` and the `extraContext` keys; `get` and `lookup` work, `resources` and
+//! `derived` are not there), or takes the output that row gave last time. A fragment is a
+//! function of:
+//!
+//! - the row: the same row *value* (derived views keep the rows of resources whose joins did
+//!   not change, so an unchanged resource's row is the very same value; its identity is the
+//!   key, and the cache holds the row so that identity cannot be reused by another value);
+//! - `args` (compared by their text) and the template;
+//! - what the snippet read with `get` / `lookup` (each read is recorded with the identity of
+//!   what it found and checked again before a fragment is reused);
+//! - `refuse()`: a fragment that called it is not reused in an overlay render (whose answer
+//!   depends on the resource under review).
+//!
+//! What the snippet asked for (`record_event`, `set_status`) and the provenance marks it made
+//! (`from`) are kept with its bytes and replayed where it is reused, so a render gives the same
+//! bytes, [`Requests`] and provenance whether its fragments were rendered or reused
+//! (`tests/incremental.rs` checks this against fresh renders over random changes).
+//!
+//! `render_each` must be written as `{{ render_each(...) }}` on its own, not piped through a
+//! filter or captured: its provenance marks are placed where its output is written.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tera::{Context, Kwargs, State, Tera, Value};
+
+use crate::functions::{GET_VAR, INDEX_VAR, REVIEW_VAR};
+use crate::provenance;
+use crate::requests::{self, Requests};
+
+/// One read of a store by `get` / `lookup` inside a fragment, and what it found.
+#[derive(Debug, Clone)]
+pub(crate) struct Read {
+    /// `GET_VAR` or `INDEX_VAR`.
+    var: &'static str,
+    store: String,
+    key: String,
+    /// What was found (kept, so that its identity stays its own); none when nothing was.
+    found: Option<Value>,
+}
+
+/// The identity of a value shared by reference (a map or a list): the address of its
+/// contents. Scalars have none.
+fn identity(value: &Value) -> Option<usize> {
+    if let Some(map) = value.as_map() {
+        return Some(std::ptr::from_ref(map) as usize);
+    }
+    value.as_array().map(|list| list.as_ptr() as usize)
+}
+
+fn same(a: Option<&Value>, b: Option<&Value>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => match (identity(a), identity(b)) {
+            (Some(x), Some(y)) => x == y,
+            (None, None) => a == b,
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
+/// The output of one `render_each` call (a call site: template and args), row by row, laid
+/// out flat so that reusing a run of rows copies contiguous bytes: what the next call with the
+/// same template and args reuses.
+#[derive(Debug)]
+struct CallSite {
+    /// The rows list, kept (with every row in it) so that the identities of the list and of
+    /// its rows are not reused by other values while this lives.
+    _rows: Value,
+    /// The identity of the rows list itself (the whole call is reused when it is the same).
+    list: Option<usize>,
+    /// Row identity -> its place in `rows` (rows without an identity are not indexed).
+    index: HashMap<usize, u32>,
+    /// Every row's bytes, one after the other.
+    bytes: Vec<u8>,
+    /// Row `i`'s bytes are `bytes[ends[i - 1]..ends[i]]`.
+    ends: Vec<usize>,
+    /// Provenance marks (offset from the row's start), with the row each belongs to, in order.
+    marks: Vec<(u32, usize, Value)>,
+    /// What rows asked for (few rows ask anything), by row, in order.
+    requests: Vec<(u32, Requests)>,
+    /// What rows read with `get` / `lookup`, by row, in order.
+    reads: Vec<(u32, Read)>,
+    /// Rows whose snippet called `refuse()`.
+    refused: Vec<u32>,
+    /// The render that last used it.
+    used: AtomicU64,
+}
+
+impl CallSite {
+    fn span(&self, i: usize) -> std::ops::Range<usize> {
+        let start = if i == 0 { 0 } else { self.ends[i - 1] };
+        start..self.ends[i]
+    }
+
+    /// The marks of row `i`.
+    fn of_row_marks(marks: &[(u32, usize, Value)], i: u32) -> &[(u32, usize, Value)] {
+        let from = marks.partition_point(|(row, _, _)| *row < i);
+        let to = marks.partition_point(|(row, _, _)| *row <= i);
+        &marks[from..to]
+    }
+
+    /// The entries of `list` (sorted by row) that belong to row `i`.
+    fn of_row<T>(list: &[(u32, T)], i: u32) -> &[(u32, T)] {
+        let from = list.partition_point(|(row, _)| *row < i);
+        let to = list.partition_point(|(row, _)| *row <= i);
+        &list[from..to]
+    }
+}
+
+/// How many calls with the same template and args are kept.
+const MAX_CALLS_PER_KEY: usize = 8;
+
+/// A call site's key: template and args text.
+type SiteKey = (String, String);
+
+/// The `render_each` outputs of one renderer, kept from one render to the next.
+#[derive(Debug, Default)]
+pub(crate) struct Fragments {
+    /// The last few calls with each key (one template and args may be called on several
+    /// lists in a render), most recently made first.
+    sites: Mutex<HashMap<SiteKey, Vec<Arc<CallSite>>>>,
+    /// Counts renders; a call site no render used for a while is dropped.
+    epoch: AtomicU64,
+    /// Fragments rendered and reused since the last [`Fragments::take_counts`].
+    rendered: AtomicU64,
+    reused: AtomicU64,
+}
+
+impl Fragments {
+    /// Starts a render: its number.
+    pub(crate) fn begin(&self) -> u64 {
+        self.epoch.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// How many fragments were rendered and reused since the last call.
+    pub(crate) fn take_counts(&self) -> (u64, u64) {
+        (
+            self.rendered.swap(0, Ordering::Relaxed),
+            self.reused.swap(0, Ordering::Relaxed),
+        )
+    }
+
+    /// Ends render `epoch`: of each key's calls, keeps those this render made or used (the
+    /// others were on lists that changed since), and drops keys no render used in a while.
+    pub(crate) fn end(&self, epoch: u64) {
+        if let Ok(mut sites) = self.sites.lock() {
+            for calls in sites.values_mut() {
+                let used = |site: &Arc<CallSite>| site.used.load(Ordering::Relaxed) >= epoch;
+                if calls.iter().any(used) {
+                    calls.retain(used);
+                } else {
+                    calls.retain(|site| site.used.load(Ordering::Relaxed) + 8 > epoch);
+                }
+            }
+            sites.retain(|_, calls| !calls.is_empty());
+        }
+    }
+}
+
+/// What `render_each` needs of the render running on this thread.
+#[derive(Clone)]
+pub(crate) struct Active {
+    pub(crate) tera: Arc<Tera>,
+    pub(crate) fragments: Arc<Fragments>,
+    pub(crate) extra: Arc<Vec<(String, Value)>>,
+    pub(crate) epoch: u64,
+    /// Whether fragments rendered now are kept (not in an overlay render).
+    pub(crate) keep: bool,
+}
+
+/// What one fragment being rendered on this thread read and did.
+#[derive(Default)]
+struct Frame {
+    reads: Vec<Read>,
+    refused: bool,
+}
+
+thread_local! {
+    static ACTIVE: RefCell<Option<Active>> = const { RefCell::new(None) };
+    /// The fragments being rendered on this thread, innermost last.
+    static FRAMES: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` (a render on this thread) with `active` as what `render_each` uses.
+pub(crate) fn with_active<T>(active: Active, f: impl FnOnce() -> T) -> T {
+    let previous = ACTIVE.with(|a| a.replace(Some(active)));
+    let out = f();
+    ACTIVE.with(|a| *a.borrow_mut() = previous);
+    out
+}
+
+/// Records a `get` / `lookup` read for the fragments being rendered.
+pub(crate) fn record_read(var: &'static str, store: &str, key: &str, found: Option<&Value>) {
+    FRAMES.with(|frames| {
+        if let Some(frame) = frames.borrow_mut().last_mut() {
+            frame.reads.push(Read {
+                var,
+                store: store.to_owned(),
+                key: key.to_owned(),
+                found: found.cloned(),
+            });
+        }
+    });
+}
+
+/// Records that `refuse()` was called, for the fragments being rendered.
+pub(crate) fn record_refuse() {
+    FRAMES.with(|frames| {
+        if let Some(frame) = frames.borrow_mut().last_mut() {
+            frame.refused = true;
+        }
+    });
+}
+
+/// Whether `reads` find the same things in the render's stores (`stores`: the `GET_VAR` and
+/// `INDEX_VAR` maps of this render).
+fn still_valid(reads: &[Read], stores: &[(&'static str, Option<Value>)]) -> bool {
+    reads.iter().all(|read| {
+        let now = stores
+            .iter()
+            .find(|(var, _)| *var == read.var)
+            .and_then(|(_, v)| v.as_ref())
+            .and_then(Value::as_map)
+            .and_then(|m| m.get(&tera::value::Key::Str(&read.store)))
+            .and_then(Value::as_map)
+            .and_then(|m| m.get(&tera::value::Key::Str(&read.key)));
+        same(now, read.found.as_ref())
+    })
+}
+
+fn error(message: impl std::fmt::Display) -> tera::Error {
+    tera::Error::message(message.to_string())
+}
+
+/// Where an engine error of a snippet points, as text (template, line, cause).
+fn describe(e: &tera::Error, template: &str) -> String {
+    let (template, line, cause) = crate::render::locate(e, template);
+    match line {
+        Some(line) => format!("template `{template}` line {line}: {cause}"),
+        None => format!("template `{template}`: {cause}"),
+    }
+}
+
+/// The function `render_each(rows=<list>, template=<snippet>, args=<any>)`.
+fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
+    let rows_value: Value = kwargs.must_get("rows")?;
+    let template: String = kwargs.must_get("template")?;
+    let args: Value = kwargs.get::<Value>("args")?.unwrap_or_else(Value::none);
+    let Some(active) = ACTIVE.with(|a| a.borrow().clone()) else {
+        return Err(error("render_each: no render is running"));
+    };
+    if rows_value.is_undefined() || rows_value.is_none() {
+        return Ok(String::new());
+    }
+    let Some(rows) = rows_value.as_array() else {
+        return Err(error(format!(
+            "render_each: `rows` must be a list, got {}",
+            rows_value.name()
+        )));
+    };
+    let review: Option<Value> = state.get(REVIEW_VAR)?;
+    let stores: [(&'static str, Option<Value>); 2] = [
+        (GET_VAR, state.get(GET_VAR)?),
+        (INDEX_VAR, state.get(INDEX_VAR)?),
+    ];
+    let key: SiteKey = (template.clone(), args.to_string());
+    let candidates: Vec<Arc<CallSite>> = active
+        .fragments
+        .sites
+        .lock()
+        .ok()
+        .and_then(|sites| sites.get(&key).cloned())
+        .unwrap_or_default();
+    let list = identity(&rows_value);
+    // The call made on the same list last time, else the most recent one.
+    let previous = candidates
+        .iter()
+        .find(|site| site.list.is_some() && site.list == list)
+        .or_else(|| candidates.first())
+        .cloned();
+    let at = provenance::written();
+
+    // Row `i` of the previous call is reusable as it is: what it read finds the same, and it
+    // did not call refuse() or this is no overlay render.
+    let reusable = |site: &CallSite, i: u32| {
+        let reads = CallSite::of_row(&site.reads, i);
+        (review.is_none() || site.refused.binary_search(&i).is_err())
+            && reads
+                .iter()
+                .all(|(_, read)| still_valid(std::slice::from_ref(read), &stores))
+    };
+
+    // The same rows list as last time: everything is reused, if every row still is.
+    if let Some(site) = previous.as_deref()
+        && site.list.is_some()
+        && site.list == identity(&rows_value)
+        && (review.is_none() || site.refused.is_empty())
+        && site
+            .reads
+            .iter()
+            .all(|(_, read)| still_valid(std::slice::from_ref(read), &stores))
+    {
+        site.used.store(active.epoch, Ordering::Relaxed);
+        active
+            .fragments
+            .reused
+            .fetch_add(rows.len() as u64, Ordering::Relaxed);
+        note_enclosing(site.reads.iter().map(|(_, r)| r), !site.refused.is_empty());
+        provenance::replay(
+            site.marks
+                .iter()
+                .map(|(row, offset, value)| {
+                    (at + site.span(*row as usize).start + offset, value.clone())
+                })
+                .collect(),
+        );
+        let mut asked = Requests::default();
+        for (_, requests) in &site.requests {
+            asked.extend(requests.clone());
+        }
+        requests::replay(asked);
+        return String::from_utf8(site.bytes.clone())
+            .map_err(|_| error("render_each: a fragment is not UTF-8"));
+    }
+
+    // The snippet's own context: the row, args, extraContext, the stores for get/lookup.
+    let mut context = Context::new();
+    for (key, value) in active.extra.iter() {
+        context.insert_value(key.clone(), value.clone());
+    }
+    for (var, value) in &stores {
+        if let Some(value) = value {
+            context.insert_value(*var, value.clone());
+        }
+    }
+    if let Some(review) = &review {
+        context.insert_value(REVIEW_VAR, review.clone());
+    }
+    context.insert_value("args", args.clone());
+
+    let mut site = CallSite {
+        _rows: rows_value.clone(),
+        list: identity(&rows_value),
+        index: HashMap::with_capacity(rows.len()),
+        bytes: Vec::with_capacity(
+            previous
+                .as_ref()
+                .map_or(0, |p| p.bytes.len() + p.bytes.len() / 8),
+        ),
+        ends: Vec::with_capacity(rows.len()),
+        marks: Vec::new(),
+        requests: Vec::new(),
+        reads: Vec::new(),
+        refused: Vec::new(),
+        used: AtomicU64::new(active.epoch),
+    };
+    let (mut rendered, mut reused) = (0u64, 0u64);
+    for (i, row) in rows.iter().enumerate() {
+        let place = u32::try_from(i).map_err(|_| error("render_each: too many rows"))?;
+        let id = identity(row);
+        if let Some(id) = id {
+            site.index.insert(id, place);
+        }
+        let before = id.and_then(|id| {
+            candidates.iter().find_map(|p| {
+                let j = *p.index.get(&id)?;
+                reusable(p, j).then_some((p.as_ref(), j))
+            })
+        });
+        let start = site.bytes.len();
+        match before {
+            Some((p, j)) => {
+                reused += 1;
+                site.bytes.extend_from_slice(&p.bytes[p.span(j as usize)]);
+                for (_, offset, value) in CallSite::of_row_marks(&p.marks, j) {
+                    site.marks.push((place, *offset, value.clone()));
+                }
+                for (_, requests) in CallSite::of_row(&p.requests, j) {
+                    site.requests.push((place, requests.clone()));
+                }
+                for (_, read) in CallSite::of_row(&p.reads, j) {
+                    site.reads.push((place, read.clone()));
+                }
+                if p.refused.binary_search(&j).is_ok() {
+                    site.refused.push(place);
+                }
+            }
+            None => {
+                rendered += 1;
+                context.insert_value("row", row.clone());
+                let fragment = render_row(&active, &template, &context, &mut site.bytes)?;
+                for (offset, value) in fragment.marks {
+                    site.marks.push((place, offset - start, value));
+                }
+                if !fragment.requests.is_empty() {
+                    site.requests.push((place, fragment.requests));
+                }
+                site.reads
+                    .extend(fragment.reads.into_iter().map(|read| (place, read)));
+                if fragment.refused {
+                    site.refused.push(place);
+                }
+            }
+        }
+        site.ends.push(site.bytes.len());
+    }
+    active.fragments.reused.fetch_add(reused, Ordering::Relaxed);
+    active
+        .fragments
+        .rendered
+        .fetch_add(rendered, Ordering::Relaxed);
+    note_enclosing(site.reads.iter().map(|(_, r)| r), !site.refused.is_empty());
+    provenance::replay(
+        site.marks
+            .iter()
+            .map(|(row, offset, value)| {
+                (at + site.span(*row as usize).start + offset, value.clone())
+            })
+            .collect(),
+    );
+    let mut asked = Requests::default();
+    for (_, requests) in &site.requests {
+        asked.extend(requests.clone());
+    }
+    requests::replay(asked);
+    let text = String::from_utf8(site.bytes.clone())
+        .map_err(|_| error("render_each: a fragment is not UTF-8"))?;
+    // An overlay render reuses what it can and keeps nothing of its own.
+    if active.keep {
+        if let Ok(mut sites) = active.fragments.sites.lock() {
+            let calls = sites.entry(key).or_default();
+            // This call replaces the one on the same list, or the one it was compared with.
+            let replaced = calls
+                .iter()
+                .position(|c| c.list.is_some() && c.list == site.list);
+            if let Some(i) = replaced {
+                calls.remove(i);
+            }
+            calls.insert(0, Arc::new(site));
+            calls.truncate(MAX_CALLS_PER_KEY);
+        }
+    }
+    Ok(text)
+}
+
+/// Tells the fragment being rendered around this call (if any) what the rows read.
+fn note_enclosing<'a>(reads: impl Iterator<Item = &'a Read>, refused: bool) {
+    FRAMES.with(|frames| {
+        if let Some(frame) = frames.borrow_mut().last_mut() {
+            frame.reads.extend(reads.cloned());
+            frame.refused |= refused;
+        }
+    });
+}
+
+/// What rendering one row gave besides its bytes.
+struct Rendered {
+    /// Marks, at offsets in the whole call's bytes.
+    marks: Vec<(usize, Value)>,
+    requests: Requests,
+    reads: Vec<Read>,
+    refused: bool,
+}
+
+/// Renders one row's fragment, appending its bytes to `bytes`.
+fn render_row(
+    active: &Active,
+    template: &str,
+    context: &Context,
+    bytes: &mut Vec<u8>,
+) -> tera::TeraResult<Rendered> {
+    FRAMES.with(|frames| frames.borrow_mut().push(Frame::default()));
+    let ((rendered, requests), marks) = provenance::collect_from(bytes.len(), || {
+        requests::collect(|| {
+            active
+                .tera
+                .render_to(template, context, provenance::Counting(bytes))
+        })
+    });
+    let frame = FRAMES
+        .with(|frames| frames.borrow_mut().pop())
+        .unwrap_or_default();
+    rendered.map_err(|e| error(format!("render_each: {}", describe(&e, template))))?;
+    Ok(Rendered {
+        marks,
+        requests,
+        reads: frame.reads,
+        refused: frame.refused,
+    })
+}
+
+/// Registers `render_each`.
+pub(crate) fn register(tera: &mut Tera) {
+    tera.register_function("render_each", render_each);
+}

@@ -57,12 +57,41 @@ fn identity(value: &Value) -> Option<usize> {
     value.as_array().map(|list| list.as_ptr() as usize)
 }
 
+/// Whether two values render the same in every template: equal contents of the same kinds,
+/// maps in the same order (tera's own `==` takes `1` and `1.0` for equal, and maps as sets).
+fn identical(a: &Value, b: &Value) -> bool {
+    if let (Some(x), Some(y)) = (identity(a), identity(b))
+        && x == y
+    {
+        return true;
+    }
+    if a.kind() != b.kind() {
+        return false;
+    }
+    if let (Some(a), Some(b)) = (a.as_map(), b.as_map()) {
+        return a.len() == b.len()
+            && a
+                .iter()
+                .zip(b.iter())
+                .all(|((ka, va), (kb, vb))| ka == kb && identical(va, vb));
+    }
+    if let (Some(a), Some(b)) = (a.as_array(), b.as_array()) {
+        return a.len() == b.len() && a.iter().zip(b).all(|(x, y)| identical(x, y));
+    }
+    if let (Some(x), Some(y)) = (a.as_f64(), b.as_f64())
+        && a.kind() == tera::value::ValueKind::F64
+    {
+        return x.to_bits() == y.to_bits();
+    }
+    a == b
+}
+
 fn same(a: Option<&Value>, b: Option<&Value>) -> bool {
     match (a, b) {
         (None, None) => true,
         (Some(a), Some(b)) => match (identity(a), identity(b)) {
             (Some(x), Some(y)) => x == y,
-            (None, None) => a == b,
+            (None, None) => identical(a, b),
             _ => false,
         },
         _ => false,
@@ -76,7 +105,7 @@ fn same(a: Option<&Value>, b: Option<&Value>) -> bool {
 struct CallSite {
     /// The rows list, kept (with every row in it) so that the identities of the list and of
     /// its rows are not reused by other values while this lives.
-    _rows: Value,
+    rows: Value,
     /// The identity of the rows list itself (the whole call is reused when it is the same).
     list: Option<usize>,
     /// Row identity -> its place in `rows` (rows without an identity are not indexed).
@@ -350,7 +379,7 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
     context.insert_value("args", args.clone());
 
     let mut site = CallSite {
-        _rows: rows_value.clone(),
+        rows: rows_value.clone(),
         list: identity(&rows_value),
         index: HashMap::with_capacity(rows.len()),
         bytes: Vec::with_capacity(
@@ -366,18 +395,35 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
         used: AtomicU64::new(active.epoch),
     };
     let (mut rendered, mut reused) = (0u64, 0u64);
+    // Where the next row would be in the previous call, if the lists line up.
+    let mut next_previous: u32 = 0;
     for (i, row) in rows.iter().enumerate() {
         let place = u32::try_from(i).map_err(|_| error("render_each: too many rows"))?;
         let id = identity(row);
         if let Some(id) = id {
             site.index.insert(id, place);
         }
-        let before = id.and_then(|id| {
-            candidates.iter().find_map(|p| {
-                let j = *p.index.get(&id)?;
-                reusable(p, j).then_some((p.as_ref(), j))
+        let before = id
+            .and_then(|id| {
+                candidates.iter().find_map(|p| {
+                    let j = *p.index.get(&id)?;
+                    reusable(p, j).then_some((p.as_ref(), j))
+                })
             })
-        });
+            .or_else(|| {
+                // A row rebuilt with the same contents (a view that copies rows, a contested
+                // route): the row after the last one reused, in the call compared with, when it
+                // is equal (lists keep their order, so that is where an equal row would be).
+                let p = previous.as_deref()?;
+                let j = next_previous;
+                let same = identical(p.rows.as_array()?.get(j as usize)?, row);
+                (same && reusable(p, j)).then_some((p, j))
+            });
+        if let Some((p, j)) = before
+            && previous.as_deref().is_some_and(|q| std::ptr::eq(p, q))
+        {
+            next_previous = j + 1;
+        }
         let start = site.bytes.len();
         match before {
             Some((p, j)) => {

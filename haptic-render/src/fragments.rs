@@ -70,8 +70,7 @@ fn identical(a: &Value, b: &Value) -> bool {
     }
     if let (Some(a), Some(b)) = (a.as_map(), b.as_map()) {
         return a.len() == b.len()
-            && a
-                .iter()
+            && a.iter()
                 .zip(b.iter())
                 .all(|((ka, va), (kb, vb))| ka == kb && identical(va, vb));
     }
@@ -549,4 +548,196 @@ fn render_row(
 /// Registers `render_each`.
 pub(crate) fn register(tera: &mut Tera) {
     tera.register_function("render_each", render_each);
+}
+
+/// The top-level values a template (with the snippets it includes or imports) can read, found
+/// in its source: `derived.<view>` and `resources.<store>`, as `("derived", view)` pairs.
+/// `None` when it might read anything else of the context (the whole `derived` or `resources`
+/// map, an internal variable, an include whose name is not a literal, inheritance): then
+/// nothing is known and nothing is reused on its strength. Comments are not read.
+pub(crate) fn template_reads(
+    name: &str,
+    sources: &[(String, &str)],
+) -> Option<std::collections::BTreeSet<(&'static str, String)>> {
+    let mut reads = std::collections::BTreeSet::new();
+    let mut seen = std::collections::BTreeSet::new();
+    let mut pending = vec![name.to_owned()];
+    while let Some(name) = pending.pop() {
+        if !seen.insert(name.clone()) {
+            continue;
+        }
+        let source = sources.iter().find(|(n, _)| *n == name)?.1;
+        let text = without_comments(source);
+        let words = words(&text);
+        for (i, (word, at)) in words.iter().enumerate() {
+            let after = &text[at + word.len()..];
+            match *word {
+                "derived" | "resources" => {
+                    let kind = if *word == "derived" {
+                        "derived"
+                    } else {
+                        "resources"
+                    };
+                    let field = after.strip_prefix('.')?;
+                    let end = field
+                        .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                        .unwrap_or(field.len());
+                    if end == 0 {
+                        return None;
+                    }
+                    reads.insert((kind, field[..end].to_owned()));
+                }
+                "include" | "import" => {
+                    let literal = after.trim_start();
+                    let quote = literal.chars().next().filter(|c| *c == '"' || *c == '\'')?;
+                    let rest = &literal[1..];
+                    pending.push(rest[..rest.find(quote)?].to_owned());
+                }
+                "extends" | "__tera_context" => return None,
+                w if w.starts_with("__haptic") => return None,
+                _ => {}
+            }
+            let _ = i;
+        }
+    }
+    Some(reads)
+}
+
+/// `source` without `{# ... #}` comments.
+fn without_comments(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(start) = rest.find("{#") {
+        out.push_str(&rest[..start]);
+        match rest[start..].find("#}") {
+            Some(end) => rest = &rest[start + end + 2..],
+            None => return out,
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The identifier-like words of `text` with their byte offsets (a dot before a word makes it
+/// an attribute, not a variable: `x.derived` is not `derived`).
+fn words(text: &str) -> Vec<(&str, usize)> {
+    let mut out = Vec::new();
+    let bytes = text.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        let c = bytes[i];
+        if c.is_ascii_alphabetic() || c == b'_' {
+            let start = i;
+            while i < bytes.len() && (bytes[i].is_ascii_alphanumeric() || bytes[i] == b'_') {
+                i += 1;
+            }
+            if start == 0 || bytes[start - 1] != b'.' {
+                out.push((&text[start..i], start));
+            }
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
+/// What one item of a per-item output rendered, and what it depended on.
+#[derive(Debug)]
+pub(crate) struct ItemOutput {
+    /// The item, kept so that its identity is not reused while this lives.
+    item: Value,
+    /// The values the template can read (see [`template_reads`]), as they were.
+    inputs: Vec<Value>,
+    /// The bytes (blank: no file).
+    pub(crate) bytes: Vec<u8>,
+    pub(crate) requests: Requests,
+    reads: Vec<Read>,
+    refused: bool,
+    used: AtomicU64,
+}
+
+/// The outputs of per-item templates, by output and item identity, kept between renders.
+#[derive(Debug, Default)]
+pub(crate) struct Items {
+    entries: Mutex<HashMap<(usize, usize), Arc<ItemOutput>>>,
+}
+
+impl Items {
+    /// What output `index` gave for `item` last time, if it still holds: the same item, the
+    /// same `inputs`, the same results of its get/lookup reads (`stores`: this render's
+    /// `GET_VAR` and `INDEX_VAR` maps), and no `refuse()` in an overlay render.
+    pub(crate) fn reuse(
+        &self,
+        index: usize,
+        item: &Value,
+        inputs: &[Value],
+        stores: &[(&'static str, Option<Value>)],
+        review: bool,
+        epoch: u64,
+    ) -> Option<Arc<ItemOutput>> {
+        let id = identity(item)?;
+        let entries = self.entries.lock().ok()?;
+        let entry = entries.get(&(index, id))?;
+        let same_inputs = entry.inputs.len() == inputs.len()
+            && entry
+                .inputs
+                .iter()
+                .zip(inputs)
+                .all(|(a, b)| same(Some(a), Some(b)));
+        let usable = identical(&entry.item, item)
+            && same_inputs
+            && (!review || !entry.refused)
+            && still_valid(&entry.reads, stores);
+        usable.then(|| {
+            entry.used.store(epoch, Ordering::Relaxed);
+            Arc::clone(entry)
+        })
+    }
+
+    /// Keeps what output `index` gave for `item`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn keep(
+        &self,
+        index: usize,
+        item: &Value,
+        inputs: Vec<Value>,
+        bytes: Vec<u8>,
+        requests: Requests,
+        (reads, refused): (Vec<Read>, bool),
+        epoch: u64,
+    ) {
+        let Some(id) = identity(item) else { return };
+        if let Ok(mut entries) = self.entries.lock() {
+            entries.insert(
+                (index, id),
+                Arc::new(ItemOutput {
+                    item: item.clone(),
+                    inputs,
+                    bytes,
+                    requests,
+                    reads,
+                    refused,
+                    used: AtomicU64::new(epoch),
+                }),
+            );
+        }
+    }
+
+    /// Drops what render `epoch` did not use.
+    pub(crate) fn end(&self, epoch: u64) {
+        if let Ok(mut entries) = self.entries.lock() {
+            entries.retain(|_, e| e.used.load(Ordering::Relaxed) >= epoch);
+        }
+    }
+}
+
+/// Runs `f` (one item's render) recording what it reads with get/lookup and whether it calls
+/// `refuse()`.
+pub(crate) fn tracking<T>(f: impl FnOnce() -> T) -> (T, (Vec<Read>, bool)) {
+    FRAMES.with(|frames| frames.borrow_mut().push(Frame::default()));
+    let out = f();
+    let frame = FRAMES
+        .with(|frames| frames.borrow_mut().pop())
+        .unwrap_or_default();
+    (out, (frame.reads, frame.refused))
 }

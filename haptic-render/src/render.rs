@@ -10,7 +10,7 @@ use tera::{Context, ErrorKind, Tera, Value};
 use tracing::instrument;
 
 use crate::fileset::FileSet;
-use crate::fragments::{self, Active, Fragments};
+use crate::fragments::{self, Active, Fragments, Items};
 use crate::functions::{self, DERIVED_VAR, GET_VAR, INDEX_VAR, REVIEW_VAR};
 use crate::provenance::{self, Counting, ObjectRef, Provenance};
 use crate::requests::{self, Requests};
@@ -161,6 +161,10 @@ pub struct Renderer {
     extra: Arc<Vec<(String, Value)>>,
     /// The per-row fragments of `render_each`, kept from one render to the next.
     fragments: Arc<Fragments>,
+    /// What each per-item output (by index in `outputs`) can read of the context beyond its
+    /// item (`None`: not known), and what it gave each item last time.
+    item_reads: Vec<Option<Vec<(&'static str, String)>>>,
+    items: Items,
     threads: usize,
     /// How long each single output (by index in `outputs`) took in the last render, in
     /// nanoseconds: the next render starts the longest first (0: not rendered yet).
@@ -242,12 +246,22 @@ impl Renderer {
             .collect();
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
         let costs = outputs.iter().map(|_| AtomicU64::new(0)).collect();
+        let item_reads = outputs
+            .iter()
+            .map(|output| {
+                output.for_each.as_ref()?;
+                fragments::template_reads(&output.template, &sources)
+                    .map(|reads| reads.into_iter().collect())
+            })
+            .collect();
         let sizes = outputs.iter().map(|_| AtomicUsize::new(0)).collect();
         Ok(Self {
             tera: Arc::new(tera),
             outputs,
             extra: Arc::new(extra),
             fragments: Arc::default(),
+            item_reads,
+            items: Items::default(),
             threads,
             costs,
             sizes,
@@ -431,6 +445,27 @@ impl Renderer {
             .into_iter()
             .map(|(index, output)| Job::Single { index, output })
             .collect();
+        // What each per-item output can read beyond its item, as it is in this render.
+        let item_inputs: Vec<Option<Vec<Value>>> = self
+            .item_reads
+            .iter()
+            .map(|reads| {
+                let reads = reads.as_ref()?;
+                Some(
+                    reads
+                        .iter()
+                        .map(|(kind, name)| {
+                            context
+                                .get(kind)
+                                .and_then(Value::as_map)
+                                .and_then(|m| m.get(&tera::value::Key::Str(name)))
+                                .cloned()
+                                .unwrap_or_else(Value::none)
+                        })
+                        .collect(),
+                )
+            })
+            .collect();
         for (index, output, view) in &views {
             let items = view.list.as_array().unwrap_or_default();
             jobs.extend(
@@ -439,6 +474,7 @@ impl Renderer {
                     .enumerate()
                     .map(|(chunk, items)| Job::Items {
                         index: *index,
+                        inputs: item_inputs.get(*index).and_then(Option::as_deref),
                         chunk,
                         output,
                         items,
@@ -457,6 +493,7 @@ impl Renderer {
         let results = self.run_jobs(&jobs, &context, &active);
         if overlay.is_none() {
             self.fragments.end(active.epoch);
+            self.items.end(active.epoch);
         }
         (timings.fragments_rendered, timings.fragments_reused) = self.fragments.take_counts();
         timings.templates = started.elapsed();
@@ -596,6 +633,7 @@ impl Renderer {
             }
             Job::Items {
                 index,
+                inputs,
                 output,
                 items,
                 ..
@@ -607,6 +645,11 @@ impl Renderer {
                 // One context per run of items; `item` is replaced for each.
                 let mut item_context = context.clone();
                 let size = self.sizes.get(*index);
+                let review = context.get(REVIEW_VAR).is_some();
+                let stores = [
+                    (GET_VAR, context.get(GET_VAR).cloned()),
+                    (INDEX_VAR, context.get(INDEX_VAR).cloned()),
+                ];
                 for item in *items {
                     let text_of = |path: &str| {
                         item.get_from_path(path)
@@ -616,18 +659,48 @@ impl Renderer {
                     };
                     let (namespace, name) =
                         (text_of("metadata.namespace"), text_of("metadata.name"));
-                    item_context.insert_value("item", item.clone());
-                    let label = || format!("{} for {namespace}/{name}", output.template);
-                    let capacity = size.map_or(0, |s| s.load(Ordering::Relaxed));
-                    let bytes = self.render_one(
-                        active,
-                        &output.template,
-                        &item_context,
-                        label,
-                        capacity,
-                        &mut asked,
-                        &mut marks,
-                    )?;
+                    // The same item, reading the same views and stores: what it gave last time.
+                    let kept = inputs.and_then(|inputs| {
+                        self.items
+                            .reuse(*index, item, inputs, &stores, review, active.epoch)
+                    });
+                    let bytes = match kept {
+                        Some(kept) => {
+                            asked.extend(kept.requests.clone());
+                            kept.bytes.clone()
+                        }
+                        None => {
+                            item_context.insert_value("item", item.clone());
+                            let label = || format!("{} for {namespace}/{name}", output.template);
+                            let capacity = size.map_or(0, |s| s.load(Ordering::Relaxed));
+                            let mut asked_here = Requests::default();
+                            let (bytes, tracked) = fragments::tracking(|| {
+                                self.render_one(
+                                    active,
+                                    &output.template,
+                                    &item_context,
+                                    label,
+                                    capacity,
+                                    &mut asked_here,
+                                    &mut marks,
+                                )
+                            });
+                            let bytes = bytes?;
+                            if let Some(inputs) = inputs.filter(|_| active.keep) {
+                                self.items.keep(
+                                    *index,
+                                    item,
+                                    inputs.to_vec(),
+                                    bytes.clone(),
+                                    asked_here.clone(),
+                                    tracked,
+                                    active.epoch,
+                                );
+                            }
+                            asked.extend(asked_here);
+                            bytes
+                        }
+                    };
                     // A blank output writes no file.
                     if !std::str::from_utf8(&bytes).is_ok_and(|text| text.trim().is_empty()) {
                         if let Some(size) = size {
@@ -678,6 +751,8 @@ enum Job<'a> {
     Items {
         /// The output's place in the renderer's outputs.
         index: usize,
+        /// What the output can read beyond its item, as it is in this render (none: unknown).
+        inputs: Option<&'a [Value]>,
         /// Which run of `ITEMS_PER_JOB` items.
         chunk: usize,
         output: &'a Output,

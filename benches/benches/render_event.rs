@@ -52,6 +52,26 @@ fn main() {
     let mut stores: Stores = reference::stores().expect("reference stores");
     fixtures.load(&mut stores).expect("load fixtures");
     let full = renderer.render(&stores).expect("renders");
+    // A full render from nothing: a renderer compiled afresh (no fragment kept) over stores
+    // whose views are built.
+    let cold: Vec<Duration> = (0..5)
+        .map(|_| {
+            let fresh = Renderer::compile(&reference::template_set()).expect("compiles");
+            let start = std::time::Instant::now();
+            std::hint::black_box(fresh.render(&stores).expect("renders"));
+            start.elapsed()
+        })
+        .collect();
+    let cold_single: Vec<Duration> = (0..3)
+        .map(|_| {
+            let fresh = Renderer::compile(&reference::template_set())
+                .expect("compiles")
+                .with_threads(1);
+            let start = std::time::Instant::now();
+            std::hint::black_box(fresh.render(&stores).expect("renders"));
+            start.elapsed()
+        })
+        .collect();
     println!(
         "## render after one watch event, {n} Ingresses ({:.2} MB, {} files), load average before: {}",
         full.total_bytes() as f64 / 1e6,
@@ -69,6 +89,24 @@ fn main() {
             start.elapsed()
         })
         .collect();
+    renderer.render(&stores).expect("renders");
+    let no_reuse = Renderer::compile(&reference::template_set())
+        .expect("compiles")
+        .with_reuse(false);
+    let off: Vec<Duration> = (0..5)
+        .map(|_| {
+            let start = std::time::Instant::now();
+            std::hint::black_box(no_reuse.render(&stores).expect("renders"));
+            start.elapsed()
+        })
+        .collect();
+    println!(
+        "- full render, nothing reused (a fresh renderer's first render): {:.2} ms on all cores (median of 5 renders with reuse off; the first render of fresh renderers: {:.2} ms, {:.2} ms on one thread); load {}",
+        ms(median(off)),
+        ms(median(cold)),
+        ms(median(cold_single)),
+        load_average()
+    );
     let t = renderer.last_timings();
     println!(
         "- no change: {:.2} ms (last: refresh {:.2}, templates {:.2} {:?}, checksum {:.2}; fragments rendered {} reused {})",

@@ -205,6 +205,8 @@ pub(crate) struct Active {
     pub(crate) epoch: u64,
     /// Whether fragments rendered now are kept (not in an overlay render).
     pub(crate) keep: bool,
+    /// Whether earlier fragments are reused.
+    pub(crate) reuse: bool,
 }
 
 /// What one fragment being rendered on this thread read and did.
@@ -309,6 +311,7 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
         .lock()
         .ok()
         .and_then(|sites| sites.get(&key).cloned())
+        .filter(|_| active.reuse)
         .unwrap_or_default();
     let list = identity(&rows_value);
     // The call made on the same list last time, else the most recent one.

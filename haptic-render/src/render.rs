@@ -165,6 +165,8 @@ pub struct Renderer {
     /// item (`None`: not known), and what it gave each item last time.
     item_reads: Vec<Option<Vec<(&'static str, String)>>>,
     items: Items,
+    /// Whether renders reuse fragments and per-item outputs ([`Renderer::with_reuse`]).
+    reuse: bool,
     threads: usize,
     /// How long each single output (by index in `outputs`) took in the last render, in
     /// nanoseconds: the next render starts the longest first (0: not rendered yet).
@@ -262,11 +264,21 @@ impl Renderer {
             fragments: Arc::default(),
             item_reads,
             items: Items::default(),
+            reuse: true,
             threads,
             costs,
             sizes,
             timings: Mutex::new(Timings::default()),
         })
+    }
+
+    /// Whether renders reuse what earlier renders gave for the same inputs (default: yes):
+    /// `render_each` rows and per-item outputs. Off, every render renders everything (the
+    /// same bytes, slower): for comparisons and to rule reuse out when looking for a bug.
+    #[must_use]
+    pub fn with_reuse(mut self, reuse: bool) -> Self {
+        self.reuse = reuse;
+        self
     }
 
     /// Renders on at most `threads` threads (at least one; 1 renders on the calling thread).
@@ -474,7 +486,10 @@ impl Renderer {
                     .enumerate()
                     .map(|(chunk, items)| Job::Items {
                         index: *index,
-                        inputs: item_inputs.get(*index).and_then(Option::as_deref),
+                        inputs: item_inputs
+                            .get(*index)
+                            .and_then(Option::as_deref)
+                            .filter(|_| self.reuse),
                         chunk,
                         output,
                         items,
@@ -488,7 +503,8 @@ impl Renderer {
             extra: Arc::clone(&self.extra),
             epoch: self.fragments.begin(),
             // An overlay render reuses fragments but keeps none of its own.
-            keep: overlay.is_none(),
+            keep: overlay.is_none() && self.reuse,
+            reuse: self.reuse,
         };
         let results = self.run_jobs(&jobs, &context, &active);
         if overlay.is_none() {

@@ -207,6 +207,8 @@ pub(crate) struct Active {
     pub(crate) keep: bool,
     /// Whether earlier fragments are reused.
     pub(crate) reuse: bool,
+    /// The templates that have a runner ([`runner_source`]).
+    pub(crate) runners: Arc<std::collections::HashSet<String>>,
 }
 
 /// What one fragment being rendered on this thread read and did.
@@ -399,6 +401,9 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
     let (mut rendered, mut reused) = (0u64, 0u64);
     // Where the next row would be in the previous call, if the lists line up.
     let mut next_previous: u32 = 0;
+    // First what each row reuses, if anything; then the others, rendered in one run.
+    let mut plan: Vec<Option<(&CallSite, u32)>> = Vec::with_capacity(rows.len());
+    let mut missing: Vec<Value> = Vec::new();
     for (i, row) in rows.iter().enumerate() {
         let place = u32::try_from(i).map_err(|_| error("render_each: too many rows"))?;
         let id = identity(row);
@@ -426,6 +431,20 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
         {
             next_previous = j + 1;
         }
+        if before.is_none() {
+            missing.push(row.clone());
+        }
+        plan.push(before);
+    }
+    let (batch, mut fresh) = if missing.is_empty() {
+        (Vec::new(), Vec::new().into_iter())
+    } else {
+        let (batch, outs) = render_rows(&active, &template, &context, missing)?;
+        (batch, outs.into_iter())
+    };
+    let mut batch_start = 0;
+    for (i, before) in plan.into_iter().enumerate() {
+        let place = u32::try_from(i).map_err(|_| error("render_each: too many rows"))?;
         let start = site.bytes.len();
         match before {
             Some((p, j)) => {
@@ -446,21 +465,29 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
             }
             None => {
                 rendered += 1;
-                context.insert_value("row", row.clone());
-                let fragment = render_row(&active, &template, &context, &mut site.bytes)?;
-                for (offset, value) in fragment.marks {
-                    site.marks.push((place, offset - start, value));
+                let out = fresh
+                    .next()
+                    .ok_or_else(|| error("render_each: a row was not rendered"))?;
+                let bytes = batch
+                    .get(batch_start..out.end)
+                    .ok_or_else(|| error("render_each: a row's output is out of bounds"))?;
+                site.bytes.extend_from_slice(bytes);
+                for (offset, value) in out.marks {
+                    site.marks
+                        .push((place, offset.saturating_sub(batch_start), value));
                 }
-                if !fragment.requests.is_empty() {
-                    site.requests.push((place, fragment.requests));
+                batch_start = out.end;
+                if !out.requests.is_empty() {
+                    site.requests.push((place, out.requests));
                 }
                 site.reads
-                    .extend(fragment.reads.into_iter().map(|read| (place, read)));
-                if fragment.refused {
+                    .extend(out.reads.into_iter().map(|read| (place, read)));
+                if out.refused {
                     site.refused.push(place);
                 }
             }
         }
+        let _ = start;
         site.ends.push(site.bytes.len());
     }
     active.fragments.reused.fetch_add(reused, Ordering::Relaxed);
@@ -513,44 +540,129 @@ fn note_enclosing<'a>(reads: impl Iterator<Item = &'a Read>, refused: bool) {
 }
 
 /// What rendering one row gave besides its bytes.
-struct Rendered {
-    /// Marks, at offsets in the whole call's bytes.
+struct RowOut {
+    /// Where the row's bytes end in the run's output.
+    end: usize,
+    /// Marks, at offsets in the run's output.
     marks: Vec<(usize, Value)>,
     requests: Requests,
     reads: Vec<Read>,
     refused: bool,
 }
 
-/// Renders one row's fragment, appending its bytes to `bytes`.
-fn render_row(
+thread_local! {
+    /// The rows rendered so far by each run of rows on this thread (innermost last).
+    static ROW_ENDS: RefCell<Vec<Vec<RowOut>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The engine name of the template that renders snippet `name` once per row of
+/// `__haptic_rows`, calling `__haptic_row_end()` after each.
+pub(crate) fn runner_name(name: &str) -> String {
+    format!("__haptic_each.{name}")
+}
+
+/// The source of [`runner_name`]`(name)`, if `name` can be written in it.
+pub(crate) fn runner_source(name: &str) -> Option<String> {
+    name.chars()
+        .all(|c| c.is_ascii_alphanumeric() || "._-/".contains(c))
+        .then(|| {
+            format!(
+                "{{%- for row in __haptic_rows %}}{{% include \"{name}\" %}}{{{{ __haptic_row_end() }}}}{{% endfor -%}}"
+            )
+        })
+}
+
+/// `__haptic_row_end()`: one row of a run is done; what it wrote, marked, asked and read is
+/// its own.
+fn row_end(_: Kwargs, _: &State) -> tera::TeraResult<String> {
+    let end = provenance::written();
+    let marks = provenance::take_marks();
+    let requests = requests::take();
+    let frame = FRAMES.with(|frames| {
+        let mut frames = frames.borrow_mut();
+        let frame = frames.pop().unwrap_or_default();
+        frames.push(Frame::default());
+        frame
+    });
+    ROW_ENDS.with(|ends| {
+        if let Some(run) = ends.borrow_mut().last_mut() {
+            run.push(RowOut {
+                end,
+                marks,
+                requests,
+                reads: frame.reads,
+                refused: frame.refused,
+            });
+        }
+    });
+    Ok(String::new())
+}
+
+/// Renders snippet `template` for each of `rows` in one run of the engine (its runner
+/// template), or one by one when it has none.
+fn render_rows(
     active: &Active,
     template: &str,
     context: &Context,
-    bytes: &mut Vec<u8>,
-) -> tera::TeraResult<Rendered> {
+    rows: Vec<Value>,
+) -> tera::TeraResult<(Vec<u8>, Vec<RowOut>)> {
+    let count = rows.len();
+    let mut bytes = Vec::new();
+    let mut context = context.clone();
+    let runner = runner_name(template);
+    let one_by_one = !active.runners.contains(template);
+    if one_by_one {
+        let mut outs = Vec::with_capacity(count);
+        for row in rows {
+            context.insert_value("row", row);
+            FRAMES.with(|frames| frames.borrow_mut().push(Frame::default()));
+            let start = bytes.len();
+            let ((rendered, requests), marks) = provenance::collect_from(start, || {
+                requests::collect(|| {
+                    active
+                        .tera
+                        .render_to(template, &context, provenance::Counting(&mut bytes))
+                })
+            });
+            let frame = FRAMES
+                .with(|frames| frames.borrow_mut().pop())
+                .unwrap_or_default();
+            rendered.map_err(|e| error(format!("render_each: {}", describe(&e, template))))?;
+            outs.push(RowOut {
+                end: bytes.len(),
+                marks,
+                requests,
+                reads: frame.reads,
+                refused: frame.refused,
+            });
+        }
+        return Ok((bytes, outs));
+    }
+    context.insert_value("__haptic_rows", Value::from(rows));
     FRAMES.with(|frames| frames.borrow_mut().push(Frame::default()));
-    let ((rendered, requests), marks) = provenance::collect_from(bytes.len(), || {
+    ROW_ENDS.with(|ends| ends.borrow_mut().push(Vec::with_capacity(count)));
+    let ((rendered, _), _) = provenance::collect_from(0, || {
         requests::collect(|| {
             active
                 .tera
-                .render_to(template, context, provenance::Counting(bytes))
+                .render_to(&runner, &context, provenance::Counting(&mut bytes))
         })
     });
-    let frame = FRAMES
-        .with(|frames| frames.borrow_mut().pop())
+    FRAMES.with(|frames| frames.borrow_mut().pop());
+    let outs = ROW_ENDS
+        .with(|ends| ends.borrow_mut().pop())
         .unwrap_or_default();
     rendered.map_err(|e| error(format!("render_each: {}", describe(&e, template))))?;
-    Ok(Rendered {
-        marks,
-        requests,
-        reads: frame.reads,
-        refused: frame.refused,
-    })
+    if outs.len() != count {
+        return Err(error("render_each: a row ended without its mark"));
+    }
+    Ok((bytes, outs))
 }
 
-/// Registers `render_each`.
+/// Registers `render_each` (and the function its runners call).
 pub(crate) fn register(tera: &mut Tera) {
     tera.register_function("render_each", render_each);
+    tera.register_function("__haptic_row_end", row_end);
 }
 
 /// The top-level values a template (with the snippets it includes or imports) can read, found

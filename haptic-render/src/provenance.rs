@@ -215,6 +215,11 @@ pub(crate) fn collect_from<T>(start: usize, f: impl FnOnce() -> T) -> (T, Vec<(u
     (out, marks)
 }
 
+/// Takes the marks made so far on this thread (a row of a run of rows is done).
+pub(crate) fn take_marks() -> Vec<(usize, Value)> {
+    MARKS.with(|m| std::mem::take(&mut *m.borrow_mut()))
+}
+
 /// How many bytes the output rendering on this thread has written so far.
 pub(crate) fn written() -> usize {
     WRITTEN.with(Cell::get)

@@ -165,6 +165,8 @@ pub struct Renderer {
     /// item (`None`: not known), and what it gave each item last time.
     item_reads: Vec<Option<Vec<(&'static str, String)>>>,
     items: Items,
+    /// The templates that have a runner for `render_each`.
+    runners: Arc<std::collections::HashSet<String>>,
     /// Whether renders reuse fragments and per-item outputs ([`Renderer::with_reuse`]).
     reuse: bool,
     threads: usize,
@@ -220,8 +222,25 @@ impl Renderer {
         provenance::register(&mut tera);
         crate::slots::register(&mut tera);
         fragments::register(&mut tera);
+        // Each template gets a runner: it renders the template once per row of a list, for
+        // `render_each` (one run of the engine for all the rows it cannot reuse).
+        let runners: Vec<(String, String, String)> = sources
+            .iter()
+            .filter_map(|(name, _)| {
+                Some((
+                    name.clone(),
+                    fragments::runner_name(name),
+                    fragments::runner_source(name)?,
+                ))
+            })
+            .collect();
         let added = catch_unwind(AssertUnwindSafe(|| {
-            tera.add_raw_templates(sources.iter().map(|(n, s)| (n.as_str(), *s)))
+            tera.add_raw_templates(
+                sources
+                    .iter()
+                    .map(|(n, s)| (n.as_str(), *s))
+                    .chain(runners.iter().map(|(_, n, s)| (n.as_str(), s.as_str()))),
+            )
         }));
         match added {
             Ok(Ok(())) => {}
@@ -263,6 +282,7 @@ impl Renderer {
             extra: Arc::new(extra),
             fragments: Arc::default(),
             item_reads,
+            runners: Arc::new(runners.into_iter().map(|(name, _, _)| name).collect()),
             items: Items::default(),
             reuse: true,
             threads,
@@ -505,6 +525,7 @@ impl Renderer {
             // An overlay render reuses fragments but keeps none of its own.
             keep: overlay.is_none() && self.reuse,
             reuse: self.reuse,
+            runners: Arc::clone(&self.runners),
         };
         let results = self.run_jobs(&jobs, &context, &active);
         if overlay.is_none() {

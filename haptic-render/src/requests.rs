@@ -112,6 +112,11 @@ pub(crate) fn collect<T>(f: impl FnOnce() -> T) -> (T, Requests) {
     (out, requests)
 }
 
+/// Takes what was asked for so far on this thread (a row of a run of rows is done).
+pub(crate) fn take() -> Requests {
+    COLLECTED.with(|c| c.take())
+}
+
 /// Adds requests made elsewhere (a reused fragment's), as if made here.
 pub(crate) fn replay(requests: Requests) {
     if !requests.is_empty() {

@@ -1043,6 +1043,52 @@ mod tests {
     }
 
     #[test]
+    fn render_each_reuses_rows_and_names_errors() {
+        let mut set = TemplateSet {
+            haproxy_config: Template::new(
+                "{{ render_each(rows=resources.services, template=\"row\", args=\"-\") }}",
+            ),
+            ..TemplateSet::default()
+        };
+        set.template_snippets.insert(
+            "row".into(),
+            Template::new(
+                "{{ row.metadata.namespace }}{{ args }}{{ row.metadata.name }}\n\
+                 {% if row.metadata.name == \"bad\" %}{{ fail(message=\"no\") }}{% endif %}",
+            ),
+        );
+        let renderer = Renderer::compile(&set).unwrap();
+        let mut stores = stores();
+        let files = renderer.render(&stores).unwrap();
+        assert_eq!(files.text("haproxy.cfg"), Some("a-api\na-web\nb-web\n"));
+        assert_eq!(renderer.last_timings().fragments_rendered, 3);
+        // One Service changes: one row rendered, two reused, the same bytes as a fresh render.
+        stores
+            .get_mut("services")
+            .unwrap()
+            .apply(&json!({"metadata": {"namespace": "a", "name": "api"}, "spec": {}}))
+            .unwrap();
+        let files = renderer.render(&stores).unwrap();
+        assert_eq!(files.text("haproxy.cfg"), Some("a-api\na-web\nb-web\n"));
+        let timings = renderer.last_timings();
+        assert_eq!(
+            (timings.fragments_rendered, timings.fragments_reused),
+            (1, 2)
+        );
+        stores
+            .get_mut("services")
+            .unwrap()
+            .apply(&json!({"metadata": {"namespace": "c", "name": "bad"}}))
+            .unwrap();
+        let err = renderer.render(&stores).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("render_each: template `row` line 2: template failed: no"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn deep_nesting_is_refused_before_the_engine() {
         let source = format!("{{{{ {}1{} }}}}", "(".repeat(10_000), ")".repeat(10_000));
         let err = compile(&source).unwrap_err();

@@ -512,20 +512,21 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
     let text = String::from_utf8(site.bytes.clone())
         .map_err(|_| error("render_each: a fragment is not UTF-8"))?;
     // An overlay render reuses what it can and keeps nothing of its own.
-    if active.keep {
-        if let Ok(mut sites) = active.fragments.sites.lock() {
-            let calls = sites.entry(key).or_default();
-            // This call replaces the one on the same list, or the one it was compared with.
-            let replaced = calls
-                .iter()
-                .position(|c| c.list.is_some() && c.list == site.list);
-            if let Some(i) = replaced {
-                calls.remove(i);
-            }
-            calls.insert(0, Arc::new(site));
-            calls.truncate(MAX_CALLS_PER_KEY);
+    if active.keep
+        && let Ok(mut sites) = active.fragments.sites.lock()
+    {
+        let calls = sites.entry(key).or_default();
+        // This call replaces the one on the same list (the others age out in `end`).
+        let replaced = calls
+            .iter()
+            .position(|c| c.list.is_some() && c.list == site.list);
+        if let Some(i) = replaced {
+            calls.remove(i);
         }
+        calls.insert(0, Arc::new(site));
+        calls.truncate(MAX_CALLS_PER_KEY);
     }
+
     Ok(text)
 }
 

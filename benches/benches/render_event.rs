@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use haptic_render::fixtures;
-use haptic_render::{Renderer, Stores, Timings, reference};
+use haptic_render::{Change, Renderer, Stores, Timings, reference};
 use serde_json::Value as Json;
 
 fn ms(time: Duration) -> f64 {
@@ -126,6 +126,32 @@ fn main() {
         return;
     }
     let middle = n / 2;
+    // The webhook's render: an Ingress changed, laid over the stores (nothing kept).
+    if let Some(ingress) = fixtures.ingresses.get(middle) {
+        let changed = changed("ingresses", ingress);
+        let overlay = stores
+            .overlay("ingresses", Change::Apply(&changed))
+            .expect("overlay");
+        let time = |renderer: &Renderer| {
+            median(
+                (0..7)
+                    .map(|_| {
+                        let start = std::time::Instant::now();
+                        std::hint::black_box(
+                            renderer.render_overlay(&stores, &overlay).expect("renders"),
+                        );
+                        start.elapsed()
+                    })
+                    .collect(),
+            )
+        };
+        println!(
+            "- overlay render of an Ingress change (the webhook's): {:.2} ms reusing, {:.2} ms with reuse off; load {}",
+            ms(time(&renderer)),
+            ms(time(&no_reuse)),
+            load_average()
+        );
+    }
     let picks = [
         ("ingresses", fixtures.ingresses.get(middle)),
         ("services", fixtures.services.get(middle)),

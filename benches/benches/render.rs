@@ -2,6 +2,9 @@
 //! and 10k Ingresses (time and output MB/s), peak memory of the 10k render, and the same
 //! templates rendered by minijinja as a peer, side by side.
 //!
+//! Every render here is a full one (`with_reuse(false)`); `--bench render_event` measures the
+//! render after one watch event, which reuses what did not change.
+//!
 //! `cargo bench -p haptic-benches --bench render` runs criterion, then prints a summary table
 //! (medians of its own timed runs) with the ratios criterion does not compute.
 
@@ -72,7 +75,11 @@ fn ms(time: Duration) -> f64 {
 
 fn main() {
     let set = reference::template_set();
-    let renderer = Renderer::compile(&set).expect("reference set compiles");
+    // Full renders: nothing reused from the previous render (what a fresh renderer does; the
+    // render after one event, which reuses, is the render_event bench).
+    let renderer = Renderer::compile(&set)
+        .expect("reference set compiles")
+        .with_reuse(false);
     let peer = PeerRenderer::compile(&set).expect("minijinja compiles the reference set");
     let mut cases: Vec<Case> = SIZES.iter().map(|&n| case(n, &renderer, &peer)).collect();
 
@@ -144,7 +151,10 @@ fn summary(
         ms(compile_tera),
         ms(compile_mini)
     );
-    let single = Renderer::compile(set).expect("compiles").with_threads(1);
+    let single = Renderer::compile(set)
+        .expect("compiles")
+        .with_threads(1)
+        .with_reuse(false);
     println!("load average before: {}", load_average());
     println!(
         "| Ingresses | output | tera | tera MB/s | tera, views rebuilt | tera, 1 thread | minijinja (1 thread) | minijinja / tera 1 thread |"

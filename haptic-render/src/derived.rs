@@ -1222,11 +1222,19 @@ fn routed_ports(
             .get(&(namespace, target.service.as_str()))
             .and_then(|(svc, _)| svc.resolve(target));
         if let Some(port) = resolved {
-            let ports = routed
-                .entry(namespace.to_owned())
-                .or_default()
-                .entry(target.service.clone())
-                .or_default();
+            // Most paths route to a port already seen: look up before allocating the keys.
+            if !routed.contains_key(namespace) {
+                routed.insert(namespace.to_owned(), HashMap::new());
+            }
+            let Some(services) = routed.get_mut(namespace) else {
+                return;
+            };
+            if !services.contains_key(target.service.as_str()) {
+                services.insert(target.service.clone(), Vec::new());
+            }
+            let Some(ports) = services.get_mut(target.service.as_str()) else {
+                return;
+            };
             let i = match ports.iter().position(|p| p.number == port.number) {
                 Some(i) => i,
                 None => {

@@ -312,10 +312,14 @@ fn store_lookup(
             known.join(", ")
         )));
     };
-    Ok(entries
+    let found = entries
         .as_map()
         .and_then(|m| m.get(&Key::Str(key)))
-        .cloned())
+        .cloned();
+    // A fragment of `render_each` that read this is reused only while it finds the same.
+    let var = if var == GET_VAR { GET_VAR } else { INDEX_VAR };
+    crate::fragments::record_read(var, store, key, found.as_ref());
+    Ok(found)
 }
 
 /// The `key` argument of `lookup`: a string, or a list of parts joined with `/`.
@@ -392,6 +396,7 @@ pub(crate) fn register(tera: &mut Tera) {
             let field: &str = kwargs.must_get("field")?;
             let value: Value = kwargs.must_get("value")?;
             let reason: &str = kwargs.get("reason")?.unwrap_or(UNSAFE);
+            crate::fragments::record_refuse();
             // Only the resource under review is refused: one already stored, which a watch
             // delivered, is left out by the template as before and blocks nobody.
             let Some(review) = state.get::<Value>(REVIEW_VAR)? else {

@@ -198,12 +198,38 @@ impl Write for Counting<'_> {
 
 /// Runs `f` (one output rendered on this thread into a [`Counting`] writer) and returns the
 /// marks its templates made, as `(offset, [store, namespace, name] or [])`.
+///
+/// Nests: a render inside a render (a fragment of `render_each`) collects its own marks, and
+/// the enclosing render's are as they were when it returns.
 pub(crate) fn collect<T>(f: impl FnOnce() -> T) -> (T, Vec<(usize, Value)>) {
-    WRITTEN.with(|w| w.set(0));
-    MARKS.with(|m| m.borrow_mut().clear());
+    collect_from(0, f)
+}
+
+/// As [`collect`], for a render into a writer that holds `start` bytes already.
+pub(crate) fn collect_from<T>(start: usize, f: impl FnOnce() -> T) -> (T, Vec<(usize, Value)>) {
+    let written = WRITTEN.with(|w| w.replace(start));
+    let outer = MARKS.with(|m| std::mem::take(&mut *m.borrow_mut()));
     let out = f();
-    let marks = MARKS.with(|m| std::mem::take(&mut *m.borrow_mut()));
+    let marks = MARKS.with(|m| std::mem::replace(&mut *m.borrow_mut(), outer));
+    WRITTEN.with(|w| w.set(written));
     (out, marks)
+}
+
+/// Takes the marks made so far on this thread (a row of a run of rows is done).
+pub(crate) fn take_marks() -> Vec<(usize, Value)> {
+    MARKS.with(|m| std::mem::take(&mut *m.borrow_mut()))
+}
+
+/// How many bytes the output rendering on this thread has written so far.
+pub(crate) fn written() -> usize {
+    WRITTEN.with(Cell::get)
+}
+
+/// Adds marks made elsewhere (a reused fragment's, at their offsets in this output).
+pub(crate) fn replay(marks: Vec<(usize, Value)>) {
+    if !marks.is_empty() {
+        MARKS.with(|m| m.borrow_mut().extend(marks));
+    }
 }
 
 /// The object a mark names: `[store, namespace, name]` (or `[store, name]`); none for `[]`.

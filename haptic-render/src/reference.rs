@@ -251,6 +251,18 @@ pub fn template_set() -> TemplateSet {
             include_str!("../templates/snippets/tls-pem.tera"),
         ),
         (
+            "regex-entries",
+            include_str!("../templates/snippets/regex-entries.tera"),
+        ),
+        (
+            "redirect-entries",
+            include_str!("../templates/snippets/redirect-entries.tera"),
+        ),
+        (
+            "cluster-view-rows",
+            include_str!("../templates/snippets/cluster-view-rows.tera"),
+        ),
+        (
             "cluster-view",
             include_str!("../templates/snippets/cluster-view.tera"),
         ),

@@ -2,14 +2,15 @@
 
 use std::collections::BTreeMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use tera::{Context, ErrorKind, Tera, Value};
 use tracing::instrument;
 
 use crate::fileset::FileSet;
+use crate::fragments::{self, Active, Fragments, Items};
 use crate::functions::{self, DERIVED_VAR, GET_VAR, INDEX_VAR, REVIEW_VAR};
 use crate::provenance::{self, Counting, ObjectRef, Provenance};
 use crate::requests::{self, Requests};
@@ -75,7 +76,10 @@ fn at_line(line: Option<usize>) -> String {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Where an engine error points: template name, line, message (with its sources).
-fn locate(error: &tera::Error, fallback_template: &str) -> (String, Option<usize>, String) {
+pub(crate) fn locate(
+    error: &tera::Error,
+    fallback_template: &str,
+) -> (String, Option<usize>, String) {
     let mut cause = match error.kind() {
         ErrorKind::SyntaxError(report) | ErrorKind::RenderingError(report) => {
             let template = if report.filename().is_empty() {
@@ -152,9 +156,19 @@ fn precheck(name: &str, source: &str) -> Result<()> {
 /// Rendering needs `&self` only: one renderer can serve concurrent renders.
 #[derive(Debug)]
 pub struct Renderer {
-    tera: Tera,
+    tera: Arc<Tera>,
     outputs: Vec<Output>,
-    extra: Vec<(String, Value)>,
+    extra: Arc<Vec<(String, Value)>>,
+    /// The per-row fragments of `render_each`, kept from one render to the next.
+    fragments: Arc<Fragments>,
+    /// What each per-item output (by index in `outputs`) can read of the context beyond its
+    /// item (`None`: not known), and what it gave each item last time.
+    item_reads: Vec<Option<Vec<(&'static str, String)>>>,
+    items: Items,
+    /// The templates that have a runner for `render_each`.
+    runners: Arc<std::collections::HashSet<String>>,
+    /// Whether renders reuse fragments and per-item outputs ([`Renderer::with_reuse`]).
+    reuse: bool,
     threads: usize,
     /// How long each single output (by index in `outputs`) took in the last render, in
     /// nanoseconds: the next render starts the longest first (0: not rendered yet).
@@ -162,6 +176,30 @@ pub struct Renderer {
     /// How many bytes each output (by index) wrote in the last render (per-item outputs: the
     /// last non-blank item): the next render's buffer starts that large.
     sizes: Vec<AtomicUsize>,
+    /// Where the last render's time went.
+    timings: Mutex<Timings>,
+}
+
+/// Where one render's time went, phase by phase (what [`Renderer::last_timings`] returns).
+#[derive(Debug, Clone, Default)]
+pub struct Timings {
+    /// Rebuilding the store views and derived views a change made stale.
+    pub refresh: std::time::Duration,
+    /// Assembling the template context.
+    pub context: std::time::Duration,
+    /// Each output's template run, by output path (per-item outputs: their entry, all items
+    /// together, summed over threads), in output order.
+    pub outputs: Vec<(String, std::time::Duration)>,
+    /// Running the jobs, wall clock (outputs in parallel).
+    pub templates: std::time::Duration,
+    /// Putting the files in order, with their requests and provenance.
+    pub assemble: std::time::Duration,
+    /// The sha256 checksum of the set.
+    pub checksum: std::time::Duration,
+    /// Fragments of `render_each` rendered by the engine.
+    pub fragments_rendered: u64,
+    /// Fragments of `render_each` reused from an earlier render.
+    pub fragments_reused: u64,
 }
 
 impl Renderer {
@@ -183,8 +221,26 @@ impl Renderer {
         requests::register(&mut tera);
         provenance::register(&mut tera);
         crate::slots::register(&mut tera);
+        fragments::register(&mut tera);
+        // Each template gets a runner: it renders the template once per row of a list, for
+        // `render_each` (one run of the engine for all the rows it cannot reuse).
+        let runners: Vec<(String, String, String)> = sources
+            .iter()
+            .filter_map(|(name, _)| {
+                Some((
+                    name.clone(),
+                    fragments::runner_name(name),
+                    fragments::runner_source(name)?,
+                ))
+            })
+            .collect();
         let added = catch_unwind(AssertUnwindSafe(|| {
-            tera.add_raw_templates(sources.iter().map(|(n, s)| (n.as_str(), *s)))
+            tera.add_raw_templates(
+                sources
+                    .iter()
+                    .map(|(n, s)| (n.as_str(), *s))
+                    .chain(runners.iter().map(|(_, n, s)| (n.as_str(), s.as_str()))),
+            )
         }));
         match added {
             Ok(Ok(())) => {}
@@ -211,15 +267,38 @@ impl Renderer {
             .collect();
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
         let costs = outputs.iter().map(|_| AtomicU64::new(0)).collect();
+        let item_reads = outputs
+            .iter()
+            .map(|output| {
+                output.for_each.as_ref()?;
+                fragments::template_reads(&output.template, &sources)
+                    .map(|reads| reads.into_iter().collect())
+            })
+            .collect();
         let sizes = outputs.iter().map(|_| AtomicUsize::new(0)).collect();
         Ok(Self {
-            tera,
+            tera: Arc::new(tera),
             outputs,
-            extra,
+            extra: Arc::new(extra),
+            fragments: Arc::default(),
+            item_reads,
+            runners: Arc::new(runners.into_iter().map(|(name, _, _)| name).collect()),
+            items: Items::default(),
+            reuse: true,
             threads,
             costs,
             sizes,
+            timings: Mutex::new(Timings::default()),
         })
+    }
+
+    /// Whether renders reuse what earlier renders gave for the same inputs (default: yes):
+    /// `render_each` rows and per-item outputs. Off, every render renders everything (the
+    /// same bytes, slower): for comparisons and to rule reuse out when looking for a bug.
+    #[must_use]
+    pub fn with_reuse(mut self, reuse: bool) -> Self {
+        self.reuse = reuse;
+        self
     }
 
     /// Renders on at most `threads` threads (at least one; 1 renders on the calling thread).
@@ -237,12 +316,9 @@ impl Renderer {
     /// as the resource under review, which `refuse()` may refuse).
     fn context(&self, stores: &Stores, overlay: Option<&Overlay>) -> Context {
         let mut context = Context::new();
-        for (key, value) in &self.extra {
+        for (key, value) in self.extra.iter() {
             context.insert_value(key.clone(), value.clone());
         }
-        // After a watch event, the changed stores' views and the derived views that read them
-        // are rebuilt here, before any template runs, on the render's threads.
-        stores.refresh(self.threads);
         let views = stores.views(overlay);
         let derived = stores.derived_values_over(overlay);
         if let Some(over) = overlay {
@@ -275,8 +351,10 @@ impl Renderer {
     /// Renders `template` into a buffer of `capacity` bytes to start with (what the same output
     /// took last time: no regrowth, no copies of a multi-megabyte output). `output` names what
     /// was being rendered, for an error.
+    #[allow(clippy::too_many_arguments)]
     fn render_one(
         &self,
+        active: &Active,
         template: &str,
         context: &Context,
         output: impl FnOnce() -> String,
@@ -288,7 +366,9 @@ impl Renderer {
         let ((rendered, asked), marked) = provenance::collect(|| {
             requests::collect(|| {
                 catch_unwind(AssertUnwindSafe(|| {
-                    self.tera.render_to(template, context, Counting(&mut bytes))
+                    fragments::with_active(active.clone(), || {
+                        self.tera.render_to(template, context, Counting(&mut bytes))
+                    })
                 }))
             })
         });
@@ -365,7 +445,15 @@ impl Renderer {
         stores: &Stores,
         overlay: Option<&Overlay>,
     ) -> Result<(FileSet, Requests, Provenance)> {
+        let mut timings = Timings::default();
+        let started = Instant::now();
+        // After a watch event, the changed stores' views and the derived views that read them
+        // are rebuilt here, before any template runs, on the render's threads.
+        stores.refresh(self.threads);
+        timings.refresh = started.elapsed();
+        let started = Instant::now();
         let context = self.context(stores, overlay);
+        timings.context = started.elapsed();
         let mut views = Vec::new();
         for (index, output) in self.outputs.iter().enumerate() {
             if let Some(store_name) = &output.for_each {
@@ -400,6 +488,27 @@ impl Renderer {
             .into_iter()
             .map(|(index, output)| Job::Single { index, output })
             .collect();
+        // What each per-item output can read beyond its item, as it is in this render.
+        let item_inputs: Vec<Option<Vec<Value>>> = self
+            .item_reads
+            .iter()
+            .map(|reads| {
+                let reads = reads.as_ref()?;
+                Some(
+                    reads
+                        .iter()
+                        .map(|(kind, name)| {
+                            context
+                                .get(kind)
+                                .and_then(Value::as_map)
+                                .and_then(|m| m.get(&tera::value::Key::Str(name)))
+                                .cloned()
+                                .unwrap_or_else(Value::none)
+                        })
+                        .collect(),
+                )
+            })
+            .collect();
         for (index, output, view) in &views {
             let items = view.list.as_array().unwrap_or_default();
             jobs.extend(
@@ -408,22 +517,56 @@ impl Renderer {
                     .enumerate()
                     .map(|(chunk, items)| Job::Items {
                         index: *index,
+                        inputs: item_inputs
+                            .get(*index)
+                            .and_then(Option::as_deref)
+                            .filter(|_| self.reuse),
                         chunk,
                         output,
                         items,
                     }),
             );
         }
-        let results = self.run_jobs(&jobs, &context);
+        let started = Instant::now();
+        let active = Active {
+            tera: Arc::clone(&self.tera),
+            fragments: Arc::clone(&self.fragments),
+            extra: Arc::clone(&self.extra),
+            epoch: self.fragments.begin(),
+            // An overlay render reuses fragments but keeps none of its own.
+            keep: overlay.is_none() && self.reuse,
+            reuse: self.reuse,
+            runners: Arc::clone(&self.runners),
+        };
+        let results = self.run_jobs(&jobs, &context, &active);
+        if overlay.is_none() {
+            self.fragments.end(active.epoch);
+            self.items.end(active.epoch);
+        }
+        (timings.fragments_rendered, timings.fragments_reused) = self.fragments.take_counts();
+        timings.templates = started.elapsed();
+        let started = Instant::now();
         // Back in output order, so that the error reported is the same whatever the job order.
         let mut results: Vec<((usize, usize), Result<Rendered>)> =
             jobs.iter().map(Job::place).zip(results).collect();
         results.sort_by_key(|(place, _)| *place);
+        let mut spent: Vec<std::time::Duration> = vec![Default::default(); self.outputs.len()];
+        for ((index, _), result) in &results {
+            if let (Ok((_, _, took)), Some(spent)) = (result, spent.get_mut(*index)) {
+                *spent += *took;
+            }
+        }
+        timings.outputs = self
+            .outputs
+            .iter()
+            .zip(spent)
+            .map(|(o, t)| (o.path.clone(), t))
+            .collect();
         let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
         let mut asked = Requests::default();
         let mut origins = Provenance::default();
         for (_, result) in results {
-            let (rendered, asked_here) = result?;
+            let (rendered, asked_here, _) = result?;
             asked.extend(asked_here);
             for (path, bytes, origin) in rendered {
                 match origin {
@@ -435,14 +578,34 @@ impl Renderer {
                 }
             }
         }
-        Ok((FileSet::new(files), asked, origins))
+        timings.assemble = started.elapsed();
+        let started = Instant::now();
+        let files = FileSet::new(files);
+        timings.checksum = started.elapsed();
+        if let Ok(mut last) = self.timings.lock() {
+            *last = timings;
+        }
+        Ok((files, asked, origins))
+    }
+
+    /// Where the last render's time went, phase by phase.
+    pub fn last_timings(&self) -> Timings {
+        self.timings.lock().map(|t| t.clone()).unwrap_or_default()
     }
 
     /// Runs the jobs on up to `self.threads` threads; results come back in job order.
-    fn run_jobs(&self, jobs: &[Job<'_>], context: &Context) -> Vec<Result<Rendered>> {
+    fn run_jobs(
+        &self,
+        jobs: &[Job<'_>],
+        context: &Context,
+        active: &Active,
+    ) -> Vec<Result<Rendered>> {
         let threads = self.threads.clamp(1, jobs.len().max(1));
         if threads == 1 {
-            return jobs.iter().map(|job| self.run_job(job, context)).collect();
+            return jobs
+                .iter()
+                .map(|job| self.run_job(job, context, active))
+                .collect();
         }
         let next = AtomicUsize::new(0);
         let slots: Vec<Mutex<Option<Result<Rendered>>>> =
@@ -453,7 +616,7 @@ impl Renderer {
                     loop {
                         let index = next.fetch_add(1, Ordering::Relaxed);
                         let Some(job) = jobs.get(index) else { break };
-                        let result = self.run_job(job, context);
+                        let result = self.run_job(job, context, active);
                         if let Ok(mut slot) = slots[index].lock() {
                             *slot = Some(result);
                         }
@@ -476,7 +639,18 @@ impl Renderer {
             .collect()
     }
 
-    fn run_job(&self, job: &Job<'_>, context: &Context) -> Result<Rendered> {
+    fn run_job(&self, job: &Job<'_>, context: &Context, active: &Active) -> Result<Rendered> {
+        let started = Instant::now();
+        let (files, asked) = self.run_job_untimed(job, context, active)?;
+        Ok((files, asked, started.elapsed()))
+    }
+
+    fn run_job_untimed(
+        &self,
+        job: &Job<'_>,
+        context: &Context,
+        active: &Active,
+    ) -> Result<Produced> {
         match job {
             Job::Single { index, output } => {
                 let started = Instant::now();
@@ -485,6 +659,7 @@ impl Renderer {
                 let mut asked = Requests::default();
                 let mut marks = Vec::new();
                 let bytes = self.render_one(
+                    active,
                     &output.template,
                     context,
                     || output.path.clone(),
@@ -506,6 +681,7 @@ impl Renderer {
             }
             Job::Items {
                 index,
+                inputs,
                 output,
                 items,
                 ..
@@ -517,6 +693,11 @@ impl Renderer {
                 // One context per run of items; `item` is replaced for each.
                 let mut item_context = context.clone();
                 let size = self.sizes.get(*index);
+                let review = context.get(REVIEW_VAR).is_some();
+                let stores = [
+                    (GET_VAR, context.get(GET_VAR).cloned()),
+                    (INDEX_VAR, context.get(INDEX_VAR).cloned()),
+                ];
                 for item in *items {
                     let text_of = |path: &str| {
                         item.get_from_path(path)
@@ -526,17 +707,48 @@ impl Renderer {
                     };
                     let (namespace, name) =
                         (text_of("metadata.namespace"), text_of("metadata.name"));
-                    item_context.insert_value("item", item.clone());
-                    let label = || format!("{} for {namespace}/{name}", output.template);
-                    let capacity = size.map_or(0, |s| s.load(Ordering::Relaxed));
-                    let bytes = self.render_one(
-                        &output.template,
-                        &item_context,
-                        label,
-                        capacity,
-                        &mut asked,
-                        &mut marks,
-                    )?;
+                    // The same item, reading the same views and stores: what it gave last time.
+                    let kept = inputs.and_then(|inputs| {
+                        self.items
+                            .reuse(*index, item, inputs, &stores, review, active.epoch)
+                    });
+                    let bytes = match kept {
+                        Some(kept) => {
+                            asked.extend(kept.requests.clone());
+                            kept.bytes.clone()
+                        }
+                        None => {
+                            item_context.insert_value("item", item.clone());
+                            let label = || format!("{} for {namespace}/{name}", output.template);
+                            let capacity = size.map_or(0, |s| s.load(Ordering::Relaxed));
+                            let mut asked_here = Requests::default();
+                            let (bytes, tracked) = fragments::tracking(|| {
+                                self.render_one(
+                                    active,
+                                    &output.template,
+                                    &item_context,
+                                    label,
+                                    capacity,
+                                    &mut asked_here,
+                                    &mut marks,
+                                )
+                            });
+                            let bytes = bytes?;
+                            if let Some(inputs) = inputs.filter(|_| active.keep) {
+                                self.items.keep(
+                                    *index,
+                                    item,
+                                    inputs.to_vec(),
+                                    bytes.clone(),
+                                    asked_here.clone(),
+                                    tracked,
+                                    active.epoch,
+                                );
+                            }
+                            asked.extend(asked_here);
+                            bytes
+                        }
+                    };
                     // A blank output writes no file.
                     if !std::str::from_utf8(&bytes).is_ok_and(|text| text.trim().is_empty()) {
                         if let Some(size) = size {
@@ -559,7 +771,14 @@ impl Renderer {
 
 /// What one job produced: paths, bytes and where they came from, and what its templates
 /// asked for.
-type Rendered = (Vec<(String, Vec<u8>, Origin)>, Requests);
+type Produced = (Vec<(String, Vec<u8>, Origin)>, Requests);
+
+/// What one job produced, and how long it took.
+type Rendered = (
+    Vec<(String, Vec<u8>, Origin)>,
+    Requests,
+    std::time::Duration,
+);
 
 /// Where one rendered file came from.
 enum Origin {
@@ -580,6 +799,8 @@ enum Job<'a> {
     Items {
         /// The output's place in the renderer's outputs.
         index: usize,
+        /// What the output can read beyond its item, as it is in this render (none: unknown).
+        inputs: Option<&'a [Value]>,
         /// Which run of `ITEMS_PER_JOB` items.
         chunk: usize,
         output: &'a Output,
@@ -830,6 +1051,52 @@ mod tests {
             .render(&stores())
             .unwrap_err();
         assert!(matches!(err, Error::UnknownStore { .. }), "{err}");
+    }
+
+    #[test]
+    fn render_each_reuses_rows_and_names_errors() {
+        let mut set = TemplateSet {
+            haproxy_config: Template::new(
+                "{{ render_each(rows=resources.services, template=\"row\", args=\"-\") }}",
+            ),
+            ..TemplateSet::default()
+        };
+        set.template_snippets.insert(
+            "row".into(),
+            Template::new(
+                "{{ row.metadata.namespace }}{{ args }}{{ row.metadata.name }}\n\
+                 {% if row.metadata.name == \"bad\" %}{{ fail(message=\"no\") }}{% endif %}",
+            ),
+        );
+        let renderer = Renderer::compile(&set).unwrap();
+        let mut stores = stores();
+        let files = renderer.render(&stores).unwrap();
+        assert_eq!(files.text("haproxy.cfg"), Some("a-api\na-web\nb-web\n"));
+        assert_eq!(renderer.last_timings().fragments_rendered, 3);
+        // One Service changes: one row rendered, two reused, the same bytes as a fresh render.
+        stores
+            .get_mut("services")
+            .unwrap()
+            .apply(&json!({"metadata": {"namespace": "a", "name": "api"}, "spec": {}}))
+            .unwrap();
+        let files = renderer.render(&stores).unwrap();
+        assert_eq!(files.text("haproxy.cfg"), Some("a-api\na-web\nb-web\n"));
+        let timings = renderer.last_timings();
+        assert_eq!(
+            (timings.fragments_rendered, timings.fragments_reused),
+            (1, 2)
+        );
+        stores
+            .get_mut("services")
+            .unwrap()
+            .apply(&json!({"metadata": {"namespace": "c", "name": "bad"}}))
+            .unwrap();
+        let err = renderer.render(&stores).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("render_each: template `row` line 2: template failed: no"),
+            "{err}"
+        );
     }
 
     #[test]

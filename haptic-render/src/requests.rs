@@ -131,11 +131,38 @@ thread_local! {
 }
 
 /// Runs `f` (one template render on this thread) and returns what its templates asked for.
+///
+/// Nests: a render inside a render (a fragment of `render_each`) collects its own requests,
+/// and the enclosing render's are as they were when it returns.
 pub(crate) fn collect<T>(f: impl FnOnce() -> T) -> (T, Requests) {
-    COLLECTED.with(|c| c.take());
+    let outer = COLLECTED.with(|c| c.take());
     let out = f();
-    let (requests, _) = COLLECTED.with(|c| c.take());
+    let (requests, _) = COLLECTED.with(|c| c.replace(outer));
     (out, requests)
+}
+
+/// Takes what was asked for so far on this thread (a row of a run of rows is done).
+pub(crate) fn take() -> Requests {
+    COLLECTED.with(|c| c.take().0)
+}
+
+/// Adds requests made elsewhere (a reused fragment's), as if made here.
+pub(crate) fn replay(requests: Requests) {
+    if requests.is_empty() {
+        return;
+    }
+    COLLECTED.with(|c| {
+        let (collected, index) = &mut *c.borrow_mut();
+        for event in requests.events {
+            if !collected.events.contains(&event) {
+                collected.events.push(event);
+            }
+        }
+        // Through this thread's index: a replay per reused row must not rebuild one.
+        for status in requests.statuses {
+            put_status(&mut collected.statuses, index, status);
+        }
+    });
 }
 
 fn error(e: impl std::fmt::Display) -> tera::Error {

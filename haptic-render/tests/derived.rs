@@ -40,6 +40,24 @@ fn raw_renderer() -> &'static Renderer {
             set.template_snippets
                 .insert(name.into(), Template::new(source));
         }
+        // The raw snippets loop over the resources themselves: the maps include them once (the
+        // reference maps render their per-row snippets with render_each).
+        for (map, source) in [
+            (
+                "routes-exact.map",
+                "{%- set route_exact = true %}{% include \"route-entries\" %}\n",
+            ),
+            (
+                "routes-prefix.map",
+                "{%- set route_exact = false %}{% include \"route-entries\" %}\n",
+            ),
+            (
+                "certs.list",
+                "{%- include \"tls-entries\" %}\n{%- include \"gateway-crt-list\" %}\n",
+            ),
+        ] {
+            set.maps.insert(map.into(), Template::new(source));
+        }
         Renderer::compile(&set).unwrap()
     })
 }

@@ -1,0 +1,859 @@
+//! Per-row fragments: `render_each(rows=..., template=..., args=...)` renders a snippet once per
+//! row and keeps each row's output, so that the next render reuses it while the row is the
+//! same (render proportional to the change).
+//!
+//! A loop over ten thousand rows in a template re-runs the engine for every row on every
+//! render, although after one watch event one or two rows differ. `render_each` runs the loop
+//! in Rust instead: for each row it renders the snippet `template` with a context of its own
+//! (`row`, `args` and the `extraContext` keys; `get` and `lookup` work, `resources` and
+//! `derived` are not there), or takes the output that row gave last time. A fragment is a
+//! function of:
+//!
+//! - the row: the same row *value* (derived views keep the rows of resources whose joins did
+//!   not change, so an unchanged resource's row is the very same value; its identity is the
+//!   key, and the cache holds the row so that identity cannot be reused by another value);
+//! - `args` (compared by their text) and the template;
+//! - what the snippet read with `get` / `lookup` (each read is recorded with the identity of
+//!   what it found and checked again before a fragment is reused);
+//! - `refuse()`: a fragment that called it is not reused in an overlay render (whose answer
+//!   depends on the resource under review).
+//!
+//! What the snippet asked for (`record_event`, `set_status`) and the provenance marks it made
+//! (`from`) are kept with its bytes and replayed where it is reused, so a render gives the same
+//! bytes, [`Requests`] and provenance whether its fragments were rendered or reused
+//! (`tests/incremental.rs` checks this against fresh renders over random changes).
+//!
+//! `render_each` must be written as `{{ render_each(...) }}` on its own, not piped through a
+//! filter or captured: its provenance marks are placed where its output is written.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tera::{Context, Kwargs, State, Tera, Value};
+
+use crate::functions::{GET_VAR, INDEX_VAR, REVIEW_VAR};
+use crate::provenance;
+use crate::requests::{self, Requests};
+
+/// One read of a store by `get` / `lookup` inside a fragment, and what it found.
+#[derive(Debug, Clone)]
+pub(crate) struct Read {
+    /// `GET_VAR` or `INDEX_VAR`.
+    var: &'static str,
+    store: String,
+    key: String,
+    /// What was found (kept, so that its identity stays its own); none when nothing was.
+    found: Option<Value>,
+}
+
+/// The identity of a value shared by reference (a map or a list): the address of its
+/// contents. Scalars have none.
+fn identity(value: &Value) -> Option<usize> {
+    if let Some(map) = value.as_map() {
+        return Some(std::ptr::from_ref(map) as usize);
+    }
+    value.as_array().map(|list| list.as_ptr() as usize)
+}
+
+/// Whether two values render the same in every template: equal contents of the same kinds,
+/// maps in the same order (tera's own `==` takes `1` and `1.0` for equal, and maps as sets).
+fn identical(a: &Value, b: &Value) -> bool {
+    if let (Some(x), Some(y)) = (identity(a), identity(b))
+        && x == y
+    {
+        return true;
+    }
+    if a.kind() != b.kind() {
+        return false;
+    }
+    if let (Some(a), Some(b)) = (a.as_map(), b.as_map()) {
+        return a.len() == b.len()
+            && a.iter()
+                .zip(b.iter())
+                .all(|((ka, va), (kb, vb))| ka == kb && identical(va, vb));
+    }
+    if let (Some(a), Some(b)) = (a.as_array(), b.as_array()) {
+        return a.len() == b.len() && a.iter().zip(b).all(|(x, y)| identical(x, y));
+    }
+    if let (Some(x), Some(y)) = (a.as_f64(), b.as_f64())
+        && a.kind() == tera::value::ValueKind::F64
+    {
+        return x.to_bits() == y.to_bits();
+    }
+    a == b
+}
+
+fn same(a: Option<&Value>, b: Option<&Value>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => match (identity(a), identity(b)) {
+            (Some(x), Some(y)) => x == y,
+            (None, None) => identical(a, b),
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
+/// The output of one `render_each` call (a call site: template and args), row by row, laid
+/// out flat so that reusing a run of rows copies contiguous bytes: what the next call with the
+/// same template and args reuses.
+#[derive(Debug)]
+struct CallSite {
+    /// The rows list, kept (with every row in it) so that the identities of the list and of
+    /// its rows are not reused by other values while this lives.
+    rows: Value,
+    /// The identity of the rows list itself (the whole call is reused when it is the same).
+    list: Option<usize>,
+    /// Row identity -> its place in `rows` (rows without an identity are not indexed).
+    index: HashMap<usize, u32>,
+    /// Every row's bytes, one after the other.
+    bytes: Vec<u8>,
+    /// Row `i`'s bytes are `bytes[ends[i - 1]..ends[i]]`.
+    ends: Vec<usize>,
+    /// Provenance marks (offset from the row's start), with the row each belongs to, in order.
+    marks: Vec<(u32, usize, Value)>,
+    /// What rows asked for (few rows ask anything), by row, in order.
+    requests: Vec<(u32, Requests)>,
+    /// What rows read with `get` / `lookup`, by row, in order.
+    reads: Vec<(u32, Read)>,
+    /// Rows whose snippet called `refuse()`.
+    refused: Vec<u32>,
+    /// The render that last used it.
+    used: AtomicU64,
+}
+
+impl CallSite {
+    fn span(&self, i: usize) -> std::ops::Range<usize> {
+        let start = if i == 0 { 0 } else { self.ends[i - 1] };
+        start..self.ends[i]
+    }
+
+    /// The marks of row `i`.
+    fn of_row_marks(marks: &[(u32, usize, Value)], i: u32) -> &[(u32, usize, Value)] {
+        let from = marks.partition_point(|(row, _, _)| *row < i);
+        let to = marks.partition_point(|(row, _, _)| *row <= i);
+        &marks[from..to]
+    }
+
+    /// The entries of `list` (sorted by row) that belong to row `i`.
+    fn of_row<T>(list: &[(u32, T)], i: u32) -> &[(u32, T)] {
+        let from = list.partition_point(|(row, _)| *row < i);
+        let to = list.partition_point(|(row, _)| *row <= i);
+        &list[from..to]
+    }
+}
+
+/// How many calls with the same template and args are kept.
+const MAX_CALLS_PER_KEY: usize = 8;
+
+/// A call site's key: template and args text.
+type SiteKey = (String, String);
+
+/// The `render_each` outputs of one renderer, kept from one render to the next.
+#[derive(Debug, Default)]
+pub(crate) struct Fragments {
+    /// The last few calls with each key (one template and args may be called on several
+    /// lists in a render), most recently made first.
+    sites: Mutex<HashMap<SiteKey, Vec<Arc<CallSite>>>>,
+    /// Counts renders; a call site no render used for a while is dropped.
+    epoch: AtomicU64,
+    /// Fragments rendered and reused since the last [`Fragments::take_counts`].
+    rendered: AtomicU64,
+    reused: AtomicU64,
+}
+
+impl Fragments {
+    /// Starts a render: its number.
+    pub(crate) fn begin(&self) -> u64 {
+        self.epoch.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// How many fragments were rendered and reused since the last call.
+    pub(crate) fn take_counts(&self) -> (u64, u64) {
+        (
+            self.rendered.swap(0, Ordering::Relaxed),
+            self.reused.swap(0, Ordering::Relaxed),
+        )
+    }
+
+    /// Ends render `epoch`: of each key's calls, keeps those this render made or used (the
+    /// others were on lists that changed since), and drops keys no render used in a while.
+    pub(crate) fn end(&self, epoch: u64) {
+        if let Ok(mut sites) = self.sites.lock() {
+            for calls in sites.values_mut() {
+                let used = |site: &Arc<CallSite>| site.used.load(Ordering::Relaxed) >= epoch;
+                if calls.iter().any(used) {
+                    calls.retain(used);
+                } else {
+                    calls.retain(|site| site.used.load(Ordering::Relaxed) + 8 > epoch);
+                }
+            }
+            sites.retain(|_, calls| !calls.is_empty());
+        }
+    }
+}
+
+/// What `render_each` needs of the render running on this thread.
+#[derive(Clone)]
+pub(crate) struct Active {
+    pub(crate) tera: Arc<Tera>,
+    pub(crate) fragments: Arc<Fragments>,
+    pub(crate) extra: Arc<Vec<(String, Value)>>,
+    pub(crate) epoch: u64,
+    /// Whether fragments rendered now are kept (not in an overlay render).
+    pub(crate) keep: bool,
+    /// Whether earlier fragments are reused.
+    pub(crate) reuse: bool,
+    /// The templates that have a runner ([`runner_source`]).
+    pub(crate) runners: Arc<std::collections::HashSet<String>>,
+}
+
+/// What one fragment being rendered on this thread read and did.
+#[derive(Default)]
+struct Frame {
+    reads: Vec<Read>,
+    refused: bool,
+}
+
+thread_local! {
+    static ACTIVE: RefCell<Option<Active>> = const { RefCell::new(None) };
+    /// The fragments being rendered on this thread, innermost last.
+    static FRAMES: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` (a render on this thread) with `active` as what `render_each` uses.
+pub(crate) fn with_active<T>(active: Active, f: impl FnOnce() -> T) -> T {
+    let previous = ACTIVE.with(|a| a.replace(Some(active)));
+    let out = f();
+    ACTIVE.with(|a| *a.borrow_mut() = previous);
+    out
+}
+
+/// Records a `get` / `lookup` read for the fragments being rendered.
+pub(crate) fn record_read(var: &'static str, store: &str, key: &str, found: Option<&Value>) {
+    FRAMES.with(|frames| {
+        if let Some(frame) = frames.borrow_mut().last_mut() {
+            frame.reads.push(Read {
+                var,
+                store: store.to_owned(),
+                key: key.to_owned(),
+                found: found.cloned(),
+            });
+        }
+    });
+}
+
+/// Records that `refuse()` was called, for the fragments being rendered.
+pub(crate) fn record_refuse() {
+    FRAMES.with(|frames| {
+        if let Some(frame) = frames.borrow_mut().last_mut() {
+            frame.refused = true;
+        }
+    });
+}
+
+/// Whether `reads` find the same things in the render's stores (`stores`: the `GET_VAR` and
+/// `INDEX_VAR` maps of this render).
+fn still_valid(reads: &[Read], stores: &[(&'static str, Option<Value>)]) -> bool {
+    reads.iter().all(|read| {
+        let now = stores
+            .iter()
+            .find(|(var, _)| *var == read.var)
+            .and_then(|(_, v)| v.as_ref())
+            .and_then(Value::as_map)
+            .and_then(|m| m.get(&tera::value::Key::Str(&read.store)))
+            .and_then(Value::as_map)
+            .and_then(|m| m.get(&tera::value::Key::Str(&read.key)));
+        same(now, read.found.as_ref())
+    })
+}
+
+fn error(message: impl std::fmt::Display) -> tera::Error {
+    tera::Error::message(message.to_string())
+}
+
+/// Where an engine error of a snippet points, as text (template, line, cause).
+fn describe(e: &tera::Error, template: &str) -> String {
+    let (template, line, cause) = crate::render::locate(e, template);
+    match line {
+        Some(line) => format!("template `{template}` line {line}: {cause}"),
+        None => format!("template `{template}`: {cause}"),
+    }
+}
+
+/// The function `render_each(rows=<list>, template=<snippet>, args=<any>)`.
+fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
+    let rows_value: Value = kwargs.must_get("rows")?;
+    let template: String = kwargs.must_get("template")?;
+    let args: Value = kwargs.get::<Value>("args")?.unwrap_or_else(Value::none);
+    let Some(active) = ACTIVE.with(|a| a.borrow().clone()) else {
+        return Err(error("render_each: no render is running"));
+    };
+    if rows_value.is_undefined() || rows_value.is_none() {
+        return Ok(String::new());
+    }
+    let Some(rows) = rows_value.as_array() else {
+        return Err(error(format!(
+            "render_each: `rows` must be a list, got {}",
+            rows_value.name()
+        )));
+    };
+    let review: Option<Value> = state.get(REVIEW_VAR)?;
+    let stores: [(&'static str, Option<Value>); 2] = [
+        (GET_VAR, state.get(GET_VAR)?),
+        (INDEX_VAR, state.get(INDEX_VAR)?),
+    ];
+    let key: SiteKey = (template.clone(), args.to_string());
+    let candidates: Vec<Arc<CallSite>> = active
+        .fragments
+        .sites
+        .lock()
+        .ok()
+        .and_then(|sites| sites.get(&key).cloned())
+        .filter(|_| active.reuse)
+        .unwrap_or_default();
+    let list = identity(&rows_value);
+    // The call made on the same list last time, else the most recent one.
+    let previous = candidates
+        .iter()
+        .find(|site| site.list.is_some() && site.list == list)
+        .or_else(|| candidates.first())
+        .cloned();
+    let at = provenance::written();
+
+    // Row `i` of the previous call is reusable as it is: what it read finds the same, and it
+    // did not call refuse() or this is no overlay render.
+    let reusable = |site: &CallSite, i: u32| {
+        let reads = CallSite::of_row(&site.reads, i);
+        (review.is_none() || site.refused.binary_search(&i).is_err())
+            && reads
+                .iter()
+                .all(|(_, read)| still_valid(std::slice::from_ref(read), &stores))
+    };
+
+    // The same rows list as last time: everything is reused, if every row still is.
+    if let Some(site) = previous.as_deref()
+        && site.list.is_some()
+        && site.list == identity(&rows_value)
+        && (review.is_none() || site.refused.is_empty())
+        && site
+            .reads
+            .iter()
+            .all(|(_, read)| still_valid(std::slice::from_ref(read), &stores))
+    {
+        site.used.store(active.epoch, Ordering::Relaxed);
+        active
+            .fragments
+            .reused
+            .fetch_add(rows.len() as u64, Ordering::Relaxed);
+        note_enclosing(site.reads.iter().map(|(_, r)| r), !site.refused.is_empty());
+        provenance::replay(
+            site.marks
+                .iter()
+                .map(|(row, offset, value)| {
+                    (at + site.span(*row as usize).start + offset, value.clone())
+                })
+                .collect(),
+        );
+        let mut asked = Requests::default();
+        for (_, requests) in &site.requests {
+            asked.extend(requests.clone());
+        }
+        requests::replay(asked);
+        return String::from_utf8(site.bytes.clone())
+            .map_err(|_| error("render_each: a fragment is not UTF-8"));
+    }
+
+    // The snippet's own context: the row, args, extraContext, the stores for get/lookup.
+    let mut context = Context::new();
+    for (key, value) in active.extra.iter() {
+        context.insert_value(key.clone(), value.clone());
+    }
+    for (var, value) in &stores {
+        if let Some(value) = value {
+            context.insert_value(*var, value.clone());
+        }
+    }
+    if let Some(review) = &review {
+        context.insert_value(REVIEW_VAR, review.clone());
+    }
+    context.insert_value("args", args.clone());
+
+    let mut site = CallSite {
+        rows: rows_value.clone(),
+        list: identity(&rows_value),
+        index: HashMap::with_capacity(rows.len()),
+        bytes: Vec::with_capacity(
+            previous
+                .as_ref()
+                .map_or(0, |p| p.bytes.len() + p.bytes.len() / 8),
+        ),
+        ends: Vec::with_capacity(rows.len()),
+        marks: Vec::new(),
+        requests: Vec::new(),
+        reads: Vec::new(),
+        refused: Vec::new(),
+        used: AtomicU64::new(active.epoch),
+    };
+    let (mut rendered, mut reused) = (0u64, 0u64);
+    // Where the next row would be in the previous call, if the lists line up.
+    let mut next_previous: u32 = 0;
+    // First what each row reuses, if anything; then the others, rendered in one run.
+    let mut plan: Vec<Option<(&CallSite, u32)>> = Vec::with_capacity(rows.len());
+    let mut missing: Vec<Value> = Vec::new();
+    for (i, row) in rows.iter().enumerate() {
+        let place = u32::try_from(i).map_err(|_| error("render_each: too many rows"))?;
+        let id = identity(row);
+        if let Some(id) = id {
+            site.index.insert(id, place);
+        }
+        let before = id
+            .and_then(|id| {
+                candidates.iter().find_map(|p| {
+                    let j = *p.index.get(&id)?;
+                    reusable(p, j).then_some((p.as_ref(), j))
+                })
+            })
+            .or_else(|| {
+                // A row rebuilt with the same contents (a view that copies rows, a contested
+                // route): the row after the last one reused, in the call compared with, when it
+                // is equal (lists keep their order, so that is where an equal row would be).
+                let p = previous.as_deref()?;
+                let j = next_previous;
+                let same = identical(p.rows.as_array()?.get(j as usize)?, row);
+                (same && reusable(p, j)).then_some((p, j))
+            });
+        if let Some((p, j)) = before
+            && previous.as_deref().is_some_and(|q| std::ptr::eq(p, q))
+        {
+            next_previous = j + 1;
+        }
+        if before.is_none() {
+            missing.push(row.clone());
+        }
+        plan.push(before);
+    }
+    let (batch, mut fresh) = if missing.is_empty() {
+        (Vec::new(), Vec::new().into_iter())
+    } else {
+        let (batch, outs) = render_rows(&active, &template, &context, missing)?;
+        (batch, outs.into_iter())
+    };
+    let mut batch_start = 0;
+    for (i, before) in plan.into_iter().enumerate() {
+        let place = u32::try_from(i).map_err(|_| error("render_each: too many rows"))?;
+        let start = site.bytes.len();
+        match before {
+            Some((p, j)) => {
+                reused += 1;
+                site.bytes.extend_from_slice(&p.bytes[p.span(j as usize)]);
+                for (_, offset, value) in CallSite::of_row_marks(&p.marks, j) {
+                    site.marks.push((place, *offset, value.clone()));
+                }
+                for (_, requests) in CallSite::of_row(&p.requests, j) {
+                    site.requests.push((place, requests.clone()));
+                }
+                for (_, read) in CallSite::of_row(&p.reads, j) {
+                    site.reads.push((place, read.clone()));
+                }
+                if p.refused.binary_search(&j).is_ok() {
+                    site.refused.push(place);
+                }
+            }
+            None => {
+                rendered += 1;
+                let out = fresh
+                    .next()
+                    .ok_or_else(|| error("render_each: a row was not rendered"))?;
+                let bytes = batch
+                    .get(batch_start..out.end)
+                    .ok_or_else(|| error("render_each: a row's output is out of bounds"))?;
+                site.bytes.extend_from_slice(bytes);
+                for (offset, value) in out.marks {
+                    site.marks
+                        .push((place, offset.saturating_sub(batch_start), value));
+                }
+                batch_start = out.end;
+                if !out.requests.is_empty() {
+                    site.requests.push((place, out.requests));
+                }
+                site.reads
+                    .extend(out.reads.into_iter().map(|read| (place, read)));
+                if out.refused {
+                    site.refused.push(place);
+                }
+            }
+        }
+        let _ = start;
+        site.ends.push(site.bytes.len());
+    }
+    active.fragments.reused.fetch_add(reused, Ordering::Relaxed);
+    active
+        .fragments
+        .rendered
+        .fetch_add(rendered, Ordering::Relaxed);
+    note_enclosing(site.reads.iter().map(|(_, r)| r), !site.refused.is_empty());
+    provenance::replay(
+        site.marks
+            .iter()
+            .map(|(row, offset, value)| {
+                (at + site.span(*row as usize).start + offset, value.clone())
+            })
+            .collect(),
+    );
+    let mut asked = Requests::default();
+    for (_, requests) in &site.requests {
+        asked.extend(requests.clone());
+    }
+    requests::replay(asked);
+    let text = String::from_utf8(site.bytes.clone())
+        .map_err(|_| error("render_each: a fragment is not UTF-8"))?;
+    // An overlay render reuses what it can and keeps nothing of its own.
+    if active.keep
+        && let Ok(mut sites) = active.fragments.sites.lock()
+    {
+        let calls = sites.entry(key).or_default();
+        // This call replaces the one on the same list (the others age out in `end`).
+        let replaced = calls
+            .iter()
+            .position(|c| c.list.is_some() && c.list == site.list);
+        if let Some(i) = replaced {
+            calls.remove(i);
+        }
+        calls.insert(0, Arc::new(site));
+        calls.truncate(MAX_CALLS_PER_KEY);
+    }
+
+    Ok(text)
+}
+
+/// Tells the fragment being rendered around this call (if any) what the rows read.
+fn note_enclosing<'a>(reads: impl Iterator<Item = &'a Read>, refused: bool) {
+    FRAMES.with(|frames| {
+        if let Some(frame) = frames.borrow_mut().last_mut() {
+            frame.reads.extend(reads.cloned());
+            frame.refused |= refused;
+        }
+    });
+}
+
+/// What rendering one row gave besides its bytes.
+struct RowOut {
+    /// Where the row's bytes end in the run's output.
+    end: usize,
+    /// Marks, at offsets in the run's output.
+    marks: Vec<(usize, Value)>,
+    requests: Requests,
+    reads: Vec<Read>,
+    refused: bool,
+}
+
+thread_local! {
+    /// The rows rendered so far by each run of rows on this thread (innermost last).
+    static ROW_ENDS: RefCell<Vec<Vec<RowOut>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The engine name of the template that renders snippet `name` once per row of
+/// `__haptic_rows`, calling `__haptic_row_end()` after each.
+pub(crate) fn runner_name(name: &str) -> String {
+    format!("__haptic_each.{name}")
+}
+
+/// The source of [`runner_name`]`(name)`, if `name` can be written in it.
+pub(crate) fn runner_source(name: &str) -> Option<String> {
+    name.chars()
+        .all(|c| c.is_ascii_alphanumeric() || "._-/".contains(c))
+        .then(|| {
+            format!(
+                "{{%- for row in __haptic_rows %}}{{% include \"{name}\" %}}{{{{ __haptic_row_end() }}}}{{% endfor -%}}"
+            )
+        })
+}
+
+/// `__haptic_row_end()`: one row of a run is done; what it wrote, marked, asked and read is
+/// its own.
+fn row_end(_: Kwargs, _: &State) -> tera::TeraResult<String> {
+    let end = provenance::written();
+    let marks = provenance::take_marks();
+    let requests = requests::take();
+    let frame = FRAMES.with(|frames| {
+        let mut frames = frames.borrow_mut();
+        let frame = frames.pop().unwrap_or_default();
+        frames.push(Frame::default());
+        frame
+    });
+    ROW_ENDS.with(|ends| {
+        if let Some(run) = ends.borrow_mut().last_mut() {
+            run.push(RowOut {
+                end,
+                marks,
+                requests,
+                reads: frame.reads,
+                refused: frame.refused,
+            });
+        }
+    });
+    Ok(String::new())
+}
+
+/// Renders snippet `template` for each of `rows` in one run of the engine (its runner
+/// template), or one by one when it has none.
+fn render_rows(
+    active: &Active,
+    template: &str,
+    context: &Context,
+    rows: Vec<Value>,
+) -> tera::TeraResult<(Vec<u8>, Vec<RowOut>)> {
+    let count = rows.len();
+    let mut bytes = Vec::new();
+    let mut context = context.clone();
+    let runner = runner_name(template);
+    let one_by_one = !active.runners.contains(template);
+    if one_by_one {
+        let mut outs = Vec::with_capacity(count);
+        for row in rows {
+            context.insert_value("row", row);
+            FRAMES.with(|frames| frames.borrow_mut().push(Frame::default()));
+            let start = bytes.len();
+            let ((rendered, requests), marks) = provenance::collect_from(start, || {
+                requests::collect(|| {
+                    active
+                        .tera
+                        .render_to(template, &context, provenance::Counting(&mut bytes))
+                })
+            });
+            let frame = FRAMES
+                .with(|frames| frames.borrow_mut().pop())
+                .unwrap_or_default();
+            rendered.map_err(|e| error(format!("render_each: {}", describe(&e, template))))?;
+            outs.push(RowOut {
+                end: bytes.len(),
+                marks,
+                requests,
+                reads: frame.reads,
+                refused: frame.refused,
+            });
+        }
+        return Ok((bytes, outs));
+    }
+    context.insert_value("__haptic_rows", Value::from(rows));
+    FRAMES.with(|frames| frames.borrow_mut().push(Frame::default()));
+    ROW_ENDS.with(|ends| ends.borrow_mut().push(Vec::with_capacity(count)));
+    let ((rendered, _), _) = provenance::collect_from(0, || {
+        requests::collect(|| {
+            active
+                .tera
+                .render_to(&runner, &context, provenance::Counting(&mut bytes))
+        })
+    });
+    FRAMES.with(|frames| frames.borrow_mut().pop());
+    let outs = ROW_ENDS
+        .with(|ends| ends.borrow_mut().pop())
+        .unwrap_or_default();
+    rendered.map_err(|e| error(format!("render_each: {}", describe(&e, template))))?;
+    if outs.len() != count {
+        return Err(error("render_each: a row ended without its mark"));
+    }
+    Ok((bytes, outs))
+}
+
+/// Registers `render_each` (and the function its runners call).
+pub(crate) fn register(tera: &mut Tera) {
+    tera.register_function("render_each", render_each);
+    tera.register_function("__haptic_row_end", row_end);
+}
+
+/// The top-level values a template (with the snippets it includes or imports) can read, found
+/// in its source: `derived.<view>` and `resources.<store>`, as `("derived", view)` pairs.
+/// `None` when it might read anything else of the context (the whole `derived` or `resources`
+/// map, an internal variable, an include whose name is not a literal, inheritance): then
+/// nothing is known and nothing is reused on its strength. Comments are not read.
+pub(crate) fn template_reads(
+    name: &str,
+    sources: &[(String, &str)],
+) -> Option<std::collections::BTreeSet<(&'static str, String)>> {
+    let mut reads = std::collections::BTreeSet::new();
+    let mut seen = std::collections::BTreeSet::new();
+    let mut pending = vec![name.to_owned()];
+    while let Some(name) = pending.pop() {
+        if !seen.insert(name.clone()) {
+            continue;
+        }
+        let source = sources.iter().find(|(n, _)| *n == name)?.1;
+        let text = without_comments(source);
+        let words = words(&text);
+        for (i, (word, at)) in words.iter().enumerate() {
+            let after = &text[at + word.len()..];
+            match *word {
+                "derived" | "resources" => {
+                    let kind = if *word == "derived" {
+                        "derived"
+                    } else {
+                        "resources"
+                    };
+                    let field = after.strip_prefix('.')?;
+                    let end = field
+                        .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                        .unwrap_or(field.len());
+                    if end == 0 {
+                        return None;
+                    }
+                    reads.insert((kind, field[..end].to_owned()));
+                }
+                "include" | "import" => {
+                    let literal = after.trim_start();
+                    let quote = literal.chars().next().filter(|c| *c == '"' || *c == '\'')?;
+                    let rest = &literal[1..];
+                    pending.push(rest[..rest.find(quote)?].to_owned());
+                }
+                "extends" | "__tera_context" => return None,
+                w if w.starts_with("__haptic") => return None,
+                _ => {}
+            }
+            let _ = i;
+        }
+    }
+    Some(reads)
+}
+
+/// `source` without `{# ... #}` comments.
+fn without_comments(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(start) = rest.find("{#") {
+        out.push_str(&rest[..start]);
+        match rest[start..].find("#}") {
+            Some(end) => rest = &rest[start + end + 2..],
+            None => return out,
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The identifier-like words of `text` with their byte offsets (a dot before a word makes it
+/// an attribute, not a variable: `x.derived` is not `derived`).
+fn words(text: &str) -> Vec<(&str, usize)> {
+    let mut out = Vec::new();
+    let bytes = text.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        let c = bytes[i];
+        if c.is_ascii_alphabetic() || c == b'_' {
+            let start = i;
+            while i < bytes.len() && (bytes[i].is_ascii_alphanumeric() || bytes[i] == b'_') {
+                i += 1;
+            }
+            if start == 0 || bytes[start - 1] != b'.' {
+                out.push((&text[start..i], start));
+            }
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
+/// What one item of a per-item output rendered, and what it depended on.
+#[derive(Debug)]
+pub(crate) struct ItemOutput {
+    /// The item, kept so that its identity is not reused while this lives.
+    item: Value,
+    /// The values the template can read (see [`template_reads`]), as they were.
+    inputs: Vec<Value>,
+    /// The bytes (blank: no file).
+    pub(crate) bytes: Vec<u8>,
+    pub(crate) requests: Requests,
+    reads: Vec<Read>,
+    refused: bool,
+    used: AtomicU64,
+}
+
+/// The outputs of per-item templates, by output and item identity, kept between renders.
+#[derive(Debug, Default)]
+pub(crate) struct Items {
+    entries: Mutex<HashMap<(usize, usize), Arc<ItemOutput>>>,
+}
+
+impl Items {
+    /// What output `index` gave for `item` last time, if it still holds: the same item, the
+    /// same `inputs`, the same results of its get/lookup reads (`stores`: this render's
+    /// `GET_VAR` and `INDEX_VAR` maps), and no `refuse()` in an overlay render.
+    pub(crate) fn reuse(
+        &self,
+        index: usize,
+        item: &Value,
+        inputs: &[Value],
+        stores: &[(&'static str, Option<Value>)],
+        review: bool,
+        epoch: u64,
+    ) -> Option<Arc<ItemOutput>> {
+        let id = identity(item)?;
+        let entries = self.entries.lock().ok()?;
+        let entry = entries.get(&(index, id))?;
+        let same_inputs = entry.inputs.len() == inputs.len()
+            && entry
+                .inputs
+                .iter()
+                .zip(inputs)
+                .all(|(a, b)| same(Some(a), Some(b)));
+        let usable = identical(&entry.item, item)
+            && same_inputs
+            && (!review || !entry.refused)
+            && still_valid(&entry.reads, stores);
+        usable.then(|| {
+            entry.used.store(epoch, Ordering::Relaxed);
+            Arc::clone(entry)
+        })
+    }
+
+    /// Keeps what output `index` gave for `item`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn keep(
+        &self,
+        index: usize,
+        item: &Value,
+        inputs: Vec<Value>,
+        bytes: Vec<u8>,
+        requests: Requests,
+        (reads, refused): (Vec<Read>, bool),
+        epoch: u64,
+    ) {
+        let Some(id) = identity(item) else { return };
+        if let Ok(mut entries) = self.entries.lock() {
+            entries.insert(
+                (index, id),
+                Arc::new(ItemOutput {
+                    item: item.clone(),
+                    inputs,
+                    bytes,
+                    requests,
+                    reads,
+                    refused,
+                    used: AtomicU64::new(epoch),
+                }),
+            );
+        }
+    }
+
+    /// Drops what render `epoch` did not use.
+    pub(crate) fn end(&self, epoch: u64) {
+        if let Ok(mut entries) = self.entries.lock() {
+            entries.retain(|_, e| e.used.load(Ordering::Relaxed) >= epoch);
+        }
+    }
+}
+
+/// Runs `f` (one item's render) recording what it reads with get/lookup and whether it calls
+/// `refuse()`.
+pub(crate) fn tracking<T>(f: impl FnOnce() -> T) -> (T, (Vec<Read>, bool)) {
+    FRAMES.with(|frames| frames.borrow_mut().push(Frame::default()));
+    let out = f();
+    let frame = FRAMES
+        .with(|frames| frames.borrow_mut().pop())
+        .unwrap_or_default();
+    (out, (frame.reads, frame.refused))
+}

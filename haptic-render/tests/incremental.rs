@@ -1,0 +1,224 @@
+//! A render proportional to the change gives what a fresh render gives: over random sequences of
+//! store changes, a renderer kept from one render to the next (reusing `render_each` fragments
+//! and derived rows) gives the same bytes, checksum, Requests (Events and status) and provenance
+//! (the object of every line) as a renderer compiled afresh rendering the same stores. An
+//! overlay render in between (the webhook's) changes nothing of this, and gives what a fresh
+//! render of the stores with the change gives.
+
+#![allow(clippy::unwrap_used)]
+
+use haptic_render::{Change, FileSet, Provenance, Renderer, Requests, Stores, fixtures, reference};
+use proptest::prelude::*;
+use serde_json::{Value as Json, json};
+
+const N: usize = 10;
+
+fn template_set() -> haptic_render::TemplateSet {
+    let mut set = reference::template_set();
+    // The HAProxy Service whose address becomes every Ingress's status.loadBalancer.
+    set.extra_context
+        .get_mut("haproxy")
+        .unwrap()
+        .as_object_mut()
+        .unwrap()
+        .insert("service".into(), json!("haptic-system/haproxy"));
+    set
+}
+
+fn haproxy_service(ip: &str) -> Json {
+    json!({"apiVersion": "v1", "kind": "Service",
+        "metadata": {"namespace": "haptic-system", "name": "haproxy"},
+        "spec": {"ports": [{"name": "http", "port": 80}]},
+        "status": {"loadBalancer": {"ingress": [{"ip": ip}]}}})
+}
+
+/// One change to the stores.
+#[derive(Debug, Clone)]
+enum Step {
+    /// Apply a variant of fixture resource `i` of a store.
+    Apply(&'static str, usize, u8),
+    /// Remove fixture resource `i` of a store.
+    Remove(&'static str, usize),
+    /// Lay the change over the stores and render the overlay (nothing is kept).
+    Overlay(&'static str, usize, u8),
+}
+
+fn arb_step() -> impl Strategy<Value = Step> {
+    let store = prop_oneof![
+        Just("ingresses"),
+        Just("services"),
+        Just("endpointslices"),
+        Just("secrets"),
+        Just("ingressclasses"),
+    ];
+    (0..3u8, store, 0..N, 0..8u8).prop_map(|(kind, store, i, variant)| match kind {
+        0 => Step::Remove(store, i),
+        1 => Step::Overlay(store, i, variant),
+        _ => Step::Apply(store, i, variant),
+    })
+}
+
+/// Variant `v` of a fixture resource: as generated, or changed in a way the views see.
+fn variant(store: &str, resource: &Json, v: u8, fixtures: &fixtures::Fixtures) -> Json {
+    let mut r = resource.clone();
+    match (store, v) {
+        (_, 0) => {}
+        ("ingresses", 1) => {
+            // Claims the first Ingress's host and paths: a conflict one of them loses.
+            let first = &fixtures.ingresses[0];
+            r["spec"]["rules"][0]["host"] = first["spec"]["rules"][0]["host"].clone();
+        }
+        ("ingresses", 2) => {
+            r["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["name"] =
+                json!("missing");
+        }
+        ("ingresses", 3) => {
+            r["spec"]["tls"] = json!([{"hosts": ["x.example.com"], "secretName": "absent"}]);
+        }
+        ("ingresses", 4) => r["spec"]["ingressClassName"] = json!("other"),
+        ("ingresses", 5) => r["spec"]["rules"][0]["host"] = json!("bad host"),
+        ("ingresses", 6) => {
+            r["metadata"]["annotations"] =
+                json!({"nginx.ingress.kubernetes.io/configuration-snippet": "deny all;"});
+        }
+        ("services", 1) => r["spec"]["ports"][0]["port"] = json!(81),
+        ("services", 2) => {
+            r["spec"] = json!({"type": "ExternalName", "externalName": "example.com"});
+        }
+        ("endpointslices", 1) => r["endpoints"][0]["conditions"]["ready"] = json!(false),
+        ("endpointslices", 2) => {
+            r["endpoints"]
+                .as_array_mut()
+                .unwrap()
+                .push(json!({"addresses": ["10.99.0.1"], "conditions": {"ready": true}}));
+        }
+        ("secrets", 1) => {
+            // The key of another pair: a certificate whose key does not match.
+            r["data"]["tls.key"] = json!("bm90IGEga2V5");
+        }
+        ("ingressclasses", 1) => {
+            r["metadata"]["annotations"] = json!({});
+        }
+        _ => {
+            r["metadata"]["labels"] = json!({"variant": v.to_string()});
+        }
+    }
+    r
+}
+
+fn resources<'a>(fixtures: &'a fixtures::Fixtures, store: &str) -> &'a [Json] {
+    match store {
+        "ingresses" => &fixtures.ingresses,
+        "services" => &fixtures.services,
+        "endpointslices" => &fixtures.endpoint_slices,
+        "secrets" => &fixtures.secrets,
+        "ingressclasses" => &fixtures.ingress_classes,
+        _ => &[],
+    }
+}
+
+fn key(resource: &Json) -> (String, String) {
+    let text = |k: &str| resource["metadata"][k].as_str().unwrap_or("").to_owned();
+    (text("namespace"), text("name"))
+}
+
+/// The object of every line of every file.
+fn lines(files: &FileSet, provenance: &Provenance) -> Vec<String> {
+    let mut out = Vec::new();
+    for (path, bytes) in files.iter() {
+        let count = bytes.iter().filter(|b| **b == b'\n').count() + 1;
+        for line in 1..=count {
+            out.push(format!(
+                "{path}:{line} {:?}",
+                provenance.object_at(files, path, line)
+            ));
+        }
+    }
+    out
+}
+
+fn fresh(stores: &Stores) -> (FileSet, Requests, Provenance) {
+    Renderer::compile(&template_set())
+        .unwrap()
+        .render_traced(stores)
+        .unwrap()
+}
+
+fn same(
+    what: &str,
+    got: &(FileSet, Requests, Provenance),
+    want: &(FileSet, Requests, Provenance),
+) -> Result<(), TestCaseError> {
+    for (path, bytes) in want.0.iter() {
+        prop_assert_eq!(
+            got.0.text(path),
+            std::str::from_utf8(bytes).ok(),
+            "{}: {} differs",
+            what,
+            path
+        );
+    }
+    prop_assert_eq!(got.0.checksum(), want.0.checksum(), "{}: checksum", what);
+    prop_assert_eq!(&got.1, &want.1, "{}: requests", what);
+    prop_assert_eq!(
+        lines(&got.0, &got.2),
+        lines(&want.0, &want.2),
+        "{}: provenance",
+        what
+    );
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn incremental_renders_equal_fresh_renders(steps in prop::collection::vec(arb_step(), 1..12)) {
+        let fixtures = fixtures::generate(N);
+        let mut stores = reference::stores().unwrap();
+        fixtures.load(&mut stores).unwrap();
+        stores.get_mut("services").unwrap().apply(&haproxy_service("192.0.2.1")).unwrap();
+        let kept = Renderer::compile(&template_set()).unwrap();
+        same("first render", &kept.render_traced(&stores).unwrap(), &fresh(&stores))?;
+        // Unchanged stores: every fragment is reused (the comparisons below are not of two
+        // full renders).
+        same("again", &kept.render_traced(&stores).unwrap(), &fresh(&stores))?;
+        prop_assert_eq!(kept.last_timings().fragments_rendered, 0);
+        let (_, requests, _) = kept.render_traced(&stores).unwrap();
+        prop_assert!(!requests.statuses.is_empty(), "the status is asked for");
+        prop_assert!(kept.last_timings().fragments_reused > 0);
+        for (n, step) in steps.iter().enumerate() {
+            match step {
+                Step::Apply(store, i, v) | Step::Overlay(store, i, v) => {
+                    let all = resources(&fixtures, store);
+                    let Some(resource) = all.get(i % all.len().max(1)) else { continue };
+                    let changed = variant(store, resource, *v, &fixtures);
+                    if let Step::Overlay(..) = step {
+                        let overlay = stores.overlay(store, Change::Apply(&changed)).unwrap();
+                        let got = kept.render_overlay(&stores, &overlay);
+                        let mut copy = stores.clone();
+                        copy.get_mut(store).unwrap().apply(&changed).unwrap();
+                        // The overlay's resource is under review: a refused field fails its
+                        // render (and only its); otherwise it renders what the copy renders.
+                        if let Ok(files) = got {
+                            let want = fresh(&copy);
+                            prop_assert_eq!(files.checksum(), want.0.checksum(), "step {}: overlay {:?}", n, step);
+                        }
+                    } else {
+                        stores.get_mut(store).unwrap().apply(&changed).unwrap();
+                    }
+                }
+                Step::Remove(store, i) => {
+                    let all = resources(&fixtures, store);
+                    let Some(resource) = all.get(i % all.len().max(1)) else { continue };
+                    let (namespace, name) = key(resource);
+                    stores.get_mut(store).unwrap().remove(&namespace, &name);
+                }
+            }
+            same(&format!("step {n}: {step:?}"), &kept.render_traced(&stores).unwrap(), &fresh(&stores))?;
+        }
+        // The HAProxy Service's address moves: every Ingress's status follows.
+        stores.get_mut("services").unwrap().apply(&haproxy_service("192.0.2.2")).unwrap();
+        same("status", &kept.render_traced(&stores).unwrap(), &fresh(&stores))?;
+    }
+}

@@ -386,6 +386,33 @@ fn register(env: &mut Environment<'static>) {
             })
         },
     );
+    // haptic-render's render_each, without its reuse: the snippet once per row, with `row` and
+    // `args` beside what the calling template sees.
+    env.add_function(
+        "render_each",
+        |state: &State, kwargs: Kwargs| -> Result<String> {
+            let rows: Value = kwargs.get("rows")?;
+            let template: String = kwargs.get("template")?;
+            let args: Option<Value> = kwargs.get("args")?;
+            kwargs.assert_all_used()?;
+            if rows.is_undefined() || rows.is_none() {
+                return Ok(String::new());
+            }
+            let mut context: BTreeMap<String, Value> = state
+                .known_variables()
+                .iter()
+                .filter_map(|name| state.lookup(name).map(|v| (name.to_string(), v)))
+                .collect();
+            context.insert("args".into(), args.unwrap_or_else(|| Value::from(())));
+            let snippet = state.env().get_template(&template)?;
+            let mut out = String::new();
+            for row in rows.try_iter()? {
+                context.insert("row".into(), row);
+                out.push_str(&snippet.render(Value::from(context.clone()))?);
+            }
+            Ok(out)
+        },
+    );
     env.add_function("ssl_file", |kwargs: Kwargs| -> Result<String> {
         let namespace: String = kwargs.get("namespace")?;
         let name: String = kwargs.get("name")?;

@@ -267,11 +267,20 @@ async fn a_new_leader_claims_the_agents_without_resending_their_set() {
         agent
             .await_route("shop.example", "/", (200, "backend b"))
             .await;
-        let entries = journal_above(agent, epoch).await;
-        let change = entries
-            .iter()
-            .find(|entry| entry["outcome"] == "applied")
-            .expect("the change was applied");
+        // HAProxy may route the change a moment before the agent journals its answer.
+        let (entries, change) = eventually(
+            "the agent journals the change",
+            Duration::from_secs(10),
+            || async {
+                let entries = journal_above(agent, epoch).await;
+                let change = entries
+                    .iter()
+                    .find(|entry| entry["outcome"] == "applied")?
+                    .clone();
+                Some((entries, change))
+            },
+        )
+        .await;
         assert!(
             change["delta_paths"].as_u64().is_some_and(|paths| paths > 0),
             "a delta: {change}"

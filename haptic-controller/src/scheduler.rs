@@ -190,7 +190,15 @@ impl Scheduler {
                 Some(joined) = self.tasks.join_next(), if !self.tasks.is_empty() => {
                     match joined {
                         Ok((pod, checksum, result, took, span)) => {
-                            crate::metrics::get().deployment(took, result.is_ok());
+                            // A delta whose base the agent lacks is no failed deployment:
+                            // the whole set follows at once (a new pod's first contact).
+                            let ok = matches!(
+                                &result,
+                                Ok(_)
+                                    | Err(ClientError::BaseMismatch { .. }
+                                        | ClientError::DeltasUnsupported { .. })
+                            );
+                            crate::metrics::get().deployment(took, ok);
                             if !self.on_answer((pod, checksum, result)).instrument(span).await {
                                 return;
                             }

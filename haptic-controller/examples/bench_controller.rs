@@ -306,7 +306,8 @@ async fn render_rows(n: usize, json: &mut BTreeMap<String, Value>) -> Vec<String
     let mut events = Vec::new();
     for round in 0..5 {
         let mut ingress = fixtures.ingresses[(round * 997) % n].clone();
-        ingress["spec"]["rules"][0]["http"]["paths"][0]["path"] = json!(format!("/changed-{round}"));
+        ingress["spec"]["rules"][0]["http"]["paths"][0]["path"] =
+            json!(format!("/changed-{round}"));
         stores
             .get_mut("ingresses")
             .expect("ingresses store")
@@ -522,30 +523,36 @@ async fn main() {
             percentile(&run.samples, 0.99),
             percentile(&run.samples, 1.0),
         );
-        push(&mut rows, format!(
-            "| change to live on {n}: {} new Ingresses (each with a new Service and EndpointSlice) -> 200 through 3 agents, p50 / p95 / p99 / max; reloads (load {load}) | {:.0} / {:.0} / {:.0} / {:.0} ms; {} reloads | p99 <= 100 ms at 10,000, 0 reloads |",
-            args.changes,
-            ms(p50),
-            ms(p95),
-            ms(p99),
-            ms(max),
-            run.reloads
-        ));
+        push(
+            &mut rows,
+            format!(
+                "| change to live on {n}: {} new Ingresses (each with a new Service and EndpointSlice) -> 200 through 3 agents, p50 / p95 / p99 / max; reloads (load {load}) | {:.0} / {:.0} / {:.0} / {:.0} ms; {} reloads | p99 <= 100 ms at 10,000, 0 reloads |",
+                args.changes,
+                ms(p50),
+                ms(p95),
+                ms(p99),
+                ms(max),
+                run.reloads
+            ),
+        );
         for (key, value) in [("p50", p50), ("p95", p95), ("p99", p99), ("max", max)] {
-            json.insert(
-                format!("change_to_live_on_{n}_{key}_ms"),
-                json!(ms(value)),
-            );
+            json.insert(format!("change_to_live_on_{n}_{key}_ms"), json!(ms(value)));
         }
-        json.insert(format!("change_to_live_on_{n}_first_ms"), json!(ms(run.samples[0])));
+        json.insert(
+            format!("change_to_live_on_{n}_first_ms"),
+            json!(ms(run.samples[0])),
+        );
         json.insert(format!("change_to_live_on_{n}_reloads"), json!(run.reloads));
         // Where the p50 change's time went (the change whose total is the median).
         let mut by_total = run.trace.clone();
         by_total.sort_by_key(|t| t.3);
         if let Some(&(sent, apply, answered, routed)) = by_total.get(by_total.len() / 2) {
-            push(&mut rows, format!(
-                "| where the p50 change's time goes on {n} (ms after the Ingress's create): first agent sent the apply / longest agent apply / last agent answered / last agent routed | {sent} / {apply} / {answered} / {routed} ms | |"
-            ));
+            push(
+                &mut rows,
+                format!(
+                    "| where the p50 change's time goes on {n} (ms after the Ingress's create): first agent sent the apply / longest agent apply / last agent answered / last agent routed | {sent} / {apply} / {answered} / {routed} ms | |"
+                ),
+            );
             json.insert(format!("p50_change_{n}_sent_ms"), json!(sent));
             json.insert(format!("p50_change_{n}_agent_apply_ms"), json!(apply));
             json.insert(format!("p50_change_{n}_answered_ms"), json!(answered));
@@ -564,12 +571,15 @@ async fn main() {
                 histogram(&metrics, "haptic_deployment_duration_seconds");
             let (trigger_sum, trigger_count) =
                 histogram(&metrics, "haptic_change_to_render_seconds");
-            push(&mut rows, format!(
-                "| leader's means over the run on {n}: watch event -> render start / render / apply to one agent (send, agent, answer) | {:.1} / {:.1} / {:.1} ms | |",
-                1000.0 * trigger_sum / trigger_count.max(1.0),
-                1000.0 * render_sum / render_count.max(1.0),
-                1000.0 * apply_sum / apply_count.max(1.0),
-            ));
+            push(
+                &mut rows,
+                format!(
+                    "| leader's means over the run on {n}: watch event -> render start / render / apply to one agent (send, agent, answer) | {:.1} / {:.1} / {:.1} ms | |",
+                    1000.0 * trigger_sum / trigger_count.max(1.0),
+                    1000.0 * render_sum / render_count.max(1.0),
+                    1000.0 * apply_sum / apply_count.max(1.0),
+                ),
+            );
             json.insert(
                 format!("leader_mean_watch_to_render_{n}_ms"),
                 json!(1000.0 * trigger_sum / trigger_count.max(1.0)),
@@ -590,24 +600,35 @@ async fn main() {
             rss_mib(replicas[lead].pid()),
             rss_mib(replicas[follow].pid()),
         );
-        push(&mut rows, format!(
-            "| RSS leader / follower on {n} (+ {} new) | {rss_lead:.0} / {rss_follow:.0} MiB | <= 256 MiB at 10,000 |",
-            args.changes
-        ));
+        push(
+            &mut rows,
+            format!(
+                "| RSS leader / follower on {n} (+ {} new) | {rss_lead:.0} / {rss_follow:.0} MiB | <= 256 MiB at 10,000 |",
+                args.changes
+            ),
+        );
         json.insert(format!("rss_leader_{n}_mib"), json!(rss_lead));
         json.insert(format!("rss_follower_{n}_mib"), json!(rss_follow));
 
         if n == largest {
-            let (samples, reloads) =
-                endpoint_changes(&cluster, &fleet, args.endpoint_changes, n, (b.addr, "backend b"))
-                    .await;
+            let (samples, reloads) = endpoint_changes(
+                &cluster,
+                &fleet,
+                args.endpoint_changes,
+                n,
+                (b.addr, "backend b"),
+            )
+            .await;
             let (p50, p99) = (percentile(&samples, 0.5), percentile(&samples, 0.99));
-            push(&mut rows, format!(
-                "| endpoint change to served on 3 agents, {n} Ingresses, p50 / p99 of {}; reloads | {:.0} / {:.0} ms; {reloads} | p99 <= 50 ms at 10,000 |",
-                samples.len(),
-                ms(p50),
-                ms(p99)
-            ));
+            push(
+                &mut rows,
+                format!(
+                    "| endpoint change to served on 3 agents, {n} Ingresses, p50 / p99 of {}; reloads | {:.0} / {:.0} ms; {reloads} | p99 <= 50 ms at 10,000 |",
+                    samples.len(),
+                    ms(p50),
+                    ms(p99)
+                ),
+            );
             json.insert(format!("endpoint_change_{n}_p50_ms"), json!(ms(p50)));
             json.insert(format!("endpoint_change_{n}_p99_ms"), json!(ms(p99)));
             json.insert(format!("endpoint_change_{n}_reloads"), json!(reloads));
@@ -618,17 +639,20 @@ async fn main() {
             let (from_signal, from_claim, outcomes) =
                 handoff(&cluster, &fleet, &mut leaving, epoch).await;
             leaving.exited(Duration::from_secs(25)).await;
-            push(&mut rows, format!(
-                "| graceful handoff, {n} Ingresses: the new leader's epoch claim (SIGTERM) -> its first apply answered by all 3 agents ({}) | {} ({:.0} ms) | <= 250 ms |",
-                outcomes.join(", "),
-                from_claim.map_or("?".to_owned(), |d| format!("{:.0} ms", ms(d))),
-                ms(from_signal)
-            ));
-            json.insert(
-                format!("handoff_{n}_ms"),
-                json!(from_claim.map(ms)),
+            push(
+                &mut rows,
+                format!(
+                    "| graceful handoff, {n} Ingresses: the new leader's epoch claim (SIGTERM) -> its first apply answered by all 3 agents ({}) | {} ({:.0} ms) | <= 250 ms |",
+                    outcomes.join(", "),
+                    from_claim.map_or("?".to_owned(), |d| format!("{:.0} ms", ms(d))),
+                    ms(from_signal)
+                ),
             );
-            json.insert(format!("handoff_from_sigterm_{n}_ms"), json!(ms(from_signal)));
+            json.insert(format!("handoff_{n}_ms"), json!(from_claim.map(ms)));
+            json.insert(
+                format!("handoff_from_sigterm_{n}_ms"),
+                json!(ms(from_signal)),
+            );
             replicas.push(Controller::start(&cluster, &leaving.name).await);
             // Let the restarted replica sync before the crash.
             tokio::time::sleep(Duration::from_secs(5)).await;
@@ -660,12 +684,18 @@ async fn main() {
             let after_expiry = SystemTime::now()
                 .duration_since(expiry.max(killed_at))
                 .unwrap_or_default();
-            push(&mut rows, format!(
-                "| crash: kill -9 to the new leader's apply on 3 agents, after the Lease expired (from the kill; LeaseDuration 3 s), {n} Ingresses | {:.0} ms ({:.0} ms) | <= 1 s |",
-                ms(after_expiry),
-                ms(from_kill)
-            ));
-            json.insert(format!("crash_after_expiry_{n}_ms"), json!(ms(after_expiry)));
+            push(
+                &mut rows,
+                format!(
+                    "| crash: kill -9 to the new leader's apply on 3 agents, after the Lease expired (from the kill; LeaseDuration 3 s), {n} Ingresses | {:.0} ms ({:.0} ms) | <= 1 s |",
+                    ms(after_expiry),
+                    ms(from_kill)
+                ),
+            );
+            json.insert(
+                format!("crash_after_expiry_{n}_ms"),
+                json!(ms(after_expiry)),
+            );
             let dead = replicas.remove(index);
             drop(dead);
         }
@@ -690,20 +720,28 @@ async fn main() {
             all_route(&fleet, &format!("h{}.example", n - 1), "backend a").await;
             let load = load_average();
             let run = changes(&cluster, &fleet, "reload", args.reload_changes, a.addr).await;
-            let (p50, p99) = (percentile(&run.samples, 0.5), percentile(&run.samples, 0.99));
+            let (p50, p99) = (
+                percentile(&run.samples, 0.5),
+                percentile(&run.samples, 0.99),
+            );
             let ratio = |value: Duration, key: &str| {
                 json.get(&format!("change_to_live_on_{n}_{key}_ms"))
                     .and_then(Value::as_f64)
-                    .map_or(0.0, |fast| (ms(value) / fast.max(0.1) * 10.0).round() / 10.0)
+                    .map_or(0.0, |fast| {
+                        (ms(value) / fast.max(0.1) * 10.0).round() / 10.0
+                    })
             };
             let (ratio50, ratio99) = (ratio(p50, "p50"), ratio(p99, "p99"));
-            push(&mut rows, format!(
-                "| the reload path (runtime updates off) on {n}: {} new Ingresses, p50 / p99; reloads; x the runtime path (load {load}) | {:.0} / {:.0} ms; {}; {ratio50}x / {ratio99}x | |",
-                args.reload_changes,
-                ms(p50),
-                ms(p99),
-                run.reloads
-            ));
+            push(
+                &mut rows,
+                format!(
+                    "| the reload path (runtime updates off) on {n}: {} new Ingresses, p50 / p99; reloads; x the runtime path (load {load}) | {:.0} / {:.0} ms; {}; {ratio50}x / {ratio99}x | |",
+                    args.reload_changes,
+                    ms(p50),
+                    ms(p99),
+                    run.reloads
+                ),
+            );
             json.insert(format!("reload_path_on_{n}_p50_ms"), json!(ms(p50)));
             json.insert(format!("reload_path_on_{n}_p99_ms"), json!(ms(p99)));
             json.insert(format!("reload_path_on_{n}_reloads"), json!(run.reloads));
@@ -720,12 +758,8 @@ async fn main() {
     }
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench");
     let path = dir.join("controller.json");
-    let written = std::fs::create_dir_all(&dir).and_then(|()| {
-        std::fs::write(
-            &path,
-            serde_json::to_vec_pretty(&json).unwrap_or_default(),
-        )
-    });
+    let written = std::fs::create_dir_all(&dir)
+        .and_then(|()| std::fs::write(&path, serde_json::to_vec_pretty(&json).unwrap_or_default()));
     match written {
         Ok(()) => eprintln!("wrote {}", path.display()),
         Err(error) => eprintln!("cannot write {}: {error}", path.display()),

@@ -86,7 +86,10 @@ pub fn component(
                 coalesced += 1;
                 match &*more {
                     ControllerEvent::BecameLeader(became) => term = became.at,
-                    ControllerEvent::RenderTrigger { reason: r, since: s } => {
+                    ControllerEvent::RenderTrigger {
+                        reason: r,
+                        since: s,
+                    } => {
                         if reason == "change" {
                             reason = r;
                         }

@@ -225,7 +225,9 @@ async fn a_new_leader_claims_the_agents_without_resending_their_set() {
             for agent in &f.agents {
                 sums.push(agent.state().await?.live_checksum?);
             }
-            sums.windows(2).all(|w| w[0] == w[1]).then(|| sums[0].clone())
+            sums.windows(2)
+                .all(|w| w[0] == w[1])
+                .then(|| sums[0].clone())
         },
     )
     .await;
@@ -250,12 +252,16 @@ async fn a_new_leader_claims_the_agents_without_resending_their_set() {
         assert_eq!(claim["checksum"], live.as_str(), "the same set: {claim}");
         assert_eq!(claim["outcome"], "unchanged", "{claim}");
         assert_eq!(
-            claim["delta_paths"], 0,
+            claim["delta_paths"],
+            0,
             "a delta of no paths, not the whole set: {claim}\n{}",
             replicas[0].logs()
         );
         let state = agent.state().await.expect("agent state");
-        assert!(state.fence.expect("fence") > epoch, "the fence holds the new epoch");
+        assert!(
+            state.fence.expect("fence") > epoch,
+            "the fence holds the new epoch"
+        );
         assert_eq!(state.leader.as_deref(), Some(second.as_str()));
     }
 
@@ -282,7 +288,9 @@ async fn a_new_leader_claims_the_agents_without_resending_their_set() {
         )
         .await;
         assert!(
-            change["delta_paths"].as_u64().is_some_and(|paths| paths > 0),
+            change["delta_paths"]
+                .as_u64()
+                .is_some_and(|paths| paths > 0),
             "a delta: {change}"
         );
         assert!(

@@ -451,9 +451,12 @@ impl Agent {
                 .map_err(|error| Error::BadRequest(error.to_string()))?;
             let live = agent.live_set().await?;
             let base = match live {
-                // A delta re-sent after it was applied (a retry whose first answer was lost)
-                // names the set live now: that set, whose fence and generation rules follow.
+                // A delta re-sent after it was applied (a retry whose first answer was lost),
+                // or a new leader's first apply of the set it found live (no paths: it claims
+                // the agent with its epoch and re-sends nothing), names the set live now: that
+                // set, whose fence and generation rules follow.
                 Some(live) if live.checksum == delta.checksum && live.roles.is_some() => {
+                    agent.shared.metrics.count_delta();
                     let roles = live.roles.clone().unwrap_or_default();
                     let request = delta.into_request(live.files.clone());
                     return agent.apply_serialized(request, roles).await;
@@ -518,7 +521,10 @@ impl Agent {
         result: &Result<ApplyResponse>,
         started: Instant,
     ) {
-        self.shared.journal.record(pending, result).await;
+        self.shared
+            .journal
+            .record(pending, result, Some(started.elapsed()))
+            .await;
         self.forget_readiness().await;
         let metrics = &self.shared.metrics;
         metrics.observe_apply(started.elapsed());

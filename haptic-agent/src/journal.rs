@@ -58,6 +58,15 @@ pub struct JournalEntry {
     /// Why the apply failed, for `error`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// For a delta (`/v1/apply-delta`), how many paths it added, changed or removed (0: the
+    /// sender asked for the set the agent already held, as a new leader's first apply does);
+    /// none for a whole set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delta_paths: Option<usize>,
+    /// The agent's time for this apply, in microseconds: from the parsed request (before the
+    /// policy) to the answer. With `at_ms` it says when the apply reached the agent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub took_us: Option<u64>,
 }
 
 /// What `GET /v1/journal` answers.
@@ -79,6 +88,7 @@ pub struct Pending {
     leader: String,
     generation: u64,
     checksum: String,
+    delta_paths: Option<usize>,
 }
 
 impl Pending {
@@ -89,6 +99,7 @@ impl Pending {
             leader: request.leader.clone(),
             generation: request.generation,
             checksum: request.checksum.clone(),
+            delta_paths: None,
         }
     }
 
@@ -99,6 +110,7 @@ impl Pending {
             leader: delta.leader.clone(),
             generation: delta.generation,
             checksum: delta.checksum.clone(),
+            delta_paths: Some(delta.files.len() + delta.patches.len() + delta.removed.len()),
         }
     }
 }
@@ -169,7 +181,12 @@ impl Journal {
     /// A malformed request (`BadRequest`), a set the policy refuses and a delta whose base
     /// is not live are not recorded: they are refused before the fence, and their contract is
     /// that nothing at all is written.
-    pub async fn record(&self, pending: Pending, result: &Result<ApplyResponse, Error>) {
+    pub async fn record(
+        &self,
+        pending: Pending,
+        result: &Result<ApplyResponse, Error>,
+        took: Option<std::time::Duration>,
+    ) {
         if matches!(
             result,
             Err(Error::BadRequest(_))
@@ -206,6 +223,8 @@ impl Journal {
             live,
             fence,
             error,
+            delta_paths: pending.delta_paths,
+            took_us: took.map(|took| u64::try_from(took.as_micros()).unwrap_or(u64::MAX)),
         };
         // The lock is held across the write so that lines land in `seq` order.
         let _ = tokio::task::spawn_blocking(move || journal.append(entry)).await;
@@ -281,6 +300,7 @@ mod tests {
             leader: "controller-1".into(),
             generation,
             checksum: "c".repeat(64),
+            delta_paths: None,
         }
     }
 
@@ -298,20 +318,22 @@ mod tests {
     async fn entries_survive_a_restart_and_a_torn_last_line_is_skipped() {
         let dir = tempfile::tempdir().expect("tempdir");
         let journal = Journal::open(dir.path());
-        journal.record(pending(3, 1), &applied(1)).await;
+        journal.record(pending(3, 1), &applied(1), None).await;
         journal
             .record(
                 pending(2, 9),
                 &Ok(ApplyResponse::Fenced { fence: 3, epoch: 2 }),
+                None,
             )
             .await;
         journal
-            .record(pending(3, 2), &Err(Error::NotReady("busy".into())))
+            .record(pending(3, 2), &Err(Error::NotReady("busy".into())), None)
             .await;
         journal
             .record(
                 pending(3, 3),
                 &Err(Error::BadRequest("bad checksum".into())),
+                None,
             )
             .await;
         // A crash in the middle of a line.
@@ -343,7 +365,7 @@ mod tests {
         );
         // Numbering goes on after the restart.
         let journal = Journal::open(dir.path());
-        journal.record(pending(4, 1), &applied(1)).await;
+        journal.record(pending(4, 1), &applied(1), None).await;
         assert_eq!(journal.view().entries.last().map(|e| e.seq), Some(4));
     }
 
@@ -364,6 +386,8 @@ mod tests {
                 live: true,
                 fence: None,
                 error: None,
+                delta_paths: None,
+                took_us: None,
             });
         }
         let lines = std::fs::read_to_string(dir.path().join(JOURNAL_FILE))
@@ -386,7 +410,7 @@ mod tests {
         // A directory where the file should be: every append fails.
         std::fs::create_dir(dir.path().join(JOURNAL_FILE)).expect("blocker");
         let journal = Journal::open(dir.path());
-        journal.record(pending(1, 1), &applied(1)).await;
+        journal.record(pending(1, 1), &applied(1), None).await;
         let view = journal.view();
         assert_eq!(view.unpersisted, 1);
         assert_eq!(view.entries.len(), 1);

@@ -152,6 +152,8 @@ mod tests {
             live: matches!(outcome, "applied" | "unchanged"),
             fence: None,
             error: None,
+            delta_paths: None,
+            took_us: None,
         }
     }
 

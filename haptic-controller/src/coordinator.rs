@@ -64,8 +64,12 @@ pub fn component(
                 event = events.recv() => event,
             };
             let Some(event) = event else { return };
+            let mut since = None;
             let mut reason = match &*event {
-                ControllerEvent::RenderTrigger { reason } => *reason,
+                ControllerEvent::RenderTrigger { reason, since: s } => {
+                    since = *s;
+                    *reason
+                }
                 ControllerEvent::Exclude(_) => "exclude",
                 _ => "became_leader",
             };
@@ -82,8 +86,17 @@ pub fn component(
                 coalesced += 1;
                 match &*more {
                     ControllerEvent::BecameLeader(became) => term = became.at,
-                    ControllerEvent::RenderTrigger { reason: r } if reason == "change" => {
-                        reason = r;
+                    ControllerEvent::RenderTrigger {
+                        reason: r,
+                        since: s,
+                    } => {
+                        if reason == "change" {
+                            reason = r;
+                        }
+                        since = match (since, *s) {
+                            (Some(a), Some(b)) => Some(a.min(b)),
+                            (a, b) => a.or(b),
+                        };
                     }
                     ControllerEvent::Exclude(exclusion) => {
                         exclude(&cache, &mut excluded, exclusion).await;
@@ -99,6 +112,9 @@ pub fn component(
                 reason,
                 coalesced
             );
+            if let Some(since) = since {
+                crate::metrics::get().change_to_render(since.elapsed());
+            }
             let cache = cache.clone();
             let leave_out = excluded.clone();
             let rendered = tokio::task::spawn_blocking({

@@ -188,7 +188,9 @@ fn summarize(event: &ControllerEvent) -> Value {
             ("PodSet", json!({"pods": p.pods.keys().collect::<Vec<_>>()}))
         }
         ControllerEvent::StoresChanged { store } => ("StoresChanged", json!({"store": &**store})),
-        ControllerEvent::RenderTrigger { reason } => ("RenderTrigger", json!({"reason": reason})),
+        ControllerEvent::RenderTrigger { reason, .. } => {
+            ("RenderTrigger", json!({"reason": reason}))
+        }
         // Paths and sizes, never the content: the set holds the certificates' private keys.
         ControllerEvent::Rendered(set) => (
             "Rendered",

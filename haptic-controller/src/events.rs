@@ -38,6 +38,9 @@ pub enum ControllerEvent {
     RenderTrigger {
         /// Why: `change`, `became_leader`, `config`.
         reason: &'static str,
+        /// When the reconciler saw the first store change this render covers (none for a
+        /// trigger that is no change): `haptic_change_to_render_seconds` measures from it.
+        since: Option<std::time::Instant>,
     },
     /// A render succeeded (sticky: the last good render).
     Rendered(Arc<RenderedSet>),

@@ -28,7 +28,8 @@ use crate::{events::ControllerEvent, state::StateCache};
 pub const BUCKETS: [f64; 10] = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
 
 /// Every metric name the controller exports (the leadership adapter's three included).
-pub const NAMES: [&str; 14] = [
+pub const NAMES: [&str; 15] = [
+    "haptic_change_to_render_seconds",
     "haptic_reconciliation_duration_seconds",
     "haptic_reconciliation_total",
     "haptic_reconciliation_errors_total",
@@ -64,6 +65,8 @@ fn seconds(meter: &Meter, name: &'static str, help: &'static str) -> Histogram<f
 /// The controller's instruments.
 #[derive(Debug)]
 pub struct Metrics {
+    /// `haptic_change_to_render_seconds`: from a store change to the render that covers it.
+    pub change_to_render: Histogram<f64>,
     /// `haptic_reconciliation_duration_seconds`: one render of the file set.
     pub reconciliation_duration: Histogram<f64>,
     /// `haptic_reconciliation_total`: renders, good or not.
@@ -95,6 +98,11 @@ impl Metrics {
                 meter,
                 "haptic_reconciliation_duration_seconds",
                 "Time to render the HAProxy file set.",
+            ),
+            change_to_render: seconds(
+                meter,
+                "haptic_change_to_render_seconds",
+                "From a store change (a watch event applied) to the start of the render that covers it: the reconciler's window and a render in progress.",
             ),
             reconciliation_total: counter(meter, "haptic_reconciliation_total", "Renders."),
             reconciliation_errors: counter(
@@ -181,6 +189,11 @@ impl Metrics {
         if !passed {
             self.validation_errors.add(1, &stage);
         }
+    }
+
+    /// Records the wait from a store change to the render that covers it.
+    pub fn change_to_render(&self, waited: Duration) {
+        self.change_to_render.record(waited.as_secs_f64(), &[]);
     }
 
     /// Records one apply's answer.

@@ -33,7 +33,8 @@ pub fn component(
     async move {
         // End of the current window; none while idle.
         let mut window_end: Option<Instant> = None;
-        let mut dirty = false;
+        // When the first change not yet covered by a trigger was seen.
+        let mut dirty: Option<std::time::Instant> = None;
         loop {
             let sleep = async {
                 match window_end {
@@ -44,9 +45,8 @@ pub fn component(
             tokio::select! {
                 () = token.cancelled() => return,
                 () = sleep => {
-                    if dirty {
-                        dirty = false;
-                        bus.publish(ControllerEvent::RenderTrigger { reason: "change" });
+                    if let Some(since) = dirty.take() {
+                        bus.publish(ControllerEvent::RenderTrigger { reason: "change", since: Some(since) });
                         window_end = Some(Instant::now() + window);
                     } else {
                         window_end = None;
@@ -55,13 +55,13 @@ pub fn component(
                 event = events.recv() => {
                     let Some(event) = event else { return };
                     if matches!(&*event, ControllerEvent::BecameLeader(_)) {
-                        bus.publish(ControllerEvent::RenderTrigger { reason: "became_leader" });
+                        bus.publish(ControllerEvent::RenderTrigger { reason: "became_leader", since: None });
                         continue;
                     }
                     if window_end.is_some() {
-                        dirty = true;
+                        dirty.get_or_insert_with(std::time::Instant::now);
                     } else {
-                        bus.publish(ControllerEvent::RenderTrigger { reason: "change" });
+                        bus.publish(ControllerEvent::RenderTrigger { reason: "change", since: Some(std::time::Instant::now()) });
                         window_end = Some(Instant::now() + window);
                     }
                 }

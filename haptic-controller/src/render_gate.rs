@@ -5,7 +5,10 @@
 //! last-known-good set, so a bad set cannot go live either way. When a check refuses a set,
 //! the refusal is reported once (status, log) and the gate closes: later renders are checked
 //! first and go on only when one passes, which opens the gate again. A new leader starts
-//! optimistic. The check runs on a scratch copy laid out as the agent lays a set out (`-C` at
+//! optimistic. A check in progress never holds a newer render: it goes on (gate open) as it
+//! arrives, and the newest one waiting is checked when the running check ends (a check at
+//! 10,000 Ingresses with 2,500 certificates takes seconds; the first change after a deployment
+//! used to wait for the check of the deployed set). The check runs on a scratch copy laid out as the agent lays a set out (`-C` at
 //! the set's directory), so relative map and certificate paths resolve the same, and only after
 //! the set passed the agents' own config policy ([`haptic_agent_client::policy`]: no Lua,
 //! programs, external checks or files outside the set unless allowed), so a set the policy
@@ -64,98 +67,153 @@ pub fn component(
         let mut term = None;
         let mut open = true;
         let mut reported: Option<String> = None;
+        // The check in progress, and the newest render waiting for one. A render never waits
+        // for the check of an earlier one (at 10,000 Ingresses with 2,500 certificates it takes
+        // seconds): while the gate is open it goes on at once, and only the newest render
+        // waiting is checked next.
+        let mut checking: Option<(Arc<RenderedSet>, Check)> = None;
+        let mut waiting: Option<Arc<RenderedSet>> = None;
         loop {
-            let event = tokio::select! {
+            if checking.is_none()
+                && let Some(set) = waiting.take()
+            {
+                let future = {
+                    let (settings, set) = (settings.clone(), set.clone());
+                    let span = set.span.clone();
+                    Box::pin(async move { check(&settings, &set).instrument(span).await })
+                };
+                checking = Some((set, future));
+            }
+            let in_check = async {
+                match checking.as_mut() {
+                    Some((_, future)) => future.await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
                 () = ctx.token().cancelled() => return,
-                event = renders.recv() => event,
-            };
-            let Some(mut event) = event else { return };
-            if let ControllerEvent::BecameLeader(became) = &*event {
-                term = Some(became.at);
-            }
-            // Latest wins: a check is only worth running on the newest render. (The term is
-            // taken from every BecameLeader on the way: a render queued right behind it must
-            // not be taken for one of an earlier term.)
-            while let Some(newer) = renders.try_recv() {
-                if let ControllerEvent::BecameLeader(became) = &*newer {
-                    term = Some(became.at);
-                } else {
-                    event = newer;
+                refused = in_check => {
+                    let Some((set, _)) = checking.take() else { continue };
+                    verdict(&ctx, &set, refused, &mut open, &mut reported);
+                }
+                event = renders.recv() => {
+                    let Some(event) = event else { return };
+                    if let Some(set) = admit(&ctx, &settings, event, &mut renders, &mut term, &mut open, &mut reported).await {
+                        waiting = Some(set);
+                    }
                 }
             }
-            let set = match &*event {
-                ControllerEvent::Rendered(set) if Some(set.term) == term => set,
-                _ => continue,
-            };
-            // The policy is certain: a set it refuses is never sent, gate open or not. It reads
-            // every line (~46 ms at 10k Ingresses), so it runs off the async threads; a panic
-            // in it refuses the set rather than ending the gate.
-            let checked = tokio::task::spawn_blocking({
-                let (policy, set) = (settings.policy.clone(), set.clone());
-                move || policy_check(&policy, &set)
-            })
-            .await
-            .unwrap_or_else(|panic| Err(format!("the config policy check failed: {panic}")));
-            if let Err(refusal) = checked {
-                ctx.bus()
-                    .publish(ControllerEvent::GateVerdict(Arc::new(GateVerdict {
-                        checksum: set.checksum.clone(),
-                        config_generation: set.config_generation,
-                        refused: Some(refusal.clone()),
-                    })));
-                if reported.as_deref() != Some(&refusal) {
-                    set.span.in_scope(|| error!(checksum = %set.checksum, %refusal, "the rendered config breaks the config policy; not deploying it"));
-                    reported = Some(refusal);
-                }
-                open = false;
-                continue;
-            }
-            if open {
+        }
+    }
+}
+
+/// A check in progress: HAProxy's refusal, or none.
+type Check = std::pin::Pin<Box<dyn Future<Output = Option<String>> + Send>>;
+
+/// Takes the newest render queued behind `event` (and the term of every `BecameLeader` on the
+/// way), runs the config policy on it and, while the gate is open, passes it on to the
+/// scheduler. Returns the render to check, or none (not this term's, or refused by the policy).
+async fn admit(
+    ctx: &LeaderContext<ControllerEvent>,
+    settings: &GateSettings,
+    mut event: Arc<ControllerEvent>,
+    renders: &mut haptic_eventbus::Subscription<ControllerEvent>,
+    term: &mut Option<std::time::SystemTime>,
+    open: &mut bool,
+    reported: &mut Option<String>,
+) -> Option<Arc<RenderedSet>> {
+    if let ControllerEvent::BecameLeader(became) = &*event {
+        *term = Some(became.at);
+    }
+    // Latest wins: a check is only worth running on the newest render. (The term is taken
+    // from every BecameLeader on the way: a render queued right behind it must not be taken
+    // for one of an earlier term.)
+    while let Some(newer) = renders.try_recv() {
+        if let ControllerEvent::BecameLeader(became) = &*newer {
+            *term = Some(became.at);
+        } else {
+            event = newer;
+        }
+    }
+    let set = match &*event {
+        ControllerEvent::Rendered(set) if Some(set.term) == *term => set.clone(),
+        _ => return None,
+    };
+    // The policy is certain: a set it refuses is never sent, gate open or not. It reads every
+    // line (~46 ms at 10k Ingresses), so it runs off the async threads; a panic in it refuses
+    // the set rather than ending the gate.
+    let checked = tokio::task::spawn_blocking({
+        let (policy, set) = (settings.policy.clone(), set.clone());
+        move || policy_check(&policy, &set)
+    })
+    .await
+    .unwrap_or_else(|panic| Err(format!("the config policy check failed: {panic}")));
+    if let Err(refusal) = checked {
+        ctx.bus()
+            .publish(ControllerEvent::GateVerdict(Arc::new(GateVerdict {
+                checksum: set.checksum.clone(),
+                config_generation: set.config_generation,
+                refused: Some(refusal.clone()),
+            })));
+        if reported.as_deref() != Some(&refusal) {
+            set.span.in_scope(|| error!(checksum = %set.checksum, %refusal, "the rendered config breaks the config policy; not deploying it"));
+            *reported = Some(refusal);
+        }
+        *open = false;
+        return None;
+    }
+    if *open {
+        ctx.bus().publish(ControllerEvent::Deployable(set.clone()));
+    }
+    Some(set)
+}
+
+/// Reports `haproxy -c`'s verdict on `set`: a pass opens the gate (and passes the set on if
+/// it was closed), a refusal closes it and asks for a render without the object it traces to.
+fn verdict(
+    ctx: &LeaderContext<ControllerEvent>,
+    set: &Arc<RenderedSet>,
+    refused: Option<String>,
+    open: &mut bool,
+    reported: &mut Option<String>,
+) {
+    ctx.bus()
+        .publish(ControllerEvent::GateVerdict(Arc::new(GateVerdict {
+            checksum: set.checksum.clone(),
+            config_generation: set.config_generation,
+            refused: refused.clone(),
+        })));
+    match refused {
+        None => {
+            if !*open {
+                set.span.in_scope(|| info!(checksum = %set.checksum, "a render passed haproxy -c again; the gate is open"));
                 ctx.bus().publish(ControllerEvent::Deployable(set.clone()));
             }
-            let refused = tokio::select! {
-                () = ctx.token().cancelled() => return,
-                refused = check(&settings, set).instrument(set.span.clone()) => refused,
-            };
-            ctx.bus()
-                .publish(ControllerEvent::GateVerdict(Arc::new(GateVerdict {
-                    checksum: set.checksum.clone(),
-                    config_generation: set.config_generation,
-                    refused: refused.clone(),
-                })));
-            match refused {
-                None => {
-                    if !open {
-                        set.span.in_scope(|| info!(checksum = %set.checksum, "a render passed haproxy -c again; the gate is open"));
-                        ctx.bus().publish(ControllerEvent::Deployable(set.clone()));
-                    }
-                    open = true;
-                    reported = None;
-                }
-                Some(output) => {
-                    // Traced to one object: render again without it (HAProxy's line about it
-                    // is the reason its Event gives).
-                    if let Some((object, line)) = set
-                        .provenance
-                        .attribute(&set.files, &output)
-                        .into_iter()
-                        .next()
-                    {
-                        set.span.in_scope(|| warn!(checksum = %set.checksum, %object, alert = %line, "haproxy -c refused what one object produced; rendering without it"));
-                        ctx.bus()
-                            .publish(ControllerEvent::Exclude(Arc::new(Exclusion {
-                                object,
-                                reason: alert_text(line).to_owned(),
-                                checksum: set.checksum.clone(),
-                            })));
-                    }
-                    if reported.as_deref() != Some(&output) {
-                        set.span.in_scope(|| error!(checksum = %set.checksum, output = %output, "haproxy -c refused the rendered config; holding later renders until one passes"));
-                        reported = Some(output);
-                    }
-                    open = false;
-                }
+            *open = true;
+            *reported = None;
+        }
+        Some(output) => {
+            // Traced to one object: render again without it (HAProxy's line about it is the
+            // reason its Event gives).
+            if let Some((object, line)) = set
+                .provenance
+                .attribute(&set.files, &output)
+                .into_iter()
+                .next()
+            {
+                set.span.in_scope(|| warn!(checksum = %set.checksum, %object, alert = %line, "haproxy -c refused what one object produced; rendering without it"));
+                ctx.bus()
+                    .publish(ControllerEvent::Exclude(Arc::new(Exclusion {
+                        object,
+                        reason: alert_text(line).to_owned(),
+                        checksum: set.checksum.clone(),
+                    })));
             }
+            if reported.as_deref() != Some(&output) {
+                set.span.in_scope(|| error!(checksum = %set.checksum, output = %output, "haproxy -c refused the rendered config; holding later renders until one passes"));
+                *reported = Some(output);
+            }
+            *open = false;
         }
     }
 }

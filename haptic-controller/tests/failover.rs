@@ -186,6 +186,121 @@ async fn crash_graceful_and_stale_leaders() {
     drop(replicas);
 }
 
+/// The entries of an agent's journal at epochs above `above`, oldest first.
+async fn journal_above(agent: &Agent, above: u64) -> Vec<serde_json::Value> {
+    let body = agent.fetch("/v1/journal").await.expect("journal");
+    let journal: serde_json::Value = serde_json::from_str(&body).expect("journal JSON");
+    journal["entries"]
+        .as_array()
+        .expect("entries")
+        .iter()
+        .filter(|entry| entry["epoch"].as_u64().is_some_and(|epoch| epoch > above))
+        .cloned()
+        .collect()
+}
+
+/// A graceful handoff re-sends nothing the agents hold: the new leader's first apply to each is
+/// a delta of no paths that raises the fence and answers `unchanged`, and its next change is a
+/// delta against that set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_claims_the_agents_without_resending_their_set() {
+    let f = fleet(2, true, |_| {}).await;
+    let mut replicas = vec![
+        Controller::start(&f.cluster, "controller-1").await,
+        Controller::start(&f.cluster, "controller-2").await,
+    ];
+    for agent in &f.agents {
+        agent
+            .await_route("shop.example", "/", (200, "backend a"))
+            .await;
+    }
+    let first = await_leader(&f.cluster, None).await;
+    // Both agents hold the leader's newest set (the first routed set may be followed by one
+    // more render, e.g. for the pods found later).
+    let live = eventually(
+        "the agents hold the same set",
+        Duration::from_secs(20),
+        || async {
+            let mut sums = Vec::new();
+            for agent in &f.agents {
+                sums.push(agent.state().await?.live_checksum?);
+            }
+            sums.windows(2)
+                .all(|w| w[0] == w[1])
+                .then(|| sums[0].clone())
+        },
+    )
+    .await;
+    let epoch = f.cluster.lease_epoch().await.expect("epoch");
+
+    let index = replicas
+        .iter()
+        .position(|c| c.name == first)
+        .expect("leader is ours");
+    let mut leaving = replicas.remove(index);
+    leaving.signal("TERM");
+    leaving.exited(Duration::from_secs(25)).await;
+    let second = await_leader(&f.cluster, Some(&first)).await;
+    for agent in &f.agents {
+        let claim = eventually(
+            "the new leader's first apply reaches the agent",
+            Duration::from_secs(30),
+            || async { journal_above(agent, epoch).await.into_iter().next() },
+        )
+        .await;
+        assert_eq!(claim["leader"], second.as_str(), "{claim}");
+        assert_eq!(claim["checksum"], live.as_str(), "the same set: {claim}");
+        assert_eq!(claim["outcome"], "unchanged", "{claim}");
+        assert_eq!(
+            claim["delta_paths"],
+            0,
+            "a delta of no paths, not the whole set: {claim}\n{}",
+            replicas[0].logs()
+        );
+        let state = agent.state().await.expect("agent state");
+        assert!(
+            state.fence.expect("fence") > epoch,
+            "the fence holds the new epoch"
+        );
+        assert_eq!(state.leader.as_deref(), Some(second.as_str()));
+    }
+
+    // The next change is a delta against the set the new leader found.
+    f.cluster
+        .ingress("shop", "shop.example", "/", "web-b")
+        .await;
+    for agent in &f.agents {
+        agent
+            .await_route("shop.example", "/", (200, "backend b"))
+            .await;
+        // HAProxy may route the change a moment before the agent journals its answer.
+        let (entries, change) = eventually(
+            "the agent journals the change",
+            Duration::from_secs(10),
+            || async {
+                let entries = journal_above(agent, epoch).await;
+                let change = entries
+                    .iter()
+                    .find(|entry| entry["outcome"] == "applied")?
+                    .clone();
+                Some((entries, change))
+            },
+        )
+        .await;
+        assert!(
+            change["delta_paths"]
+                .as_u64()
+                .is_some_and(|paths| paths > 0),
+            "a delta: {change}"
+        );
+        assert!(
+            entries.iter().all(|entry| !entry["delta_paths"].is_null()),
+            "no whole set was sent in the new term: {entries:?}"
+        );
+    }
+    drop(replicas);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disabled_election_deploys_without_a_lease() {
     // A fleet an elected leader served first: its agents are fenced above epoch 0.

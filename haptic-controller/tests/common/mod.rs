@@ -689,6 +689,19 @@ impl Controller {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// The controller's `/metrics` page (on its health port).
+    #[allow(dead_code)]
+    pub async fn metrics(&self) -> Option<String> {
+        get(
+            &format!("127.0.0.1:{}", self.health),
+            "localhost",
+            "/metrics",
+        )
+        .await
+        .filter(|(status, _)| *status == 200)
+        .map(|(_, body)| body)
+    }
+
     pub async fn probe(&self, path: &str) -> Option<u16> {
         get(&format!("127.0.0.1:{}", self.health), "localhost", path)
             .await

@@ -45,6 +45,37 @@ pub(super) struct Inputs<'a> {
     pub(super) pods: Source<'a>,
 }
 
+/// The ports a listener may not take, or only with one protocol.
+pub(super) struct Ports<'a> {
+    /// What HAProxy's pods already serve besides routes.
+    pub(super) reserved: &'a [u16],
+    /// The Ingress frontend's ports.
+    pub(super) ingress: super::IngressPorts,
+}
+
+impl Ports<'_> {
+    /// Why a listener cannot have `port` with this protocol, if it cannot.
+    fn unavailable(&self, port: i64, https: bool) -> Option<String> {
+        let (http, tls) = (i64::from(self.ingress.http), i64::from(self.ingress.https));
+        if self.reserved.iter().any(|&p| i64::from(p) == port) {
+            Some(format!(
+                "port {port} is reserved: HAProxy's pods serve something else on it"
+            ))
+        } else if (port == http && https) || (port == tls && !https) {
+            let (theirs, ours) = if https {
+                ("plain HTTP", "HTTPS")
+            } else {
+                ("HTTPS", "HTTP")
+            };
+            Some(format!(
+                "port {port} is the Ingress frontend's {theirs} port: an {ours} listener cannot share it"
+            ))
+        } else {
+            None
+        }
+    }
+}
+
 fn js(value: &Value) -> Json {
     serde_json::to_value(value).unwrap_or(Json::Null)
 }
@@ -395,7 +426,12 @@ fn selects(selector: &Json, labels: &Json) -> bool {
 }
 
 /// The view: `{frontends, http_ports, https_ports, backends, statuses}`.
-pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) -> Value {
+pub(super) fn gateway_view(
+    slot: Slot,
+    inputs: &Inputs<'_>,
+    ports: &Ports<'_>,
+    controller: &str,
+) -> Value {
     let _ = slot;
     // Our classes.
     let mut classes = BTreeSet::new();
@@ -515,6 +551,19 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
                 ));
             } else if listener.problem.is_none() && !(1..=65535).contains(&port) {
                 listener.problem = Some(("PortUnavailable", "Invalid", format!("port {port}")));
+            } else if listener.problem.is_none()
+                && let Some(why) = ports.unavailable(port, listener.https)
+            {
+                // HAProxy would fail to load for every tenant (a port bound twice), or the
+                // listener would be silently not served: neither is rendered.
+                refuse(
+                    &mut refusals,
+                    (gateway_store, namespace.as_str(), name.as_str()),
+                    format!("spec.listeners[{}].port", listeners.len()),
+                    &port.to_string(),
+                    &why,
+                );
+                listener.problem = Some(("PortUnavailable", "Invalid", why));
             }
             let kinds = arr(l, "/allowedRoutes/kinds");
             if !kinds.is_empty() {

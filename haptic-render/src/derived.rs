@@ -2928,7 +2928,9 @@ mod tests {
                         "referenceGrants": "referencegrants", "services": "services",
                         "endpointSlices": "endpointslices", "secrets": "secrets",
                         "namespaces": "namespaces", "pods": "haproxy_pods",
-                        "controllerName": "haproxy-haptic.org/gateway-controller"},
+                        "controllerName": "haproxy-haptic.org/gateway-controller",
+                        "reservedPorts": [9090, 9091],
+                        "ingressPorts": {"http": 80, "https": 443}},
         });
         // The controller name and `classless` have defaults.
         let short: Derivation = serde_json::from_value(json!({"kind": "ingresses",

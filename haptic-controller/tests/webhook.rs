@@ -874,6 +874,42 @@ async fn the_webhook_judges_gateways_and_http_routes_of_our_classes() {
         judge(GATEWAY, "wide", gateway_json("wide", "theirs", wide)).await,
         (true, String::new(), Vec::new())
     );
+    // A listener on a port HAProxy's pods already serve (the agent's 9090 in the reference
+    // config), or on the Ingress HTTP port with HTTPS: denied, naming the port; theirs allowed.
+    for (listener, port, said) in [
+        (
+            json!({"name": "agent", "protocol": "HTTP", "port": 9090}),
+            9090,
+            "reserved",
+        ),
+        (
+            json!({"name": "tls", "protocol": "HTTPS", "port": 80,
+                "tls": {"certificateRefs": [{"name": "missing"}]}}),
+            80,
+            "the Ingress frontend's plain HTTP port",
+        ),
+    ] {
+        let listeners =
+            json!([{"name": "http", "protocol": "HTTP", "port": free_port()}, listener]);
+        let (allowed, message, _) = judge(
+            GATEWAY,
+            "clash",
+            gateway_json("clash", "haptic", listeners.clone()),
+        )
+        .await;
+        assert!(!allowed);
+        for part in [
+            "Gateway default/clash".to_owned(),
+            format!("spec.listeners[1].port \"{port}\""),
+            said.to_owned(),
+        ] {
+            assert!(message.contains(&part), "{part:?} not in {message}");
+        }
+        assert_eq!(
+            judge(GATEWAY, "clash", gateway_json("clash", "theirs", listeners)).await,
+            (true, String::new(), Vec::new())
+        );
+    }
     // An HTTPS listener whose Secret does not exist: the API's answer is ResolvedRefs=False.
     let https = json!([{"name": "https", "protocol": "HTTPS", "port": free_port(),
         "tls": {"certificateRefs": [{"name": "missing"}]}}]);

@@ -311,7 +311,49 @@ pub enum Derivation {
         /// [`gateway::DEFAULT_GATEWAY_CONTROLLER`].
         #[serde(default = "default_gateway_controller")]
         controller_name: String,
+        /// Ports no listener may take: what HAProxy's pods already serve besides routes (the
+        /// agent's API and probe ports, a stats or metrics frontend). A listener on one is not
+        /// rendered and shows `Accepted: False`, reason `PortUnavailable`; the webhook denies
+        /// it. Default none; the reference config lists the agent's 9090 and 9091
+        /// (deploy/haproxy.yaml).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        reserved_ports: Vec<u16>,
+        /// The Ingress frontend's ports (the reference templates' `extraContext.haproxy`
+        /// `http_port` and `https_port`; keep them equal): a listener of the same protocol
+        /// shares that frontend, one of the other protocol is `PortUnavailable`. Default 80
+        /// and 443.
+        #[serde(default)]
+        ingress_ports: IngressPorts,
     },
+}
+
+/// The ports of the Ingress frontend ([`Derivation::GatewayApi`]'s `ingressPorts`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IngressPorts {
+    /// Plain HTTP (default 80).
+    #[serde(default = "default_http_port")]
+    pub http: u16,
+    /// HTTPS (default 443).
+    #[serde(default = "default_https_port")]
+    pub https: u16,
+}
+
+impl Default for IngressPorts {
+    fn default() -> Self {
+        Self {
+            http: default_http_port(),
+            https: default_https_port(),
+        }
+    }
+}
+
+const fn default_http_port() -> u16 {
+    80
+}
+
+const fn default_https_port() -> u16 {
+    443
 }
 
 fn default_gateway_controller() -> String {
@@ -1976,6 +2018,8 @@ fn compute(derivation: &Derivation, slot: Slot, inputs: &[Source<'_>]) -> Value 
                 controller_name,
                 gateways: gateway_store,
                 http_routes: route_store,
+                reserved_ports,
+                ingress_ports,
                 ..
             },
             [
@@ -2001,6 +2045,10 @@ fn compute(derivation: &Derivation, slot: Slot, inputs: &[Source<'_>]) -> Value 
                 secrets: *secrets,
                 namespaces: *namespaces,
                 pods: *pods,
+            },
+            &gateway::Ports {
+                reserved: reserved_ports,
+                ingress: *ingress_ports,
             },
             controller_name,
         ),
@@ -2888,7 +2936,9 @@ mod tests {
                         "referenceGrants": "referencegrants", "services": "services",
                         "endpointSlices": "endpointslices", "secrets": "secrets",
                         "namespaces": "namespaces", "pods": "haproxy_pods",
-                        "controllerName": "haproxy-haptic.org/gateway-controller"},
+                        "controllerName": "haproxy-haptic.org/gateway-controller",
+                        "reservedPorts": [9090, 9091],
+                        "ingressPorts": {"http": 80, "https": 443}},
         });
         // The controller name and `classless` have defaults.
         let short: Derivation = serde_json::from_value(json!({"kind": "ingresses",

@@ -167,6 +167,9 @@ pub fn derivations() -> [(&'static str, Derivation); 9] {
                 namespaces: "namespaces".to_owned(),
                 pods: "haproxy_pods".to_owned(),
                 controller_name: crate::derived::gateway::DEFAULT_GATEWAY_CONTROLLER.to_owned(),
+                // The agent's API and probe ports (deploy/haproxy.yaml).
+                reserved_ports: vec![9090, 9091],
+                ingress_ports: crate::derived::IngressPorts::default(),
             },
         ),
     ]

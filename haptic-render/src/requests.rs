@@ -20,7 +20,7 @@ use serde::Serialize;
 use tera::{Kwargs, State, Tera, Value};
 
 /// An Event a template asked for with `record_event(object=, type=, reason=, message=)`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
 pub struct EventRequest {
     /// The object's `apiVersion`, when it has one.
     pub api_version: Option<String>,
@@ -70,9 +70,11 @@ pub struct Requests {
 impl Requests {
     /// Appends `other`, keeping each event once and the last value of each status field.
     pub(crate) fn extend(&mut self, other: Self) {
-        for event in other.events {
-            if !self.events.contains(&event) {
-                self.events.push(event);
+        // By a set, not by a scan per event: a render may ask for an Event per object.
+        if !other.events.is_empty() {
+            let mut seen: EventSet = self.events.iter().cloned().collect();
+            for event in other.events {
+                put_event(&mut self.events, &mut seen, event);
             }
         }
         if other.statuses.is_empty() {
@@ -103,6 +105,17 @@ type StatusKey = (String, String, Option<String>, String, String);
 /// Where each status field is in a list of status requests.
 type StatusIndex = std::collections::HashMap<StatusKey, usize>;
 
+/// The Events already in a list of event requests.
+type EventSet = std::collections::HashSet<EventRequest>;
+
+/// Adds `event` to `events` unless it is there already.
+fn put_event(events: &mut Vec<EventRequest>, seen: &mut EventSet, event: EventRequest) {
+    if !seen.contains(&event) {
+        seen.insert(event.clone());
+        events.push(event);
+    }
+}
+
 fn status_key(s: &StatusRequest) -> StatusKey {
     (
         s.api_version.clone(),
@@ -125,9 +138,9 @@ fn put_status(statuses: &mut Vec<StatusRequest>, index: &mut StatusIndex, status
 }
 
 thread_local! {
-    /// What the template running on this thread asked for so far, and where each status
-    /// field is in it.
-    static COLLECTED: RefCell<(Requests, StatusIndex)> = RefCell::new(Default::default());
+    /// What the template running on this thread asked for so far, where each status field is
+    /// in it, and which Events it holds.
+    static COLLECTED: RefCell<(Requests, StatusIndex, EventSet)> = RefCell::new(Default::default());
 }
 
 /// Runs `f` (one template render on this thread) and returns what its templates asked for.
@@ -137,7 +150,7 @@ thread_local! {
 pub(crate) fn collect<T>(f: impl FnOnce() -> T) -> (T, Requests) {
     let outer = COLLECTED.with(|c| c.take());
     let out = f();
-    let (requests, _) = COLLECTED.with(|c| c.replace(outer));
+    let (requests, _, _) = COLLECTED.with(|c| c.replace(outer));
     (out, requests)
 }
 
@@ -152,13 +165,11 @@ pub(crate) fn replay(requests: Requests) {
         return;
     }
     COLLECTED.with(|c| {
-        let (collected, index) = &mut *c.borrow_mut();
+        let (collected, index, seen) = &mut *c.borrow_mut();
+        // Through this thread's set and index: a replay per reused row must not rebuild them.
         for event in requests.events {
-            if !collected.events.contains(&event) {
-                collected.events.push(event);
-            }
+            put_event(&mut collected.events, seen, event);
         }
-        // Through this thread's index: a replay per reused row must not rebuild one.
         for status in requests.statuses {
             put_status(&mut collected.statuses, index, status);
         }
@@ -213,10 +224,8 @@ pub(crate) fn register(tera: &mut Tera) {
                 return Err(error("record_event: the object has no metadata.name"));
             }
             COLLECTED.with(|c| {
-                let events = &mut c.borrow_mut().0.events;
-                if !events.contains(&request) {
-                    events.push(request);
-                }
+                let (requests, _, seen) = &mut *c.borrow_mut();
+                put_event(&mut requests.events, seen, request);
             });
             Ok(String::new())
         },
@@ -255,7 +264,7 @@ pub(crate) fn register(tera: &mut Tera) {
                 value,
             };
             COLLECTED.with(|c| {
-                let (requests, index) = &mut *c.borrow_mut();
+                let (requests, index, _) = &mut *c.borrow_mut();
                 put_status(&mut requests.statuses, index, request);
             });
             Ok(String::new())

@@ -145,8 +145,11 @@ fn apply(stores: &mut Stores, store: &str, resource: Json) {
 }
 
 fn world(names: &[&str]) -> World {
+    world_in(reference::stores().unwrap(), names)
+}
+
+fn world_in(mut stores: Stores, names: &[&str]) -> World {
     let (echo, echoes) = echoes(names);
-    let mut stores = reference::stores().unwrap();
     apply(
         &mut stores,
         "gatewayclasses",
@@ -245,10 +248,15 @@ impl World {
 
     /// As [`World::serve`], the Ingress frontend on `http_port`.
     fn serve_with(&self, port: u16, http_port: u16) -> Front {
+        self.serve_on(port, (http_port, free_port()))
+    }
+
+    /// As [`World::serve`], the Ingress frontend on `http_port` and `https_port`.
+    fn serve_on(&self, port: u16, (http_port, https_port): (u16, u16)) -> Front {
         let mut set = reference::template_set();
         set.extra_context.insert(
             "haproxy".into(),
-            json!({"maxconn": 1000, "http_port": http_port, "https_port": free_port(),
+            json!({"maxconn": 1000, "http_port": http_port, "https_port": https_port,
                 "bind_address": "127.0.0.1",
                 "timeout_connect": "2s", "timeout_client": "10s", "timeout_server": "10s",
                 "stats_socket": null, "route_debug": false, "health_checks": false}),
@@ -1414,4 +1422,92 @@ fn http_route_rewrite_host_and_full_path() {
         "Accepted=False/UnsupportedValue"
     );
     assert_eq!(f.to("prefix.example", "/"), "404");
+}
+
+/// The reference stores, the gateway view reserving `reserved` and knowing the Ingress
+/// frontend's ports as `ingress`.
+fn stores_with_ports(reserved: Vec<u16>, ingress: (u16, u16)) -> Stores {
+    let mut stores = Stores::new();
+    for (name, index) in reference::STORES {
+        stores
+            .add(
+                name,
+                haptic_render::StoreConfig::index_by(index.iter().copied()),
+            )
+            .unwrap();
+    }
+    for (name, mut derivation) in reference::derivations() {
+        if let haptic_render::Derivation::GatewayApi {
+            reserved_ports,
+            ingress_ports,
+            ..
+        } = &mut derivation
+        {
+            *reserved_ports = reserved.clone();
+            ingress_ports.http = ingress.0;
+            ingress_ports.https = ingress.1;
+        }
+        stores.derive(name, derivation).unwrap();
+    }
+    stores
+}
+
+#[test]
+fn a_listener_on_a_reserved_or_ingress_port_is_port_unavailable_and_others_keep_routing() {
+    // The agent beside HAProxy holds its port: a listener bound there would stop HAProxy from
+    // loading for every tenant.
+    let agent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let agent_port = agent.local_addr().unwrap().port();
+    let (http_port, https_port) = (free_port(), free_port());
+    let mut w = world_in(
+        stores_with_ports(vec![agent_port], (http_port, https_port)),
+        &["infra-backend-v1"],
+    );
+    let port = free_port();
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "gw",
+            json!([{"name": "http", "port": port, "protocol": "HTTP",
+                "allowedRoutes": {"namespaces": {"from": "All"}}}]),
+        ),
+    );
+    let mut clash = gateway(
+        "clash",
+        json!([
+            {"name": "agent", "port": agent_port, "protocol": "HTTP"},
+            {"name": "tls-on-http", "port": http_port, "protocol": "HTTPS",
+             "tls": {"certificateRefs": [{"name": "missing"}]}},
+            {"name": "http-on-https", "port": https_port, "protocol": "HTTP"},
+        ]),
+    );
+    clash["metadata"]["namespace"] = json!("web");
+    apply(&mut w.stores, "gateways", clash);
+    w.route(route(
+        "simple",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [{"backendRefs": to("infra-backend-v1")}]}),
+    ));
+    let f = w.serve_on(port, (http_port, https_port));
+    // HAProxy loaded (the agent's port is not bound twice) and the other tenant routes.
+    assert_eq!(f.to("example.com", "/"), "infra-backend-v1");
+    drop(agent);
+    let listeners = f.status("Gateway", "clash", "listeners");
+    for i in 0..3 {
+        let c = conditions(&listeners[i]["conditions"]);
+        assert!(
+            c.contains(&"Accepted=False/PortUnavailable".to_owned()),
+            "{i}: {c:?}"
+        );
+        assert!(
+            c.contains(&"Programmed=False/Invalid".to_owned()),
+            "{i}: {c:?}"
+        );
+    }
+    let ok = conditions(&f.status("Gateway", "gw", "listeners")[0]["conditions"]);
+    assert!(
+        ok.contains(&"Programmed=True/Programmed".to_owned()),
+        "{ok:?}"
+    );
 }

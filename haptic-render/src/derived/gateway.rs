@@ -45,6 +45,37 @@ pub(super) struct Inputs<'a> {
     pub(super) pods: Source<'a>,
 }
 
+/// The ports a listener may not take, or only with one protocol.
+pub(super) struct Ports<'a> {
+    /// What HAProxy's pods already serve besides routes.
+    pub(super) reserved: &'a [u16],
+    /// The Ingress frontend's ports.
+    pub(super) ingress: super::IngressPorts,
+}
+
+impl Ports<'_> {
+    /// Why a listener cannot have `port` with this protocol, if it cannot.
+    fn unavailable(&self, port: i64, https: bool) -> Option<String> {
+        let (http, tls) = (i64::from(self.ingress.http), i64::from(self.ingress.https));
+        if self.reserved.iter().any(|&p| i64::from(p) == port) {
+            Some(format!(
+                "port {port} is reserved: HAProxy's pods serve something else on it"
+            ))
+        } else if (port == http && https) || (port == tls && !https) {
+            let (theirs, ours) = if https {
+                ("plain HTTP", "HTTPS")
+            } else {
+                ("HTTPS", "HTTP")
+            };
+            Some(format!(
+                "port {port} is the Ingress frontend's {theirs} port: an {ours} listener cannot share it"
+            ))
+        } else {
+            None
+        }
+    }
+}
+
 fn js(value: &Value) -> Json {
     serde_json::to_value(value).unwrap_or(Json::Null)
 }
@@ -395,7 +426,12 @@ fn selects(selector: &Json, labels: &Json) -> bool {
 }
 
 /// The view: `{frontends, http_ports, https_ports, backends, statuses}`.
-pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) -> Value {
+pub(super) fn gateway_view(
+    slot: Slot,
+    inputs: &Inputs<'_>,
+    ports: &Ports<'_>,
+    controller: &str,
+) -> Value {
     let _ = slot;
     // Our classes.
     let mut classes = BTreeSet::new();
@@ -515,6 +551,19 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
                 ));
             } else if listener.problem.is_none() && !(1..=65535).contains(&port) {
                 listener.problem = Some(("PortUnavailable", "Invalid", format!("port {port}")));
+            } else if listener.problem.is_none()
+                && let Some(why) = ports.unavailable(port, listener.https)
+            {
+                // HAProxy would fail to load for every tenant (a port bound twice), or the
+                // listener would be silently not served: neither is rendered.
+                refuse(
+                    &mut refusals,
+                    (gateway_store, namespace.as_str(), name.as_str()),
+                    format!("spec.listeners[{}].port", listeners.len()),
+                    &port.to_string(),
+                    &why,
+                );
+                listener.problem = Some(("PortUnavailable", "Invalid", why));
             }
             let kinds = arr(l, "/allowedRoutes/kinds");
             if !kinds.is_empty() {
@@ -1280,7 +1329,9 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
         let hosts = listener_hosts.remove(&port).unwrap_or_default();
         let mut unless: HashMap<&Host, String> = HashMap::new();
         let mut used: BTreeSet<usize> = BTreeSet::new();
-        let match_rows: Vec<Json> = rows
+        // Template values built directly (no JSON in between): 10,000 routes make 20,000
+        // match rows, and converting them from JSON cost as much as building them.
+        let match_rows: Vec<Value> = rows
             .iter()
             .map(|m| {
                 used.insert(m.action);
@@ -1292,47 +1343,70 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
                         .collect()
                 });
                 let condition = format!("{}{not_theirs}", m.condition());
-                json!({
-                    "action": m.action,
-                    "condition": condition,
-                    "origin": [route_store, m.origin.0, m.origin.1],
-                })
+                super::row([
+                    ("condition", Value::from(condition)),
+                    ("action", Value::from(m.action)),
+                    ("origin", origin(route_store, &m.origin.0, &m.origin.1)),
+                ])
             })
             .collect();
-        let action_rows: Vec<Json> = used
+        let action_rows: Vec<Value> = used
             .iter()
             .map(|&i| {
                 let a = &actions[i];
                 let total: i64 = a.shares.iter().map(|(w, _)| *w).sum();
                 let mut upper = 0;
-                let shares: Vec<Json> = a
+                let shares: Vec<Value> = a
                     .shares
                     .iter()
                     .filter(|(w, _)| *w > 0)
                     .map(|(w, b)| {
                         upper += w;
-                        json!({"upper": upper, "backend": b})
+                        super::row([
+                            ("upper", Value::from(upper)),
+                            (
+                                "backend",
+                                b.as_deref().map_or_else(Value::none, Value::from),
+                            ),
+                        ])
                     })
                     .collect();
-                json!({
-                    "id": i,
-                    "request_headers": a.request_headers,
-                    "response_headers": a.response_headers,
-                    "redirect": a.redirect,
-                    "rewrite": a.rewrite,
-                    "total": total,
-                    "shares": shares,
-                    "origin": [route_store, a.origin.0, a.origin.1],
-                })
+                let json_value = |v: &Option<Json>| {
+                    v.as_ref()
+                        .map_or_else(Value::none, Value::from_serializable)
+                };
+                super::row([
+                    ("id", Value::from(i)),
+                    (
+                        "request_headers",
+                        Value::from_serializable(&a.request_headers),
+                    ),
+                    (
+                        "response_headers",
+                        Value::from_serializable(&a.response_headers),
+                    ),
+                    ("redirect", json_value(&a.redirect)),
+                    ("rewrite", json_value(&a.rewrite)),
+                    ("total", Value::from(total)),
+                    ("shares", Value::from(shares)),
+                    ("origin", origin(route_store, &a.origin.0, &a.origin.1)),
+                ])
             })
             .collect();
-        frontends.push(json!({
-            "port": port,
-            "https": https,
-            "certificates": certificates.get(&port).cloned().unwrap_or_default(),
-            "matches": match_rows,
-            "actions": action_rows,
-        }));
+        frontends.push((
+            port,
+            https,
+            super::row([
+                ("port", Value::from(port)),
+                ("https", Value::from(https)),
+                (
+                    "certificates",
+                    Value::from_serializable(&certificates.get(&port).cloned().unwrap_or_default()),
+                ),
+                ("matches", Value::from(match_rows)),
+                ("actions", Value::from(action_rows)),
+            ]),
+        ));
     }
 
     // Backends: the endpoints of each Service port the routes name.
@@ -1384,16 +1458,17 @@ pub(super) fn gateway_view(slot: Slot, inputs: &Inputs<'_>, controller: &str) ->
         .collect();
     let _ = sanitize;
 
-    let ports_of = |https: bool| -> Vec<Json> {
+    let ports_of = |https: bool| -> Vec<i64> {
         frontends
             .iter()
-            .filter(|f| f["https"] == https)
-            .map(|f| f["port"].clone())
+            .filter(|f| f.1 == https)
+            .map(|f| f.0)
             .collect()
     };
     let (http_ports, https_ports) = (ports_of(false), ports_of(true));
+    let frontends: Vec<Value> = frontends.into_iter().map(|f| f.2).collect();
     super::row([
-        ("frontends", Value::from_serializable(&frontends)),
+        ("frontends", Value::from(frontends)),
         ("http_ports", Value::from_serializable(&http_ports)),
         ("https_ports", Value::from_serializable(&https_ports)),
         ("backends", Value::from(backend_rows)),

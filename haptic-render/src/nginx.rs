@@ -133,17 +133,25 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "a Secret of the Ingress's own namespace (`name`, or `<own namespace>/name`; another namespace is refused) whose key `auth` holds htpasswd lines; bcrypt (`htpasswd -B`), SHA-256/512-crypt and MD5-crypt hashes are accepted, apr1 (htpasswd's default) and {SHA} are not (HAProxy checks passwords with crypt(3)): the webhook denies them; a stored Ingress keeps the users it can check, and with none (or no such Secret) every request gets 401; the Secret must carry the label `haproxy-haptic.org/auth-secret: \"true\"`: the controller watches only Secrets so labelled, never an application's other Secrets",
     ),
     refused("auth-snippet"),
-    lost(
+    supported(
+        "auth-tls-error-page",
+        "a URL (http or https) a client whose certificate is missing or fails verification is redirected to (302) instead of the 400",
+    ),
+    differs(
+        "auth-tls-pass-certificate-to-upstream",
+        "`true`: the backend gets the client certificate in the header `ssl-client-cert`, URL-encoded PEM as ingress-nginx sends it, except that the base64 body is one line (NGINX wraps it at 64 characters); ssl-client-verify (`SUCCESS`, `NONE` or `FAILED:<code>`), ssl-client-subject-dn and ssl-client-issuer-dn (RFC 2253) are sent whenever auth-tls-secret applies",
+    ),
+    differs(
         "auth-tls-secret",
-        "client certificates are not requested or verified yet (it needs the Secret's ca.crt on the crt-list line of each of the Ingress's TLS hosts); fail closed: with auth-tls-verify-client `on` (the default) or `optional`, the webhook denies the Ingress and a stored one's routes answer every request with 403; with `off` or `optional_no_ca` nothing was enforced and the routes are served",
+        "a Secret of the Ingress's own namespace (`name`, or `<own namespace>/name`; another namespace is refused: ingress-nginx could read any namespace's) whose key `ca.crt` holds the CA certificates; it must carry the label `haproxy-haptic.org/auth-secret: \"true\"` (the controller watches only Secrets so labelled) and not be of type kubernetes.io/tls (copy ca.crt into an Opaque Secret); the CA goes on the crt-list line of the Ingress's own TLS hosts, so a host whose certificate line comes from another Ingress does not ask for client certificates and the route fails closed (400); a missing Secret or one without ca.crt: the webhook denies the Ingress, a stored one's routes answer 403",
     ),
-    lost(
+    supported(
         "auth-tls-verify-client",
-        "client certificates are not requested or verified yet: see auth-tls-secret (`on` and `optional` fail closed)",
+        "`on` (default): a request without a certificate the CA verifies gets 400; `optional`: one without a certificate passes, one with a certificate that fails gets 400; `optional_no_ca`: a certificate is asked for, not verified, and passed on; `off`: not asked for; another value is denied by the webhook and a stored Ingress is treated as `on`",
     ),
-    lost(
+    differs(
         "auth-tls-verify-depth",
-        "client certificates are not requested or verified yet: see auth-tls-secret",
+        "validated (1 to 100) and not applied: HAProxy verifies the client's chain to the CA at any depth",
     ),
     supported(
         "auth-type",
@@ -547,6 +555,56 @@ pub struct Policy {
     pub www_redirect: bool,
     /// `service-upstream: "true"`: the Service's cluster IP, not its endpoints.
     pub service_upstream: bool,
+    /// `auth-tls-secret` with `auth-tls-verify-client` other than `off`.
+    pub client_tls: Option<ClientTls>,
+}
+
+/// Client certificates as `auth-tls-secret` and the auth-tls-* annotations ask.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ClientTls {
+    /// The Secret (in the Ingress's namespace) holding `ca.crt`; empty when the annotation
+    /// names another namespace or no valid name (every request is then denied).
+    pub secret: String,
+    /// `on`, `optional` or `optional_no_ca`.
+    pub verify: &'static str,
+    /// `auth-tls-pass-certificate-to-upstream: "true"`.
+    pub pass_certificate: bool,
+    /// `auth-tls-error-page`: where a refused client is redirected.
+    pub error_page: Option<String>,
+}
+
+/// The verification `auth-tls-verify-client` asks (`on` for an invalid value: fail closed),
+/// none for `off`.
+fn verify_client(value: Option<&str>) -> Option<&'static str> {
+    match value.unwrap_or("on") {
+        "off" => None,
+        "optional" => Some("optional"),
+        "optional_no_ca" => Some("optional_no_ca"),
+        _ => Some("on"),
+    }
+}
+
+/// The name of the Secret of the Ingress of `namespace` whose `ca.crt` goes on its crt-list
+/// lines (`auth-tls-secret`, when `auth-tls-verify-client` is not `off`), or `""`: the one
+/// reading of the annotation the crt-list (filter `nginx_client_ca`) and the routes share.
+pub fn client_ca(namespace: &str, annotations: &[(&str, &str)]) -> String {
+    let get = |name: &str| value(annotations, name);
+    let Some(secret) = get("auth-tls-secret") else {
+        return String::new();
+    };
+    if verify_client(get("auth-tls-verify-client")).is_none() {
+        return String::new();
+    }
+    let name = match secret.split_once('/') {
+        Some((ns, name)) if ns == namespace => name,
+        Some(_) => return String::new(),
+        None => secret,
+    };
+    if is_name(name) {
+        name.to_owned()
+    } else {
+        String::new()
+    }
 }
 
 /// A canary Ingress's traffic split (`canary-*`): header, then cookie, then weight.
@@ -620,6 +678,7 @@ impl Default for Policy {
             canary: None,
             www_redirect: false,
             service_upstream: false,
+            client_tls: None,
         }
     }
 }
@@ -991,6 +1050,7 @@ impl Policy {
         let canary = flag("canary");
         let www_redirect = flag("from-to-www-redirect") == Some(true);
         policy.service_upstream = flag("service-upstream") == Some(true);
+        let pass_certificate = flag("auth-tls-pass-certificate-to-upstream") == Some(true);
         let code = match get("permanent-redirect-code") {
             None => 301,
             Some(code) => match code.parse::<u16>() {
@@ -1298,20 +1358,50 @@ impl Policy {
                 );
             }
         }
-        // Client certificates that cannot be verified must not open the route: every client is
-        // denied (403), as an allow-list that cannot be applied.
-        if let Some(secret) = get("auth-tls-secret") {
-            let verify = get("auth-tls-verify-client").unwrap_or("on");
-            if matches!(verify, "on" | "optional") {
+        // Client certificates: a Secret that cannot be read must not open the route (every
+        // client is denied, as an allow-list that cannot be applied).
+        let verify_value = get("auth-tls-verify-client");
+        if let Some(v) = verify_value
+            && !matches!(v, "on" | "off" | "optional" | "optional_no_ca")
+        {
+            bad(
+                "auth-tls-verify-client",
+                format!("{v:?} is not on, off, optional or optional_no_ca"),
+                "`on` applies",
+            );
+        }
+        if let Some(depth) = get("auth-tls-verify-depth")
+            && !depth.parse::<u8>().is_ok_and(|d| (1..=100).contains(&d))
+        {
+            bad(
+                "auth-tls-verify-depth",
+                format!("{depth:?} is not a number from 1 to 100"),
+                "not applied",
+            );
+        }
+        if let (Some(secret), Some(verify)) = (get("auth-tls-secret"), verify_client(verify_value))
+        {
+            let name = client_ca(namespace, annotations);
+            if name.is_empty() {
                 bad(
                     "auth-tls-secret",
-                    format!(
-                        "{secret:?}: client certificates (auth-tls-verify-client {verify}) are not verified by HAPTIC yet"
-                    ),
+                    format!("{secret:?} is not a Secret of the Ingress's own namespace"),
                     "every client is denied (403)",
                 );
-                policy.allow = Some(Sources::Invalid);
             }
+            let error_page = get("auth-tls-error-page").and_then(|url| match parse_url(url) {
+                Ok(url) => Some(url),
+                Err(reason) => {
+                    bad("auth-tls-error-page", reason, "a refused client gets 400");
+                    None
+                }
+            });
+            policy.client_tls = Some(ClientTls {
+                secret: name,
+                verify,
+                pass_certificate,
+                error_page,
+            });
         }
         // An authentication that cannot be applied must not open the route.
         if policy.auth.is_none() && get("auth-type").is_some_and(|t| !t.is_empty()) {
@@ -1379,6 +1469,7 @@ impl Policy {
             canary: _,
             www_redirect: _,
             service_upstream,
+            client_tls,
         } = self;
         allow.is_some()
             || deny.is_some()
@@ -1400,6 +1491,7 @@ impl Policy {
             || limit_rps.is_some()
             || limit_connections.is_some()
             || *service_upstream
+            || client_tls.is_some()
     }
 
     /// A short id of the policy (16 hex digits of its sha256): the same policies share it.
@@ -1573,6 +1665,29 @@ impl Policy {
         put(
             "rewrite_target",
             opt(self.rewrite_target.as_deref().map(tera::Value::from)),
+        );
+        put(
+            "client_tls",
+            opt(self.client_tls.as_ref().map(|c| {
+                let mut map = tera::value::Map::new();
+                let mut put = |key: &'static str, value: tera::Value| {
+                    map.insert(tera::value::Key::Str(key), value);
+                };
+                put("secret", tera::Value::from(c.secret.as_str()));
+                put("verify", tera::Value::from(c.verify));
+                put("pass_certificate", tera::Value::from(c.pass_certificate));
+                put(
+                    "error_page",
+                    opt(c.error_page.as_deref().map(|u| {
+                        tera::Value::from(
+                            u.replace('%', "%%")
+                                .replace("$request_uri", "%[url]")
+                                .replace("$host", "%[req.hdr(host)]"),
+                        )
+                    })),
+                );
+                tera::Value::from(map)
+            })),
         );
         tera::Value::from(map)
     }

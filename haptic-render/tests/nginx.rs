@@ -74,7 +74,7 @@ fn echo_backends(plain: u16, tls: u16, h2c: u16) -> Running {
         "global\n    maxconn 100\n    default-path config\n\
          defaults\n    mode http\n    timeout connect 2s\n    timeout client 10s\n    timeout server 10s\n\
          frontend plain\n    bind 127.0.0.1:{plain}\n    bind 127.0.0.2:{plain}\n\
-         \x20   http-request return status 200 content-type text/plain lf-string \"uri=%[url] host=%[req.hdr(host)] prefix=%[req.fhdr(x-forwarded-prefix)] ver=%[req.ver] dst=%[dst]\"\n\
+         \x20   http-request return status 200 content-type text/plain lf-string \"uri=%[url] host=%[req.hdr(host)] prefix=%[req.fhdr(x-forwarded-prefix)] ver=%[req.ver] cv=%[req.fhdr(ssl-client-verify)] cs=%[req.fhdr(ssl-client-subject-dn)] cc=%[req.fhdr(ssl-client-cert)] dst=%[dst]\"\n\
          frontend tls\n    bind 127.0.0.1:{tls} ssl crt echo.pem alpn h2,http/1.1\n\
          \x20   http-request return status 200 content-type text/plain lf-string \"tls=%[ssl_fc] ver=%[req.ver]\"\n\
          frontend h2c\n    bind 127.0.0.1:{h2c} proto h2\n\
@@ -1232,37 +1232,171 @@ fn service_upstream_goes_to_the_cluster_ip() {
 
 /// auth-tls-secret cannot be applied yet: with verification on (the default) or optional, the
 /// route fails closed (403) and an Event says why; with it off, the route is served.
+/// A CA (certificate PEM) and a client certificate it signed for `name` (certificate and key
+/// PEM).
+fn client_pki(name: &str) -> (String, String, String) {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(rcgen::DnType::CommonName, format!("{name} CA"));
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let issuer = rcgen::Issuer::new(ca, ca_key);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut client = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    client
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, name);
+    let cert = client.signed_by(&key, &issuer).unwrap();
+    (ca_cert.pem(), cert.pem(), key.serialize_pem())
+}
+
+/// `GET https://host/` on `port` through curl (the server's certificate not checked), with the
+/// client certificate `cert` (files: certificate, key): status and body; status 0 when the
+/// handshake failed.
+fn https_get(
+    port: u16,
+    host: &str,
+    cert: Option<(&std::path::Path, &std::path::Path)>,
+) -> (u16, String) {
+    let mut cmd = Command::new("curl");
+    cmd.args([
+        "-sk",
+        "--max-time",
+        "10",
+        "-w",
+        "\n%{http_code}",
+        "--resolve",
+    ])
+    .arg(format!("{host}:{port}:127.0.0.1"))
+    .arg(format!("https://{host}:{port}/"));
+    if let Some((c, k)) = cert {
+        cmd.arg("--cert").arg(c).arg("--key").arg(k);
+    }
+    let out = cmd.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+    (code.trim().parse().unwrap_or(0), body.to_owned())
+}
+
 #[test]
-fn client_certificates_that_cannot_be_verified_fail_closed() {
+fn client_certificates_verified_against_the_secret_ca() {
     let ports = (free_port(), free_port(), free_port());
     let _echo = echo_backends(ports.0, ports.1, ports.2);
     let mut s = stores();
     service(&mut s, "a", "web", ports);
-    for (name, verify) in [
-        ("on", None),
-        ("optional", Some("optional")),
-        ("off", Some("off")),
+    let (ca, alice, alice_key) = client_pki("alice");
+    let (_, mallory, mallory_key) = client_pki("mallory");
+    let b64 = |t: &str| {
+        use base64::Engine as _;
+        base64::engine::general_purpose::STANDARD.encode(t)
+    };
+    apply(
+        &mut s,
+        "auth_secrets",
+        json!({"metadata": {"namespace": "a", "name": "client-ca",
+                "labels": {"haproxy-haptic.org/auth-secret": "true"}},
+            "type": "Opaque", "data": {"ca.crt": b64(&ca)}}),
+    );
+    apply(
+        &mut s,
+        "auth_secrets",
+        json!({"metadata": {"namespace": "b", "name": "client-ca",
+                "labels": {"haproxy-haptic.org/auth-secret": "true"}},
+            "type": "Opaque", "data": {"ca.crt": b64(&ca)}}),
+    );
+    apply(&mut s, "secrets", fixtures::tls_secret("a", "tls"));
+    for (name, annotations) in [
+        (
+            "on",
+            &[
+                ("auth-tls-secret", "a/client-ca"),
+                ("auth-tls-pass-certificate-to-upstream", "true"),
+            ][..],
+        ),
+        (
+            "optional",
+            &[
+                ("auth-tls-secret", "client-ca"),
+                ("auth-tls-verify-client", "optional"),
+            ][..],
+        ),
+        (
+            "errorpage",
+            &[
+                ("auth-tls-secret", "client-ca"),
+                ("auth-tls-error-page", "https://login.example.com/cert"),
+            ][..],
+        ),
+        ("missing", &[("auth-tls-secret", "nope")][..]),
+        ("theirs", &[("auth-tls-secret", "b/client-ca")][..]),
+        (
+            "off",
+            &[
+                ("auth-tls-secret", "nope"),
+                ("auth-tls-verify-client", "off"),
+            ][..],
+        ),
     ] {
-        let mut annotations = vec![("auth-tls-secret", "a/client-ca")];
-        if let Some(verify) = verify {
-            annotations.push(("auth-tls-verify-client", verify));
-        }
-        apply(
-            &mut s,
-            "ingresses",
-            ingress(name, &format!("{name}.example.com"), "/", 80, &annotations),
-        );
+        let host = format!("{name}.example.com");
+        let mut ing = ingress(name, &host, "/", 80, annotations);
+        ing["spec"]["tls"] = json!([{"hosts": [host], "secretName": "tls"}]);
+        apply(&mut s, "ingresses", ing);
     }
     let f = front(&s);
-    assert_eq!(f.get("on.example.com", "/").status, 403);
-    assert_eq!(f.get("optional.example.com", "/").status, 403);
-    assert_eq!(f.get("off.example.com", "/").status, 200);
+    let dir = tempfile::tempdir().unwrap();
+    let files = |name: &str, cert: &str, key: &str| {
+        let (c, k) = (
+            dir.path().join(format!("{name}.crt")),
+            dir.path().join(format!("{name}.key")),
+        );
+        std::fs::write(&c, cert).unwrap();
+        std::fs::write(&k, key).unwrap();
+        (c, k)
+    };
+    let alice = files("alice", &alice, &alice_key);
+    let mallory = files("mallory", &mallory, &mallory_key);
+    let alice = Some((alice.0.as_path(), alice.1.as_path()));
+    let mallory = Some((mallory.0.as_path(), mallory.1.as_path()));
+
+    // `on`: only a certificate the CA signed passes; the backend learns who.
+    let (status, body) = https_get(f.https, "on.example.com", alice);
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("cv=SUCCESS cs=CN=alice "), "{body}");
     assert!(
-        f.events("on", "AnnotationInvalid").iter().any(|m| m.contains(
-            "nginx.ingress.kubernetes.io/auth-tls-secret: \"a/client-ca\": client certificates (auth-tls-verify-client on) are not verified by HAPTIC yet: every client is denied (403)"
-        )),
+        body.contains("cc=-----BEGIN%20CERTIFICATE-----%0AMII"),
+        "{body}"
+    );
+    assert_eq!(https_get(f.https, "on.example.com", None).0, 400);
+    assert_eq!(https_get(f.https, "on.example.com", mallory).0, 400);
+    // Plain HTTP goes to HTTPS first (the host has a certificate), as with ingress-nginx.
+    assert_eq!(f.get("on.example.com", "/").status, 308);
+    // `optional`: no certificate passes, a bad one does not.
+    let (status, body) = https_get(f.https, "optional.example.com", None);
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("cv=NONE "), "{body}");
+    assert_eq!(https_get(f.https, "optional.example.com", alice).0, 200);
+    assert_eq!(https_get(f.https, "optional.example.com", mallory).0, 400);
+    // auth-tls-error-page: a redirect instead of the 400.
+    assert_eq!(https_get(f.https, "errorpage.example.com", mallory).0, 302);
+    assert_eq!(https_get(f.https, "errorpage.example.com", alice).0, 200);
+    // A Secret that is missing, or of another namespace: every client is denied.
+    assert_eq!(https_get(f.https, "missing.example.com", alice).0, 403);
+    assert_eq!(https_get(f.https, "theirs.example.com", alice).0, 403);
+    assert!(
+        f.events("missing", "AnnotationInvalid").iter().any(|m| m
+            .contains("nginx.ingress.kubernetes.io/auth-tls-secret: Secret nope does not exist")),
         "{:?}",
         f.events
     );
+    assert!(
+        f.events("theirs", "AnnotationInvalid")
+            .iter()
+            .any(|m| m.contains("\"b/client-ca\" is not a Secret of the Ingress's own namespace")),
+        "{:?}",
+        f.events
+    );
+    // `off`: no certificate asked for, the route served.
+    assert_eq!(https_get(f.https, "off.example.com", None).0, 200);
     assert!(f.events("off", "AnnotationInvalid").is_empty());
 }

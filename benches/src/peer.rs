@@ -241,6 +241,19 @@ fn register(env: &mut Environment<'static>) {
             (Err(e), None) => Err(invalid(format!("b64decode: {e}"))),
         }
     });
+    env.add_filter("nginx_client_ca", |ingress: Value| -> String {
+        let json = serde_json::to_value(&ingress).unwrap_or_default();
+        let namespace = json["metadata"]["namespace"].as_str().unwrap_or_default();
+        let pairs: Vec<(&str, &str)> = json["metadata"]["annotations"]
+            .as_object()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|(k, v)| Some((k.as_str(), v.as_str()?)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        haptic_render::nginx::client_ca(namespace, &pairs)
+    });
     env.add_filter("trim_end", |s: &str, kwargs: Kwargs| -> Result<String> {
         let pat: Option<String> = kwargs.get("pat")?;
         kwargs.assert_all_used()?;

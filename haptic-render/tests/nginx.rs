@@ -1230,8 +1230,6 @@ fn service_upstream_goes_to_the_cluster_ip() {
     }
 }
 
-/// auth-tls-secret cannot be applied yet: with verification on (the default) or optional, the
-/// route fails closed (403) and an Event says why; with it off, the route is served.
 /// A CA (certificate PEM) and a client certificate it signed for `name` (certificate and key
 /// PEM).
 fn client_pki(name: &str) -> (String, String, String) {
@@ -1279,6 +1277,10 @@ fn https_get(
     (code.trim().parse().unwrap_or(0), body.to_owned())
 }
 
+/// auth-tls-*: a certificate the Secret's CA signed passes, another or none gets 400 (`on`),
+/// `optional` admits none, auth-tls-error-page redirects, the backend learns the verdict and
+/// the certificate; a Secret missing or of another namespace fails closed (403, an Event);
+/// `off` asks nothing.
 #[test]
 fn client_certificates_verified_against_the_secret_ca() {
     let ports = (free_port(), free_port(), free_port());

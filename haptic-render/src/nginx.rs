@@ -1936,6 +1936,61 @@ mod tests {
     }
 
     #[test]
+    fn client_certificate_values_are_parsed_and_invalid_ones_named() {
+        let parse = |pairs: &[(&str, &str)]| {
+            let owned: Vec<(String, &str)> = pairs
+                .iter()
+                .map(|(k, v)| (format!("{PREFIX}{k}"), *v))
+                .collect();
+            let pairs: Vec<(&str, &str)> = owned.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+            let (policy, invalid) = Policy::parse_in("shop", &pairs);
+            let names: Vec<String> = invalid.into_iter().map(|i| i.annotation).collect();
+            (policy.client_tls, names, client_ca("shop", &pairs))
+        };
+        let (tls, invalid, ca) = parse(&[
+            ("auth-tls-secret", "shop/ca"),
+            ("auth-tls-verify-client", "optional"),
+            ("auth-tls-verify-depth", "2"),
+            ("auth-tls-pass-certificate-to-upstream", "true"),
+            ("auth-tls-error-page", "https://x.example.com/err"),
+        ]);
+        assert_eq!(invalid, Vec::<String>::new());
+        assert_eq!(ca, "ca");
+        assert_eq!(
+            tls,
+            Some(ClientTls {
+                secret: "ca".to_owned(),
+                verify: "optional",
+                pass_certificate: true,
+                error_page: Some("https://x.example.com/err".to_owned()),
+            })
+        );
+        // `off` asks nothing; another namespace, a bad mode or depth are named, and fail
+        // closed (no CA on the crt-list, `on`).
+        let (tls, _, ca) = parse(&[("auth-tls-secret", "ca"), ("auth-tls-verify-client", "off")]);
+        assert_eq!((tls, ca.as_str()), (None, ""));
+        let (tls, invalid, ca) = parse(&[
+            ("auth-tls-secret", "other/ca"),
+            ("auth-tls-verify-client", "sometimes"),
+            ("auth-tls-verify-depth", "0"),
+            ("auth-tls-error-page", "/relative"),
+        ]);
+        assert_eq!(ca, "");
+        let tls = tls.expect("fails closed");
+        assert_eq!((tls.secret.as_str(), tls.verify), ("", "on"));
+        assert_eq!(
+            invalid,
+            [
+                "auth-tls-verify-client",
+                "auth-tls-verify-depth",
+                "auth-tls-secret",
+                "auth-tls-error-page"
+            ]
+            .map(|n| format!("{PREFIX}{n}"))
+        );
+    }
+
+    #[test]
     fn canary_values_are_parsed_and_invalid_ones_named() {
         let with = |pairs: &[(&str, &str)]| {
             let owned: Vec<(String, String)> = pairs

@@ -272,21 +272,29 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "proxy-send-timeout",
         "HAProxy has one server inactivity timeout for both directions: `timeout server` is the larger of proxy-read-timeout and proxy-send-timeout",
     ),
-    lost(
+    supported(
         "proxy-ssl-name",
-        "not applied yet: TLS to the backend comes from backend-protocol HTTPS or GRPCS (or appProtocol https), whose certificate is not verified and which presents no client certificate (it needs the Secret's ca.crt and tls.crt as files of the set on the backend's server lines)",
+        "a host name: the SNI sent (with proxy-ssl-server-name `on`) and, with proxy-ssl-verify `on`, the name the backend's certificate must carry (HAProxy's `verifyhost`); without it the certificate's chain alone is verified",
     ),
-    lost(
+    differs(
+        "proxy-ssl-protocols",
+        "TLSv1, TLSv1.1, TLSv1.2, TLSv1.3 separated by spaces: HAProxy's `ssl-min-ver` and `ssl-max-ver`, the lowest to the highest named (a range: a protocol between two named ones is allowed too)",
+    ),
+    differs(
         "proxy-ssl-secret",
-        "not applied yet: TLS to the backend comes from backend-protocol HTTPS or GRPCS (or appProtocol https), whose certificate is not verified and which presents no client certificate (it needs the Secret's ca.crt and tls.crt as files of the set on the backend's server lines)",
+        "a Secret of the Ingress's own namespace (`name`, or `<own namespace>/name`; another namespace is refused) labelled `haproxy-haptic.org/auth-secret: \"true\"`, not of type kubernetes.io/tls, whose `ca.crt` verifies the backend (with proxy-ssl-verify `on`) and whose `tls.crt` and `tls.key`, when present, are the client certificate the backend is shown; applied to backends spoken to over TLS (backend-protocol HTTPS or GRPCS, or appProtocol https); a missing Secret or one without ca.crt: the webhook denies the Ingress, a stored one's routes answer 503",
     ),
-    lost(
+    supported(
         "proxy-ssl-server-name",
-        "not applied yet: TLS to the backend comes from backend-protocol HTTPS or GRPCS (or appProtocol https), whose certificate is not verified and which presents no client certificate (it needs the Secret's ca.crt and tls.crt as files of the set on the backend's server lines)",
+        "`on`: the SNI sent to the backend is proxy-ssl-name (the request's Host without it); `off` (default): none",
     ),
-    lost(
+    differs(
         "proxy-ssl-verify",
-        "not applied yet: TLS to the backend comes from backend-protocol HTTPS or GRPCS (or appProtocol https), whose certificate is not verified and which presents no client certificate (it needs the Secret's ca.crt and tls.crt as files of the set on the backend's server lines)",
+        "`on`: the backend's certificate must chain to the proxy-ssl-secret's ca.crt (and carry proxy-ssl-name when set), else the request gets 503 (NGINX answered 502); `off` (default): not verified",
+    ),
+    differs(
+        "proxy-ssl-verify-depth",
+        "validated (1 to 100) and not applied: HAProxy verifies the backend's chain to the CA at any depth",
     ),
     differs(
         "rewrite-target",
@@ -557,6 +565,25 @@ pub struct Policy {
     pub service_upstream: bool,
     /// `auth-tls-secret` with `auth-tls-verify-client` other than `off`.
     pub client_tls: Option<ClientTls>,
+    /// `proxy-ssl-secret` and the proxy-ssl-* annotations.
+    pub backend_tls: Option<BackendTls>,
+}
+
+/// TLS to the backend as `proxy-ssl-secret` and the proxy-ssl-* annotations ask.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct BackendTls {
+    /// The Secret (in the Ingress's namespace) holding `ca.crt` (and the client certificate);
+    /// empty when the annotation names another namespace or no valid name (every request then
+    /// gets 503).
+    pub secret: String,
+    /// `proxy-ssl-verify: on`.
+    pub verify: bool,
+    /// `proxy-ssl-name`.
+    pub name: Option<String>,
+    /// `proxy-ssl-server-name: on`.
+    pub server_name: bool,
+    /// `proxy-ssl-protocols`: the lowest and the highest, as HAProxy names them.
+    pub protocols: Option<(&'static str, &'static str)>,
 }
 
 /// Client certificates as `auth-tls-secret` and the auth-tls-* annotations ask.
@@ -679,6 +706,7 @@ impl Default for Policy {
             www_redirect: false,
             service_upstream: false,
             client_tls: None,
+            backend_tls: None,
         }
     }
 }
@@ -1403,6 +1431,86 @@ impl Policy {
                 error_page,
             });
         }
+        // TLS to the backend: a Secret that cannot be read must not send requests to a backend
+        // that was to be verified (503).
+        let on_off = |name: &str, bad: &mut dyn FnMut(&str, String, &'static str)| match get(name) {
+            None | Some("off") => false,
+            Some("on") => true,
+            Some(other) => {
+                bad(
+                    name,
+                    format!("{other:?} is not \"on\" or \"off\""),
+                    "`off` applies",
+                );
+                false
+            }
+        };
+        if let Some(depth) = get("proxy-ssl-verify-depth")
+            && !depth.parse::<u8>().is_ok_and(|d| (1..=100).contains(&d))
+        {
+            bad(
+                "proxy-ssl-verify-depth",
+                format!("{depth:?} is not a number from 1 to 100"),
+                "not applied",
+            );
+        }
+        if let Some(secret) = get("proxy-ssl-secret") {
+            let name = match secret.split_once('/') {
+                Some((ns, name)) if ns == namespace => name,
+                Some(_) => "",
+                None => secret,
+            };
+            let name = if is_name(name) { name } else { "" };
+            if name.is_empty() {
+                bad(
+                    "proxy-ssl-secret",
+                    format!("{secret:?} is not a Secret of the Ingress's own namespace"),
+                    "every request gets 503",
+                );
+            }
+            let verify = on_off("proxy-ssl-verify", &mut bad);
+            let server_name = on_off("proxy-ssl-server-name", &mut bad);
+            let ssl_name = get("proxy-ssl-name").and_then(|n| {
+                if crate::functions::is_hostname(n) {
+                    Some(n.to_owned())
+                } else {
+                    bad(
+                        "proxy-ssl-name",
+                        format!("{n:?} is not a lowercase host name"),
+                        "not applied",
+                    );
+                    None
+                }
+            });
+            let protocols = get("proxy-ssl-protocols").and_then(|value| {
+                const KNOWN: [&str; 4] = ["TLSv1", "TLSv1.1", "TLSv1.2", "TLSv1.3"];
+                let named: Option<Vec<usize>> = value
+                    .split_whitespace()
+                    .map(|p| KNOWN.iter().position(|k| *k == p))
+                    .collect();
+                match named {
+                    Some(named) if !named.is_empty() => Some((
+                        KNOWN[*named.iter().min().unwrap_or(&2)],
+                        KNOWN[*named.iter().max().unwrap_or(&3)],
+                    )),
+                    _ => {
+                        bad(
+                            "proxy-ssl-protocols",
+                            format!("{value:?} is not a list of TLSv1, TLSv1.1, TLSv1.2, TLSv1.3"),
+                            "HAProxy's defaults apply",
+                        );
+                        None
+                    }
+                }
+            });
+            policy.backend_tls = Some(BackendTls {
+                secret: name.to_owned(),
+                verify,
+                name: ssl_name,
+                server_name,
+                protocols,
+            });
+        }
         // An authentication that cannot be applied must not open the route.
         if policy.auth.is_none() && get("auth-type").is_some_and(|t| !t.is_empty()) {
             policy.auth = Some((String::new(), "Authentication Required".to_owned()));
@@ -1470,6 +1578,7 @@ impl Policy {
             www_redirect: _,
             service_upstream,
             client_tls,
+            backend_tls,
         } = self;
         allow.is_some()
             || deny.is_some()
@@ -1492,6 +1601,7 @@ impl Policy {
             || limit_connections.is_some()
             || *service_upstream
             || client_tls.is_some()
+            || backend_tls.is_some()
     }
 
     /// A short id of the policy (16 hex digits of its sha256): the same policies share it.
@@ -1685,6 +1795,28 @@ impl Policy {
                                 .replace("$host", "%[req.hdr(host)]"),
                         )
                     })),
+                );
+                tera::Value::from(map)
+            })),
+        );
+        put(
+            "backend_tls",
+            opt(self.backend_tls.as_ref().map(|t| {
+                let mut map = tera::value::Map::new();
+                let mut put = |key: &'static str, value: tera::Value| {
+                    map.insert(tera::value::Key::Str(key), value);
+                };
+                put("secret", tera::Value::from(t.secret.as_str()));
+                put("verify", tera::Value::from(t.verify));
+                put("name", opt(t.name.as_deref().map(tera::Value::from)));
+                put("server_name", tera::Value::from(t.server_name));
+                put(
+                    "min_ver",
+                    opt(t.protocols.map(|(min, _)| tera::Value::from(min))),
+                );
+                put(
+                    "max_ver",
+                    opt(t.protocols.map(|(_, max)| tera::Value::from(max))),
                 );
                 tera::Value::from(map)
             })),

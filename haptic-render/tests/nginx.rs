@@ -37,7 +37,16 @@ fn free_port() -> u16 {
 
 /// Starts HAProxy on `dir/haproxy.cfg` and waits, with a bound, until `ports` accept.
 fn start(dir: tempfile::TempDir, ports: &[u16]) -> Running {
-    let child = Command::new(common::haproxy())
+    start_in(dir, ports, false)
+}
+
+/// [`start`], in the set's directory (`-C`) when `chdir`: as the agent runs HAProxy.
+fn start_in(dir: tempfile::TempDir, ports: &[u16], chdir: bool) -> Running {
+    let mut command = Command::new(common::haproxy());
+    if chdir {
+        command.arg("-C").arg(dir.path());
+    }
+    let child = command
         .arg("-db")
         .arg("-f")
         .arg(dir.path().join("haproxy.cfg"))
@@ -229,6 +238,13 @@ struct Front {
 }
 
 fn front(stores: &Stores) -> Front {
+    front_in(stores, false)
+}
+
+/// [`front`]; with `chdir`, HAProxy checks and runs in the set's directory (`-C`), as the
+/// agent and the render gate run it: HAProxy 2.6 reads a server's `crt` after parsing,
+/// relative to its working directory, not to `default-path config`.
+fn front_in(stores: &Stores, chdir: bool) -> Front {
     let (http, https) = (free_port(), free_port());
     let mut set = reference::template_set();
     set.extra_context.insert(
@@ -240,12 +256,28 @@ fn front(stores: &Stores) -> Front {
     let (files, requests) = Renderer::compile(&set).unwrap().render_all(stores).unwrap();
     let dir = tempfile::tempdir().unwrap();
     files.write_to(dir.path()).unwrap();
-    common::check_dir(dir.path());
+    if chdir {
+        let check = Command::new(common::haproxy())
+            .arg("-c")
+            .arg("-C")
+            .arg(dir.path())
+            .arg("-f")
+            .arg(dir.path().join("haproxy.cfg"))
+            .output()
+            .unwrap();
+        assert!(
+            check.status.success(),
+            "{}",
+            String::from_utf8_lossy(&check.stderr)
+        );
+    } else {
+        common::check_dir(dir.path());
+    }
     Front {
         http,
         https,
         events: requests.events,
-        _running: start(dir, &[http]),
+        _running: start_in(dir, &[http], chdir),
     }
 }
 
@@ -1401,4 +1433,131 @@ fn client_certificates_verified_against_the_secret_ca() {
     // `off`: no certificate asked for, the route served.
     assert_eq!(https_get(f.https, "off.example.com", None).0, 200);
     assert!(f.events("off", "AnnotationInvalid").is_empty());
+}
+
+/// A CA and a certificate it signed (certificate and key PEM) for `sans` (a client
+/// certificate with a common name when empty).
+fn issued(ca_name: &str, cn: &str, sans: &[&str]) -> (String, String, String) {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(rcgen::DnType::CommonName, ca_name);
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let issuer = rcgen::Issuer::new(ca, ca_key);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut leaf =
+        rcgen::CertificateParams::new(sans.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>())
+            .unwrap();
+    leaf.distinguished_name.push(rcgen::DnType::CommonName, cn);
+    let cert = leaf.signed_by(&key, &issuer).unwrap();
+    (ca_cert.pem(), cert.pem(), key.serialize_pem())
+}
+
+/// proxy-ssl-*: the backend's certificate verified against the Secret's ca.crt and the
+/// proxy-ssl-name (503 when it does not match), the Secret's client certificate shown to a
+/// backend that requires one, proxy-ssl-name sent as SNI; a Secret that is missing fails
+/// closed (503, an Event).
+#[test]
+fn backend_tls_verified_with_the_secret_and_a_client_certificate() {
+    // The backend: TLS with a certificate for backend.internal, requiring a client
+    // certificate of its own CA, answering with the SNI and the client's name.
+    let (server_ca, server_cert, server_key) =
+        issued("server CA", "backend", &["backend.internal"]);
+    let (client_ca, client_cert, client_key) = issued("client CA", "haptic", &[]);
+    let (other_ca, _, _) = issued("other CA", "x", &["backend.internal"]);
+    let tls = free_port();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("server.pem"),
+        format!("{server_cert}{server_key}"),
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("client-ca.pem"), &client_ca).unwrap();
+    std::fs::write(
+        dir.path().join("haproxy.cfg"),
+        format!(
+            "global\n    maxconn 100\n    default-path config\n\
+             defaults\n    mode http\n    timeout connect 2s\n    timeout client 10s\n    timeout server 10s\n\
+             frontend tls\n    bind 127.0.0.1:{tls} ssl crt server.pem ca-file client-ca.pem verify required\n\
+             \x20   http-request return status 200 content-type text/plain lf-string \"sni=%[ssl_fc_sni] client=%[ssl_c_s_dn(cn)]\"\n"
+        ),
+    )
+    .unwrap();
+    let _backend = start(dir, &[tls]);
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    service(&mut s, "a", "web", (ports.0, tls, ports.2));
+    let b64 = |t: &str| {
+        use base64::Engine as _;
+        base64::engine::general_purpose::STANDARD.encode(t)
+    };
+    for (name, ca) in [("backend-tls", &server_ca), ("wrong-ca", &other_ca)] {
+        apply(
+            &mut s,
+            "auth_secrets",
+            json!({"metadata": {"namespace": "a", "name": name,
+                    "labels": {"haproxy-haptic.org/auth-secret": "true"}},
+                "type": "Opaque", "data": {"ca.crt": b64(ca), "tls.crt": b64(&client_cert),
+                    "tls.key": b64(&client_key)}}),
+        );
+    }
+    let https = [("backend-protocol", "HTTPS")];
+    for (name, annotations) in [
+        (
+            "verified",
+            vec![
+                ("proxy-ssl-secret", "a/backend-tls"),
+                ("proxy-ssl-verify", "on"),
+                ("proxy-ssl-name", "backend.internal"),
+                ("proxy-ssl-server-name", "on"),
+                ("proxy-ssl-protocols", "TLSv1.2 TLSv1.3"),
+            ],
+        ),
+        (
+            "wrong-name",
+            vec![
+                ("proxy-ssl-secret", "backend-tls"),
+                ("proxy-ssl-verify", "on"),
+                ("proxy-ssl-name", "other.internal"),
+            ],
+        ),
+        (
+            "wrong-ca",
+            vec![("proxy-ssl-secret", "wrong-ca"), ("proxy-ssl-verify", "on")],
+        ),
+        ("unverified", vec![("proxy-ssl-secret", "wrong-ca")]),
+        ("missing", vec![("proxy-ssl-secret", "nope")]),
+        ("plain", vec![]),
+    ] {
+        let mut all = https.to_vec();
+        all.extend(annotations);
+        apply(
+            &mut s,
+            "ingresses",
+            ingress(name, &format!("{name}.example.com"), "/", 443, &all),
+        );
+    }
+    let f = front_in(&s, true);
+    let verified = f.get("verified.example.com", "/");
+    assert_eq!(verified.status, 200, "{verified:?}");
+    assert_eq!(verified.body, "sni=backend.internal client=haptic");
+    // A certificate that does not verify: HAProxy gives the connection up (503).
+    assert_eq!(f.get("wrong-name.example.com", "/").status, 503);
+    assert_eq!(f.get("wrong-ca.example.com", "/").status, 503);
+    // Not verified: the client certificate is still shown (the backend requires one).
+    let unverified = f.get("unverified.example.com", "/");
+    assert_eq!(unverified.status, 200, "{unverified:?}");
+    assert_eq!(unverified.body, "sni= client=haptic");
+    // Without proxy-ssl-secret the backend refuses the handshake: no client certificate.
+    let plain = f.get("plain.example.com", "/").status;
+    assert!(matches!(plain, 502 | 503), "{plain}");
+    assert_eq!(f.get("missing.example.com", "/").status, 503);
+    assert!(
+        f.events("missing", "AnnotationInvalid").iter().any(|m| m
+            .contains("nginx.ingress.kubernetes.io/proxy-ssl-secret: Secret nope does not exist")),
+        "{:?}",
+        f.events
+    );
 }

@@ -271,6 +271,17 @@ async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate()
                 "nginx.ingress.kubernetes.io/auth-tls-verify-client": "maybe"}),
             "nginx.ingress.kubernetes.io/auth-tls-verify-client: \"maybe\" is not on, off, optional or optional_no_ca",
         ),
+        (
+            json!({"nginx.ingress.kubernetes.io/backend-protocol": "HTTPS",
+                "nginx.ingress.kubernetes.io/proxy-ssl-secret": "no-ca",
+                "nginx.ingress.kubernetes.io/proxy-ssl-verify": "on"}),
+            "metadata.annotations[nginx.ingress.kubernetes.io/proxy-ssl-secret] \"no-ca\" cannot be applied: Secret no-ca does not exist",
+        ),
+        (
+            json!({"nginx.ingress.kubernetes.io/proxy-ssl-secret": "ca",
+                "nginx.ingress.kubernetes.io/proxy-ssl-verify": "yes"}),
+            "nginx.ingress.kubernetes.io/proxy-ssl-verify: \"yes\" is not \"on\" or \"off\"",
+        ),
     ] {
         let mut tls = ingress_json("legacy", "legacy.example.com");
         tls["metadata"]["annotations"] = annotations;

@@ -1433,16 +1433,21 @@ impl Policy {
         }
         // TLS to the backend: a Secret that cannot be read must not send requests to a backend
         // that was to be verified (503).
-        let on_off = |name: &str, bad: &mut dyn FnMut(&str, String, &'static str)| match get(name) {
-            None | Some("off") => false,
-            Some("on") => true,
-            Some(other) => {
-                bad(
-                    name,
-                    format!("{other:?} is not \"on\" or \"off\""),
-                    "`off` applies",
-                );
-                false
+        // An invalid proxy-ssl-verify verifies (fail closed); an invalid server-name sends none.
+        let on_off = |name: &str,
+                      invalid: (bool, &'static str),
+                      bad: &mut dyn FnMut(&str, String, &'static str)| {
+            match get(name) {
+                None | Some("off") => false,
+                Some("on") => true,
+                Some(other) => {
+                    bad(
+                        name,
+                        format!("{other:?} is not \"on\" or \"off\""),
+                        invalid.1,
+                    );
+                    invalid.0
+                }
             }
         };
         if let Some(depth) = get("proxy-ssl-verify-depth")
@@ -1468,8 +1473,8 @@ impl Policy {
                     "every request gets 503",
                 );
             }
-            let verify = on_off("proxy-ssl-verify", &mut bad);
-            let server_name = on_off("proxy-ssl-server-name", &mut bad);
+            let verify = on_off("proxy-ssl-verify", (true, "`on` applies"), &mut bad);
+            let server_name = on_off("proxy-ssl-server-name", (false, "`off` applies"), &mut bad);
             let ssl_name = get("proxy-ssl-name").and_then(|n| {
                 if crate::functions::is_hostname(n) {
                     Some(n.to_owned())
@@ -2117,6 +2122,59 @@ mod tests {
                 "auth-tls-verify-depth",
                 "auth-tls-secret",
                 "auth-tls-error-page"
+            ]
+            .map(|n| format!("{PREFIX}{n}"))
+        );
+    }
+
+    #[test]
+    fn backend_tls_values_are_parsed_and_invalid_ones_named() {
+        let parse = |pairs: &[(&str, &str)]| {
+            let owned: Vec<(String, &str)> = pairs
+                .iter()
+                .map(|(k, v)| (format!("{PREFIX}{k}"), *v))
+                .collect();
+            let pairs: Vec<(&str, &str)> = owned.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+            let (policy, invalid) = Policy::parse_in("shop", &pairs);
+            let names: Vec<String> = invalid.into_iter().map(|i| i.annotation).collect();
+            (policy.backend_tls, names)
+        };
+        let (tls, invalid) = parse(&[
+            ("proxy-ssl-secret", "shop/upstream"),
+            ("proxy-ssl-verify", "on"),
+            ("proxy-ssl-name", "api.internal"),
+            ("proxy-ssl-server-name", "on"),
+            ("proxy-ssl-protocols", "TLSv1.3 TLSv1.2"),
+            ("proxy-ssl-verify-depth", "2"),
+        ]);
+        assert_eq!(invalid, Vec::<String>::new());
+        assert_eq!(
+            tls,
+            Some(BackendTls {
+                secret: "upstream".to_owned(),
+                verify: true,
+                name: Some("api.internal".to_owned()),
+                server_name: true,
+                protocols: Some(("TLSv1.2", "TLSv1.3")),
+            })
+        );
+        let (tls, invalid) = parse(&[
+            ("proxy-ssl-secret", "other/upstream"),
+            ("proxy-ssl-verify", "yes"),
+            ("proxy-ssl-name", "Not A Host"),
+            ("proxy-ssl-protocols", "SSLv3"),
+            ("proxy-ssl-verify-depth", "x"),
+        ]);
+        let tls = tls.expect("fails closed");
+        assert_eq!((tls.secret.as_str(), tls.verify), ("", true));
+        assert_eq!(
+            invalid,
+            [
+                "proxy-ssl-verify-depth",
+                "proxy-ssl-secret",
+                "proxy-ssl-verify",
+                "proxy-ssl-name",
+                "proxy-ssl-protocols"
             ]
             .map(|n| format!("{PREFIX}{n}"))
         );

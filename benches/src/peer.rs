@@ -64,7 +64,9 @@ fn resolve<'a>(json: &'a Json, path: &str) -> Option<&'a Json> {
 #[derive(Debug, Clone)]
 pub struct PeerContext {
     base: Value,
-    secrets: Vec<Value>,
+    /// The Secrets of the stores certificates are rendered per item of (`secrets`,
+    /// `auth_secrets`).
+    secrets: BTreeMap<String, Vec<Value>>,
 }
 
 impl PeerContext {
@@ -86,7 +88,7 @@ impl PeerContext {
         };
         let (mut resources, mut by_name, mut by_index) =
             (BTreeMap::new(), BTreeMap::new(), BTreeMap::new());
-        let mut secrets = Vec::new();
+        let mut secrets = BTreeMap::new();
         for (store, index_by) in reference::STORES {
             let mut items = lists.remove(store).unwrap_or_default();
             items.sort_by_key(|r| (meta(r, "namespace"), meta(r, "name")));
@@ -110,8 +112,8 @@ impl PeerContext {
                         .push(value.clone());
                 }
             }
-            if store == "secrets" {
-                secrets.clone_from(&values);
+            if store == "secrets" || store == "auth_secrets" {
+                secrets.insert(store.to_owned(), values.clone());
             }
             resources.insert(store.to_owned(), Value::from(values));
             by_name.insert(store.to_owned(), Value::from(names));
@@ -154,7 +156,7 @@ impl PeerContext {
 pub struct PeerRenderer {
     env: Environment<'static>,
     outputs: Vec<(String, String)>,
-    per_secret: Vec<String>,
+    per_secret: Vec<(String, String)>,
 }
 
 impl PeerRenderer {
@@ -180,7 +182,9 @@ impl PeerRenderer {
             let template = format!("sslCertificates.{name}");
             env.add_template_owned(template.clone(), c.template.clone())?;
             match c.for_each.as_deref() {
-                Some("secrets") => per_secret.push(template),
+                Some(store @ ("secrets" | "auth_secrets")) => {
+                    per_secret.push((template, store.to_owned()));
+                }
                 Some(other) => return Err(invalid(format!("forEach `{other}` unsupported"))),
                 None => outputs.push((template, format!("ssl/{name}.pem"))),
             }
@@ -202,9 +206,9 @@ impl PeerRenderer {
             let text = self.env.get_template(template)?.render(&context.base)?;
             files.insert(path.clone(), text.into_bytes());
         }
-        for template in &self.per_secret {
+        for (template, store) in &self.per_secret {
             let template = self.env.get_template(template)?;
-            for secret in &context.secrets {
+            for secret in context.secrets.get(store).into_iter().flatten() {
                 let text = template.render(context! { item => secret, ..context.base.clone() })?;
                 if text.trim().is_empty() {
                     continue;
@@ -240,6 +244,19 @@ fn register(env: &mut Environment<'static>) {
             (Err(_), Some(default)) => Ok(default),
             (Err(e), None) => Err(invalid(format!("b64decode: {e}"))),
         }
+    });
+    env.add_filter("nginx_client_ca", |ingress: Value| -> String {
+        let json = serde_json::to_value(&ingress).unwrap_or_default();
+        let namespace = json["metadata"]["namespace"].as_str().unwrap_or_default();
+        let pairs: Vec<(&str, &str)> = json["metadata"]["annotations"]
+            .as_object()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|(k, v)| Some((k.as_str(), v.as_str()?)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        haptic_render::nginx::client_ca(namespace, &pairs)
     });
     env.add_filter("trim_end", |s: &str, kwargs: Kwargs| -> Result<String> {
         let pat: Option<String> = kwargs.get("pat")?;

@@ -1457,6 +1457,33 @@ mod tests {
     }
 
     #[test]
+    fn a_crt_list_ca_file_in_the_set_is_allowed() {
+        // ingress-nginx's auth-tls-secret: the CA a client certificate is verified against is
+        // a file of the set on the host's crt-list line; one outside the set is refused.
+        let line = |ca: &str| {
+            set("frontend f\n  bind :443 ssl crt-list maps/certs.list ca-ignore-err all crt-ignore-err all\n")
+                .with(
+                    "maps/certs.list",
+                    format!("ssl/a_tls.pem [ca-file {ca} verify optional] a.example\n"),
+                )
+                .and_then(|s| s.with("ssl/a_tls.pem", "pem"))
+                .and_then(|s| s.with("ssl/a_client-ca.pem", "ca"))
+                .expect("set")
+        };
+        let found = |files: &FileSet| -> Vec<String> {
+            Policy::default()
+                .violations(files)
+                .iter()
+                .map(ToString::to_string)
+                .collect()
+        };
+        assert_eq!(found(&line("ssl/a_client-ca.pem")), Vec::<String>::new());
+        let outside = found(&line("../ca.pem"));
+        assert_eq!(outside.len(), 1, "{outside:?}");
+        assert!(outside[0].starts_with("maps/certs.list:1: crt-list ca-file: "));
+    }
+
+    #[test]
     fn a_change_is_checked_by_what_it_changes_with_the_result_of_a_whole_check() {
         let policy = Policy::default();
         let base = set("global\n  crt-base certs\nfrontend f\n  bind :443 ssl crt-list l.list\n")

@@ -255,6 +255,46 @@ async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate()
         message.contains("metadata.annotations[nginx.ingress.kubernetes.io/auth-secret] \"no-such-secret\" cannot be applied: Secret no-such-secret does not exist"),
         "{message}"
     );
+    // Client certificates: a CA Secret that does not exist, one of another namespace, a
+    // verification mode ingress-nginx does not know: denied, naming the annotation.
+    for (annotations, want) in [
+        (
+            json!({"nginx.ingress.kubernetes.io/auth-tls-secret": "no-ca"}),
+            "metadata.annotations[nginx.ingress.kubernetes.io/auth-tls-secret] \"no-ca\" cannot be applied: Secret no-ca does not exist",
+        ),
+        (
+            json!({"nginx.ingress.kubernetes.io/auth-tls-secret": "other/ca"}),
+            "nginx.ingress.kubernetes.io/auth-tls-secret: \"other/ca\" is not a Secret of the Ingress's own namespace",
+        ),
+        (
+            json!({"nginx.ingress.kubernetes.io/auth-tls-secret": "ca",
+                "nginx.ingress.kubernetes.io/auth-tls-verify-client": "maybe"}),
+            "nginx.ingress.kubernetes.io/auth-tls-verify-client: \"maybe\" is not on, off, optional or optional_no_ca",
+        ),
+        (
+            json!({"nginx.ingress.kubernetes.io/backend-protocol": "HTTPS",
+                "nginx.ingress.kubernetes.io/proxy-ssl-secret": "no-ca",
+                "nginx.ingress.kubernetes.io/proxy-ssl-verify": "on"}),
+            "metadata.annotations[nginx.ingress.kubernetes.io/proxy-ssl-secret] \"no-ca\" cannot be applied: Secret no-ca does not exist",
+        ),
+        (
+            json!({"nginx.ingress.kubernetes.io/proxy-ssl-secret": "ca",
+                "nginx.ingress.kubernetes.io/proxy-ssl-verify": "yes"}),
+            "nginx.ingress.kubernetes.io/proxy-ssl-verify: \"yes\" is not \"on\" or \"off\"",
+        ),
+    ] {
+        let mut tls = ingress_json("legacy", "legacy.example.com");
+        tls["metadata"]["annotations"] = annotations;
+        let (_, answer) = post(
+            &trusting,
+            port,
+            review("CREATE", INGRESS, "legacy", tls, Value::Null),
+        )
+        .await;
+        let (allowed, message, _) = response(&answer);
+        assert!(!allowed, "{answer}");
+        assert!(message.contains(want), "{message}");
+    }
     // An htpasswd Secret is read only when labelled haproxy-haptic.org/auth-secret: "true"
     // (the controller watches no other Opaque Secret): unlabelled, the Ingress is denied, the
     // message saying what to do; labelled, the controller's store sees it and it is admitted.

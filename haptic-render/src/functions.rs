@@ -12,6 +12,7 @@
 //! | `sort_by` | filter | `{% for s in items \| sort_by(field="spec.priority", reverse=true) %}` | items by priority, highest first, missing last |
 //! | `group_by_field` | filter | `{% for g in slices \| group_by_field(field="metadata.namespace") %}{{ g.key }}: {{ g.items \| length }}{% endfor %}` | groups sorted by key |
 //! | `htpasswd` | filter | `{% set h = text \| htpasswd %}` | `{users: [{user, hash}], error}`: the htpasswd lines whose hashes HAProxy can check ([`crate::nginx::htpasswd`]), and why others are left out |
+//! | `nginx_client_ca` | filter | `{% set ca = ingress \| nginx_client_ca %}` | the Secret (of the Ingress's namespace) whose `ca.crt` verifies its clients (ingress-nginx's auth-tls-secret, [`crate::nginx::client_ca`]), or `""` |
 //! | `http_path` | test | `{% if p.path is http_path %}` | true for `/`-rooted paths without whitespace, control characters or `#` |
 //! | `hostname` | test | `{% if rule.host is hostname %}` | true for non-wildcard DNS names (lowercase letters, digits, `-`, `.`) |
 //! | `wildcard_host` | test | `{% if rule.host is wildcard_host %}` | true for `*.` followed by such a name |
@@ -149,6 +150,27 @@ pub fn b64decode(input: &str) -> Result<String> {
         .decode(input.trim())
         .map_err(|e| Error::Base64(e.to_string()))?;
     String::from_utf8(bytes).map_err(|_| Error::NotUtf8)
+}
+
+/// The Secret of an Ingress's namespace whose `ca.crt` verifies its clients
+/// ([`crate::nginx::client_ca`] of its `metadata.namespace` and `metadata.annotations`), or `""`.
+pub fn nginx_client_ca(ingress: &Value) -> String {
+    let text = |v: Option<&Value>| v.and_then(Value::as_str).unwrap_or_default().to_owned();
+    let metadata = ingress.as_map().and_then(|m| m.get(&Key::Str("metadata")));
+    let field = |name: &'static str| metadata.and_then(|m| m.as_map()?.get(&Key::Str(name)));
+    let namespace = text(field("namespace"));
+    let Some(annotations) = field("annotations").and_then(Value::as_map) else {
+        return String::new();
+    };
+    let pairs: Vec<(String, String)> = annotations
+        .iter()
+        .filter_map(|(k, v)| Some((k.as_str()?.to_owned(), v.as_str()?.to_owned())))
+        .collect();
+    let pairs: Vec<(&str, &str)> = pairs
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    crate::nginx::client_ca(&namespace, &pairs)
 }
 
 /// The path, inside a rendered file set, of the certificate rendered for the Secret
@@ -352,6 +374,9 @@ pub(crate) fn register(tera: &mut Tera) {
             }
         },
     );
+    tera.register_filter("nginx_client_ca", |ingress: Value, _: Kwargs, _: &State| {
+        nginx_client_ca(&ingress)
+    });
     tera.register_filter("htpasswd", |s: &str, _: Kwargs, _: &State| {
         let (users, error) = crate::nginx::htpasswd(s);
         let mut map = tera::value::Map::new();

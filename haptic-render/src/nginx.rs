@@ -133,17 +133,25 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "a Secret of the Ingress's own namespace (`name`, or `<own namespace>/name`; another namespace is refused) whose key `auth` holds htpasswd lines; bcrypt (`htpasswd -B`), SHA-256/512-crypt and MD5-crypt hashes are accepted, apr1 (htpasswd's default) and {SHA} are not (HAProxy checks passwords with crypt(3)): the webhook denies them; a stored Ingress keeps the users it can check, and with none (or no such Secret) every request gets 401; the Secret must carry the label `haproxy-haptic.org/auth-secret: \"true\"`: the controller watches only Secrets so labelled, never an application's other Secrets",
     ),
     refused("auth-snippet"),
-    lost(
+    supported(
+        "auth-tls-error-page",
+        "a URL (http or https) a client whose certificate is missing or fails verification is redirected to (302) instead of the 400",
+    ),
+    differs(
+        "auth-tls-pass-certificate-to-upstream",
+        "`true`: the backend gets the client certificate in the header `ssl-client-cert`, URL-encoded PEM as ingress-nginx sends it, except that the base64 body is one line (NGINX wraps it at 64 characters); ssl-client-verify (`SUCCESS`, `NONE` or `FAILED:<code>`), ssl-client-subject-dn and ssl-client-issuer-dn (RFC 2253) are sent whenever auth-tls-secret applies",
+    ),
+    differs(
         "auth-tls-secret",
-        "client certificates are not requested or verified yet (it needs the Secret's ca.crt on the crt-list line of each of the Ingress's TLS hosts); fail closed: with auth-tls-verify-client `on` (the default) or `optional`, the webhook denies the Ingress and a stored one's routes answer every request with 403; with `off` or `optional_no_ca` nothing was enforced and the routes are served",
+        "a Secret of the Ingress's own namespace (`name`, or `<own namespace>/name`; another namespace is refused: ingress-nginx could read any namespace's) whose key `ca.crt` holds the CA certificates; it must carry the label `haproxy-haptic.org/auth-secret: \"true\"` (the controller watches only Secrets so labelled) and not be of type kubernetes.io/tls (copy ca.crt into an Opaque Secret); the CA goes on the crt-list line of the Ingress's own TLS hosts, so a host whose certificate line comes from another Ingress does not ask for client certificates and the route fails closed (400); a missing Secret or one without ca.crt: the webhook denies the Ingress, a stored one's routes answer 403",
     ),
-    lost(
+    supported(
         "auth-tls-verify-client",
-        "client certificates are not requested or verified yet: see auth-tls-secret (`on` and `optional` fail closed)",
+        "`on` (default): a request without a certificate the CA verifies gets 400; `optional`: one without a certificate passes, one with a certificate that fails gets 400; `optional_no_ca`: a certificate is asked for, not verified, and passed on; `off`: not asked for; another value is denied by the webhook and a stored Ingress is treated as `on`",
     ),
-    lost(
+    differs(
         "auth-tls-verify-depth",
-        "client certificates are not requested or verified yet: see auth-tls-secret",
+        "validated (1 to 100) and not applied: HAProxy verifies the client's chain to the CA at any depth",
     ),
     supported(
         "auth-type",
@@ -264,21 +272,29 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "proxy-send-timeout",
         "HAProxy has one server inactivity timeout for both directions: `timeout server` is the larger of proxy-read-timeout and proxy-send-timeout",
     ),
-    lost(
+    supported(
         "proxy-ssl-name",
-        "not applied yet: TLS to the backend comes from backend-protocol HTTPS or GRPCS (or appProtocol https), whose certificate is not verified and which presents no client certificate (it needs the Secret's ca.crt and tls.crt as files of the set on the backend's server lines)",
+        "a host name: the SNI sent (with proxy-ssl-server-name `on`) and, with proxy-ssl-verify `on`, the name the backend's certificate must carry (HAProxy's `verifyhost`); without it the certificate's chain alone is verified",
     ),
-    lost(
+    differs(
+        "proxy-ssl-protocols",
+        "TLSv1, TLSv1.1, TLSv1.2, TLSv1.3 separated by spaces: HAProxy's `ssl-min-ver` and `ssl-max-ver`, the lowest to the highest named (a range: a protocol between two named ones is allowed too)",
+    ),
+    differs(
         "proxy-ssl-secret",
-        "not applied yet: TLS to the backend comes from backend-protocol HTTPS or GRPCS (or appProtocol https), whose certificate is not verified and which presents no client certificate (it needs the Secret's ca.crt and tls.crt as files of the set on the backend's server lines)",
+        "a Secret of the Ingress's own namespace (`name`, or `<own namespace>/name`; another namespace is refused) labelled `haproxy-haptic.org/auth-secret: \"true\"`, not of type kubernetes.io/tls, whose `ca.crt` verifies the backend (with proxy-ssl-verify `on`) and whose `tls.crt` and `tls.key`, when present, are the client certificate the backend is shown; applied to backends spoken to over TLS (backend-protocol HTTPS or GRPCS, or appProtocol https); a missing Secret or one without ca.crt: the webhook denies the Ingress, a stored one's routes answer 503",
     ),
-    lost(
+    supported(
         "proxy-ssl-server-name",
-        "not applied yet: TLS to the backend comes from backend-protocol HTTPS or GRPCS (or appProtocol https), whose certificate is not verified and which presents no client certificate (it needs the Secret's ca.crt and tls.crt as files of the set on the backend's server lines)",
+        "`on`: the SNI sent to the backend is proxy-ssl-name (the request's Host without it); `off` (default): none",
     ),
-    lost(
+    differs(
         "proxy-ssl-verify",
-        "not applied yet: TLS to the backend comes from backend-protocol HTTPS or GRPCS (or appProtocol https), whose certificate is not verified and which presents no client certificate (it needs the Secret's ca.crt and tls.crt as files of the set on the backend's server lines)",
+        "`on`: the backend's certificate must chain to the proxy-ssl-secret's ca.crt (and carry proxy-ssl-name when set), else the request gets 503 (NGINX answered 502); `off` (default): not verified",
+    ),
+    differs(
+        "proxy-ssl-verify-depth",
+        "validated (1 to 100) and not applied: HAProxy verifies the backend's chain to the CA at any depth",
     ),
     differs(
         "rewrite-target",
@@ -547,6 +563,75 @@ pub struct Policy {
     pub www_redirect: bool,
     /// `service-upstream: "true"`: the Service's cluster IP, not its endpoints.
     pub service_upstream: bool,
+    /// `auth-tls-secret` with `auth-tls-verify-client` other than `off`.
+    pub client_tls: Option<ClientTls>,
+    /// `proxy-ssl-secret` and the proxy-ssl-* annotations.
+    pub backend_tls: Option<BackendTls>,
+}
+
+/// TLS to the backend as `proxy-ssl-secret` and the proxy-ssl-* annotations ask.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct BackendTls {
+    /// The Secret (in the Ingress's namespace) holding `ca.crt` (and the client certificate);
+    /// empty when the annotation names another namespace or no valid name (every request then
+    /// gets 503).
+    pub secret: String,
+    /// `proxy-ssl-verify: on`.
+    pub verify: bool,
+    /// `proxy-ssl-name`.
+    pub name: Option<String>,
+    /// `proxy-ssl-server-name: on`.
+    pub server_name: bool,
+    /// `proxy-ssl-protocols`: the lowest and the highest, as HAProxy names them.
+    pub protocols: Option<(&'static str, &'static str)>,
+}
+
+/// Client certificates as `auth-tls-secret` and the auth-tls-* annotations ask.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ClientTls {
+    /// The Secret (in the Ingress's namespace) holding `ca.crt`; empty when the annotation
+    /// names another namespace or no valid name (every request is then denied).
+    pub secret: String,
+    /// `on`, `optional` or `optional_no_ca`.
+    pub verify: &'static str,
+    /// `auth-tls-pass-certificate-to-upstream: "true"`.
+    pub pass_certificate: bool,
+    /// `auth-tls-error-page`: where a refused client is redirected.
+    pub error_page: Option<String>,
+}
+
+/// The verification `auth-tls-verify-client` asks (`on` for an invalid value: fail closed),
+/// none for `off`.
+fn verify_client(value: Option<&str>) -> Option<&'static str> {
+    match value.unwrap_or("on") {
+        "off" => None,
+        "optional" => Some("optional"),
+        "optional_no_ca" => Some("optional_no_ca"),
+        _ => Some("on"),
+    }
+}
+
+/// The name of the Secret of the Ingress of `namespace` whose `ca.crt` goes on its crt-list
+/// lines (`auth-tls-secret`, when `auth-tls-verify-client` is not `off`), or `""`: the one
+/// reading of the annotation the crt-list (filter `nginx_client_ca`) and the routes share.
+pub fn client_ca(namespace: &str, annotations: &[(&str, &str)]) -> String {
+    let get = |name: &str| value(annotations, name);
+    let Some(secret) = get("auth-tls-secret") else {
+        return String::new();
+    };
+    if verify_client(get("auth-tls-verify-client")).is_none() {
+        return String::new();
+    }
+    let name = match secret.split_once('/') {
+        Some((ns, name)) if ns == namespace => name,
+        Some(_) => return String::new(),
+        None => secret,
+    };
+    if is_name(name) {
+        name.to_owned()
+    } else {
+        String::new()
+    }
 }
 
 /// A canary Ingress's traffic split (`canary-*`): header, then cookie, then weight.
@@ -620,6 +705,8 @@ impl Default for Policy {
             canary: None,
             www_redirect: false,
             service_upstream: false,
+            client_tls: None,
+            backend_tls: None,
         }
     }
 }
@@ -991,6 +1078,7 @@ impl Policy {
         let canary = flag("canary");
         let www_redirect = flag("from-to-www-redirect") == Some(true);
         policy.service_upstream = flag("service-upstream") == Some(true);
+        let pass_certificate = flag("auth-tls-pass-certificate-to-upstream") == Some(true);
         let code = match get("permanent-redirect-code") {
             None => 301,
             Some(code) => match code.parse::<u16>() {
@@ -1298,20 +1386,135 @@ impl Policy {
                 );
             }
         }
-        // Client certificates that cannot be verified must not open the route: every client is
-        // denied (403), as an allow-list that cannot be applied.
-        if let Some(secret) = get("auth-tls-secret") {
-            let verify = get("auth-tls-verify-client").unwrap_or("on");
-            if matches!(verify, "on" | "optional") {
+        // Client certificates: a Secret that cannot be read must not open the route (every
+        // client is denied, as an allow-list that cannot be applied).
+        let verify_value = get("auth-tls-verify-client");
+        if let Some(v) = verify_value
+            && !matches!(v, "on" | "off" | "optional" | "optional_no_ca")
+        {
+            bad(
+                "auth-tls-verify-client",
+                format!("{v:?} is not on, off, optional or optional_no_ca"),
+                "`on` applies",
+            );
+        }
+        if let Some(depth) = get("auth-tls-verify-depth")
+            && !depth.parse::<u8>().is_ok_and(|d| (1..=100).contains(&d))
+        {
+            bad(
+                "auth-tls-verify-depth",
+                format!("{depth:?} is not a number from 1 to 100"),
+                "not applied",
+            );
+        }
+        if let (Some(secret), Some(verify)) = (get("auth-tls-secret"), verify_client(verify_value))
+        {
+            let name = client_ca(namespace, annotations);
+            if name.is_empty() {
                 bad(
                     "auth-tls-secret",
-                    format!(
-                        "{secret:?}: client certificates (auth-tls-verify-client {verify}) are not verified by HAPTIC yet"
-                    ),
+                    format!("{secret:?} is not a Secret of the Ingress's own namespace"),
                     "every client is denied (403)",
                 );
-                policy.allow = Some(Sources::Invalid);
             }
+            let error_page = get("auth-tls-error-page").and_then(|url| match parse_url(url) {
+                Ok(url) => Some(url),
+                Err(reason) => {
+                    bad("auth-tls-error-page", reason, "a refused client gets 400");
+                    None
+                }
+            });
+            policy.client_tls = Some(ClientTls {
+                secret: name,
+                verify,
+                pass_certificate,
+                error_page,
+            });
+        }
+        // TLS to the backend: a Secret that cannot be read must not send requests to a backend
+        // that was to be verified (503).
+        // An invalid proxy-ssl-verify verifies (fail closed); an invalid server-name sends none.
+        let on_off = |name: &str,
+                      invalid: (bool, &'static str),
+                      bad: &mut dyn FnMut(&str, String, &'static str)| {
+            match get(name) {
+                None | Some("off") => false,
+                Some("on") => true,
+                Some(other) => {
+                    bad(
+                        name,
+                        format!("{other:?} is not \"on\" or \"off\""),
+                        invalid.1,
+                    );
+                    invalid.0
+                }
+            }
+        };
+        if let Some(depth) = get("proxy-ssl-verify-depth")
+            && !depth.parse::<u8>().is_ok_and(|d| (1..=100).contains(&d))
+        {
+            bad(
+                "proxy-ssl-verify-depth",
+                format!("{depth:?} is not a number from 1 to 100"),
+                "not applied",
+            );
+        }
+        if let Some(secret) = get("proxy-ssl-secret") {
+            let name = match secret.split_once('/') {
+                Some((ns, name)) if ns == namespace => name,
+                Some(_) => "",
+                None => secret,
+            };
+            let name = if is_name(name) { name } else { "" };
+            if name.is_empty() {
+                bad(
+                    "proxy-ssl-secret",
+                    format!("{secret:?} is not a Secret of the Ingress's own namespace"),
+                    "every request gets 503",
+                );
+            }
+            let verify = on_off("proxy-ssl-verify", (true, "`on` applies"), &mut bad);
+            let server_name = on_off("proxy-ssl-server-name", (false, "`off` applies"), &mut bad);
+            let ssl_name = get("proxy-ssl-name").and_then(|n| {
+                if crate::functions::is_hostname(n) {
+                    Some(n.to_owned())
+                } else {
+                    bad(
+                        "proxy-ssl-name",
+                        format!("{n:?} is not a lowercase host name"),
+                        "not applied",
+                    );
+                    None
+                }
+            });
+            let protocols = get("proxy-ssl-protocols").and_then(|value| {
+                const KNOWN: [&str; 4] = ["TLSv1", "TLSv1.1", "TLSv1.2", "TLSv1.3"];
+                let named: Option<Vec<usize>> = value
+                    .split_whitespace()
+                    .map(|p| KNOWN.iter().position(|k| *k == p))
+                    .collect();
+                match named {
+                    Some(named) if !named.is_empty() => Some((
+                        KNOWN[*named.iter().min().unwrap_or(&2)],
+                        KNOWN[*named.iter().max().unwrap_or(&3)],
+                    )),
+                    _ => {
+                        bad(
+                            "proxy-ssl-protocols",
+                            format!("{value:?} is not a list of TLSv1, TLSv1.1, TLSv1.2, TLSv1.3"),
+                            "HAProxy's defaults apply",
+                        );
+                        None
+                    }
+                }
+            });
+            policy.backend_tls = Some(BackendTls {
+                secret: name.to_owned(),
+                verify,
+                name: ssl_name,
+                server_name,
+                protocols,
+            });
         }
         // An authentication that cannot be applied must not open the route.
         if policy.auth.is_none() && get("auth-type").is_some_and(|t| !t.is_empty()) {
@@ -1379,6 +1582,8 @@ impl Policy {
             canary: _,
             www_redirect: _,
             service_upstream,
+            client_tls,
+            backend_tls,
         } = self;
         allow.is_some()
             || deny.is_some()
@@ -1400,6 +1605,8 @@ impl Policy {
             || limit_rps.is_some()
             || limit_connections.is_some()
             || *service_upstream
+            || client_tls.is_some()
+            || backend_tls.is_some()
     }
 
     /// A short id of the policy (16 hex digits of its sha256): the same policies share it.
@@ -1573,6 +1780,51 @@ impl Policy {
         put(
             "rewrite_target",
             opt(self.rewrite_target.as_deref().map(tera::Value::from)),
+        );
+        put(
+            "client_tls",
+            opt(self.client_tls.as_ref().map(|c| {
+                let mut map = tera::value::Map::new();
+                let mut put = |key: &'static str, value: tera::Value| {
+                    map.insert(tera::value::Key::Str(key), value);
+                };
+                put("secret", tera::Value::from(c.secret.as_str()));
+                put("verify", tera::Value::from(c.verify));
+                put("pass_certificate", tera::Value::from(c.pass_certificate));
+                put(
+                    "error_page",
+                    opt(c.error_page.as_deref().map(|u| {
+                        tera::Value::from(
+                            u.replace('%', "%%")
+                                .replace("$request_uri", "%[url]")
+                                .replace("$host", "%[req.hdr(host)]"),
+                        )
+                    })),
+                );
+                tera::Value::from(map)
+            })),
+        );
+        put(
+            "backend_tls",
+            opt(self.backend_tls.as_ref().map(|t| {
+                let mut map = tera::value::Map::new();
+                let mut put = |key: &'static str, value: tera::Value| {
+                    map.insert(tera::value::Key::Str(key), value);
+                };
+                put("secret", tera::Value::from(t.secret.as_str()));
+                put("verify", tera::Value::from(t.verify));
+                put("name", opt(t.name.as_deref().map(tera::Value::from)));
+                put("server_name", tera::Value::from(t.server_name));
+                put(
+                    "min_ver",
+                    opt(t.protocols.map(|(min, _)| tera::Value::from(min))),
+                );
+                put(
+                    "max_ver",
+                    opt(t.protocols.map(|(_, max)| tera::Value::from(max))),
+                );
+                tera::Value::from(map)
+            })),
         );
         tera::Value::from(map)
     }
@@ -1818,6 +2070,114 @@ mod tests {
         let (policy, invalid) = Policy::parse(&[("kubernetes.io/ingress.class", "x")]);
         assert_eq!((policy.clone(), invalid), (Policy::default(), vec![]));
         assert!(policy.ssl_redirect && !policy.applies_per_route());
+    }
+
+    #[test]
+    fn client_certificate_values_are_parsed_and_invalid_ones_named() {
+        let parse = |pairs: &[(&str, &str)]| {
+            let owned: Vec<(String, &str)> = pairs
+                .iter()
+                .map(|(k, v)| (format!("{PREFIX}{k}"), *v))
+                .collect();
+            let pairs: Vec<(&str, &str)> = owned.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+            let (policy, invalid) = Policy::parse_in("shop", &pairs);
+            let names: Vec<String> = invalid.into_iter().map(|i| i.annotation).collect();
+            (policy.client_tls, names, client_ca("shop", &pairs))
+        };
+        let (tls, invalid, ca) = parse(&[
+            ("auth-tls-secret", "shop/ca"),
+            ("auth-tls-verify-client", "optional"),
+            ("auth-tls-verify-depth", "2"),
+            ("auth-tls-pass-certificate-to-upstream", "true"),
+            ("auth-tls-error-page", "https://x.example.com/err"),
+        ]);
+        assert_eq!(invalid, Vec::<String>::new());
+        assert_eq!(ca, "ca");
+        assert_eq!(
+            tls,
+            Some(ClientTls {
+                secret: "ca".to_owned(),
+                verify: "optional",
+                pass_certificate: true,
+                error_page: Some("https://x.example.com/err".to_owned()),
+            })
+        );
+        // `off` asks nothing; another namespace, a bad mode or depth are named, and fail
+        // closed (no CA on the crt-list, `on`).
+        let (tls, _, ca) = parse(&[("auth-tls-secret", "ca"), ("auth-tls-verify-client", "off")]);
+        assert_eq!((tls, ca.as_str()), (None, ""));
+        let (tls, invalid, ca) = parse(&[
+            ("auth-tls-secret", "other/ca"),
+            ("auth-tls-verify-client", "sometimes"),
+            ("auth-tls-verify-depth", "0"),
+            ("auth-tls-error-page", "/relative"),
+        ]);
+        assert_eq!(ca, "");
+        let tls = tls.expect("fails closed");
+        assert_eq!((tls.secret.as_str(), tls.verify), ("", "on"));
+        assert_eq!(
+            invalid,
+            [
+                "auth-tls-verify-client",
+                "auth-tls-verify-depth",
+                "auth-tls-secret",
+                "auth-tls-error-page"
+            ]
+            .map(|n| format!("{PREFIX}{n}"))
+        );
+    }
+
+    #[test]
+    fn backend_tls_values_are_parsed_and_invalid_ones_named() {
+        let parse = |pairs: &[(&str, &str)]| {
+            let owned: Vec<(String, &str)> = pairs
+                .iter()
+                .map(|(k, v)| (format!("{PREFIX}{k}"), *v))
+                .collect();
+            let pairs: Vec<(&str, &str)> = owned.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+            let (policy, invalid) = Policy::parse_in("shop", &pairs);
+            let names: Vec<String> = invalid.into_iter().map(|i| i.annotation).collect();
+            (policy.backend_tls, names)
+        };
+        let (tls, invalid) = parse(&[
+            ("proxy-ssl-secret", "shop/upstream"),
+            ("proxy-ssl-verify", "on"),
+            ("proxy-ssl-name", "api.internal"),
+            ("proxy-ssl-server-name", "on"),
+            ("proxy-ssl-protocols", "TLSv1.3 TLSv1.2"),
+            ("proxy-ssl-verify-depth", "2"),
+        ]);
+        assert_eq!(invalid, Vec::<String>::new());
+        assert_eq!(
+            tls,
+            Some(BackendTls {
+                secret: "upstream".to_owned(),
+                verify: true,
+                name: Some("api.internal".to_owned()),
+                server_name: true,
+                protocols: Some(("TLSv1.2", "TLSv1.3")),
+            })
+        );
+        let (tls, invalid) = parse(&[
+            ("proxy-ssl-secret", "other/upstream"),
+            ("proxy-ssl-verify", "yes"),
+            ("proxy-ssl-name", "Not A Host"),
+            ("proxy-ssl-protocols", "SSLv3"),
+            ("proxy-ssl-verify-depth", "x"),
+        ]);
+        let tls = tls.expect("fails closed");
+        assert_eq!((tls.secret.as_str(), tls.verify), ("", true));
+        assert_eq!(
+            invalid,
+            [
+                "proxy-ssl-verify-depth",
+                "proxy-ssl-secret",
+                "proxy-ssl-verify",
+                "proxy-ssl-name",
+                "proxy-ssl-protocols"
+            ]
+            .map(|n| format!("{PREFIX}{n}"))
+        );
     }
 
     #[test]

@@ -185,7 +185,7 @@ fn template(source: &str) -> Template {
 /// `maps/routes-regex.map` (routing; regex paths of ingress-nginx's use-regex and
 /// rewrite-target);
 /// `maps/certs.list` (the HTTPS crt-list); `maps/ssl-redirect.map` (hosts redirected to HTTPS); `ssl/<namespace>_<secret>.pem` for every usable
-/// TLS Secret.
+/// TLS Secret, and for every labelled Secret with a `ca.crt` (ingress-nginx's auth-tls-secret).
 ///
 /// `extraContext.haproxy` holds the tunables: `maxconn` (50000), `bind_address` (empty: every
 /// address; `${POD_IP}` binds each pod to its own, HAProxy expanding the variable from its
@@ -306,6 +306,13 @@ pub fn template_set() -> TemplateSet {
         CertificateTemplate {
             template: include_str!("../templates/ssl/ingress-tls.pem.tera").to_owned(),
             for_each: Some("secrets".to_owned()),
+        },
+    );
+    set.ssl_certificates.insert(
+        "ingress-client-ca".to_owned(),
+        CertificateTemplate {
+            template: include_str!("../templates/ssl/ingress-client-ca.pem.tera").to_owned(),
+            for_each: Some("auth_secrets".to_owned()),
         },
     );
     set.extra_context.insert(

@@ -37,7 +37,16 @@ fn free_port() -> u16 {
 
 /// Starts HAProxy on `dir/haproxy.cfg` and waits, with a bound, until `ports` accept.
 fn start(dir: tempfile::TempDir, ports: &[u16]) -> Running {
-    let child = Command::new(common::haproxy())
+    start_in(dir, ports, false)
+}
+
+/// [`start`], in the set's directory (`-C`) when `chdir`: as the agent runs HAProxy.
+fn start_in(dir: tempfile::TempDir, ports: &[u16], chdir: bool) -> Running {
+    let mut command = Command::new(common::haproxy());
+    if chdir {
+        command.arg("-C").arg(dir.path());
+    }
+    let child = command
         .arg("-db")
         .arg("-f")
         .arg(dir.path().join("haproxy.cfg"))
@@ -74,7 +83,7 @@ fn echo_backends(plain: u16, tls: u16, h2c: u16) -> Running {
         "global\n    maxconn 100\n    default-path config\n\
          defaults\n    mode http\n    timeout connect 2s\n    timeout client 10s\n    timeout server 10s\n\
          frontend plain\n    bind 127.0.0.1:{plain}\n    bind 127.0.0.2:{plain}\n\
-         \x20   http-request return status 200 content-type text/plain lf-string \"uri=%[url] host=%[req.hdr(host)] prefix=%[req.fhdr(x-forwarded-prefix)] ver=%[req.ver] dst=%[dst]\"\n\
+         \x20   http-request return status 200 content-type text/plain lf-string \"uri=%[url] host=%[req.hdr(host)] prefix=%[req.fhdr(x-forwarded-prefix)] ver=%[req.ver] cv=%[req.fhdr(ssl-client-verify)] cs=%[req.fhdr(ssl-client-subject-dn)] cc=%[req.fhdr(ssl-client-cert)] dst=%[dst]\"\n\
          frontend tls\n    bind 127.0.0.1:{tls} ssl crt echo.pem alpn h2,http/1.1\n\
          \x20   http-request return status 200 content-type text/plain lf-string \"tls=%[ssl_fc] ver=%[req.ver]\"\n\
          frontend h2c\n    bind 127.0.0.1:{h2c} proto h2\n\
@@ -229,6 +238,13 @@ struct Front {
 }
 
 fn front(stores: &Stores) -> Front {
+    front_in(stores, false)
+}
+
+/// [`front`]; with `chdir`, HAProxy checks and runs in the set's directory (`-C`), as the
+/// agent and the render gate run it: HAProxy 2.6 reads a server's `crt` after parsing,
+/// relative to its working directory, not to `default-path config`.
+fn front_in(stores: &Stores, chdir: bool) -> Front {
     let (http, https) = (free_port(), free_port());
     let mut set = reference::template_set();
     set.extra_context.insert(
@@ -240,12 +256,28 @@ fn front(stores: &Stores) -> Front {
     let (files, requests) = Renderer::compile(&set).unwrap().render_all(stores).unwrap();
     let dir = tempfile::tempdir().unwrap();
     files.write_to(dir.path()).unwrap();
-    common::check_dir(dir.path());
+    if chdir {
+        let check = Command::new(common::haproxy())
+            .arg("-c")
+            .arg("-C")
+            .arg(dir.path())
+            .arg("-f")
+            .arg(dir.path().join("haproxy.cfg"))
+            .output()
+            .unwrap();
+        assert!(
+            check.status.success(),
+            "{}",
+            String::from_utf8_lossy(&check.stderr)
+        );
+    } else {
+        common::check_dir(dir.path());
+    }
     Front {
         http,
         https,
         events: requests.events,
-        _running: start(dir, &[http]),
+        _running: start_in(dir, &[http], chdir),
     }
 }
 
@@ -1230,39 +1262,302 @@ fn service_upstream_goes_to_the_cluster_ip() {
     }
 }
 
-/// auth-tls-secret cannot be applied yet: with verification on (the default) or optional, the
-/// route fails closed (403) and an Event says why; with it off, the route is served.
+/// A CA (certificate PEM) and a client certificate it signed for `name` (certificate and key
+/// PEM).
+fn client_pki(name: &str) -> (String, String, String) {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(rcgen::DnType::CommonName, format!("{name} CA"));
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let issuer = rcgen::Issuer::new(ca, ca_key);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut client = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    client
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, name);
+    let cert = client.signed_by(&key, &issuer).unwrap();
+    (ca_cert.pem(), cert.pem(), key.serialize_pem())
+}
+
+/// `GET https://host/` on `port` through curl (the server's certificate not checked), with the
+/// client certificate `cert` (files: certificate, key): status and body; status 0 when the
+/// handshake failed.
+fn https_get(
+    port: u16,
+    host: &str,
+    cert: Option<(&std::path::Path, &std::path::Path)>,
+) -> (u16, String) {
+    let mut cmd = Command::new("curl");
+    cmd.args([
+        "-sk",
+        "--max-time",
+        "10",
+        "-w",
+        "\n%{http_code}",
+        "--resolve",
+    ])
+    .arg(format!("{host}:{port}:127.0.0.1"))
+    .arg(format!("https://{host}:{port}/"));
+    if let Some((c, k)) = cert {
+        cmd.arg("--cert").arg(c).arg("--key").arg(k);
+    }
+    let out = cmd.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+    (code.trim().parse().unwrap_or(0), body.to_owned())
+}
+
+/// auth-tls-*: a certificate the Secret's CA signed passes, another or none gets 400 (`on`),
+/// `optional` admits none, auth-tls-error-page redirects, the backend learns the verdict and
+/// the certificate; a Secret missing or of another namespace fails closed (403, an Event);
+/// `off` asks nothing.
 #[test]
-fn client_certificates_that_cannot_be_verified_fail_closed() {
+fn client_certificates_verified_against_the_secret_ca() {
     let ports = (free_port(), free_port(), free_port());
     let _echo = echo_backends(ports.0, ports.1, ports.2);
     let mut s = stores();
     service(&mut s, "a", "web", ports);
-    for (name, verify) in [
-        ("on", None),
-        ("optional", Some("optional")),
-        ("off", Some("off")),
+    let (ca, alice, alice_key) = client_pki("alice");
+    let (_, mallory, mallory_key) = client_pki("mallory");
+    let b64 = |t: &str| {
+        use base64::Engine as _;
+        base64::engine::general_purpose::STANDARD.encode(t)
+    };
+    apply(
+        &mut s,
+        "auth_secrets",
+        json!({"metadata": {"namespace": "a", "name": "client-ca",
+                "labels": {"haproxy-haptic.org/auth-secret": "true"}},
+            "type": "Opaque", "data": {"ca.crt": b64(&ca)}}),
+    );
+    apply(
+        &mut s,
+        "auth_secrets",
+        json!({"metadata": {"namespace": "b", "name": "client-ca",
+                "labels": {"haproxy-haptic.org/auth-secret": "true"}},
+            "type": "Opaque", "data": {"ca.crt": b64(&ca)}}),
+    );
+    apply(&mut s, "secrets", fixtures::tls_secret("a", "tls"));
+    for (name, annotations) in [
+        (
+            "on",
+            &[
+                ("auth-tls-secret", "a/client-ca"),
+                ("auth-tls-pass-certificate-to-upstream", "true"),
+            ][..],
+        ),
+        (
+            "optional",
+            &[
+                ("auth-tls-secret", "client-ca"),
+                ("auth-tls-verify-client", "optional"),
+            ][..],
+        ),
+        (
+            "errorpage",
+            &[
+                ("auth-tls-secret", "client-ca"),
+                ("auth-tls-error-page", "https://login.example.com/cert"),
+            ][..],
+        ),
+        ("missing", &[("auth-tls-secret", "nope")][..]),
+        ("theirs", &[("auth-tls-secret", "b/client-ca")][..]),
+        (
+            "off",
+            &[
+                ("auth-tls-secret", "nope"),
+                ("auth-tls-verify-client", "off"),
+            ][..],
+        ),
     ] {
-        let mut annotations = vec![("auth-tls-secret", "a/client-ca")];
-        if let Some(verify) = verify {
-            annotations.push(("auth-tls-verify-client", verify));
-        }
-        apply(
-            &mut s,
-            "ingresses",
-            ingress(name, &format!("{name}.example.com"), "/", 80, &annotations),
-        );
+        let host = format!("{name}.example.com");
+        let mut ing = ingress(name, &host, "/", 80, annotations);
+        ing["spec"]["tls"] = json!([{"hosts": [host], "secretName": "tls"}]);
+        apply(&mut s, "ingresses", ing);
     }
     let f = front(&s);
-    assert_eq!(f.get("on.example.com", "/").status, 403);
-    assert_eq!(f.get("optional.example.com", "/").status, 403);
-    assert_eq!(f.get("off.example.com", "/").status, 200);
+    let dir = tempfile::tempdir().unwrap();
+    let files = |name: &str, cert: &str, key: &str| {
+        let (c, k) = (
+            dir.path().join(format!("{name}.crt")),
+            dir.path().join(format!("{name}.key")),
+        );
+        std::fs::write(&c, cert).unwrap();
+        std::fs::write(&k, key).unwrap();
+        (c, k)
+    };
+    let alice = files("alice", &alice, &alice_key);
+    let mallory = files("mallory", &mallory, &mallory_key);
+    let alice = Some((alice.0.as_path(), alice.1.as_path()));
+    let mallory = Some((mallory.0.as_path(), mallory.1.as_path()));
+
+    // `on`: only a certificate the CA signed passes; the backend learns who.
+    let (status, body) = https_get(f.https, "on.example.com", alice);
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("cv=SUCCESS cs=CN=alice "), "{body}");
     assert!(
-        f.events("on", "AnnotationInvalid").iter().any(|m| m.contains(
-            "nginx.ingress.kubernetes.io/auth-tls-secret: \"a/client-ca\": client certificates (auth-tls-verify-client on) are not verified by HAPTIC yet: every client is denied (403)"
-        )),
+        body.contains("cc=-----BEGIN%20CERTIFICATE-----%0AMII"),
+        "{body}"
+    );
+    assert_eq!(https_get(f.https, "on.example.com", None).0, 400);
+    assert_eq!(https_get(f.https, "on.example.com", mallory).0, 400);
+    // Plain HTTP goes to HTTPS first (the host has a certificate), as with ingress-nginx.
+    assert_eq!(f.get("on.example.com", "/").status, 308);
+    // `optional`: no certificate passes, a bad one does not.
+    let (status, body) = https_get(f.https, "optional.example.com", None);
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("cv=NONE "), "{body}");
+    assert_eq!(https_get(f.https, "optional.example.com", alice).0, 200);
+    assert_eq!(https_get(f.https, "optional.example.com", mallory).0, 400);
+    // auth-tls-error-page: a redirect instead of the 400.
+    assert_eq!(https_get(f.https, "errorpage.example.com", mallory).0, 302);
+    assert_eq!(https_get(f.https, "errorpage.example.com", alice).0, 200);
+    // A Secret that is missing, or of another namespace: every client is denied.
+    assert_eq!(https_get(f.https, "missing.example.com", alice).0, 403);
+    assert_eq!(https_get(f.https, "theirs.example.com", alice).0, 403);
+    assert!(
+        f.events("missing", "AnnotationInvalid").iter().any(|m| m
+            .contains("nginx.ingress.kubernetes.io/auth-tls-secret: Secret nope does not exist")),
         "{:?}",
         f.events
     );
+    assert!(
+        f.events("theirs", "AnnotationInvalid")
+            .iter()
+            .any(|m| m.contains("\"b/client-ca\" is not a Secret of the Ingress's own namespace")),
+        "{:?}",
+        f.events
+    );
+    // `off`: no certificate asked for, the route served.
+    assert_eq!(https_get(f.https, "off.example.com", None).0, 200);
     assert!(f.events("off", "AnnotationInvalid").is_empty());
+}
+
+/// A CA and a certificate it signed (certificate and key PEM) for `sans` (a client
+/// certificate with a common name when empty).
+fn issued(ca_name: &str, cn: &str, sans: &[&str]) -> (String, String, String) {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(rcgen::DnType::CommonName, ca_name);
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let issuer = rcgen::Issuer::new(ca, ca_key);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut leaf =
+        rcgen::CertificateParams::new(sans.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>())
+            .unwrap();
+    leaf.distinguished_name.push(rcgen::DnType::CommonName, cn);
+    let cert = leaf.signed_by(&key, &issuer).unwrap();
+    (ca_cert.pem(), cert.pem(), key.serialize_pem())
+}
+
+/// proxy-ssl-*: the backend's certificate verified against the Secret's ca.crt and the
+/// proxy-ssl-name (503 when it does not match), the Secret's client certificate shown to a
+/// backend that requires one, proxy-ssl-name sent as SNI; a Secret that is missing fails
+/// closed (503, an Event).
+#[test]
+fn backend_tls_verified_with_the_secret_and_a_client_certificate() {
+    // The backend: TLS with a certificate for backend.internal, requiring a client
+    // certificate of its own CA, answering with the SNI and the client's name.
+    let (server_ca, server_cert, server_key) =
+        issued("server CA", "backend", &["backend.internal"]);
+    let (client_ca, client_cert, client_key) = issued("client CA", "haptic", &[]);
+    let (other_ca, _, _) = issued("other CA", "x", &["backend.internal"]);
+    let tls = free_port();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("server.pem"),
+        format!("{server_cert}{server_key}"),
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("client-ca.pem"), &client_ca).unwrap();
+    std::fs::write(
+        dir.path().join("haproxy.cfg"),
+        format!(
+            "global\n    maxconn 100\n    default-path config\n\
+             defaults\n    mode http\n    timeout connect 2s\n    timeout client 10s\n    timeout server 10s\n\
+             frontend tls\n    bind 127.0.0.1:{tls} ssl crt server.pem ca-file client-ca.pem verify required\n\
+             \x20   http-request return status 200 content-type text/plain lf-string \"sni=%[ssl_fc_sni] client=%[ssl_c_s_dn(cn)]\"\n"
+        ),
+    )
+    .unwrap();
+    let _backend = start(dir, &[tls]);
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    service(&mut s, "a", "web", (ports.0, tls, ports.2));
+    let b64 = |t: &str| {
+        use base64::Engine as _;
+        base64::engine::general_purpose::STANDARD.encode(t)
+    };
+    for (name, ca) in [("backend-tls", &server_ca), ("wrong-ca", &other_ca)] {
+        apply(
+            &mut s,
+            "auth_secrets",
+            json!({"metadata": {"namespace": "a", "name": name,
+                    "labels": {"haproxy-haptic.org/auth-secret": "true"}},
+                "type": "Opaque", "data": {"ca.crt": b64(ca), "tls.crt": b64(&client_cert),
+                    "tls.key": b64(&client_key)}}),
+        );
+    }
+    let https = [("backend-protocol", "HTTPS")];
+    for (name, annotations) in [
+        (
+            "verified",
+            vec![
+                ("proxy-ssl-secret", "a/backend-tls"),
+                ("proxy-ssl-verify", "on"),
+                ("proxy-ssl-name", "backend.internal"),
+                ("proxy-ssl-server-name", "on"),
+                ("proxy-ssl-protocols", "TLSv1.2 TLSv1.3"),
+            ],
+        ),
+        (
+            "wrong-name",
+            vec![
+                ("proxy-ssl-secret", "backend-tls"),
+                ("proxy-ssl-verify", "on"),
+                ("proxy-ssl-name", "other.internal"),
+            ],
+        ),
+        (
+            "wrong-ca",
+            vec![("proxy-ssl-secret", "wrong-ca"), ("proxy-ssl-verify", "on")],
+        ),
+        ("unverified", vec![("proxy-ssl-secret", "wrong-ca")]),
+        ("missing", vec![("proxy-ssl-secret", "nope")]),
+        ("plain", vec![]),
+    ] {
+        let mut all = https.to_vec();
+        all.extend(annotations);
+        apply(
+            &mut s,
+            "ingresses",
+            ingress(name, &format!("{name}.example.com"), "/", 443, &all),
+        );
+    }
+    let f = front_in(&s, true);
+    let verified = f.get("verified.example.com", "/");
+    assert_eq!(verified.status, 200, "{verified:?}");
+    assert_eq!(verified.body, "sni=backend.internal client=haptic");
+    // A certificate that does not verify: HAProxy gives the connection up (503).
+    assert_eq!(f.get("wrong-name.example.com", "/").status, 503);
+    assert_eq!(f.get("wrong-ca.example.com", "/").status, 503);
+    // Not verified: the client certificate is still shown (the backend requires one).
+    let unverified = f.get("unverified.example.com", "/");
+    assert_eq!(unverified.status, 200, "{unverified:?}");
+    assert_eq!(unverified.body, "sni= client=haptic");
+    // Without proxy-ssl-secret the backend refuses the handshake: no client certificate.
+    let plain = f.get("plain.example.com", "/").status;
+    assert!(matches!(plain, 502 | 503), "{plain}");
+    assert_eq!(f.get("missing.example.com", "/").status, 503);
+    assert!(
+        f.events("missing", "AnnotationInvalid").iter().any(|m| m
+            .contains("nginx.ingress.kubernetes.io/proxy-ssl-secret: Secret nope does not exist")),
+        "{:?}",
+        f.events
+    );
 }

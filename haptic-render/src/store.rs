@@ -238,7 +238,14 @@ pub struct Store {
     /// Changes with every change of the contents, and is never the same for two different
     /// stores: what derived views compare to know they are stale.
     generation: u64,
+    /// The last changes, oldest first: the generation each one left and the key it changed,
+    /// for views that patch themselves ([`Store::changes_since`]).
+    log: std::collections::VecDeque<(u64, (String, String))>,
 }
+
+/// How many changes a store remembers for [`Store::changes_since`]: a view staler than that
+/// is rebuilt.
+const LOG_LEN: usize = 64;
 
 /// Source of [`Store::generation`] values: unique across every store of the process.
 fn next_generation() -> u64 {
@@ -266,6 +273,7 @@ impl Store {
             view: OnceLock::new(),
             interner: Interner::default(),
             generation: next_generation(),
+            log: std::collections::VecDeque::new(),
         })
     }
 
@@ -282,8 +290,8 @@ impl Store {
         let converted = self.convert(resource, &mut interner);
         self.interner = interner;
         let (key, entry) = converted?;
-        self.items.insert(key, entry);
-        self.changed();
+        self.items.insert(key.clone(), entry);
+        self.changed(key);
         Ok(())
     }
 
@@ -321,12 +329,10 @@ impl Store {
 
     /// Removes a resource; returns whether it was there.
     pub fn remove(&mut self, namespace: &str, name: &str) -> bool {
-        let removed = self
-            .items
-            .remove(&(namespace.to_owned(), name.to_owned()))
-            .is_some();
+        let key = (namespace.to_owned(), name.to_owned());
+        let removed = self.items.remove(&key).is_some();
         if removed {
-            self.changed();
+            self.changed(key);
         }
         removed
     }
@@ -373,9 +379,24 @@ impl Store {
         serde_json::to_value(value).ok()
     }
 
-    fn changed(&mut self) {
+    fn changed(&mut self, key: (String, String)) {
         self.view = OnceLock::new();
+        if self.log.len() == LOG_LEN {
+            self.log.pop_front();
+        }
+        self.log.push_back((self.generation, key));
         self.generation = next_generation();
+    }
+
+    /// The keys of the resources changed (applied or removed) since the store was at
+    /// `generation`, oldest first, a key once per change; `None` when the store does not
+    /// remember back that far (or never was at `generation`).
+    pub(crate) fn changes_since(&self, generation: u64) -> Option<Vec<&(String, String)>> {
+        if generation == self.generation {
+            return Some(Vec::new());
+        }
+        let start = self.log.iter().position(|(left, _)| *left == generation)?;
+        Some(self.log.iter().skip(start).map(|(_, key)| key).collect())
     }
 
     /// The resource with this namespace and name, and its extracts.

@@ -1081,9 +1081,10 @@ mod tests {
             for _ in 0..=(step % 3) {
                 x = x.wrapping_mul(1_103_515_245).wrapping_add(12_345) % (1 << 31);
                 let (ns, name, svc) = (x % 4, (x >> 3) % 25, (x >> 8) % 5);
-                if (x >> 12) % 4 == 0 {
+                let kind = (x >> 12) % 4;
+                if kind == 0 {
                     store.remove(&format!("n{ns}"), &format!("s{name}"));
-                } else if (x >> 12) % 4 == 1 {
+                } else if kind == 1 {
                     store
                         .apply(&json!({"metadata": {"namespace": format!("n{ns}"), "name": format!("s{name}")}}))
                         .unwrap();

@@ -111,7 +111,7 @@
 //! decided by age: the oldest Ingress (`creationTimestamp`, then namespace, then name) keeps
 //! what several claim, the same on every replica.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 pub mod gateway;
@@ -1235,7 +1235,7 @@ type Routed = HashMap<String, HashMap<String, Vec<RoutedPort>>>;
 
 /// A Service port paths resolve to: whether a path without an ingress-nginx policy does (then
 /// its own backend is written), and the backends of the policies of the others.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 struct RoutedPort {
     number: i64,
     plain: bool,
@@ -1382,106 +1382,126 @@ fn service_backends(
         let slices: &[&Arc<Extracts>] = by_service
             .get(&(namespace.as_str(), service.as_str()))
             .map_or(&[][..], Vec::as_slice);
-        let extract = extracts.service(namespace, service, svc);
-        let (ports, cluster_ip) = (&extract.ports, extract.cluster_ip.as_deref());
-        // A row per port, in port order: row `i` is port `i`'s.
-        let keep = |i: usize| match (&routed, ports.get(i)) {
-            (None, _) => true,
-            (Some(routed), Some(port)) => {
-                routed_port(routed, namespace, service, port.number).is_some()
-            }
-            (Some(_), None) => false,
-        };
-        let first = rows.len();
-        extracts.rows_into_if(
+        service_rows(
             slot,
-            slices.iter().map(|e| Some(*e)),
+            (store, namespace, service),
+            (svc, extracts),
+            slices,
+            routed,
             &mut rows,
-            || {
-                let origin = origin(store, namespace, service);
-                ports
-                    .iter()
-                    .map(|port| {
-                        let mut matching = slices
-                            .iter()
-                            // Extracted while grouping above.
-                            .filter_map(|e| e.slice.get())
-                            .flat_map(|slice| slice.ports.iter())
-                            .filter(|(name, _)| *name == port.name)
-                            .map(|(_, endpoints)| endpoints);
-                        // One slice per Service is the common case: share its rows as they are.
-                        let endpoints = match (matching.next(), matching.next()) {
-                            (None, _) => Value::from(Vec::<Value>::new()),
-                            (Some(only), None) => only.clone(),
-                            (Some(first), Some(second)) => {
-                                let mut all: Vec<Value> = Vec::new();
-                                for endpoints in [first, second].into_iter().chain(matching) {
-                                    all.extend(
-                                        endpoints.as_array().unwrap_or_default().iter().cloned(),
-                                    );
-                                }
-                                Value::from(all)
-                            }
-                        };
-                        row([
-                            ("name", port.backend.clone()),
-                            ("endpoints", endpoints),
-                            ("app_protocol", port.app_protocol.clone()),
-                            ("namespace", Value::from(namespace.as_str())),
-                            ("service", Value::from(service.as_str())),
-                            ("port", Value::from(port.number)),
-                            ("port_name", Value::from(port.name.as_str())),
-                            ("origin", origin.clone()),
-                            ("policy", Value::none()),
-                        ])
-                    })
-                    .collect()
-            },
-            keep,
         );
-        // The backends of ingress-nginx policies: a copy of the port's row each, under its
-        // own name; the port's own row only when a path without a policy routes to it.
-        let Some(routed) = routed else { continue };
-        let ported = |row: &Value| {
-            attr(row, "port")
-                .and_then(|p| integer(Some(p)))
-                .and_then(|p| routed_port(routed, namespace, service, p))
-        };
-        let Some(added) = rows.get(first..) else {
-            continue;
-        };
-        if added
-            .iter()
-            .all(|row| ported(row).is_none_or(|p| p.plain && p.variants.is_empty()))
-        {
-            continue;
-        }
-        let added: Vec<Value> = rows.drain(first..).collect();
-        for base in added {
-            let Some(port) = ported(&base) else { continue };
-            if port.plain {
-                rows.push(base.clone());
-            }
-            for (name, policy, origin) in &port.variants {
-                let mut map = base.as_map().cloned().unwrap_or_default();
-                // ingress-nginx's service-upstream: the Service's cluster IP, not its endpoints.
-                if let (Some(ip), Some(true)) = (
-                    cluster_ip,
-                    attr(policy, "service_upstream").and_then(Value::as_bool),
-                ) {
-                    map.insert(
-                        Key::Str("endpoints"),
-                        Value::from(vec![cluster_ip_row(ip, port.number)]),
-                    );
-                }
-                map.insert(Key::Str("name"), Value::from(name.as_str()));
-                map.insert(Key::Str("policy"), policy.clone());
-                map.insert(Key::Str("origin"), origin.clone());
-                rows.push(Value::from(map));
-            }
-        }
     }
     Value::from(rows)
+}
+
+/// Appends the rows of one Service (`svc`, with its `extracts`) joined with its EndpointSlices
+/// (whose slice extracts are made), in the order [`service_backends`] writes them.
+fn service_rows(
+    slot: Slot,
+    (store, namespace, service): (&str, &str, &str),
+    (svc, extracts): (&Value, &Arc<Extracts>),
+    slices: &[&Arc<Extracts>],
+    routed: Option<&Routed>,
+    rows: &mut Vec<Value>,
+) {
+    let extract = extracts.service(namespace, service, svc);
+    let (ports, cluster_ip) = (&extract.ports, extract.cluster_ip.as_deref());
+    // A row per port, in port order: row `i` is port `i`'s.
+    let keep = |i: usize| match (&routed, ports.get(i)) {
+        (None, _) => true,
+        (Some(routed), Some(port)) => {
+            routed_port(routed, namespace, service, port.number).is_some()
+        }
+        (Some(_), None) => false,
+    };
+    let first = rows.len();
+    extracts.rows_into_if(
+        slot,
+        slices.iter().map(|e| Some(*e)),
+        rows,
+        || {
+            let origin = origin(store, namespace, service);
+            ports
+                .iter()
+                .map(|port| {
+                    let mut matching = slices
+                        .iter()
+                        // Extracted while grouping above.
+                        .filter_map(|e| e.slice.get())
+                        .flat_map(|slice| slice.ports.iter())
+                        .filter(|(name, _)| *name == port.name)
+                        .map(|(_, endpoints)| endpoints);
+                    // One slice per Service is the common case: share its rows as they are.
+                    let endpoints = match (matching.next(), matching.next()) {
+                        (None, _) => Value::from(Vec::<Value>::new()),
+                        (Some(only), None) => only.clone(),
+                        (Some(first), Some(second)) => {
+                            let mut all: Vec<Value> = Vec::new();
+                            for endpoints in [first, second].into_iter().chain(matching) {
+                                all.extend(
+                                    endpoints.as_array().unwrap_or_default().iter().cloned(),
+                                );
+                            }
+                            Value::from(all)
+                        }
+                    };
+                    row([
+                        ("name", port.backend.clone()),
+                        ("endpoints", endpoints),
+                        ("app_protocol", port.app_protocol.clone()),
+                        ("namespace", Value::from(namespace)),
+                        ("service", Value::from(service)),
+                        ("port", Value::from(port.number)),
+                        ("port_name", Value::from(port.name.as_str())),
+                        ("origin", origin.clone()),
+                        ("policy", Value::none()),
+                    ])
+                })
+                .collect()
+        },
+        keep,
+    );
+    // The backends of ingress-nginx policies: a copy of the port's row each, under its
+    // own name; the port's own row only when a path without a policy routes to it.
+    let Some(routed) = routed else { return };
+    let ported = |row: &Value| {
+        attr(row, "port")
+            .and_then(|p| integer(Some(p)))
+            .and_then(|p| routed_port(routed, namespace, service, p))
+    };
+    let Some(added) = rows.get(first..) else {
+        return;
+    };
+    if added
+        .iter()
+        .all(|row| ported(row).is_none_or(|p| p.plain && p.variants.is_empty()))
+    {
+        return;
+    }
+    let added: Vec<Value> = rows.drain(first..).collect();
+    for base in added {
+        let Some(port) = ported(&base) else { continue };
+        if port.plain {
+            rows.push(base.clone());
+        }
+        for (name, policy, origin) in &port.variants {
+            let mut map = base.as_map().cloned().unwrap_or_default();
+            // ingress-nginx's service-upstream: the Service's cluster IP, not its endpoints.
+            if let (Some(ip), Some(true)) = (
+                cluster_ip,
+                attr(policy, "service_upstream").and_then(Value::as_bool),
+            ) {
+                map.insert(
+                    Key::Str("endpoints"),
+                    Value::from(vec![cluster_ip_row(ip, port.number)]),
+                );
+            }
+            map.insert(Key::Str("name"), Value::from(name.as_str()));
+            map.insert(Key::Str("policy"), policy.clone());
+            map.insert(Key::Str("origin"), origin.clone());
+            rows.push(Value::from(map));
+        }
+    }
 }
 
 fn ingress_routes(
@@ -1843,6 +1863,162 @@ struct ViewState {
     /// For `routedBy`: the routed ports, and the generations of the Ingresses, Services (and
     /// IngressClasses) they were computed from.
     routed: Option<(Vec<u64>, Routed)>,
+    /// For `ServiceBackends`: the rows of each Service, patched after a change.
+    backends: Option<Backends>,
+}
+
+/// The rows of a `ServiceBackends` view per Service, and which EndpointSlices join to which
+/// Service: after an event only the Services it touches are joined again (the others keep
+/// their rows, the very same values).
+#[derive(Debug, Clone, Default)]
+struct Backends {
+    /// The generations of the Service and EndpointSlice stores the rows are for.
+    built_from: (u64, u64),
+    /// `(namespace, service)` -> its rows, in the store's order.
+    rows: BTreeMap<(String, String), Vec<Value>>,
+    /// `(namespace, slice)` -> the Service it names.
+    slice_service: HashMap<(String, String), String>,
+    /// `(namespace, service)` -> the names of its slices.
+    service_slices: HashMap<(String, String), BTreeSet<String>>,
+}
+
+impl Backends {
+    fn link(&mut self, (namespace, slice): &(String, String), service: &str) {
+        self.slice_service
+            .insert((namespace.clone(), slice.clone()), service.to_owned());
+        self.service_slices
+            .entry((namespace.clone(), service.to_owned()))
+            .or_default()
+            .insert(slice.clone());
+    }
+
+    /// The rows over `services` and `slices`, every Service joined.
+    fn build(
+        slot: Slot,
+        (store, services): (&str, &Store),
+        slices: &Store,
+        routed: Option<&Routed>,
+    ) -> Self {
+        let mut built = Backends {
+            built_from: (services.generation(), slices.generation()),
+            ..Backends::default()
+        };
+        let mut by_service: HashMap<(&str, &str), Vec<&Arc<Extracts>>> = HashMap::new();
+        for (key, slice, extracts) in slices.source().entries() {
+            let service = extracts.slice(slice).service.as_str();
+            if !service.is_empty() {
+                built.link(key, service);
+                by_service
+                    .entry((key.0.as_str(), service))
+                    .or_default()
+                    .push(extracts);
+            }
+        }
+        for (key, svc, extracts) in services.source().entries() {
+            let joined = by_service
+                .get(&(key.0.as_str(), key.1.as_str()))
+                .map_or(&[][..], Vec::as_slice);
+            let mut rows = Vec::new();
+            service_rows(
+                slot,
+                (store, &key.0, &key.1),
+                (svc, extracts),
+                joined,
+                routed,
+                &mut rows,
+            );
+            built.rows.insert(key.clone(), rows);
+        }
+        built
+    }
+
+    /// Joins again the Services changed since the rows were built, those whose slices
+    /// changed, and `dirty` (whose routed ports changed); `false` (nothing done) when the
+    /// stores do not remember their changes back that far.
+    fn patch(
+        &mut self,
+        slot: Slot,
+        (store, services): (&str, &Store),
+        slices: &Store,
+        routed: Option<&Routed>,
+        mut dirty: BTreeSet<(String, String)>,
+    ) -> bool {
+        let (Some(changed_services), Some(changed_slices)) = (
+            services.changes_since(self.built_from.0),
+            slices.changes_since(self.built_from.1),
+        ) else {
+            return false;
+        };
+        for key in changed_slices {
+            if let Some(before) = self.slice_service.remove(key) {
+                let owner = (key.0.clone(), before);
+                if let Some(names) = self.service_slices.get_mut(&owner) {
+                    names.remove(&key.1);
+                    if names.is_empty() {
+                        self.service_slices.remove(&owner);
+                    }
+                }
+                dirty.insert(owner);
+            }
+            if let Some((slice, extracts)) = slices.get_entry(&key.0, &key.1) {
+                let service = extracts.slice(slice).service.as_str();
+                if !service.is_empty() {
+                    self.link(key, service);
+                    dirty.insert((key.0.clone(), service.to_owned()));
+                }
+            }
+        }
+        dirty.extend(changed_services.into_iter().cloned());
+        for key in dirty {
+            let Some((svc, extracts)) = services.get_entry(&key.0, &key.1) else {
+                self.rows.remove(&key);
+                continue;
+            };
+            let joined: Vec<&Arc<Extracts>> = self
+                .service_slices
+                .get(&key)
+                .into_iter()
+                .flatten()
+                .filter_map(|name| slices.get_entry(&key.0, name))
+                .map(|(slice, extracts)| {
+                    extracts.slice(slice);
+                    extracts
+                })
+                .collect();
+            let mut rows = Vec::new();
+            service_rows(
+                slot,
+                (store, &key.0, &key.1),
+                (svc, extracts),
+                &joined,
+                routed,
+                &mut rows,
+            );
+            self.rows.insert(key, rows);
+        }
+        self.built_from = (services.generation(), slices.generation());
+        true
+    }
+
+    fn value(&self) -> Value {
+        Value::from(self.rows.values().flatten().cloned().collect::<Vec<_>>())
+    }
+}
+
+/// The Services whose routed ports differ between `before` and `after`.
+fn routed_changes(before: &Routed, after: &Routed) -> BTreeSet<(String, String)> {
+    let mut changed = BTreeSet::new();
+    for (one, other) in [(before, after), (after, before)] {
+        for (namespace, services) in one {
+            for (service, ports) in services {
+                let there = other.get(namespace).and_then(|s| s.get(service));
+                if there != Some(ports) {
+                    changed.insert((namespace.clone(), service.clone()));
+                }
+            }
+        }
+    }
+    changed
 }
 
 impl Clone for DerivedView {
@@ -1862,6 +2038,7 @@ impl DerivedView {
                 built_from: None,
                 value: Value::none(),
                 routed: None,
+                backends: None,
             }),
         }
     }
@@ -1877,6 +2054,7 @@ impl DerivedView {
             let mut state = poisoned.into_inner();
             state.built_from = None;
             state.routed = None;
+            state.backends = None;
             state
         })
     }
@@ -1890,8 +2068,8 @@ impl DerivedView {
     /// The rows as the template value `derived.<name>`, recomputed first if an input store
     /// changed since (reusing the rows of every resource that did not change and whose joins
     /// found the same resources).
-    pub(crate) fn value(&self, inputs: &[&Store]) -> Value {
-        let inputs: Vec<Source<'_>> = inputs.iter().map(|s| s.source()).collect();
+    pub(crate) fn value(&self, stores: &[&Store]) -> Value {
+        let inputs: Vec<Source<'_>> = stores.iter().map(|s| s.source()).collect();
         let generations: Vec<u64> = inputs.iter().map(|s| s.generation()).collect();
         let mut state = self.lock();
         if state.built_from.as_ref() != Some(&generations) {
@@ -1899,36 +2077,54 @@ impl DerivedView {
                 index: self.derivation.slot(),
                 keep: true,
             };
-            let value = match split_classes(&self.derivation, &inputs) {
-                (Derivation::ServiceBackends { .. }, [services, slices, rest @ ..], classes) => {
-                    let routed = match rest.first() {
-                        None => None,
-                        Some(ingresses) => {
-                            let from: Vec<u64> = [Some(*ingresses), Some(*services), classes]
-                                .into_iter()
-                                .flatten()
-                                .map(|s| s.generation())
-                                .collect();
-                            if state
+            let value = match (
+                split_classes(&self.derivation, &inputs),
+                stores.first().zip(stores.get(1)),
+            ) {
+                (
+                    (Derivation::ServiceBackends { .. }, [services, _, rest @ ..], classes),
+                    Some((service_store, slice_store)),
+                ) => {
+                    // The Services whose routed ports changed; none for "all of them".
+                    let mut dirty = Some(BTreeSet::new());
+                    if let Some(ingresses) = rest.first() {
+                        let from: Vec<u64> = [Some(*ingresses), Some(*services), classes]
+                            .into_iter()
+                            .flatten()
+                            .map(|s| s.generation())
+                            .collect();
+                        if state
+                            .routed
+                            .as_ref()
+                            .is_none_or(|(built, _)| *built != from)
+                        {
+                            let ours = Ours::new(self.derivation.classes(), classes);
+                            let ingresses =
+                                (self.derivation.ingresses().unwrap_or_default(), *ingresses);
+                            let now = routed_ports(ingresses, *services, &ours);
+                            dirty = state
                                 .routed
                                 .as_ref()
-                                .is_none_or(|(built, _)| *built != from)
-                            {
-                                let ours = Ours::new(self.derivation.classes(), classes);
-                                let ingresses =
-                                    (self.derivation.ingresses().unwrap_or_default(), *ingresses);
-                                state.routed =
-                                    Some((from, routed_ports(ingresses, *services, &ours)));
-                            }
-                            state.routed.as_ref().map(|(_, routed)| routed)
+                                .map(|(_, before)| routed_changes(before, &now));
+                            state.routed = Some((from, now));
                         }
+                    }
+                    // Set only with `routedBy`.
+                    let ViewState {
+                        routed, backends, ..
+                    } = &mut *state;
+                    let routed = routed.as_ref().map(|(_, routed)| routed);
+                    let store = (store_of(&self.derivation), *service_store);
+                    let patched = match (backends.as_mut(), dirty) {
+                        (Some(backends), Some(dirty)) => {
+                            backends.patch(slot, store, slice_store, routed, dirty)
+                        }
+                        _ => false,
                     };
-                    service_backends(
-                        slot,
-                        (store_of(&self.derivation), *services),
-                        *slices,
-                        routed,
-                    )
+                    if !patched {
+                        *backends = Some(Backends::build(slot, store, slice_store, routed));
+                    }
+                    backends.as_ref().map_or_else(Value::none, Backends::value)
                 }
                 _ => compute(&self.derivation, slot, &inputs),
             };

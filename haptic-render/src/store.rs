@@ -1,7 +1,7 @@
 //! Stores of watched resources: a sorted list, lookup by namespace and name, and lookup by
 //! configured index fields, all independent of the order in which watch events arrived.
 
-use std::collections::{BTreeMap, btree_map};
+use std::collections::{BTreeMap, BTreeSet, btree_map};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -9,6 +9,7 @@ use std::sync::{Arc, OnceLock};
 use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 use tera::Value;
+use tera::value::Key;
 
 use crate::derived::{Derivation, DerivedView, Extracts};
 use crate::value::{Interner, map_value, to_tera};
@@ -238,7 +239,29 @@ pub struct Store {
     /// Changes with every change of the contents, and is never the same for two different
     /// stores: what derived views compare to know they are stale.
     generation: u64,
+    /// The last changes, oldest first: the generation each one left and the key it changed,
+    /// for views that patch themselves ([`Store::changes_since`]).
+    log: std::collections::VecDeque<Logged>,
+    /// The last view built and the generation it is of, when a change since made it stale:
+    /// the next view is this one patched ([`Store::patched_view`]).
+    stale: Option<(u64, Arc<StoreView>)>,
 }
+
+/// One change a store remembers: the generation it left, the key it changed, and the index
+/// keys of the resource before and after.
+#[derive(Debug, Clone)]
+struct Logged {
+    left: u64,
+    key: (String, String),
+    index_keys: [Option<String>; 2],
+}
+
+/// The most changes a store view is patched for; after more, it is built again.
+const PATCH_LEN: usize = 16;
+
+/// How many changes a store remembers for [`Store::changes_since`]: a view staler than that
+/// is rebuilt.
+const LOG_LEN: usize = 64;
 
 /// Source of [`Store::generation`] values: unique across every store of the process.
 fn next_generation() -> u64 {
@@ -266,6 +289,8 @@ impl Store {
             view: OnceLock::new(),
             interner: Interner::default(),
             generation: next_generation(),
+            log: std::collections::VecDeque::new(),
+            stale: None,
         })
     }
 
@@ -282,8 +307,12 @@ impl Store {
         let converted = self.convert(resource, &mut interner);
         self.interner = interner;
         let (key, entry) = converted?;
-        self.items.insert(key, entry);
-        self.changed();
+        let after = entry.index_key.clone();
+        let before = self
+            .items
+            .insert(key.clone(), entry)
+            .and_then(|e| e.index_key);
+        self.changed(key, [before, after]);
         Ok(())
     }
 
@@ -321,14 +350,13 @@ impl Store {
 
     /// Removes a resource; returns whether it was there.
     pub fn remove(&mut self, namespace: &str, name: &str) -> bool {
-        let removed = self
-            .items
-            .remove(&(namespace.to_owned(), name.to_owned()))
-            .is_some();
-        if removed {
-            self.changed();
+        let key = (namespace.to_owned(), name.to_owned());
+        let removed = self.items.remove(&key);
+        let done = removed.is_some();
+        if let Some(entry) = removed {
+            self.changed(key, [entry.index_key, None]);
         }
-        removed
+        done
     }
 
     /// Whether a resource with this namespace and name is stored.
@@ -373,9 +401,42 @@ impl Store {
         serde_json::to_value(value).ok()
     }
 
-    fn changed(&mut self) {
-        self.view = OnceLock::new();
+    fn changed(&mut self, key: (String, String), index_keys: [Option<String>; 2]) {
+        if let Some(view) = self.view.take() {
+            self.stale = Some((self.generation, view));
+        }
+        if self.log.len() == LOG_LEN {
+            self.log.pop_front();
+        }
+        self.log.push_back(Logged {
+            left: self.generation,
+            key,
+            index_keys,
+        });
         self.generation = next_generation();
+    }
+
+    /// The changes since the store was at `generation`, oldest first.
+    fn logged_since(&self, generation: u64) -> Option<impl Iterator<Item = &Logged>> {
+        let start = if generation == self.generation {
+            self.log.len()
+        } else {
+            self.log
+                .iter()
+                .position(|logged| logged.left == generation)?
+        };
+        Some(self.log.iter().skip(start))
+    }
+
+    /// The keys of the resources changed (applied or removed) since the store was at
+    /// `generation`, oldest first, a key once per change; `None` when the store does not
+    /// remember back that far (or never was at `generation`).
+    pub(crate) fn changes_since(&self, generation: u64) -> Option<Vec<&(String, String)>> {
+        Some(
+            self.logged_since(generation)?
+                .map(|logged| &logged.key)
+                .collect(),
+        )
     }
 
     /// The resource with this namespace and name, and its extracts.
@@ -400,7 +461,75 @@ impl Store {
     }
 
     fn build_view(&self) -> StoreView {
-        build_view(|| self.items.iter())
+        self.patched_view()
+            .unwrap_or_else(|| build_view(|| self.items.iter()))
+    }
+
+    /// The last view built, patched for the few changes since (what a full build gives, in
+    /// the same order; the resources that did not change are the same values), or `None`.
+    fn patched_view(&self) -> Option<StoreView> {
+        let (generation, old) = self.stale.as_ref()?;
+        let logged: Vec<&Logged> = self.logged_since(*generation)?.collect();
+        if logged.len() > PATCH_LEN {
+            return None;
+        }
+        let keys: BTreeSet<&(String, String)> = logged.iter().map(|l| &l.key).collect();
+        let mut by_name = old.by_name.as_map()?.clone();
+        for key @ (namespace, name) in keys {
+            let name_key: Key<'static> = format!("{namespace}/{name}").into();
+            match self.items.get(key) {
+                None => {
+                    by_name.shift_remove(&name_key);
+                }
+                Some(entry) => {
+                    if let Some(value) = by_name.get_mut(&name_key) {
+                        *value = entry.value.clone();
+                    } else {
+                        let at = self.items.range(..key).count();
+                        by_name.shift_insert(at, name_key, entry.value.clone());
+                    }
+                }
+            }
+        }
+        let touched: BTreeSet<&str> = logged
+            .iter()
+            .flat_map(|l| l.index_keys.iter().flatten())
+            .map(String::as_str)
+            .collect();
+        let mut by_index = old.by_index.as_map()?.clone();
+        if !touched.is_empty() {
+            let mut lists: BTreeMap<&str, Vec<Value>> = BTreeMap::new();
+            for entry in self.items.values() {
+                if let Some(index) = entry.index_key.as_deref()
+                    && touched.contains(index)
+                {
+                    lists.entry(index).or_default().push(entry.value.clone());
+                }
+            }
+            for index in touched {
+                let found = by_index.binary_search_by(|k, _| k.as_str().cmp(&Some(index)));
+                match (lists.remove(index), found) {
+                    (Some(list), Ok(at)) => {
+                        if let Some((_, value)) = by_index.get_index_mut(at) {
+                            *value = Value::from(list);
+                        }
+                    }
+                    (Some(list), Err(at)) => {
+                        by_index.shift_insert(at, index.to_owned().into(), Value::from(list));
+                    }
+                    (None, Ok(at)) => {
+                        by_index.shift_remove_index(at);
+                    }
+                    (None, Err(_)) => {}
+                }
+            }
+        }
+        let list: Vec<Value> = self.items.values().map(|e| e.value.clone()).collect();
+        Some(StoreView {
+            list: Value::from(list),
+            by_name: Value::from(by_name),
+            by_index: Value::from(by_index),
+        })
     }
 
     /// This store as a derivation input.
@@ -922,6 +1051,59 @@ mod tests {
         );
         store.apply(&json!({"metadata": {"name": "n"}})).unwrap();
         assert!(store.contains("", "n"));
+    }
+
+    #[test]
+    fn a_patched_view_is_the_view_built_afresh_in_content_and_order() {
+        let config = StoreConfig::index_by([
+            "metadata.namespace",
+            r#"metadata.labels["kubernetes.io/service-name"]"#,
+        ]);
+        let slice = |ns: usize, name: usize, svc: usize, v: usize| {
+            json!({"metadata": {"namespace": format!("n{ns}"), "name": format!("s{name}"),
+                "labels": {"kubernetes.io/service-name": format!("web{svc}")},
+                "annotations": {"v": v.to_string()}}})
+        };
+        let keys = |v: &Value| -> Vec<String> {
+            v.as_map()
+                .unwrap()
+                .keys()
+                .map(|k| k.as_str().unwrap().to_owned())
+                .collect()
+        };
+        let mut store = Store::new(config).unwrap();
+        for i in 0..20 {
+            store.apply(&slice(i % 3, i, i % 4, 0)).unwrap();
+        }
+        // A fixed pseudo-random walk of changes, viewed after one, two or three of them.
+        let mut x: usize = 7;
+        for step in 0..300 {
+            for _ in 0..=(step % 3) {
+                x = x.wrapping_mul(1_103_515_245).wrapping_add(12_345) % (1 << 31);
+                let (ns, name, svc) = (x % 4, (x >> 3) % 25, (x >> 8) % 5);
+                let kind = (x >> 12) % 4;
+                if kind == 0 {
+                    store.remove(&format!("n{ns}"), &format!("s{name}"));
+                } else if kind == 1 {
+                    store
+                        .apply(&json!({"metadata": {"namespace": format!("n{ns}"), "name": format!("s{name}")}}))
+                        .unwrap();
+                } else {
+                    store.apply(&slice(ns, name, svc, step)).unwrap();
+                }
+            }
+            let patched = store.view();
+            let fresh = build_view(|| store.items.iter());
+            assert_eq!(patched.list, fresh.list, "step {step}: list");
+            assert_eq!(patched.by_name, fresh.by_name, "step {step}: by_name");
+            assert_eq!(keys(&patched.by_name), keys(&fresh.by_name), "step {step}");
+            assert_eq!(patched.by_index, fresh.by_index, "step {step}: by_index");
+            assert_eq!(
+                keys(&patched.by_index),
+                keys(&fresh.by_index),
+                "step {step}"
+            );
+        }
     }
 
     #[test]

@@ -41,6 +41,8 @@ enum Step {
     Remove(&'static str, usize),
     /// Lay the change over the stores and render the overlay (nothing is kept).
     Overlay(&'static str, usize, u8),
+    /// Apply a variant without rendering: the next render sees two changes or more.
+    Quiet(&'static str, usize, u8),
 }
 
 fn arb_step() -> impl Strategy<Value = Step> {
@@ -51,9 +53,10 @@ fn arb_step() -> impl Strategy<Value = Step> {
         Just("secrets"),
         Just("ingressclasses"),
     ];
-    (0..3u8, store, 0..N, 0..8u8).prop_map(|(kind, store, i, variant)| match kind {
+    (0..4u8, store, 0..N, 0..10u8).prop_map(|(kind, store, i, variant)| match kind {
         0 => Step::Remove(store, i),
         1 => Step::Overlay(store, i, variant),
+        2 => Step::Quiet(store, i, variant),
         _ => Step::Apply(store, i, variant),
     })
 }
@@ -81,11 +84,35 @@ fn variant(store: &str, resource: &Json, v: u8, fixtures: &fixtures::Fixtures) -
             r["metadata"]["annotations"] =
                 json!({"nginx.ingress.kubernetes.io/configuration-snippet": "deny all;"});
         }
+        ("ingresses", 7) => {
+            // A policy of its own: its Service port gets a second backend.
+            r["metadata"]["annotations"] =
+                json!({"nginx.ingress.kubernetes.io/service-upstream": "true"});
+        }
+        ("ingresses", 8) => {
+            r["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["port"] =
+                json!({"name": "absent"});
+        }
         ("services", 1) => r["spec"]["ports"][0]["port"] = json!(81),
         ("services", 2) => {
             r["spec"] = json!({"type": "ExternalName", "externalName": "example.com"});
         }
         ("endpointslices", 1) => r["endpoints"][0]["conditions"]["ready"] = json!(false),
+        ("endpointslices", 3) => {
+            r["metadata"]["labels"]["kubernetes.io/service-name"] = json!("missing");
+        }
+        ("endpointslices", 4) => {
+            // A second slice of the first Service (a new resource, in its namespace).
+            let first = &fixtures.services[0]["metadata"];
+            r["metadata"]["namespace"] = first["namespace"].clone();
+            r["metadata"]["labels"]["kubernetes.io/service-name"] = first["name"].clone();
+        }
+        ("services", 3) => {
+            r["spec"]["ports"]
+                .as_array_mut()
+                .unwrap()
+                .push(json!({"name": "metrics", "port": 9090}));
+        }
         ("endpointslices", 2) => {
             r["endpoints"]
                 .as_array_mut()
@@ -189,7 +216,7 @@ proptest! {
         prop_assert!(kept.last_timings().fragments_reused > 0);
         for (n, step) in steps.iter().enumerate() {
             match step {
-                Step::Apply(store, i, v) | Step::Overlay(store, i, v) => {
+                Step::Apply(store, i, v) | Step::Overlay(store, i, v) | Step::Quiet(store, i, v) => {
                     let all = resources(&fixtures, store);
                     let Some(resource) = all.get(i % all.len().max(1)) else { continue };
                     let changed = variant(store, resource, *v, &fixtures);
@@ -214,6 +241,9 @@ proptest! {
                     let (namespace, name) = key(resource);
                     stores.get_mut(store).unwrap().remove(&namespace, &name);
                 }
+            }
+            if let Step::Quiet(..) = step {
+                continue;
             }
             same(&format!("step {n}: {step:?}"), &kept.render_traced(&stores).unwrap(), &fresh(&stores))?;
         }

@@ -284,6 +284,24 @@ fn describe(e: &tera::Error, template: &str) -> String {
     }
 }
 
+/// Replays a call's provenance marks (at `at`, where its output starts in the enclosing one)
+/// and its rows' requests, in row order, as if its rows had just been rendered. Requests go one
+/// row at a time through the thread's own index (`requests::replay`): merging them into one
+/// `Requests` first rebuilt an index of everything so far per row, quadratic in rows with a status.
+fn replay(site: &CallSite, at: usize) {
+    provenance::replay(
+        site.marks
+            .iter()
+            .map(|(row, offset, value)| {
+                (at + site.span(*row as usize).start + offset, value.clone())
+            })
+            .collect(),
+    );
+    for (_, requests) in &site.requests {
+        requests::replay(requests.clone());
+    }
+}
+
 /// The function `render_each(rows=<list>, template=<snippet>, args=<any>)`.
 fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
     let rows_value: Value = kwargs.must_get("rows")?;
@@ -350,19 +368,7 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
             .reused
             .fetch_add(rows.len() as u64, Ordering::Relaxed);
         note_enclosing(site.reads.iter().map(|(_, r)| r), !site.refused.is_empty());
-        provenance::replay(
-            site.marks
-                .iter()
-                .map(|(row, offset, value)| {
-                    (at + site.span(*row as usize).start + offset, value.clone())
-                })
-                .collect(),
-        );
-        let mut asked = Requests::default();
-        for (_, requests) in &site.requests {
-            asked.extend(requests.clone());
-        }
-        requests::replay(asked);
+        replay(&site, at);
         return String::from_utf8(site.bytes.clone())
             .map_err(|_| error("render_each: a fragment is not UTF-8"));
     }
@@ -496,19 +502,7 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
         .rendered
         .fetch_add(rendered, Ordering::Relaxed);
     note_enclosing(site.reads.iter().map(|(_, r)| r), !site.refused.is_empty());
-    provenance::replay(
-        site.marks
-            .iter()
-            .map(|(row, offset, value)| {
-                (at + site.span(*row as usize).start + offset, value.clone())
-            })
-            .collect(),
-    );
-    let mut asked = Requests::default();
-    for (_, requests) in &site.requests {
-        asked.extend(requests.clone());
-    }
-    requests::replay(asked);
+    replay(&site, at);
     let text = String::from_utf8(site.bytes.clone())
         .map_err(|_| error("render_each: a fragment is not UTF-8"))?;
     // An overlay render reuses what it can and keeps nothing of its own.

@@ -368,7 +368,7 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
             .reused
             .fetch_add(rows.len() as u64, Ordering::Relaxed);
         note_enclosing(site.reads.iter().map(|(_, r)| r), !site.refused.is_empty());
-        replay(&site, at);
+        replay(site, at);
         return String::from_utf8(site.bytes.clone())
             .map_err(|_| error("render_each: a fragment is not UTF-8"));
     }

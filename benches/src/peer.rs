@@ -362,6 +362,42 @@ fn register(env: &mut Environment<'static>) {
                 .collect())
         },
     );
+    env.add_filter(
+        "server_lines",
+        |rows: Vec<Value>, kwargs: Kwargs| -> Result<Value> {
+            let slots: Option<usize> = kwargs.get("slots")?;
+            let options: Option<String> = kwargs.get("options")?;
+            let check: Option<Value> = kwargs.get("check")?;
+            let cookie: Option<Value> = kwargs.get("cookie")?;
+            kwargs.assert_all_used()?;
+            let texts: Vec<(String, bool)> = rows
+                .iter()
+                .filter_map(|row| {
+                    let endpoint = row.get_attr("endpoint").ok()?;
+                    let ready = row
+                        .get_attr("ready")
+                        .ok()
+                        .is_none_or(|r| r.is_undefined() || r.is_true());
+                    Some((endpoint.as_str()?.to_owned(), ready))
+                })
+                .collect();
+            let endpoints: Vec<haptic_render::slots::Endpoint<'_>> = texts
+                .iter()
+                .map(|(endpoint, ready)| haptic_render::slots::Endpoint {
+                    endpoint,
+                    ready: *ready,
+                })
+                .collect();
+            // The lines hold the template's own option text: not escaped (tera writes it so).
+            Ok(Value::from_safe_string(haptic_render::slots::server_lines(
+                &endpoints,
+                slots.unwrap_or(haptic_render::slots::DEFAULT_SLOTS),
+                options.as_deref().unwrap_or(""),
+                check.is_some_and(|v| v.is_true()),
+                cookie.is_some_and(|v| v.is_true()),
+            )))
+        },
+    );
     env.add_filter("backend_name", |parts: Vec<Value>| -> Result<String> {
         match parts.as_slice() {
             [namespace, service, port] => {

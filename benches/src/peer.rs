@@ -313,6 +313,24 @@ fn register(env: &mut Environment<'static>) {
             _ => pick_one(&value),
         })
     });
+    // `where_any` keeps the rows with a truthy `truthy` field or a falsy `falsy` one (as
+    // haptic-render's).
+    env.add_filter(
+        "where_any",
+        |rows: Vec<Value>, kwargs: Kwargs| -> Result<Vec<Value>> {
+            let truthy: Option<Vec<String>> = kwargs.get("truthy")?;
+            let falsy: Option<Vec<String>> = kwargs.get("falsy")?;
+            kwargs.assert_all_used()?;
+            let field = |row: &Value, key: &str| row.get_attr(key).is_ok_and(|v| v.is_true());
+            Ok(rows
+                .into_iter()
+                .filter(|row| {
+                    truthy.iter().flatten().any(|k| field(row, k))
+                        || falsy.iter().flatten().any(|k| !field(row, k))
+                })
+                .collect())
+        },
+    );
     // Provenance marks render nothing; the peer keeps no provenance.
     env.add_filter("from", |_: Value| -> Result<String> { Ok(String::new()) });
     env.add_function("backend_name", |kwargs: Kwargs| -> Result<String> {

@@ -1016,6 +1016,40 @@ mod tests {
     }
 
     #[test]
+    fn where_any_keeps_rows_with_a_truthy_or_a_falsy_field() {
+        let mut set = TemplateSet {
+            haproxy_config: Template::new(
+                "{% for r in rows | where_any(truthy=[\"conflict\", \"external\"], falsy=[\"backend\"]) %}{{ r.n }} {% endfor %}",
+            ),
+            ..TemplateSet::default()
+        };
+        set.extra_context.insert(
+            "rows".into(),
+            json!([
+                {"n": 1, "backend": "b", "conflict": null, "external": false},
+                {"n": 2, "backend": "b", "conflict": "x/y", "external": false},
+                {"n": 3, "backend": null, "conflict": null, "external": false},
+                {"n": 4, "backend": "b", "conflict": null, "external": true},
+                {"n": 5, "conflict": null},
+            ]),
+        );
+        let files = Renderer::compile(&set)
+            .unwrap()
+            .render(&Stores::new())
+            .unwrap();
+        assert_eq!(files.text("haproxy.cfg"), Some("2 3 4 5 "));
+        set.extra_context.insert("rows".into(), json!([1]));
+        let err = Renderer::compile(&set)
+            .unwrap()
+            .render(&Stores::new())
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("where_any: expected maps"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn extra_context_is_visible_at_top_level() {
         let mut set = TemplateSet {
             haproxy_config: Template::new("{{ tuning.maxconn }}"),

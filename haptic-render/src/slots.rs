@@ -145,15 +145,14 @@ pub fn server_lines(
     check: bool,
     cookie: bool,
 ) -> String {
-    use std::fmt::Write as _;
     let slots = assign(endpoints, per_backend);
     let mut out = String::with_capacity(slots.len() * (40 + options.len()));
     for slot in &slots {
-        let _ = write!(
-            out,
-            "\n    server s{} {}{options}",
-            slot.slot, slot.endpoint
-        );
+        out.push_str("\n    server s");
+        push_number(&mut out, slot.slot);
+        out.push(' ');
+        out.push_str(&slot.endpoint);
+        out.push_str(options);
         if !slot.enabled {
             out.push_str(" disabled");
         }
@@ -161,10 +160,26 @@ pub fn server_lines(
             out.push_str(" check");
         }
         if cookie {
-            let _ = write!(out, " cookie s{}", slot.slot);
+            out.push_str(" cookie s");
+            push_number(&mut out, slot.slot);
         }
     }
     out
+}
+
+/// Appends `n` in decimal (without the formatting machinery: this runs per server line).
+fn push_number(out: &mut String, mut n: usize) {
+    let mut digits = [0u8; 20];
+    let mut start = digits.len();
+    loop {
+        start -= 1;
+        digits[start] = b'0' + u8::try_from(n % 10).unwrap_or(0);
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend(digits[start..].iter().map(|&d| char::from(d)));
 }
 
 /// The endpoint rows of a template value: `endpoint` and `ready` (ready unless it says false).

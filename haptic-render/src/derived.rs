@@ -457,7 +457,8 @@ impl Derivation {
     /// The store of Ingresses this view reads, if any.
     pub fn ingresses(&self) -> Option<&str> {
         match self {
-            Self::ServiceBackends { routed_by, .. } | Self::GatewayApi {
+            Self::ServiceBackends { routed_by, .. }
+            | Self::GatewayApi {
                 ingresses: routed_by,
                 ..
             } => routed_by.as_deref(),
@@ -2150,7 +2151,9 @@ impl DerivedView {
                     }
                     backends.as_ref().map_or_else(Value::none, Backends::value)
                 }
-                ((derivation @ Derivation::GatewayApi { .. }, own, classes), _) => {
+                ((derivation, own, classes), _)
+                    if matches!(derivation, Derivation::GatewayApi { .. }) =>
+                {
                     let ours = Ours::new(derivation.classes(), classes);
                     match gateway_inputs(derivation, own, ours) {
                         Some((inputs, ports, controller, side)) => {
@@ -2161,10 +2164,7 @@ impl DerivedView {
                                 Some((built, resolved)) if *built == from => Arc::clone(resolved),
                                 _ => {
                                     let resolved = Arc::new(gateway::resolve(
-                                        slot,
-                                        &inputs,
-                                        &ports,
-                                        controller,
+                                        slot, &inputs, &ports, controller,
                                     ));
                                     state.gateway = Some((from, Arc::clone(&resolved)));
                                     resolved
@@ -2191,6 +2191,24 @@ impl DerivedView {
             index: self.derivation.slot(),
             keep: false,
         };
+        // An Ingress under review: the Gateway API stores resolve as they did (when they did).
+        if let (derivation @ Derivation::GatewayApi { .. }, own, classes) =
+            split_classes(&self.derivation, inputs)
+        {
+            let from: Vec<u64> = own.iter().take(9).map(|s| s.generation()).collect();
+            let resolved = self
+                .lock()
+                .gateway
+                .as_ref()
+                .filter(|(built, _)| *built == from)
+                .map(|(_, resolved)| Arc::clone(resolved));
+            if let Some(resolved) = resolved {
+                let ours = Ours::new(derivation.classes(), classes);
+                if let Some((_, _, _, side)) = gateway_inputs(derivation, own, ours) {
+                    return resolved.with_ingresses(side.as_ref());
+                }
+            }
+        }
         compute(&self.derivation, slot, inputs)
     }
 }
@@ -2269,14 +2287,19 @@ fn compute(derivation: &Derivation, slot: Slot, inputs: &[Source<'_>]) -> Value 
     }
 }
 
-/// The Gateway API view's inputs (the IngressClasses split off), resolved over its own stores,
-/// and the Ingresses it decides conflicts with (when it reads some). `resolved`, when given,
-/// is what its own stores resolved to already.
+/// What the Gateway API view reads, from its inputs (the IngressClasses split off): its own
+/// stores, its ports, its controller name, and the Ingresses it decides conflicts with (when
+/// it reads some).
 fn gateway_inputs<'a>(
     derivation: &'a Derivation,
     inputs: &[Source<'a>],
     ours: Ours<'a>,
-) -> Option<(gateway::Inputs<'a>, gateway::Ports<'a>, &'a str, Option<gateway::IngressSide<'a>>)> {
+) -> Option<(
+    gateway::Inputs<'a>,
+    gateway::Ports<'a>,
+    &'a str,
+    Option<gateway::IngressSide<'a>>,
+)> {
     let Derivation::GatewayApi {
         controller_name,
         gateways: gateway_store,

@@ -1553,7 +1553,13 @@ fn shared_world(http_port: u16) -> World {
 
 /// An Ingress in `infra` created at `created`, its paths `(path, pathType)` on `host` routing
 /// to `backend`.
-fn shared_ingress(name: &str, created: &str, host: &str, paths: &[(&str, &str)], backend: &str) -> Json {
+fn shared_ingress(
+    name: &str,
+    created: &str,
+    host: &str,
+    paths: &[(&str, &str)],
+    backend: &str,
+) -> Json {
     let paths: Vec<Json> = paths
         .iter()
         .map(|(path, kind)| {
@@ -1583,7 +1589,11 @@ fn an_older_ingress_keeps_its_route_from_an_http_route_on_its_port_and_hands_ove
             "shop",
             "2025-01-01T00:00:00Z",
             "shop.example",
-            &[("/app", "Prefix"), ("/exact", "Exact"), ("/impl/", "ImplementationSpecific")],
+            &[
+                ("/app", "Prefix"),
+                ("/exact", "Exact"),
+                ("/impl/", "ImplementationSpecific"),
+            ],
             "infra-backend-v2",
         ),
     );
@@ -1606,11 +1616,21 @@ fn an_older_ingress_keeps_its_route_from_an_http_route_on_its_port_and_hands_ove
     assert_eq!(f.to("shop.example", "/gw/x"), "infra-backend-v1");
     let told = f.events("HTTPRoute", "newer", "RouteConflict");
     for words in [
-        format!("host shop.example path /app (PathPrefix) on port {http_port} is served by the older Ingress infra/shop"),
-        format!("host shop.example path /exact (Exact) on port {http_port} is served by the older Ingress infra/shop"),
-        format!("host shop.example path /impl (PathPrefix) on port {http_port} is served by the older Ingress infra/shop"),
+        format!(
+            "host shop.example path /app (PathPrefix) on port {http_port} is served by the older Ingress infra/shop"
+        ),
+        format!(
+            "host shop.example path /exact (Exact) on port {http_port} is served by the older Ingress infra/shop"
+        ),
+        format!(
+            "host shop.example path /impl (PathPrefix) on port {http_port} is served by the older Ingress infra/shop"
+        ),
     ] {
-        assert!(told.iter().any(|m| m.contains(&words)), "{words} in {:?}", f.events);
+        assert!(
+            told.iter().any(|m| m.contains(&words)),
+            "{words} in {:?}",
+            f.events
+        );
     }
     assert_eq!(told.len(), 3, "{:?}", f.events);
     assert!(f.events("Ingress", "shop", "RouteConflict").is_empty());

@@ -1348,11 +1348,9 @@ pub(super) fn resolve(
                         .collect()
                 });
                 let condition = format!("{}{not_theirs}", m.condition());
-                let claim = (shared
-                    && m.method.is_none()
-                    && m.headers.is_empty()
-                    && m.queries.is_empty())
-                .then(|| RouteClaim::of(m));
+                let claim =
+                    (shared && m.method.is_none() && m.headers.is_empty() && m.queries.is_empty())
+                        .then(|| RouteClaim::of(m));
                 (
                     super::row([
                         ("condition", Value::from(condition)),
@@ -1646,7 +1644,11 @@ pub(super) struct IngressSide<'a> {
 
 impl Resolved {
     /// The view's value: `dropped` holds, per frontend, the indexes of the matches left out.
-    fn value(&self, dropped: Option<&BTreeMap<usize, BTreeSet<usize>>>, events: Vec<Value>) -> Value {
+    fn value(
+        &self,
+        dropped: Option<&BTreeMap<usize, BTreeSet<usize>>>,
+        events: Vec<Value>,
+    ) -> Value {
         let frontends: Vec<Value> = self
             .frontends
             .iter()
@@ -1846,7 +1848,10 @@ mod tests {
         let mut apply = |store: &str, resource: Json| {
             stores.get_mut(store).unwrap().apply(&resource).unwrap();
         };
-        apply("ingressclasses", crate::fixtures::ingress_class("haptic", true));
+        apply(
+            "ingressclasses",
+            crate::fixtures::ingress_class("haptic", true),
+        );
         apply(
             "gatewayclasses",
             json!({"metadata": {"name": "haptic"},
@@ -1858,15 +1863,21 @@ mod tests {
                 "spec": {"gatewayClassName": "haptic",
                     "listeners": [{"name": "http", "port": 80, "protocol": "HTTP"}]}}),
         );
-        apply("services", json!({"metadata": {"namespace": "ns", "name": "web"},
-            "spec": {"ports": [{"port": 80}]}}));
+        apply(
+            "services",
+            json!({"metadata": {"namespace": "ns", "name": "web"},
+            "spec": {"ports": [{"port": 80}]}}),
+        );
         let t = "2026-01-01T00:00:00Z";
         let ingress = |name: &str, host: &str, path: &str, kind: &str| {
             json!({"metadata": {"namespace": "ns", "name": name, "creationTimestamp": t},
                 "spec": {"rules": [{"host": host, "http": {"paths": [{"path": path, "pathType": kind,
                     "backend": {"service": {"name": "web", "port": {"number": 80}}}}]}}]}})
         };
-        apply("ingresses", ingress("wild", "*.shop.example", "/", "Prefix"));
+        apply(
+            "ingresses",
+            ingress("wild", "*.shop.example", "/", "Prefix"),
+        );
         apply("ingresses", ingress("any", "", "/x", "Exact"));
         let route = |name: &str, created: &str, spec: Json| {
             json!({"metadata": {"namespace": "ns", "name": name, "creationTimestamp": created},
@@ -1875,15 +1886,23 @@ mod tests {
         // The same time: the kind decides, HTTPRoute first.
         apply(
             "httproutes",
-            route("tie", t, json!({"parentRefs": [{"name": "gw"}], "hostnames": ["*.shop.example"],
-                "rules": [{"backendRefs": [{"name": "web", "port": 80}]}]})),
+            route(
+                "tie",
+                t,
+                json!({"parentRefs": [{"name": "gw"}], "hostnames": ["*.shop.example"],
+                "rules": [{"backendRefs": [{"name": "web", "port": 80}]}]}),
+            ),
         );
         // Younger than the host-less Ingress path: its match is left out.
         apply(
             "httproutes",
-            route("young", "2026-06-01T00:00:00Z", json!({"parentRefs": [{"name": "gw"}],
+            route(
+                "young",
+                "2026-06-01T00:00:00Z",
+                json!({"parentRefs": [{"name": "gw"}],
                 "rules": [{"matches": [{"path": {"type": "Exact", "value": "/x"}}],
-                    "backendRefs": [{"name": "web", "port": 80}]}]})),
+                    "backendRefs": [{"name": "web", "port": 80}]}]}),
+            ),
         );
         let view = stores.derived_json("gateway").unwrap();
         let events: Vec<(String, String)> = view["events"]
@@ -1892,7 +1911,11 @@ mod tests {
             .iter()
             .map(|e| {
                 (
-                    format!("{}/{}", e["store"].as_str().unwrap(), e["name"].as_str().unwrap()),
+                    format!(
+                        "{}/{}",
+                        e["store"].as_str().unwrap(),
+                        e["name"].as_str().unwrap()
+                    ),
                     e["message"].as_str().unwrap().to_owned(),
                 )
             })

@@ -187,6 +187,9 @@ impl IngressClassFilter {
 }
 
 /// A join computed from named stores.
+// A config holds a handful of these, read once: the size of the largest (the Gateway API's
+// store names) costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(
     tag = "kind",
@@ -3248,7 +3251,8 @@ mod tests {
                         "namespaces": "namespaces", "pods": "haproxy_pods",
                         "controllerName": "haproxy-haptic.org/gateway-controller",
                         "reservedPorts": [9090, 9091],
-                        "ingressPorts": {"http": 80, "https": 443}},
+                        "ingressPorts": {"http": 80, "https": 443},
+                        "ingresses": "ingresses", "classes": classes},
         });
         // The controller name and `classless` have defaults.
         let short: Derivation = serde_json::from_value(json!({"kind": "ingresses",

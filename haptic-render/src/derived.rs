@@ -329,7 +329,7 @@ pub enum Derivation {
         ingress_ports: IngressPorts,
         /// When set, a store of Ingresses: an HTTPRoute match on the Ingress frontend's port
         /// and an Ingress path claiming the same host and path are a conflict the older one
-        /// wins ([`gateway::Resolved::with_ingresses`]).
+        /// wins (see `docs/gateway-api.md`, "Conflicts with Ingresses").
         #[serde(default, skip_serializing_if = "Option::is_none")]
         ingresses: Option<String>,
         /// With `ingresses`: only the Ingresses of our classes claim routes.

@@ -15,6 +15,13 @@
 //! the longest PathPrefix; a method match; more header matches; more query parameter matches;
 //! the oldest route; the route first by `namespace/name`; the first rule and match in list order.
 //! HAProxy tries the matches in that order and takes the first that matches.
+//!
+//! On a listener sharing the Ingress frontend's port, those matches go before the Ingress
+//! routes; one without method, header or query conditions that claims the same host and path
+//! as a path of one of our Ingresses (the Ingress conflict rule's route key) is a conflict the
+//! older object wins (`Resolved::with_ingresses`). What the Gateway API stores resolve to is
+//! kept (`resolve`) while they do not change: an Ingress change decides only the conflicts
+//! again, and reads no Ingress unless a match claims something.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 

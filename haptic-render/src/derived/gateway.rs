@@ -1868,8 +1868,11 @@ mod tests {
             "gateways",
             json!({"metadata": {"namespace": "ns", "name": "gw"},
                 "spec": {"gatewayClassName": "haptic",
-                    "listeners": [{"name": "http", "port": 80, "protocol": "HTTP"}]}}),
+                    "listeners": [{"name": "http", "port": 80, "protocol": "HTTP"},
+                        {"name": "https", "port": 443, "protocol": "HTTPS",
+                         "tls": {"certificateRefs": [{"name": "cert"}]}}]}}),
         );
+        apply("secrets", crate::fixtures::tls_secret("ns", "cert"));
         apply(
             "services",
             json!({"metadata": {"namespace": "ns", "name": "web"},
@@ -1927,21 +1930,26 @@ mod tests {
                 )
             })
             .collect();
-        assert_eq!(
-            events,
-            [
-                (
-                    "httproutes/young".to_owned(),
-                    "host * path /x (Exact) on port 80 is served by the older Ingress ns/any: this match is not routed there".to_owned()
-                ),
-                (
-                    "ingresses/wild".to_owned(),
-                    "host *.shop.example path / (Prefix) is served on port 80 by the older HTTPRoute ns/tie: this path is not routed there".to_owned()
-                ),
-            ]
-        );
-        // The tie's match stays, the young one's is gone.
-        assert_eq!(view["frontends"][0]["matches"].as_array().unwrap().len(), 1);
+        // On both ports of the Ingress frontend, each on its own.
+        let mut expected = Vec::new();
+        for port in [80, 443] {
+            expected.push((
+                "httproutes/young".to_owned(),
+                format!("host * path /x (Exact) on port {port} is served by the older Ingress ns/any: this match is not routed there"),
+            ));
+        }
+        for port in [80, 443] {
+            expected.push((
+                "ingresses/wild".to_owned(),
+                format!("host *.shop.example path / (Prefix) is served on port {port} by the older HTTPRoute ns/tie: this path is not routed there"),
+            ));
+        }
+        assert_eq!(events, expected);
+        // The tie's match stays, the young one's is gone, on both ports.
+        for f in 0..2 {
+            assert_eq!(view["frontends"][f]["matches"].as_array().unwrap().len(), 1);
+            assert_eq!(view["frontends"][f]["actions"].as_array().unwrap().len(), 1);
+        }
 
         // Without the Ingresses, no conflict: both matches.
         for name in ["wild", "any"] {
@@ -1949,7 +1957,9 @@ mod tests {
         }
         let view = stores.derived_json("gateway").unwrap();
         assert_eq!(view["events"], json!([]));
-        assert_eq!(view["frontends"][0]["matches"].as_array().unwrap().len(), 2);
+        for f in 0..2 {
+            assert_eq!(view["frontends"][f]["matches"].as_array().unwrap().len(), 2);
+        }
     }
 
     #[test]

@@ -187,6 +187,9 @@ impl IngressClassFilter {
 }
 
 /// A join computed from named stores.
+// A config holds a handful of these, read once: the size of the largest (the Gateway API's
+// store names) costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(
     tag = "kind",
@@ -324,6 +327,14 @@ pub enum Derivation {
         /// and 443.
         #[serde(default)]
         ingress_ports: IngressPorts,
+        /// When set, a store of Ingresses: an HTTPRoute match on the Ingress frontend's port
+        /// and an Ingress path claiming the same host and path are a conflict the older one
+        /// wins (see `docs/gateway-api.md`, "Conflicts with Ingresses").
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ingresses: Option<String>,
+        /// With `ingresses`: only the Ingresses of our classes claim routes.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        classes: Option<IngressClassFilter>,
     },
 }
 
@@ -401,8 +412,9 @@ impl Derivation {
                 secrets,
                 namespaces,
                 pods,
+                ingresses,
                 ..
-            } => vec![
+            } => [
                 gateway_classes,
                 gateways,
                 http_routes,
@@ -412,7 +424,11 @@ impl Derivation {
                 secrets,
                 namespaces,
                 pods,
-            ],
+            ]
+            .into_iter()
+            .chain(ingresses)
+            .map(String::as_str)
+            .collect(),
         };
         if let Some(classes) = self.classes() {
             inputs.push(&classes.ingress_classes);
@@ -427,9 +443,12 @@ impl Derivation {
             Self::ServiceBackends {
                 routed_by: None, ..
             }
-            | Self::TlsCertificates { .. }
-            | Self::GatewayApi { .. } => None,
-            Self::ServiceBackends { classes, .. }
+            | Self::GatewayApi {
+                ingresses: None, ..
+            }
+            | Self::TlsCertificates { .. } => None,
+            Self::GatewayApi { classes, .. }
+            | Self::ServiceBackends { classes, .. }
             | Self::IngressRoutes { classes, .. }
             | Self::IngressTls { classes, .. }
             | Self::Ingresses { classes, .. }
@@ -441,8 +460,12 @@ impl Derivation {
     /// The store of Ingresses this view reads, if any.
     pub fn ingresses(&self) -> Option<&str> {
         match self {
-            Self::ServiceBackends { routed_by, .. } => routed_by.as_deref(),
-            Self::TlsCertificates { .. } | Self::GatewayApi { .. } => None,
+            Self::ServiceBackends { routed_by, .. }
+            | Self::GatewayApi {
+                ingresses: routed_by,
+                ..
+            } => routed_by.as_deref(),
+            Self::TlsCertificates { .. } => None,
             Self::IngressRoutes { ingresses, .. }
             | Self::IngressTls { ingresses, .. }
             | Self::Ingresses { ingresses, .. }
@@ -1865,6 +1888,9 @@ struct ViewState {
     routed: Option<(Vec<u64>, Routed)>,
     /// For `ServiceBackends`: the rows of each Service, patched after a change.
     backends: Option<Backends>,
+    /// For `GatewayApi`: what its own stores (not the Ingresses) resolved to, and their
+    /// generations: an Ingress change decides the conflicts with Ingresses again, nothing else.
+    gateway: Option<(Vec<u64>, Arc<gateway::Resolved>)>,
 }
 
 /// The rows of a `ServiceBackends` view per Service, and which EndpointSlices join to which
@@ -2039,6 +2065,7 @@ impl DerivedView {
                 value: Value::none(),
                 routed: None,
                 backends: None,
+                gateway: None,
             }),
         }
     }
@@ -2055,6 +2082,7 @@ impl DerivedView {
             state.built_from = None;
             state.routed = None;
             state.backends = None;
+            state.gateway = None;
             state
         })
     }
@@ -2126,6 +2154,30 @@ impl DerivedView {
                     }
                     backends.as_ref().map_or_else(Value::none, Backends::value)
                 }
+                ((derivation, own, classes), _)
+                    if matches!(derivation, Derivation::GatewayApi { .. }) =>
+                {
+                    let ours = Ours::new(derivation.classes(), classes);
+                    match gateway_inputs(derivation, own, ours) {
+                        Some((inputs, ports, controller, side)) => {
+                            // The Gateway API stores come first; the Ingresses after them.
+                            let from: Vec<u64> =
+                                own.iter().take(9).map(|s| s.generation()).collect();
+                            let resolved = match &state.gateway {
+                                Some((built, resolved)) if *built == from => Arc::clone(resolved),
+                                _ => {
+                                    let resolved = Arc::new(gateway::resolve(
+                                        slot, &inputs, &ports, controller,
+                                    ));
+                                    state.gateway = Some((from, Arc::clone(&resolved)));
+                                    resolved
+                                }
+                            };
+                            resolved.with_ingresses(side.as_ref())
+                        }
+                        None => Value::from(Vec::<Value>::new()),
+                    }
+                }
                 _ => compute(&self.derivation, slot, &inputs),
             };
             state.value = value;
@@ -2142,6 +2194,24 @@ impl DerivedView {
             index: self.derivation.slot(),
             keep: false,
         };
+        // An Ingress under review: the Gateway API stores resolve as they did (when they did).
+        if let (derivation @ Derivation::GatewayApi { .. }, own, classes) =
+            split_classes(&self.derivation, inputs)
+        {
+            let from: Vec<u64> = own.iter().take(9).map(|s| s.generation()).collect();
+            let resolved = self
+                .lock()
+                .gateway
+                .as_ref()
+                .filter(|(built, _)| *built == from)
+                .map(|(_, resolved)| Arc::clone(resolved));
+            if let Some(resolved) = resolved {
+                let ours = Ours::new(derivation.classes(), classes);
+                if let Some((_, _, _, side)) = gateway_inputs(derivation, own, ours) {
+                    return resolved.with_ingresses(side.as_ref());
+                }
+            }
+        }
         compute(&self.derivation, slot, inputs)
     }
 }
@@ -2209,48 +2279,95 @@ fn compute(derivation: &Derivation, slot: Slot, inputs: &[Source<'_>]) -> Value 
             default_backends(*ingresses, *services, &ours)
         }
         (Derivation::TlsCertificates { .. }, [secrets]) => tls_certificates(slot, *secrets),
-        (
-            Derivation::GatewayApi {
-                controller_name,
-                gateways: gateway_store,
-                http_routes: route_store,
-                reserved_ports,
-                ingress_ports,
-                ..
-            },
-            [
-                classes,
-                gateways,
-                routes,
-                grants,
-                services,
-                slices,
-                secrets,
-                namespaces,
-                pods,
-            ],
-        ) => gateway::gateway_view(
-            slot,
-            &gateway::Inputs {
-                classes: *classes,
-                gateways: (gateway_store, *gateways),
-                routes: (route_store, *routes),
-                grants: *grants,
-                services: *services,
-                slices: *slices,
-                secrets: *secrets,
-                namespaces: *namespaces,
-                pods: *pods,
-            },
-            &gateway::Ports {
-                reserved: reserved_ports,
-                ingress: *ingress_ports,
-            },
-            controller_name,
-        ),
+        (Derivation::GatewayApi { .. }, inputs) => {
+            let Some((resolved, side)) = gateway_parts(derivation, slot, inputs, ours) else {
+                return Value::from(Vec::<Value>::new());
+            };
+            resolved.with_ingresses(side.as_ref())
+        }
         // `Stores` passes the stores `inputs()` names, so this does not happen.
         _ => Value::from(Vec::<Value>::new()),
     }
+}
+
+/// What the Gateway API view reads, from its inputs (the IngressClasses split off): its own
+/// stores, its ports, its controller name, and the Ingresses it decides conflicts with (when
+/// it reads some).
+fn gateway_inputs<'a>(
+    derivation: &'a Derivation,
+    inputs: &[Source<'a>],
+    ours: Ours<'a>,
+) -> Option<(
+    gateway::Inputs<'a>,
+    gateway::Ports<'a>,
+    &'a str,
+    Option<gateway::IngressSide<'a>>,
+)> {
+    let Derivation::GatewayApi {
+        controller_name,
+        gateways: gateway_store,
+        http_routes: route_store,
+        reserved_ports,
+        ingress_ports,
+        ingresses: ingress_store,
+        ..
+    } = derivation
+    else {
+        return None;
+    };
+    let [
+        classes,
+        gateways,
+        routes,
+        grants,
+        services,
+        slices,
+        secrets,
+        namespaces,
+        pods,
+        rest @ ..,
+    ] = inputs
+    else {
+        return None;
+    };
+    let side = ingress_store
+        .as_deref()
+        .zip(rest.first())
+        .map(|(store, ingresses)| gateway::IngressSide {
+            store,
+            ingresses: *ingresses,
+            ours,
+        });
+    Some((
+        gateway::Inputs {
+            classes: *classes,
+            gateways: (gateway_store, *gateways),
+            routes: (route_store, *routes),
+            grants: *grants,
+            services: *services,
+            slices: *slices,
+            secrets: *secrets,
+            namespaces: *namespaces,
+            pods: *pods,
+        },
+        gateway::Ports {
+            reserved: reserved_ports,
+            ingress: *ingress_ports,
+        },
+        controller_name,
+        side,
+    ))
+}
+
+/// The Gateway API view over `inputs` (its IngressClasses split off), resolved afresh.
+fn gateway_parts<'a>(
+    derivation: &'a Derivation,
+    slot: Slot,
+    inputs: &[Source<'a>],
+    ours: Ours<'a>,
+) -> Option<(gateway::Resolved, Option<gateway::IngressSide<'a>>)> {
+    let (inputs, ports, controller, side) = gateway_inputs(derivation, inputs, ours)?;
+    Some((gateway::resolve(slot, &inputs, &ports, controller), side))
 }
 
 /// Builds a map whose keys are static strings (no allocation per key), in the given order.
@@ -3134,7 +3251,8 @@ mod tests {
                         "namespaces": "namespaces", "pods": "haproxy_pods",
                         "controllerName": "haproxy-haptic.org/gateway-controller",
                         "reservedPorts": [9090, 9091],
-                        "ingressPorts": {"http": 80, "https": 443}},
+                        "ingressPorts": {"http": 80, "https": 443},
+                        "ingresses": "ingresses", "classes": classes},
         });
         // The controller name and `classless` have defaults.
         let short: Derivation = serde_json::from_value(json!({"kind": "ingresses",

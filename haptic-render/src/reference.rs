@@ -63,7 +63,7 @@ pub const AUTH_SECRET_LABEL: &str = "haproxy-haptic.org/auth-secret";
 /// | `derived.default_backends` | [`Derivation::IngressDefaultBackends`] of `ingresses` and `services` |
 /// | `derived.nginx_annotations` | [`Derivation::IngressAnnotations`]: our Ingresses that carry ingress-nginx annotations (their Events) |
 /// | `derived.certificates` | [`Derivation::TlsCertificates`] of `secrets` |
-/// | `derived.gateway` | [`Derivation::GatewayApi`]: Gateways of our GatewayClasses and their HTTPRoutes |
+/// | `derived.gateway` | [`Derivation::GatewayApi`]: Gateways of our GatewayClasses and their HTTPRoutes, conflicts with `ingresses` decided |
 ///
 /// Every view reads only our Ingresses ([`classes`]: IngressClasses of `ingressclasses` whose
 /// controller is [`crate::derived::DEFAULT_CONTROLLER`]; class-less Ingresses only through a
@@ -170,6 +170,9 @@ pub fn derivations() -> [(&'static str, Derivation); 9] {
                 // The agent's API and probe ports (deploy/haproxy.yaml).
                 reserved_ports: vec![9090, 9091],
                 ingress_ports: crate::derived::IngressPorts::default(),
+                // Conflicts with Ingress paths on the Ingress frontend's ports.
+                ingresses: Some(ingresses()),
+                classes: Some(classes()),
             },
         ),
     ]

@@ -15,7 +15,7 @@ use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use haptic_render::{Renderer, StatusRequest, Stores, reference};
+use haptic_render::{EventRequest, Renderer, StatusRequest, Stores, reference};
 use serde_json::{Value as Json, json};
 
 const CONTROLLER: &str = "haproxy-haptic.org/gateway-controller";
@@ -220,6 +220,7 @@ fn to(backend: &str) -> Json {
 struct Front {
     port: u16,
     statuses: Vec<StatusRequest>,
+    events: Vec<EventRequest>,
     _running: Running,
 }
 
@@ -271,12 +272,26 @@ impl World {
         Front {
             port,
             statuses: requests.statuses,
+            events: requests.events,
             _running: start(dir, &[port]),
         }
     }
 }
 
 impl Front {
+    /// The messages of the Events of `reason` on `kind` `name`.
+    fn events(&self, kind: &str, name: &str, reason: &str) -> Vec<&str> {
+        self.events
+            .iter()
+            .filter(|e| {
+                e.kind.as_deref() == Some(kind)
+                    && e.name.as_deref() == Some(name)
+                    && e.reason == reason
+            })
+            .map(|e| e.message.as_str())
+            .collect()
+    }
+
     fn to(&self, host: &str, path: &str) -> String {
         get(self.port, host, path, &[]).backend()
     }
@@ -1510,4 +1525,212 @@ fn a_listener_on_a_reserved_or_ingress_port_is_port_unavailable_and_others_keep_
         ok.contains(&"Programmed=True/Programmed".to_owned()),
         "{ok:?}"
     );
+}
+
+/// A world whose Ingress frontend listens on `http_port` (the gateway view knowing it), with
+/// our default IngressClass and a Gateway `gw` whose HTTP listener shares that port.
+fn shared_world(http_port: u16) -> World {
+    let mut w = world_in(
+        stores_with_ports(Vec::new(), (http_port, free_port())),
+        &["infra-backend-v1", "infra-backend-v2"],
+    );
+    apply(
+        &mut w.stores,
+        "ingressclasses",
+        haptic_render::fixtures::ingress_class("haptic", true),
+    );
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "gw",
+            json!([{"name": "http", "port": http_port, "protocol": "HTTP",
+                "allowedRoutes": {"namespaces": {"from": "All"}}}]),
+        ),
+    );
+    w
+}
+
+/// An Ingress in `infra` created at `created`, its paths `(path, pathType)` on `host` routing
+/// to `backend`.
+fn shared_ingress(
+    name: &str,
+    created: &str,
+    host: &str,
+    paths: &[(&str, &str)],
+    backend: &str,
+) -> Json {
+    let paths: Vec<Json> = paths
+        .iter()
+        .map(|(path, kind)| {
+            json!({"path": path, "pathType": kind,
+                "backend": {"service": {"name": backend, "port": {"number": 8080}}}})
+        })
+        .collect();
+    json!({"apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
+        "metadata": {"namespace": NS, "name": name, "creationTimestamp": created,
+            "uid": format!("uid-{name}")},
+        "spec": {"rules": [{"host": host, "http": {"paths": paths}}]}})
+}
+
+/// Issue 24: an HTTPRoute match on a listener sharing the Ingress frontend's port and an older
+/// Ingress path with the same host and path (Prefix and PathPrefix, Exact and Exact,
+/// ImplementationSpecific and PathPrefix): the Ingress keeps them, the route's other matches
+/// are served, the route is told (naming the Ingress) and stays Accepted; deleting the Ingress
+/// hands the route over.
+#[test]
+fn an_older_ingress_keeps_its_route_from_an_http_route_on_its_port_and_hands_over_when_deleted() {
+    let http_port = free_port();
+    let mut w = shared_world(http_port);
+    apply(
+        &mut w.stores,
+        "ingresses",
+        shared_ingress(
+            "shop",
+            "2025-01-01T00:00:00Z",
+            "shop.example",
+            &[
+                ("/app", "Prefix"),
+                ("/exact", "Exact"),
+                ("/impl/", "ImplementationSpecific"),
+            ],
+            "infra-backend-v2",
+        ),
+    );
+    w.route(route(
+        "newer",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["shop.example"], "rules": [
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/app/"}},
+                         {"path": {"type": "Exact", "value": "/exact"}},
+                         {"path": {"type": "PathPrefix", "value": "/impl"}},
+                         {"path": {"type": "PathPrefix", "value": "/gw"}}],
+             "backendRefs": to("infra-backend-v1")},
+        ]}),
+    ));
+    let f = w.serve_on(http_port, (http_port, free_port()));
+    for path in ["/app", "/app/x", "/exact", "/impl/y"] {
+        assert_eq!(f.to("shop.example", path), "infra-backend-v2", "{path}");
+    }
+    // What no Ingress claims stays the route's.
+    assert_eq!(f.to("shop.example", "/gw/x"), "infra-backend-v1");
+    let told = f.events("HTTPRoute", "newer", "RouteConflict");
+    for words in [
+        format!(
+            "host shop.example path /app (PathPrefix) on port {http_port} is served by the older Ingress infra/shop"
+        ),
+        format!(
+            "host shop.example path /exact (Exact) on port {http_port} is served by the older Ingress infra/shop"
+        ),
+        format!(
+            "host shop.example path /impl (PathPrefix) on port {http_port} is served by the older Ingress infra/shop"
+        ),
+    ] {
+        assert!(
+            told.iter().any(|m| m.contains(&words)),
+            "{words} in {:?}",
+            f.events
+        );
+    }
+    assert_eq!(told.len(), 3, "{:?}", f.events);
+    assert!(f.events("Ingress", "shop", "RouteConflict").is_empty());
+    // The route's other match is served: it stays Accepted (the Gateway API has no condition
+    // for a match another kind's route holds).
+    assert_eq!(
+        f.parent_conditions("newer"),
+        ["Accepted=True/Accepted", "ResolvedRefs=True/ResolvedRefs"]
+    );
+    drop(f);
+
+    w.stores.get_mut("ingresses").unwrap().remove(NS, "shop");
+    let f = w.serve_on(http_port, (http_port, free_port()));
+    for path in ["/app", "/app/x", "/exact", "/impl/y", "/gw"] {
+        assert_eq!(f.to("shop.example", path), "infra-backend-v1", "{path}");
+    }
+    assert!(f.events.is_empty(), "{:?}", f.events);
+}
+
+/// Issue 24: the HTTPRoute is older: it keeps its matches on its port, and the Ingress is told,
+/// naming the route; deleting the route hands the path back to the Ingress.
+#[test]
+fn an_older_http_route_keeps_its_match_the_ingress_is_told_and_gets_it_back_when_deleted() {
+    let http_port = free_port();
+    let mut w = shared_world(http_port);
+    apply(
+        &mut w.stores,
+        "ingresses",
+        shared_ingress(
+            "shop",
+            "2026-01-01T00:00:00Z",
+            "shop.example",
+            &[("/app", "Prefix"), ("/mine", "Prefix")],
+            "infra-backend-v2",
+        ),
+    );
+    w.route(route(
+        "older",
+        "2025-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["shop.example"], "rules": [
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/app"}}],
+             "backendRefs": to("infra-backend-v1")},
+        ]}),
+    ));
+    let f = w.serve_on(http_port, (http_port, free_port()));
+    assert_eq!(f.to("shop.example", "/app/x"), "infra-backend-v1");
+    assert_eq!(f.to("shop.example", "/mine"), "infra-backend-v2");
+    let told = f.events("Ingress", "shop", "RouteConflict");
+    assert_eq!(
+        told,
+        [format!(
+            "host shop.example path /app (Prefix) is served on port {http_port} by the older HTTPRoute infra/older: this path is not routed there"
+        )],
+        "{:?}",
+        f.events
+    );
+    assert!(f.events("HTTPRoute", "older", "RouteConflict").is_empty());
+    drop(f);
+
+    w.stores.get_mut("httproutes").unwrap().remove(NS, "older");
+    let f = w.serve_on(http_port, (http_port, free_port()));
+    assert_eq!(f.to("shop.example", "/app/x"), "infra-backend-v2");
+    assert!(f.events.is_empty(), "{:?}", f.events);
+}
+
+/// Issue 24: a narrower match is no conflict: an HTTPRoute match with a header (or method, or
+/// query) condition on an Ingress's host and path takes only the requests it names; another
+/// kind of path match (Exact against Prefix) is another route. Nobody is told.
+#[test]
+fn a_narrower_http_route_match_on_an_ingress_path_is_no_conflict() {
+    let http_port = free_port();
+    let mut w = shared_world(http_port);
+    apply(
+        &mut w.stores,
+        "ingresses",
+        shared_ingress(
+            "shop",
+            "2025-01-01T00:00:00Z",
+            "shop.example",
+            &[("/app", "Prefix")],
+            "infra-backend-v2",
+        ),
+    );
+    w.route(route(
+        "canary",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["shop.example"], "rules": [
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/app"},
+                          "headers": [{"name": "x-canary", "value": "yes"}]},
+                         {"path": {"type": "Exact", "value": "/app"}}],
+             "backendRefs": to("infra-backend-v1")},
+        ]}),
+    ));
+    let f = w.serve_on(http_port, (http_port, free_port()));
+    assert_eq!(
+        get(f.port, "shop.example", "/app/x", &[("x-canary", "yes")]).backend(),
+        "infra-backend-v1"
+    );
+    assert_eq!(f.to("shop.example", "/app/x"), "infra-backend-v2");
+    // Exact /app is the route's (tried before the Ingress maps), Prefix /app the Ingress's.
+    assert_eq!(f.to("shop.example", "/app"), "infra-backend-v1");
+    assert!(f.events.is_empty(), "{:?}", f.events);
 }

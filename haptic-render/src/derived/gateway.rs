@@ -15,6 +15,13 @@
 //! the longest PathPrefix; a method match; more header matches; more query parameter matches;
 //! the oldest route; the route first by `namespace/name`; the first rule and match in list order.
 //! HAProxy tries the matches in that order and takes the first that matches.
+//!
+//! On a listener sharing the Ingress frontend's port, those matches go before the Ingress
+//! routes; one without method, header or query conditions that claims the same host and path
+//! as a path of one of our Ingresses (the Ingress conflict rule's route key) is a conflict the
+//! older object wins (`Resolved::with_ingresses`). What the Gateway API stores resolve to is
+//! kept (`resolve`) while they do not change: an Ingress change decides only the conflicts
+//! again, and reads no Ingress unless a match claims something.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -425,14 +432,15 @@ fn selects(selector: &Json, labels: &Json) -> bool {
     })
 }
 
-/// The view: `{frontends, http_ports, https_ports, backends, statuses}`.
-pub(super) fn gateway_view(
+/// The view over the Gateway API stores, before the conflicts with Ingresses are decided.
+pub(super) fn resolve(
     slot: Slot,
     inputs: &Inputs<'_>,
     ports: &Ports<'_>,
     controller: &str,
-) -> Value {
+) -> Resolved {
     let _ = slot;
+    let ports_config = ports;
     // Our classes.
     let mut classes = BTreeSet::new();
     let mut statuses: Vec<Json> = Vec::new();
@@ -1316,7 +1324,7 @@ pub(super) fn gateway_view(
     for hosts in listener_hosts.values_mut() {
         hosts.sort_by(|a, b| (a.rank(), a).cmp(&(b.rank(), b)));
     }
-    let mut frontends = Vec::new();
+    let mut frontends: Vec<Frontend> = Vec::new();
     for (port, https) in ports {
         let mut rows = matches.remove(&port).unwrap_or_default();
         rows.sort_by(|a, b| a.key().cmp(&b.key()));
@@ -1329,9 +1337,13 @@ pub(super) fn gateway_view(
         let hosts = listener_hosts.remove(&port).unwrap_or_default();
         let mut unless: HashMap<&Host, String> = HashMap::new();
         let mut used: BTreeSet<usize> = BTreeSet::new();
+        // On the Ingress frontend's own port, a match without method, header or query
+        // conditions claims its host and path as an Ingress path does.
+        let shared = (port == i64::from(ports_config.ingress.http) && !https)
+            || (port == i64::from(ports_config.ingress.https) && https);
         // Template values built directly (no JSON in between): 10,000 routes make 20,000
         // match rows, and converting them from JSON cost as much as building them.
-        let match_rows: Vec<Value> = rows
+        let match_rows: Vec<(Value, usize, Option<RouteClaim>)> = rows
             .iter()
             .map(|m| {
                 used.insert(m.action);
@@ -1343,14 +1355,21 @@ pub(super) fn gateway_view(
                         .collect()
                 });
                 let condition = format!("{}{not_theirs}", m.condition());
-                super::row([
-                    ("condition", Value::from(condition)),
-                    ("action", Value::from(m.action)),
-                    ("origin", origin(route_store, &m.origin.0, &m.origin.1)),
-                ])
+                let claim =
+                    (shared && m.method.is_none() && m.headers.is_empty() && m.queries.is_empty())
+                        .then(|| RouteClaim::of(m));
+                (
+                    super::row([
+                        ("condition", Value::from(condition)),
+                        ("action", Value::from(m.action)),
+                        ("origin", origin(route_store, &m.origin.0, &m.origin.1)),
+                    ]),
+                    m.action,
+                    claim,
+                )
             })
             .collect();
-        let action_rows: Vec<Value> = used
+        let action_rows: BTreeMap<usize, Value> = used
             .iter()
             .map(|&i| {
                 let a = &actions[i];
@@ -1375,7 +1394,7 @@ pub(super) fn gateway_view(
                     v.as_ref()
                         .map_or_else(Value::none, Value::from_serializable)
                 };
-                super::row([
+                let row = super::row([
                     ("id", Value::from(i)),
                     (
                         "request_headers",
@@ -1390,23 +1409,22 @@ pub(super) fn gateway_view(
                     ("total", Value::from(total)),
                     ("shares", Value::from(shares)),
                     ("origin", origin(route_store, &a.origin.0, &a.origin.1)),
-                ])
+                ]);
+                (i, row)
             })
             .collect();
-        frontends.push((
+        let certificates =
+            Value::from_serializable(&certificates.get(&port).cloned().unwrap_or_default());
+        let mut frontend = Frontend {
             port,
             https,
-            super::row([
-                ("port", Value::from(port)),
-                ("https", Value::from(https)),
-                (
-                    "certificates",
-                    Value::from_serializable(&certificates.get(&port).cloned().unwrap_or_default()),
-                ),
-                ("matches", Value::from(match_rows)),
-                ("actions", Value::from(action_rows)),
-            ]),
-        ));
+            certificates,
+            matches: match_rows,
+            actions: action_rows,
+            row: Value::none(),
+        };
+        frontend.row = frontend.row_without(&BTreeSet::new());
+        frontends.push(frontend);
     }
 
     // Backends: the endpoints of each Service port the routes name.
@@ -1461,20 +1479,296 @@ pub(super) fn gateway_view(
     let ports_of = |https: bool| -> Vec<i64> {
         frontends
             .iter()
-            .filter(|f| f.1 == https)
-            .map(|f| f.0)
+            .filter(|f| f.https == https)
+            .map(|f| f.port)
             .collect()
     };
     let (http_ports, https_ports) = (ports_of(false), ports_of(true));
-    let frontends: Vec<Value> = frontends.into_iter().map(|f| f.2).collect();
-    super::row([
-        ("frontends", Value::from(frontends)),
-        ("http_ports", Value::from_serializable(&http_ports)),
-        ("https_ports", Value::from_serializable(&https_ports)),
-        ("backends", Value::from(backend_rows)),
-        ("statuses", Value::from_serializable(&statuses)),
-        ("refusals", Value::from_serializable(&refusals)),
-    ])
+    let claims = frontends
+        .iter()
+        .any(|f| f.matches.iter().any(|(_, _, claim)| claim.is_some()));
+    let mut resolved = Resolved {
+        http_ports: Value::from_serializable(&http_ports),
+        https_ports: Value::from_serializable(&https_ports),
+        backends: Value::from(backend_rows),
+        statuses: Value::from_serializable(&statuses),
+        refusals: Value::from_serializable(&refusals),
+        frontends,
+        claims,
+        route_store: route_store.to_owned(),
+        plain: Value::none(),
+    };
+    resolved.plain = resolved.value(None, Vec::new());
+    resolved
+}
+
+/// A claim of an HTTPRoute match on the Ingress frontend's port: the host and path as an
+/// Ingress path's route key writes them ([`super::route_key`]: `*.` wildcards, `""` for any
+/// host, a prefix without its trailing slashes), and the route's age.
+#[derive(Debug)]
+struct RouteClaim {
+    exact: bool,
+    host: String,
+    path: String,
+    created: String,
+    namespace: String,
+    name: String,
+}
+
+impl RouteClaim {
+    fn of(m: &MatchRow) -> Self {
+        let (exact, path) = match &m.path {
+            PathMatch::Exact(p) => (true, p.clone()),
+            PathMatch::Prefix(p) => (false, p.clone()),
+        };
+        let host = match &m.host {
+            Host::Exact(h) => h.clone(),
+            Host::Wildcard(suffix) => format!("*{suffix}"),
+            Host::Any => String::new(),
+        };
+        Self {
+            exact,
+            host,
+            path,
+            created: m.age.0.clone(),
+            namespace: m.age.1.clone(),
+            name: m.age.2.clone(),
+        }
+    }
+
+    fn key(&self) -> (bool, &str, &str) {
+        (self.exact, &self.host, &self.path)
+    }
+
+    /// Where it stands in a conflict with an Ingress: `creationTimestamp` (none: after every
+    /// one), then kind (`HTTPRoute` before `Ingress`), namespace, name.
+    fn rank(&self) -> (bool, &str, &str, &str, &str) {
+        (
+            self.created.is_empty(),
+            &self.created,
+            "HTTPRoute",
+            &self.namespace,
+            &self.name,
+        )
+    }
+
+    /// `host <host> path <path> (<type>)`, as the Events name a route: the type as an
+    /// Ingress (`Prefix`) or an HTTPRoute (`PathPrefix`) says it.
+    fn describe(&self, ingress: bool) -> String {
+        let host = if self.host.is_empty() {
+            "*"
+        } else {
+            &self.host
+        };
+        let (path, kind) = match (self.exact, self.path.as_str()) {
+            (true, p) => (p, "Exact"),
+            (false, "") => ("/", if ingress { "Prefix" } else { "PathPrefix" }),
+            (false, p) => (p, if ingress { "Prefix" } else { "PathPrefix" }),
+        };
+        format!("host {host} path {path} ({kind})")
+    }
+}
+
+/// A frontend of the view: its match rows (each with its action and, on the Ingress
+/// frontend's port, its claim), its action rows by id, and its row with every match.
+struct Frontend {
+    port: i64,
+    https: bool,
+    certificates: Value,
+    matches: Vec<(Value, usize, Option<RouteClaim>)>,
+    actions: BTreeMap<usize, Value>,
+    row: Value,
+}
+
+impl Frontend {
+    /// The row without the matches whose indexes `dropped` holds (nor the actions only they
+    /// used).
+    fn row_without(&self, dropped: &BTreeSet<usize>) -> Value {
+        let kept = || {
+            self.matches
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| !dropped.contains(i))
+                .map(|(_, m)| m)
+        };
+        let used: BTreeSet<usize> = kept().map(|(_, action, _)| *action).collect();
+        super::row([
+            ("port", Value::from(self.port)),
+            ("https", Value::from(self.https)),
+            ("certificates", self.certificates.clone()),
+            (
+                "matches",
+                Value::from(kept().map(|(row, _, _)| row.clone()).collect::<Vec<_>>()),
+            ),
+            (
+                "actions",
+                Value::from(
+                    self.actions
+                        .iter()
+                        .filter(|(id, _)| used.contains(id))
+                        .map(|(_, row)| row.clone())
+                        .collect::<Vec<_>>(),
+                ),
+            ),
+        ])
+    }
+}
+
+/// What the view reads of the Gateway API stores, resolved: kept while they do not change, so
+/// that an Ingress change only decides the conflicts between the two kinds again
+/// ([`Resolved::with_ingresses`]).
+pub(crate) struct Resolved {
+    frontends: Vec<Frontend>,
+    http_ports: Value,
+    https_ports: Value,
+    backends: Value,
+    statuses: Value,
+    refusals: Value,
+    /// Whether a match claims a route on the Ingress frontend's port.
+    claims: bool,
+    /// The name of the HTTPRoutes' store.
+    route_store: String,
+    /// The value when no Ingress claims what a route does.
+    plain: Value,
+}
+
+impl std::fmt::Debug for Resolved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Resolved")
+            .field("frontends", &self.frontends.len())
+            .field("claims", &self.claims)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Our Ingresses, as the view reads them to decide conflicts: their store's name, the store
+/// and which of them are ours.
+pub(super) struct IngressSide<'a> {
+    pub(super) store: &'a str,
+    pub(super) ingresses: Source<'a>,
+    pub(super) ours: super::Ours<'a>,
+}
+
+impl Resolved {
+    /// The view's value: `dropped` holds, per frontend, the indexes of the matches left out.
+    fn value(
+        &self,
+        dropped: Option<&BTreeMap<usize, BTreeSet<usize>>>,
+        events: Vec<Value>,
+    ) -> Value {
+        let frontends: Vec<Value> = self
+            .frontends
+            .iter()
+            .enumerate()
+            .map(|(i, f)| match dropped.and_then(|d| d.get(&i)) {
+                Some(dropped) => f.row_without(dropped),
+                None => f.row.clone(),
+            })
+            .collect();
+        super::row([
+            ("frontends", Value::from(frontends)),
+            ("http_ports", self.http_ports.clone()),
+            ("https_ports", self.https_ports.clone()),
+            ("backends", self.backends.clone()),
+            ("statuses", self.statuses.clone()),
+            ("refusals", self.refusals.clone()),
+            ("events", Value::from(events)),
+        ])
+    }
+
+    /// The view's value with the conflicts between HTTPRoute matches on the Ingress frontend's
+    /// port and Ingress paths decided (`ingresses`: none when the view reads no Ingresses).
+    ///
+    /// A match without method, header or query conditions claims its host and path as an
+    /// Ingress path does ([`super::route_key`]: Exact with Exact, PathPrefix with Prefix and
+    /// ImplementationSpecific); when the oldest of our Ingresses claiming the same is older
+    /// (`creationTimestamp`, then kind, `HTTPRoute` first, then namespace and name), the match
+    /// is left out and the route gets a Warning Event `RouteConflict` naming the Ingress;
+    /// otherwise the route keeps it (its rules go before the Ingress maps on its port) and the
+    /// Ingress gets the Event naming the oldest such route. No Ingress is read unless a match
+    /// claims something.
+    pub(super) fn with_ingresses(&self, ingresses: Option<&IngressSide<'_>>) -> Value {
+        let Some(side) = ingresses.filter(|_| self.claims) else {
+            return self.plain.clone();
+        };
+        let wanted: std::collections::HashSet<(bool, &str, &str)> = self
+            .frontends
+            .iter()
+            .flat_map(|f| f.matches.iter())
+            .filter_map(|(_, _, claim)| claim.as_ref().map(RouteClaim::key))
+            .collect();
+        let ours = side.ours.of(side.ingresses);
+        let mut claims = super::Claims::with_capacity(wanted.len());
+        for ing in ours.iter().filter(|ing| !ing.ingress.canary) {
+            let age = ing.age();
+            for p in &ing.ingress.paths {
+                let key = super::route_key(p);
+                if wanted.contains(&key) {
+                    claims.claim(key, age);
+                }
+            }
+        }
+        if claims.by_key.is_empty() {
+            return self.plain.clone();
+        }
+        let mut dropped: BTreeMap<usize, BTreeSet<usize>> = BTreeMap::new();
+        let mut events = Vec::new();
+        // Per port and route key: the oldest route older than the oldest Ingress claiming it.
+        let mut won: BTreeMap<(i64, (bool, &str, &str)), &RouteClaim> = BTreeMap::new();
+        for (fi, f) in self.frontends.iter().enumerate() {
+            for (mi, (_, _, claim)) in f.matches.iter().enumerate() {
+                let Some(claim) = claim else { continue };
+                let Some((ingress, _)) = claims.by_key.get(&claim.key()) else {
+                    continue;
+                };
+                let ingress_rank = (ingress.0, ingress.1, "Ingress", ingress.2, ingress.3);
+                if ingress_rank < claim.rank() {
+                    dropped.entry(fi).or_default().insert(mi);
+                    events.push(super::row([
+                        ("store", Value::from(self.route_store.as_str())),
+                        ("namespace", Value::from(claim.namespace.as_str())),
+                        ("name", Value::from(claim.name.as_str())),
+                        ("reason", Value::from("RouteConflict")),
+                        (
+                            "message",
+                            Value::from(format!(
+                                "{} on port {} is served by the older Ingress {}: this match is not routed there",
+                                claim.describe(false),
+                                f.port,
+                                super::owner(ingress)
+                            )),
+                        ),
+                    ]));
+                } else {
+                    let oldest = won.entry((f.port, claim.key())).or_insert(claim);
+                    if claim.rank() < oldest.rank() {
+                        *oldest = claim;
+                    }
+                }
+            }
+        }
+        for ((port, key), route) in &won {
+            let Some((ingress, _)) = claims.by_key.get(key) else {
+                continue;
+            };
+            events.push(super::row([
+                ("store", Value::from(side.store)),
+                ("namespace", Value::from(ingress.2)),
+                ("name", Value::from(ingress.3)),
+                ("reason", Value::from("RouteConflict")),
+                (
+                    "message",
+                    Value::from(format!(
+                        "{} is served on port {port} by the older HTTPRoute {}/{}: this path is not routed there",
+                        route.describe(true),
+                        route.namespace,
+                        route.name
+                    )),
+                ),
+            ]));
+        }
+        self.value(Some(&dropped), events)
+    }
 }
 
 /// Records that the admission webhook refuses an object for a field: a value the CRD's schema
@@ -1550,7 +1844,123 @@ fn object_ref(object: &Json) -> Json {
 
 #[cfg(test)]
 mod tests {
+    use serde_json::{Value as Json, json};
+
     use super::{Host, intersect, rfc3339};
+
+    #[test]
+    #[allow(clippy::unwrap_used)]
+    fn conflicts_with_ingresses_go_to_the_older_and_a_tie_to_the_http_route() {
+        let mut stores = crate::reference::stores().unwrap();
+        let mut apply = |store: &str, resource: Json| {
+            stores.get_mut(store).unwrap().apply(&resource).unwrap();
+        };
+        apply(
+            "ingressclasses",
+            crate::fixtures::ingress_class("haptic", true),
+        );
+        apply(
+            "gatewayclasses",
+            json!({"metadata": {"name": "haptic"},
+                "spec": {"controllerName": super::DEFAULT_GATEWAY_CONTROLLER}}),
+        );
+        apply(
+            "gateways",
+            json!({"metadata": {"namespace": "ns", "name": "gw"},
+                "spec": {"gatewayClassName": "haptic",
+                    "listeners": [{"name": "http", "port": 80, "protocol": "HTTP"},
+                        {"name": "https", "port": 443, "protocol": "HTTPS",
+                         "tls": {"certificateRefs": [{"name": "cert"}]}}]}}),
+        );
+        apply("secrets", crate::fixtures::tls_secret("ns", "cert"));
+        apply(
+            "services",
+            json!({"metadata": {"namespace": "ns", "name": "web"},
+            "spec": {"ports": [{"port": 80}]}}),
+        );
+        let t = "2026-01-01T00:00:00Z";
+        let ingress = |name: &str, host: &str, path: &str, kind: &str| {
+            json!({"metadata": {"namespace": "ns", "name": name, "creationTimestamp": t},
+                "spec": {"rules": [{"host": host, "http": {"paths": [{"path": path, "pathType": kind,
+                    "backend": {"service": {"name": "web", "port": {"number": 80}}}}]}}]}})
+        };
+        apply(
+            "ingresses",
+            ingress("wild", "*.shop.example", "/", "Prefix"),
+        );
+        apply("ingresses", ingress("any", "", "/x", "Exact"));
+        let route = |name: &str, created: &str, spec: Json| {
+            json!({"metadata": {"namespace": "ns", "name": name, "creationTimestamp": created},
+                "spec": spec})
+        };
+        // The same time: the kind decides, HTTPRoute first.
+        apply(
+            "httproutes",
+            route(
+                "tie",
+                t,
+                json!({"parentRefs": [{"name": "gw"}], "hostnames": ["*.shop.example"],
+                "rules": [{"backendRefs": [{"name": "web", "port": 80}]}]}),
+            ),
+        );
+        // Younger than the host-less Ingress path: its match is left out.
+        apply(
+            "httproutes",
+            route(
+                "young",
+                "2026-06-01T00:00:00Z",
+                json!({"parentRefs": [{"name": "gw"}],
+                "rules": [{"matches": [{"path": {"type": "Exact", "value": "/x"}}],
+                    "backendRefs": [{"name": "web", "port": 80}]}]}),
+            ),
+        );
+        let view = stores.derived_json("gateway").unwrap();
+        let events: Vec<(String, String)> = view["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                (
+                    format!(
+                        "{}/{}",
+                        e["store"].as_str().unwrap(),
+                        e["name"].as_str().unwrap()
+                    ),
+                    e["message"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect();
+        // On both ports of the Ingress frontend, each on its own.
+        let mut expected = Vec::new();
+        for port in [80, 443] {
+            expected.push((
+                "httproutes/young".to_owned(),
+                format!("host * path /x (Exact) on port {port} is served by the older Ingress ns/any: this match is not routed there"),
+            ));
+        }
+        for port in [80, 443] {
+            expected.push((
+                "ingresses/wild".to_owned(),
+                format!("host *.shop.example path / (Prefix) is served on port {port} by the older HTTPRoute ns/tie: this path is not routed there"),
+            ));
+        }
+        assert_eq!(events, expected);
+        // The tie's match stays, the young one's is gone, on both ports.
+        for f in 0..2 {
+            assert_eq!(view["frontends"][f]["matches"].as_array().unwrap().len(), 1);
+            assert_eq!(view["frontends"][f]["actions"].as_array().unwrap().len(), 1);
+        }
+
+        // Without the Ingresses, no conflict: both matches.
+        for name in ["wild", "any"] {
+            stores.get_mut("ingresses").unwrap().remove("ns", name);
+        }
+        let view = stores.derived_json("gateway").unwrap();
+        assert_eq!(view["events"], json!([]));
+        for f in 0..2 {
+            assert_eq!(view["frontends"][f]["matches"].as_array().unwrap().len(), 2);
+        }
+    }
 
     #[test]
     fn rfc3339_formats_unix_times() {

@@ -197,6 +197,15 @@ impl Host {
         }
     }
 
+    /// An ACL matching the SNI of a TLS ClientHello (lowercased) this host covers.
+    fn sni_condition(&self) -> Value {
+        Value::from(match self {
+            Self::Exact(h) => format!("{{ req.ssl_sni,lower -m str {h} }}"),
+            Self::Wildcard(s) => format!("{{ req.ssl_sni,lower -m end {s} }}"),
+            Self::Any => "TRUE".to_owned(),
+        })
+    }
+
     fn condition(&self) -> String {
         match self {
             Self::Exact(h) => format!(" {{ var(txn.gwhost) -m str {h} }}"),
@@ -1405,6 +1414,13 @@ pub(super) fn gateway_view(
                 ),
                 ("matches", Value::from(match_rows)),
                 ("actions", Value::from(action_rows)),
+                // What the listeners' hostnames cover, as conditions on a TLS ClientHello's
+                // SNI: an Ingress's ssl-passthrough does not take a host a Gateway's HTTPS
+                // listener on the Ingress frontend's port covers.
+                (
+                    "sni",
+                    Value::from(hosts.iter().map(Host::sni_condition).collect::<Vec<_>>()),
+                ),
             ]),
         ));
     }

@@ -3259,6 +3259,8 @@ mod tests {
             "ingresses": {"kind": "ingresses", "ingresses": "ingresses", "classes": classes},
             "nginx_annotations": {"kind": "ingressAnnotations", "ingresses": "ingresses",
                                   "classes": classes},
+            "passthrough": {"kind": "ingressPassthrough", "ingresses": "ingresses",
+                            "services": "services", "classes": classes},
             "routes_exact": {"kind": "ingressRoutes", "ingresses": "ingresses",
                              "services": "services", "exact": true, "classes": classes},
             "routes_prefix": {"kind": "ingressRoutes", "ingresses": "ingresses",

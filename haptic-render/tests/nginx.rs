@@ -245,13 +245,20 @@ fn front(stores: &Stores) -> Front {
 /// agent and the render gate run it: HAProxy 2.6 reads a server's `crt` after parsing,
 /// relative to its working directory, not to `default-path config`.
 fn front_in(stores: &Stores, chdir: bool) -> Front {
+    front_with(stores, chdir, None)
+}
+
+/// [`front_in`], with `default_certificate` ("namespace/name" of a TLS Secret) served to
+/// clients whose SNI matches no host.
+fn front_with(stores: &Stores, chdir: bool, default_certificate: Option<&str>) -> Front {
     let (http, https) = (free_port(), free_port());
     let mut set = reference::template_set();
     set.extra_context.insert(
         "haproxy".into(),
         json!({"maxconn": 1000, "http_port": http, "https_port": https,
             "timeout_connect": "2s", "timeout_client": "10s", "timeout_server": "10s",
-            "stats_socket": null, "route_debug": false, "health_checks": false}),
+            "stats_socket": null, "route_debug": false, "health_checks": false,
+            "default_certificate": default_certificate}),
     );
     let (files, requests) = Renderer::compile(&set).unwrap().render_all(stores).unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -1751,10 +1758,19 @@ fn ssl_passthrough_by_sni_next_to_terminated_hosts() {
             f.https, f.https
         )
     );
-    // An unknown SNI: no default certificate, so refused (strict-sni), as before.
+    // An unknown SNI: no default certificate, so refused (strict-sni), as before; with one,
+    // it is served (and the request finds no route).
     let (exit, status, _) = curl_https(f.https, "unknown.example.com", "/", "127.0.0.1", None);
     assert_ne!(exit, 0);
     assert_eq!(status, 0);
+    let with_default = front_with(&s, false, Some("a/tls"));
+    let (exit, status, body) =
+        curl_https(with_default.https, "unknown.example.com", "/", "127.0.0.1", None);
+    assert_eq!((exit, status), (0, 404), "{body}");
+    let (exit, status, body) =
+        curl_https(with_default.https, "pass.example.com", "/", "127.0.0.1", ca);
+    assert_eq!((exit, status), (0, 200), "{body}");
+    drop(with_default);
 
     // Plain HTTP to the passthrough host is routed as before.
     let answer = f.get("pass.example.com", "/plain/x");

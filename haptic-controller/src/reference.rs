@@ -181,7 +181,8 @@ fn tests() -> BTreeMap<String, ValidationTest> {
         json!({"rules": [{"host": "vault.example.com", "http": {"paths": [
             path("/", "Prefix", "secure", json!({"number": 443}))]}}]}),
     );
-    vault["metadata"]["annotations"] = json!({"nginx.ingress.kubernetes.io/ssl-passthrough": "true"});
+    vault["metadata"]["annotations"] =
+        json!({"nginx.ingress.kubernetes.io/ssl-passthrough": "true"});
     let tests = json!({
         "ssl-passthrough": {
             "description": "an Ingress with ingress-nginx's ssl-passthrough: a TCP frontend owns the HTTPS port and sends the TLS of its host, by SNI, to a TCP backend of the Service; other TLS goes to the terminating bind behind it, with the client's address",

@@ -889,7 +889,10 @@ impl Extracts {
                         continue;
                     };
                     let root = p.path.as_str() == Some("/");
-                    match passthrough.iter_mut().find(|(h, _)| h.as_str() == Some(host)) {
+                    match passthrough
+                        .iter_mut()
+                        .find(|(h, _)| h.as_str() == Some(host))
+                    {
                         None => passthrough.push((p.host.clone(), i)),
                         Some((_, chosen)) => {
                             let chosen_root = paths
@@ -1365,7 +1368,10 @@ fn routed_ports(
         }
     };
     let ours = ours.of(ingresses);
-    let passthrough = (PASSTHROUGH.to_owned(), crate::nginx::Policy::passthrough_row());
+    let passthrough = (
+        PASSTHROUGH.to_owned(),
+        crate::nginx::Policy::passthrough_row(),
+    );
     for ing in &ours {
         for p in &ing.ingress.paths {
             add(
@@ -1743,10 +1749,7 @@ fn ingress_tls(
                         Some((h, winner)) => lost.push(row([
                             ("host", host.clone()),
                             ("winner", Value::from(winner.as_str())),
-                            (
-                                "passthrough",
-                                Value::from(passing.contains(&(h, winner))),
-                            ),
+                            ("passthrough", Value::from(passing.contains(&(h, winner)))),
                         ])),
                         None => kept.push(host.clone()),
                     }
@@ -1801,7 +1804,10 @@ fn passthrough_rows(
     }
     let (claims, _) = tls_host_claims(&ours);
     let mut rows = Vec::new();
-    for ing in ours.iter().filter(|ing| !ing.ingress.passthrough.is_empty()) {
+    for ing in ours
+        .iter()
+        .filter(|ing| !ing.ingress.passthrough.is_empty())
+    {
         let (namespace, age) = (ing.namespace, ing.age());
         for (host, i) in &ing.ingress.passthrough {
             let Some(p) = ing.ingress.paths.get(*i) else {

@@ -2014,10 +2014,7 @@ mod tests {
 
     #[test]
     fn passthrough_is_a_flag_never_for_a_canary() {
-        let on = [(
-            "nginx.ingress.kubernetes.io/ssl-passthrough",
-            "true",
-        )];
+        let on = [("nginx.ingress.kubernetes.io/ssl-passthrough", "true")];
         assert!(passthrough(&on));
         assert_eq!(Policy::parse(&on).1, []);
         let canary = [on[0], ("nginx.ingress.kubernetes.io/canary", "true")];

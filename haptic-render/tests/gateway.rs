@@ -1593,13 +1593,11 @@ fn gateway_https_listener_keeps_its_hosts_from_ssl_passthrough() {
     );
     // The listeners' certificate, for their hostnames.
     let key = rcgen::KeyPair::generate().unwrap();
-    let cert = rcgen::CertificateParams::new(vec![
-        "gw.example".to_owned(),
-        "*.wild.example".to_owned(),
-    ])
-    .unwrap()
-    .self_signed(&key)
-    .unwrap();
+    let cert =
+        rcgen::CertificateParams::new(vec!["gw.example".to_owned(), "*.wild.example".to_owned()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
     let b64 = |t: &str| {
         use base64::Engine as _;
         base64::engine::general_purpose::STANDARD.encode(t)
@@ -1636,6 +1634,9 @@ fn gateway_https_listener_keeps_its_hosts_from_ssl_passthrough() {
     );
     for host in ["gw.example", "a.wild.example"] {
         let body = https_body(https_port, host);
-        assert!(body.starts_with("backend=infra-backend-v1 "), "{host}: {body}");
+        assert!(
+            body.starts_with("backend=infra-backend-v1 "),
+            "{host}: {body}"
+        );
     }
 }

@@ -1581,14 +1581,25 @@ fn curl_https(
     ca: Option<&std::path::Path>,
 ) -> (i32, u16, String) {
     let mut cmd = Command::new("curl");
-    cmd.args(["-s", "--max-time", "10", "-w", "\n%{http_code}", "--interface", from])
-        .arg("--resolve")
-        .arg(format!("{host}:{port}:127.0.0.1"));
+    cmd.args([
+        "-s",
+        "--max-time",
+        "10",
+        "-w",
+        "\n%{http_code}",
+        "--interface",
+        from,
+    ])
+    .arg("--resolve")
+    .arg(format!("{host}:{port}:127.0.0.1"));
     match ca {
         Some(ca) => cmd.arg("--cacert").arg(ca),
         None => cmd.arg("-k"),
     };
-    let out = cmd.arg(format!("https://{host}:{port}{path}")).output().unwrap();
+    let out = cmd
+        .arg(format!("https://{host}:{port}{path}"))
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
     (
@@ -1747,7 +1758,10 @@ fn ssl_passthrough_by_sni_next_to_terminated_hosts() {
     // Terminated by HAProxy: its certificate (not the backend CA's: curl refuses it), routed
     // by path, the client's own address in X-Forwarded-For, the port it connected to.
     let (exit, _, _) = curl_https(f.https, "term.example.com", "/", "127.0.0.2", ca);
-    assert_eq!(exit, 60, "HAProxy's certificate does not chain to the backend's CA");
+    assert_eq!(
+        exit, 60,
+        "HAProxy's certificate does not chain to the backend's CA"
+    );
     let (exit, status, body) =
         curl_https(f.https, "term.example.com", "/docs?q=1", "127.0.0.2", None);
     assert_eq!((exit, status), (0, 200), "{body}");
@@ -1764,8 +1778,13 @@ fn ssl_passthrough_by_sni_next_to_terminated_hosts() {
     assert_ne!(exit, 0);
     assert_eq!(status, 0);
     let with_default = front_with(&s, false, Some("a/tls"));
-    let (exit, status, body) =
-        curl_https(with_default.https, "unknown.example.com", "/", "127.0.0.1", None);
+    let (exit, status, body) = curl_https(
+        with_default.https,
+        "unknown.example.com",
+        "/",
+        "127.0.0.1",
+        None,
+    );
     assert_eq!((exit, status), (0, 404), "{body}");
     let (exit, status, body) =
         curl_https(with_default.https, "pass.example.com", "/", "127.0.0.1", ca);
@@ -1776,26 +1795,39 @@ fn ssl_passthrough_by_sni_next_to_terminated_hosts() {
     let answer = f.get("pass.example.com", "/plain/x");
     assert_eq!(answer.status, 200, "{answer:?}");
     assert!(
-        answer.body.starts_with("plain uri=/plain/x host=pass.example.com xff=127.0.0.1 proto=http"),
+        answer
+            .body
+            .starts_with("plain uri=/plain/x host=pass.example.com xff=127.0.0.1 proto=http"),
         "{answer:?}"
     );
 
     // Conflicts: the oldest claim of a host wins.
     let (exit, status, body) = curl_https(f.https, "taken.example.com", "/", "127.0.0.1", None);
     assert_eq!((exit, status), (0, 200), "{body}");
-    assert!(body.starts_with("plain uri=/ host=taken.example.com"), "{body}");
+    assert!(
+        body.starts_with("plain uri=/ host=taken.example.com"),
+        "{body}"
+    );
     assert_eq!(
         f.events("late-pass", "PassthroughConflict"),
-        ["TLS host taken.example.com is not passed through (nginx.ingress.kubernetes.io/ssl-passthrough): the older Ingress a/older-tls names it"]
+        [
+            "TLS host taken.example.com is not passed through (nginx.ingress.kubernetes.io/ssl-passthrough): the older Ingress a/older-tls names it"
+        ]
     );
     let (exit, status, body) = curl_https(f.https, "mine.example.com", "/tls", "127.0.0.1", ca);
     assert_eq!((exit, status), (0, 200), "{body}");
     assert_eq!(body, "passthrough sni=mine.example.com xff=");
     assert_eq!(
         f.events("late-tls", "TLSHostConflict"),
-        ["TLS host mine.example.com is passed through (nginx.ingress.kubernetes.io/ssl-passthrough) to the backend of the older Ingress a/first-pass: Secret tls is not used for it"]
+        [
+            "TLS host mine.example.com is passed through (nginx.ingress.kubernetes.io/ssl-passthrough) to the backend of the older Ingress a/first-pass: Secret tls is not used for it"
+        ]
     );
-    assert!(f.events("pass", "AnnotationNotSupported").is_empty(), "{:?}", f.events);
+    assert!(
+        f.events("pass", "AnnotationNotSupported").is_empty(),
+        "{:?}",
+        f.events
+    );
 }
 
 /// ssl-passthrough in the file set: without it haproxy.cfg has no passthrough frontend (the
@@ -1831,8 +1863,14 @@ fn ssl_passthrough_host_changes_touch_only_the_map() {
     let one = renderer.render(&s).unwrap();
     common::haproxy_check(&one);
     let cfg = one.text("haproxy.cfg").unwrap().to_owned();
-    assert!(cfg.contains("\nfrontend https-passthrough\n    mode tcp\n"), "{cfg}");
-    assert!(cfg.contains("\nbackend a_secure_443_nginx_passthrough\n    mode tcp\n"), "{cfg}");
+    assert!(
+        cfg.contains("\nfrontend https-passthrough\n    mode tcp\n"),
+        "{cfg}"
+    );
+    assert!(
+        cfg.contains("\nbackend a_secure_443_nginx_passthrough\n    mode tcp\n"),
+        "{cfg}"
+    );
     let tcp = cfg
         .split("\nbackend a_secure_443_nginx_passthrough\n")
         .nth(1)
@@ -1860,6 +1898,8 @@ fn ssl_passthrough_host_changes_touch_only_the_map() {
     assert_eq!(two.text("haproxy.cfg").unwrap(), cfg);
     assert_eq!(
         two.text("maps/passthrough.map").map(str::trim),
-        Some("one.example.com a_secure_443_nginx_passthrough\ntwo.example.com a_secure_443_nginx_passthrough")
+        Some(
+            "one.example.com a_secure_443_nginx_passthrough\ntwo.example.com a_secure_443_nginx_passthrough"
+        )
     );
 }

@@ -283,11 +283,12 @@ pub enum Derivation {
     /// ingress-nginx annotation `ssl-passthrough: "true"` ([`crate::nginx::passthrough`]): its
     /// TLS connections with that SNI go, not terminated, to `backend` (the TCP backend of the
     /// Service port of the host's path `/`, else of its first path; none when that Service
-    /// or port does not exist). A host is claimed by the oldest Ingress that names it in a TLS
-    /// section or passes it through: a row whose host another Ingress won names it in
-    /// `conflict` (and [`Derivation::IngressTls`] moves a TLS host an older Ingress passes
-    /// through to its `conflicts`). Hosts that are neither plain names nor `*.` wildcards are
-    /// left out.
+    /// or port does not exist). A passthrough takes every TLS connection to its host, so the
+    /// host is the oldest claimant's among the Ingresses that route it (a rule or a
+    /// server-alias; not canaries), name it in a TLS section or pass it through: a row whose
+    /// host another Ingress won names it in `conflict`; [`Derivation::IngressTls`] moves a TLS
+    /// host an older Ingress passes through to its `conflicts`. Hosts that are neither plain
+    /// names nor `*.` wildcards are left out.
     IngressPassthrough {
         /// The store of networking.k8s.io/v1 Ingresses.
         ingresses: String,
@@ -1764,14 +1765,16 @@ fn ingress_tls(
     Value::from(rows)
 }
 
-/// Who claims each TLS host: the oldest of the Ingresses that name it in a TLS section or pass
-/// its TLS connections through (ssl-passthrough); and the (host, `namespace/name`) of each
-/// passthrough claim, to tell what a winner does with the host.
-fn tls_host_claims<'a>(
-    ours: &[OurIngress<'a>],
-) -> (Claims<'a, &'a str>, HashSet<(&'a str, String)>) {
-    let mut claims = Claims::with_capacity(ours.len() / 2);
-    let mut passing = HashSet::new();
+/// Who claims each host for ssl-passthrough, when an Ingress asks for it: the oldest Ingress
+/// that routes the host (a rule, or a server-alias; canaries do not claim), names it in a TLS
+/// section, or passes it through. A passthrough takes every connection to the host that
+/// carries its SNI, so it must not take a host another, older Ingress already serves. None
+/// when no Ingress asks for passthrough.
+fn passthrough_claims<'a>(ours: &[OurIngress<'a>]) -> Option<Claims<'a, &'a str>> {
+    if ours.iter().all(|ing| ing.ingress.passthrough.is_empty()) {
+        return None;
+    }
+    let mut claims = Claims::with_capacity(ours.len());
     for ing in ours {
         let age = ing.age();
         for tls in ing.extracts.tls(ing.value) {
@@ -1781,10 +1784,52 @@ fn tls_host_claims<'a>(
                 }
             }
         }
+        if !ing.ingress.canary {
+            for p in &ing.ingress.paths {
+                if let Some(host) = p.host.as_str().filter(|h| !h.is_empty()) {
+                    claims.claim(host, age);
+                }
+            }
+        }
         for (host, _) in &ing.ingress.passthrough {
             if let Some(host) = host.as_str() {
                 claims.claim(host, age);
-                passing.insert((host, owner(&age)));
+            }
+        }
+    }
+    Some(claims)
+}
+
+/// Who claims each TLS host: the oldest of the Ingresses that name it in a TLS section or
+/// pass its TLS connections through (a passthrough that won its host, [`passthrough_claims`]);
+/// and the (host, `namespace/name`) of each such passthrough, to tell what a winner does
+/// with the host. Without passthrough, the TLS sections alone.
+fn tls_host_claims<'a>(
+    ours: &[OurIngress<'a>],
+) -> (Claims<'a, &'a str>, HashSet<(&'a str, String)>) {
+    let mut claims = Claims::with_capacity(ours.len() / 2);
+    for ing in ours {
+        let age = ing.age();
+        for tls in ing.extracts.tls(ing.value) {
+            for host in tls.hosts.as_array().unwrap_or_default() {
+                if let Some(host) = host.as_str().filter(|h| !h.is_empty()) {
+                    claims.claim(host, age);
+                }
+            }
+        }
+    }
+    let mut passing = HashSet::new();
+    if let Some(passthrough) = passthrough_claims(ours) {
+        for ing in ours {
+            let age = ing.age();
+            for (host, _) in &ing.ingress.passthrough {
+                if let Some(host) = host
+                    .as_str()
+                    .filter(|h| passthrough.lost_to(h, &age).is_none())
+                {
+                    claims.claim(host, age);
+                    passing.insert((host, owner(&age)));
+                }
             }
         }
     }
@@ -1798,11 +1843,14 @@ fn passthrough_rows(
     services: Source<'_>,
     ours: &Ours<'_>,
 ) -> Value {
-    let ours = ours.of(ingresses);
-    if ours.iter().all(|ing| ing.ingress.passthrough.is_empty()) {
+    // Most clusters have none: a look at each Ingress's extract, without collecting ours.
+    let any = ingresses
+        .entries()
+        .any(|(_, ing, extracts)| !extracts.ingress(ing).passthrough.is_empty());
+    let ours = if any { ours.of(ingresses) } else { Vec::new() };
+    let Some(claims) = passthrough_claims(&ours) else {
         return Value::from(Vec::<Value>::new());
-    }
-    let (claims, _) = tls_host_claims(&ours);
+    };
     let mut rows = Vec::new();
     for ing in ours
         .iter()

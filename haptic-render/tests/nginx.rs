@@ -1723,6 +1723,22 @@ fn ssl_passthrough_by_sni_next_to_terminated_hosts() {
             &[],
             &pass,
         ),
+        // Nor is a host an older Ingress routes, without TLS of its own (served with the
+        // default certificate, when there is one).
+        ingress_rules(
+            "older-route",
+            old,
+            &[("routed.example.com", "/", "secure", 80)],
+            &[],
+            &[],
+        ),
+        ingress_rules(
+            "late-pass-2",
+            new,
+            &[("routed.example.com", "/", "secure", 443)],
+            &[],
+            &pass,
+        ),
         // ...and an older passthrough takes a younger Ingress's TLS host.
         ingress_rules(
             "first-pass",
@@ -1789,6 +1805,24 @@ fn ssl_passthrough_by_sni_next_to_terminated_hosts() {
     let (exit, status, body) =
         curl_https(with_default.https, "pass.example.com", "/", "127.0.0.1", ca);
     assert_eq!((exit, status), (0, 200), "{body}");
+    let (exit, status, body) = curl_https(
+        with_default.https,
+        "routed.example.com",
+        "/",
+        "127.0.0.1",
+        None,
+    );
+    assert_eq!((exit, status), (0, 200), "{body}");
+    assert!(
+        body.starts_with("plain uri=/ host=routed.example.com"),
+        "{body}"
+    );
+    assert_eq!(
+        with_default.events("late-pass-2", "PassthroughConflict"),
+        [
+            "TLS host routed.example.com is not passed through (nginx.ingress.kubernetes.io/ssl-passthrough): the older Ingress a/older-route routes it or serves its TLS"
+        ]
+    );
     drop(with_default);
 
     // Plain HTTP to the passthrough host is routed as before.
@@ -1811,7 +1845,7 @@ fn ssl_passthrough_by_sni_next_to_terminated_hosts() {
     assert_eq!(
         f.events("late-pass", "PassthroughConflict"),
         [
-            "TLS host taken.example.com is not passed through (nginx.ingress.kubernetes.io/ssl-passthrough): the older Ingress a/older-tls names it"
+            "TLS host taken.example.com is not passed through (nginx.ingress.kubernetes.io/ssl-passthrough): the older Ingress a/older-tls routes it or serves its TLS"
         ]
     );
     let (exit, status, body) = curl_https(f.https, "mine.example.com", "/tls", "127.0.0.1", ca);

@@ -1255,6 +1255,28 @@ impl<'a, K: std::hash::Hash + Eq> Claims<'a, K> {
     }
 }
 
+impl Claims<'_, &str> {
+    /// The winner of a passthrough host from `me`: an older Ingress claiming the host itself
+    /// or, for a wildcard (`*.foo.com`), one claiming a host it would take the TLS of
+    /// (`bar.foo.com`: one label more).
+    fn passthrough_lost_to(&self, host: &str, me: &Age<'_>) -> Option<String> {
+        if let Some(winner) = self.lost_to(&host, me) {
+            return Some(winner);
+        }
+        let rest = host.strip_prefix('*')?;
+        self.by_key
+            .iter()
+            .filter(|(key, _)| {
+                key.strip_suffix(rest)
+                    .is_some_and(|label| !label.is_empty() && !label.contains(['.', '*']))
+            })
+            .map(|(_, (best, _))| best)
+            .filter(|best| (best.2, best.3) != (me.2, me.3) && *best < me)
+            .min()
+            .map(owner)
+    }
+}
+
 /// The key two routes collide on: the kind of match, the host, the path as the map writes it
 /// (a Prefix path without its trailing slashes: `/foo` and `/foo/` are the same route).
 fn route_key(p: &PathExtract) -> (bool, &str, &str) {
@@ -1768,8 +1790,9 @@ fn ingress_tls(
 /// Who claims each host for ssl-passthrough, when an Ingress asks for it: the oldest Ingress
 /// that routes the host (a rule, or a server-alias; canaries do not claim), names it in a TLS
 /// section, or passes it through. A passthrough takes every connection to the host that
-/// carries its SNI, so it must not take a host another, older Ingress already serves. None
-/// when no Ingress asks for passthrough.
+/// carries its SNI, so it must not take a host another, older Ingress already serves (nor,
+/// for a wildcard, a host one label under it: [`Claims::passthrough_lost_to`]). None when no
+/// Ingress asks for passthrough.
 fn passthrough_claims<'a>(ours: &[OurIngress<'a>]) -> Option<Claims<'a, &'a str>> {
     if ours.iter().all(|ing| ing.ingress.passthrough.is_empty()) {
         return None;
@@ -1825,7 +1848,7 @@ fn tls_host_claims<'a>(
             for (host, _) in &ing.ingress.passthrough {
                 if let Some(host) = host
                     .as_str()
-                    .filter(|h| passthrough.lost_to(h, &age).is_none())
+                    .filter(|h| passthrough.passthrough_lost_to(h, &age).is_none())
                 {
                     claims.claim(host, age);
                     passing.insert((host, owner(&age)));
@@ -1868,7 +1891,7 @@ fn passthrough_rows(
                 .and_then(|svc| svc.resolve(&p.target));
             let conflict = host
                 .as_str()
-                .and_then(|h| claims.lost_to(&h, &age))
+                .and_then(|h| claims.passthrough_lost_to(h, &age))
                 .map_or_else(Value::none, Value::from);
             rows.push(row([
                 ("host", host.clone()),

@@ -1739,6 +1739,22 @@ fn ssl_passthrough_by_sni_next_to_terminated_hosts() {
             &[],
             &pass,
         ),
+        // A wildcard passthrough does not take a host one label under it that an older
+        // Ingress routes.
+        ingress_rules(
+            "older-exact",
+            old,
+            &[("y.wild2.example.com", "/", "secure", 80)],
+            &[],
+            &[],
+        ),
+        ingress_rules(
+            "late-wild",
+            new,
+            &[("*.wild2.example.com", "/", "secure", 443)],
+            &[],
+            &pass,
+        ),
         // ...and an older passthrough takes a younger Ingress's TLS host.
         ingress_rules(
             "first-pass",
@@ -1816,6 +1832,24 @@ fn ssl_passthrough_by_sni_next_to_terminated_hosts() {
     assert!(
         body.starts_with("plain uri=/ host=routed.example.com"),
         "{body}"
+    );
+    let (exit, status, body) = curl_https(
+        with_default.https,
+        "y.wild2.example.com",
+        "/",
+        "127.0.0.1",
+        None,
+    );
+    assert_eq!((exit, status), (0, 200), "{body}");
+    assert!(
+        body.starts_with("plain uri=/ host=y.wild2.example.com"),
+        "{body}"
+    );
+    assert_eq!(
+        with_default.events("late-wild", "PassthroughConflict"),
+        [
+            "TLS host *.wild2.example.com is not passed through (nginx.ingress.kubernetes.io/ssl-passthrough): the older Ingress a/older-exact routes it or serves its TLS"
+        ]
     );
     assert_eq!(
         with_default.events("late-pass-2", "PassthroughConflict"),

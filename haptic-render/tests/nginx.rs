@@ -1929,7 +1929,8 @@ fn ssl_passthrough_host_changes_touch_only_the_map() {
         ),
     );
     let one = renderer.render(&s).unwrap();
-    common::haproxy_check(&one);
+    let check = common::haproxy_check(&one);
+    assert!(!check.contains("WARNING"), "{check}");
     let cfg = one.text("haproxy.cfg").unwrap().to_owned();
     assert!(
         cfg.contains("\nfrontend https-passthrough\n    mode tcp\n"),

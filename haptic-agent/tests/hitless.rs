@@ -594,3 +594,128 @@ async fn changes_beyond_the_runtime_api_reload_and_a_failed_runtime_change_falls
         .expect("the live certificate is still served");
     agent.stop().await;
 }
+
+/// A TLS endpoint on `ip:port` presenting `cert` (chain and key PEM): it completes the
+/// handshake of whoever connects, then closes.
+struct TlsEndpoint {
+    task: JoinHandle<()>,
+}
+
+impl TlsEndpoint {
+    async fn start(ip: &str, port: u16, cert: &str, key: &str) -> Self {
+        let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert.as_bytes())
+            .collect::<Result<_, _>>()
+            .expect("certificate");
+        let key = rustls::pki_types::PrivateKeyDer::from_pem_slice(key.as_bytes()).expect("key");
+        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .expect("server config");
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = TcpListener::bind((ip, port))
+            .await
+            .expect("bind TLS endpoint");
+        let task = tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    let _ = acceptor.accept(tcp).await;
+                });
+            }
+        });
+        Self { task }
+    }
+}
+
+impl Drop for TlsEndpoint {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// ingress-nginx's ssl-passthrough through the agent: the TLS of a passthrough host reaches
+/// the Service's endpoint (its certificate is the one the client sees) next to a host HAProxy
+/// terminates; a second host of the same Service port is a map change, and the Service's
+/// endpoint moving a server slot change: neither reloads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ssl_passthrough_hosts_and_endpoints_change_with_no_reload() {
+    let (endpoint_port, _endpoints) = endpoints(2).await;
+    let (http_port, https_port) = (free_port(), free_port());
+    let mut cluster = Cluster::new(http_port, https_port, endpoint_port, 10);
+    let (web_ca, cert, key) = issue("web.test");
+    cluster.secret("web-tls", &cert, &key);
+    cluster.ingress("web", "web.test", "web", Some("web-tls"));
+    cluster.endpoints("web", &[("127.0.0.2", true)]);
+    // Service `api` is the passthrough one: a TLS endpoint of its own certificate.
+    let (pass_ca, pass_cert, pass_key) = issue("*.pass.test");
+    let first_endpoint =
+        TlsEndpoint::start("127.0.0.8", endpoint_port, &pass_cert, &pass_key).await;
+    cluster.endpoints("api", &[("127.0.0.8", true)]);
+    let passthrough = |cluster: &mut Cluster, name: &str, host: &str| {
+        cluster.apply(
+            "ingresses",
+            json!({"metadata": {"namespace": NS, "name": name,
+                    "annotations": {"nginx.ingress.kubernetes.io/ssl-passthrough": "true"}},
+                "spec": {"rules": [{"host": host, "http": {"paths": [{"path": "/",
+                    "pathType": "Prefix",
+                    "backend": {"service": {"name": "api", "port": {"number": 80}}}}]}}]}}),
+        );
+    };
+    passthrough(&mut cluster, "vault-a", "a.pass.test");
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let agent = TestAgent::start(dir.path()).await;
+    let client = client();
+    let first = apply(&client, &agent.url, &cluster, 1)
+        .await
+        .expect("first");
+    assert!(first.reload, "the first set starts HAProxy");
+    await_get(http_port, "web.test", "backend 127.0.0.2")
+        .await
+        .expect("served");
+    handshake(https_port, "a.pass.test", &pass_ca)
+        .await
+        .expect("the endpoint's certificate, passed through");
+    handshake(https_port, "web.test", &web_ca)
+        .await
+        .expect("HAProxy's certificate for the terminated host");
+    assert!(
+        handshake(https_port, "b.pass.test", &pass_ca)
+            .await
+            .is_err()
+    );
+    let workers = worker_pids(&client, &agent.url).await;
+
+    // A second passthrough host to the same Service port: a map change.
+    passthrough(&mut cluster, "vault-b", "b.pass.test");
+    let report = apply(&client, &agent.url, &cluster, 2)
+        .await
+        .expect("a host added");
+    assert_eq!(report.outcome, Outcome::Applied);
+    assert!(!report.reload, "a passthrough host added reloaded");
+    handshake(https_port, "b.pass.test", &pass_ca)
+        .await
+        .expect("the new host, passed through");
+
+    // The endpoint moves: a server slot change.
+    drop(first_endpoint);
+    let _second = TlsEndpoint::start("127.0.0.9", endpoint_port, &pass_cert, &pass_key).await;
+    cluster.endpoints("api", &[("127.0.0.9", true)]);
+    let report = apply(&client, &agent.url, &cluster, 3)
+        .await
+        .expect("an endpoint change");
+    assert!(!report.reload, "a passthrough endpoint change reloaded");
+    handshake(https_port, "a.pass.test", &pass_ca)
+        .await
+        .expect("the moved endpoint");
+    assert_eq!(
+        worker_pids(&client, &agent.url).await,
+        workers,
+        "HAProxy reloaded"
+    );
+    agent.stop().await;
+}

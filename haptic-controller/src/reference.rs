@@ -127,7 +127,7 @@ pub fn spec() -> HAProxyTemplateConfigSpec {
 
 /// The reference config's validation tests (what `haptic-controller validate` runs in CI on
 /// `deploy/haptic-config.yaml`): host and path routing by path type, TLS, a missing Service or
-/// port, not-ready endpoints, IPv6.
+/// port, not-ready endpoints, IPv6, ingress-nginx's ssl-passthrough.
 fn tests() -> BTreeMap<String, ValidationTest> {
     let service = |name: &str, ports: Json| {
         json!({"apiVersion": "v1", "kind": "Service",
@@ -176,7 +176,41 @@ fn tests() -> BTreeMap<String, ValidationTest> {
             ),
         )
     };
+    let mut vault = ingress(
+        "vault",
+        json!({"rules": [{"host": "vault.example.com", "http": {"paths": [
+            path("/", "Prefix", "secure", json!({"number": 443}))]}}]}),
+    );
+    vault["metadata"]["annotations"] =
+        json!({"nginx.ingress.kubernetes.io/ssl-passthrough": "true"});
     let tests = json!({
+        "ssl-passthrough": {
+            "description": "an Ingress with ingress-nginx's ssl-passthrough: a TCP frontend owns the HTTPS port and sends the TLS of its host, by SNI, to a TCP backend of the Service; other TLS goes to the terminating bind behind it, with the client's address",
+            "fixtures": {
+                "ingressclasses": classes,
+                "services": [web().0, service("secure", json!([{"name": "http", "port": 443, "protocol": "TCP"}]))],
+                "endpointslices": [web().1, slice("secure-1", "secure", "IPv4", json!([ready("10.0.2.1")]))],
+                "secrets": [haptic_render::fixtures::tls_secret("shop", "web-tls")],
+                "ingresses": [
+                    vault,
+                    ingress("web", json!({
+                        "tls": [{"hosts": ["shop.example.com"], "secretName": "web-tls"}],
+                        "rules": [{"host": "shop.example.com", "http": {"paths": [path("/", "Prefix", "web", json!({"number": 80}))]}}],
+                    })),
+                ],
+            },
+            "assertions": [
+                {"type": "haproxy_valid"},
+                {"type": "equals", "target": "map:passthrough.map", "expected": "vault.example.com shop_secure_443_nginx_passthrough"},
+                {"type": "contains", "pattern": "(?m)^frontend https-passthrough\n    mode tcp$"},
+                {"type": "contains", "pattern": "(?m)^    bind abns@haptic-https-\\d+ accept-proxy ssl ",
+                    "description": "the TLS bind listens behind the TCP frontend, reading the PROXY header"},
+                {"type": "contains", "pattern": "(?m)^backend shop_secure_443_nginx_passthrough\n    mode tcp\n    balance roundrobin$"},
+                {"type": "match_count", "pattern": "(?m)^    server s\\d+ 10\\.0\\.2\\.1:8080 check$", "expected": 2,
+                    "description": "the TCP backend has the Service port's server slots, as its HTTP backend (plain HTTP to the host)"},
+                {"type": "equals", "target": "map:certs.list", "expected": "ssl/shop_web-tls.pem shop.example.com"},
+            ],
+        },
         "routing-by-host-and-path-type": {
             "description": "Exact and Prefix paths of a host, and a rule without a host, route to their Service ports",
             "fixtures": {
@@ -374,6 +408,7 @@ mod tests {
             "not-ready-endpoints",
             "ingress-classes-conflicts-wildcards",
             "ipv6",
+            "ssl-passthrough",
         ] {
             assert!(tests.contains_key(name), "{name}");
         }

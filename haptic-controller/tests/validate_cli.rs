@@ -58,12 +58,13 @@ fn the_shipped_config_passes() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let (code, out, err) = validate(&root.join("deploy/haptic-config.yaml"), &[]);
     assert_eq!(code, 0, "{out}{err}");
-    assert!(out.contains("6/6 tests passed"), "{out}");
+    assert!(out.contains("7/7 tests passed"), "{out}");
     assert!(
         out.contains("PASS ingress-classes-conflicts-wildcards ("),
         "{out}"
     );
     assert!(out.contains("PASS tls ("), "{out}");
+    assert!(out.contains("PASS ssl-passthrough ("), "{out}");
 }
 
 #[test]

@@ -178,7 +178,7 @@ async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate()
     let mut snippet = ingress_json("legacy", "legacy.example.com");
     snippet["metadata"]["annotations"] = json!({
         "nginx.ingress.kubernetes.io/server-snippet": "location /x { return 200; }",
-        "nginx.ingress.kubernetes.io/ssl-passthrough": "true",
+        "nginx.ingress.kubernetes.io/custom-http-errors": "404,503",
     });
     let (_, answer) = post(
         &trusting,
@@ -195,7 +195,7 @@ async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate()
     assert_eq!(answer["response"]["status"]["code"], 403);
     let mut unsupported = ingress_json("legacy", "legacy.example.com");
     unsupported["metadata"]["annotations"] = json!({
-        "nginx.ingress.kubernetes.io/ssl-passthrough": "true",
+        "nginx.ingress.kubernetes.io/custom-http-errors": "404,503",
         "nginx.ingress.kubernetes.io/no-such-thing": "on",
         "haproxy-haptic.org/ssl-redirect": "false",
     });
@@ -208,13 +208,13 @@ async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate()
     let (allowed, message, warnings) = response(&answer);
     assert!(allowed, "{message}");
     assert_eq!(warnings.len(), 2, "{answer}");
-    assert_eq!(
-        warnings[0],
-        "Ingress default/legacy: nginx.ingress.kubernetes.io/no-such-thing is not applied (unknown): not an annotation HAPTIC knows (a typo, or one the registry does not list)",
+    assert!(
+        warnings[0].starts_with("Ingress default/legacy: nginx.ingress.kubernetes.io/custom-http-errors is not applied (not-yet-supported): the backend's error pages are returned as they are"),
         "{answer}"
     );
-    assert!(
-        warnings[1].starts_with("Ingress default/legacy: nginx.ingress.kubernetes.io/ssl-passthrough is not applied (not-yet-supported): TLS is terminated by HAProxy, not passed through to the backend"),
+    assert_eq!(
+        warnings[1],
+        "Ingress default/legacy: nginx.ingress.kubernetes.io/no-such-thing is not applied (unknown): not an annotation HAPTIC knows (a typo, or one the registry does not list)",
         "{answer}"
     );
     // A value that cannot be applied is denied, naming the annotation and why; one applied
@@ -409,7 +409,7 @@ async fn the_webhook_judges_reviews_over_tls_and_follows_a_rotated_certificate()
         ),
         (
             "AnnotationNotSupported",
-            "ingress-nginx annotations not applied: nginx.ingress.kubernetes.io/ssl-passthrough (not-yet-supported)",
+            "ingress-nginx annotations not applied: nginx.ingress.kubernetes.io/custom-http-errors (not-yet-supported)",
         ),
     ] {
         let api = cluster.api::<k8s_openapi::api::events::v1::Event>();

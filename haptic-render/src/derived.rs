@@ -111,7 +111,7 @@
 //! decided by age: the oldest Ingress (`creationTimestamp`, then namespace, then name) keeps
 //! what several claim, the same on every replica.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 pub mod gateway;
@@ -282,6 +282,25 @@ pub enum Derivation {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         classes: Option<IngressClassFilter>,
     },
+    /// A row per host of an Ingress (of our classes, when `classes` is set) with the
+    /// ingress-nginx annotation `ssl-passthrough: "true"` ([`crate::nginx::passthrough`]): its
+    /// TLS connections with that SNI go, not terminated, to `backend` (the TCP backend of the
+    /// Service port of the host's path `/`, else of its first path; none when that Service
+    /// or port does not exist). A passthrough takes every TLS connection to its host, so the
+    /// host is the oldest claimant's among the Ingresses that route it (a rule or a
+    /// server-alias; not canaries), name it in a TLS section or pass it through: a row whose
+    /// host another Ingress won names it in `conflict`; [`Derivation::IngressTls`] moves a TLS
+    /// host an older Ingress passes through to its `conflicts`. Hosts that are neither plain
+    /// names nor `*.` wildcards are left out.
+    IngressPassthrough {
+        /// The store of networking.k8s.io/v1 Ingresses.
+        ingresses: String,
+        /// The store of v1 Services.
+        services: String,
+        /// When set, only the Ingresses of our classes.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        classes: Option<IngressClassFilter>,
+    },
     /// A map from `"<namespace>/<name>"` to the verdict on each `kubernetes.io/tls` Secret,
     /// with its PEM when usable (see [`crate::certificate`]).
     TlsCertificates {
@@ -394,6 +413,11 @@ impl Derivation {
                 ingresses,
                 services,
                 ..
+            }
+            | Self::IngressPassthrough {
+                ingresses,
+                services,
+                ..
             } => vec![ingresses, services],
             Self::IngressTls {
                 ingresses, secrets, ..
@@ -453,6 +477,7 @@ impl Derivation {
             | Self::IngressTls { classes, .. }
             | Self::Ingresses { classes, .. }
             | Self::IngressAnnotations { classes, .. }
+            | Self::IngressPassthrough { classes, .. }
             | Self::IngressDefaultBackends { classes, .. } => classes.as_ref(),
         }
     }
@@ -470,6 +495,7 @@ impl Derivation {
             | Self::IngressTls { ingresses, .. }
             | Self::Ingresses { ingresses, .. }
             | Self::IngressAnnotations { ingresses, .. }
+            | Self::IngressPassthrough { ingresses, .. }
             | Self::IngressDefaultBackends { ingresses, .. } => Some(ingresses),
         }
     }
@@ -485,6 +511,8 @@ impl Derivation {
             Self::TlsCertificates { .. } => 5,
             Self::IngressAnnotations { .. } => 6,
             Self::GatewayApi { .. } => 7,
+            // Its rows are few and not kept per resource (no slot of the extracts' rows).
+            Self::IngressPassthrough { .. } => 8,
         }
     }
 }
@@ -601,6 +629,10 @@ struct IngressExtract {
     nginx: Option<NginxFindings>,
     /// An ingress-nginx canary (`canary: "true"`): its paths claim no route.
     canary: bool,
+    /// ingress-nginx's `ssl-passthrough`: each host of its rules (plain names and `*.`
+    /// wildcards, first seen first) and the index in `paths` of the path whose Service its
+    /// TLS connections go to: the host's `/`, else its first path. Empty without it.
+    passthrough: Vec<(Value, usize)>,
 }
 
 /// The messages of an Ingress's Events about its ingress-nginx annotations (none where there
@@ -871,6 +903,32 @@ impl Extracts {
                 .unwrap_or_default();
             let (policy, invalid) =
                 crate::nginx::Policy::parse_in(text(ing, &["metadata", "namespace"]), &annotations);
+            // ssl-passthrough: the rules' own hosts (not server-alias's), before the aliases.
+            let mut passthrough: Vec<(Value, usize)> = Vec::new();
+            if crate::nginx::passthrough(&annotations) {
+                for (i, p) in paths.iter().enumerate() {
+                    let Some(host) = p.host.as_str().filter(|h| {
+                        crate::functions::is_hostname(h) || crate::functions::is_wildcard_host(h)
+                    }) else {
+                        continue;
+                    };
+                    let root = p.path.as_str() == Some("/");
+                    match passthrough
+                        .iter_mut()
+                        .find(|(h, _)| h.as_str() == Some(host))
+                    {
+                        None => passthrough.push((p.host.clone(), i)),
+                        Some((_, chosen)) => {
+                            let chosen_root = paths
+                                .get(*chosen)
+                                .is_some_and(|c| c.path.as_str() == Some("/"));
+                            if root && !chosen_root {
+                                *chosen = i;
+                            }
+                        }
+                    }
+                }
+            }
             // server-alias: every path of a rule with a host, for each alias too.
             if !policy.aliases.is_empty() {
                 let aliased: Vec<PathExtract> = paths
@@ -918,6 +976,7 @@ impl Extracts {
                 );
             }
             IngressExtract {
+                passthrough,
                 canary: policy.canary.is_some(),
                 paths,
                 class,
@@ -1219,6 +1278,28 @@ impl<'a, K: std::hash::Hash + Eq> Claims<'a, K> {
     }
 }
 
+impl Claims<'_, &str> {
+    /// The winner of a passthrough host from `me`: an older Ingress claiming the host itself
+    /// or, for a wildcard (`*.foo.com`), one claiming a host it would take the TLS of
+    /// (`bar.foo.com`: one label more).
+    fn passthrough_lost_to(&self, host: &str, me: &Age<'_>) -> Option<String> {
+        if let Some(winner) = self.lost_to(&host, me) {
+            return Some(winner);
+        }
+        let rest = host.strip_prefix('*')?;
+        self.by_key
+            .iter()
+            .filter(|(key, _)| {
+                key.strip_suffix(rest)
+                    .is_some_and(|label| !label.is_empty() && !label.contains(['.', '*']))
+            })
+            .map(|(_, (best, _))| best)
+            .filter(|best| (best.2, best.3) != (me.2, me.3) && *best < me)
+            .min()
+            .map(owner)
+    }
+}
+
 /// The key two routes collide on: the kind of match, the host, the path as the map writes it
 /// (a Prefix path without its trailing slashes: `/foo` and `/foo/` are the same route).
 fn route_key(p: &PathExtract) -> (bool, &str, &str) {
@@ -1265,6 +1346,9 @@ struct RoutedPort {
     /// `(name, policy row, origin of the first Ingress with it)`, one per policy.
     variants: Vec<(String, Value, Value)>,
 }
+
+/// The policy id of the TCP backends of ssl-passthrough: `<backend>_nginx_passthrough`.
+const PASSTHROUGH: &str = "passthrough";
 
 /// The backend of a Service port for the routes of Ingresses with an ingress-nginx policy
 /// (`id`, [`crate::nginx::Policy::id`]): `<backend>_nginx_<id>`. A Service backend's name
@@ -1330,6 +1414,10 @@ fn routed_ports(
         }
     };
     let ours = ours.of(ingresses);
+    let passthrough = (
+        PASSTHROUGH.to_owned(),
+        crate::nginx::Policy::passthrough_row(),
+    );
     for ing in &ours {
         for p in &ing.ingress.paths {
             add(
@@ -1337,6 +1425,11 @@ fn routed_ports(
                 &p.target,
                 p.policy.as_ref().map(|policy| (ing, policy)),
             );
+        }
+        for (_, i) in &ing.ingress.passthrough {
+            if let Some(p) = ing.ingress.paths.get(*i) {
+                add(ing.namespace, &p.target, Some((ing, &passthrough)));
+            }
         }
     }
     if let Some((ing, DefaultBackendExtract::Service(target))) =
@@ -1637,18 +1730,7 @@ fn ingress_tls(
     ours: &Ours<'_>,
 ) -> Value {
     let ours = ours.of(ingresses);
-    // Who claims each TLS host: the oldest Ingress.
-    let mut claims = Claims::with_capacity(ours.len() / 2);
-    for ing in &ours {
-        let age = ing.age();
-        for tls in ing.extracts.tls(ing.value) {
-            for host in tls.hosts.as_array().unwrap_or_default() {
-                if let Some(host) = host.as_str().filter(|h| !h.is_empty()) {
-                    claims.claim(host, age);
-                }
-            }
-        }
-    }
+    let (claims, passing) = tls_host_claims(&ours);
     let mut rows = Vec::new();
     for ing in &ours {
         let (namespace, ingress) = (ing.namespace, ing.name);
@@ -1706,10 +1788,14 @@ fn ingress_tls(
                 let mut kept = Vec::new();
                 let mut lost = Vec::new();
                 for host in tls.hosts.as_array().unwrap_or_default() {
-                    match host.as_str().and_then(|h| claims.lost_to(&h, &age)) {
-                        Some(winner) => lost.push(row([
+                    let won = host
+                        .as_str()
+                        .and_then(|h| Some((h, claims.lost_to(&h, &age)?)));
+                    match won {
+                        Some((h, winner)) => lost.push(row([
                             ("host", host.clone()),
-                            ("winner", Value::from(winner)),
+                            ("winner", Value::from(winner.as_str())),
+                            ("passthrough", Value::from(passing.contains(&(h, winner)))),
                         ])),
                         None => kept.push(host.clone()),
                     }
@@ -1719,6 +1805,132 @@ fn ingress_tls(
                     *entry_row = with_field(&changed, "conflicts", Value::from(lost));
                 }
             }
+        }
+    }
+    Value::from(rows)
+}
+
+/// Who claims each host for ssl-passthrough, when an Ingress asks for it: the oldest Ingress
+/// that routes the host (a rule, or a server-alias; canaries do not claim), names it in a TLS
+/// section, or passes it through. A passthrough takes every connection to the host that
+/// carries its SNI, so it must not take a host another, older Ingress already serves (nor,
+/// for a wildcard, a host one label under it: [`Claims::passthrough_lost_to`]). None when no
+/// Ingress asks for passthrough.
+fn passthrough_claims<'a>(ours: &[OurIngress<'a>]) -> Option<Claims<'a, &'a str>> {
+    if ours.iter().all(|ing| ing.ingress.passthrough.is_empty()) {
+        return None;
+    }
+    let mut claims = Claims::with_capacity(ours.len());
+    for ing in ours {
+        let age = ing.age();
+        for tls in ing.extracts.tls(ing.value) {
+            for host in tls.hosts.as_array().unwrap_or_default() {
+                if let Some(host) = host.as_str().filter(|h| !h.is_empty()) {
+                    claims.claim(host, age);
+                }
+            }
+        }
+        if !ing.ingress.canary {
+            for p in &ing.ingress.paths {
+                if let Some(host) = p.host.as_str().filter(|h| !h.is_empty()) {
+                    claims.claim(host, age);
+                }
+            }
+        }
+        for (host, _) in &ing.ingress.passthrough {
+            if let Some(host) = host.as_str() {
+                claims.claim(host, age);
+            }
+        }
+    }
+    Some(claims)
+}
+
+/// Who claims each TLS host: the oldest of the Ingresses that name it in a TLS section or
+/// pass its TLS connections through (a passthrough that won its host, [`passthrough_claims`]);
+/// and the (host, `namespace/name`) of each such passthrough, to tell what a winner does
+/// with the host. Without passthrough, the TLS sections alone.
+fn tls_host_claims<'a>(
+    ours: &[OurIngress<'a>],
+) -> (Claims<'a, &'a str>, HashSet<(&'a str, String)>) {
+    let mut claims = Claims::with_capacity(ours.len() / 2);
+    for ing in ours {
+        let age = ing.age();
+        for tls in ing.extracts.tls(ing.value) {
+            for host in tls.hosts.as_array().unwrap_or_default() {
+                if let Some(host) = host.as_str().filter(|h| !h.is_empty()) {
+                    claims.claim(host, age);
+                }
+            }
+        }
+    }
+    let mut passing = HashSet::new();
+    if let Some(passthrough) = passthrough_claims(ours) {
+        for ing in ours {
+            let age = ing.age();
+            for (host, _) in &ing.ingress.passthrough {
+                if let Some(host) = host
+                    .as_str()
+                    .filter(|h| passthrough.passthrough_lost_to(h, &age).is_none())
+                {
+                    claims.claim(host, age);
+                    passing.insert((host, owner(&age)));
+                }
+            }
+        }
+    }
+    (claims, passing)
+}
+
+/// The rows of [`Derivation::IngressPassthrough`]: a row per passthrough host of each of our
+/// Ingresses that asks for it, in Ingress order.
+fn passthrough_rows(
+    (store, ingresses): (&str, Source<'_>),
+    services: Source<'_>,
+    ours: &Ours<'_>,
+) -> Value {
+    // Most clusters have none: a look at each Ingress's extract, without collecting ours.
+    let any = ingresses
+        .entries()
+        .any(|(_, ing, extracts)| !extracts.ingress(ing).passthrough.is_empty());
+    let ours = if any { ours.of(ingresses) } else { Vec::new() };
+    let Some(claims) = passthrough_claims(&ours) else {
+        return Value::from(Vec::<Value>::new());
+    };
+    let mut rows = Vec::new();
+    for ing in ours
+        .iter()
+        .filter(|ing| !ing.ingress.passthrough.is_empty())
+    {
+        let (namespace, age) = (ing.namespace, ing.age());
+        for (host, i) in &ing.ingress.passthrough {
+            let Some(p) = ing.ingress.paths.get(*i) else {
+                continue;
+            };
+            let service = p.target.service.as_str();
+            let port = services
+                .get_entry(namespace, service)
+                .map(|(svc, extracts)| extracts.service(namespace, service, svc))
+                .and_then(|svc| svc.resolve(&p.target));
+            let conflict = host
+                .as_str()
+                .and_then(|h| claims.passthrough_lost_to(h, &age))
+                .map_or_else(Value::none, Value::from);
+            rows.push(row([
+                ("host", host.clone()),
+                (
+                    "backend",
+                    port.map_or_else(Value::none, |port| {
+                        Value::from(variant_name(&port.backend, PASSTHROUGH))
+                    }),
+                ),
+                ("conflict", conflict),
+                ("namespace", Value::from(namespace)),
+                ("ingress", Value::from(ing.name)),
+                ("service", Value::from(service)),
+                ("path", p.path.clone()),
+                ("origin", origin(store, namespace, ing.name)),
+            ]));
         }
     }
     Value::from(rows)
@@ -2235,6 +2447,7 @@ fn store_of(derivation: &Derivation) -> &str {
         | Derivation::IngressTls { ingresses, .. }
         | Derivation::Ingresses { ingresses, .. }
         | Derivation::IngressAnnotations { ingresses, .. }
+        | Derivation::IngressPassthrough { ingresses, .. }
         | Derivation::IngressDefaultBackends { ingresses, .. } => ingresses,
         Derivation::TlsCertificates { secrets } => secrets,
         Derivation::GatewayApi { http_routes, .. } => http_routes,
@@ -2277,6 +2490,9 @@ fn compute(derivation: &Derivation, slot: Slot, inputs: &[Source<'_>]) -> Value 
         }
         (Derivation::IngressDefaultBackends { .. }, [ingresses, services]) => {
             default_backends(*ingresses, *services, &ours)
+        }
+        (Derivation::IngressPassthrough { .. }, [ingresses, services]) => {
+            passthrough_rows((store_of(derivation), *ingresses), *services, &ours)
         }
         (Derivation::TlsCertificates { .. }, [secrets]) => tls_certificates(slot, *secrets),
         (Derivation::GatewayApi { .. }, inputs) => {
@@ -2918,7 +3134,7 @@ mod tests {
                 "legacy",
                 json!({
                     "nginx.ingress.kubernetes.io/server-snippet": "return 200;",
-                    "nginx.ingress.kubernetes.io/ssl-passthrough": "true",
+                    "nginx.ingress.kubernetes.io/custom-http-errors": "404,503",
                     "nginx.ingress.kubernetes.io/proxy-body-size": "10 parsecs",
                 }),
             ),
@@ -2936,7 +3152,7 @@ mod tests {
         );
         assert_eq!(
             row["not_applied"],
-            "ingress-nginx annotations not applied: nginx.ingress.kubernetes.io/ssl-passthrough (not-yet-supported) (see docs/nginx-annotations.md)"
+            "ingress-nginx annotations not applied: nginx.ingress.kubernetes.io/custom-http-errors (not-yet-supported) (see docs/nginx-annotations.md)"
         );
         assert_eq!(
             row["invalid"],
@@ -3237,6 +3453,8 @@ mod tests {
             "ingresses": {"kind": "ingresses", "ingresses": "ingresses", "classes": classes},
             "nginx_annotations": {"kind": "ingressAnnotations", "ingresses": "ingresses",
                                   "classes": classes},
+            "passthrough": {"kind": "ingressPassthrough", "ingresses": "ingresses",
+                            "services": "services", "classes": classes},
             "routes_exact": {"kind": "ingressRoutes", "ingresses": "ingresses",
                              "services": "services", "exact": true, "classes": classes},
             "routes_prefix": {"kind": "ingressRoutes", "ingresses": "ingresses",

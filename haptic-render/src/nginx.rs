@@ -325,9 +325,9 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "session-cookie-path",
         "not applied: HAProxy's inserted cookie has Path=/ (it still pins only the requests that carry it)",
     ),
-    lost(
+    differs(
         "ssl-passthrough",
-        "TLS is terminated by HAProxy, not passed through to the backend: passthrough by SNI needs a TCP-mode frontend owning the HTTPS port ahead of the HTTP one (every HTTPS connection one more hop through a loopback, the client address lost to the HTTP frontend unless PROXY protocol carries it); not carried over until that is designed with the hitless reloads",
+        "`true`: TLS connections whose SNI (ClientHello server name, lowercased) is a host of the Ingress's rules are passed through, not terminated, to the backend of that host's path `/` (any pathType; else its first path: ingress-nginx passed through only a `/` path), which presents its own certificate; the Ingress's other annotations do not apply to them (layer 4), and plain HTTP to the host is routed as before; a wildcard host matches one label; no controller flag is needed (ingress-nginx's --enable-ssl-passthrough): the HTTPS port gets a TCP frontend ahead of the TLS-terminating one only while an Ingress asks for it, the client address carried to the terminating one by PROXY protocol; a host an older Ingress routes, names in its TLS section or passes through stays that Ingress's, as does, for a wildcard, a host one label under it (a PassthroughConflict Event), and a younger Ingress's TLS section loses the host to an older passthrough (a TLSHostConflict Event); a host an HTTPS Gateway listener on the same port covers stays the Gateway's; a canary Ingress is never passed through",
     ),
     differs(
         "ssl-redirect",
@@ -632,6 +632,13 @@ pub fn client_ca(namespace: &str, annotations: &[(&str, &str)]) -> String {
     } else {
         String::new()
     }
+}
+
+/// Whether an Ingress's TLS connections are passed through by SNI (`ssl-passthrough:
+/// "true"`); never for a canary (`canary: "true"`), whose other annotations are ignored.
+pub fn passthrough(annotations: &[(&str, &str)]) -> bool {
+    value(annotations, "ssl-passthrough") == Some("true")
+        && value(annotations, "canary") != Some("true")
 }
 
 /// A canary Ingress's traffic split (`canary-*`): header, then cookie, then weight.
@@ -1079,6 +1086,8 @@ impl Policy {
         let www_redirect = flag("from-to-www-redirect") == Some(true);
         policy.service_upstream = flag("service-upstream") == Some(true);
         let pass_certificate = flag("auth-tls-pass-certificate-to-upstream") == Some(true);
+        // Read by [`passthrough`]; here for its invalid values.
+        let _ = flag("ssl-passthrough");
         let code = match get("permanent-redirect-code") {
             None => 301,
             Some(code) => match code.parse::<u16>() {
@@ -1624,7 +1633,8 @@ impl Policy {
     /// `GRPCS`, `H2C`), `upstream_vhost`, `forwarded_prefix`, `cookie` and `cookie_max_age`
     /// (affinity), `least_conn`, `hash_by` (`request_uri`, `uri`, `remote_addr`, `header`,
     /// `cookie`, `arg`) and `hash_name`, `service_upstream` (the derived backend then holds the
-    /// Service's cluster IP as its one endpoint).
+    /// Service's cluster IP as its one endpoint), `passthrough` (false: see
+    /// [`Policy::passthrough_row`]).
     pub fn row(&self) -> tera::Value {
         let sources = |s: &Option<Sources>| match s {
             None => tera::Value::none(),
@@ -1640,6 +1650,7 @@ impl Policy {
         let mut put = |key: &'static str, value: tera::Value| {
             map.insert(tera::value::Key::Str(key), value);
         };
+        put("passthrough", tera::Value::from(false));
         put("allow", sources(&self.allow));
         put("deny", sources(&self.deny));
         put(
@@ -1829,6 +1840,18 @@ impl Policy {
         tera::Value::from(map)
     }
 
+    /// The row of a backend that TLS connections are passed through to (`ssl-passthrough`):
+    /// the default policy's row with `passthrough` true (the snippet `backends` writes a TCP
+    /// backend, speaking to the endpoints as they are, whatever their appProtocol).
+    pub fn passthrough_row() -> tera::Value {
+        let mut map = Self::default().row().as_map().cloned().unwrap_or_default();
+        map.insert(
+            tera::value::Key::Str("passthrough"),
+            tera::Value::from(true),
+        );
+        tera::Value::from(map)
+    }
+
     /// The id and row of the policy for the routes of one path: with a `rewrite-target`, the
     /// path is the rewrite's regex (`rewrite_path` in the row) and part of the id.
     pub fn for_path(&self, id: &str, row: &tera::Value, path: &str) -> (String, tera::Value) {
@@ -1928,7 +1951,7 @@ mod tests {
             );
         }
         assert_eq!(
-            lookup("ssl-passthrough").map(|a| a.verdict),
+            lookup("custom-http-errors").map(|a| a.verdict),
             Some(Verdict::NotYetSupported)
         );
         assert_eq!(
@@ -1942,8 +1965,9 @@ mod tests {
         let found = judge([
             "nginx.ingress.kubernetes.io/server-snippet",
             "nginx.ingress.kubernetes.io/lua-snippet",
-            "nginx.ingress.kubernetes.io/ssl-passthrough",
+            "nginx.ingress.kubernetes.io/custom-http-errors",
             "nginx.ingress.kubernetes.io/made-up",
+            "nginx.ingress.kubernetes.io/ssl-passthrough",
             "haproxy-haptic.org/ssl-redirect",
             "kubernetes.io/ingress.class",
         ]);
@@ -1954,6 +1978,10 @@ mod tests {
         assert_eq!(
             got,
             [
+                (
+                    "nginx.ingress.kubernetes.io/custom-http-errors",
+                    Verdict::NotYetSupported
+                ),
                 ("nginx.ingress.kubernetes.io/lua-snippet", Verdict::Refused),
                 ("nginx.ingress.kubernetes.io/made-up", Verdict::Unknown),
                 (
@@ -1962,7 +1990,7 @@ mod tests {
                 ),
                 (
                     "nginx.ingress.kubernetes.io/ssl-passthrough",
-                    Verdict::NotYetSupported
+                    Verdict::Differs
                 ),
             ]
         );
@@ -1976,11 +2004,39 @@ mod tests {
         assert_eq!(
             not_applied(&found).as_deref(),
             Some(
-                "ingress-nginx annotations not applied: nginx.ingress.kubernetes.io/made-up (unknown), nginx.ingress.kubernetes.io/ssl-passthrough (not-yet-supported) (see docs/nginx-annotations.md)"
+                "ingress-nginx annotations not applied: nginx.ingress.kubernetes.io/custom-http-errors (not-yet-supported), nginx.ingress.kubernetes.io/made-up (unknown) (see docs/nginx-annotations.md)"
             )
         );
-        assert_eq!(not_applied(&found[..1]), None);
-        assert_eq!(refusal(&found[1..2]), None);
+        assert_eq!(not_applied(&found[1..2]), None);
+        assert_eq!(not_applied(&found[4..]), None);
+        assert_eq!(refusal(&found[..1]), None);
+    }
+
+    #[test]
+    fn passthrough_is_a_flag_never_for_a_canary() {
+        let on = [("nginx.ingress.kubernetes.io/ssl-passthrough", "true")];
+        assert!(passthrough(&on));
+        assert_eq!(Policy::parse(&on).1, []);
+        let canary = [on[0], ("nginx.ingress.kubernetes.io/canary", "true")];
+        assert!(!passthrough(&canary));
+        let bad = [("nginx.ingress.kubernetes.io/ssl-passthrough", "yes")];
+        assert!(!passthrough(&bad));
+        let invalid = Policy::parse(&bad).1;
+        assert_eq!(
+            invalid.first().map(Invalid::stored).as_deref(),
+            Some(
+                "nginx.ingress.kubernetes.io/ssl-passthrough: \"yes\" is not \"true\" or \"false\": the default applies"
+            )
+        );
+        // Passthrough asks nothing of the routes: they keep their backends.
+        assert!(!Policy::parse(&on).0.applies_per_route());
+        let row = Policy::passthrough_row();
+        assert_eq!(
+            row.as_map()
+                .and_then(|m| m.get(&tera::value::Key::Str("passthrough")))
+                .and_then(tera::Value::as_bool),
+            Some(true)
+        );
     }
 
     #[test]

@@ -62,6 +62,7 @@ pub const AUTH_SECRET_LABEL: &str = "haproxy-haptic.org/auth-secret";
 /// | `derived.ingresses` | [`Derivation::Ingresses`]: our Ingresses |
 /// | `derived.default_backends` | [`Derivation::IngressDefaultBackends`] of `ingresses` and `services` |
 /// | `derived.nginx_annotations` | [`Derivation::IngressAnnotations`]: our Ingresses that carry ingress-nginx annotations (their Events) |
+/// | `derived.passthrough` | [`Derivation::IngressPassthrough`] of `ingresses` and `services`: the hosts whose TLS ingress-nginx's `ssl-passthrough` passes through |
 /// | `derived.certificates` | [`Derivation::TlsCertificates`] of `secrets` |
 /// | `derived.gateway` | [`Derivation::GatewayApi`]: Gateways of our GatewayClasses and their HTTPRoutes, conflicts with `ingresses` decided |
 ///
@@ -87,7 +88,7 @@ pub fn classes() -> IngressClassFilter {
 }
 
 /// The derived views of the reference set, by name.
-pub fn derivations() -> [(&'static str, Derivation); 9] {
+pub fn derivations() -> [(&'static str, Derivation); 10] {
     let ingresses = || "ingresses".to_owned();
     let services = || "services".to_owned();
     [
@@ -119,6 +120,14 @@ pub fn derivations() -> [(&'static str, Derivation); 9] {
             "nginx_annotations",
             Derivation::IngressAnnotations {
                 ingresses: ingresses(),
+                classes: Some(classes()),
+            },
+        ),
+        (
+            "passthrough",
+            Derivation::IngressPassthrough {
+                ingresses: ingresses(),
+                services: services(),
                 classes: Some(classes()),
             },
         ),
@@ -187,7 +196,9 @@ fn template(source: &str) -> Template {
 /// Outputs: `haproxy.cfg`; `maps/routes-exact.map`, `maps/routes-prefix.map` and
 /// `maps/routes-regex.map` (routing; regex paths of ingress-nginx's use-regex and
 /// rewrite-target);
-/// `maps/certs.list` (the HTTPS crt-list); `maps/ssl-redirect.map` (hosts redirected to HTTPS); `ssl/<namespace>_<secret>.pem` for every usable
+/// `maps/certs.list` (the HTTPS crt-list); `maps/ssl-redirect.map` (hosts redirected to HTTPS);
+/// `maps/passthrough.map` (hosts whose TLS ingress-nginx's ssl-passthrough passes through, and
+/// their TCP backends); `ssl/<namespace>_<secret>.pem` for every usable
 /// TLS Secret, and for every labelled Secret with a `ca.crt` (ingress-nginx's auth-tls-secret).
 ///
 /// `extraContext.haproxy` holds the tunables: `maxconn` (50000), `bind_address` (empty: every
@@ -235,6 +246,10 @@ pub fn template_set() -> TemplateSet {
         (
             "ssl-redirect.map",
             include_str!("../templates/maps/ssl-redirect.map.tera"),
+        ),
+        (
+            "passthrough.map",
+            include_str!("../templates/maps/passthrough.map.tera"),
         ),
     ] {
         set.maps.insert(name.to_owned(), template(source));
@@ -299,6 +314,10 @@ pub fn template_set() -> TemplateSet {
         (
             "nginx-frontend",
             include_str!("../templates/snippets/nginx-frontend.tera"),
+        ),
+        (
+            "passthrough",
+            include_str!("../templates/snippets/passthrough.tera"),
         ),
     ] {
         set.template_snippets

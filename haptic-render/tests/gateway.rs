@@ -1734,3 +1734,132 @@ fn a_narrower_http_route_match_on_an_ingress_path_is_no_conflict() {
     assert_eq!(f.to("shop.example", "/app"), "infra-backend-v1");
     assert!(f.events.is_empty(), "{:?}", f.events);
 }
+
+/// `GET https://host:port/` through curl, the certificate not checked: the body, empty when
+/// the handshake failed.
+fn https_body(port: u16, host: &str) -> String {
+    let out = Command::new("curl")
+        .args(["-sk", "--max-time", "10", "--resolve"])
+        .arg(format!("{host}:{port}:127.0.0.1"))
+        .arg(format!("https://{host}:{port}/"))
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// ingress-nginx's ssl-passthrough next to an HTTPS listener on the Ingress frontend's port:
+/// the hosts the listener covers stay the Gateway's (terminated, routed by its HTTPRoute),
+/// whatever an Ingress asks; the Ingress's other hosts are passed through.
+#[test]
+fn gateway_https_listener_keeps_its_hosts_from_ssl_passthrough() {
+    let (http_port, https_port) = (free_port(), free_port());
+    let mut w = world_in(
+        stores_with_ports(Vec::new(), (http_port, https_port)),
+        &["infra-backend-v1"],
+    );
+    // The passthrough backend: TLS, answering with the SNI it got.
+    let tls = free_port();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("backend.pem"),
+        format!(
+            "{}{}",
+            haptic_render::fixtures::TLS_CERT_PEM,
+            haptic_render::fixtures::TLS_KEY_PEM
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("haproxy.cfg"),
+        format!(
+            "global\n    maxconn 100\n    default-path config\n\
+             defaults\n    mode http\n    timeout connect 2s\n    timeout client 10s\n    timeout server 10s\n\
+             frontend tls\n    bind 127.0.0.1:{tls} ssl crt backend.pem\n\
+             \x20   http-request return status 200 content-type text/plain lf-string \"passthrough sni=%[ssl_fc_sni]\"\n"
+        ),
+    )
+    .unwrap();
+    let _backend = start(dir, &[tls]);
+    apply(
+        &mut w.stores,
+        "services",
+        json!({"apiVersion": "v1", "kind": "Service",
+            "metadata": {"namespace": NS, "name": "secure"},
+            "spec": {"ports": [{"name": "https", "port": 443}]}}),
+    );
+    apply(
+        &mut w.stores,
+        "endpointslices",
+        json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"namespace": NS, "name": "secure-1",
+                "labels": {"kubernetes.io/service-name": "secure"}},
+            "addressType": "IPv4",
+            "ports": [{"name": "https", "port": tls}],
+            "endpoints": [{"addresses": ["127.0.0.1"]}]}),
+    );
+    apply(
+        &mut w.stores,
+        "ingressclasses",
+        haptic_render::fixtures::ingress_class("haptic", true),
+    );
+    let rule = |host: &str| {
+        json!({"host": host, "http": {"paths": [{"path": "/", "pathType": "Prefix",
+            "backend": {"service": {"name": "secure", "port": {"number": 443}}}}]}})
+    };
+    apply(
+        &mut w.stores,
+        "ingresses",
+        json!({"apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
+            "metadata": {"namespace": NS, "name": "pass",
+                "annotations": {"nginx.ingress.kubernetes.io/ssl-passthrough": "true"}},
+            "spec": {"rules": [rule("gw.example"), rule("a.wild.example"), rule("pass.example")]}}),
+    );
+    // The listeners' certificate, for their hostnames.
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert =
+        rcgen::CertificateParams::new(vec!["gw.example".to_owned(), "*.wild.example".to_owned()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+    let b64 = |t: &str| {
+        use base64::Engine as _;
+        base64::engine::general_purpose::STANDARD.encode(t)
+    };
+    apply(
+        &mut w.stores,
+        "secrets",
+        json!({"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"namespace": NS, "name": "gw-cert"}, "type": "kubernetes.io/tls",
+            "data": {"tls.crt": b64(&cert.pem()), "tls.key": b64(&key.serialize_pem())}}),
+    );
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "gw",
+            json!([
+                {"name": "https", "port": https_port, "protocol": "HTTPS", "hostname": "gw.example",
+                 "tls": {"certificateRefs": [{"name": "gw-cert"}]}},
+                {"name": "wild", "port": https_port, "protocol": "HTTPS", "hostname": "*.wild.example",
+                 "tls": {"certificateRefs": [{"name": "gw-cert"}]}},
+            ]),
+        ),
+    );
+    w.route(route(
+        "simple",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [{"backendRefs": to("infra-backend-v1")}]}),
+    ));
+    let _f = w.serve_on(https_port, (http_port, https_port));
+    assert_eq!(
+        https_body(https_port, "pass.example"),
+        "passthrough sni=pass.example"
+    );
+    for host in ["gw.example", "a.wild.example"] {
+        let body = https_body(https_port, host);
+        assert!(
+            body.starts_with("backend=infra-backend-v1 "),
+            "{host}: {body}"
+        );
+    }
+}

@@ -89,8 +89,8 @@ fn a_thousand_ingresses_render_a_config_haproxy_accepts() {
             .count(),
         250
     );
-    // haproxy.cfg, four maps, the crt-list, a PEM per TLS Secret.
-    assert_eq!(files.len(), 6 + 250);
+    // haproxy.cfg, five maps (ssl-passthrough's empty), the crt-list, a PEM per TLS Secret.
+    assert_eq!(files.len(), 7 + 250);
 }
 
 #[test]

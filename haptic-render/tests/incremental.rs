@@ -93,6 +93,12 @@ fn variant(store: &str, resource: &Json, v: u8, fixtures: &fixtures::Fixtures) -
             r["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["port"] =
                 json!({"name": "absent"});
         }
+        ("ingresses", 9) => {
+            // ssl-passthrough: the HTTPS port gets its TCP frontend, the Service port a TCP
+            // backend, the host a map line (or a conflict, with a TLS host or route of another).
+            r["metadata"]["annotations"] =
+                json!({"nginx.ingress.kubernetes.io/ssl-passthrough": "true"});
+        }
         ("services", 1) => r["spec"]["ports"][0]["port"] = json!(81),
         ("services", 2) => {
             r["spec"] = json!({"type": "ExternalName", "externalName": "example.com"});

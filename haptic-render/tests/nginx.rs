@@ -245,13 +245,20 @@ fn front(stores: &Stores) -> Front {
 /// agent and the render gate run it: HAProxy 2.6 reads a server's `crt` after parsing,
 /// relative to its working directory, not to `default-path config`.
 fn front_in(stores: &Stores, chdir: bool) -> Front {
+    front_with(stores, chdir, None)
+}
+
+/// [`front_in`], with `default_certificate` ("namespace/name" of a TLS Secret) served to
+/// clients whose SNI matches no host.
+fn front_with(stores: &Stores, chdir: bool, default_certificate: Option<&str>) -> Front {
     let (http, https) = (free_port(), free_port());
     let mut set = reference::template_set();
     set.extra_context.insert(
         "haproxy".into(),
         json!({"maxconn": 1000, "http_port": http, "https_port": https,
             "timeout_connect": "2s", "timeout_client": "10s", "timeout_server": "10s",
-            "stats_socket": null, "route_debug": false, "health_checks": false}),
+            "stats_socket": null, "route_debug": false, "health_checks": false,
+            "default_certificate": default_certificate}),
     );
     let (files, requests) = Renderer::compile(&set).unwrap().render_all(stores).unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -1559,5 +1566,409 @@ fn backend_tls_verified_with_the_secret_and_a_client_certificate() {
             .contains("nginx.ingress.kubernetes.io/proxy-ssl-secret: Secret nope does not exist")),
         "{:?}",
         f.events
+    );
+}
+
+/// `GET https://host:port<path>` through curl from `from` (a local address): exit code,
+/// status (0 without an answer) and body. With `ca`, the server's certificate must chain to
+/// it and name the host (else the handshake fails, curl's exit code 60); without, it is not
+/// checked.
+fn curl_https(
+    port: u16,
+    host: &str,
+    path: &str,
+    from: &str,
+    ca: Option<&std::path::Path>,
+) -> (i32, u16, String) {
+    let mut cmd = Command::new("curl");
+    cmd.args([
+        "-s",
+        "--max-time",
+        "10",
+        "-w",
+        "\n%{http_code}",
+        "--interface",
+        from,
+    ])
+    .arg("--resolve")
+    .arg(format!("{host}:{port}:127.0.0.1"));
+    match ca {
+        Some(ca) => cmd.arg("--cacert").arg(ca),
+        None => cmd.arg("-k"),
+    };
+    let out = cmd
+        .arg(format!("https://{host}:{port}{path}"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+    (
+        out.status.code().unwrap_or(-1),
+        code.trim().parse().unwrap_or(0),
+        body.to_owned(),
+    )
+}
+
+/// An Ingress `name` of namespace `a` created at `created`, with `rules` (`[host, path,
+/// service, port]` each, Prefix paths), TLS `hosts` with the Secret `tls` (none when
+/// empty) and ingress-nginx `annotations`.
+fn ingress_rules(
+    name: &str,
+    created: &str,
+    rules: &[(&str, &str, &str, u16)],
+    tls: &[&str],
+    annotations: &[(&str, &str)],
+) -> Json {
+    let annotations: serde_json::Map<String, Json> = annotations
+        .iter()
+        .map(|(k, v)| (format!("nginx.ingress.kubernetes.io/{k}"), json!(v)))
+        .collect();
+    let rules: Vec<Json> = rules
+        .iter()
+        .map(|(host, path, service, port)| {
+            json!({"host": host, "http": {"paths": [{"path": path, "pathType": "Prefix",
+                "backend": {"service": {"name": service, "port": {"number": port}}}}]}})
+        })
+        .collect();
+    let mut ing = json!({"apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
+        "metadata": {"namespace": "a", "name": name, "creationTimestamp": created,
+            "annotations": annotations, "uid": format!("uid-{name}")},
+        "spec": {"rules": rules}});
+    if !tls.is_empty() {
+        ing["spec"]["tls"] = json!([{"hosts": tls, "secretName": "tls"}]);
+    }
+    ing
+}
+
+/// ssl-passthrough: a TLS connection whose SNI is a passthrough host (or matches a wildcard
+/// one) reaches the backend untouched, which shows its own certificate; another host on the
+/// same port is still terminated by HAProxy, routed by path, with the client's address in
+/// X-Forwarded-For (carried by PROXY protocol through the passthrough frontend); plain HTTP to
+/// the passthrough host is routed as before; an unknown SNI is refused (strict-sni) as
+/// before; a host an older Ingress names is not taken (PassthroughConflict), and an older
+/// passthrough takes a younger Ingress's TLS host (TLSHostConflict).
+#[test]
+fn ssl_passthrough_by_sni_next_to_terminated_hosts() {
+    // The passthrough backend: TLS with a certificate of its own CA for the passthrough
+    // hosts, answering with the SNI it got; and a plain echo showing X-Forwarded-For.
+    let (ca, cert, key) = issued(
+        "passthrough CA",
+        "passthrough-backend",
+        &["pass.example.com", "x.wild.example.com", "mine.example.com"],
+    );
+    let (tls, plain) = (free_port(), free_port());
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("backend.pem"), format!("{cert}{key}")).unwrap();
+    std::fs::write(
+        dir.path().join("haproxy.cfg"),
+        format!(
+            "global\n    maxconn 100\n    default-path config\n\
+             defaults\n    mode http\n    timeout connect 2s\n    timeout client 10s\n    timeout server 10s\n\
+             frontend tls\n    bind 127.0.0.1:{tls} ssl crt backend.pem\n\
+             \x20   http-request return status 200 content-type text/plain lf-string \"passthrough sni=%[ssl_fc_sni] xff=%[req.fhdr(x-forwarded-for)]\"\n\
+             frontend plain\n    bind 127.0.0.1:{plain}\n\
+             \x20   http-request return status 200 content-type text/plain lf-string \"plain uri=%[url] host=%[req.hdr(host)] xff=%[req.fhdr(x-forwarded-for)] proto=%[req.fhdr(x-forwarded-proto)] port=%[req.fhdr(x-forwarded-port)]\"\n"
+        ),
+    )
+    .unwrap();
+    let _backend = start(dir, &[tls, plain]);
+    let ca_file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(ca_file.path(), &ca).unwrap();
+    let ca = Some(ca_file.path());
+
+    let mut s = stores();
+    service(&mut s, "a", "secure", (plain, tls, plain));
+    apply(&mut s, "secrets", fixtures::tls_secret("a", "tls"));
+    let (old, new) = ("2026-01-01T00:00:00Z", "2026-02-01T00:00:00Z");
+    let pass = [("ssl-passthrough", "true")];
+    for ing in [
+        // Its `/` goes to the TLS port; /plain to the plain echo, for HTTP.
+        ingress_rules(
+            "pass",
+            new,
+            &[
+                ("pass.example.com", "/", "secure", 443),
+                ("pass.example.com", "/plain", "secure", 80),
+            ],
+            &[],
+            &pass,
+        ),
+        ingress_rules(
+            "wild",
+            new,
+            &[("*.wild.example.com", "/", "secure", 443)],
+            &[],
+            &pass,
+        ),
+        // Terminated by HAProxy.
+        ingress_rules(
+            "term",
+            new,
+            &[("term.example.com", "/", "secure", 80)],
+            &["term.example.com"],
+            &[],
+        ),
+        // An older Ingress's TLS host is not taken by a younger passthrough...
+        ingress_rules(
+            "older-tls",
+            old,
+            &[("taken.example.com", "/", "secure", 80)],
+            &["taken.example.com"],
+            &[],
+        ),
+        ingress_rules(
+            "late-pass",
+            new,
+            &[("taken.example.com", "/", "secure", 443)],
+            &[],
+            &pass,
+        ),
+        // Nor is a host an older Ingress routes, without TLS of its own (served with the
+        // default certificate, when there is one).
+        ingress_rules(
+            "older-route",
+            old,
+            &[("routed.example.com", "/", "secure", 80)],
+            &[],
+            &[],
+        ),
+        ingress_rules(
+            "late-pass-2",
+            new,
+            &[("routed.example.com", "/", "secure", 443)],
+            &[],
+            &pass,
+        ),
+        // A wildcard passthrough does not take a host one label under it that an older
+        // Ingress routes.
+        ingress_rules(
+            "older-exact",
+            old,
+            &[("y.wild2.example.com", "/", "secure", 80)],
+            &[],
+            &[],
+        ),
+        ingress_rules(
+            "late-wild",
+            new,
+            &[("*.wild2.example.com", "/", "secure", 443)],
+            &[],
+            &pass,
+        ),
+        // ...and an older passthrough takes a younger Ingress's TLS host.
+        ingress_rules(
+            "first-pass",
+            old,
+            &[("mine.example.com", "/", "secure", 443)],
+            &[],
+            &pass,
+        ),
+        ingress_rules(
+            "late-tls",
+            new,
+            &[("mine.example.com", "/tls", "secure", 80)],
+            &["mine.example.com"],
+            &[],
+        ),
+    ] {
+        apply(&mut s, "ingresses", ing);
+    }
+    let f = front(&s);
+
+    // Passed through: the backend's own certificate (it verifies against the backend's CA,
+    // for the host), the backend's answer, no header of HAProxy's.
+    let (exit, status, body) = curl_https(f.https, "pass.example.com", "/", "127.0.0.2", ca);
+    assert_eq!((exit, status), (0, 200), "{body}");
+    assert_eq!(body, "passthrough sni=pass.example.com xff=");
+    let (exit, status, body) = curl_https(f.https, "x.wild.example.com", "/", "127.0.0.1", ca);
+    assert_eq!((exit, status), (0, 200), "{body}");
+    assert_eq!(body, "passthrough sni=x.wild.example.com xff=");
+    // The wildcard is one label.
+    let (exit, _, _) = curl_https(f.https, "y.x.wild.example.com", "/", "127.0.0.1", ca);
+    assert_ne!(exit, 0);
+
+    // Terminated by HAProxy: its certificate (not the backend CA's: curl refuses it), routed
+    // by path, the client's own address in X-Forwarded-For, the port it connected to.
+    let (exit, _, _) = curl_https(f.https, "term.example.com", "/", "127.0.0.2", ca);
+    assert_eq!(
+        exit, 60,
+        "HAProxy's certificate does not chain to the backend's CA"
+    );
+    let (exit, status, body) =
+        curl_https(f.https, "term.example.com", "/docs?q=1", "127.0.0.2", None);
+    assert_eq!((exit, status), (0, 200), "{body}");
+    assert_eq!(
+        body,
+        format!(
+            "plain uri=/docs?q=1 host=term.example.com:{} xff=127.0.0.2 proto=https port={}",
+            f.https, f.https
+        )
+    );
+    // An unknown SNI: no default certificate, so refused (strict-sni), as before; with one,
+    // it is served (and the request finds no route).
+    let (exit, status, _) = curl_https(f.https, "unknown.example.com", "/", "127.0.0.1", None);
+    assert_ne!(exit, 0);
+    assert_eq!(status, 0);
+    let with_default = front_with(&s, false, Some("a/tls"));
+    let (exit, status, body) = curl_https(
+        with_default.https,
+        "unknown.example.com",
+        "/",
+        "127.0.0.1",
+        None,
+    );
+    assert_eq!((exit, status), (0, 404), "{body}");
+    let (exit, status, body) =
+        curl_https(with_default.https, "pass.example.com", "/", "127.0.0.1", ca);
+    assert_eq!((exit, status), (0, 200), "{body}");
+    let (exit, status, body) = curl_https(
+        with_default.https,
+        "routed.example.com",
+        "/",
+        "127.0.0.1",
+        None,
+    );
+    assert_eq!((exit, status), (0, 200), "{body}");
+    assert!(
+        body.starts_with("plain uri=/ host=routed.example.com"),
+        "{body}"
+    );
+    let (exit, status, body) = curl_https(
+        with_default.https,
+        "y.wild2.example.com",
+        "/",
+        "127.0.0.1",
+        None,
+    );
+    assert_eq!((exit, status), (0, 200), "{body}");
+    assert!(
+        body.starts_with("plain uri=/ host=y.wild2.example.com"),
+        "{body}"
+    );
+    assert_eq!(
+        with_default.events("late-wild", "PassthroughConflict"),
+        [
+            "TLS host *.wild2.example.com is not passed through (nginx.ingress.kubernetes.io/ssl-passthrough): the older Ingress a/older-exact routes it or serves its TLS"
+        ]
+    );
+    assert_eq!(
+        with_default.events("late-pass-2", "PassthroughConflict"),
+        [
+            "TLS host routed.example.com is not passed through (nginx.ingress.kubernetes.io/ssl-passthrough): the older Ingress a/older-route routes it or serves its TLS"
+        ]
+    );
+    drop(with_default);
+
+    // Plain HTTP to the passthrough host is routed as before.
+    let answer = f.get("pass.example.com", "/plain/x");
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert!(
+        answer
+            .body
+            .starts_with("plain uri=/plain/x host=pass.example.com xff=127.0.0.1 proto=http"),
+        "{answer:?}"
+    );
+
+    // Conflicts: the oldest claim of a host wins.
+    let (exit, status, body) = curl_https(f.https, "taken.example.com", "/", "127.0.0.1", None);
+    assert_eq!((exit, status), (0, 200), "{body}");
+    assert!(
+        body.starts_with("plain uri=/ host=taken.example.com"),
+        "{body}"
+    );
+    assert_eq!(
+        f.events("late-pass", "PassthroughConflict"),
+        [
+            "TLS host taken.example.com is not passed through (nginx.ingress.kubernetes.io/ssl-passthrough): the older Ingress a/older-tls routes it or serves its TLS"
+        ]
+    );
+    let (exit, status, body) = curl_https(f.https, "mine.example.com", "/tls", "127.0.0.1", ca);
+    assert_eq!((exit, status), (0, 200), "{body}");
+    assert_eq!(body, "passthrough sni=mine.example.com xff=");
+    assert_eq!(
+        f.events("late-tls", "TLSHostConflict"),
+        [
+            "TLS host mine.example.com is passed through (nginx.ingress.kubernetes.io/ssl-passthrough) to the backend of the older Ingress a/first-pass: Secret tls is not used for it"
+        ]
+    );
+    assert!(
+        f.events("pass", "AnnotationNotSupported").is_empty(),
+        "{:?}",
+        f.events
+    );
+}
+
+/// ssl-passthrough in the file set: without it haproxy.cfg has no passthrough frontend (the
+/// config is as it was); a host added to a passthrough Service port changes only the map
+/// (a hitless runtime update); an endpoint change only a server slot.
+#[test]
+fn ssl_passthrough_host_changes_touch_only_the_map() {
+    let mut s = stores();
+    service(&mut s, "a", "secure", (8080, 8443, 8081));
+    apply(
+        &mut s,
+        "ingresses",
+        ingress_to("plain", "plain.example.com", "/", ("secure", 80), &[]),
+    );
+    let renderer = Renderer::compile(&reference::template_set()).unwrap();
+    let before = renderer.render(&s).unwrap();
+    let cfg = before.text("haproxy.cfg").unwrap().to_owned();
+    assert!(!cfg.contains("passthrough"), "{cfg}");
+    assert_eq!(before.text("maps/passthrough.map").map(str::trim), Some(""));
+
+    let pass = [("ssl-passthrough", "true")];
+    apply(
+        &mut s,
+        "ingresses",
+        ingress_rules(
+            "one",
+            "2026-01-01T00:00:00Z",
+            &[("one.example.com", "/", "secure", 443)],
+            &[],
+            &pass,
+        ),
+    );
+    let one = renderer.render(&s).unwrap();
+    let check = common::haproxy_check(&one);
+    assert!(!check.contains("WARNING"), "{check}");
+    let cfg = one.text("haproxy.cfg").unwrap().to_owned();
+    assert!(
+        cfg.contains("\nfrontend https-passthrough\n    mode tcp\n"),
+        "{cfg}"
+    );
+    assert!(
+        cfg.contains("\nbackend a_secure_443_nginx_passthrough\n    mode tcp\n"),
+        "{cfg}"
+    );
+    let tcp = cfg
+        .split("\nbackend a_secure_443_nginx_passthrough\n")
+        .nth(1)
+        .and_then(|rest| rest.split("\n\n").next())
+        .unwrap_or_default();
+    assert!(tcp.contains(" 127.0.0.1:8443 check"), "{cfg}");
+    assert!(!tcp.contains("ssl"), "{tcp}");
+    assert_eq!(
+        one.text("maps/passthrough.map").map(str::trim),
+        Some("one.example.com a_secure_443_nginx_passthrough")
+    );
+
+    apply(
+        &mut s,
+        "ingresses",
+        ingress_rules(
+            "two",
+            "2026-01-01T00:00:00Z",
+            &[("two.example.com", "/", "secure", 443)],
+            &[],
+            &pass,
+        ),
+    );
+    let two = renderer.render(&s).unwrap();
+    assert_eq!(two.text("haproxy.cfg").unwrap(), cfg);
+    assert_eq!(
+        two.text("maps/passthrough.map").map(str::trim),
+        Some(
+            "one.example.com a_secure_443_nginx_passthrough\ntwo.example.com a_secure_443_nginx_passthrough"
+        )
     );
 }

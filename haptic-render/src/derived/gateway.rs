@@ -204,6 +204,15 @@ impl Host {
         }
     }
 
+    /// An ACL matching the SNI of a TLS ClientHello (lowercased) this host covers.
+    fn sni_condition(&self) -> Value {
+        Value::from(match self {
+            Self::Exact(h) => format!("{{ req.ssl_sni,lower -m str {h} }}"),
+            Self::Wildcard(s) => format!("{{ req.ssl_sni,lower -m end {s} }}"),
+            Self::Any => "TRUE".to_owned(),
+        })
+    }
+
     fn condition(&self) -> String {
         match self {
             Self::Exact(h) => format!(" {{ var(txn.gwhost) -m str {h} }}"),
@@ -1421,6 +1430,10 @@ pub(super) fn resolve(
             certificates,
             matches: match_rows,
             actions: action_rows,
+            // What the listeners' hostnames cover, as conditions on a TLS ClientHello's SNI:
+            // an Ingress's ssl-passthrough does not take a host a Gateway's HTTPS listener on
+            // the Ingress frontend's port covers.
+            sni: Value::from(hosts.iter().map(Host::sni_condition).collect::<Vec<_>>()),
             row: Value::none(),
         };
         frontend.row = frontend.row_without(&BTreeSet::new());
@@ -1577,6 +1590,7 @@ struct Frontend {
     certificates: Value,
     matches: Vec<(Value, usize, Option<RouteClaim>)>,
     actions: BTreeMap<usize, Value>,
+    sni: Value,
     row: Value,
 }
 
@@ -1610,6 +1624,7 @@ impl Frontend {
                         .collect::<Vec<_>>(),
                 ),
             ),
+            ("sni", self.sni.clone()),
         ])
     }
 }

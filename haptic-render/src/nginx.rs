@@ -272,6 +272,10 @@ pub static ANNOTATIONS: &[Annotation] = &[
         "proxy-send-timeout",
         "HAProxy has one server inactivity timeout for both directions: `timeout server` is the larger of proxy-read-timeout and proxy-send-timeout",
     ),
+    lost(
+        "proxy-ssl-ciphers",
+        "not applied: a backend spoken to over TLS is offered HAProxy's default ciphers (`ssl-default-server-ciphers`), not this OpenSSL cipher list; the connection is still made",
+    ),
     supported(
         "proxy-ssl-name",
         "a host name: the SNI sent (with proxy-ssl-server-name `on`) and, with proxy-ssl-verify `on`, the name the backend's certificate must carry (HAProxy's `verifyhost`); without it the certificate's chain alone is verified",

@@ -307,14 +307,29 @@ impl Requested {
 }
 
 /// An Event with its note cut to what the API takes.
+///
+/// The action carries a digest of the note (`Render:1a2b3c4d`): kube-runtime's recorder makes
+/// a repeat of the same type, action, reason and object a series of the first Event, keeping
+/// that Event's note. Without the digest, a new message with the same reason on the same object
+/// (a TLS Secret first missing, then expired; a deployment failing for another reason) would
+/// only count up under the old, wrong note. The same note again is still one Event's series.
 fn event_of(type_: EventType, reason: &str, action: &str, note: String) -> Event {
+    let note = cut(note, NOTE_MAX);
     Event {
         type_,
         reason: reason.to_owned(),
-        note: Some(cut(note, NOTE_MAX)),
-        action: action.to_owned(),
+        action: format!("{action}:{:08x}", fnv1a32(&note)),
+        note: Some(note),
         secondary: None,
     }
+}
+
+/// FNV-1a, 32 bits: a digest fixed by its definition, so every replica and version gives an
+/// Event the same action (a new leader continues the series of the same note).
+fn fnv1a32(text: &str) -> u32 {
+    text.bytes().fold(0x811c_9dc5, |hash, byte| {
+        (hash ^ u32::from(byte)).wrapping_mul(0x0100_0193)
+    })
 }
 
 /// The Event a template asked for, about the object it named.
@@ -358,6 +373,32 @@ fn cut(text: String, max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_new_note_is_a_new_event_and_the_same_note_the_same() {
+        let missing = event_of(
+            EventType::Warning,
+            "TLSSecretUnusable",
+            "Render",
+            "missing".into(),
+        );
+        let expired = event_of(
+            EventType::Warning,
+            "TLSSecretUnusable",
+            "Render",
+            "expired".into(),
+        );
+        let again = event_of(
+            EventType::Warning,
+            "TLSSecretUnusable",
+            "Render",
+            "expired".into(),
+        );
+        assert_ne!(missing.action, expired.action);
+        assert_eq!(expired.action, again.action);
+        assert!(expired.action.starts_with("Render:") && expired.action.len() == 15);
+        assert_eq!(expired.note.as_deref(), Some("expired"));
+    }
 
     #[test]
     fn template_events_are_sent_once_while_they_are_asked_for() {

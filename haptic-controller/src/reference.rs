@@ -203,7 +203,7 @@ fn tests() -> BTreeMap<String, ValidationTest> {
                 {"type": "haproxy_valid"},
                 {"type": "equals", "target": "map:passthrough.map", "expected": "vault.example.com shop_secure_443_nginx_passthrough"},
                 {"type": "contains", "pattern": "(?m)^frontend https-passthrough\n    mode tcp$"},
-                {"type": "contains", "pattern": "(?m)^    bind abns@haptic-https-\\d+ accept-proxy ssl ",
+                {"type": "contains", "pattern": "(?m)^    bind \"abns@haptic-https-[^\"]*-\\d+\" accept-proxy ssl ",
                     "description": "the TLS bind listens behind the TCP frontend, reading the PROXY header"},
                 {"type": "contains", "pattern": "(?m)^backend shop_secure_443_nginx_passthrough\n    mode tcp\n    balance roundrobin$"},
                 {"type": "match_count", "pattern": "(?m)^    server s\\d+ 10\\.0\\.2\\.1:8080 check$", "expected": 2,

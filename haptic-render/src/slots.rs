@@ -135,8 +135,8 @@ pub fn assign(endpoints: &[Endpoint<'_>], per_backend: usize) -> Vec<Slot> {
 /// The `server` lines of a backend's slots, one per slot, each on a line of its own after a
 /// newline: `\n    server s<slot> <endpoint><options>[ disabled][ check][ cookie s<slot>]`.
 /// What `{% for s in endpoints | server_slots(slots=n) %}` with such a line per slot writes,
-/// without running the engine once per slot (at 10,000 backends of 10 slots that loop was
-/// most of a full render). `options` goes on every line as it is (the template builds it from
+/// without running the engine once per slot (at 10,000 Ingresses, 125,000 slots, that loop
+/// was about a third of a full render's CPU). `options` goes on every line as it is (the template builds it from
 /// checked values: `ssl verify none`, `proto h2`, ...).
 pub fn server_lines(
     endpoints: &[Endpoint<'_>],

@@ -310,6 +310,21 @@ fn key_text(value: &Value) -> String {
         .map_or_else(|| value.to_string(), ToOwned::to_owned)
 }
 
+/// One answer of `where_any`, kept: its input list (held, so that its address cannot be
+/// another list's while kept), its arguments and the list it gave.
+struct WhereAny {
+    rows: Value,
+    truthy: Vec<String>,
+    falsy: Vec<String>,
+    selected: Value,
+}
+
+/// The last answers of `where_any` (the reference set asks two per render).
+static WHERE_ANY: std::sync::Mutex<Vec<WhereAny>> = std::sync::Mutex::new(Vec::new());
+
+/// How many answers of `where_any` are kept.
+const WHERE_ANY_KEPT: usize = 4;
+
 fn tera_error(e: impl std::fmt::Display) -> tera::Error {
     tera::Error::message(e.to_string())
 }
@@ -473,15 +488,30 @@ pub(crate) fn register(tera: &mut Tera) {
     // least one `truthy` field is truthy or one `falsy` field is falsy (missing counts as
     // falsy), in order; the very same row values. A pass in Rust instead of a template loop
     // that tests every row (the Events of the few route rows with a problem among 20,000).
+    // The same rows list (a view that did not change) gives the very same list back, so a
+    // `render_each` over it reuses it whole, as it would the view's own list.
     tera.register_filter(
         "where_any",
-        |items: &[Value], kwargs: Kwargs, _: &State| -> tera::TeraResult<Vec<Value>> {
+        |value: Value, kwargs: Kwargs, _: &State| -> tera::TeraResult<Value> {
             let truthy: Vec<String> = kwargs.get("truthy")?.unwrap_or_default();
             let falsy: Vec<String> = kwargs.get("falsy")?.unwrap_or_default();
+            let items = value.as_array().ok_or_else(|| {
+                tera_error(format!("where_any: expected a list, got {}", value.name()))
+            })?;
+            let same = |kept: &WhereAny| {
+                kept.rows.as_array().is_some_and(|k| std::ptr::eq(k, items))
+                    && kept.truthy == truthy
+                    && kept.falsy == falsy
+            };
+            if let Ok(kept) = WHERE_ANY.lock()
+                && let Some(hit) = kept.iter().find(|k| same(k))
+            {
+                return Ok(hit.selected.clone());
+            }
             let field = |map: &tera::value::Map, key: &str| {
                 map.get(&Key::Str(key)).is_some_and(Value::is_truthy)
             };
-            items
+            let selected: Vec<Value> = items
                 .iter()
                 .filter_map(|item| match item.as_map() {
                     Some(map) => (truthy.iter().any(|k| field(map, k))
@@ -492,7 +522,21 @@ pub(crate) fn register(tera: &mut Tera) {
                         item.name()
                     )))),
                 })
-                .collect()
+                .collect::<tera::TeraResult<_>>()?;
+            let selected = Value::from(selected);
+            if let Ok(mut kept) = WHERE_ANY.lock() {
+                kept.insert(
+                    0,
+                    WhereAny {
+                        rows: value.clone(),
+                        truthy,
+                        falsy,
+                        selected: selected.clone(),
+                    },
+                );
+                kept.truncate(WHERE_ANY_KEPT);
+            }
+            Ok(selected)
         },
     );
     tera.register_filter(

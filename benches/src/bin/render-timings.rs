@@ -3,7 +3,8 @@
 //! (nothing reused, one thread, so each output's time is its own) and prints, per output, the
 //! median time and its share, largest first. For finding what a template change cost; the
 //! timed numbers of record come from `cargo bench -p haptic-benches --bench render`.
-//! `RENDER_TIMINGS_BLANK=backends,nginx-frontend` blanks those snippets (their cost, by difference).
+//! `RENDER_TIMINGS_BLANK=backends,nginx-frontend` blanks those snippets (their cost, by difference);
+//! `RENDER_TIMINGS_REUSE=1` times renders that reuse everything (nothing changed).
 
 use haptic_render::{Renderer, fixtures, reference};
 use std::collections::BTreeMap;
@@ -40,7 +41,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             None => return Err(format!("no snippet {name}").into()),
         }
     }
-    let renderer = Renderer::compile(&set)?.with_reuse(false).with_threads(1);
+    // RENDER_TIMINGS_REUSE=1: renders reuse what did not change (here: everything), as the
+    // controller's renders after the first do; what a render with nothing to do costs.
+    let reuse = std::env::var("RENDER_TIMINGS_REUSE").is_ok_and(|v| v == "1");
+    let renderer = Renderer::compile(&set)?.with_reuse(reuse).with_threads(1);
     let fixtures = fixtures::generate(n);
     let mut stores = reference::stores()?;
     fixtures.load(&mut stores)?;

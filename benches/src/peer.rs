@@ -348,24 +348,8 @@ fn register(env: &mut Environment<'static>) {
         |rows: Vec<Value>, kwargs: Kwargs| -> Result<Vec<Value>> {
             let slots: Option<usize> = kwargs.get("slots")?;
             kwargs.assert_all_used()?;
-            let texts: Vec<(String, bool)> = rows
-                .iter()
-                .filter_map(|row| {
-                    let endpoint = row.get_attr("endpoint").ok()?;
-                    let ready = row
-                        .get_attr("ready")
-                        .ok()
-                        .is_none_or(|r| r.is_undefined() || r.is_true());
-                    Some((endpoint.as_str()?.to_owned(), ready))
-                })
-                .collect();
-            let endpoints: Vec<haptic_render::slots::Endpoint<'_>> = texts
-                .iter()
-                .map(|(endpoint, ready)| haptic_render::slots::Endpoint {
-                    endpoint,
-                    ready: *ready,
-                })
-                .collect();
+            let texts = endpoint_texts(&rows);
+            let endpoints = endpoints_of(&texts);
             let per_backend = slots.unwrap_or(haptic_render::slots::DEFAULT_SLOTS);
             Ok(haptic_render::slots::assign(&endpoints, per_backend)
                 .into_iter()
@@ -388,24 +372,8 @@ fn register(env: &mut Environment<'static>) {
             let check: Option<Value> = kwargs.get("check")?;
             let cookie: Option<Value> = kwargs.get("cookie")?;
             kwargs.assert_all_used()?;
-            let texts: Vec<(String, bool)> = rows
-                .iter()
-                .filter_map(|row| {
-                    let endpoint = row.get_attr("endpoint").ok()?;
-                    let ready = row
-                        .get_attr("ready")
-                        .ok()
-                        .is_none_or(|r| r.is_undefined() || r.is_true());
-                    Some((endpoint.as_str()?.to_owned(), ready))
-                })
-                .collect();
-            let endpoints: Vec<haptic_render::slots::Endpoint<'_>> = texts
-                .iter()
-                .map(|(endpoint, ready)| haptic_render::slots::Endpoint {
-                    endpoint,
-                    ready: *ready,
-                })
-                .collect();
+            let texts = endpoint_texts(&rows);
+            let endpoints = endpoints_of(&texts);
             // The lines hold the template's own option text: not escaped (tera writes it so).
             Ok(Value::from_safe_string(haptic_render::slots::server_lines(
                 &endpoints,
@@ -523,4 +491,30 @@ fn register(env: &mut Environment<'static>) {
             found
         })
     });
+}
+
+/// The `endpoint` and `ready` (ready unless it says false) of endpoint rows, as
+/// haptic-render's slot filters read them.
+fn endpoint_texts(rows: &[Value]) -> Vec<(String, bool)> {
+    rows.iter()
+        .filter_map(|row| {
+            let endpoint = row.get_attr("endpoint").ok()?;
+            let ready = row
+                .get_attr("ready")
+                .ok()
+                .is_none_or(|r| r.is_undefined() || r.is_true());
+            Some((endpoint.as_str()?.to_owned(), ready))
+        })
+        .collect()
+}
+
+/// [`endpoint_texts`] as the slot assignment takes them.
+fn endpoints_of(texts: &[(String, bool)]) -> Vec<haptic_render::slots::Endpoint<'_>> {
+    texts
+        .iter()
+        .map(|(endpoint, ready)| haptic_render::slots::Endpoint {
+            endpoint,
+            ready: *ready,
+        })
+        .collect()
 }

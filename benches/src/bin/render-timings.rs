@@ -4,7 +4,8 @@
 //! median time and its share, largest first. For finding what a template change cost; the
 //! timed numbers of record come from `cargo bench -p haptic-benches --bench render`.
 //! `RENDER_TIMINGS_BLANK=backends,nginx-frontend` blanks those snippets (their cost, by difference);
-//! `RENDER_TIMINGS_REUSE=1` times renders that reuse everything (nothing changed).
+//! `RENDER_TIMINGS_REUSE=1` times renders that reuse everything (nothing changed);
+//! `RENDER_TIMINGS_THREADS=2` renders on two threads (the wall clock is then the figure).
 
 use haptic_render::{Renderer, fixtures, reference};
 use std::collections::BTreeMap;
@@ -44,7 +45,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // RENDER_TIMINGS_REUSE=1: renders reuse what did not change (here: everything), as the
     // controller's renders after the first do; what a render with nothing to do costs.
     let reuse = std::env::var("RENDER_TIMINGS_REUSE").is_ok_and(|v| v == "1");
-    let renderer = Renderer::compile(&set)?.with_reuse(reuse).with_threads(1);
+    // RENDER_TIMINGS_THREADS=n: render on n threads (default 1: each output's time its own).
+    let threads: usize = match std::env::var("RENDER_TIMINGS_THREADS") {
+        Ok(n) => n.parse()?,
+        Err(_) => 1,
+    };
+    let renderer = Renderer::compile(&set)?
+        .with_reuse(reuse)
+        .with_threads(threads);
     let fixtures = fixtures::generate(n);
     let mut stores = reference::stores()?;
     fixtures.load(&mut stores)?;
@@ -90,7 +98,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .map(|(phase, mut times)| (phase.to_owned(), median(&mut times))),
     );
     println!(
-        "{n} Ingresses, one thread, median of {runs}: {:.1} ms",
+        "{n} Ingresses, {threads} thread(s), median of {runs}: {:.1} ms",
         total.as_secs_f64() * 1e3
     );
     if !cpu.is_empty() {

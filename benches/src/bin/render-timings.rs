@@ -8,6 +8,7 @@
 //! `RENDER_TIMINGS_THREADS=2` renders on two threads (the wall clock is then the figure).
 
 use haptic_render::{Renderer, fixtures, reference};
+
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -114,6 +115,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             time.as_secs_f64() * 1e3,
             100.0 * time.as_secs_f64() / total.as_secs_f64()
         );
+    }
+    // The process's memory: the stores, the views and what the renderer keeps, as a
+    // controller replica holds them.
+    if let Ok(status) = std::fs::read_to_string("/proc/self/status") {
+        for line in status
+            .lines()
+            .filter(|l| l.starts_with("VmHWM") || l.starts_with("VmRSS"))
+        {
+            println!(
+                "  {}",
+                line.split_whitespace().collect::<Vec<_>>().join(" ")
+            );
+        }
     }
     Ok(())
 }

@@ -715,7 +715,7 @@ fn render_rows(
                 })
             })
             .collect();
-        let mut results = vec![run_part(active, &runner, &context, first, template)];
+        let mut results = vec![run_part(active, &runner, context, first, template)];
         for other in others {
             results.push(other.join().unwrap_or_else(|panic| {
                 Err(error(format!(

@@ -1796,6 +1796,8 @@ fn ingress_tls(
         let first = rows.len();
         ing.extracts.rows_into(slot, joined, &mut rows, || {
             let origin = origin(store, namespace, ingress);
+            // ingress-nginx's auth-tls-secret: the Secret whose CA verifies clients, or "".
+            let client_ca = Value::from(functions::nginx_client_ca(ing.value));
             entries
                 .iter()
                 .zip(&found)
@@ -1817,6 +1819,7 @@ fn ingress_tls(
                         ("ingress", Value::from(ingress)),
                         ("secret", Value::from(tls.secret.as_str())),
                         ("origin", origin.clone()),
+                        ("client_ca", client_ca.clone()),
                     ])
                 })
                 .collect()

@@ -425,14 +425,16 @@ fn register(env: &mut Environment<'static>) {
             })
         },
     );
-    // haptic-render's render_each, without its reuse: the snippet once per row, with `row` and
-    // `args` beside what the calling template sees.
+    // haptic-render's render_each, without its reuse or its provenance marks: the snippet once
+    // per row, with `row` and `args` beside what the calling template sees.
     env.add_function(
         "render_each",
         |state: &State, kwargs: Kwargs| -> Result<String> {
             let rows: Value = kwargs.get("rows")?;
             let template: String = kwargs.get("template")?;
             let args: Option<Value> = kwargs.get("args")?;
+            // Provenance marks (`from`): the peer keeps none.
+            let _: Option<String> = kwargs.get("from")?;
             kwargs.assert_all_used()?;
             if rows.is_undefined() || rows.is_none() {
                 return Ok(String::new());

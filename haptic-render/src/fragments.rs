@@ -311,6 +311,9 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
     let rows_value: Value = kwargs.must_get("rows")?;
     let template: String = kwargs.must_get("template")?;
     let args: Value = kwargs.get::<Value>("args")?.unwrap_or_else(Value::none);
+    // `from="<field>"`: each row's output is marked as the object its field names, as a
+    // `{{ row.<field> | from }}` at the start of the snippet would, without a filter call per row.
+    let from: Option<String> = kwargs.get::<String>("from")?;
     let Some(active) = ACTIVE.with(|a| a.borrow().clone()) else {
         return Err(error("render_each: no render is running"));
     };
@@ -328,7 +331,13 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
         (GET_VAR, state.get(GET_VAR)?),
         (INDEX_VAR, state.get(INDEX_VAR)?),
     ];
-    let key: SiteKey = (template.clone(), args.to_string());
+    let key: SiteKey = (
+        template.clone(),
+        match &from {
+            Some(field) => format!("{args}\u{0}{field}"),
+            None => args.to_string(),
+        },
+    );
     let candidates: Vec<Arc<CallSite>> = active
         .fragments
         .sites
@@ -449,7 +458,7 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
     let (batch, mut fresh) = if missing.is_empty() {
         (Vec::new(), Vec::new().into_iter())
     } else {
-        let (batch, outs) = render_rows(&active, &template, &context, missing)?;
+        let (batch, outs) = render_rows(&active, &template, &context, missing, from.as_deref())?;
         (batch, outs.into_iter())
     };
     let mut batch_start = 0;
@@ -652,6 +661,37 @@ fn row_end(_: Kwargs, _: &State) -> tera::TeraResult<String> {
 /// Renders snippet `template` for each of `rows` in one run of the engine (its runner
 /// template), or one by one when it has none.
 fn render_rows(
+    active: &Active,
+    template: &str,
+    context: &Context,
+    rows: Vec<Value>,
+    from: Option<&str>,
+) -> tera::TeraResult<(Vec<u8>, Vec<RowOut>)> {
+    // The object of each row (`[]`, none, when the row has no such field).
+    let objects: Option<Vec<Value>> = from.map(|field| {
+        rows.iter()
+            .map(|row| {
+                row.as_map()
+                    .and_then(|m| m.get(&tera::value::Key::Str(field)))
+                    .cloned()
+                    .unwrap_or_else(|| Value::from(Vec::<Value>::new()))
+            })
+            .collect()
+    });
+    let (bytes, mut outs) = render_rows_unmarked(active, template, context, rows)?;
+    if let Some(objects) = objects {
+        // Each row's mark at its start, before the marks its snippet made.
+        let mut start = 0;
+        for (object, out) in objects.into_iter().zip(&mut outs) {
+            out.marks.insert(0, (start, object));
+            start = out.end;
+        }
+    }
+    Ok((bytes, outs))
+}
+
+/// [`render_rows`] without the `from` marks.
+fn render_rows_unmarked(
     active: &Active,
     template: &str,
     context: &Context,

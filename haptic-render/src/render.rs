@@ -1192,6 +1192,57 @@ mod tests {
         assert!(!fragments::inlinable("{% import \"m\" as m %}"));
     }
 
+    /// `render_each(from="origin")` marks each row as `{{ row.origin | from }}` at the start of
+    /// its snippet does; a row without the field belongs to no object.
+    #[test]
+    fn render_each_from_marks_each_row_as_its_object() {
+        let stores = stores();
+        let traced = |call: &str, snippet: &str| {
+            let mut set = TemplateSet {
+                haproxy_config: Template::new(format!("head\n{call}tail\n")),
+                ..TemplateSet::default()
+            };
+            set.template_snippets
+                .insert("row".into(), Template::new(snippet));
+            let (files, _, provenance) = Renderer::compile(&set)
+                .unwrap()
+                .render_traced(&stores)
+                .unwrap();
+            let text = files.text("haproxy.cfg").unwrap().to_owned();
+            let objects: Vec<Option<String>> = (1..=text.lines().count())
+                .map(|line| {
+                    provenance
+                        .object_at(&files, "haproxy.cfg", line)
+                        .map(|o| o.to_string())
+                })
+                .collect();
+            (text, objects)
+        };
+        let rows = "[{\"origin\": [\"services\", \"a\", \"api\"], \"n\": 1}, {\"n\": 2}, \
+                    {\"origin\": [\"services\", \"b\", \"web\"], \"n\": 3}]";
+        let explicit = traced(
+            &format!("{{{{ render_each(rows={rows}, template=\"row\") }}}}{{{{ [] | from }}}}"),
+            "{{ row.origin | default(value=[]) | from }}line {{ row.n }}\n",
+        );
+        let marked = traced(
+            &format!(
+                "{{{{ render_each(rows={rows}, template=\"row\", from=\"origin\") }}}}{{{{ [] | from }}}}"
+            ),
+            "line {{ row.n }}\n",
+        );
+        assert_eq!(marked, explicit);
+        assert_eq!(
+            marked.1,
+            [
+                None,
+                Some("services/a/api".into()),
+                None,
+                Some("services/b/web".into()),
+                None
+            ]
+        );
+    }
+
     /// A run of rows split over threads is one run: the same bytes, Events and provenance (a
     /// mark in the middle of a row included), and the first failing row in row order is the
     /// error, whichever part it is in.

@@ -16,6 +16,15 @@
 //! the oldest route; the route first by `namespace/name`; the first rule and match in list order.
 //! HAProxy tries the matches in that order and takes the first that matches.
 //!
+//! A match without method, header or query conditions whose rule has no filter and one
+//! backendRef of positive weight that resolves is a map entry instead (`map_exact`,
+//! `map_prefix`: `<port>/<listener hostname>/<host><path>` to `<rank> <backend>`), so adding,
+//! removing or retargeting such a route changes map lines only. The frontend looks the maps up
+//! first (the most specific listener covering the host, then the host levels in the spec's
+//! order); a match that stays in `haproxy.cfg` keeps its place and yields to a map hit of a
+//! strictly better rank (`rank`: host and path only; with the same host and path the match with
+//! conditions is the more specific).
+//!
 //! On a listener sharing the Ingress frontend's port, those matches go before the Ingress
 //! routes; one without method, header or query conditions that claims the same host and path
 //! as a path of one of our Ingresses (the Ingress conflict rule's route key) is a conflict the

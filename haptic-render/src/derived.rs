@@ -121,7 +121,7 @@ use tera::Value;
 use tera::value::{Key, Map};
 
 use crate::certificate::{Verdict, check_secret, now_unix};
-use crate::functions::{backend_name, sanitize, ssl_file};
+use crate::functions::{self, backend_name, sanitize, ssl_file};
 use crate::store::{Source, Store};
 
 /// The controller name the reference configuration claims IngressClasses with
@@ -1620,6 +1620,47 @@ fn service_rows(
     }
 }
 
+/// Which value of a route would end a map key (the rule's `host`, else the path's `path`):
+/// the template refuses the Ingress for it (`unsafe`, empty when neither).
+fn unsafe_field(p: &PathExtract) -> &'static str {
+    let not_token = |v: &Value| v.as_str().is_some_and(|t| !functions::is_config_token(t));
+    if not_token(&p.host) {
+        "host"
+    } else if not_token(&p.path) {
+        "path"
+    } else {
+        ""
+    }
+}
+
+/// The key of a route's line in its map (`map_key`): the host (`*` for none) and the path
+/// (Exact), or the path without its trailing `/`s and with one `/` (Prefix, looked up with
+/// `map_beg` on the request's path with a `/` appended); none when the route writes no line
+/// whatever the claims: no backend, a regex path (routes-regex.map) or a canary's path, a host
+/// that is neither a plain name nor a wildcard, a path that is not a plain absolute path, or
+/// a value that would end the key ([`unsafe_field`]).
+fn map_key(p: &PathExtract, backend: &Value, canary: bool) -> Value {
+    let host = match p.host.as_str() {
+        _ if p.host.is_none() => "",
+        Some(h) if h.is_empty() || functions::is_hostname(h) || functions::is_wildcard_host(h) => h,
+        _ => return Value::none(),
+    };
+    let routable = backend.is_truthy()
+        && !p.regex
+        && !canary
+        && unsafe_field(p).is_empty()
+        && p.path.as_str().is_some_and(functions::is_http_path);
+    let Some(path) = p.path.as_str().filter(|_| routable) else {
+        return Value::none();
+    };
+    let host = if host.is_empty() { "*" } else { host };
+    if p.exact {
+        Value::from(format!("{host}{path}"))
+    } else {
+        Value::from(format!("{host}{}/", path.trim_end_matches('/')))
+    }
+}
+
 fn ingress_routes(
     slot: Slot,
     (store, ingresses): (&str, Source<'_>),
@@ -1674,6 +1715,7 @@ fn ingress_routes(
                             ),
                             (None, _) => (Value::none(), Value::none()),
                         };
+                        let key = map_key(p, &backend, ing.ingress.canary);
                         row([
                             ("backend", backend),
                             ("path_type", p.path_type.clone()),
@@ -1699,6 +1741,8 @@ fn ingress_routes(
                                     Value::none()
                                 },
                             ),
+                            ("unsafe", Value::from(unsafe_field(p))),
+                            ("map_key", key),
                         ])
                     })
                     .collect()
@@ -1752,6 +1796,8 @@ fn ingress_tls(
         let first = rows.len();
         ing.extracts.rows_into(slot, joined, &mut rows, || {
             let origin = origin(store, namespace, ingress);
+            // ingress-nginx's auth-tls-secret: the Secret whose CA verifies clients, or "".
+            let client_ca = Value::from(functions::nginx_client_ca(ing.value));
             entries
                 .iter()
                 .zip(&found)
@@ -1773,6 +1819,7 @@ fn ingress_tls(
                         ("ingress", Value::from(ingress)),
                         ("secret", Value::from(tls.secret.as_str())),
                         ("origin", origin.clone()),
+                        ("client_ca", client_ca.clone()),
                     ])
                 })
                 .collect()

@@ -18,6 +18,10 @@ use crate::set::{self, Output, TemplateSet};
 use crate::store::{Overlay, Stores};
 use crate::value::{Interner, map_value, to_tera};
 
+/// What [`Renderer::with_split_rows`] is by default: below about a thousand rows a thread
+/// costs more than it saves.
+const DEFAULT_SPLIT_ROWS: usize = 1024;
+
 /// Template sources larger than this are refused before they reach the engine.
 pub const MAX_TEMPLATE_BYTES: usize = 4 << 20;
 
@@ -85,7 +89,11 @@ pub(crate) fn locate(
             let template = if report.filename().is_empty() {
                 fallback_template.to_owned()
             } else {
-                report.filename().to_owned()
+                let name = report.filename();
+                // A runner whose loop body is its snippet's source: the snippet's line.
+                crate::fragments::snippet_of_runner(name)
+                    .unwrap_or(name)
+                    .to_owned()
             };
             let mut cause = report.message().to_owned();
             append_sources(error, &mut cause);
@@ -170,6 +178,8 @@ pub struct Renderer {
     /// Whether renders reuse fragments and per-item outputs ([`Renderer::with_reuse`]).
     reuse: bool,
     threads: usize,
+    /// Rows a `render_each` run needs per thread before it is split ([`Renderer::with_split_rows`]).
+    split_rows: usize,
     /// How long each single output (by index in `outputs`) took in the last render, in
     /// nanoseconds: the next render starts the longest first (0: not rendered yet).
     costs: Vec<AtomicU64>,
@@ -226,11 +236,11 @@ impl Renderer {
         // `render_each` (one run of the engine for all the rows it cannot reuse).
         let runners: Vec<(String, String, String)> = sources
             .iter()
-            .filter_map(|(name, _)| {
+            .filter_map(|(name, source)| {
                 Some((
                     name.clone(),
                     fragments::runner_name(name),
-                    fragments::runner_source(name)?,
+                    fragments::runner_source(name, source)?,
                 ))
             })
             .collect();
@@ -286,6 +296,7 @@ impl Renderer {
             items: Items::default(),
             reuse: true,
             threads,
+            split_rows: DEFAULT_SPLIT_ROWS,
             costs,
             sizes,
             timings: Mutex::new(Timings::default()),
@@ -309,6 +320,17 @@ impl Renderer {
     #[must_use]
     pub fn with_threads(mut self, threads: usize) -> Self {
         self.threads = threads.max(1);
+        self
+    }
+
+    /// Splits a `render_each` run of rows over the render's threads when each thread gets at
+    /// least `rows` rows (default 1,024; at least 1): the parts render at once, each in a run
+    /// of its own, and are laid end to end, so the bytes, Events, status and provenance are
+    /// those of one run. The big views of a full render (backends, routes, TLS rows) are then
+    /// not bound to one core. Tests set it low to split small sets.
+    #[must_use]
+    pub fn with_split_rows(mut self, rows: usize) -> Self {
+        self.split_rows = rows.max(1);
         self
     }
 
@@ -537,6 +559,8 @@ impl Renderer {
             keep: overlay.is_none() && self.reuse,
             reuse: self.reuse,
             runners: Arc::clone(&self.runners),
+            threads: self.threads,
+            split_rows: self.split_rows,
         };
         let results = self.run_jobs(&jobs, &context, &active);
         if overlay.is_none() {
@@ -1131,6 +1155,121 @@ mod tests {
                 .contains("render_each: template `row` line 2: template failed: no"),
             "{err}"
         );
+    }
+
+    /// A row never sees what another row set, whether the runner's loop holds the snippet's
+    /// source (inlined) or includes it (a snippet with `set_global`).
+    #[test]
+    fn render_each_rows_do_not_see_each_others_variables() {
+        for extra in ["", "{% set_global g = 1 %}"] {
+            let mut set = TemplateSet {
+                haproxy_config: Template::new(
+                    "{{ render_each(rows=resources.services, template=\"row\") }}",
+                ),
+                ..TemplateSet::default()
+            };
+            set.template_snippets.insert(
+                "row".into(),
+                Template::new(format!(
+                    "{extra}{{% if row.metadata.name == \"api\" %}}{{% set v = \"set\" %}}{{% endif %}}\
+                     {{{{ row.metadata.name }}}}={{{{ v | default(value=\"none\") }}}}\n"
+                )),
+            );
+            let files = Renderer::compile(&set).unwrap().render(&stores()).unwrap();
+            assert_eq!(
+                files.text("haproxy.cfg"),
+                Some("api=set\nweb=none\nweb=none\n"),
+                "{extra}"
+            );
+        }
+        assert!(fragments::inlinable(
+            "{% set v = 1 %}{# set_global in a comment #}"
+        ));
+        assert!(!fragments::inlinable("{%- set_global v = 1 %}"));
+        assert!(!fragments::inlinable(
+            "{% for x in y %}{% break %}{% endfor %}"
+        ));
+        assert!(!fragments::inlinable("{% import \"m\" as m %}"));
+    }
+
+    /// A run of rows split over threads is one run: the same bytes, Events and provenance (a
+    /// mark in the middle of a row included), and the first failing row in row order is the
+    /// error, whichever part it is in.
+    #[test]
+    fn render_each_split_over_threads_is_one_run() {
+        let mut set = TemplateSet {
+            haproxy_config: Template::new(
+                "head\n{{ render_each(rows=resources.services, template=\"row\") }}tail\n",
+            ),
+            ..TemplateSet::default()
+        };
+        set.template_snippets.insert(
+            "row".into(),
+            Template::new(
+                "before {{ row.metadata.name }}\n\
+                 {{ [\"services\", row.metadata.namespace, row.metadata.name] | from }}after {{ row.metadata.name }}\n\
+                 {% if row.spec.warn %}{{ record_event(object=row, type=\"Warning\", reason=\"Seven\", message=row.metadata.name) }}{% endif %}\
+                 {% if row.spec.fail %}{{ fail(message=\"failed at \" ~ row.metadata.name) }}{% endif %}\
+                 {{ [] | from }}",
+            ),
+        );
+        let mut stores = Stores::new();
+        stores.add("services", StoreConfig::default()).unwrap();
+        for i in 0..40 {
+            stores
+                .get_mut("services")
+                .unwrap()
+                .apply(
+                    &json!({"metadata": {"namespace": "ns", "name": format!("s{i:02}")},
+                               "spec": {"warn": i % 10 == 7}}),
+                )
+                .unwrap();
+        }
+        let render = |threads: usize, split: usize, stores: &Stores| {
+            Renderer::compile(&set)
+                .unwrap()
+                .with_threads(threads)
+                .with_split_rows(split)
+                .render_traced(stores)
+        };
+        let (files, requests, provenance) = render(1, 1024, &stores).unwrap();
+        let (split_files, split_requests, split_provenance) = render(3, 4, &stores).unwrap();
+        assert_eq!(split_files.files(), files.files());
+        assert_eq!(split_requests, requests);
+        assert_eq!(requests.events.len(), 4);
+        let text = files.text("haproxy.cfg").unwrap();
+        for (i, line) in text.lines().enumerate() {
+            let at = |p: &Provenance, f: &FileSet| {
+                p.object_at(f, "haproxy.cfg", i + 1).map(|o| o.to_string())
+            };
+            assert_eq!(
+                at(&split_provenance, &split_files),
+                at(&provenance, &files),
+                "{line}"
+            );
+            if let Some(name) = line.strip_prefix("after ") {
+                assert_eq!(
+                    at(&split_provenance, &split_files),
+                    Some(format!("services/ns/{name}"))
+                );
+            } else {
+                assert_eq!(at(&split_provenance, &split_files), None, "{line}");
+            }
+        }
+        // Rows 13 (second part of three) and 35 (third) fail: row 13's error is the one.
+        for i in [35, 13] {
+            stores
+                .get_mut("services")
+                .unwrap()
+                .apply(
+                    &json!({"metadata": {"namespace": "ns", "name": format!("s{i:02}")},
+                               "spec": {"fail": true}}),
+                )
+                .unwrap();
+        }
+        let err = render(3, 4, &stores).unwrap_err().to_string();
+        assert!(err.contains("template `row` line 3"), "{err}");
+        assert!(err.contains("failed at s13"), "{err}");
     }
 
     #[test]

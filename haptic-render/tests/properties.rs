@@ -32,6 +32,26 @@ fn baseline() -> &'static haptic_render::FileSet {
     BASELINE.get_or_init(|| common::render_reference(&common::reference_stores(12)))
 }
 
+/// The baseline's Events, status and provenance: one thread, nothing split.
+fn traced_baseline() -> &'static (
+    haptic_render::FileSet,
+    haptic_render::Requests,
+    haptic_render::Provenance,
+) {
+    static BASELINE: OnceLock<(
+        haptic_render::FileSet,
+        haptic_render::Requests,
+        haptic_render::Provenance,
+    )> = OnceLock::new();
+    BASELINE.get_or_init(|| {
+        Renderer::compile(&reference::template_set())
+            .expect("reference set compiles")
+            .with_threads(1)
+            .render_traced(&common::reference_stores(12))
+            .unwrap_or_else(|e| panic!("reference set renders: {e}"))
+    })
+}
+
 /// An engine panic is turned into an error by the renderer; these tests want to know it
 /// happened, because it is a bug to fix or report, not a normal template error.
 fn assert_no_engine_panic(result: &Result<impl Sized, Error>) {
@@ -148,13 +168,15 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
     /// Applying the same resources in any order, with some applied twice, renders the same
-    /// bytes and checksum as applying them in generation order, on any number of threads, and
-    /// again on a second render.
+    /// bytes and checksum as applying them in generation order, on any number of threads, with
+    /// `render_each` runs split over them or not (the same Events, status and provenance too),
+    /// and again on a second render.
     #[test]
     fn render_is_independent_of_event_order(
         events in Just(fixture_events()).prop_shuffle(),
         repeats in prop::collection::vec(any::<prop::sample::Index>(), 0..8),
         threads in 1usize..5,
+        split in prop::sample::select(vec![1usize, 7, 1024]),
     ) {
         let mut stores = reference::stores().unwrap();
         for (store, resource) in &events {
@@ -164,10 +186,26 @@ proptest! {
             let (store, resource) = index.get(&events);
             stores.get_mut(store).unwrap().apply(resource).unwrap();
         }
-        let renderer = Renderer::compile(&reference::template_set()).unwrap().with_threads(threads);
-        let files = renderer.render(&stores).unwrap();
+        let renderer = Renderer::compile(&reference::template_set())
+            .unwrap()
+            .with_threads(threads)
+            .with_split_rows(split);
+        let (files, requests, provenance) = renderer.render_traced(&stores).unwrap();
         prop_assert_eq!(files.checksum(), baseline().checksum());
         prop_assert_eq!(files.files(), baseline().files());
+        let (base_files, base_requests, base_provenance) = traced_baseline();
+        prop_assert_eq!(&requests, base_requests);
+        for (path, bytes) in files.files() {
+            prop_assert_eq!(provenance.file_object(path), base_provenance.file_object(path));
+            let lines = bytes.iter().filter(|b| **b == b'\n').count() + 1;
+            for line in 1..=lines {
+                prop_assert_eq!(
+                    provenance.object_at(&files, path, line),
+                    base_provenance.object_at(base_files, path, line),
+                    "{} line {}", path, line
+                );
+            }
+        }
         // A second render starts its outputs in another order (longest of the first first).
         let again = renderer.render(&stores).unwrap();
         prop_assert_eq!(again.files(), files.files());

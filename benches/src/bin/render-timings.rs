@@ -4,9 +4,11 @@
 //! median time and its share, largest first. For finding what a template change cost; the
 //! timed numbers of record come from `cargo bench -p haptic-benches --bench render`.
 //! `RENDER_TIMINGS_BLANK=backends,nginx-frontend` blanks those snippets (their cost, by difference);
-//! `RENDER_TIMINGS_REUSE=1` times renders that reuse everything (nothing changed).
+//! `RENDER_TIMINGS_REUSE=1` times renders that reuse everything (nothing changed);
+//! `RENDER_TIMINGS_THREADS=2` renders on two threads (the wall clock is then the figure).
 
 use haptic_render::{Renderer, fixtures, reference};
+
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -44,7 +46,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // RENDER_TIMINGS_REUSE=1: renders reuse what did not change (here: everything), as the
     // controller's renders after the first do; what a render with nothing to do costs.
     let reuse = std::env::var("RENDER_TIMINGS_REUSE").is_ok_and(|v| v == "1");
-    let renderer = Renderer::compile(&set)?.with_reuse(reuse).with_threads(1);
+    // RENDER_TIMINGS_THREADS=n: render on n threads (default 1: each output's time its own).
+    let threads: usize = match std::env::var("RENDER_TIMINGS_THREADS") {
+        Ok(n) => n.parse()?,
+        Err(_) => 1,
+    };
+    let renderer = Renderer::compile(&set)?
+        .with_reuse(reuse)
+        .with_threads(threads);
     let fixtures = fixtures::generate(n);
     let mut stores = reference::stores()?;
     fixtures.load(&mut stores)?;
@@ -90,7 +99,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .map(|(phase, mut times)| (phase.to_owned(), median(&mut times))),
     );
     println!(
-        "{n} Ingresses, one thread, median of {runs}: {:.1} ms",
+        "{n} Ingresses, {threads} thread(s), median of {runs}: {:.1} ms",
         total.as_secs_f64() * 1e3
     );
     if !cpu.is_empty() {
@@ -106,6 +115,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             time.as_secs_f64() * 1e3,
             100.0 * time.as_secs_f64() / total.as_secs_f64()
         );
+    }
+    // The process's memory: the stores, the views and what the renderer keeps, as a
+    // controller replica holds them.
+    if let Ok(status) = std::fs::read_to_string("/proc/self/status") {
+        for line in status
+            .lines()
+            .filter(|l| l.starts_with("VmHWM") || l.starts_with("VmRSS"))
+        {
+            println!(
+                "  {}",
+                line.split_whitespace().collect::<Vec<_>>().join(" ")
+            );
+        }
     }
     Ok(())
 }

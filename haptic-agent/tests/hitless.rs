@@ -719,3 +719,154 @@ async fn ssl_passthrough_hosts_and_endpoints_change_with_no_reload() {
     );
     agent.stop().await;
 }
+
+/// A GET of `path` with Host `host` and the headers given: the body, or the error.
+async fn get_path(
+    port: u16,
+    host: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> Result<String, String> {
+    let http = traffic_client();
+    let mut request = http
+        .get(format!("http://127.0.0.1:{port}{path}"))
+        .header("host", host);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let response = request.send().await.map_err(|e| e.to_string())?;
+    let status = response.status();
+    let body = response.text().await.map_err(|e| e.to_string())?;
+    if status.is_success() {
+        Ok(body)
+    } else {
+        Err(format!("{status}: {body}"))
+    }
+}
+
+/// Gateway API HTTPRoutes on a listener sharing the Ingress frontend's port: a plain route (no
+/// method, header or query condition, no filter, one backend) added, retargeted and removed
+/// changes the gateway maps only, which the agent applies through the runtime API with no
+/// reload; a route with a header match (a line of haproxy.cfg) keeps its precedence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_http_routes_change_with_no_reload() {
+    let (endpoint_port, _endpoints) = endpoints(3).await;
+    let (http_port, https_port) = (free_port(), free_port());
+    let mut cluster = Cluster::new(http_port, https_port, endpoint_port, 10);
+    cluster.ingress("web", "web.test", "web", None);
+    cluster.endpoints("web", &[("127.0.0.2", true)]);
+    cluster.endpoints("api", &[("127.0.0.3", true)]);
+    cluster.apply(
+        "gatewayclasses",
+        json!({"metadata": {"name": "haptic"},
+            "spec": {"controllerName": "haproxy-haptic.org/gateway-controller"}}),
+    );
+    cluster.apply(
+        "gateways",
+        json!({"metadata": {"namespace": NS, "name": "gw"},
+            "spec": {"gatewayClassName": "haptic",
+                "listeners": [{"name": "http", "port": http_port, "protocol": "HTTP"}]}}),
+    );
+    let route = |name: &str, host: &str, rule: Json| {
+        json!({"metadata": {"namespace": NS, "name": name,
+                "creationTimestamp": "2026-01-01T00:00:00Z"},
+            "spec": {"parentRefs": [{"name": "gw"}], "hostnames": [host], "rules": [rule]}})
+    };
+    let to = |service: &str| json!([{"name": service, "port": 80}]);
+    // Header matches: lines of haproxy.cfg, to api and to web (the routes' backends).
+    for (name, header, service) in [("m-header", "x-api", "api"), ("m-web", "x-web", "web")] {
+        cluster.apply(
+            "httproutes",
+            route(
+                name,
+                "gw.test",
+                json!({"matches": [{"path": {"type": "PathPrefix", "value": "/"},
+                    "headers": [{"name": header, "value": "1"}]}], "backendRefs": to(service)}),
+            ),
+        );
+    }
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let agent = TestAgent::start(dir.path()).await;
+    let client = client();
+    let first = apply(&client, &agent.url, &cluster, 1)
+        .await
+        .expect("first");
+    assert!(first.reload, "the first set starts HAProxy");
+    await_get(http_port, "web.test", "backend 127.0.0.2")
+        .await
+        .expect("the Ingress");
+    assert_eq!(
+        get_path(http_port, "gw.test", "/x", &[("x-api", "1")]).await,
+        Ok("backend 127.0.0.3".to_owned())
+    );
+    assert!(get_path(http_port, "gw.test", "/x", &[]).await.is_err());
+    let workers = worker_pids(&client, &agent.url).await;
+    let live_cfg = |cluster: &Cluster| {
+        String::from_utf8_lossy(cluster.render().get("haproxy.cfg").expect("haproxy.cfg"))
+            .into_owned()
+    };
+    let cfg = live_cfg(&cluster);
+
+    // Added: a plain route to web, named before the other.
+    let plain = |service: &str| {
+        route(
+            "a-plain",
+            "gw.test",
+            json!({"matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+                "backendRefs": to(service)}),
+        )
+    };
+    cluster.apply("httproutes", plain("web"));
+    assert_eq!(live_cfg(&cluster), cfg, "haproxy.cfg changed");
+    let report = apply(&client, &agent.url, &cluster, 2)
+        .await
+        .expect("a route added");
+    assert_eq!(report.outcome, Outcome::Applied);
+    assert!(!report.reload, "a plain route added reloaded");
+    assert!(report.runtime_ops > 0);
+    assert_eq!(
+        get_path(http_port, "gw.test", "/x", &[]).await,
+        Ok("backend 127.0.0.2".to_owned())
+    );
+    // The header match goes first still (the same host and path, with a condition).
+    assert_eq!(
+        get_path(http_port, "gw.test", "/x", &[("x-api", "1")]).await,
+        Ok("backend 127.0.0.3".to_owned())
+    );
+
+    // Retargeted to api.
+    cluster.apply("httproutes", plain("api"));
+    let report = apply(&client, &agent.url, &cluster, 3)
+        .await
+        .expect("a route retargeted");
+    assert!(!report.reload, "a plain route retargeted reloaded");
+    assert_eq!(
+        get_path(http_port, "gw.test", "/x", &[]).await,
+        Ok("backend 127.0.0.3".to_owned())
+    );
+
+    // Removed: the host is the Ingress frontend's again (no Ingress route: 404).
+    cluster
+        .stores
+        .get_mut("httproutes")
+        .expect("store")
+        .remove(NS, "a-plain");
+    let report = apply(&client, &agent.url, &cluster, 4)
+        .await
+        .expect("a route removed");
+    assert!(!report.reload, "a plain route removed reloaded");
+    assert!(get_path(http_port, "gw.test", "/x", &[]).await.is_err());
+    assert_eq!(
+        await_get(http_port, "web.test", "backend 127.0.0.2").await,
+        Ok("backend 127.0.0.2".to_owned())
+    );
+    assert_eq!(
+        worker_pids(&client, &agent.url).await,
+        workers,
+        "HAProxy reloaded"
+    );
+    let state = client.state(&agent.url).await.expect("state");
+    assert_eq!(state.reloads_avoided, 3);
+    agent.stop().await;
+}

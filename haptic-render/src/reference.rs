@@ -198,7 +198,10 @@ fn template(source: &str) -> Template {
 /// rewrite-target);
 /// `maps/certs.list` (the HTTPS crt-list); `maps/ssl-redirect.map` (hosts redirected to HTTPS);
 /// `maps/passthrough.map` (hosts whose TLS ingress-nginx's ssl-passthrough passes through, and
-/// their TCP backends); `ssl/<namespace>_<secret>.pem` for every usable
+/// their TCP backends); `maps/gw-exact.map` and `maps/gw-prefix.map` (the HTTPRoute matches
+/// without conditions whose rule has no filter and one backend: `<port>/<listener
+/// hostname>/<host><path> <rank> <backend>`, see [`crate::derived::gateway`]);
+/// `ssl/<namespace>_<secret>.pem` for every usable
 /// TLS Secret, and for every labelled Secret with a `ca.crt` (ingress-nginx's auth-tls-secret).
 ///
 /// `extraContext.haproxy` holds the tunables: `maxconn` (50000), `bind_address` (empty: every
@@ -251,6 +254,14 @@ pub fn template_set() -> TemplateSet {
             "passthrough.map",
             include_str!("../templates/maps/passthrough.map.tera"),
         ),
+        (
+            "gw-exact.map",
+            include_str!("../templates/maps/gw-exact.map.tera"),
+        ),
+        (
+            "gw-prefix.map",
+            include_str!("../templates/maps/gw-prefix.map.tera"),
+        ),
     ] {
         set.maps.insert(name.to_owned(), template(source));
     }
@@ -298,6 +309,14 @@ pub fn template_set() -> TemplateSet {
         (
             "gateway-shared",
             include_str!("../templates/snippets/gateway-shared.tera"),
+        ),
+        (
+            "gateway-lookup",
+            include_str!("../templates/snippets/gateway-lookup.tera"),
+        ),
+        (
+            "gateway-entries",
+            include_str!("../templates/snippets/gateway-entries.tera"),
         ),
         (
             "gateway-crt-list",

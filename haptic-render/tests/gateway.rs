@@ -15,7 +15,7 @@ use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use haptic_render::{EventRequest, Renderer, StatusRequest, Stores, reference};
+use haptic_render::{EventRequest, FileSet, Renderer, Requests, StatusRequest, Stores, reference};
 use serde_json::{Value as Json, json};
 
 const CONTROLLER: &str = "haproxy-haptic.org/gateway-controller";
@@ -252,8 +252,9 @@ impl World {
         self.serve_on(port, (http_port, free_port()))
     }
 
-    /// As [`World::serve`], the Ingress frontend on `http_port` and `https_port`.
-    fn serve_on(&self, port: u16, (http_port, https_port): (u16, u16)) -> Front {
+    /// The reference set rendered over the world, the Ingress frontend on `http_port` and
+    /// `https_port`.
+    fn render(&self, (http_port, https_port): (u16, u16)) -> (FileSet, Requests) {
         let mut set = reference::template_set();
         set.extra_context.insert(
             "haproxy".into(),
@@ -262,10 +263,15 @@ impl World {
                 "timeout_connect": "2s", "timeout_client": "10s", "timeout_server": "10s",
                 "stats_socket": null, "route_debug": false, "health_checks": false}),
         );
-        let (files, requests) = Renderer::compile(&set)
+        Renderer::compile(&set)
             .unwrap()
             .render_all(&self.stores)
-            .unwrap();
+            .unwrap()
+    }
+
+    /// As [`World::serve`], the Ingress frontend on `http_port` and `https_port`.
+    fn serve_on(&self, port: u16, ingress_ports: (u16, u16)) -> Front {
+        let (files, requests) = self.render(ingress_ports);
         let dir = tempfile::tempdir().unwrap();
         files.write_to(dir.path()).unwrap();
         common::check_dir(dir.path());
@@ -1862,4 +1868,303 @@ fn gateway_https_listener_keeps_its_hosts_from_ssl_passthrough() {
             "{host}: {body}"
         );
     }
+}
+
+/// The files of `b` that differ from `a`'s (both hold the same paths).
+fn changed(a: &FileSet, b: &FileSet) -> Vec<String> {
+    assert_eq!(
+        a.files().keys().collect::<Vec<_>>(),
+        b.files().keys().collect::<Vec<_>>()
+    );
+    a.iter()
+        .filter(|(path, content)| b.get(path) != Some(*content))
+        .map(|(path, _)| path.to_owned())
+        .collect()
+}
+
+/// Matches without conditions whose rule has no filter and one backend are entries of the
+/// gateway maps; the others stay lines of haproxy.cfg, and the spec's precedence holds between
+/// the two: host first (an exact host before a wildcard before none, the most specific listener
+/// only), then path (Exact, then the longest prefix), then the match with conditions before
+/// the one without.
+#[test]
+fn plain_matches_in_the_maps_keep_the_spec_precedence_with_the_matches_of_haproxy_cfg() {
+    let names = [
+        "v-a", "v-b", "v-c", "v-d", "v-e", "v-f", "v-g", "v-h", "v-i",
+    ];
+    let mut w = world(&names);
+    let port = free_port();
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "gw",
+            json!([
+                {"name": "any", "port": port, "protocol": "HTTP"},
+                {"name": "wild", "port": port, "protocol": "HTTP", "hostname": "*.lis.example"},
+                {"name": "exact", "port": port, "protocol": "HTTP", "hostname": "one.lis.example"},
+            ]),
+        ),
+    );
+    let header = json!([{"name": "x-b", "value": "1"}]);
+    let prefix = |p: &str| json!({"path": {"type": "PathPrefix", "value": p}});
+    let exact = |p: &str| json!({"path": {"type": "Exact", "value": p}});
+    let with_header = |mut m: Json| {
+        m["headers"] = header.clone();
+        m
+    };
+    for (name, section, hostnames, matches, backend) in [
+        // Host-less: A plain `/`, B `/foo` with a header, C plain Exact `/foo/bar`.
+        ("a", "any", json!([]), json!([prefix("/")]), "v-a"),
+        (
+            "b",
+            "any",
+            json!([]),
+            json!([with_header(prefix("/foo"))]),
+            "v-b",
+        ),
+        ("c", "any", json!([]), json!([exact("/foo/bar")]), "v-c"),
+        // A wildcard host D plain `/`, an exact host of it E `/foo` with a header, another
+        // exact one F plain `/deep`, the wildcard again G `/foo` with a header.
+        (
+            "d",
+            "any",
+            json!(["*.wild.example"]),
+            json!([prefix("/")]),
+            "v-d",
+        ),
+        (
+            "e",
+            "any",
+            json!(["x.wild.example"]),
+            json!([with_header(prefix("/foo"))]),
+            "v-e",
+        ),
+        (
+            "f",
+            "any",
+            json!(["z.wild.example"]),
+            json!([prefix("/deep")]),
+            "v-f",
+        ),
+        (
+            "g",
+            "any",
+            json!(["*.wild.example"]),
+            json!([with_header(prefix("/foo"))]),
+            "v-g",
+        ),
+        // The listeners *.lis.example (H plain `/`) and one.lis.example (I plain Exact `/only`).
+        ("h", "wild", json!([]), json!([prefix("/")]), "v-h"),
+        ("i", "exact", json!([]), json!([exact("/only")]), "v-i"),
+    ] {
+        w.route(route(
+            name,
+            "2026-01-01T00:00:00Z",
+            json!({"parentRefs": [{"name": "gw", "sectionName": section}],
+                "hostnames": hostnames,
+                "rules": [{"matches": matches, "backendRefs": to(backend)}]}),
+        ));
+    }
+    let (files, _) = w.render((free_port(), free_port()));
+    let cfg = files.text("haproxy.cfg").unwrap();
+    let exact_map = files.text("maps/gw-exact.map").unwrap();
+    let prefix_map = files.text("maps/gw-prefix.map").unwrap();
+    // The plain matches are map entries, keyed by port and listener hostname; the others are
+    // lines of haproxy.cfg.
+    for (map, line) in [
+        (prefix_map, format!("{port}/*/*/ ")),
+        (exact_map, format!("{port}/*/*/foo/bar ")),
+        (prefix_map, format!("{port}/*/*.wild.example/ ")),
+        (prefix_map, format!("{port}/*/z.wild.example/deep/ ")),
+        (prefix_map, format!("{port}/*.lis.example/*.lis.example/ ")),
+        (
+            exact_map,
+            format!("{port}/one.lis.example/one.lis.example/only "),
+        ),
+    ] {
+        assert!(
+            map.lines().any(|l| l.starts_with(&line)),
+            "{line:?} in\n{map}"
+        );
+    }
+    for plain in [
+        "infra/a/", "infra/c/", "infra/d/", "infra/f/", "infra/h/", "infra/i/",
+    ] {
+        assert!(!cfg.contains(plain), "{plain} in haproxy.cfg");
+    }
+    for kept in ["infra/b/0", "infra/e/0", "infra/g/0"] {
+        assert!(cfg.contains(kept), "{kept} not in haproxy.cfg");
+    }
+
+    let f = w.serve(port);
+    let b = [("x-b", "1")];
+    let on = |host: &str, path: &str, headers: &[(&str, &str)]| {
+        get(f.port, host, path, headers).backend()
+    };
+    // Path: B's conditions beat A's plain match of the same host, A's shorter prefix loses to
+    // B's; C's Exact path beats B's prefix.
+    assert_eq!(on("example.com", "/foo", &b), "v-b");
+    assert_eq!(on("example.com", "/foo/baz", &b), "v-b");
+    assert_eq!(on("example.com", "/foo", &[]), "v-a");
+    assert_eq!(on("example.com", "/foobar", &b), "v-a");
+    assert_eq!(on("example.com", "/foo/bar", &b), "v-c");
+    assert_eq!(on("example.com", "/foo/bar", &[]), "v-c");
+    assert_eq!(on("example.com", "/foo/bar/x", &b), "v-b");
+    // Host: the exact host E (haproxy.cfg) beats the wildcard D (map) and G (haproxy.cfg)...
+    assert_eq!(on("x.wild.example", "/foo", &b), "v-e");
+    assert_eq!(on("x.wild.example", "/other", &b), "v-d");
+    // ... the wildcard G beats D's shorter path of the same host, and is tried on any host it
+    // covers, however many labels...
+    assert_eq!(on("y.wild.example", "/foo", &b), "v-g");
+    assert_eq!(on("a.b.c.d.e.f.g.wild.example", "/foo", &b), "v-g");
+    assert_eq!(on("a.b.c.d.e.f.g.wild.example", "/", &[]), "v-d");
+    assert_eq!(on("y.wild.example", "/foo", &[]), "v-d");
+    // ... and the exact host F (map) beats G (haproxy.cfg); a host-less route loses to any
+    // host's.
+    assert_eq!(on("z.wild.example", "/deep", &b), "v-f");
+    assert_eq!(on("z.wild.example", "/foo", &b), "v-g");
+    assert_eq!(on("wild.example", "/foo", &b), "v-b");
+    // Listeners: one.lis.example gets the exact listener's routes only, then 404; the other
+    // hosts of *.lis.example the wildcard listener's only.
+    assert_eq!(on("one.lis.example", "/only", &[]), "v-i");
+    assert_eq!(on("one.lis.example", "/other", &[]), "404");
+    assert_eq!(on("one.lis.example", "/foo", &b), "404");
+    assert_eq!(on("two.lis.example", "/only", &[]), "v-h");
+    assert_eq!(on("two.lis.example", "/foo", &b), "v-h");
+    assert_eq!(on("lis.example", "/foo", &b), "v-b");
+}
+
+/// The same host and path, one match without conditions: the older route's wins, whether it
+/// is a map entry or a line of haproxy.cfg.
+#[test]
+fn of_two_unconditioned_matches_of_one_host_and_path_the_older_wins() {
+    let mut w = world(&["v-old", "v-young", "v-other"]);
+    // A plain route (map) older than one with a filter (haproxy.cfg), and the other way round.
+    let filtered = |backend: &str| {
+        json!({"matches": [{"path": {"type": "PathPrefix", "value": "/x"}}],
+            "filters": [{"type": "RequestHeaderModifier",
+                "requestHeaderModifier": {"set": [{"name": "x-f", "value": "1"}]}}],
+            "backendRefs": to(backend)})
+    };
+    let plain = |backend: &str| {
+        json!({"matches": [{"path": {"type": "PathPrefix", "value": "/x"}}],
+            "backendRefs": to(backend)})
+    };
+    for (name, created, host, rule) in [
+        (
+            "p-old",
+            "2025-01-01T00:00:00Z",
+            "one.example",
+            plain("v-old"),
+        ),
+        (
+            "f-young",
+            "2026-01-01T00:00:00Z",
+            "one.example",
+            filtered("v-young"),
+        ),
+        (
+            "f-old",
+            "2025-01-01T00:00:00Z",
+            "two.example",
+            filtered("v-old"),
+        ),
+        (
+            "p-young",
+            "2026-01-01T00:00:00Z",
+            "two.example",
+            plain("v-young"),
+        ),
+        (
+            "other",
+            "2026-01-01T00:00:00Z",
+            "two.example",
+            plain("v-other"),
+        ),
+    ] {
+        let mut rule = rule;
+        if name == "other" {
+            rule["matches"][0]["path"]["value"] = json!("/y");
+        }
+        w.route(route(
+            name,
+            created,
+            json!({"parentRefs": [{"name": "gw"}], "hostnames": [host], "rules": [rule]}),
+        ));
+    }
+    let f = w.front();
+    assert_eq!(f.to("one.example", "/x"), "v-old");
+    assert_eq!(f.to("two.example", "/x"), "v-old");
+    assert_eq!(f.to("two.example", "/y"), "v-other");
+}
+
+/// Adding, retargeting and removing a plain HTTPRoute (to a Service port another route already
+/// routes to) changes the gateway maps only, never haproxy.cfg: the agent applies it through
+/// the runtime API with no reload. The rendered maps route as they say.
+#[test]
+fn a_plain_route_added_retargeted_or_removed_changes_only_the_gateway_maps() {
+    let mut w = world(&["v-a", "v-b"]);
+    let port = free_port();
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "gw",
+            json!([{"name": "http", "port": port, "protocol": "HTTP"}]),
+        ),
+    );
+    // A route with a header match (haproxy.cfg) and a plain one (a map), both named after the
+    // route added below in the order of names.
+    w.route(route(
+        "m-cond",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}],
+            "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": "/c"},
+                "headers": [{"name": "x-c", "value": "1"}]}], "backendRefs": to("v-a")}]}),
+    ));
+    w.route(route(
+        "m-plain",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}],
+            "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": "/p"}}],
+                "backendRefs": to("v-b")}]}),
+    ));
+    let ports = (free_port(), free_port());
+    let (before, _) = w.render(ports);
+    let added = |backend: &str| {
+        route(
+            "a-added",
+            "2026-02-01T00:00:00Z",
+            json!({"parentRefs": [{"name": "gw"}], "hostnames": ["new.example"],
+                "rules": [{"matches": [{"path": {"type": "Exact", "value": "/new"}}],
+                    "backendRefs": to(backend)}]}),
+        )
+    };
+    w.route(added("v-b"));
+    let (with_route, _) = w.render(ports);
+    assert_eq!(changed(&before, &with_route), ["maps/gw-exact.map"]);
+    let f = w.serve(port);
+    assert_eq!(f.to("new.example", "/new"), "v-b");
+    assert_eq!(f.to("new.example", "/p"), "v-b");
+    assert_eq!(
+        get(port, "new.example", "/c", &[("x-c", "1")]).backend(),
+        "v-a"
+    );
+    drop(f);
+
+    w.route(added("v-a"));
+    let (retargeted, _) = w.render(ports);
+    assert_eq!(changed(&with_route, &retargeted), ["maps/gw-exact.map"]);
+    let f = w.serve(port);
+    assert_eq!(f.to("new.example", "/new"), "v-a");
+    drop(f);
+
+    w.stores
+        .get_mut("httproutes")
+        .unwrap()
+        .remove(NS, "a-added");
+    let (removed, _) = w.render(ports);
+    assert_eq!(changed(&retargeted, &removed), ["maps/gw-exact.map"]);
+    assert!(changed(&before, &removed).is_empty());
 }

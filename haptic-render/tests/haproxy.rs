@@ -89,8 +89,12 @@ fn a_thousand_ingresses_render_a_config_haproxy_accepts() {
             .count(),
         250
     );
-    // haproxy.cfg, five maps (ssl-passthrough's empty), the crt-list, a PEM per TLS Secret.
-    assert_eq!(files.len(), 7 + 250);
+    // haproxy.cfg, seven maps (ssl-passthrough's and the two gateway maps empty), the
+    // crt-list, a PEM per TLS Secret.
+    assert_eq!(files.len(), 9 + 250);
+    for map in ["maps/gw-exact.map", "maps/gw-prefix.map"] {
+        assert_eq!(files.text(map).map(str::trim), Some(""));
+    }
 }
 
 #[test]

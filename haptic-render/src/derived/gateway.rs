@@ -16,6 +16,15 @@
 //! the oldest route; the route first by `namespace/name`; the first rule and match in list order.
 //! HAProxy tries the matches in that order and takes the first that matches.
 //!
+//! A match without method, header or query conditions whose rule has no filter and one
+//! backendRef of positive weight that resolves is a map entry instead (`map_exact`,
+//! `map_prefix`: `<port>/<listener hostname>/<host><path>` to `<rank> <backend>`), so adding,
+//! removing or retargeting such a route changes map lines only. The frontend looks the maps up
+//! first (the most specific listener covering the host, then the host levels in the spec's
+//! order); a match that stays in `haproxy.cfg` keeps its place and yields to a map hit of a
+//! strictly better rank (`rank`: host and path only; with the same host and path the match with
+//! conditions is the more specific).
+//!
 //! On a listener sharing the Ingress frontend's port, those matches go before the Ingress
 //! routes; one without method, header or query conditions that claims the same host and path
 //! as a path of one of our Ingresses (the Ingress conflict rule's route key) is a conflict the
@@ -213,6 +222,24 @@ impl Host {
         })
     }
 
+    /// The host as a map key writes it: the host, `*.` and the suffix, `*` for any.
+    fn key(&self) -> String {
+        match self {
+            Self::Exact(h) => h.clone(),
+            Self::Wildcard(s) => format!("*{s}"),
+            Self::Any => "*".to_owned(),
+        }
+    }
+
+    /// Whether the gateway maps can hold a match of this host: a wildcard's suffix has at most
+    /// [`MAP_WILDCARD_LABELS`] labels (the frontend looks up that many suffixes).
+    fn in_maps(&self) -> bool {
+        match self {
+            Self::Wildcard(s) => s.matches('.').count() <= MAP_WILDCARD_LABELS,
+            Self::Exact(_) | Self::Any => true,
+        }
+    }
+
     fn condition(&self) -> String {
         match self {
             Self::Exact(h) => format!(" {{ var(txn.gwhost) -m str {h} }}"),
@@ -220,6 +247,36 @@ impl Host {
             Self::Any => String::new(),
         }
     }
+}
+
+/// The most labels a wildcard's suffix may have for its matches to go to the gateway maps: the
+/// frontend looks up the request host's last 1 ..= this many labels as wildcard keys, longest
+/// first (`*.example.com` is 2). A match of a longer wildcard stays a line of `haproxy.cfg`.
+pub const MAP_WILDCARD_LABELS: usize = 6;
+
+/// The longest path (without a prefix's trailing slash) whose match goes to the gateway maps:
+/// [`rank`] tells lengths apart up to it.
+const MAP_PATH_LIMIT: usize = 4094;
+
+/// The rank of a match's host and path in the spec's precedence, as a number: lower goes
+/// first. The host (exact, then wildcards longest first, then none), then the path (Exact,
+/// then the longest prefix), each by its own class and length only, so adding a match never
+/// renumbers another; it orders as `(Host::rank, PathMatch::rank)` do, lengths beyond what it
+/// tells apart (a host over 255, a path over [`MAP_PATH_LIMIT`] characters) counting as the
+/// longest. A map entry carries its rank (`<rank> <backend>`); a match that stays in
+/// `haproxy.cfg` yields to a map hit of a strictly lower rank.
+fn rank(host: &Host, path: &PathMatch) -> u64 {
+    let short = |len: usize, span: u64| span - 1 - (len as u64).min(span - 1);
+    let host = match host {
+        Host::Exact(h) => short(h.len(), 256),
+        Host::Wildcard(s) => 256 + short(s.len(), 256),
+        Host::Any => 512 + 255,
+    };
+    let path = match path {
+        PathMatch::Exact(p) => short(p.len(), 4096),
+        PathMatch::Prefix(p) => 4096 + short(p.len(), 4096),
+    };
+    host * 8192 + path
 }
 
 /// The hostnames a route gets on a listener: the intersection of the listener's hostname (none:
@@ -295,6 +352,15 @@ impl PathMatch {
         }
     }
 
+    /// The path as a map key writes it: an Exact path as it is, a prefix with a `/` appended
+    /// (looked up with `map_beg` on the request path with a `/` appended: segment-wise).
+    fn key(&self) -> String {
+        match self {
+            Self::Exact(p) => p.clone(),
+            Self::Prefix(p) => format!("{p}/"),
+        }
+    }
+
     fn condition(&self) -> String {
         match self {
             Self::Exact(p) => format!(" {{ path -m str {p} }}"),
@@ -327,10 +393,18 @@ struct MatchRow {
     rule: usize,
     index: usize,
     action: usize,
+    /// The backend of the rule, when it has no filter and one backendRef with a positive
+    /// weight, which resolves: a match of it without conditions can be a map entry.
+    backend: Option<String>,
     origin: (String, String),
 }
 
 impl MatchRow {
+    /// Whether the match has no method, header or query parameter condition.
+    fn unconditioned(&self) -> bool {
+        self.method.is_none() && self.headers.is_empty() && self.queries.is_empty()
+    }
+
     fn key(&self) -> impl Ord + '_ {
         (
             self.host.rank(),
@@ -362,6 +436,10 @@ impl MatchRow {
 
 /// What a rule does, once per listener port it is served on.
 struct Action {
+    /// `<port>/<namespace>/<name>/<rule>`: what `txn.gwm` holds when one of its matches is
+    /// the first to match. It depends on the route alone, so adding or removing another route
+    /// changes none of this one's lines.
+    id: String,
     request_headers: Vec<Json>,
     response_headers: Vec<Json>,
     redirect: Option<Json>,
@@ -1134,7 +1212,25 @@ pub(super) fn resolve(
                         })
                     });
                     let action = actions.len();
+                    // One backend, no filter: a match without conditions is a map entry.
+                    let mut positive = rule.shares.iter().filter(|(w, _)| *w > 0);
+                    let backend = match (positive.next(), positive.next()) {
+                        (Some((_, Some(b))), None)
+                            if rule.request_headers.is_empty()
+                                && rule.response_headers.is_empty()
+                                && rule.redirect.is_none()
+                                && rule.rewrite.is_none() =>
+                        {
+                            Some(b.clone())
+                        }
+                        _ => None,
+                    };
                     actions.push(Action {
+                        id: format!(
+                            "{listener_port}/{}/{}/{ri}",
+                            sanitize(namespace),
+                            sanitize(name)
+                        ),
                         request_headers: rule.request_headers.clone(),
                         response_headers: rule.response_headers.clone(),
                         redirect,
@@ -1157,6 +1253,7 @@ pub(super) fn resolve(
                                 rule: ri,
                                 index: mi,
                                 action,
+                                backend: backend.clone(),
                                 origin: (namespace.clone(), name.clone()),
                             });
                         }
@@ -1345,17 +1442,15 @@ pub(super) fn resolve(
         // listener's routes matches.) The ACLs say it all: no template line is needed.
         let hosts = listener_hosts.remove(&port).unwrap_or_default();
         let mut unless: HashMap<&Host, String> = HashMap::new();
-        let mut used: BTreeSet<usize> = BTreeSet::new();
         // On the Ingress frontend's own port, a match without method, header or query
         // conditions claims its host and path as an Ingress path does.
         let shared = (port == i64::from(ports_config.ingress.http) && !https)
             || (port == i64::from(ports_config.ingress.https) && https);
         // Template values built directly (no JSON in between): 10,000 routes make 20,000
         // match rows, and converting them from JSON cost as much as building them.
-        let match_rows: Vec<(Value, usize, Option<RouteClaim>)> = rows
+        let match_rows: Vec<FrontMatch> = rows
             .iter()
             .map(|m| {
-                used.insert(m.action);
                 let not_theirs = unless.entry(&m.listener).or_insert_with(|| {
                     hosts
                         .iter()
@@ -1363,81 +1458,126 @@ pub(super) fn resolve(
                         .map(|h| format!(" !{}", h.condition().trim_start()))
                         .collect()
                 });
-                let condition = format!("{}{not_theirs}", m.condition());
-                let claim =
-                    (shared && m.method.is_none() && m.headers.is_empty() && m.queries.is_empty())
-                        .then(|| RouteClaim::of(m));
-                (
-                    super::row([
+                let rank = rank(&m.host, &m.path);
+                // A map hit of a strictly better host and path goes first; with the same host
+                // and path, this match (it has conditions, or it is the older) does.
+                let condition = format!(
+                    "{}{not_theirs} !{{ var(txn.gwmaprank) -m int lt {rank} }}",
+                    m.condition()
+                );
+                let action = &actions[m.action];
+                let unconditioned = m.unconditioned();
+                let claim = (shared && unconditioned).then(|| RouteClaim::of(m));
+                let exact = matches!(m.path, PathMatch::Exact(_));
+                // The map key: the port and the listener's hostname (the frontend looks up the
+                // entries of the most specific listener covering the request host only), then
+                // the host and the path.
+                let key = format!(
+                    "{port}/{}/{}{}",
+                    m.listener.key(),
+                    m.host.key(),
+                    m.path.key()
+                );
+                let path_len = match &m.path {
+                    PathMatch::Exact(p) | PathMatch::Prefix(p) => p.len(),
+                };
+                let entry = m
+                    .backend
+                    .as_ref()
+                    .filter(|_| unconditioned && m.host.in_maps() && path_len <= MAP_PATH_LIMIT)
+                    .map(|backend| {
+                        super::row([
+                            ("key", Value::from(key.as_str())),
+                            ("rank", Value::from(rank)),
+                            ("backend", Value::from(backend.as_str())),
+                            ("origin", origin(route_store, &m.origin.0, &m.origin.1)),
+                        ])
+                    });
+                FrontMatch {
+                    row: super::row([
                         ("condition", Value::from(condition)),
-                        ("action", Value::from(m.action)),
+                        ("action", Value::from(action.id.as_str())),
                         ("origin", origin(route_store, &m.origin.0, &m.origin.1)),
                     ]),
-                    m.action,
+                    action: action.id.clone(),
                     claim,
-                )
+                    same: unconditioned.then_some((exact, key)),
+                    entry: entry.map(|e| (exact, e)),
+                }
             })
             .collect();
-        let action_rows: BTreeMap<usize, Value> = used
-            .iter()
-            .map(|&i| {
-                let a = &actions[i];
-                let total: i64 = a.shares.iter().map(|(w, _)| *w).sum();
-                let mut upper = 0;
-                let shares: Vec<Value> = a
-                    .shares
-                    .iter()
-                    .filter(|(w, _)| *w > 0)
-                    .map(|(w, b)| {
-                        upper += w;
-                        super::row([
-                            ("upper", Value::from(upper)),
-                            (
-                                "backend",
-                                b.as_deref().map_or_else(Value::none, Value::from),
-                            ),
-                        ])
-                    })
-                    .collect();
-                let json_value = |v: &Option<Json>| {
-                    v.as_ref()
-                        .map_or_else(Value::none, Value::from_serializable)
-                };
-                let row = super::row([
-                    ("id", Value::from(i)),
-                    (
-                        "request_headers",
-                        Value::from_serializable(&a.request_headers),
-                    ),
-                    (
-                        "response_headers",
-                        Value::from_serializable(&a.response_headers),
-                    ),
-                    ("redirect", json_value(&a.redirect)),
-                    ("rewrite", json_value(&a.rewrite)),
-                    ("total", Value::from(total)),
-                    ("shares", Value::from(shares)),
-                    ("origin", origin(route_store, &a.origin.0, &a.origin.1)),
-                ]);
-                (i, row)
-            })
-            .collect();
+        let used: BTreeSet<usize> = rows.iter().map(|m| m.action).collect();
+        let mut action_rows: BTreeMap<String, Value> = BTreeMap::new();
+        for &i in &used {
+            let a = &actions[i];
+            if action_rows.contains_key(&a.id) {
+                // The same route and rule through another listener of the port: the same lines.
+                continue;
+            }
+            let total: i64 = a.shares.iter().map(|(w, _)| *w).sum();
+            let mut upper = 0;
+            let shares: Vec<Value> = a
+                .shares
+                .iter()
+                .filter(|(w, _)| *w > 0)
+                .map(|(w, b)| {
+                    upper += w;
+                    super::row([
+                        ("upper", Value::from(upper)),
+                        (
+                            "backend",
+                            b.as_deref().map_or_else(Value::none, Value::from),
+                        ),
+                    ])
+                })
+                .collect();
+            let json_value = |v: &Option<Json>| {
+                v.as_ref()
+                    .map_or_else(Value::none, Value::from_serializable)
+            };
+            let row = super::row([
+                ("id", Value::from(a.id.as_str())),
+                (
+                    "request_headers",
+                    Value::from_serializable(&a.request_headers),
+                ),
+                (
+                    "response_headers",
+                    Value::from_serializable(&a.response_headers),
+                ),
+                ("redirect", json_value(&a.redirect)),
+                ("rewrite", json_value(&a.rewrite)),
+                ("total", Value::from(total)),
+                ("shares", Value::from(shares)),
+                ("origin", origin(route_store, &a.origin.0, &a.origin.1)),
+            ]);
+            action_rows.insert(a.id.clone(), row);
+        }
         let certificates =
             Value::from_serializable(&certificates.get(&port).cloned().unwrap_or_default());
-        let mut frontend = Frontend {
+        // The listener hostnames of the port, most specific first: the first that covers the
+        // request host picks the map entries looked up (`txn.gwlk`, the keys' beginning).
+        let listeners: Vec<Value> = hosts
+            .iter()
+            .map(|h| {
+                super::row([
+                    ("key", Value::from(format!("{port}/{}/", h.key()))),
+                    ("condition", Value::from(h.condition())),
+                ])
+            })
+            .collect();
+        frontends.push(Frontend {
             port,
             https,
             certificates,
             matches: match_rows,
             actions: action_rows,
+            listeners: Value::from(listeners),
             // What the listeners' hostnames cover, as conditions on a TLS ClientHello's SNI:
             // an Ingress's ssl-passthrough does not take a host a Gateway's HTTPS listener on
             // the Ingress frontend's port covers.
             sni: Value::from(hosts.iter().map(Host::sni_condition).collect::<Vec<_>>()),
-            row: Value::none(),
-        };
-        frontend.row = frontend.row_without(&BTreeSet::new());
-        frontends.push(frontend);
+        });
     }
 
     // Backends: the endpoints of each Service port the routes name.
@@ -1487,7 +1627,6 @@ pub(super) fn resolve(
             ])
         })
         .collect();
-    let _ = sanitize;
 
     let ports_of = |https: bool| -> Vec<i64> {
         frontends
@@ -1499,7 +1638,7 @@ pub(super) fn resolve(
     let (http_ports, https_ports) = (ports_of(false), ports_of(true));
     let claims = frontends
         .iter()
-        .any(|f| f.matches.iter().any(|(_, _, claim)| claim.is_some()));
+        .any(|f| f.matches.iter().any(|m| m.claim.is_some()));
     let mut resolved = Resolved {
         http_ports: Value::from_serializable(&http_ports),
         https_ports: Value::from_serializable(&https_ports),
@@ -1582,48 +1721,83 @@ impl RouteClaim {
     }
 }
 
-/// A frontend of the view: its match rows (each with its action and, on the Ingress
-/// frontend's port, its claim), its action rows by id, and its row with every match.
+/// One match of a frontend: its row in `haproxy.cfg`, or its map entry.
+struct FrontMatch {
+    /// The row of `matches` (`condition`, `action`, `origin`).
+    row: Value,
+    /// Its action's id.
+    action: String,
+    /// On the Ingress frontend's port, the route it claims.
+    claim: Option<RouteClaim>,
+    /// Without conditions: the map key it answers (Exact or prefix, key). Of several matches
+    /// without conditions with the same key, the first (the oldest route) takes every request
+    /// the others would: only it is written.
+    same: Option<(bool, String)>,
+    /// The map entry (`key`, `rank`, `backend`, `origin`) that stands for it, when it has no
+    /// conditions and its rule one backend and no filter: `(Exact, row)`.
+    entry: Option<(bool, Value)>,
+}
+
+/// A frontend of the view: its matches (each with its action and, on the Ingress frontend's
+/// port, its claim), its action rows by id, and its listener hostnames.
 struct Frontend {
     port: i64,
     https: bool,
     certificates: Value,
-    matches: Vec<(Value, usize, Option<RouteClaim>)>,
-    actions: BTreeMap<usize, Value>,
+    matches: Vec<FrontMatch>,
+    actions: BTreeMap<String, Value>,
+    listeners: Value,
     sni: Value,
-    row: Value,
+}
+
+/// The map entries of the frontends, Exact paths and prefixes.
+#[derive(Default)]
+struct MapRows {
+    exact: Vec<Value>,
+    prefix: Vec<Value>,
 }
 
 impl Frontend {
     /// The row without the matches whose indexes `dropped` holds (nor the actions only they
-    /// used).
-    fn row_without(&self, dropped: &BTreeSet<usize>) -> Value {
-        let kept = || {
-            self.matches
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| !dropped.contains(i))
-                .map(|(_, m)| m)
-        };
-        let used: BTreeSet<usize> = kept().map(|(_, action, _)| *action).collect();
+    /// used); the map entries go to `maps`.
+    fn row_without(&self, dropped: Option<&BTreeSet<usize>>, maps: &mut MapRows) -> Value {
+        let mut seen: std::collections::HashSet<&(bool, String)> = std::collections::HashSet::new();
+        let mut kept = Vec::new();
+        let mut used: BTreeSet<&str> = BTreeSet::new();
+        for (i, m) in self.matches.iter().enumerate() {
+            if dropped.is_some_and(|d| d.contains(&i)) {
+                continue;
+            }
+            if let Some(same) = &m.same
+                && !seen.insert(same)
+            {
+                continue;
+            }
+            match &m.entry {
+                Some((true, entry)) => maps.exact.push(entry.clone()),
+                Some((false, entry)) => maps.prefix.push(entry.clone()),
+                None => {
+                    kept.push(m.row.clone());
+                    used.insert(&m.action);
+                }
+            }
+        }
         super::row([
             ("port", Value::from(self.port)),
             ("https", Value::from(self.https)),
             ("certificates", self.certificates.clone()),
-            (
-                "matches",
-                Value::from(kept().map(|(row, _, _)| row.clone()).collect::<Vec<_>>()),
-            ),
+            ("matches", Value::from(kept)),
             (
                 "actions",
                 Value::from(
                     self.actions
                         .iter()
-                        .filter(|(id, _)| used.contains(id))
+                        .filter(|(id, _)| used.contains(id.as_str()))
                         .map(|(_, row)| row.clone())
                         .collect::<Vec<_>>(),
                 ),
             ),
+            ("listeners", self.listeners.clone()),
             ("sni", self.sni.clone()),
         ])
     }
@@ -1671,17 +1845,26 @@ impl Resolved {
         dropped: Option<&BTreeMap<usize, BTreeSet<usize>>>,
         events: Vec<Value>,
     ) -> Value {
+        let mut maps = MapRows::default();
         let frontends: Vec<Value> = self
             .frontends
             .iter()
             .enumerate()
-            .map(|(i, f)| match dropped.and_then(|d| d.get(&i)) {
-                Some(dropped) => f.row_without(dropped),
-                None => f.row.clone(),
-            })
+            .map(|(i, f)| f.row_without(dropped.and_then(|d| d.get(&i)), &mut maps))
             .collect();
         super::row([
             ("frontends", Value::from(frontends)),
+            ("map_exact", Value::from(maps.exact)),
+            ("map_prefix", Value::from(maps.prefix)),
+            (
+                "wildcard_labels",
+                Value::from(
+                    (1..=MAP_WILDCARD_LABELS)
+                        .rev()
+                        .map(Value::from)
+                        .collect::<Vec<_>>(),
+                ),
+            ),
             ("http_ports", self.http_ports.clone()),
             ("https_ports", self.https_ports.clone()),
             ("backends", self.backends.clone()),
@@ -1710,7 +1893,7 @@ impl Resolved {
             .frontends
             .iter()
             .flat_map(|f| f.matches.iter())
-            .filter_map(|(_, _, claim)| claim.as_ref().map(RouteClaim::key))
+            .filter_map(|m| m.claim.as_ref().map(RouteClaim::key))
             .collect();
         let ours = side.ours.of(side.ingresses);
         let mut claims = super::Claims::with_capacity(wanted.len());
@@ -1731,8 +1914,8 @@ impl Resolved {
         // Per port and route key: the oldest route older than the oldest Ingress claiming it.
         let mut won: BTreeMap<(i64, (bool, &str, &str)), &RouteClaim> = BTreeMap::new();
         for (fi, f) in self.frontends.iter().enumerate() {
-            for (mi, (_, _, claim)) in f.matches.iter().enumerate() {
-                let Some(claim) = claim else { continue };
+            for (mi, m) in f.matches.iter().enumerate() {
+                let Some(claim) = &m.claim else { continue };
                 let Some((ingress, _)) = claims.by_key.get(&claim.key()) else {
                     continue;
                 };
@@ -1960,10 +2143,32 @@ mod tests {
             ));
         }
         assert_eq!(events, expected);
-        // The tie's match stays, the young one's is gone, on both ports.
+        // The tie's match stays, the young one's is gone, on both ports: both are plain (one
+        // backend, no filter, no condition), so map entries, and no line of haproxy.cfg.
+        let keys = |view: &Json, map: &str| -> Vec<String> {
+            view[map]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| format!("{} {} {}", e["key"], e["rank"], e["backend"]).replace('"', ""))
+                .collect()
+        };
+        let any_exact_x = super::rank(&Host::Any, &super::PathMatch::Exact("/x".into()));
+        let wild_root = super::rank(
+            &Host::Wildcard(".shop.example".into()),
+            &super::PathMatch::Prefix(String::new()),
+        );
+        assert_eq!(
+            keys(&view, "map_prefix"),
+            [
+                format!("80/*/*.shop.example/ {wild_root} gw_ns_web_80"),
+                format!("443/*/*.shop.example/ {wild_root} gw_ns_web_80")
+            ]
+        );
+        assert!(keys(&view, "map_exact").is_empty());
         for f in 0..2 {
-            assert_eq!(view["frontends"][f]["matches"].as_array().unwrap().len(), 1);
-            assert_eq!(view["frontends"][f]["actions"].as_array().unwrap().len(), 1);
+            assert_eq!(view["frontends"][f]["matches"], json!([]));
+            assert_eq!(view["frontends"][f]["actions"], json!([]));
         }
 
         // Without the Ingresses, no conflict: both matches.
@@ -1972,9 +2177,38 @@ mod tests {
         }
         let view = stores.derived_json("gateway").unwrap();
         assert_eq!(view["events"], json!([]));
-        for f in 0..2 {
-            assert_eq!(view["frontends"][f]["matches"].as_array().unwrap().len(), 2);
-        }
+        assert_eq!(keys(&view, "map_prefix").len(), 2);
+        assert_eq!(
+            keys(&view, "map_exact"),
+            [
+                format!("80/*/*/x {any_exact_x} gw_ns_web_80"),
+                format!("443/*/*/x {any_exact_x} gw_ns_web_80")
+            ]
+        );
+    }
+
+    #[test]
+    fn ranks_order_as_the_spec_orders_host_and_path() {
+        use super::{PathMatch, rank};
+        let h = |s: &str| Host::parse(s).unwrap_or(Host::Any);
+        // Most specific first.
+        let order = [
+            rank(&h("a.example.com"), &PathMatch::Prefix(String::new())),
+            rank(&h("*.b.example.com"), &PathMatch::Exact("/".into())),
+            rank(&h("*.example.com"), &PathMatch::Exact("/long/path".into())),
+            rank(&h("*.example.com"), &PathMatch::Exact("/".into())),
+            rank(&h("*.example.com"), &PathMatch::Prefix("/long".into())),
+            rank(&h("*.example.com"), &PathMatch::Prefix(String::new())),
+            rank(&Host::Any, &PathMatch::Exact("/x".into())),
+            rank(&Host::Any, &PathMatch::Prefix("/foo".into())),
+            rank(&Host::Any, &PathMatch::Prefix(String::new())),
+        ];
+        assert!(order.windows(2).all(|w| w[0] < w[1]), "{order:?}");
+        // The same class and length: the same rank (a request matches one of them only).
+        assert_eq!(
+            rank(&h("a.com"), &PathMatch::Prefix("/ab".into())),
+            rank(&h("b.com"), &PathMatch::Prefix("/cd".into()))
+        );
     }
 
     #[test]

@@ -443,6 +443,8 @@ impl Agent {
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
             .stderr(log)
+            // Its own process group, which its HAProxy joins: dropping the agent ends both.
+            .process_group(0)
             .kill_on_drop(true)
             .spawn()
             .expect("agent starts");
@@ -557,7 +559,9 @@ impl Agent {
 impl Drop for Agent {
     fn drop(&mut self) {
         if let Some(child) = &mut self.child {
-            // The agent stops its HAProxy on SIGTERM; a kill -9 here would orphan it.
+            // The agent stops its HAProxy on SIGTERM; a kill -9 of the agent alone would
+            // orphan it. Then whatever is left of its process group (an HAProxy the agent did
+            // not stop within the 2 s, an old worker of a reload) is killed.
             if let Some(pid) = child.id() {
                 let _ = std::process::Command::new("kill")
                     .arg("-TERM")
@@ -565,10 +569,16 @@ impl Drop for Agent {
                     .status();
                 for _ in 0..100 {
                     if matches!(child.try_wait(), Ok(Some(_))) {
-                        return;
+                        break;
                     }
                     std::thread::sleep(Duration::from_millis(20));
                 }
+                let _ = std::process::Command::new("kill")
+                    .arg("-KILL")
+                    .arg("--")
+                    .arg(format!("-{pid}"))
+                    .stderr(Stdio::null())
+                    .status();
                 let _ = child.start_kill();
             }
         }

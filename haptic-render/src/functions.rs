@@ -319,11 +319,11 @@ struct WhereAny {
     selected: Value,
 }
 
-/// The last answers of `where_any` (the reference set asks two per render).
+/// The last answers of `where_any` (the reference set asks three per render).
 static WHERE_ANY: std::sync::Mutex<Vec<WhereAny>> = std::sync::Mutex::new(Vec::new());
 
 /// How many answers of `where_any` are kept.
-const WHERE_ANY_KEPT: usize = 4;
+const WHERE_ANY_KEPT: usize = 8;
 
 fn tera_error(e: impl std::fmt::Display) -> tera::Error {
     tera::Error::message(e.to_string())

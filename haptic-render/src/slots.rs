@@ -91,27 +91,36 @@ fn fnv1a(text: &str) -> u64 {
 /// slices) takes one slot, ready if either listing is; endpoints beyond [`MAX_SLOTS`] are
 /// left out.
 pub fn assign(endpoints: &[Endpoint<'_>], per_backend: usize) -> Vec<Slot> {
-    let mut unique: Vec<Endpoint<'_>> = Vec::with_capacity(endpoints.len());
-    let mut sorted: Vec<&Endpoint<'_>> = endpoints.iter().collect();
-    sorted.sort_by(|a, b| a.endpoint.cmp(b.endpoint));
-    for endpoint in sorted {
-        match unique.last_mut() {
-            Some(last) if last.endpoint == endpoint.endpoint => last.ready |= endpoint.ready,
-            _ => unique.push(*endpoint),
-        }
-    }
+    held_slots(endpoints, per_backend)
+        .into_iter()
+        .enumerate()
+        .map(|(index, held)| Slot {
+            slot: index + 1,
+            endpoint: held.map_or(PLACEHOLDER, |e| e.endpoint).to_owned(),
+            enabled: held.is_some_and(|e| e.ready),
+        })
+        .collect()
+}
+
+/// [`assign`] without a `String` per slot: what each slot holds, in slot order.
+fn held_slots<'a>(endpoints: &[Endpoint<'a>], per_backend: usize) -> Vec<Option<Endpoint<'a>>> {
+    let mut unique: Vec<Endpoint<'a>> = endpoints.to_vec();
+    unique.sort_unstable_by(|a, b| a.endpoint.cmp(b.endpoint).then(b.ready.cmp(&a.ready)));
+    // Sorted by text, a ready listing first: the first of equal endpoints says whether it is
+    // ready in either listing.
+    unique.dedup_by(|later, first| later.endpoint == first.endpoint);
     let count = slot_count(unique.len(), per_backend);
     unique.truncate(count);
     let modulus = u64::try_from(count).unwrap_or(u64::MAX);
-    let mut preferred: Vec<(usize, Endpoint<'_>)> = unique
+    let mut preferred: Vec<(usize, Endpoint<'a>)> = unique
         .into_iter()
         .map(|e| {
             let slot = usize::try_from(fnv1a(e.endpoint) % modulus).unwrap_or(0);
             (slot, e)
         })
         .collect();
-    preferred.sort_by(|(a, x), (b, y)| a.cmp(b).then(x.endpoint.cmp(y.endpoint)));
-    let mut slots: Vec<Option<Endpoint<'_>>> = vec![None; count];
+    preferred.sort_unstable_by(|(a, x), (b, y)| a.cmp(b).then(x.endpoint.cmp(y.endpoint)));
+    let mut slots: Vec<Option<Endpoint<'a>>> = vec![None; count];
     for (first, endpoint) in preferred {
         // There are at least as many slots as endpoints: a free one exists.
         if let Some(free) = (0..count)
@@ -122,14 +131,6 @@ pub fn assign(endpoints: &[Endpoint<'_>], per_backend: usize) -> Vec<Slot> {
         }
     }
     slots
-        .into_iter()
-        .enumerate()
-        .map(|(index, held)| Slot {
-            slot: index + 1,
-            endpoint: held.map_or(PLACEHOLDER, |e| e.endpoint).to_owned(),
-            enabled: held.is_some_and(|e| e.ready),
-        })
-        .collect()
 }
 
 /// The `server` lines of a backend's slots, one per slot, each on a line of its own after a
@@ -145,15 +146,15 @@ pub fn server_lines(
     check: bool,
     cookie: bool,
 ) -> String {
-    let slots = assign(endpoints, per_backend);
-    let mut out = String::with_capacity(slots.len() * (40 + options.len()));
-    for slot in &slots {
+    let slots = held_slots(endpoints, per_backend);
+    let mut out = String::with_capacity(slots.len() * (48 + options.len()));
+    for (index, held) in slots.iter().enumerate() {
         out.push_str("\n    server s");
-        push_number(&mut out, slot.slot);
+        push_number(&mut out, index + 1);
         out.push(' ');
-        out.push_str(&slot.endpoint);
+        out.push_str(held.map_or(PLACEHOLDER, |e| e.endpoint));
         out.push_str(options);
-        if !slot.enabled {
+        if !held.is_some_and(|e| e.ready) {
             out.push_str(" disabled");
         }
         if check {
@@ -161,7 +162,7 @@ pub fn server_lines(
         }
         if cookie {
             out.push_str(" cookie s");
-            push_number(&mut out, slot.slot);
+            push_number(&mut out, index + 1);
         }
     }
     out
@@ -183,15 +184,22 @@ fn push_number(out: &mut String, mut n: usize) {
 }
 
 /// The endpoint rows of a template value: `endpoint` and `ready` (ready unless it says false).
+/// Rows that are not maps or have no `endpoint` text are left out. The fields are found by a
+/// scan of the row (a few keys: cheaper than hashing the name, this runs per backend).
 fn endpoint_rows(rows: &[Value]) -> Vec<Endpoint<'_>> {
     rows.iter()
         .filter_map(|row| {
+            let (mut endpoint, mut ready) = (None, true);
+            for (key, value) in row.as_map()? {
+                match key.as_str() {
+                    Some("endpoint") => endpoint = value.as_str(),
+                    Some("ready") => ready = value.as_bool().unwrap_or(true),
+                    _ => {}
+                }
+            }
             Some(Endpoint {
-                endpoint: row.get_from_path("endpoint")?.as_str()?,
-                ready: row
-                    .get_from_path("ready")
-                    .and_then(Value::as_bool)
-                    .unwrap_or(true),
+                endpoint: endpoint?,
+                ready,
             })
         })
         .collect()

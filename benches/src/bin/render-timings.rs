@@ -57,7 +57,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fixtures = fixtures::generate(n);
     let mut stores = reference::stores()?;
     fixtures.load(&mut stores)?;
-    drop(renderer.render(&stores)?);
+    // The set's checksum: a template or engine change that should give the same bytes must
+    // print the same one.
+    println!("checksum {}", renderer.render(&stores)?.checksum_hex());
     let mut per_output: BTreeMap<String, Vec<Duration>> = BTreeMap::new();
     let mut totals = Vec::new();
     let mut phases: BTreeMap<&str, Vec<Duration>> = BTreeMap::new();

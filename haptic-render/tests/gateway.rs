@@ -1239,6 +1239,147 @@ fn http_route_multiple_gateways() {
     }
 }
 
+/// GatewayWithAttachedRoutes: a listener counts the routes attached to it, and only those. Its
+/// allowedRoutes select namespaces on `kubernetes.io/metadata.name` (set by the API server on
+/// every namespace); a route whose hostnames miss the listener's is not accepted and not
+/// counted; an HTTPS listener whose certificate Secret is missing is not programmed and still
+/// counts the route attached to it, whose missing backend leaves its refs unresolved.
+#[test]
+fn gateway_with_attached_routes() {
+    let mut w = world(&["infra-backend-v1"]);
+    let (one, two, tls) = (free_port(), free_port(), free_port());
+    let from_infra = json!({"kinds": [{"kind": "HTTPRoute"}],
+        "namespaces": {"from": "Selector",
+            "selector": {"matchLabels": {"kubernetes.io/metadata.name": NS}}}});
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "gateway-with-one-attached-route",
+            json!([{"name": "http", "port": one, "protocol": "HTTP", "allowedRoutes": from_infra}]),
+        ),
+    );
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "gateway-with-two-attached-routes",
+            json!([{"name": "http", "port": two, "protocol": "HTTP", "hostname": "foo.example.com",
+                "allowedRoutes": from_infra}]),
+        ),
+    );
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "unresolved-gateway-with-one-attached-unresolved-route",
+            json!([{"name": "tls", "port": tls, "protocol": "HTTPS", "allowedRoutes": from_infra,
+                "tls": {"mode": "Terminate",
+                    "certificateRefs": [{"group": "", "kind": "Secret", "name": "does-not-exist"}]}}]),
+        ),
+    );
+    let parent = |gateway: &str| json!({"kind": "Gateway", "name": gateway, "namespace": NS});
+    w.route(route(
+        "http-route-1",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [parent("gateway-with-one-attached-route")],
+               "rules": [{"backendRefs": to("infra-backend-v1")}]}),
+    ));
+    // Not in the selected namespace: not attached (not upstream's; it shows the selector
+    // selects).
+    w.route(route_in(
+        "web",
+        "http-route-other-namespace",
+        json!({"parentRefs": [parent("gateway-with-one-attached-route")],
+               "rules": [{"backendRefs": to("infra-backend-v1")}]}),
+    ));
+    for name in ["http-route-2", "http-route-3"] {
+        w.route(route(
+            name,
+            "2026-01-01T00:00:00Z",
+            json!({"parentRefs": [parent("gateway-with-two-attached-routes")],
+                   "rules": [{"backendRefs": to("infra-backend-v1")}]}),
+        ));
+    }
+    w.route(route(
+        "http-route-not-accepted",
+        "2026-01-01T00:00:00Z",
+        json!({"hostnames": ["not-accepted.test.com"],
+               "parentRefs": [parent("gateway-with-two-attached-routes")],
+               "rules": [{"backendRefs": to("infra-backend-v1")}]}),
+    ));
+    let mut unresolved = parent("unresolved-gateway-with-one-attached-unresolved-route");
+    unresolved["sectionName"] = json!("tls");
+    w.route(route(
+        "http-route-4",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [unresolved],
+               "rules": [{"backendRefs": [{"name": "does-not-exist", "port": 8080}]}]}),
+    ));
+    let f = w.serve(one);
+    let listener = |gateway: &str| {
+        let listeners = f.status("Gateway", gateway, "listeners");
+        assert_eq!(listeners.as_array().unwrap().len(), 1, "{gateway}");
+        assert_eq!(
+            listeners[0]["supportedKinds"],
+            json!([{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute"}]),
+            "{gateway}"
+        );
+        (
+            listeners[0]["attachedRoutes"].as_i64().unwrap(),
+            conditions(&listeners[0]["conditions"]),
+        )
+    };
+
+    let (attached, got) = listener("gateway-with-one-attached-route");
+    assert_eq!(attached, 1);
+    for want in ["Accepted=True/Accepted", "ResolvedRefs=True/ResolvedRefs"] {
+        assert!(got.contains(&want.to_owned()), "{want}: {got:?}");
+    }
+    assert_eq!(
+        conditions(
+            &f.status("HTTPRoute", "http-route-other-namespace", "parents")[0]["conditions"]
+        )[0],
+        "Accepted=False/NotAllowedByListeners"
+    );
+    assert_eq!(
+        get(one, "any.example", "/", &[]).backend(),
+        "infra-backend-v1"
+    );
+
+    let (attached, got) = listener("gateway-with-two-attached-routes");
+    assert_eq!(attached, 2);
+    for want in ["Accepted=True/Accepted", "ResolvedRefs=True/ResolvedRefs"] {
+        assert!(got.contains(&want.to_owned()), "{want}: {got:?}");
+    }
+    assert_eq!(
+        f.parent_conditions("http-route-not-accepted")[0],
+        "Accepted=False/NoMatchingListenerHostname"
+    );
+    assert_eq!(
+        get(two, "foo.example.com", "/", &[]).backend(),
+        "infra-backend-v1"
+    );
+    assert_eq!(get(two, "not-accepted.test.com", "/", &[]).backend(), "404");
+
+    let (attached, got) = listener("unresolved-gateway-with-one-attached-unresolved-route");
+    assert_eq!(attached, 1);
+    for want in ["Programmed=False/", "ResolvedRefs=False/"] {
+        assert!(got.iter().any(|c| c.starts_with(want)), "{want}: {got:?}");
+    }
+    assert_eq!(
+        f.parent_conditions("http-route-4"),
+        [
+            "Accepted=True/Accepted",
+            "ResolvedRefs=False/BackendNotFound"
+        ]
+    );
+    assert!(
+        TcpStream::connect(("127.0.0.1", tls)).is_err(),
+        "a listener without its certificate is not served"
+    );
+}
+
 /// The listener conditions of an HTTPS listener `https` whose certificateRefs are `refs`,
 /// beside an HTTP listener the test's HAProxy is awaited on.
 fn https_listener_conditions(w: &mut World, refs: Json) -> Vec<String> {

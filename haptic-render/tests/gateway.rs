@@ -1894,6 +1894,144 @@ fn https_body(port: u16, host: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// `GET https://host:port/` through curl with SNI = Host, the certificate not checked by curl:
+/// the status (0 when the handshake failed), the body and the PEM of the certificates the
+/// server sent.
+fn https_get(port: u16, host: &str) -> (u16, String, String) {
+    const MARK: &str = "\n--haptic-status--";
+    let out = Command::new("curl")
+        .args(["-sk", "--max-time", "10", "--resolve"])
+        .arg(format!("{host}:{port}:127.0.0.1"))
+        .arg("-w")
+        .arg(format!("{MARK}%{{http_code}}\n%{{certs}}"))
+        .arg(format!("https://{host}:{port}/"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, rest) = text.rsplit_once(MARK).unwrap_or((&text, ""));
+    let (code, certs) = rest.split_once('\n').unwrap_or((rest, ""));
+    (code.parse().unwrap_or(0), body.to_owned(), certs.to_owned())
+}
+
+/// HTTPRouteHTTPSListener: four HTTPS listeners on one port sharing a certificate for `*`,
+/// `*.org` and `*.wildcard.org`; a route for example.org on the Gateway and a route without
+/// hostnames bound to the listener `https-with-hostname` (second-example.org). Over TLS, with
+/// SNI = Host and the certificate the Secret holds: example.org reaches v1, second-example.org
+/// v2, and unknown-example.org, which the hostless listener takes and no route matches, 404.
+#[test]
+fn http_route_https_listener() {
+    let mut w = world(&["infra-backend-v1", "infra-backend-v2"]);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec![
+        "*".to_owned(),
+        "*.org".to_owned(),
+        "*.wildcard.org".to_owned(),
+    ])
+    .unwrap()
+    .self_signed(&key)
+    .unwrap();
+    let b64 = |t: &str| {
+        use base64::Engine as _;
+        base64::engine::general_purpose::STANDARD.encode(t)
+    };
+    apply(
+        &mut w.stores,
+        "secrets",
+        json!({"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"namespace": NS, "name": "tls-validity-checks-certificate"},
+            "type": "kubernetes.io/tls",
+            "data": {"tls.crt": b64(&cert.pem()), "tls.key": b64(&key.serialize_pem())}}),
+    );
+    let port = free_port();
+    let listener = |name: &str, hostname: Option<&str>| {
+        let mut l = json!({"name": name, "port": port, "protocol": "HTTPS",
+            "allowedRoutes": {"namespaces": {"from": "Same"}},
+            "tls": {"certificateRefs": [{"group": "", "kind": "Secret",
+                "name": "tls-validity-checks-certificate", "namespace": NS}]}});
+        if let Some(h) = hostname {
+            l["hostname"] = json!(h);
+        }
+        l
+    };
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "same-namespace-with-https-listener",
+            json!([
+                listener("https", None),
+                listener("https-with-hostname", Some("second-example.org")),
+                listener("https-with-wildcard-hostname", Some("*.wildcard.org")),
+                listener(
+                    "https-with-hostname-matching-wildcard",
+                    Some("fourth-example.wildcard.org")
+                ),
+            ]),
+        ),
+    );
+    w.route(route(
+        "httproute-https-test",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "same-namespace-with-https-listener"}],
+               "hostnames": ["example.org"],
+               "rules": [{"backendRefs": to("infra-backend-v1")}]}),
+    ));
+    w.route(route(
+        "httproute-https-test-no-hostname",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "same-namespace-with-https-listener",
+                               "sectionName": "https-with-hostname"}],
+               "rules": [{"backendRefs": to("infra-backend-v2")}]}),
+    ));
+    let f = w.serve(port);
+    for r in ["httproute-https-test", "httproute-https-test-no-hostname"] {
+        assert_eq!(
+            f.parent_conditions(r),
+            ["Accepted=True/Accepted", "ResolvedRefs=True/ResolvedRefs"],
+            "{r}"
+        );
+    }
+    let listeners = f.status("Gateway", "same-namespace-with-https-listener", "listeners");
+    assert_eq!(listeners.as_array().unwrap().len(), 4);
+    for l in listeners.as_array().unwrap() {
+        let got = conditions(&l["conditions"]);
+        for want in [
+            "Accepted=True/Accepted",
+            "ResolvedRefs=True/ResolvedRefs",
+            "Programmed=True/Programmed",
+        ] {
+            assert!(
+                got.contains(&want.to_owned()),
+                "{}: {want}: {got:?}",
+                l["name"]
+            );
+        }
+    }
+    let squeeze = |pem: &str| pem.split_whitespace().collect::<String>();
+    for (host, status, backend) in [
+        ("example.org", 200, "infra-backend-v1"),
+        ("unknown-example.org", 404, ""),
+        ("second-example.org", 200, "infra-backend-v2"),
+    ] {
+        let (got, body, certs) = https_get(port, host);
+        assert_eq!(got, status, "{host}: {body}");
+        if status == 200 {
+            assert!(
+                body.starts_with(&format!("backend={backend} path=/\n")),
+                "{host}: {body}"
+            );
+            assert!(
+                body.to_lowercase().contains(&format!("host: {host}")),
+                "{host}: {body}"
+            );
+        }
+        assert!(
+            squeeze(&certs).contains(&squeeze(&cert.pem())),
+            "{host}: the server's certificate is not the Secret's: {certs}"
+        );
+    }
+}
+
 /// ingress-nginx's ssl-passthrough next to an HTTPS listener on the Ingress frontend's port:
 /// the hosts the listener covers stay the Gateway's (terminated, routed by its HTTPRoute),
 /// whatever an Ingress asks; the Ingress's other hosts are passed through.

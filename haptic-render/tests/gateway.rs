@@ -1541,8 +1541,9 @@ fn http_route_service_types() {
 }
 
 /// Extended: URLRewrite with a hostname (HTTPRouteRewriteHost) and ReplaceFullPath
-/// (HTTPRouteRewritePath's full-path cases); ReplacePrefixMatch is not supported: the route is
-/// not accepted (UnsupportedValue) rather than routed otherwise than it says.
+/// (HTTPRouteRewritePath's full-path cases). A path modifier of a type not supported, or a
+/// ReplacePrefixMatch in a rule without exactly one PathPrefix match (the API's rule), leaves
+/// the route not accepted (UnsupportedValue) rather than routed otherwise than it says.
 #[test]
 fn http_route_rewrite_host_and_full_path() {
     let mut w = world(&["infra-backend-v1"]);
@@ -1558,14 +1559,39 @@ fn http_route_rewrite_host_and_full_path() {
              "backendRefs": to("infra-backend-v1")},
         ]}),
     ));
-    w.route(route(
-        "prefix",
-        "2026-01-01T00:00:00Z",
-        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["prefix.example"], "rules": [
-            {"filters": [{"type": "URLRewrite", "urlRewrite": {"path": {"type": "ReplacePrefixMatch", "replacePrefixMatch": "/x"}}}],
-             "backendRefs": to("infra-backend-v1")},
-        ]}),
-    ));
+    let prefix_x = json!({"type": "ReplacePrefixMatch", "replacePrefixMatch": "/x"});
+    let unsupported = [
+        (
+            "prefix-of-exact",
+            json!([{"path": {"type": "Exact", "value": "/a"}}]),
+            json!({"type": "URLRewrite", "urlRewrite": {"path": prefix_x}}),
+        ),
+        (
+            "prefix-of-two",
+            json!([{"path": {"type": "PathPrefix", "value": "/a"}},
+                   {"path": {"type": "PathPrefix", "value": "/b"}}]),
+            json!({"type": "URLRewrite", "urlRewrite": {"path": prefix_x}}),
+        ),
+        (
+            "redirect-prefix-of-exact",
+            json!([{"path": {"type": "Exact", "value": "/a"}}]),
+            json!({"type": "RequestRedirect", "requestRedirect": {"path": prefix_x}}),
+        ),
+        (
+            "unknown-path-type",
+            json!([{"path": {"type": "PathPrefix", "value": "/a"}}]),
+            json!({"type": "URLRewrite", "urlRewrite": {"path": {"type": "ReplaceRegexMatch"}}}),
+        ),
+    ];
+    for (name, matches, filter) in &unsupported {
+        w.route(route(
+            name,
+            "2026-01-01T00:00:00Z",
+            json!({"parentRefs": [{"name": "gw"}], "hostnames": [format!("{name}.example")],
+                "rules": [{"matches": matches, "filters": [filter],
+                           "backendRefs": to("infra-backend-v1")}]}),
+        ));
+    }
     let f = w.front();
     let a = get(f.port, "rewrite.example", "/one/two", &[]);
     assert_eq!(a.backend(), "infra-backend-v1");
@@ -1579,11 +1605,254 @@ fn http_route_rewrite_host_and_full_path() {
         "{}",
         a.body
     );
+    for (name, ..) in &unsupported {
+        assert_eq!(
+            f.parent_conditions(name)[0],
+            "Accepted=False/UnsupportedValue",
+            "{name}"
+        );
+        assert_eq!(f.to(&format!("{name}.example"), "/a"), "404", "{name}");
+    }
+}
+
+/// The path (with its query) the backend received, from the echo's first line.
+fn received_path(a: &Answer) -> String {
+    a.body
+        .lines()
+        .next()
+        .and_then(|l| l.split_once(" path="))
+        .map(|(_, p)| p.to_owned())
+        .unwrap_or_default()
+}
+
+/// Extended, HTTPRouteRewritePath (upstream's manifest and cases, and the spec's table of
+/// ReplacePrefixMatch): the matched prefix replaced segment-wise, a trailing `/` of the prefix
+/// or the replacement ignored, `/` or nothing as the replacement strips the prefix (never
+/// leaving an empty path), the query kept; ReplaceFullPath replaces the whole path; the
+/// headers of a RequestHeaderModifier in the same rule modified too.
+#[test]
+fn http_route_rewrite_path() {
+    let mut w = world(&["infra-backend-v1"]);
+    let prefix = |value: &str, with: &str| {
+        json!({"matches": [{"path": {"type": "PathPrefix", "value": value}}],
+            "filters": [{"type": "URLRewrite", "urlRewrite": {"path": {"type": "ReplacePrefixMatch", "replacePrefixMatch": with}}}],
+            "backendRefs": to("infra-backend-v1")})
+    };
+    let full = |value: &str, with: &str| {
+        json!({"matches": [{"path": {"type": "PathPrefix", "value": value}}],
+            "filters": [{"type": "URLRewrite", "urlRewrite": {"path": {"type": "ReplaceFullPath", "replaceFullPath": with}}}],
+            "backendRefs": to("infra-backend-v1")})
+    };
+    let headers = json!({"type": "RequestHeaderModifier", "requestHeaderModifier": {
+        "set": [{"name": "X-Header-Set", "value": "set-overwrites-values"}],
+        "add": [{"name": "X-Header-Add", "value": "header-val-1"},
+                {"name": "X-Header-Add-Append", "value": "header-val-2"}],
+        "remove": ["X-Header-Remove"]}});
+    let mut full_and_headers = full("/full/rewrite-path-and-modify-headers", "/test");
+    full_and_headers["filters"]
+        .as_array_mut()
+        .unwrap()
+        .push(headers.clone());
+    let mut prefix_and_headers = prefix("/prefix/rewrite-path-and-modify-headers", "/prefix");
+    prefix_and_headers["filters"]
+        .as_array_mut()
+        .unwrap()
+        .push(headers);
+    w.route(route(
+        "rewrite-path",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [
+            prefix("/prefix/one", "/one"),
+            prefix("/strip-prefix", "/"),
+            full("/full/one", "/one"),
+            full_and_headers,
+            prefix_and_headers,
+        ]}),
+    ));
+    // The spec's table: prefix /foo or /foo/, replacement /xyz, /xyz/, empty or /.
+    w.route(route(
+        "rewrite-prefix-table",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["table.example"], "rules": [
+            prefix("/foo", "/xyz"),
+            prefix("/foo-slash/", "/xyz/"),
+            prefix("/empty", ""),
+            prefix("/slash", "/"),
+        ]}),
+    ));
+    // The prefix `/`: the replacement goes before the whole path.
+    w.route(route(
+        "rewrite-root",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["root.example"], "rules": [
+            prefix("/", "/bar"),
+        ]}),
+    ));
+    let f = w.front();
+    for r in ["rewrite-path", "rewrite-prefix-table", "rewrite-root"] {
+        assert_eq!(
+            f.parent_conditions(r),
+            ["Accepted=True/Accepted", "ResolvedRefs=True/ResolvedRefs"],
+            "{r}"
+        );
+    }
+    for (host, path, want) in [
+        ("example.com", "/prefix/one/two", "/one/two"),
+        ("example.com", "/prefix/one", "/one"),
+        ("example.com", "/strip-prefix/three?q=1", "/three?q=1"),
+        ("example.com", "/strip-prefix", "/"),
+        ("example.com", "/full/one/two", "/one"),
+        ("example.com", "/full/one/two?q=1", "/one?q=1"),
+        ("table.example", "/foo/bar", "/xyz/bar"),
+        ("table.example", "/foo", "/xyz"),
+        ("table.example", "/foo/", "/xyz/"),
+        ("table.example", "/foo?a=b", "/xyz?a=b"),
+        ("table.example", "/foo/bar?a=b", "/xyz/bar?a=b"),
+        ("table.example", "/foo-slash/bar", "/xyz/bar"),
+        ("table.example", "/foo-slash", "/xyz"),
+        ("table.example", "/empty/bar", "/bar"),
+        ("table.example", "/empty/", "/"),
+        ("table.example", "/empty", "/"),
+        ("table.example", "/empty?a=b", "/?a=b"),
+        ("table.example", "/slash/bar", "/bar"),
+        ("table.example", "/slash/", "/"),
+        ("table.example", "/slash", "/"),
+        ("root.example", "/x/y", "/bar/x/y"),
+        ("root.example", "/", "/bar/"),
+    ] {
+        let a = get(f.port, host, path, &[]);
+        assert_eq!(a.backend(), "infra-backend-v1", "{host}{path}: {}", a.body);
+        assert_eq!(received_path(&a), want, "{host}{path}");
+    }
+    // Not the prefix segment-wise: not this rule's.
+    assert_eq!(f.to("table.example", "/foobar"), "404");
+    for path in [
+        "/full/rewrite-path-and-modify-headers/test",
+        "/prefix/rewrite-path-and-modify-headers/one",
+    ] {
+        let a = get(
+            f.port,
+            "example.com",
+            path,
+            &[
+                ("X-Header-Remove", "remove-val"),
+                ("X-Header-Add-Append", "append-val-1"),
+                ("X-Header-Set", "set-val"),
+            ],
+        );
+        let want = if path.starts_with("/full") {
+            "/test"
+        } else {
+            "/prefix/one"
+        };
+        assert_eq!(received_path(&a), want, "{path}");
+        let received = a.body.to_lowercase();
+        for line in [
+            "x-header-add: header-val-1",
+            "x-header-add-append: append-val-1",
+            "x-header-add-append: header-val-2",
+            "x-header-set: set-overwrites-values",
+        ] {
+            assert!(received.contains(line), "{path}: {line}: {received}");
+        }
+        assert!(!received.contains("x-header-remove"), "{path}: {received}");
+        assert!(!received.contains("set-val\n"), "{path}: {received}");
+    }
+}
+
+/// Extended, HTTPRouteRedirectPath (upstream's manifest and cases): the Location of a
+/// RequestRedirect with ReplacePrefixMatch has the matched prefix replaced (the query kept),
+/// with ReplaceFullPath the path given; its host and status as the filter says; the request's
+/// host and the listener's port otherwise.
+#[test]
+fn http_route_redirect_path() {
+    let mut w = world(&["infra-backend-v1"]);
+    let rule = |value: &str, redirect: Json| {
+        json!({"matches": [{"path": {"type": "PathPrefix", "value": value}}],
+            "filters": [{"type": "RequestRedirect", "requestRedirect": redirect}]})
+    };
+    let prefix = json!({"type": "ReplacePrefixMatch", "replacePrefixMatch": "/replacement-prefix"});
+    let full = |p: &str| json!({"type": "ReplaceFullPath", "replaceFullPath": p});
+    w.route(route(
+        "redirect-path",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [
+            rule("/original-prefix", json!({"path": prefix})),
+            rule("/full", json!({"path": full("/full-path-replacement")})),
+            rule("/path-and-host", json!({"hostname": "example.org", "path": prefix})),
+            rule("/path-and-status", json!({"path": prefix, "statusCode": 301})),
+            rule("/full-path-and-host", json!({"hostname": "example.org", "path": full("/replacement-full")})),
+            rule("/full-path-and-status", json!({"path": full("/replacement-full"), "statusCode": 301})),
+            rule("/strip", json!({"path": {"type": "ReplacePrefixMatch", "replacePrefixMatch": "/"}})),
+        ]}),
+    ));
+    let f = w.front();
     assert_eq!(
-        f.parent_conditions("prefix")[0],
-        "Accepted=False/UnsupportedValue"
+        f.parent_conditions("redirect-path"),
+        ["Accepted=True/Accepted", "ResolvedRefs=True/ResolvedRefs"]
     );
-    assert_eq!(f.to("prefix.example", "/"), "404");
+    let port = f.port;
+    for (path, status, location) in [
+        (
+            "/original-prefix/lemon",
+            302,
+            format!("http://example.com:{port}/replacement-prefix/lemon"),
+        ),
+        (
+            "/original-prefix",
+            302,
+            format!("http://example.com:{port}/replacement-prefix"),
+        ),
+        (
+            "/original-prefix/lemon?q=1",
+            302,
+            format!("http://example.com:{port}/replacement-prefix/lemon?q=1"),
+        ),
+        (
+            "/original-prefix?q=1",
+            302,
+            format!("http://example.com:{port}/replacement-prefix?q=1"),
+        ),
+        (
+            "/full/path/original",
+            302,
+            format!("http://example.com:{port}/full-path-replacement"),
+        ),
+        (
+            "/path-and-host",
+            302,
+            format!("http://example.org:{port}/replacement-prefix"),
+        ),
+        (
+            "/path-and-status",
+            301,
+            format!("http://example.com:{port}/replacement-prefix"),
+        ),
+        (
+            "/full-path-and-host",
+            302,
+            format!("http://example.org:{port}/replacement-full"),
+        ),
+        (
+            "/full-path-and-status",
+            301,
+            format!("http://example.com:{port}/replacement-full"),
+        ),
+        ("/strip/x", 302, format!("http://example.com:{port}/x")),
+        ("/strip", 302, format!("http://example.com:{port}/")),
+    ] {
+        let a = get(port, "example.com", path, &[]);
+        assert_eq!(a.status, status, "{path}: {}", a.head);
+        let got = a
+            .head
+            .lines()
+            .find_map(|l| {
+                l.split_once(':')
+                    .filter(|(k, _)| k.eq_ignore_ascii_case("location"))
+            })
+            .map(|(_, v)| v.trim().to_owned());
+        assert_eq!(got.as_deref(), Some(location.as_str()), "{path}");
+    }
 }
 
 /// The reference stores, the gateway view reserving `reserved` and knowing the Ingress

@@ -1239,6 +1239,147 @@ fn http_route_multiple_gateways() {
     }
 }
 
+/// GatewayWithAttachedRoutes: a listener counts the routes attached to it, and only those. Its
+/// allowedRoutes select namespaces on `kubernetes.io/metadata.name` (set by the API server on
+/// every namespace); a route whose hostnames miss the listener's is not accepted and not
+/// counted; an HTTPS listener whose certificate Secret is missing is not programmed and still
+/// counts the route attached to it, whose missing backend leaves its refs unresolved.
+#[test]
+fn gateway_with_attached_routes() {
+    let mut w = world(&["infra-backend-v1"]);
+    let (one, two, tls) = (free_port(), free_port(), free_port());
+    let from_infra = json!({"kinds": [{"kind": "HTTPRoute"}],
+        "namespaces": {"from": "Selector",
+            "selector": {"matchLabels": {"kubernetes.io/metadata.name": NS}}}});
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "gateway-with-one-attached-route",
+            json!([{"name": "http", "port": one, "protocol": "HTTP", "allowedRoutes": from_infra}]),
+        ),
+    );
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "gateway-with-two-attached-routes",
+            json!([{"name": "http", "port": two, "protocol": "HTTP", "hostname": "foo.example.com",
+                "allowedRoutes": from_infra}]),
+        ),
+    );
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "unresolved-gateway-with-one-attached-unresolved-route",
+            json!([{"name": "tls", "port": tls, "protocol": "HTTPS", "allowedRoutes": from_infra,
+                "tls": {"mode": "Terminate",
+                    "certificateRefs": [{"group": "", "kind": "Secret", "name": "does-not-exist"}]}}]),
+        ),
+    );
+    let parent = |gateway: &str| json!({"kind": "Gateway", "name": gateway, "namespace": NS});
+    w.route(route(
+        "http-route-1",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [parent("gateway-with-one-attached-route")],
+               "rules": [{"backendRefs": to("infra-backend-v1")}]}),
+    ));
+    // Not in the selected namespace: not attached (not upstream's; it shows the selector
+    // selects).
+    w.route(route_in(
+        "web",
+        "http-route-other-namespace",
+        json!({"parentRefs": [parent("gateway-with-one-attached-route")],
+               "rules": [{"backendRefs": to("infra-backend-v1")}]}),
+    ));
+    for name in ["http-route-2", "http-route-3"] {
+        w.route(route(
+            name,
+            "2026-01-01T00:00:00Z",
+            json!({"parentRefs": [parent("gateway-with-two-attached-routes")],
+                   "rules": [{"backendRefs": to("infra-backend-v1")}]}),
+        ));
+    }
+    w.route(route(
+        "http-route-not-accepted",
+        "2026-01-01T00:00:00Z",
+        json!({"hostnames": ["not-accepted.test.com"],
+               "parentRefs": [parent("gateway-with-two-attached-routes")],
+               "rules": [{"backendRefs": to("infra-backend-v1")}]}),
+    ));
+    let mut unresolved = parent("unresolved-gateway-with-one-attached-unresolved-route");
+    unresolved["sectionName"] = json!("tls");
+    w.route(route(
+        "http-route-4",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [unresolved],
+               "rules": [{"backendRefs": [{"name": "does-not-exist", "port": 8080}]}]}),
+    ));
+    let f = w.serve(one);
+    let listener = |gateway: &str| {
+        let listeners = f.status("Gateway", gateway, "listeners");
+        assert_eq!(listeners.as_array().unwrap().len(), 1, "{gateway}");
+        assert_eq!(
+            listeners[0]["supportedKinds"],
+            json!([{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute"}]),
+            "{gateway}"
+        );
+        (
+            listeners[0]["attachedRoutes"].as_i64().unwrap(),
+            conditions(&listeners[0]["conditions"]),
+        )
+    };
+
+    let (attached, got) = listener("gateway-with-one-attached-route");
+    assert_eq!(attached, 1);
+    for want in ["Accepted=True/Accepted", "ResolvedRefs=True/ResolvedRefs"] {
+        assert!(got.contains(&want.to_owned()), "{want}: {got:?}");
+    }
+    assert_eq!(
+        conditions(
+            &f.status("HTTPRoute", "http-route-other-namespace", "parents")[0]["conditions"]
+        )[0],
+        "Accepted=False/NotAllowedByListeners"
+    );
+    assert_eq!(
+        get(one, "any.example", "/", &[]).backend(),
+        "infra-backend-v1"
+    );
+
+    let (attached, got) = listener("gateway-with-two-attached-routes");
+    assert_eq!(attached, 2);
+    for want in ["Accepted=True/Accepted", "ResolvedRefs=True/ResolvedRefs"] {
+        assert!(got.contains(&want.to_owned()), "{want}: {got:?}");
+    }
+    assert_eq!(
+        f.parent_conditions("http-route-not-accepted")[0],
+        "Accepted=False/NoMatchingListenerHostname"
+    );
+    assert_eq!(
+        get(two, "foo.example.com", "/", &[]).backend(),
+        "infra-backend-v1"
+    );
+    assert_eq!(get(two, "not-accepted.test.com", "/", &[]).backend(), "404");
+
+    let (attached, got) = listener("unresolved-gateway-with-one-attached-unresolved-route");
+    assert_eq!(attached, 1);
+    for want in ["Programmed=False/", "ResolvedRefs=False/"] {
+        assert!(got.iter().any(|c| c.starts_with(want)), "{want}: {got:?}");
+    }
+    assert_eq!(
+        f.parent_conditions("http-route-4"),
+        [
+            "Accepted=True/Accepted",
+            "ResolvedRefs=False/BackendNotFound"
+        ]
+    );
+    assert!(
+        TcpStream::connect(("127.0.0.1", tls)).is_err(),
+        "a listener without its certificate is not served"
+    );
+}
+
 /// The listener conditions of an HTTPS listener `https` whose certificateRefs are `refs`,
 /// beside an HTTP listener the test's HAProxy is awaited on.
 fn https_listener_conditions(w: &mut World, refs: Json) -> Vec<String> {
@@ -1400,8 +1541,9 @@ fn http_route_service_types() {
 }
 
 /// Extended: URLRewrite with a hostname (HTTPRouteRewriteHost) and ReplaceFullPath
-/// (HTTPRouteRewritePath's full-path cases); ReplacePrefixMatch is not supported: the route is
-/// not accepted (UnsupportedValue) rather than routed otherwise than it says.
+/// (HTTPRouteRewritePath's full-path cases). A path modifier of a type not supported, or a
+/// ReplacePrefixMatch in a rule without exactly one PathPrefix match (the API's rule), leaves
+/// the route not accepted (UnsupportedValue) rather than routed otherwise than it says.
 #[test]
 fn http_route_rewrite_host_and_full_path() {
     let mut w = world(&["infra-backend-v1"]);
@@ -1417,14 +1559,39 @@ fn http_route_rewrite_host_and_full_path() {
              "backendRefs": to("infra-backend-v1")},
         ]}),
     ));
-    w.route(route(
-        "prefix",
-        "2026-01-01T00:00:00Z",
-        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["prefix.example"], "rules": [
-            {"filters": [{"type": "URLRewrite", "urlRewrite": {"path": {"type": "ReplacePrefixMatch", "replacePrefixMatch": "/x"}}}],
-             "backendRefs": to("infra-backend-v1")},
-        ]}),
-    ));
+    let prefix_x = json!({"type": "ReplacePrefixMatch", "replacePrefixMatch": "/x"});
+    let unsupported = [
+        (
+            "prefix-of-exact",
+            json!([{"path": {"type": "Exact", "value": "/a"}}]),
+            json!({"type": "URLRewrite", "urlRewrite": {"path": prefix_x}}),
+        ),
+        (
+            "prefix-of-two",
+            json!([{"path": {"type": "PathPrefix", "value": "/a"}},
+                   {"path": {"type": "PathPrefix", "value": "/b"}}]),
+            json!({"type": "URLRewrite", "urlRewrite": {"path": prefix_x}}),
+        ),
+        (
+            "redirect-prefix-of-exact",
+            json!([{"path": {"type": "Exact", "value": "/a"}}]),
+            json!({"type": "RequestRedirect", "requestRedirect": {"path": prefix_x}}),
+        ),
+        (
+            "unknown-path-type",
+            json!([{"path": {"type": "PathPrefix", "value": "/a"}}]),
+            json!({"type": "URLRewrite", "urlRewrite": {"path": {"type": "ReplaceRegexMatch"}}}),
+        ),
+    ];
+    for (name, matches, filter) in &unsupported {
+        w.route(route(
+            name,
+            "2026-01-01T00:00:00Z",
+            json!({"parentRefs": [{"name": "gw"}], "hostnames": [format!("{name}.example")],
+                "rules": [{"matches": matches, "filters": [filter],
+                           "backendRefs": to("infra-backend-v1")}]}),
+        ));
+    }
     let f = w.front();
     let a = get(f.port, "rewrite.example", "/one/two", &[]);
     assert_eq!(a.backend(), "infra-backend-v1");
@@ -1438,11 +1605,254 @@ fn http_route_rewrite_host_and_full_path() {
         "{}",
         a.body
     );
+    for (name, ..) in &unsupported {
+        assert_eq!(
+            f.parent_conditions(name)[0],
+            "Accepted=False/UnsupportedValue",
+            "{name}"
+        );
+        assert_eq!(f.to(&format!("{name}.example"), "/a"), "404", "{name}");
+    }
+}
+
+/// The path (with its query) the backend received, from the echo's first line.
+fn received_path(a: &Answer) -> String {
+    a.body
+        .lines()
+        .next()
+        .and_then(|l| l.split_once(" path="))
+        .map(|(_, p)| p.to_owned())
+        .unwrap_or_default()
+}
+
+/// Extended, HTTPRouteRewritePath (upstream's manifest and cases, and the spec's table of
+/// ReplacePrefixMatch): the matched prefix replaced segment-wise, a trailing `/` of the prefix
+/// or the replacement ignored, `/` or nothing as the replacement strips the prefix (never
+/// leaving an empty path), the query kept; ReplaceFullPath replaces the whole path; the
+/// headers of a RequestHeaderModifier in the same rule modified too.
+#[test]
+fn http_route_rewrite_path() {
+    let mut w = world(&["infra-backend-v1"]);
+    let prefix = |value: &str, with: &str| {
+        json!({"matches": [{"path": {"type": "PathPrefix", "value": value}}],
+            "filters": [{"type": "URLRewrite", "urlRewrite": {"path": {"type": "ReplacePrefixMatch", "replacePrefixMatch": with}}}],
+            "backendRefs": to("infra-backend-v1")})
+    };
+    let full = |value: &str, with: &str| {
+        json!({"matches": [{"path": {"type": "PathPrefix", "value": value}}],
+            "filters": [{"type": "URLRewrite", "urlRewrite": {"path": {"type": "ReplaceFullPath", "replaceFullPath": with}}}],
+            "backendRefs": to("infra-backend-v1")})
+    };
+    let headers = json!({"type": "RequestHeaderModifier", "requestHeaderModifier": {
+        "set": [{"name": "X-Header-Set", "value": "set-overwrites-values"}],
+        "add": [{"name": "X-Header-Add", "value": "header-val-1"},
+                {"name": "X-Header-Add-Append", "value": "header-val-2"}],
+        "remove": ["X-Header-Remove"]}});
+    let mut full_and_headers = full("/full/rewrite-path-and-modify-headers", "/test");
+    full_and_headers["filters"]
+        .as_array_mut()
+        .unwrap()
+        .push(headers.clone());
+    let mut prefix_and_headers = prefix("/prefix/rewrite-path-and-modify-headers", "/prefix");
+    prefix_and_headers["filters"]
+        .as_array_mut()
+        .unwrap()
+        .push(headers);
+    w.route(route(
+        "rewrite-path",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [
+            prefix("/prefix/one", "/one"),
+            prefix("/strip-prefix", "/"),
+            full("/full/one", "/one"),
+            full_and_headers,
+            prefix_and_headers,
+        ]}),
+    ));
+    // The spec's table: prefix /foo or /foo/, replacement /xyz, /xyz/, empty or /.
+    w.route(route(
+        "rewrite-prefix-table",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["table.example"], "rules": [
+            prefix("/foo", "/xyz"),
+            prefix("/foo-slash/", "/xyz/"),
+            prefix("/empty", ""),
+            prefix("/slash", "/"),
+        ]}),
+    ));
+    // The prefix `/`: the replacement goes before the whole path.
+    w.route(route(
+        "rewrite-root",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["root.example"], "rules": [
+            prefix("/", "/bar"),
+        ]}),
+    ));
+    let f = w.front();
+    for r in ["rewrite-path", "rewrite-prefix-table", "rewrite-root"] {
+        assert_eq!(
+            f.parent_conditions(r),
+            ["Accepted=True/Accepted", "ResolvedRefs=True/ResolvedRefs"],
+            "{r}"
+        );
+    }
+    for (host, path, want) in [
+        ("example.com", "/prefix/one/two", "/one/two"),
+        ("example.com", "/prefix/one", "/one"),
+        ("example.com", "/strip-prefix/three?q=1", "/three?q=1"),
+        ("example.com", "/strip-prefix", "/"),
+        ("example.com", "/full/one/two", "/one"),
+        ("example.com", "/full/one/two?q=1", "/one?q=1"),
+        ("table.example", "/foo/bar", "/xyz/bar"),
+        ("table.example", "/foo", "/xyz"),
+        ("table.example", "/foo/", "/xyz/"),
+        ("table.example", "/foo?a=b", "/xyz?a=b"),
+        ("table.example", "/foo/bar?a=b", "/xyz/bar?a=b"),
+        ("table.example", "/foo-slash/bar", "/xyz/bar"),
+        ("table.example", "/foo-slash", "/xyz"),
+        ("table.example", "/empty/bar", "/bar"),
+        ("table.example", "/empty/", "/"),
+        ("table.example", "/empty", "/"),
+        ("table.example", "/empty?a=b", "/?a=b"),
+        ("table.example", "/slash/bar", "/bar"),
+        ("table.example", "/slash/", "/"),
+        ("table.example", "/slash", "/"),
+        ("root.example", "/x/y", "/bar/x/y"),
+        ("root.example", "/", "/bar/"),
+    ] {
+        let a = get(f.port, host, path, &[]);
+        assert_eq!(a.backend(), "infra-backend-v1", "{host}{path}: {}", a.body);
+        assert_eq!(received_path(&a), want, "{host}{path}");
+    }
+    // Not the prefix segment-wise: not this rule's.
+    assert_eq!(f.to("table.example", "/foobar"), "404");
+    for path in [
+        "/full/rewrite-path-and-modify-headers/test",
+        "/prefix/rewrite-path-and-modify-headers/one",
+    ] {
+        let a = get(
+            f.port,
+            "example.com",
+            path,
+            &[
+                ("X-Header-Remove", "remove-val"),
+                ("X-Header-Add-Append", "append-val-1"),
+                ("X-Header-Set", "set-val"),
+            ],
+        );
+        let want = if path.starts_with("/full") {
+            "/test"
+        } else {
+            "/prefix/one"
+        };
+        assert_eq!(received_path(&a), want, "{path}");
+        let received = a.body.to_lowercase();
+        for line in [
+            "x-header-add: header-val-1",
+            "x-header-add-append: append-val-1",
+            "x-header-add-append: header-val-2",
+            "x-header-set: set-overwrites-values",
+        ] {
+            assert!(received.contains(line), "{path}: {line}: {received}");
+        }
+        assert!(!received.contains("x-header-remove"), "{path}: {received}");
+        assert!(!received.contains("set-val\n"), "{path}: {received}");
+    }
+}
+
+/// Extended, HTTPRouteRedirectPath (upstream's manifest and cases): the Location of a
+/// RequestRedirect with ReplacePrefixMatch has the matched prefix replaced (the query kept),
+/// with ReplaceFullPath the path given; its host and status as the filter says; the request's
+/// host and the listener's port otherwise.
+#[test]
+fn http_route_redirect_path() {
+    let mut w = world(&["infra-backend-v1"]);
+    let rule = |value: &str, redirect: Json| {
+        json!({"matches": [{"path": {"type": "PathPrefix", "value": value}}],
+            "filters": [{"type": "RequestRedirect", "requestRedirect": redirect}]})
+    };
+    let prefix = json!({"type": "ReplacePrefixMatch", "replacePrefixMatch": "/replacement-prefix"});
+    let full = |p: &str| json!({"type": "ReplaceFullPath", "replaceFullPath": p});
+    w.route(route(
+        "redirect-path",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [
+            rule("/original-prefix", json!({"path": prefix})),
+            rule("/full", json!({"path": full("/full-path-replacement")})),
+            rule("/path-and-host", json!({"hostname": "example.org", "path": prefix})),
+            rule("/path-and-status", json!({"path": prefix, "statusCode": 301})),
+            rule("/full-path-and-host", json!({"hostname": "example.org", "path": full("/replacement-full")})),
+            rule("/full-path-and-status", json!({"path": full("/replacement-full"), "statusCode": 301})),
+            rule("/strip", json!({"path": {"type": "ReplacePrefixMatch", "replacePrefixMatch": "/"}})),
+        ]}),
+    ));
+    let f = w.front();
     assert_eq!(
-        f.parent_conditions("prefix")[0],
-        "Accepted=False/UnsupportedValue"
+        f.parent_conditions("redirect-path"),
+        ["Accepted=True/Accepted", "ResolvedRefs=True/ResolvedRefs"]
     );
-    assert_eq!(f.to("prefix.example", "/"), "404");
+    let port = f.port;
+    for (path, status, location) in [
+        (
+            "/original-prefix/lemon",
+            302,
+            format!("http://example.com:{port}/replacement-prefix/lemon"),
+        ),
+        (
+            "/original-prefix",
+            302,
+            format!("http://example.com:{port}/replacement-prefix"),
+        ),
+        (
+            "/original-prefix/lemon?q=1",
+            302,
+            format!("http://example.com:{port}/replacement-prefix/lemon?q=1"),
+        ),
+        (
+            "/original-prefix?q=1",
+            302,
+            format!("http://example.com:{port}/replacement-prefix?q=1"),
+        ),
+        (
+            "/full/path/original",
+            302,
+            format!("http://example.com:{port}/full-path-replacement"),
+        ),
+        (
+            "/path-and-host",
+            302,
+            format!("http://example.org:{port}/replacement-prefix"),
+        ),
+        (
+            "/path-and-status",
+            301,
+            format!("http://example.com:{port}/replacement-prefix"),
+        ),
+        (
+            "/full-path-and-host",
+            302,
+            format!("http://example.org:{port}/replacement-full"),
+        ),
+        (
+            "/full-path-and-status",
+            301,
+            format!("http://example.com:{port}/replacement-full"),
+        ),
+        ("/strip/x", 302, format!("http://example.com:{port}/x")),
+        ("/strip", 302, format!("http://example.com:{port}/")),
+    ] {
+        let a = get(port, "example.com", path, &[]);
+        assert_eq!(a.status, status, "{path}: {}", a.head);
+        let got = a
+            .head
+            .lines()
+            .find_map(|l| {
+                l.split_once(':')
+                    .filter(|(k, _)| k.eq_ignore_ascii_case("location"))
+            })
+            .map(|(_, v)| v.trim().to_owned());
+        assert_eq!(got.as_deref(), Some(location.as_str()), "{path}");
+    }
 }
 
 /// The reference stores, the gateway view reserving `reserved` and knowing the Ingress
@@ -1751,6 +2161,144 @@ fn https_body(port: u16, host: &str) -> String {
         .output()
         .unwrap();
     String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `GET https://host:port/` through curl with SNI = Host, the certificate not checked by curl:
+/// the status (0 when the handshake failed), the body and the PEM of the certificates the
+/// server sent.
+fn https_get(port: u16, host: &str) -> (u16, String, String) {
+    const MARK: &str = "\n--haptic-status--";
+    let out = Command::new("curl")
+        .args(["-sk", "--max-time", "10", "--resolve"])
+        .arg(format!("{host}:{port}:127.0.0.1"))
+        .arg("-w")
+        .arg(format!("{MARK}%{{http_code}}\n%{{certs}}"))
+        .arg(format!("https://{host}:{port}/"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, rest) = text.rsplit_once(MARK).unwrap_or((&text, ""));
+    let (code, certs) = rest.split_once('\n').unwrap_or((rest, ""));
+    (code.parse().unwrap_or(0), body.to_owned(), certs.to_owned())
+}
+
+/// HTTPRouteHTTPSListener: four HTTPS listeners on one port sharing a certificate for `*`,
+/// `*.org` and `*.wildcard.org`; a route for example.org on the Gateway and a route without
+/// hostnames bound to the listener `https-with-hostname` (second-example.org). Over TLS, with
+/// SNI = Host and the certificate the Secret holds: example.org reaches v1, second-example.org
+/// v2, and unknown-example.org, which the hostless listener takes and no route matches, 404.
+#[test]
+fn http_route_https_listener() {
+    let mut w = world(&["infra-backend-v1", "infra-backend-v2"]);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec![
+        "*".to_owned(),
+        "*.org".to_owned(),
+        "*.wildcard.org".to_owned(),
+    ])
+    .unwrap()
+    .self_signed(&key)
+    .unwrap();
+    let b64 = |t: &str| {
+        use base64::Engine as _;
+        base64::engine::general_purpose::STANDARD.encode(t)
+    };
+    apply(
+        &mut w.stores,
+        "secrets",
+        json!({"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"namespace": NS, "name": "tls-validity-checks-certificate"},
+            "type": "kubernetes.io/tls",
+            "data": {"tls.crt": b64(&cert.pem()), "tls.key": b64(&key.serialize_pem())}}),
+    );
+    let port = free_port();
+    let listener = |name: &str, hostname: Option<&str>| {
+        let mut l = json!({"name": name, "port": port, "protocol": "HTTPS",
+            "allowedRoutes": {"namespaces": {"from": "Same"}},
+            "tls": {"certificateRefs": [{"group": "", "kind": "Secret",
+                "name": "tls-validity-checks-certificate", "namespace": NS}]}});
+        if let Some(h) = hostname {
+            l["hostname"] = json!(h);
+        }
+        l
+    };
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway(
+            "same-namespace-with-https-listener",
+            json!([
+                listener("https", None),
+                listener("https-with-hostname", Some("second-example.org")),
+                listener("https-with-wildcard-hostname", Some("*.wildcard.org")),
+                listener(
+                    "https-with-hostname-matching-wildcard",
+                    Some("fourth-example.wildcard.org")
+                ),
+            ]),
+        ),
+    );
+    w.route(route(
+        "httproute-https-test",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "same-namespace-with-https-listener"}],
+               "hostnames": ["example.org"],
+               "rules": [{"backendRefs": to("infra-backend-v1")}]}),
+    ));
+    w.route(route(
+        "httproute-https-test-no-hostname",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "same-namespace-with-https-listener",
+                               "sectionName": "https-with-hostname"}],
+               "rules": [{"backendRefs": to("infra-backend-v2")}]}),
+    ));
+    let f = w.serve(port);
+    for r in ["httproute-https-test", "httproute-https-test-no-hostname"] {
+        assert_eq!(
+            f.parent_conditions(r),
+            ["Accepted=True/Accepted", "ResolvedRefs=True/ResolvedRefs"],
+            "{r}"
+        );
+    }
+    let listeners = f.status("Gateway", "same-namespace-with-https-listener", "listeners");
+    assert_eq!(listeners.as_array().unwrap().len(), 4);
+    for l in listeners.as_array().unwrap() {
+        let got = conditions(&l["conditions"]);
+        for want in [
+            "Accepted=True/Accepted",
+            "ResolvedRefs=True/ResolvedRefs",
+            "Programmed=True/Programmed",
+        ] {
+            assert!(
+                got.contains(&want.to_owned()),
+                "{}: {want}: {got:?}",
+                l["name"]
+            );
+        }
+    }
+    let squeeze = |pem: &str| pem.split_whitespace().collect::<String>();
+    for (host, status, backend) in [
+        ("example.org", 200, "infra-backend-v1"),
+        ("unknown-example.org", 404, ""),
+        ("second-example.org", 200, "infra-backend-v2"),
+    ] {
+        let (got, body, certs) = https_get(port, host);
+        assert_eq!(got, status, "{host}: {body}");
+        if status == 200 {
+            assert!(
+                body.starts_with(&format!("backend={backend} path=/\n")),
+                "{host}: {body}"
+            );
+            assert!(
+                body.to_lowercase().contains(&format!("host: {host}")),
+                "{host}: {body}"
+            );
+        }
+        assert!(
+            squeeze(&certs).contains(&squeeze(&cert.pem())),
+            "{host}: the server's certificate is not the Secret's: {certs}"
+        );
+    }
 }
 
 /// ingress-nginx's ssl-passthrough next to an HTTPS listener on the Ingress frontend's port:

@@ -332,6 +332,61 @@ fn is_plain_path(path: &str) -> bool {
     path.starts_with('/') && is_config_token(path) && quotable(path) && !path.contains('%')
 }
 
+/// The path modifier of a URLRewrite or RequestRedirect filter.
+#[derive(Debug, Clone)]
+enum PathModifier {
+    /// ReplaceFullPath: the path as given.
+    Full(String),
+    /// ReplacePrefixMatch: the replacement without its trailing slash (so `/` and the empty
+    /// replacement are both empty): it takes the place of the matched prefix, which the path
+    /// has up to a `/` or its end.
+    Prefix(String),
+}
+
+impl PathModifier {
+    /// A filter's `path` (none: `Ok(None)`), or why it is not supported. Paths are written
+    /// into `haproxy.cfg` as given, so only plain ones (no `%`, quote, space or `#`) are taken;
+    /// a prefix may also be replaced by nothing.
+    fn parse(path: Option<&Json>) -> Result<Option<Self>, String> {
+        let Some(path) = path.filter(|p| !p.is_null()) else {
+            return Ok(None);
+        };
+        match s(path, "/type") {
+            "ReplaceFullPath" if is_plain_path(s(path, "/replaceFullPath")) => {
+                Ok(Some(Self::Full(s(path, "/replaceFullPath").to_owned())))
+            }
+            "ReplacePrefixMatch"
+                if matches!(s(path, "/replacePrefixMatch"), "" | "/")
+                    || is_plain_path(s(path, "/replacePrefixMatch")) =>
+            {
+                Ok(Some(Self::Prefix(
+                    s(path, "/replacePrefixMatch")
+                        .trim_end_matches('/')
+                        .to_owned(),
+                )))
+            }
+            t @ ("ReplaceFullPath" | "ReplacePrefixMatch") => {
+                Err(format!("path {t}: only a plain path is supported"))
+            }
+            other => Err(format!("path type {other:?} is not supported")),
+        }
+    }
+
+    /// What the template writes for a prefix replaced on a path whose first `len` bytes are
+    /// the matched prefix: `with` followed by the rest of the path, or `exact` when there is
+    /// no rest (never an empty path).
+    fn prefix_row(&self, len: usize) -> Json {
+        match self {
+            Self::Full(_) => Json::Null,
+            Self::Prefix(with) => json!({
+                "len": len,
+                "with": with,
+                "exact": if with.is_empty() { "/" } else { with.as_str() },
+            }),
+        }
+    }
+}
+
 /// A log-format string in single quotes: `%` doubled.
 fn log_format(text: &str) -> String {
     format!("'{}'", text.replace('%', "%%"))
@@ -442,8 +497,12 @@ struct Action {
     id: String,
     request_headers: Vec<Json>,
     response_headers: Vec<Json>,
+    /// RequestRedirect: `{location, code, base, prefix}`: the location, or with a replaced
+    /// prefix (`prefix`, as [`PathModifier::prefix_row`] writes it) the one of a path that is
+    /// the prefix alone, `base` the scheme, host and port.
     redirect: Option<Json>,
-    /// URLRewrite: `{host, path}` (either may be empty).
+    /// URLRewrite: `{host, path, prefix}` (host and a full path may be empty; `prefix`, a
+    /// replaced prefix, as [`PathModifier::prefix_row`] writes it, or null).
     rewrite: Option<Json>,
     /// `(weight, backend)`; no backend: that share answers 500.
     shares: Vec<(i64, Option<String>)>,
@@ -822,8 +881,10 @@ pub(super) fn resolve(
             shares: Vec<(i64, Option<String>)>,
             request_headers: Vec<Json>,
             response_headers: Vec<Json>,
-            redirect: Option<(Json, Option<i64>, Option<String>)>,
+            redirect: Option<(Json, Option<i64>, Option<PathModifier>)>,
             rewrite: Option<Json>,
+            /// The length of the rule's one PathPrefix match, for a ReplacePrefixMatch.
+            prefix_len: usize,
             matches: Vec<RuleMatch>,
         }
         let mut rules = Vec::new();
@@ -948,15 +1009,12 @@ pub(super) fn resolve(
                     "RequestRedirect" => {
                         let r = f.get("requestRedirect").cloned().unwrap_or(Json::Null);
                         let port = r.get("port").and_then(Json::as_i64);
-                        let path = match s(&r, "/path/type") {
-                            "" => None,
-                            "ReplaceFullPath" if is_plain_path(s(&r, "/path/replaceFullPath")) => {
-                                Some(s(&r, "/path/replaceFullPath").to_owned())
-                            }
-                            other => {
+                        let path = match PathModifier::parse(r.get("path")) {
+                            Ok(path) => path,
+                            Err(why) => {
                                 accepted_problem.get_or_insert((
                                     "UnsupportedValue",
-                                    format!("requestRedirect path {other} is not supported"),
+                                    format!("requestRedirect {why}"),
                                 ));
                                 None
                             }
@@ -974,27 +1032,23 @@ pub(super) fn resolve(
                             redirect = Some((r, port, path));
                         }
                     }
-                    // The hostname and a full path; a path is written as given, so only a
-                    // plain one (no `%`, quote, space or `#`) is taken.
+                    // The hostname and a path, full or the matched prefix replaced.
                     "URLRewrite" => {
                         let host = s(f, "/urlRewrite/hostname");
-                        let path = match s(f, "/urlRewrite/path/type") {
-                            "" => Some(""),
-                            "ReplaceFullPath"
-                                if is_plain_path(s(f, "/urlRewrite/path/replaceFullPath")) =>
-                            {
-                                Some(s(f, "/urlRewrite/path/replaceFullPath"))
+                        match PathModifier::parse(f.pointer("/urlRewrite/path")) {
+                            Ok(path) if host.is_empty() || is_hostname(host) => {
+                                rewrite = Some((host.to_owned(), path));
                             }
-                            _ => None,
-                        };
-                        match path {
-                            Some(path) if host.is_empty() || is_hostname(host) => {
-                                rewrite = Some(json!({"host": host, "path": path}));
-                            }
-                            _ => {
+                            Ok(_) => {
                                 accepted_problem.get_or_insert((
                                     "UnsupportedValue",
-                                    "urlRewrite: a hostname and ReplaceFullPath with a plain path are supported".to_owned(),
+                                    format!("urlRewrite hostname {host:?} is not a hostname"),
+                                ));
+                            }
+                            Err(why) => {
+                                accepted_problem.get_or_insert((
+                                    "UnsupportedValue",
+                                    format!("urlRewrite {why}"),
                                 ));
                             }
                         }
@@ -1059,12 +1113,46 @@ pub(super) fn resolve(
                 }
                 rule_matches.push((path, method, headers, queries));
             }
+            // ReplacePrefixMatch replaces the prefix of the rule's one PathPrefix match (the
+            // CRD asks for exactly one; none given is the default `PathPrefix /`); with any
+            // other matches the route is not accepted, as the API says.
+            let replaces_prefix = [
+                redirect.as_ref().and_then(|r| r.2.as_ref()),
+                rewrite.as_ref().and_then(|r| r.1.as_ref()),
+            ]
+            .into_iter()
+            .flatten()
+            .any(|p| matches!(p, PathModifier::Prefix(_)));
+            let prefix_len = match rule_matches.as_slice() {
+                [(PathMatch::Prefix(p), ..)] if given.len() <= 1 => p.len(),
+                _ => {
+                    if replaces_prefix {
+                        accepted_problem.get_or_insert((
+                            "UnsupportedValue",
+                            "ReplacePrefixMatch needs exactly one PathPrefix match in its rule"
+                                .to_owned(),
+                        ));
+                    }
+                    0
+                }
+            };
+            let rewrite = rewrite.map(|(host, path)| {
+                json!({
+                    "host": host,
+                    "path": match &path {
+                        Some(PathModifier::Full(p)) => p.as_str(),
+                        _ => "",
+                    },
+                    "prefix": path.map_or(Json::Null, |p| p.prefix_row(prefix_len)),
+                })
+            });
             rules.push(Rule {
                 shares,
                 request_headers,
                 response_headers,
                 redirect,
                 rewrite,
+                prefix_len,
                 matches: rule_matches,
             });
         }
@@ -1205,9 +1293,21 @@ pub(super) fn resolve(
                         }
                         .filter(|p| !matches!((scheme, *p), ("http", 80) | ("https", 443)));
                         let port = port.map_or(String::new(), |p| format!(":{p}"));
-                        let path = path.clone().unwrap_or_else(|| "%[pathq]".to_owned());
+                        let base = format!("{scheme}://{host}{port}");
+                        // A replaced prefix: the location without a rest of the path (the
+                        // template writes the others).
+                        let (path, prefix) = match path {
+                            None => ("%[pathq]".to_owned(), Json::Null),
+                            Some(PathModifier::Full(p)) => (p.clone(), Json::Null),
+                            Some(p @ PathModifier::Prefix(_)) => {
+                                let prefix = p.prefix_row(rule.prefix_len);
+                                (s(&prefix, "/exact").to_owned(), prefix)
+                            }
+                        };
                         json!({
-                            "location": format!("{scheme}://{host}{port}{path}"),
+                            "location": format!("{base}{path}"),
+                            "base": base,
+                            "prefix": prefix,
                             "code": r.get("statusCode").and_then(Json::as_i64).unwrap_or(302),
                         })
                     });

@@ -16,6 +16,7 @@ fn main() {
             "{{ r.origin | from }}",
             "{{ t.origin | from }}",
             "{{ b.origin | from }}",
+            "{{ row.origin | from }}",
         ] {
             text = text.replace(mark, "");
         }

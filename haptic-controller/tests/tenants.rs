@@ -139,8 +139,8 @@ fn spec_with_crt_options(
         .expect("tls-entries snippet")
         .template;
     let patched = snippet.replacen(
-        "{{ t.file }}",
-        "{{ t.file }}{% set ing = [\"ingresses\", t.namespace, t.ingress] | get %}\
+        "{{ row.file }}",
+        "{{ row.file }}{% set ing = [\"ingresses\", row.namespace, row.ingress] | get %}\
          {% if ing.metadata.annotations and ing.metadata.annotations[\"haptic.test/crt-options\"] %} \
          [{{ ing.metadata.annotations[\"haptic.test/crt-options\"] }}]{% endif %}",
         1,

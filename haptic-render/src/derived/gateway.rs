@@ -2371,16 +2371,27 @@ mod tests {
         // Most specific first.
         let order = [
             rank(&h("a.example.com"), &PathMatch::Prefix(String::new())),
+            rank(&h("a.example.com"), &PathMatch::Regex("/.*".into())),
             rank(&h("*.b.example.com"), &PathMatch::Exact("/".into())),
             rank(&h("*.example.com"), &PathMatch::Exact("/long/path".into())),
             rank(&h("*.example.com"), &PathMatch::Exact("/".into())),
             rank(&h("*.example.com"), &PathMatch::Prefix("/long".into())),
             rank(&h("*.example.com"), &PathMatch::Prefix(String::new())),
+            rank(&h("*.example.com"), &PathMatch::Regex("/.*".into())),
             rank(&Host::Any, &PathMatch::Exact("/x".into())),
             rank(&Host::Any, &PathMatch::Prefix("/foo".into())),
             rank(&Host::Any, &PathMatch::Prefix(String::new())),
+            rank(&Host::Any, &PathMatch::Regex("/.*".into())),
         ];
         assert!(order.windows(2).all(|w| w[0] < w[1]), "{order:?}");
+        // A regular expression comes after every path a map entry of its host can have, and
+        // before every one of a less specific host (a host one character shorter: the next
+        // host rank).
+        let regex = rank(&h("a.example.com"), &PathMatch::Regex("/x".into()));
+        let shorter = h("xexample.com");
+        assert!(
+            rank(&shorter, &PathMatch::Exact("/".repeat(super::MAP_PATH_LIMIT))) > regex
+        );
         // The same class and length: the same rank (a request matches one of them only).
         assert_eq!(
             rank(&h("a.com"), &PathMatch::Prefix("/ab".into())),

@@ -2390,7 +2390,10 @@ mod tests {
         let regex = rank(&h("a.example.com"), &PathMatch::Regex("/x".into()));
         let shorter = h("xexample.com");
         assert!(
-            rank(&shorter, &PathMatch::Exact("/".repeat(super::MAP_PATH_LIMIT))) > regex
+            rank(
+                &shorter,
+                &PathMatch::Exact("/".repeat(super::MAP_PATH_LIMIT))
+            ) > regex
         );
         // The same class and length: the same rank (a request matches one of them only).
         assert_eq!(

@@ -2395,7 +2395,8 @@ fn a_narrower_http_route_match_on_an_ingress_path_is_no_conflict() {
         json!({"parentRefs": [{"name": "gw"}], "hostnames": ["shop.example"], "rules": [
             {"matches": [{"path": {"type": "PathPrefix", "value": "/app"},
                           "headers": [{"name": "x-canary", "value": "yes"}]},
-                         {"path": {"type": "Exact", "value": "/app"}}],
+                         {"path": {"type": "Exact", "value": "/app"}},
+                         {"path": {"type": "RegularExpression", "value": "/app/v[0-9]+"}}],
              "backendRefs": to("infra-backend-v1")},
         ]}),
     ));
@@ -2407,6 +2408,9 @@ fn a_narrower_http_route_match_on_an_ingress_path_is_no_conflict() {
     assert_eq!(f.to("shop.example", "/app/x"), "infra-backend-v2");
     // Exact /app is the route's (tried before the Ingress maps), Prefix /app the Ingress's.
     assert_eq!(f.to("shop.example", "/app"), "infra-backend-v1");
+    // A regular expression claims no Ingress path: tried before the Ingress maps.
+    assert_eq!(f.to("shop.example", "/app/v2"), "infra-backend-v1");
+    assert_eq!(f.to("shop.example", "/app/vx"), "infra-backend-v2");
     assert!(f.events.is_empty(), "{:?}", f.events);
 }
 

@@ -611,6 +611,70 @@ fn http_route_regular_expression_header_matching() {
     assert_eq!(at("_~@<> !%;"), "infra-backend-v1");
 }
 
+/// HAProxy reads at most 64 words a line: a match with the most conditions the API allows (16
+/// header and 16 query parameter matches, here half of them regular expressions, and a
+/// method) is written over several lines, and holds when all its conditions do, only then.
+#[test]
+fn a_match_of_every_condition_the_api_allows_holds_only_when_all_do() {
+    let mut w = world(&["infra-backend-v1", "infra-backend-v2"]);
+    let kind = |i: usize| {
+        if i.is_multiple_of(2) {
+            "Exact"
+        } else {
+            "RegularExpression"
+        }
+    };
+    let headers: Vec<Json> = (0..16)
+        .map(|i| json!({"type": kind(i), "name": format!("h{i}"), "value": format!("v{i}")}))
+        .collect();
+    let queries: Vec<Json> = (0..16)
+        .map(|i| json!({"type": kind(i), "name": format!("q{i}"), "value": format!("v{i}")}))
+        .collect();
+    w.route(route(
+        "many",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["many.example"], "rules": [
+            {"matches": [{"path": {"type": "Exact", "value": "/x"}, "method": "GET",
+                          "headers": headers, "queryParams": queries}],
+             "backendRefs": to("infra-backend-v1")},
+            {"backendRefs": to("infra-backend-v2")},
+        ]}),
+    ));
+    // Rendered and checked by `haproxy -c` (serve_on): the lines load.
+    let f = w.front();
+    assert_eq!(
+        f.parent_conditions("many"),
+        ["Accepted=True/Accepted", "ResolvedRefs=True/ResolvedRefs"]
+    );
+    let names: Vec<String> = (0..16).map(|i| format!("h{i}")).collect();
+    let values: Vec<String> = (0..16).map(|i| format!("v{i}")).collect();
+    let all: Vec<(&str, &str)> = names
+        .iter()
+        .zip(&values)
+        .map(|(n, v)| (n.as_str(), v.as_str()))
+        .collect();
+    let query = |skip: Option<usize>| {
+        let q: Vec<String> = (0..16)
+            .filter(|i| Some(*i) != skip)
+            .map(|i| format!("q{i}=v{i}"))
+            .collect();
+        format!("/x?{}", q.join("&"))
+    };
+    let at =
+        |path: &str, headers: &[(&str, &str)]| get(f.port, "many.example", path, headers).backend();
+    assert_eq!(at(&query(None), &all), "infra-backend-v1");
+    // Any condition missing, in any of the lines: not this match.
+    for skip in [0, 6, 7, 13, 15] {
+        let mut some = all.clone();
+        some.remove(skip);
+        assert_eq!(at(&query(None), &some), "infra-backend-v2", "h{skip}");
+        assert_eq!(at(&query(Some(skip)), &all), "infra-backend-v2", "q{skip}");
+    }
+    assert_eq!(at("/y", &all), "infra-backend-v2");
+    // The next request on its own is judged afresh.
+    assert_eq!(at(&query(None), &all), "infra-backend-v1");
+}
+
 /// A regular expression is text of a route written into haproxy.cfg: one the PCRE2 subset
 /// does not take (it could end the word or the line, or HAProxy could refuse to compile it)
 /// leaves its route not accepted (UnsupportedValue, naming the field), written nowhere; the

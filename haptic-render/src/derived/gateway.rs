@@ -515,20 +515,54 @@ impl MatchRow {
         )
     }
 
-    fn condition(&self) -> String {
-        let mut c = self.host.condition();
-        c.push_str(&self.path.condition());
+    /// The ACL terms of the match (each `{ ... }`), ANDed.
+    fn terms(&self) -> Vec<String> {
+        let mut c = vec![self.host.condition(), self.path.condition()];
         if let Some(m) = &self.method {
-            c.push_str(&format!(" {{ method {m} }}"));
+            c.push(format!(" {{ method {m} }}"));
         }
         for (name, value) in &self.headers {
-            c.push_str(&value.condition(&format!("req.hdr({name})")));
+            c.push(value.condition(&format!("req.hdr({name})")));
         }
         for (name, value) in &self.queries {
-            c.push_str(&value.condition(&format!("url_param({name})")));
+            c.push(value.condition(&format!("url_param({name})")));
         }
-        c
+        c.into_iter()
+            .filter(|t| !t.is_empty())
+            .map(|t| t.trim_start().to_owned())
+            .collect()
     }
+}
+
+/// The most ACL terms (of at most 7 words each) one line of a match holds: HAProxy reads at
+/// most 64 words a line, and the first line of a match has 13 words besides its terms
+/// (snippet gateway-rules; a further line, 3 and the `||` between terms).
+const TERMS_PER_LINE: usize = 7;
+
+/// A match's terms as the template writes them: the first line's (` t1 t2 ...`), and for each
+/// further line those of a chunk negated and ORed (` !t8 || !t9 ...`): the further lines
+/// unset the mark the first one set when one of their terms does not hold, so the match holds
+/// when all do, however many terms it has (16 header and 16 query parameter matches, listener
+/// hostnames a more specific listener takes).
+fn lines(terms: &[String]) -> (String, Vec<Value>) {
+    let mut chunks = terms.chunks(TERMS_PER_LINE);
+    let first = chunks
+        .next()
+        .unwrap_or_default()
+        .iter()
+        .map(|t| format!(" {t}"))
+        .collect();
+    let negate = |t: &String| {
+        t.strip_prefix('!')
+            .map_or_else(|| format!("!{t}"), str::to_owned)
+    };
+    let more = chunks
+        .map(|c| {
+            let negated: Vec<String> = c.iter().map(|t| format!(" {}", negate(t))).collect();
+            Value::from(negated.join(" ||"))
+        })
+        .collect();
+    (first, more)
 }
 
 /// What a rule does, once per listener port it is served on.
@@ -1613,7 +1647,7 @@ pub(super) fn resolve(
         // answers for a host a more specific listener takes, even when none of that
         // listener's routes matches.) The ACLs say it all: no template line is needed.
         let hosts = listener_hosts.remove(&port).unwrap_or_default();
-        let mut unless: HashMap<&Host, String> = HashMap::new();
+        let mut unless: HashMap<&Host, Vec<String>> = HashMap::new();
         // On the Ingress frontend's own port, a match without method, header or query
         // conditions claims its host and path as an Ingress path does.
         let shared = (port == i64::from(ports_config.ingress.http) && !https)
@@ -1627,16 +1661,16 @@ pub(super) fn resolve(
                     hosts
                         .iter()
                         .filter(|h| *h != &m.listener && m.listener.covers_host(h))
-                        .map(|h| format!(" !{}", h.condition().trim_start()))
-                        .collect()
+                        .map(|h| format!("!{}", h.condition().trim_start()))
+                        .collect::<Vec<_>>()
                 });
                 let rank = rank(&m.host, &m.path);
                 // A map hit of a strictly better host and path goes first; with the same host
                 // and path, this match (it has conditions, or it is the older) does.
-                let condition = format!(
-                    "{}{not_theirs} !{{ var(txn.gwmaprank) -m int lt {rank} }}",
-                    m.condition()
-                );
+                let mut terms = m.terms();
+                terms.extend(not_theirs.iter().cloned());
+                terms.push(format!("!{{ var(txn.gwmaprank) -m int lt {rank} }}"));
+                let (condition, more) = lines(&terms);
                 let action = &actions[m.action];
                 let unconditioned = m.unconditioned();
                 let claim = (shared && unconditioned)
@@ -1670,6 +1704,7 @@ pub(super) fn resolve(
                 FrontMatch {
                     row: super::row([
                         ("condition", Value::from(condition)),
+                        ("more", Value::from(more)),
                         ("action", Value::from(action.id.as_str())),
                         ("origin", origin(route_store, &m.origin.0, &m.origin.1)),
                     ]),

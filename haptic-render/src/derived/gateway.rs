@@ -12,11 +12,15 @@
 //!
 //! Precedence of matches on one port (the HTTPRoute spec's order, hostname first): an exact
 //! hostname, then wildcard hostnames longest first, then no hostname; then an Exact path, then
-//! the longest PathPrefix; a method match; more header matches; more query parameter matches;
-//! the oldest route; the route first by `namespace/name`; the first rule and match in list order.
-//! HAProxy tries the matches in that order and takes the first that matches.
+//! the longest PathPrefix, then a RegularExpression path (implementation-specific: after the
+//! Exact paths and prefixes of its host, not by length); a method match; more header matches;
+//! more query parameter matches; the oldest route; the route first by `namespace/name`; the
+//! first rule and match in list order. HAProxy tries the matches in that order and takes the
+//! first that matches. Regular expressions are a conservative PCRE2 subset (`derived/pcre.rs`),
+//! anchored.
 //!
-//! A match without method, header or query conditions whose rule has no filter and one
+//! A match without method, header or query conditions whose path is Exact or a prefix, whose
+//! rule has no filter and one
 //! backendRef of positive weight that resolves is a map entry instead (`map_exact`,
 //! `map_prefix`: `<port>/<listener hostname>/<host><path>` to `<rank> <backend>`), so adding,
 //! removing or retargeting such a route changes map lines only. The frontend looks the maps up
@@ -261,11 +265,11 @@ const MAP_PATH_LIMIT: usize = 4094;
 /// The rank of a match's host and path in the spec's precedence, as a number: lower goes
 /// first. The host (exact, then wildcards longest first, then none), then the path (Exact,
 /// then the longest prefix, then a regular expression), each by its own class and length
-/// only, so adding a match never
-/// renumbers another; it orders as `(Host::rank, PathMatch::rank)` do, lengths beyond what it
-/// tells apart (a host over 255, a path over [`MAP_PATH_LIMIT`] characters) counting as the
-/// longest. A map entry carries its rank (`<rank> <backend>`); a match that stays in
-/// `haproxy.cfg` yields to a map hit of a strictly lower rank.
+/// only, so adding a match never renumbers another; it orders as `(Host::rank,
+/// PathMatch::rank)` do, lengths beyond what it tells apart (a host over 255, a path over
+/// [`MAP_PATH_LIMIT`] characters) counting as the longest. A map entry carries its rank
+/// (`<rank> <backend>`); a match that stays in `haproxy.cfg` yields to a map hit of a
+/// strictly lower rank.
 fn rank(host: &Host, path: &PathMatch) -> u64 {
     let short = |len: usize, span: u64| span - 1 - (len as u64).min(span - 1);
     let host = match host {

@@ -24,8 +24,8 @@ pub(crate) const MAX_REPEAT: u64 = 1000;
 pub(crate) const MAX_DEPTH: usize = 32;
 
 /// An upper bound of the compiled size (in PCRE2 code units, counted generously: a class
-/// 40, a literal 4, a counted repeat its item that many times) a pattern may have. PCRE2 with
-/// its default link size refuses patterns over 65,535.
+/// 40, a literal 4, a repeated group as many times as it may repeat) a pattern may have.
+/// PCRE2 with its default link size refuses patterns over 65,535.
 const MAX_SIZE: u64 = 10_000;
 
 /// Why `re` is not a pattern of the subset, if it is not.
@@ -111,9 +111,15 @@ impl Parser<'_> {
                         ));
                     }
                     let (min, max) = self.quantifier()?;
-                    let copies = max.unwrap_or(min.saturating_add(1)).max(1);
-                    item.saturating_add(4)
-                        .saturating_mul(copies.saturating_add(1))
+                    if self.b[at] == b'(' {
+                        // PCRE2 writes a repeated group out as many times as it may repeat.
+                        let copies = max.unwrap_or(min.saturating_add(1)).max(1);
+                        item.saturating_add(4)
+                            .saturating_mul(copies.saturating_add(1))
+                    } else {
+                        // A character, class or escape repeated is one opcode with its counts.
+                        item.saturating_add(8)
+                    }
                 }
                 _ => item,
             };
@@ -323,6 +329,8 @@ mod tests {
             "[-a]|[a-]|[\\-\\]\\[]",
             "(?:a|b){2,}?",
             "x{0}y{3}z{1,1000}",
+            "[0-9]{1,1000}\\d{1000,}.{0,1000}",
+            "(ab){1,300}",
             "\\.\\*\\{\\}\\$\\^\\/\\\\",
             "\\bword\\B\\s\\S\\w\\W\\D",
             "[^/]*",
@@ -384,9 +392,13 @@ mod tests {
             "[\\b]",
             "((((((((((((((((((((((((((((((((((a))))))))))))))))))))))))))))))))))",
             "(([a-z]{1000}){1000})",
-            "[a][b][c][d][e][f][g][h][i][j][k][l][m][n][o][p][q][r][s][t][u][v][w][x][y][z][a][b][c][d][e][f][g][h][i][j][k][l][m][n][o][p][q][r][s][t][u][v][w][x][y][z]{200}",
+            "(ab){1000}",
+            "((a){100}){100}",
         ] {
             assert!(check(re).is_err(), "{re:?} should be refused");
         }
+        // Too large: 260 classes.
+        assert!(check(&"[ab]".repeat(260)).is_err());
+        assert_eq!(check(&"[ab]".repeat(200)), Ok(()));
     }
 }

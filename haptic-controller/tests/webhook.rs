@@ -831,13 +831,14 @@ async fn the_webhook_judges_gateways_and_http_routes_of_our_classes() {
         }
     };
 
-    // A RegularExpression path is valid but not supported: allowed, and the warning says what
-    // the route's status will. (Eventually: the Gateway API stores load after the CRDs.)
+    // A RegularExpression path the API takes and HAPTIC does not (unbalanced: HAProxy would not
+    // compile it): allowed, and the warning says what the route's status will. (Eventually: the
+    // Gateway API stores load after the CRDs.)
     let regex = route_json(
         "regex",
         "gw",
         "a.example",
-        json!({"type": "RegularExpression", "value": "/a.*"}),
+        json!({"type": "RegularExpression", "value": "/a("}),
     );
     let warnings = eventually(
         "the webhook warns about an unsupported match",
@@ -852,7 +853,7 @@ async fn the_webhook_judges_gateways_and_http_routes_of_our_classes() {
     assert_eq!(
         warnings,
         [
-            "HTTPRoute default/regex: parentRef Gateway default/gw: Accepted=False (UnsupportedValue): path match RegularExpression \"/a.*\" is not supported"
+            "HTTPRoute default/regex: parentRef Gateway default/gw: Accepted=False (UnsupportedValue): spec.rules[0].matches[0].path.value: RegularExpression \"/a(\" is not supported: '(' at 2 is not closed"
         ],
         "{}",
         controller.logs()

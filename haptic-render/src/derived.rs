@@ -115,6 +115,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 pub mod gateway;
+mod pcre;
 
 use serde::{Deserialize, Serialize};
 use tera::Value;

@@ -457,6 +457,331 @@ fn http_route_header_matching() {
     assert_eq!(f.with("/", &[("version", "three")]), "404");
 }
 
+/// Implementation-specific: RegularExpression paths, PCRE2 as HAProxy compiles it, matching the
+/// whole path (`^(?:<re>)$`; the query is not part of the path). The spec's order puts them
+/// after the Exact paths and prefixes of their host (map entries or lines of haproxy.cfg), and
+/// the host first: a regular expression of an exact host goes before a wildcard's prefix.
+#[test]
+fn http_route_regular_expression_path_matching() {
+    let mut w = world(&["infra-backend-v1", "infra-backend-v2", "infra-backend-v3"]);
+    let regex = |value: &str| json!({"path": {"type": "RegularExpression", "value": value}});
+    w.route(route(
+        "regex",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["regex.example"], "rules": [
+            {"matches": [regex("/api/v[0-9]+/tasks")], "backendRefs": to("infra-backend-v1")},
+            {"matches": [{"path": {"type": "Exact", "value": "/api/v2/tasks"}}],
+             "backendRefs": to("infra-backend-v2")},
+            {"matches": [{"path": {"type": "PathPrefix", "value": "/api/v3"}}],
+             "backendRefs": to("infra-backend-v3")},
+            // An Exact path with a header condition: a line of haproxy.cfg, before the regex.
+            {"matches": [{"path": {"type": "Exact", "value": "/api/v4/tasks"},
+                          "headers": [{"name": "x", "value": "y"}]}],
+             "backendRefs": to("infra-backend-v3")},
+            // A regex with a header condition goes before a plain one (more header matches).
+            {"matches": [{"path": {"type": "RegularExpression", "value": "/api/v[0-9]+/tasks"},
+                          "headers": [{"name": "x", "value": "z"}]}],
+             "backendRefs": to("infra-backend-v2")},
+            // The anchors of a pattern are allowed, and alternation stays inside the group.
+            {"matches": [regex("^/(one|two)\\.html$|/three")], "backendRefs": to("infra-backend-v2")},
+        ]}),
+    ));
+    // A less specific host's prefix comes after the exact host's regular expression.
+    w.route(route(
+        "wildcard",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["*.example"],
+            "rules": [{"backendRefs": to("infra-backend-v3")}]}),
+    ));
+    // The same host's `PathPrefix /` comes before its regular expressions.
+    w.route(route(
+        "catchall",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["catchall.example"], "rules": [
+            {"matches": [regex("/r[0-9]")], "backendRefs": to("infra-backend-v1")},
+            {"backendRefs": to("infra-backend-v2")},
+        ]}),
+    ));
+    let f = w.front();
+    assert_eq!(
+        f.parent_conditions("regex"),
+        ["Accepted=True/Accepted", "ResolvedRefs=True/ResolvedRefs"]
+    );
+    let to = |path: &str| f.to("regex.example", path);
+    assert_eq!(to("/api/v1/tasks"), "infra-backend-v1");
+    assert_eq!(to("/api/v10/tasks?q=1"), "infra-backend-v1");
+    // The whole path: nothing before or after.
+    assert_eq!(to("/api/v1/tasks/x"), "infra-backend-v3");
+    assert_eq!(to("/x/api/v1/tasks"), "infra-backend-v3");
+    assert_eq!(to("/api/vx/tasks"), "infra-backend-v3");
+    // Exact paths and prefixes of the host first, map entries or lines of haproxy.cfg.
+    assert_eq!(to("/api/v2/tasks"), "infra-backend-v2");
+    assert_eq!(to("/api/v3/tasks"), "infra-backend-v3");
+    assert_eq!(
+        get(f.port, "regex.example", "/api/v4/tasks", &[("x", "y")]).backend(),
+        "infra-backend-v3"
+    );
+    assert_eq!(to("/api/v4/tasks"), "infra-backend-v1");
+    assert_eq!(
+        get(f.port, "regex.example", "/api/v5/tasks", &[("x", "z")]).backend(),
+        "infra-backend-v2"
+    );
+    for path in ["/one.html", "/two.html", "/three"] {
+        assert_eq!(to(path), "infra-backend-v2", "{path}");
+    }
+    for path in ["/onexhtml", "/one.html/", "/threefold"] {
+        assert_eq!(to(path), "infra-backend-v3", "{path}");
+    }
+    assert_eq!(f.to("catchall.example", "/r1"), "infra-backend-v2");
+}
+
+/// Implementation-specific: RegularExpression header and query parameter matches, PCRE2 as
+/// HAProxy compiles it, matching the whole value (of each value of a header: `req.hdr`, as for
+/// Exact, splits at commas; a query parameter's value as sent, not decoded). Every pattern the
+/// subset takes loads (the set passes `haproxy -c`).
+#[test]
+fn http_route_regular_expression_header_matching() {
+    let mut w = world(&["infra-backend-v1", "infra-backend-v2", "infra-backend-v3"]);
+    let header = |name: &str, value: &str| json!({"type": "RegularExpression", "name": name, "value": value});
+    w.route(route(
+        "regex-headers",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "rules": [
+            {"matches": [{"headers": [{"name": "version", "value": "v2"}]}],
+             "backendRefs": to("infra-backend-v2")},
+            {"matches": [{"headers": [header("version", "v[0-9]+")]}], "backendRefs": to("infra-backend-v1")},
+            {"matches": [{"headers": [header("authorization", "Bearer [a-z]+")]}],
+             "backendRefs": to("infra-backend-v1")},
+            {"matches": [{"queryParams": [header("color", "red|blue")]}], "backendRefs": to("infra-backend-v3")},
+        ]}),
+    ));
+    // Patterns of every construct the subset takes, on a host of their own: they load.
+    let patterns = [
+        "^/admin/.+$",
+        "/users/\\d{1,6}(/profile)?",
+        "/(foo|bar)/[a-zA-Z_.-]*",
+        "[-a]|[a-]|[\\-\\]\\[]",
+        "(?:a|b){2,}?",
+        "x{0}y{3}z{1,1000}",
+        "[0-9]{1,1000}\\d{1000,}.{0,1000}",
+        "(ab){1,300}",
+        "\\.\\*\\{\\}\\$\\^\\/\\\\",
+        "\\bword\\B\\s\\S\\w\\W\\D",
+        "[^/]*",
+        "a||b|()",
+        "\\_\\~\\@\\<\\>\\ \\!\\%\\;",
+        "\\$\\{HOME\\}%\\[path\\]",
+    ];
+    w.route(route(
+        "patterns",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["patterns.example"], "rules": [
+            {"matches": patterns.iter().map(|p| json!({"headers": [header("x", p)]})).collect::<Vec<_>>(),
+             "backendRefs": to("infra-backend-v1")},
+        ]}),
+    ));
+    let f = w.front();
+    assert_eq!(
+        f.parent_conditions("regex-headers"),
+        ["Accepted=True/Accepted", "ResolvedRefs=True/ResolvedRefs"]
+    );
+    assert_eq!(
+        f.parent_conditions("patterns"),
+        ["Accepted=True/Accepted", "ResolvedRefs=True/ResolvedRefs"]
+    );
+    assert_eq!(f.with("/", &[("Version", "v1")]), "infra-backend-v1");
+    assert_eq!(f.with("/", &[("version", "v123")]), "infra-backend-v1");
+    // The Exact match's rule comes first (as many header matches; list order).
+    assert_eq!(f.with("/", &[("version", "v2")]), "infra-backend-v2");
+    // The whole value.
+    assert_eq!(f.with("/", &[("version", "v1x")]), "404");
+    assert_eq!(f.with("/", &[("version", "xv1")]), "404");
+    assert_eq!(
+        f.with("/", &[("authorization", "Bearer abc")]),
+        "infra-backend-v1"
+    );
+    assert_eq!(f.with("/", &[("authorization", "Bearer ABC")]), "404");
+    assert_eq!(f.with("/?color=blue", &[]), "infra-backend-v3");
+    assert_eq!(f.with("/?a=1&color=red", &[]), "infra-backend-v3");
+    assert_eq!(f.with("/?color=redish", &[]), "404");
+    // What single quotes keep literal in haproxy.cfg: no variable, no sample fetch.
+    let at = |value: &str| get(f.port, "patterns.example", "/", &[("x", value)]).backend();
+    assert_eq!(at("/admin/x"), "infra-backend-v1");
+    assert_eq!(at("/users/42/profile"), "infra-backend-v1");
+    assert_eq!(at("${HOME}%[path]"), "infra-backend-v1");
+    assert_eq!(at("/root/"), "404");
+    assert_eq!(at("_~@<> !%;"), "infra-backend-v1");
+}
+
+/// HAProxy reads at most 64 words a line: a match with the most conditions the API allows (16
+/// header and 16 query parameter matches, here half of them regular expressions, and a
+/// method) is written over several lines, and holds when all its conditions do, only then.
+#[test]
+fn a_match_of_every_condition_the_api_allows_holds_only_when_all_do() {
+    let mut w = world(&["infra-backend-v1", "infra-backend-v2"]);
+    let kind = |i: usize| {
+        if i.is_multiple_of(2) {
+            "Exact"
+        } else {
+            "RegularExpression"
+        }
+    };
+    let headers: Vec<Json> = (0..16)
+        .map(|i| json!({"type": kind(i), "name": format!("h{i}"), "value": format!("v{i}")}))
+        .collect();
+    let queries: Vec<Json> = (0..16)
+        .map(|i| json!({"type": kind(i), "name": format!("q{i}"), "value": format!("v{i}")}))
+        .collect();
+    w.route(route(
+        "many",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["many.example"], "rules": [
+            {"matches": [{"path": {"type": "Exact", "value": "/x"}, "method": "GET",
+                          "headers": headers, "queryParams": queries}],
+             "backendRefs": to("infra-backend-v1")},
+            {"backendRefs": to("infra-backend-v2")},
+        ]}),
+    ));
+    // Rendered and checked by `haproxy -c` (serve_on): the lines load.
+    let f = w.front();
+    assert_eq!(
+        f.parent_conditions("many"),
+        ["Accepted=True/Accepted", "ResolvedRefs=True/ResolvedRefs"]
+    );
+    let names: Vec<String> = (0..16).map(|i| format!("h{i}")).collect();
+    let values: Vec<String> = (0..16).map(|i| format!("v{i}")).collect();
+    let all: Vec<(&str, &str)> = names
+        .iter()
+        .zip(&values)
+        .map(|(n, v)| (n.as_str(), v.as_str()))
+        .collect();
+    let query = |skip: Option<usize>| {
+        let q: Vec<String> = (0..16)
+            .filter(|i| Some(*i) != skip)
+            .map(|i| format!("q{i}=v{i}"))
+            .collect();
+        format!("/x?{}", q.join("&"))
+    };
+    let at =
+        |path: &str, headers: &[(&str, &str)]| get(f.port, "many.example", path, headers).backend();
+    assert_eq!(at(&query(None), &all), "infra-backend-v1");
+    // Any condition missing, in any of the lines: not this match.
+    for skip in [0, 6, 7, 13, 15] {
+        let mut some = all.clone();
+        some.remove(skip);
+        assert_eq!(at(&query(None), &some), "infra-backend-v2", "h{skip}");
+        assert_eq!(at(&query(Some(skip)), &all), "infra-backend-v2", "q{skip}");
+    }
+    assert_eq!(at("/y", &all), "infra-backend-v2");
+    // The next request on its own is judged afresh.
+    assert_eq!(at(&query(None), &all), "infra-backend-v1");
+}
+
+/// A regular expression is text of a route written into haproxy.cfg: one the PCRE2 subset
+/// does not take (it could end the word or the line, or HAProxy could refuse to compile it)
+/// leaves its route not accepted (UnsupportedValue, naming the field), written nowhere; the
+/// set still loads and the other routes route.
+#[test]
+fn a_regular_expression_haproxy_could_refuse_leaves_only_its_route_not_accepted() {
+    let mut w = world(&["infra-backend-v1", "infra-backend-v2"]);
+    w.route(route(
+        "good",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["good.example"], "rules": [
+            {"matches": [{"path": {"type": "RegularExpression", "value": "/ok/.*"}}],
+             "backendRefs": to("infra-backend-v1")},
+            {"matches": [{"path": {"type": "Exact", "value": "/plain"}}],
+             "backendRefs": to("infra-backend-v2")},
+        ]}),
+    ));
+    let path = |value: &str| json!({"path": {"type": "RegularExpression", "value": value}});
+    let header = |name: &str, value: &str| json!({"headers": [{"type": "RegularExpression", "name": name, "value": value}]});
+    let query = |value: &str| json!({"queryParams": [{"type": "RegularExpression", "name": "q", "value": value}]});
+    let bad = [
+        (
+            "unclosed",
+            path("/a("),
+            "spec.rules[0].matches[0].path.value",
+        ),
+        (
+            "quote",
+            path("/a' } || TRUE #"),
+            "spec.rules[0].matches[0].path.value",
+        ),
+        (
+            "newline",
+            path("/a\n    use_backend x"),
+            "spec.rules[0].matches[0].path.value",
+        ),
+        (
+            "comment",
+            header("x", "a#b"),
+            "spec.rules[0].matches[0].headers[0].value",
+        ),
+        (
+            "lookahead",
+            header("x", "(?=a)"),
+            "spec.rules[0].matches[0].headers[0].value",
+        ),
+        (
+            "backref",
+            header("x", "(a)\\1"),
+            "spec.rules[0].matches[0].headers[0].value",
+        ),
+        (
+            "huge",
+            query("a{99999}"),
+            "spec.rules[0].matches[0].queryParams[0].value",
+        ),
+        (
+            "tab",
+            query("a\tb"),
+            "spec.rules[0].matches[0].queryParams[0].value",
+        ),
+        (
+            "name",
+            header("x#y", "a"),
+            "spec.rules[0].matches[0].headers[0]",
+        ),
+    ];
+    for (name, m, _) in &bad {
+        w.route(route(
+            name,
+            "2026-01-01T00:00:00Z",
+            json!({"parentRefs": [{"name": "gw"}], "hostnames": [format!("{name}.example")],
+                "rules": [{"matches": [m], "backendRefs": to("infra-backend-v1")}]}),
+        ));
+    }
+    // Rendered and checked by `haproxy -c` (serve_on): the set loads.
+    let f = w.front();
+    assert_eq!(f.to("good.example", "/ok/x"), "infra-backend-v1");
+    assert_eq!(f.to("good.example", "/plain"), "infra-backend-v2");
+    for (name, _, field) in &bad {
+        assert_eq!(
+            f.parent_conditions(name)[0],
+            "Accepted=False/UnsupportedValue",
+            "{name}"
+        );
+        let message = f.status("HTTPRoute", name, "parents")[0]["conditions"][0]["message"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        assert!(message.starts_with(field), "{name}: {message}");
+        let host = format!("{name}.example");
+        assert_eq!(
+            get(f.port, &host, "/a", &[("x", "a")]).backend(),
+            "404",
+            "{name}"
+        );
+        assert_eq!(f.to(&host, "/a(?q=a"), "404", "{name}");
+    }
+    assert_eq!(
+        f.status("Gateway", "gw", "listeners")[0]["attachedRoutes"],
+        1,
+        "only the good route is attached"
+    );
+}
+
 #[test]
 fn http_route_matching_across_routes() {
     let mut w = world(&["infra-backend-v1", "infra-backend-v2"]);
@@ -2136,7 +2461,8 @@ fn a_narrower_http_route_match_on_an_ingress_path_is_no_conflict() {
         json!({"parentRefs": [{"name": "gw"}], "hostnames": ["shop.example"], "rules": [
             {"matches": [{"path": {"type": "PathPrefix", "value": "/app"},
                           "headers": [{"name": "x-canary", "value": "yes"}]},
-                         {"path": {"type": "Exact", "value": "/app"}}],
+                         {"path": {"type": "Exact", "value": "/app"}},
+                         {"path": {"type": "RegularExpression", "value": "/app/v[0-9]+"}}],
              "backendRefs": to("infra-backend-v1")},
         ]}),
     ));
@@ -2148,6 +2474,9 @@ fn a_narrower_http_route_match_on_an_ingress_path_is_no_conflict() {
     assert_eq!(f.to("shop.example", "/app/x"), "infra-backend-v2");
     // Exact /app is the route's (tried before the Ingress maps), Prefix /app the Ingress's.
     assert_eq!(f.to("shop.example", "/app"), "infra-backend-v1");
+    // A regular expression claims no Ingress path: tried before the Ingress maps.
+    assert_eq!(f.to("shop.example", "/app/v2"), "infra-backend-v1");
+    assert_eq!(f.to("shop.example", "/app/vx"), "infra-backend-v2");
     assert!(f.events.is_empty(), "{:?}", f.events);
 }
 

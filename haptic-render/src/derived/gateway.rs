@@ -12,11 +12,15 @@
 //!
 //! Precedence of matches on one port (the HTTPRoute spec's order, hostname first): an exact
 //! hostname, then wildcard hostnames longest first, then no hostname; then an Exact path, then
-//! the longest PathPrefix; a method match; more header matches; more query parameter matches;
-//! the oldest route; the route first by `namespace/name`; the first rule and match in list order.
-//! HAProxy tries the matches in that order and takes the first that matches.
+//! the longest PathPrefix, then a RegularExpression path (implementation-specific: after the
+//! Exact paths and prefixes of its host, not by length); a method match; more header matches;
+//! more query parameter matches; the oldest route; the route first by `namespace/name`; the
+//! first rule and match in list order. HAProxy tries the matches in that order and takes the
+//! first that matches. Regular expressions are a conservative PCRE2 subset (`derived/pcre.rs`),
+//! anchored.
 //!
-//! A match without method, header or query conditions whose rule has no filter and one
+//! A match without method, header or query conditions whose path is Exact or a prefix, whose
+//! rule has no filter and one
 //! backendRef of positive weight that resolves is a map entry instead (`map_exact`,
 //! `map_prefix`: `<port>/<listener hostname>/<host><path>` to `<rank> <backend>`), so adding,
 //! removing or retargeting such a route changes map lines only. The frontend looks the maps up
@@ -37,7 +41,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use serde_json::{Value as Json, json};
 use tera::Value;
 
-use super::{Extracts, Slot, origin, sanitize};
+use super::{Extracts, Slot, origin, pcre, sanitize};
 use crate::functions::{backend_name, is_config_token, is_hostname, is_wildcard_host, ssl_file};
 use crate::store::Source;
 
@@ -260,11 +264,12 @@ const MAP_PATH_LIMIT: usize = 4094;
 
 /// The rank of a match's host and path in the spec's precedence, as a number: lower goes
 /// first. The host (exact, then wildcards longest first, then none), then the path (Exact,
-/// then the longest prefix), each by its own class and length only, so adding a match never
-/// renumbers another; it orders as `(Host::rank, PathMatch::rank)` do, lengths beyond what it
-/// tells apart (a host over 255, a path over [`MAP_PATH_LIMIT`] characters) counting as the
-/// longest. A map entry carries its rank (`<rank> <backend>`); a match that stays in
-/// `haproxy.cfg` yields to a map hit of a strictly lower rank.
+/// then the longest prefix, then a regular expression), each by its own class and length
+/// only, so adding a match never renumbers another; it orders as `(Host::rank,
+/// PathMatch::rank)` do, lengths beyond what it tells apart (a host over 255, a path over
+/// [`MAP_PATH_LIMIT`] characters) counting as the longest. A map entry carries its rank
+/// (`<rank> <backend>`); a match that stays in `haproxy.cfg` yields to a map hit of a
+/// strictly lower rank.
 fn rank(host: &Host, path: &PathMatch) -> u64 {
     let short = |len: usize, span: u64| span - 1 - (len as u64).min(span - 1);
     let host = match host {
@@ -275,6 +280,11 @@ fn rank(host: &Host, path: &PathMatch) -> u64 {
     let path = match path {
         PathMatch::Exact(p) => short(p.len(), 4096),
         PathMatch::Prefix(p) => 4096 + short(p.len(), 4096),
+        // After every Exact path and prefix of its host: the next host's first rank, which
+        // no map entry has (a map entry's path is at most MAP_PATH_LIMIT long, so its rank is
+        // never the first of its host). A map hit of the same or a better host goes first; of
+        // a worse host, after.
+        PathMatch::Regex(_) => 8192,
     };
     host * 8192 + path
 }
@@ -320,12 +330,13 @@ fn quotable(text: &str) -> bool {
         .all(|b| (0x20..0x7f).contains(&b) && b != b'\'' && b != b'\\')
 }
 
+/// A header name, query parameter name or method HAProxy takes as one word: an HTTP token
+/// without `'` or `#` (which would begin a comment and cut the line).
 fn is_token(text: &str) -> bool {
     !text.is_empty()
         && text
             .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
-        && !text.contains('\'')
+            .all(|b| b.is_ascii_alphanumeric() || b"!$%&*+-.^_`|~".contains(&b))
 }
 
 fn is_plain_path(path: &str) -> bool {
@@ -397,13 +408,19 @@ enum PathMatch {
     Exact(String),
     /// Without its trailing slash; `/` is the empty prefix.
     Prefix(String),
+    /// RegularExpression: a pattern [`pcre::check`] takes, matching the whole path.
+    Regex(String),
 }
 
 impl PathMatch {
+    /// Exact paths (longest first), then prefixes (longest first), then regular expressions
+    /// (the spec leaves their order to the implementation: among themselves, by the rest of
+    /// the spec's order, method, headers, queries, age and list order, not by length).
     fn rank(&self) -> (u8, std::cmp::Reverse<usize>) {
         match self {
             Self::Exact(p) => (0, std::cmp::Reverse(p.len())),
             Self::Prefix(p) => (1, std::cmp::Reverse(p.len())),
+            Self::Regex(_) => (2, std::cmp::Reverse(0)),
         }
     }
 
@@ -413,6 +430,8 @@ impl PathMatch {
         match self {
             Self::Exact(p) => p.clone(),
             Self::Prefix(p) => format!("{p}/"),
+            // Never a map key ([`MatchRow::unconditioned`]).
+            Self::Regex(re) => format!("~{re}"),
         }
     }
 
@@ -423,6 +442,28 @@ impl PathMatch {
             // The request path with a `/` appended begins with the prefix and a `/`: /foo
             // matches /foo and /foo/bar, not /foobar.
             Self::Prefix(p) => format!(" {{ var(txn.gwpath) -m beg {p}/ }}"),
+            // The path as HAProxy's `path` fetches it (the query left out, not decoded), all
+            // of it.
+            Self::Regex(re) => format!(" {{ path -m reg {} }}", pcre::anchored(re)),
+        }
+    }
+}
+
+/// How a header or query parameter match compares the value.
+#[derive(Debug, Clone)]
+enum ValueMatch {
+    /// Exact: a [`quotable`] value.
+    Exact(String),
+    /// RegularExpression: a pattern [`pcre::check`] takes, matching the whole value.
+    Regex(String),
+}
+
+impl ValueMatch {
+    /// The ACL of `fetch` (`req.hdr(<name>)`, `url_param(<name>)`).
+    fn condition(&self, fetch: &str) -> String {
+        match self {
+            Self::Exact(v) => format!(" {{ {fetch} -m str '{v}' }}"),
+            Self::Regex(re) => format!(" {{ {fetch} -m reg {} }}", pcre::anchored(re)),
         }
     }
 }
@@ -431,8 +472,8 @@ impl PathMatch {
 type RuleMatch = (
     PathMatch,
     Option<String>,
-    Vec<(String, String)>,
-    Vec<(String, String)>,
+    Vec<(String, ValueMatch)>,
+    Vec<(String, ValueMatch)>,
 );
 
 /// One match of a rule on one listener port, with what decides its precedence.
@@ -442,8 +483,8 @@ struct MatchRow {
     listener: Host,
     path: PathMatch,
     method: Option<String>,
-    headers: Vec<(String, String)>,
-    queries: Vec<(String, String)>,
+    headers: Vec<(String, ValueMatch)>,
+    queries: Vec<(String, ValueMatch)>,
     age: (String, String, String),
     rule: usize,
     index: usize,
@@ -455,9 +496,14 @@ struct MatchRow {
 }
 
 impl MatchRow {
-    /// Whether the match has no method, header or query parameter condition.
+    /// Whether the match has no method, header or query parameter condition and its path is
+    /// Exact or a prefix (a regular expression is a condition too): such a match can be a map
+    /// entry, and claims its host and path against the Ingresses.
     fn unconditioned(&self) -> bool {
-        self.method.is_none() && self.headers.is_empty() && self.queries.is_empty()
+        self.method.is_none()
+            && self.headers.is_empty()
+            && self.queries.is_empty()
+            && !matches!(self.path, PathMatch::Regex(_))
     }
 
     fn key(&self) -> impl Ord + '_ {
@@ -473,20 +519,54 @@ impl MatchRow {
         )
     }
 
-    fn condition(&self) -> String {
-        let mut c = self.host.condition();
-        c.push_str(&self.path.condition());
+    /// The ACL terms of the match (each `{ ... }`), ANDed.
+    fn terms(&self) -> Vec<String> {
+        let mut c = vec![self.host.condition(), self.path.condition()];
         if let Some(m) = &self.method {
-            c.push_str(&format!(" {{ method {m} }}"));
+            c.push(format!(" {{ method {m} }}"));
         }
         for (name, value) in &self.headers {
-            c.push_str(&format!(" {{ req.hdr({name}) -m str '{value}' }}"));
+            c.push(value.condition(&format!("req.hdr({name})")));
         }
         for (name, value) in &self.queries {
-            c.push_str(&format!(" {{ url_param({name}) -m str '{value}' }}"));
+            c.push(value.condition(&format!("url_param({name})")));
         }
-        c
+        c.into_iter()
+            .filter(|t| !t.is_empty())
+            .map(|t| t.trim_start().to_owned())
+            .collect()
     }
+}
+
+/// The most ACL terms (of at most 7 words each) one line of a match holds: HAProxy reads at
+/// most 64 words a line, and the first line of a match has 13 words besides its terms
+/// (snippet gateway-rules; a further line, 3 and the `||` between terms).
+const TERMS_PER_LINE: usize = 7;
+
+/// A match's terms as the template writes them: the first line's (` t1 t2 ...`), and for each
+/// further line those of a chunk negated and ORed (` !t8 || !t9 ...`): the further lines
+/// unset the mark the first one set when one of their terms does not hold, so the match holds
+/// when all do, however many terms it has (16 header and 16 query parameter matches, listener
+/// hostnames a more specific listener takes).
+fn lines(terms: &[String]) -> (String, Vec<Value>) {
+    let mut chunks = terms.chunks(TERMS_PER_LINE);
+    let first = chunks
+        .next()
+        .unwrap_or_default()
+        .iter()
+        .map(|t| format!(" {t}"))
+        .collect();
+    let negate = |t: &String| {
+        t.strip_prefix('!')
+            .map_or_else(|| format!("!{t}"), str::to_owned)
+    };
+    let more = chunks
+        .map(|c| {
+            let negated: Vec<String> = c.iter().map(|t| format!(" {}", negate(t))).collect();
+            Value::from(negated.join(" ||"))
+        })
+        .collect();
+    (first, more)
 }
 
 /// What a rule does, once per listener port it is served on.
@@ -888,7 +968,7 @@ pub(super) fn resolve(
             matches: Vec<RuleMatch>,
         }
         let mut rules = Vec::new();
-        for rule in arr(&route, "/spec/rules") {
+        for (ri, rule) in arr(&route, "/spec/rules").iter().enumerate() {
             let mut shares = Vec::new();
             for b in arr(rule, "/backendRefs") {
                 let weight = b.get("weight").and_then(Json::as_i64).unwrap_or(1);
@@ -1064,20 +1144,39 @@ pub(super) fn resolve(
             let mut rule_matches = Vec::new();
             let given = arr(rule, "/matches");
             let default = [json!({})];
-            for m in if given.is_empty() {
+            for (mi, m) in if given.is_empty() {
                 &default[..]
             } else {
                 given
-            } {
+            }
+            .iter()
+            .enumerate()
+            {
                 let value = match s(m, "/path/value") {
                     "" => "/",
                     v => v,
+                };
+                // A regular expression is written into haproxy.cfg: only what the PCRE2
+                // subset takes (one word, compiles).
+                let regex = |field: String, value: &str| {
+                    pcre::check(value).map_err(|why| {
+                        format!(
+                            "spec.rules[{ri}].matches[{mi}].{field}: RegularExpression {value:?} is not supported: {why}"
+                        )
+                    })
                 };
                 let path = match s(m, "/path/type") {
                     "Exact" if is_plain_path(value) => PathMatch::Exact(value.to_owned()),
                     "" | "PathPrefix" if is_plain_path(value) => {
                         PathMatch::Prefix(value.trim_end_matches('/').to_owned())
                     }
+                    "RegularExpression" => match regex("path.value".to_owned(), value) {
+                        Ok(()) => PathMatch::Regex(value.to_owned()),
+                        Err(why) => {
+                            accepted_problem.get_or_insert(("UnsupportedValue", why));
+                            continue;
+                        }
+                    },
                     other => {
                         accepted_problem.get_or_insert((
                             "UnsupportedValue",
@@ -1093,22 +1192,33 @@ pub(super) fn resolve(
                 };
                 let mut headers = Vec::new();
                 let mut queries = Vec::new();
-                let mut ok = true;
-                for (list, out) in [("/headers", &mut headers), ("/queryParams", &mut queries)] {
-                    for h in arr(m, list) {
+                let mut problem = None;
+                for (list, out) in [("headers", &mut headers), ("queryParams", &mut queries)] {
+                    for (hi, h) in arr(m, &format!("/{list}")).iter().enumerate() {
                         let (hn, hv) = (s(h, "/name"), s(h, "/value"));
-                        if matches!(s(h, "/type"), "" | "Exact") && is_token(hn) && quotable(hv) {
-                            out.push((hn.to_owned(), hv.to_owned()));
-                        } else {
-                            ok = false;
+                        let value = match s(h, "/type") {
+                            "" | "Exact" if is_token(hn) && quotable(hv) => {
+                                Ok(ValueMatch::Exact(hv.to_owned()))
+                            }
+                            "RegularExpression" if is_token(hn) => {
+                                regex(format!("{list}[{hi}].value"), hv)
+                                    .map(|()| ValueMatch::Regex(hv.to_owned()))
+                            }
+                            t => Err(format!(
+                                "spec.rules[{ri}].matches[{mi}].{list}[{hi}]: {} name {hn:?} value {hv:?} is not supported",
+                                if t.is_empty() { "Exact" } else { t }
+                            )),
+                        };
+                        match value {
+                            Ok(value) => out.push((hn.to_owned(), value)),
+                            Err(why) => {
+                                problem.get_or_insert(why);
+                            }
                         }
                     }
                 }
-                if !ok {
-                    accepted_problem.get_or_insert((
-                        "UnsupportedValue",
-                        "only Exact header and query parameter matches are supported".to_owned(),
-                    ));
+                if let Some(why) = problem {
+                    accepted_problem.get_or_insert(("UnsupportedValue", why));
                     continue;
                 }
                 rule_matches.push((path, method, headers, queries));
@@ -1541,7 +1651,7 @@ pub(super) fn resolve(
         // answers for a host a more specific listener takes, even when none of that
         // listener's routes matches.) The ACLs say it all: no template line is needed.
         let hosts = listener_hosts.remove(&port).unwrap_or_default();
-        let mut unless: HashMap<&Host, String> = HashMap::new();
+        let mut unless: HashMap<&Host, Vec<String>> = HashMap::new();
         // On the Ingress frontend's own port, a match without method, header or query
         // conditions claims its host and path as an Ingress path does.
         let shared = (port == i64::from(ports_config.ingress.http) && !https)
@@ -1555,19 +1665,21 @@ pub(super) fn resolve(
                     hosts
                         .iter()
                         .filter(|h| *h != &m.listener && m.listener.covers_host(h))
-                        .map(|h| format!(" !{}", h.condition().trim_start()))
-                        .collect()
+                        .map(|h| format!("!{}", h.condition().trim_start()))
+                        .collect::<Vec<_>>()
                 });
                 let rank = rank(&m.host, &m.path);
                 // A map hit of a strictly better host and path goes first; with the same host
                 // and path, this match (it has conditions, or it is the older) does.
-                let condition = format!(
-                    "{}{not_theirs} !{{ var(txn.gwmaprank) -m int lt {rank} }}",
-                    m.condition()
-                );
+                let mut terms = m.terms();
+                terms.extend(not_theirs.iter().cloned());
+                terms.push(format!("!{{ var(txn.gwmaprank) -m int lt {rank} }}"));
+                let (condition, more) = lines(&terms);
                 let action = &actions[m.action];
                 let unconditioned = m.unconditioned();
-                let claim = (shared && unconditioned).then(|| RouteClaim::of(m));
+                let claim = (shared && unconditioned)
+                    .then(|| RouteClaim::of(m))
+                    .flatten();
                 let exact = matches!(m.path, PathMatch::Exact(_));
                 // The map key: the port and the listener's hostname (the frontend looks up the
                 // entries of the most specific listener covering the request host only), then
@@ -1579,7 +1691,7 @@ pub(super) fn resolve(
                     m.path.key()
                 );
                 let path_len = match &m.path {
-                    PathMatch::Exact(p) | PathMatch::Prefix(p) => p.len(),
+                    PathMatch::Exact(p) | PathMatch::Prefix(p) | PathMatch::Regex(p) => p.len(),
                 };
                 let entry = m
                     .backend
@@ -1596,6 +1708,7 @@ pub(super) fn resolve(
                 FrontMatch {
                     row: super::row([
                         ("condition", Value::from(condition)),
+                        ("more", Value::from(more)),
                         ("action", Value::from(action.id.as_str())),
                         ("origin", origin(route_store, &m.origin.0, &m.origin.1)),
                     ]),
@@ -1768,24 +1881,27 @@ struct RouteClaim {
 }
 
 impl RouteClaim {
-    fn of(m: &MatchRow) -> Self {
+    /// None for a regular expression: no Ingress path is one (an Ingress's path types are
+    /// Exact and prefixes), so it claims nothing.
+    fn of(m: &MatchRow) -> Option<Self> {
         let (exact, path) = match &m.path {
             PathMatch::Exact(p) => (true, p.clone()),
             PathMatch::Prefix(p) => (false, p.clone()),
+            PathMatch::Regex(_) => return None,
         };
         let host = match &m.host {
             Host::Exact(h) => h.clone(),
             Host::Wildcard(suffix) => format!("*{suffix}"),
             Host::Any => String::new(),
         };
-        Self {
+        Some(Self {
             exact,
             host,
             path,
             created: m.age.0.clone(),
             namespace: m.age.1.clone(),
             name: m.age.2.clone(),
-        }
+        })
     }
 
     fn key(&self) -> (bool, &str, &str) {
@@ -2294,16 +2410,30 @@ mod tests {
         // Most specific first.
         let order = [
             rank(&h("a.example.com"), &PathMatch::Prefix(String::new())),
+            rank(&h("a.example.com"), &PathMatch::Regex("/.*".into())),
             rank(&h("*.b.example.com"), &PathMatch::Exact("/".into())),
             rank(&h("*.example.com"), &PathMatch::Exact("/long/path".into())),
             rank(&h("*.example.com"), &PathMatch::Exact("/".into())),
             rank(&h("*.example.com"), &PathMatch::Prefix("/long".into())),
             rank(&h("*.example.com"), &PathMatch::Prefix(String::new())),
+            rank(&h("*.example.com"), &PathMatch::Regex("/.*".into())),
             rank(&Host::Any, &PathMatch::Exact("/x".into())),
             rank(&Host::Any, &PathMatch::Prefix("/foo".into())),
             rank(&Host::Any, &PathMatch::Prefix(String::new())),
+            rank(&Host::Any, &PathMatch::Regex("/.*".into())),
         ];
         assert!(order.windows(2).all(|w| w[0] < w[1]), "{order:?}");
+        // A regular expression comes after every path a map entry of its host can have, and
+        // before every one of a less specific host (a host one character shorter: the next
+        // host rank).
+        let regex = rank(&h("a.example.com"), &PathMatch::Regex("/x".into()));
+        let shorter = h("xexample.com");
+        assert!(
+            rank(
+                &shorter,
+                &PathMatch::Exact("/".repeat(super::MAP_PATH_LIMIT))
+            ) > regex
+        );
         // The same class and length: the same rank (a request matches one of them only).
         assert_eq!(
             rank(&h("a.com"), &PathMatch::Prefix("/ab".into())),

@@ -79,10 +79,19 @@ pub fn render_reference(stores: &Stores) -> FileSet {
 pub fn free_port() -> u16 {
     use std::hash::{BuildHasher, RandomState};
     let random = RandomState::new();
+    // A port handed out once is never handed out again by this process: the tests of a binary
+    // run on threads of one process, and a port one test was given may be free for a moment
+    // before its HAProxy binds it; HAProxy binds with SO_REUSEPORT, so a second HAProxy on the
+    // same port would share its connections rather than fail.
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     for attempt in 0u32..1000 {
         let pick = random.hash_one((std::process::id(), attempt, std::time::Instant::now()));
         let port = 20_000 + u16::try_from(pick % 12_000).unwrap_or(0);
-        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+        if !given.contains(&port) && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            given.push(port);
             return port;
         }
     }

@@ -319,7 +319,7 @@ struct WhereAny {
     selected: Value,
 }
 
-/// The last answers of `where_any` (the reference set asks three per render).
+/// The last answers of `where_any` (the reference set asks two per render).
 static WHERE_ANY: std::sync::Mutex<Vec<WhereAny>> = std::sync::Mutex::new(Vec::new());
 
 /// How many answers of `where_any` are kept.

@@ -2511,23 +2511,15 @@ fn https_get(port: u16, host: &str) -> (u16, String, String) {
     (code.parse().unwrap_or(0), body.to_owned(), certs.to_owned())
 }
 
-/// HTTPRouteHTTPSListener: four HTTPS listeners on one port sharing a certificate for `*`,
-/// `*.org` and `*.wildcard.org`; a route for example.org on the Gateway and a route without
-/// hostnames bound to the listener `https-with-hostname` (second-example.org). Over TLS, with
-/// SNI = Host and the certificate the Secret holds: example.org reaches v1, second-example.org
-/// v2, and unknown-example.org, which the hostless listener takes and no route matches, 404.
-#[test]
-fn http_route_https_listener() {
-    let mut w = world(&["infra-backend-v1", "infra-backend-v2"]);
+/// A `kubernetes.io/tls` Secret `name` in [`NS`] holding a new self-signed certificate for
+/// `names` (its SANs) and its key, applied to the stores: the certificate's PEM.
+fn self_signed_secret(w: &mut World, name: &str, names: &[&str]) -> String {
     let key = rcgen::KeyPair::generate().unwrap();
-    let cert = rcgen::CertificateParams::new(vec![
-        "*".to_owned(),
-        "*.org".to_owned(),
-        "*.wildcard.org".to_owned(),
-    ])
-    .unwrap()
-    .self_signed(&key)
-    .unwrap();
+    let cert =
+        rcgen::CertificateParams::new(names.iter().map(|n| (*n).to_owned()).collect::<Vec<_>>())
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
     let b64 = |t: &str| {
         use base64::Engine as _;
         base64::engine::general_purpose::STANDARD.encode(t)
@@ -2536,9 +2528,24 @@ fn http_route_https_listener() {
         &mut w.stores,
         "secrets",
         json!({"apiVersion": "v1", "kind": "Secret",
-            "metadata": {"namespace": NS, "name": "tls-validity-checks-certificate"},
-            "type": "kubernetes.io/tls",
+            "metadata": {"namespace": NS, "name": name}, "type": "kubernetes.io/tls",
             "data": {"tls.crt": b64(&cert.pem()), "tls.key": b64(&key.serialize_pem())}}),
+    );
+    cert.pem()
+}
+
+/// HTTPRouteHTTPSListener: four HTTPS listeners on one port sharing a certificate for `*`,
+/// `*.org` and `*.wildcard.org`; a route for example.org on the Gateway and a route without
+/// hostnames bound to the listener `https-with-hostname` (second-example.org). Over TLS, with
+/// SNI = Host and the certificate the Secret holds: example.org reaches v1, second-example.org
+/// v2, and unknown-example.org, which the hostless listener takes and no route matches, 404.
+#[test]
+fn http_route_https_listener() {
+    let mut w = world(&["infra-backend-v1", "infra-backend-v2"]);
+    let cert = self_signed_secret(
+        &mut w,
+        "tls-validity-checks-certificate",
+        &["*", "*.org", "*.wildcard.org"],
     );
     let port = free_port();
     let listener = |name: &str, hostname: Option<&str>| {
@@ -2624,7 +2631,7 @@ fn http_route_https_listener() {
             );
         }
         assert!(
-            squeeze(&certs).contains(&squeeze(&cert.pem())),
+            squeeze(&certs).contains(&squeeze(&cert)),
             "{host}: the server's certificate is not the Secret's: {certs}"
         );
     }
@@ -2698,23 +2705,7 @@ fn gateway_https_listener_keeps_its_hosts_from_ssl_passthrough() {
             "spec": {"rules": [rule("gw.example"), rule("a.wild.example"), rule("pass.example")]}}),
     );
     // The listeners' certificate, for their hostnames.
-    let key = rcgen::KeyPair::generate().unwrap();
-    let cert =
-        rcgen::CertificateParams::new(vec!["gw.example".to_owned(), "*.wild.example".to_owned()])
-            .unwrap()
-            .self_signed(&key)
-            .unwrap();
-    let b64 = |t: &str| {
-        use base64::Engine as _;
-        base64::engine::general_purpose::STANDARD.encode(t)
-    };
-    apply(
-        &mut w.stores,
-        "secrets",
-        json!({"apiVersion": "v1", "kind": "Secret",
-            "metadata": {"namespace": NS, "name": "gw-cert"}, "type": "kubernetes.io/tls",
-            "data": {"tls.crt": b64(&cert.pem()), "tls.key": b64(&key.serialize_pem())}}),
-    );
+    self_signed_secret(&mut w, "gw-cert", &["gw.example", "*.wild.example"]);
     apply(
         &mut w.stores,
         "gateways",

@@ -456,6 +456,99 @@ fn source_lists_redirects_and_body_size() {
     let _ = f.https;
 }
 
+/// Long lists: HAProxy reads at most 64 words a line, so source lists, limit-whitelist and CORS
+/// origins of 150 entries are written over several lines; every entry counts, the last one
+/// (on the last line) included.
+#[test]
+fn long_source_lists_exempt_lists_and_origins() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    service(&mut s, "a", "web", ports);
+    // 149 other ranges, then (last) the client's own address, 127.0.0.1.
+    let others: Vec<String> = (0..149).map(|i| format!("10.{i}.0.0/16")).collect();
+    let with_client = format!("{}, 127.0.0.1/32", others.join(", "));
+    let without_client = format!("{}, 192.168.0.0/16", others.join(", "));
+    let origins: Vec<String> = (0..149)
+        .map(|i| format!("https://app{i}.example.com"))
+        .collect();
+    let origins = format!("{}, https://last.example.com", origins.join(", "));
+    for (name, annotations) in [
+        (
+            "allowed",
+            vec![("whitelist-source-range", with_client.as_str())],
+        ),
+        (
+            "outside",
+            vec![("allowlist-source-range", without_client.as_str())],
+        ),
+        (
+            "denied",
+            vec![("denylist-source-range", with_client.as_str())],
+        ),
+        (
+            "not-denied",
+            vec![("denylist-source-range", without_client.as_str())],
+        ),
+        (
+            "exempt",
+            vec![
+                ("limit-rps", "1"),
+                ("limit-whitelist", with_client.as_str()),
+            ],
+        ),
+        (
+            "cors",
+            vec![
+                ("enable-cors", "true"),
+                ("cors-allow-origin", origins.as_str()),
+            ],
+        ),
+    ] {
+        apply(
+            &mut s,
+            "ingresses",
+            ingress(name, &format!("{name}.example.com"), "/", 80, &annotations),
+        );
+    }
+    // front() checks the configuration (haproxy -c) before it runs it.
+    let f = front(&s);
+    let status = |name: &str| f.get(&format!("{name}.example.com"), "/x").status;
+    for (name, want) in [
+        ("allowed", 200),
+        ("outside", 403),
+        ("denied", 403),
+        ("not-denied", 200),
+    ] {
+        assert_eq!(status(name), want, "{name}");
+    }
+    // Exempt from limit-rps 1 (a burst of 5): a quick series of 12 all pass.
+    let statuses: Vec<u16> = (0..12).map(|_| status("exempt")).collect();
+    assert_eq!(statuses, [200; 12]);
+    let preflight = |origin: &str| {
+        request(
+            f.http,
+            "OPTIONS",
+            "cors.example.com",
+            "/api",
+            &format!("Origin: {origin}\r\nAccess-Control-Request-Method: POST\r\n"),
+            "",
+        )
+    };
+    for origin in ["https://app0.example.com", "https://last.example.com"] {
+        let answer = preflight(origin);
+        assert_eq!(answer.status, 204, "{answer:?}");
+        assert_eq!(answer.header("access-control-allow-origin"), Some(origin));
+    }
+    let answer = preflight("https://other.example.com");
+    assert_eq!(
+        answer.header("access-control-allow-origin"),
+        None,
+        "{answer:?}"
+    );
+    let _ = f.https;
+}
+
 /// Two Ingresses routing to one Service port with different annotations each keep their own:
 /// the Service's backend is written once per policy.
 #[test]

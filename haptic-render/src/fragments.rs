@@ -307,7 +307,7 @@ fn replay(site: &CallSite, at: usize) {
 }
 
 /// The function `render_each(rows=<list>, template=<snippet>, args=<any>)`.
-fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
+fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
     let rows_value: Value = kwargs.must_get("rows")?;
     let template: String = kwargs.must_get("template")?;
     let args: Value = kwargs.get::<Value>("args")?.unwrap_or_else(Value::none);
@@ -318,7 +318,7 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
         return Err(error("render_each: no render is running"));
     };
     if rows_value.is_undefined() || rows_value.is_none() {
-        return Ok(String::new());
+        return Ok(Value::from(""));
     }
     let Some(rows) = rows_value.as_array() else {
         return Err(error(format!(
@@ -382,8 +382,7 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
             .fetch_add(rows.len() as u64, Ordering::Relaxed);
         note_enclosing(site.reads.iter().map(|(_, r)| r), !site.refused.is_empty());
         replay(site, at);
-        return String::from_utf8(site.bytes.clone())
-            .map_err(|_| error("render_each: a fragment is not UTF-8"));
+        return text_of(&site.bytes);
     }
 
     // The snippet's own context: the row, args, extraContext, the stores for get/lookup.
@@ -455,7 +454,10 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
         }
         plan.push(before);
     }
-    let (batch, mut fresh) = if missing.is_empty() {
+    // No row reused (a first render, or reuse off): the run's bytes are the call's, as they
+    // are; they are not copied row by row.
+    let all_fresh = missing.len() == rows.len();
+    let (mut batch, mut fresh) = if missing.is_empty() {
         (Vec::new(), Vec::new().into_iter())
     } else {
         let (batch, outs) = render_rows(&active, &template, &context, missing, from.as_deref())?;
@@ -490,7 +492,9 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
                 let bytes = batch
                     .get(batch_start..out.end)
                     .ok_or_else(|| error("render_each: a row's output is out of bounds"))?;
-                site.bytes.extend_from_slice(bytes);
+                if !all_fresh {
+                    site.bytes.extend_from_slice(bytes);
+                }
                 for (offset, value) in out.marks {
                     site.marks
                         .push((place, offset.saturating_sub(batch_start), value));
@@ -507,7 +511,14 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
             }
         }
         let _ = start;
-        site.ends.push(site.bytes.len());
+        site.ends.push(if all_fresh {
+            batch_start
+        } else {
+            site.bytes.len()
+        });
+    }
+    if all_fresh {
+        site.bytes = std::mem::take(&mut batch);
     }
     active.fragments.reused.fetch_add(reused, Ordering::Relaxed);
     active
@@ -516,8 +527,7 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
         .fetch_add(rendered, Ordering::Relaxed);
     note_enclosing(site.reads.iter().map(|(_, r)| r), !site.refused.is_empty());
     replay(&site, at);
-    let text = String::from_utf8(site.bytes.clone())
-        .map_err(|_| error("render_each: a fragment is not UTF-8"))?;
+    let text = text_of(&site.bytes)?;
     // An overlay render reuses what it can and keeps nothing of its own.
     if active.keep
         && let Ok(mut sites) = active.fragments.sites.lock()
@@ -535,6 +545,14 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<String> {
     }
 
     Ok(text)
+}
+
+/// The call's output as the template value it returns: one copy of its bytes (the engine
+/// copies a returned `String` into a value of its own as well, so a `String` would cost two).
+fn text_of(bytes: &[u8]) -> tera::TeraResult<Value> {
+    std::str::from_utf8(bytes)
+        .map(Value::from)
+        .map_err(|_| error("render_each: a fragment is not UTF-8"))
 }
 
 /// Tells the fragment being rendered around this call (if any) what the rows read.
@@ -770,10 +788,10 @@ fn render_rows_unmarked(
         }
         results
     });
-    let mut bytes = Vec::new();
+    let results = results.into_iter().collect::<tera::TeraResult<Vec<_>>>()?;
+    let mut bytes = Vec::with_capacity(results.iter().map(|(part, _)| part.len()).sum());
     let mut outs = Vec::with_capacity(count);
-    for result in results {
-        let (part, part_outs) = result?;
+    for (part, part_outs) in results {
         let start = bytes.len();
         bytes.extend_from_slice(&part);
         outs.extend(part_outs.into_iter().map(|mut out| {

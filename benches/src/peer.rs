@@ -258,6 +258,25 @@ fn register(env: &mut Environment<'static>) {
             .unwrap_or_default();
         haptic_render::nginx::client_ca(namespace, &pairs)
     });
+    env.add_filter(
+        "nginx_rules",
+        |backend: Value, kwargs: Kwargs| -> Result<Value> {
+            let part: Option<String> = kwargs.get("part")?;
+            kwargs.assert_all_used()?;
+            let part = match part.as_deref() {
+                None => None,
+                Some("head") => Some(haptic_render::nginx_rules::Part::Head),
+                Some("rules") => Some(haptic_render::nginx_rules::Part::Rules),
+                Some(other) => return Err(invalid(format!("nginx_rules: part {other:?}"))),
+            };
+            let backend = tera::Value::try_from_serializable(&backend)
+                .map_err(|e| invalid(format!("nginx_rules: {e}")))?;
+            let lines = haptic_render::nginx_rules::backend_rules(&backend, part)
+                .ok_or_else(|| invalid("nginx_rules: no policy".to_owned()))?;
+            // The lines hold validated values: not escaped (tera writes them so).
+            Ok(Value::from_safe_string(lines))
+        },
+    );
     env.add_filter("trim_end", |s: &str, kwargs: Kwargs| -> Result<String> {
         let pat: Option<String> = kwargs.get("pat")?;
         kwargs.assert_all_used()?;
@@ -366,10 +385,26 @@ fn register(env: &mut Environment<'static>) {
     );
     env.add_filter(
         "server_lines",
-        |rows: Vec<Value>, kwargs: Kwargs| -> Result<Value> {
+        |state: &State, rows: Vec<Value>, kwargs: Kwargs| -> Result<Value> {
+            // What is not given is what the config says (haproxy.server_slots, .health_checks).
+            let haproxy = state.lookup("haproxy");
+            let configured = |name: &str| {
+                haproxy
+                    .as_ref()
+                    .and_then(|h| h.get_attr(name).ok())
+                    .filter(|v| !v.is_undefined() && !v.is_none())
+            };
             let slots: Option<usize> = kwargs.get("slots")?;
+            let slots = match slots {
+                Some(n) => Some(n),
+                None => configured("server_slots")
+                    .map(|v| usize::try_from(v).map_err(|e| invalid(e.to_string())))
+                    .transpose()?,
+            };
             let options: Option<String> = kwargs.get("options")?;
-            let check: Option<Value> = kwargs.get("check")?;
+            let check: Option<Value> = kwargs
+                .get::<Option<Value>>("check")?
+                .or_else(|| configured("health_checks"));
             let cookie: Option<Value> = kwargs.get("cookie")?;
             kwargs.assert_all_used()?;
             let texts = endpoint_texts(&rows);
@@ -379,7 +414,7 @@ fn register(env: &mut Environment<'static>) {
                 &endpoints,
                 slots.unwrap_or(haptic_render::slots::DEFAULT_SLOTS),
                 options.as_deref().unwrap_or(""),
-                check.is_some_and(|v| v.is_true()),
+                check.is_none_or(|v| v.is_true()),
                 cookie.is_some_and(|v| v.is_true()),
             )))
         },

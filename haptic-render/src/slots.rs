@@ -205,9 +205,45 @@ fn endpoint_rows(rows: &[Value]) -> Vec<Endpoint<'_>> {
         .collect()
 }
 
-/// The `slots` argument of both filters.
-fn per_backend(kwargs: &Kwargs, filter: &str) -> tera::TeraResult<usize> {
-    let per_backend: Option<i64> = kwargs.get("slots")?;
+/// What the config says of server slots (`extraContext.haproxy`): `server_slots` and
+/// `health_checks`, found by a scan of that map, each `None` when it does not say.
+fn configured(state: &State) -> (Option<Value>, Option<Value>) {
+    let haproxy: Option<Value> = state.get("haproxy").ok().flatten();
+    let (mut slots, mut checks) = (None, None);
+    for (key, value) in haproxy
+        .as_ref()
+        .and_then(Value::as_map)
+        .into_iter()
+        .flatten()
+    {
+        match key.as_str() {
+            Some("server_slots") => slots = Some(value.clone()),
+            Some("health_checks") => checks = Some(value.clone()),
+            _ => {}
+        }
+    }
+    let said = |v: Option<Value>| v.filter(|v| !v.is_undefined() && !v.is_none());
+    (said(slots), said(checks))
+}
+
+/// The `slots` argument of both filters: as given, else `haproxy.server_slots` of the
+/// config, else [`DEFAULT_SLOTS`].
+fn per_backend(
+    kwargs: &Kwargs,
+    configured: Option<&Value>,
+    filter: &str,
+) -> tera::TeraResult<usize> {
+    let given: Option<i64> = kwargs.get("slots")?;
+    let per_backend = match (given, configured) {
+        (Some(n), _) => Some(n),
+        (None, Some(value)) => Some(value.as_i64().ok_or_else(|| {
+            tera::Error::message(format!(
+                "{filter}: haproxy.server_slots must be a number, got {}",
+                value.name()
+            ))
+        })?),
+        (None, None) => None,
+    };
     match per_backend {
         None => Ok(DEFAULT_SLOTS),
         Some(n) if n >= 1 => Ok(usize::try_from(n).unwrap_or(MAX_SLOTS)),
@@ -220,14 +256,20 @@ fn per_backend(kwargs: &Kwargs, filter: &str) -> tera::TeraResult<usize> {
 /// Registers the `server_slots` filter:
 /// `{% for s in b.endpoints | server_slots(slots=haproxy.server_slots) %}` over rows with
 /// `endpoint` and `ready` (the rows of `derived` backends), giving `{slot, name, endpoint,
-/// enabled}` per slot. `slots` defaults to [`DEFAULT_SLOTS`]. And the `server_lines` filter:
+/// enabled}` per slot. And the `server_lines` filter:
 /// `{{ b.endpoints | server_lines(slots=n, options=" ssl verify none", check=true,
-/// cookie=false) }}` writes those slots' `server` lines ([`server_lines`]).
+/// cookie=false) }}` writes those slots' `server` lines ([`server_lines`]). What is not given
+/// is what the config says: `slots` is `extraContext.haproxy.server_slots` (else
+/// [`DEFAULT_SLOTS`]), `check` is `haproxy.health_checks` (else true), `options` none,
+/// `cookie` false. So the common call, `{{ b.endpoints | server_lines }}`, builds no
+/// arguments map: tera builds one per call with arguments, and at 10,000 backends a render
+/// that cost more than the lines.
 pub(crate) fn register(tera: &mut Tera) {
     tera.register_filter(
         "server_slots",
-        |rows: &[Value], kwargs: Kwargs, _: &State| -> tera::TeraResult<Vec<Value>> {
-            let per_backend = per_backend(&kwargs, "server_slots")?;
+        |rows: &[Value], kwargs: Kwargs, state: &State| -> tera::TeraResult<Vec<Value>> {
+            let (slots, _) = configured(state);
+            let per_backend = per_backend(&kwargs, slots.as_ref(), "server_slots")?;
             Ok(assign(&endpoint_rows(rows), per_backend)
                 .into_iter()
                 .map(|slot| {
@@ -243,8 +285,9 @@ pub(crate) fn register(tera: &mut Tera) {
     );
     tera.register_filter(
         "server_lines",
-        |rows: &[Value], kwargs: Kwargs, _: &State| -> tera::TeraResult<String> {
-            let per_backend = per_backend(&kwargs, "server_lines")?;
+        |rows: &[Value], kwargs: Kwargs, state: &State| -> tera::TeraResult<String> {
+            let (slots, checks) = configured(state);
+            let per_backend = per_backend(&kwargs, slots.as_ref(), "server_lines")?;
             let options: Option<String> = kwargs.get("options")?;
             // Truthy as the template's `{% if %}` would read them (a missing cookie is none).
             let check: Option<Value> = kwargs.get("check")?;
@@ -253,7 +296,7 @@ pub(crate) fn register(tera: &mut Tera) {
                 &endpoint_rows(rows),
                 per_backend,
                 options.as_deref().unwrap_or(""),
-                check.is_some_and(|v| v.is_truthy()),
+                check.or(checks).is_none_or(|v| v.is_truthy()),
                 cookie.is_some_and(|v| v.is_truthy()),
             ))
         },

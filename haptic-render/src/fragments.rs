@@ -50,6 +50,31 @@ pub(crate) struct Read {
 
 /// The identity of a value shared by reference (a map or a list): the address of its
 /// contents. Scalars have none.
+/// Hashes an [`identity`] (an address) with one multiplication: SipHash, the standard map's,
+/// cost more than the rest of a row's bookkeeping; an address is not attacker-chosen.
+#[derive(Default, Clone, Copy)]
+struct AddressHasher(u64);
+
+impl std::hash::Hasher for AddressHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(byte)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        // Fibonacci hashing: the high bits, which the table uses, depend on every bit of n.
+        self.0 = (self.0 ^ n as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+/// Row identities to places, hashed by [`AddressHasher`].
+type IdentityMap = HashMap<usize, u32, std::hash::BuildHasherDefault<AddressHasher>>;
+
 fn identity(value: &Value) -> Option<usize> {
     if let Some(map) = value.as_map() {
         return Some(std::ptr::from_ref(map) as usize);
@@ -108,7 +133,7 @@ struct CallSite {
     /// The identity of the rows list itself (the whole call is reused when it is the same).
     list: Option<usize>,
     /// Row identity -> its place in `rows` (rows without an identity are not indexed).
-    index: HashMap<usize, u32>,
+    index: IdentityMap,
     /// Every row's bytes, one after the other.
     bytes: Vec<u8>,
     /// Row `i`'s bytes are `bytes[ends[i - 1]..ends[i]]`.
@@ -403,7 +428,7 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
     let mut site = CallSite {
         rows: rows_value.clone(),
         list: identity(&rows_value),
-        index: HashMap::with_capacity(rows.len()),
+        index: IdentityMap::with_capacity_and_hasher(rows.len(), Default::default()),
         bytes: Vec::with_capacity(
             previous
                 .as_ref()

@@ -156,7 +156,13 @@ pub(crate) fn collect<T>(f: impl FnOnce() -> T) -> (T, Requests) {
 
 /// Takes what was asked for so far on this thread (a row of a run of rows is done).
 pub(crate) fn take() -> Requests {
-    COLLECTED.with(|c| c.take().0)
+    COLLECTED.with(|c| {
+        // Most rows ask for nothing: then the (empty) set and index stay as they are.
+        if c.borrow().0.is_empty() {
+            return Requests::default();
+        }
+        c.take().0
+    })
 }
 
 /// Adds requests made elsewhere (a reused fragment's), as if made here.

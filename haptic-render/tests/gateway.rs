@@ -2641,7 +2641,15 @@ fn http_route_https_listener() {
 /// an IP address).
 fn certs_without_sni(port: u16) -> String {
     let out = Command::new("curl")
-        .args(["-sk", "--max-time", "10", "-o", "/dev/null", "-w", "%{certs}"])
+        .args([
+            "-sk",
+            "--max-time",
+            "10",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{certs}",
+        ])
         .arg(format!("https://127.0.0.1:{port}/"))
         .output()
         .unwrap();
@@ -2736,7 +2744,10 @@ fn an_https_port_serves_forty_certificates_through_a_crt_list() {
     );
     let (got, body, certs) = https_get(other, "other.example.org");
     assert_eq!(got, 200, "{body}");
-    assert!(body.starts_with("backend=infra-backend-v1 path=/\n"), "{body}");
+    assert!(
+        body.starts_with("backend=infra-backend-v1 path=/\n"),
+        "{body}"
+    );
     assert!(served(&certs, &other_pem), "{certs}");
     assert!(
         served(&certs_without_sni(other), &other_pem),

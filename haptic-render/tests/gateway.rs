@@ -2686,6 +2686,8 @@ fn an_https_port_serves_forty_certificates_through_a_crt_list() {
         "other.example.org",
         "certificate-other",
     ));
+    // A certificate of both ports: one line of the crt-list.
+    listeners.push(listener("other-shared", other, &hosts[5], "certificate-05"));
     apply(
         &mut w.stores,
         "gateways",
@@ -2711,9 +2713,12 @@ fn an_https_port_serves_forty_certificates_through_a_crt_list() {
         json!({"parentRefs": [{"name": "many-certificates", "sectionName": "other"}],
                "rules": [{"backendRefs": to("infra-backend-v1")}]}),
     ));
+    let (files, _) = w.render((free_port(), free_port()));
+    let list = files.text("maps/gw-certs.list").unwrap();
+    assert_eq!(list.lines().filter(|l| !l.is_empty()).count(), 41, "{list}");
     let f = w.serve(port);
     let listeners = f.status("Gateway", "many-certificates", "listeners");
-    assert_eq!(listeners.as_array().unwrap().len(), 41);
+    assert_eq!(listeners.as_array().unwrap().len(), 42);
     for l in listeners.as_array().unwrap() {
         let got = conditions(&l["conditions"]);
         assert!(

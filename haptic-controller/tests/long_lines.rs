@@ -175,7 +175,7 @@ async fn a_line_over_64_words_leaves_only_its_object_out() {
         namespace: long_ns.clone(),
         name: long_name.clone(),
     };
-    assert_eq!(blamed, [long.clone()], "{ours}");
+    assert_eq!(blamed, std::slice::from_ref(&long), "{ours}");
     match render_gate::check_files(&haproxy(), &files).await {
         Err(CheckError::Refused(output)) => assert_eq!(output, ours),
         other => panic!("check_files: {other:?}"),

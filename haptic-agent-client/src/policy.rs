@@ -425,6 +425,50 @@ struct Word<'a> {
     env: Vec<String>,
 }
 
+/// The most words HAProxy 2.6 reads on one configuration line (`MAX_LINE_ARGS` of its
+/// `defaults.h`). A line with more is refused (`too many words, truncating after word 64`),
+/// and with it the whole configuration: `haproxy -c` fails, and so does every later load.
+pub const MAX_LINE_WORDS: usize = 64;
+
+/// A configuration line with more words than HAProxy reads ([`long_lines`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LongLine {
+    /// The line's number, from 1.
+    pub line: usize,
+    /// Its words, counted as HAProxy's parser splits them.
+    pub words: usize,
+}
+
+/// The lines of a configuration `text` with more than [`MAX_LINE_WORDS`] words, in order,
+/// counted as HAProxy 2.6's parser splits a line (blanks outside quotes separate words; a
+/// quoted or escaped blank does not; a `#` outside quotes ends the line; an empty quoted word
+/// counts). A line at exactly the limit loads.
+///
+/// ```
+/// use haptic_agent_client::policy::{LongLine, MAX_LINE_WORDS, long_lines};
+///
+/// let fits = format!("acl a path{}", " /p".repeat(MAX_LINE_WORDS - 3));
+/// let over = format!("acl a path{}", " /p".repeat(MAX_LINE_WORDS - 2));
+/// let quoted = format!("acl a path \"{}\"", " /p".repeat(MAX_LINE_WORDS));
+/// let text = [fits.as_str(), over.as_str(), quoted.as_str()].join("\n");
+/// assert_eq!(long_lines(&text), [LongLine { line: 2, words: MAX_LINE_WORDS + 1 }]);
+/// ```
+pub fn long_lines(text: &str) -> Vec<LongLine> {
+    text.split('\n')
+        .enumerate()
+        .filter_map(|(index, line)| {
+            // Quotes and escapes only join blank-separated runs and a comment only ends the
+            // line, so a line of at most MAX_LINE_WORDS runs (nearly all) needs no parse.
+            line.split_ascii_whitespace().nth(MAX_LINE_WORDS)?;
+            let words = words(line).len();
+            (words > MAX_LINE_WORDS).then_some(LongLine {
+                line: index + 1,
+                words,
+            })
+        })
+        .collect()
+}
+
 /// Splits a line the way HAProxy 2.6's parser does: blanks separate words; `#` outside quotes
 /// starts a comment (also in the middle of a word); single quotes are literal; double quotes
 /// expand `$NAME`, `${NAME}` and `${NAME-default}` (`\$` is a literal `$`); a backslash
@@ -1119,6 +1163,31 @@ mod tests {
         FileSet::new()
             .with(MAIN_CONFIG, config.to_owned())
             .expect("valid set")
+    }
+
+    #[test]
+    fn long_lines_count_words_as_haproxy_splits_them() {
+        let line = |words: usize| format!("acl a path{}", " /p".repeat(words - 3));
+        let counted = |text: &str| long_lines(text).iter().map(|l| l.words).collect::<Vec<_>>();
+        assert!(long_lines(&line(MAX_LINE_WORDS)).is_empty());
+        assert_eq!(counted(&line(MAX_LINE_WORDS + 1)), [MAX_LINE_WORDS + 1]);
+        // Tabs and runs of blanks separate as one; a comment is no words.
+        let tabs = line(MAX_LINE_WORDS).replace(' ', " \t ");
+        assert!(long_lines(&format!("{tabs}   # {}", "x ".repeat(80))).is_empty());
+        // A quoted or escaped blank joins; an empty quoted word counts.
+        let joined = format!("{} \"a b\" c\\ d", line(MAX_LINE_WORDS - 2));
+        assert!(long_lines(&joined).is_empty());
+        let empty = format!("{} \"\"", line(MAX_LINE_WORDS));
+        assert_eq!(counted(&empty), [MAX_LINE_WORDS + 1]);
+        // Numbered from 1, every such line.
+        let text = format!("global\n{}\n{}\n", line(70), line(65));
+        assert_eq!(
+            long_lines(&text),
+            [
+                LongLine { line: 2, words: 70 },
+                LongLine { line: 3, words: 65 }
+            ]
+        );
     }
 
     fn refusals(policy: &Policy, config: &str) -> Vec<String> {

@@ -870,3 +870,86 @@ async fn plain_http_routes_change_with_no_reload() {
     assert_eq!(state.reloads_avoided, 3);
     agent.stop().await;
 }
+
+/// The certificates of a Gateway's HTTPS listeners on a port of their own (the port's first
+/// on the bind line, every one in the crt-list `maps/gw-certs.list`) rotate as an Ingress's
+/// do: through the runtime API, no reload, the new one served on the next handshake.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_listener_certificates_rotate_with_no_reload() {
+    let (endpoint_port, _endpoints) = endpoints(2).await;
+    let (http_port, https_port, gw_port) = (free_port(), free_port(), free_port());
+    let mut cluster = Cluster::new(http_port, https_port, endpoint_port, 10);
+    cluster.ingress("web", "web.test", "web", None);
+    cluster.endpoints("web", &[("127.0.0.2", true)]);
+    cluster.apply(
+        "gatewayclasses",
+        json!({"metadata": {"name": "haptic"},
+            "spec": {"controllerName": "haproxy-haptic.org/gateway-controller"}}),
+    );
+    let listener = |name: &str| {
+        json!({"name": name, "port": gw_port, "protocol": "HTTPS",
+            "hostname": format!("{name}.gw.test"),
+            "tls": {"certificateRefs": [{"name": format!("gw-{name}")}]}})
+    };
+    cluster.apply(
+        "gateways",
+        json!({"metadata": {"namespace": NS, "name": "gw"},
+            "spec": {"gatewayClassName": "haptic",
+                "listeners": [listener("a"), listener("b")]}}),
+    );
+    let issue_both = |cluster: &mut Cluster| {
+        ["a", "b"].map(|name| {
+            let (ca, cert, key) = issue(&format!("{name}.gw.test"));
+            cluster.secret(&format!("gw-{name}"), &cert, &key);
+            ca
+        })
+    };
+    let old = issue_both(&mut cluster);
+    let files = cluster.render();
+    let list = String::from_utf8_lossy(files.get("maps/gw-certs.list").expect("crt-list"));
+    assert!(
+        list.contains("ssl/shop_gw-a.pem") && list.contains("ssl/shop_gw-b.pem"),
+        "{list}"
+    );
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let agent = TestAgent::start(dir.path()).await;
+    let client = client();
+    let first = apply(&client, &agent.url, &cluster, 1)
+        .await
+        .expect("first");
+    assert!(first.reload, "the first set starts HAProxy");
+    for (host, ca) in [("a.gw.test", &old[0]), ("b.gw.test", &old[1])] {
+        handshake(gw_port, host, ca)
+            .await
+            .unwrap_or_else(|e| panic!("{host}: the first certificate: {e}"));
+    }
+    let workers = worker_pids(&client, &agent.url).await;
+
+    // Both rotated: the default (on the bind line and in the list) and the other.
+    let new = issue_both(&mut cluster);
+    let report = apply(&client, &agent.url, &cluster, 2)
+        .await
+        .expect("certificates rotated");
+    assert_eq!(report.outcome, Outcome::Applied);
+    assert!(!report.reload, "a certificate rotation reloaded");
+    assert!(report.runtime_ops > 0);
+    for (host, old, new) in [
+        ("a.gw.test", &old[0], &new[0]),
+        ("b.gw.test", &old[1], &new[1]),
+    ] {
+        handshake(gw_port, host, new)
+            .await
+            .unwrap_or_else(|e| panic!("{host}: the rotated certificate: {e}"));
+        assert!(
+            handshake(gw_port, host, old).await.is_err(),
+            "{host}: the old certificate is still served"
+        );
+    }
+    assert_eq!(
+        worker_pids(&client, &agent.url).await,
+        workers,
+        "HAProxy reloaded"
+    );
+    agent.stop().await;
+}

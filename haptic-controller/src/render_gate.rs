@@ -29,7 +29,7 @@ use std::{
     time::Duration,
 };
 
-use haptic_agent_client::policy::Policy;
+use haptic_agent_client::policy::{MAX_LINE_WORDS, Policy};
 use haptic_eventbus::Filter;
 use haptic_leadership::LeaderContext;
 use haptic_render::FileSet;
@@ -40,6 +40,8 @@ use crate::events::{ControllerEvent, Exclusion, GateVerdict, Kind, RenderedSet};
 
 /// How long one `haproxy -c` may take.
 pub const CHECK_TIMEOUT: Duration = Duration::from_secs(60);
+/// How many lines over HAProxy's word limit a refusal names ([`long_lines`]).
+const LONG_LINES_SHOWN: usize = 20;
 /// How much of HAProxy's output a refusal keeps (the end, where the alerts are).
 const OUTPUT_CAP: usize = 4096;
 
@@ -236,8 +238,13 @@ pub fn policy_check(policy: &Policy, set: &RenderedSet) -> Result<(), String> {
     })
 }
 
-/// Runs the check; `None` when it passed (or cannot run), else HAProxy's output.
+/// Runs the check; `None` when it passed (or cannot run), else HAProxy's output (or, for a
+/// line HAProxy would refuse for its length, [`long_lines`]'s, which reads as HAProxy's).
 pub async fn check(settings: &GateSettings, set: &RenderedSet) -> Option<String> {
+    // Without a binary too: what the gate can see for itself it never lets through.
+    if let Err(output) = long_lines(&set.files) {
+        return Some(output);
+    }
     let haproxy = settings.haproxy.as_ref()?;
     match check_files(haproxy, &set.files).await {
         Ok(()) => None,
@@ -264,6 +271,7 @@ pub enum CheckError {
 /// no `-dr`, and a check that cannot run is an error, not a pass (what the webhook and
 /// `haptic-controller validate` need; the gate itself is optimistic, see [`check`]).
 pub async fn check_files(haproxy: &Path, files: &FileSet) -> Result<(), CheckError> {
+    long_lines(files).map_err(CheckError::Refused)?;
     let scratch = tempfile::Builder::new()
         .prefix("haptic-gate-")
         .tempdir()
@@ -311,6 +319,69 @@ pub async fn check_files(haproxy: &Path, files: &FileSet) -> Result<(), CheckErr
             Err(CheckError::Refused(tail(text.trim(), OUTPUT_CAP)))
         }
     }
+}
+
+/// Refuses, before HAProxy sees it, a set whose `haproxy.cfg` has a line of more words than
+/// HAProxy reads ([`MAX_LINE_WORDS`]; it would refuse the whole configuration, and did, twice,
+/// for lines a template wrote from a long list). The refusal reads as HAProxy's alerts do, an
+/// `[ALERT]` line per long line naming `[haproxy.cfg:<line>]`, so the set's provenance traces
+/// it to the object that wrote the line ([`verdict`] then leaves that object out) and the
+/// webhook quotes it as it quotes HAProxy.
+pub fn long_lines(files: &FileSet) -> Result<(), String> {
+    let Some(config) = files.get(haptic_agent_client::protocol::MAIN_CONFIG) else {
+        return Ok(());
+    };
+    let text = String::from_utf8_lossy(config);
+    let long = haptic_agent_client::policy::long_lines(&text);
+    if long.is_empty() {
+        return Ok(());
+    }
+    let lines: Vec<&str> = text.split('\n').collect();
+    let mut output: Vec<String> = long
+        .iter()
+        .take(LONG_LINES_SHOWN)
+        .map(|l| {
+            // The line's first words, enough to find it; without brackets or quotes, which
+            // provenance would read as file names and line numbers.
+            let start: String = lines
+                .get(l.line - 1)
+                .map(|t| {
+                    t.split_ascii_whitespace()
+                        .take(4)
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                })
+                .unwrap_or_default()
+                .chars()
+                .map(|c| {
+                    if matches!(c, '[' | ']' | '\'') {
+                        '?'
+                    } else {
+                        c
+                    }
+                })
+                .collect();
+            format!(
+                "[ALERT]    (haptic) : config : parsing [{}:{}]: too many words ({}): HAProxy \
+                 reads at most {MAX_LINE_WORDS} words a line: <{start} ...>",
+                haptic_agent_client::protocol::MAIN_CONFIG,
+                l.line,
+                l.words,
+            )
+        })
+        .collect();
+    if long.len() > LONG_LINES_SHOWN {
+        output.push(format!(
+            "[ALERT]    (haptic) : config : and {} more such lines",
+            long.len() - LONG_LINES_SHOWN
+        ));
+    }
+    output.push(format!(
+        "[ALERT]    (haptic) : config : Error(s) found in configuration file : {} (refused \
+         before haproxy -c)",
+        haptic_agent_client::protocol::MAIN_CONFIG
+    ));
+    Err(output.join("\n"))
 }
 
 /// An alert line without HAProxy's prefix (`[ALERT]    (pid) : config : `).

@@ -431,3 +431,103 @@ async fn one_tenants_bad_object_never_stops_another_tenants_change() {
     );
     assert_eq!(again.data, stored.data);
 }
+
+/// A line of more than 64 words (more than HAProxy reads) written from one tenant's object:
+/// the render gate refuses it before `haproxy -c`, traces it to that object, which is left out
+/// and told why, and the other tenant's change goes live. The reference config with one test
+/// hook: a Service annotation `haptic.test/acl` copied into an ACL of its backend, as a
+/// template that trusts an annotation would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenants_line_over_64_words_leaves_only_its_object_out() {
+    let cluster = Cluster::start().await;
+    let (agent_port, http_port) = (free_port(), free_port());
+    cluster.create_token().await;
+    let mut spec = spec(agent_port, http_port);
+    let snippet = &mut spec
+        .template_snippets
+        .get_mut("backends")
+        .expect("backends snippet")
+        .template;
+    let plain = "backend {{ row.name }}\n    balance roundrobin";
+    let patched = snippet.replacen(
+        plain,
+        &format!(
+            "{plain}{{% set svc = [\"services\", row.namespace, row.service] | get %}}\
+             {{% if svc.metadata.annotations and svc.metadata.annotations[\"haptic.test/acl\"] %}}\n    \
+             acl haptic_test path {{{{ svc.metadata.annotations[\"haptic.test/acl\"] }}}}{{% endif %}}"
+        ),
+        1,
+    );
+    assert_ne!(
+        &patched, snippet,
+        "the backend is where the test expects it"
+    );
+    *snippet = patched;
+    cluster.apply_htc(&spec).await;
+    let agent = Agent::start(&cluster, 1, agent_port, http_port).await;
+    for namespace in [A, B] {
+        let ns: k8s_openapi::api::core::v1::Namespace =
+            serde_json::from_value(json!({"metadata": {"name": namespace}})).expect("namespace");
+        Api::all(cluster.client.clone())
+            .create(&PostParams::default(), &ns)
+            .await
+            .expect("namespace created");
+    }
+    let a = Backend::start("a").await;
+    let b = Backend::start("b").await;
+    service_in(&cluster, B, b.addr).await;
+    let _controller = Controller::start(&cluster, "controller-1").await;
+    ingress_in(&cluster, B, "b", "b.example", None, json!({})).await;
+    agent
+        .await_route("b.example", "/", (200, "backend b"))
+        .await;
+
+    // Tenant A's Service writes a line of 65 words (3 + 62 patterns); tenant B's change made
+    // meanwhile goes live.
+    let patterns = |words: usize| {
+        (3..words)
+            .map(|i| format!("/p{i}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    create::<Service>(
+        &cluster,
+        A,
+        json!({"metadata": {"name": "web", "namespace": A,
+                            "annotations": {"haptic.test/acl": patterns(65)}},
+               "spec": {"ports": [{"name": "http", "port": 80, "targetPort": a.addr.port(), "protocol": "TCP"}]}}),
+    )
+    .await;
+    create::<EndpointSlice>(
+        &cluster,
+        A,
+        json!({"metadata": {"name": "web-1", "namespace": A, "labels": {"kubernetes.io/service-name": "web"}},
+               "addressType": "IPv4",
+               "ports": [{"name": "http", "port": a.addr.port(), "protocol": "TCP"}],
+               "endpoints": [{"addresses": [a.addr.ip().to_string()], "conditions": {"ready": true}}]}),
+    )
+    .await;
+    ingress_in(&cluster, A, "a", "a.example", None, json!({})).await;
+    ingress_in(&cluster, B, "b2", "b2.example", None, json!({})).await;
+    agent
+        .await_route("b2.example", "/", (200, "backend b"))
+        .await;
+    let refused = await_event_on(&cluster, A, "web", "HAProxyRefused", "too many words").await;
+    assert!(
+        refused
+            .note
+            .as_deref()
+            .is_some_and(|n| n.contains("HAProxy reads at most 64 words a line")),
+        "{refused:?}"
+    );
+    // The Service is left out as if deleted: its Ingress's path has no backend.
+    await_event_on(&cluster, A, "a", "BackendNotFound", "web").await;
+    assert_ne!(
+        get(&agent.http_addr(), "a.example", "/").await.map(|r| r.0),
+        Some(200),
+        "the refused Service is left out"
+    );
+    agent
+        .await_route("b.example", "/", (200, "backend b"))
+        .await;
+}

@@ -201,6 +201,7 @@ fn template(source: &str) -> Template {
 /// their TCP backends); `maps/gw-exact.map` and `maps/gw-prefix.map` (the HTTPRoute matches
 /// without conditions whose rule has no filter and one backend: `<port>/<listener
 /// hostname>/<host><path> <rank> <backend>`, see [`crate::derived::gateway`]);
+/// `maps/gw-certs.list` (the crt-list of the HTTPS Gateway listeners on ports of their own);
 /// `ssl/<namespace>_<secret>.pem` for every usable
 /// TLS Secret, and for every labelled Secret with a `ca.crt` (ingress-nginx's auth-tls-secret).
 ///
@@ -261,6 +262,10 @@ pub fn template_set() -> TemplateSet {
         (
             "gw-prefix.map",
             include_str!("../templates/maps/gw-prefix.map.tera"),
+        ),
+        (
+            "gw-certs.list",
+            include_str!("../templates/maps/gw-certs.list.tera"),
         ),
     ] {
         set.maps.insert(name.to_owned(), template(source));

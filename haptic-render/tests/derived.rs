@@ -53,7 +53,7 @@ fn raw_renderer() -> &'static Renderer {
             ),
             (
                 "certs.list",
-                "{%- include \"tls-entries\" %}\n{%- include \"gateway-crt-list\" %}\n",
+                "{%- include \"tls-entries\" %}\n{%- set gw_crt_shared = true %}{% include \"gateway-crt-list\" %}\n",
             ),
         ] {
             set.maps.insert(map.into(), Template::new(source));

@@ -2637,6 +2637,129 @@ fn http_route_https_listener() {
     }
 }
 
+/// The certificates the server sent, as PEM, to a client that sends no SNI (curl does not for
+/// an IP address).
+fn certs_without_sni(port: u16) -> String {
+    let out = Command::new("curl")
+        .args([
+            "-sk",
+            "--max-time",
+            "10",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{certs}",
+        ])
+        .arg(format!("https://127.0.0.1:{port}/"))
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// An HTTPS port with 40 certificates (40 listeners, a hostname and a Secret each): they are
+/// lines of the crt-list `maps/gw-certs.list`, not a `crt` each on the bind line, which broke
+/// past about 29 (HAProxy reads at most 64 words a line, and refused the whole set). The SNI
+/// of the first, a middle and the last hostname gets that listener's certificate and its
+/// route's backend; a client without SNI gets the port's first certificate. A second HTTPS
+/// port of the Gateway keeps its own default: its first certificate, not the other port's.
+#[test]
+fn an_https_port_serves_forty_certificates_through_a_crt_list() {
+    let mut w = world(&["infra-backend-v1", "infra-backend-v2", "infra-backend-v3"]);
+    let (port, other) = (free_port(), free_port());
+    let listener = |name: &str, port: u16, host: &str, secret: &str| {
+        json!({"name": name, "port": port, "protocol": "HTTPS", "hostname": host,
+            "allowedRoutes": {"namespaces": {"from": "Same"}},
+            "tls": {"certificateRefs": [{"group": "", "kind": "Secret", "name": secret}]}})
+    };
+    let hosts: Vec<String> = (0..40).map(|i| format!("h{i:02}.example.org")).collect();
+    let mut pems = Vec::new();
+    let mut listeners = Vec::new();
+    for (i, host) in hosts.iter().enumerate() {
+        let secret = format!("certificate-{i:02}");
+        pems.push(self_signed_secret(&mut w, &secret, &[host]));
+        listeners.push(listener(&format!("https-{i:02}"), port, host, &secret));
+    }
+    let other_pem = self_signed_secret(&mut w, "certificate-other", &["other.example.org"]);
+    listeners.push(listener(
+        "other",
+        other,
+        "other.example.org",
+        "certificate-other",
+    ));
+    // A certificate of both ports: one line of the crt-list.
+    listeners.push(listener("other-shared", other, &hosts[5], "certificate-05"));
+    apply(
+        &mut w.stores,
+        "gateways",
+        gateway("many-certificates", Json::from(listeners)),
+    );
+    let routes = [
+        (0, "infra-backend-v1"),
+        (20, "infra-backend-v2"),
+        (39, "infra-backend-v3"),
+    ];
+    for (i, backend) in routes {
+        w.route(route(
+            &format!("route-{i:02}"),
+            "2026-01-01T00:00:00Z",
+            json!({"parentRefs": [{"name": "many-certificates"}],
+                   "hostnames": [hosts[i]],
+                   "rules": [{"backendRefs": to(backend)}]}),
+        ));
+    }
+    w.route(route(
+        "route-other",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "many-certificates", "sectionName": "other"}],
+               "rules": [{"backendRefs": to("infra-backend-v1")}]}),
+    ));
+    let (files, _) = w.render((free_port(), free_port()));
+    let list = files.text("maps/gw-certs.list").unwrap();
+    assert_eq!(list.lines().filter(|l| !l.is_empty()).count(), 41, "{list}");
+    let f = w.serve(port);
+    let listeners = f.status("Gateway", "many-certificates", "listeners");
+    assert_eq!(listeners.as_array().unwrap().len(), 42);
+    for l in listeners.as_array().unwrap() {
+        let got = conditions(&l["conditions"]);
+        assert!(
+            got.contains(&"Programmed=True/Programmed".to_owned()),
+            "{}: {got:?}",
+            l["name"]
+        );
+    }
+    let squeeze = |pem: &str| pem.split_whitespace().collect::<String>();
+    let served = |certs: &str, pem: &str| squeeze(certs).contains(&squeeze(pem));
+    for (i, backend) in routes {
+        let (got, body, certs) = https_get(port, &hosts[i]);
+        assert_eq!(got, 200, "{}: {body}", hosts[i]);
+        assert!(
+            body.starts_with(&format!("backend={backend} path=/\n")),
+            "{}: {body}",
+            hosts[i]
+        );
+        assert!(
+            served(&certs, &pems[i]),
+            "{}: not its listener's certificate: {certs}",
+            hosts[i]
+        );
+    }
+    assert!(
+        served(&certs_without_sni(port), &pems[0]),
+        "without SNI: the port's first certificate"
+    );
+    let (got, body, certs) = https_get(other, "other.example.org");
+    assert_eq!(got, 200, "{body}");
+    assert!(
+        body.starts_with("backend=infra-backend-v1 path=/\n"),
+        "{body}"
+    );
+    assert!(served(&certs, &other_pem), "{certs}");
+    assert!(
+        served(&certs_without_sni(other), &other_pem),
+        "without SNI on the other port: its own first certificate"
+    );
+}
+
 /// ingress-nginx's ssl-passthrough next to an HTTPS listener on the Ingress frontend's port:
 /// the hosts the listener covers stay the Gateway's (terminated, routed by its HTTPRoute),
 /// whatever an Ingress asks; the Ingress's other hosts are passed through.

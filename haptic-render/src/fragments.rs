@@ -48,12 +48,10 @@ pub(crate) struct Read {
     found: Option<Value>,
 }
 
-/// The identity of a value shared by reference (a map or a list): the address of its
-/// contents. Scalars have none.
 /// Hashes an [`identity`] (an address) with one multiplication: SipHash, the standard map's,
 /// cost more than the rest of a row's bookkeeping; an address is not attacker-chosen.
 #[derive(Default, Clone, Copy)]
-struct AddressHasher(u64);
+pub(crate) struct AddressHasher(u64);
 
 impl std::hash::Hasher for AddressHasher {
     fn finish(&self) -> u64 {
@@ -75,7 +73,10 @@ impl std::hash::Hasher for AddressHasher {
 /// Row identities to places, hashed by [`AddressHasher`].
 type IdentityMap = HashMap<usize, u32, std::hash::BuildHasherDefault<AddressHasher>>;
 
-fn identity(value: &Value) -> Option<usize> {
+/// The identity of a value shared by reference (a map or a list): the address of its
+/// contents, the same for every clone of the value and not another value's while this one is
+/// held. Scalars have none.
+pub(crate) fn identity(value: &Value) -> Option<usize> {
     if let Some(map) = value.as_map() {
         return Some(std::ptr::from_ref(map) as usize);
     }

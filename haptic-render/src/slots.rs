@@ -304,6 +304,7 @@ pub(crate) fn register(tera: &mut Tera) {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -318,6 +319,53 @@ mod tests {
             .iter()
             .find(|s| s.endpoint == endpoint)
             .map(|s| s.slot)
+    }
+
+    #[test]
+    fn the_filters_take_what_is_not_given_from_the_config() {
+        let mut tera = Tera::new();
+        register(&mut tera);
+        let render = |haproxy: Option<Value>, source: &str| {
+            let mut context = tera::Context::new();
+            context.insert_value(
+                "eps",
+                Value::from(vec![map_value([
+                    ("endpoint", Value::from("10.0.0.1:80")),
+                    ("ready", Value::from(true)),
+                ])]),
+            );
+            if let Some(haproxy) = haproxy {
+                context.insert_value("haproxy", haproxy);
+            }
+            tera.render_str(source, &context, false)
+        };
+        let lines = "{{ eps | server_lines }}";
+        // No config: 10 slots, checked.
+        let plain = render(None, lines).unwrap();
+        assert_eq!(plain.matches("\n    server s").count(), DEFAULT_SLOTS);
+        assert_eq!(plain.matches(" check").count(), DEFAULT_SLOTS);
+        // The config's slots and checks, unless the call says otherwise.
+        let config = map_value([
+            ("server_slots", Value::from(3)),
+            ("health_checks", Value::from(false)),
+        ]);
+        let configured = render(Some(config.clone()), lines).unwrap();
+        assert_eq!(configured.matches("\n    server s").count(), 3);
+        assert!(!configured.contains(" check"), "{configured}");
+        let given = render(
+            Some(config.clone()),
+            "{{ eps | server_lines(slots=2, check=true) }}",
+        )
+        .unwrap();
+        assert_eq!(given.matches(" check").count(), 2);
+        let slots = render(Some(config), "{{ eps | server_slots | length }}").unwrap();
+        assert_eq!(slots, "3");
+        let wrong = map_value([("server_slots", Value::from("ten"))]);
+        let err = render(Some(wrong), lines).unwrap_err();
+        assert!(
+            format!("{err:?}").contains("haproxy.server_slots must be a number"),
+            "{err:?}"
+        );
     }
 
     #[test]

@@ -90,9 +90,13 @@ fn a_thousand_ingresses_render_a_config_haproxy_accepts() {
         250
     );
     // haproxy.cfg, seven maps (ssl-passthrough's and the two gateway maps empty), the
-    // crt-list, a PEM per TLS Secret.
-    assert_eq!(files.len(), 9 + 250);
-    for map in ["maps/gw-exact.map", "maps/gw-prefix.map"] {
+    // crt-lists (the Gateway HTTPS ports' empty), a PEM per TLS Secret.
+    assert_eq!(files.len(), 10 + 250);
+    for map in [
+        "maps/gw-exact.map",
+        "maps/gw-prefix.map",
+        "maps/gw-certs.list",
+    ] {
         assert_eq!(files.text(map).map(str::trim), Some(""));
     }
 }

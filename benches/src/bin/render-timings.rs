@@ -6,6 +6,7 @@
 //! `RENDER_TIMINGS_BLANK=backends,nginx-frontend` blanks those snippets (their cost, by difference);
 //! `RENDER_TIMINGS_REUSE=1` times renders that reuse everything (nothing changed);
 //! `RENDER_TIMINGS_THREADS=2` renders on two threads (the wall clock is then the figure).
+//! `RENDER_TIMINGS_DUMP=<dir>` writes the rendered files there (to compare two builds).
 
 use haptic_render::{Renderer, fixtures, reference};
 
@@ -59,7 +60,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     fixtures.load(&mut stores)?;
     // The set's checksum: a template or engine change that should give the same bytes must
     // print the same one.
-    println!("checksum {}", renderer.render(&stores)?.checksum_hex());
+    let first = renderer.render(&stores)?;
+    println!("checksum {}", first.checksum_hex());
+    // RENDER_TIMINGS_DUMP=<dir>: the rendered files are written there (to compare two builds).
+    if let Ok(dir) = std::env::var("RENDER_TIMINGS_DUMP") {
+        first.write_to(std::path::Path::new(&dir))?;
+    }
+    drop(first);
     let mut per_output: BTreeMap<String, Vec<Duration>> = BTreeMap::new();
     let mut totals = Vec::new();
     let mut phases: BTreeMap<&str, Vec<Duration>> = BTreeMap::new();

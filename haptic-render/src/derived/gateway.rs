@@ -1005,12 +1005,12 @@ pub(super) fn resolve(
             out
         })
         .collect();
-    let mut backends: BTreeMap<String, Json> = BTreeMap::new();
+    let mut backends: BTreeMap<String, Arc<Json>> = BTreeMap::new();
     for out in &outs {
         refusals.extend(out.refusals.iter().cloned());
         for (backend, row) in &out.backends {
             if !backends.contains_key(backend) {
-                backends.insert(backend.clone(), row.clone());
+                backends.insert(backend.clone(), Arc::clone(row));
             }
         }
         statuses.extend(out.status.iter().cloned());
@@ -1203,53 +1203,18 @@ pub(super) fn resolve(
         });
     }
 
-    // Backends: the endpoints of each Service port the routes name.
-    // Only the slices of the Services routed to: a cluster's other slices are not walked
-    // further than their label.
-    let wanted: BTreeSet<(String, String)> = backends
-        .values()
-        .map(|b| (s(b, "/namespace").to_owned(), s(b, "/service").to_owned()))
-        .collect();
-    let mut by_service: HashMap<(&str, &str), Vec<&std::sync::Arc<Extracts>>> = HashMap::new();
-    for ((namespace, _), slice, extracts) in
-        inputs
-            .slices
-            .entries()
-            .take(if wanted.is_empty() { 0 } else { usize::MAX })
-    {
-        let service = extracts.slice(slice).service.as_str();
-        if !service.is_empty() && wanted.contains(&(namespace.clone(), service.to_owned())) {
-            by_service
-                .entry((namespace.as_str(), service))
-                .or_default()
-                .push(extracts);
+    // Backends: the endpoints of each Service port the routes name: the previous rows while
+    // the routes name the same ports and no EndpointSlice changed (an HTTPRoute change).
+    let slices_generation = inputs.slices.generation();
+    let backend_rows = match previous {
+        Some(previous)
+            if previous.backends_from.0 == slices_generation
+                && previous.backends_from.1 == backends =>
+        {
+            previous.backends.clone()
         }
-    }
-    let backend_rows: Vec<Value> = backends
-        .into_values()
-        .map(|b| {
-            let (ns, svc, port_name) =
-                (s(&b, "/namespace"), s(&b, "/service"), s(&b, "/port_name"));
-            let mut endpoints: Vec<Value> = Vec::new();
-            for e in by_service.get(&(ns, svc)).map_or(&[][..], Vec::as_slice) {
-                if let Some(slice) = e.slice.get() {
-                    for (name, rows) in &slice.ports {
-                        if name == port_name {
-                            endpoints.extend(rows.as_array().unwrap_or_default().iter().cloned());
-                        }
-                    }
-                }
-            }
-            super::row([
-                ("name", Value::from(s(&b, "/name"))),
-                ("endpoints", Value::from(endpoints)),
-                ("app_protocol", Value::from(s(&b, "/app_protocol"))),
-                ("namespace", Value::from(ns)),
-                ("service", Value::from(svc)),
-                ("origin", origin("services", ns, svc)),
-            ])
-        })
-        .collect();
+        _ => Value::from(backend_rows(inputs.slices, &backends)),
+    };
 
     let ports_of = |https: bool| -> Vec<i64> {
         frontends
@@ -1265,7 +1230,8 @@ pub(super) fn resolve(
     let mut resolved = Resolved {
         http_ports: Value::from_serializable(&http_ports),
         https_ports: Value::from_serializable(&https_ports),
-        backends: Value::from(backend_rows),
+        backends: backend_rows,
+        backends_from: (slices_generation, backends),
         statuses: Value::from(statuses),
         refusals: Value::from_serializable(&refusals),
         frontends,
@@ -1276,6 +1242,55 @@ pub(super) fn resolve(
     };
     resolved.plain = resolved.value(None, Vec::new());
     resolved
+}
+
+/// The backend rows of `backends` (by name), with the endpoints of their Services'
+/// EndpointSlices on the named port.
+fn backend_rows(slices: Source<'_>, backends: &BTreeMap<String, Arc<Json>>) -> Vec<Value> {
+    // Only the slices of the Services routed to: a cluster's other slices are not walked
+    // further than their label.
+    let wanted: BTreeSet<(&str, &str)> = backends
+        .values()
+        .map(|b| (s(b, "/namespace"), s(b, "/service")))
+        .collect();
+    let mut by_service: HashMap<(&str, &str), Vec<&Arc<Extracts>>> = HashMap::new();
+    for ((namespace, _), slice, extracts) in
+        slices
+            .entries()
+            .take(if wanted.is_empty() { 0 } else { usize::MAX })
+    {
+        let service = extracts.slice(slice).service.as_str();
+        if !service.is_empty() && wanted.contains(&(namespace.as_str(), service)) {
+            by_service
+                .entry((namespace.as_str(), service))
+                .or_default()
+                .push(extracts);
+        }
+    }
+    backends
+        .values()
+        .map(|b| {
+            let (ns, svc, port_name) = (s(b, "/namespace"), s(b, "/service"), s(b, "/port_name"));
+            let mut endpoints: Vec<Value> = Vec::new();
+            for e in by_service.get(&(ns, svc)).map_or(&[][..], Vec::as_slice) {
+                if let Some(slice) = e.slice.get() {
+                    for (name, rows) in &slice.ports {
+                        if name == port_name {
+                            endpoints.extend(rows.as_array().unwrap_or_default().iter().cloned());
+                        }
+                    }
+                }
+            }
+            super::row([
+                ("name", Value::from(s(b, "/name"))),
+                ("endpoints", Value::from(endpoints)),
+                ("app_protocol", Value::from(s(b, "/app_protocol"))),
+                ("namespace", Value::from(ns)),
+                ("service", Value::from(svc)),
+                ("origin", origin("services", ns, svc)),
+            ])
+        })
+        .collect()
 }
 
 /// What one HTTPRoute resolves to, with what it read to get there: kept beside the route
@@ -1290,7 +1305,7 @@ pub(crate) struct RouteOut {
     labels: Option<Json>,
     refusals: Vec<Json>,
     /// Backend name and row (the first of a name is kept).
-    backends: Vec<(String, Json)>,
+    backends: Vec<(String, Arc<Json>)>,
     /// The `parents` status, as a template value.
     status: Option<Value>,
     /// `(gateway, listener)` indexes of each listener the route attached to.
@@ -1481,13 +1496,13 @@ fn route_out(reads: &RouteReads<'_>, key: &(String, String), route: &Value) -> R
                         let backend =
                             format!("gw_{}", backend_name(target_ns, svc, &number.to_string()));
                         out.backends.push((backend.clone(), {
-                            json!({
+                            Arc::new(json!({
                                 "name": backend,
                                 "namespace": target_ns,
                                 "service": svc,
                                 "port_name": port_name,
                                 "app_protocol": app_protocol,
-                            })
+                            }))
                         }));
                         Some(backend)
                     }
@@ -2261,6 +2276,9 @@ pub(crate) struct Resolved {
     http_ports: Value,
     https_ports: Value,
     backends: Value,
+    /// What the backend rows were made of: the EndpointSlices' generation and the backends
+    /// the routes name.
+    backends_from: (u64, BTreeMap<String, Arc<Json>>),
     statuses: Value,
     refusals: Value,
     /// Whether a match claims a route on the Ingress frontend's port.

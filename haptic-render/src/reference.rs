@@ -319,6 +319,22 @@ pub fn template_set() -> TemplateSet {
             include_str!("../templates/snippets/gateway-entries.tera"),
         ),
         (
+            "gateway-match",
+            include_str!("../templates/snippets/gateway-match.tera"),
+        ),
+        (
+            "gateway-action",
+            include_str!("../templates/snippets/gateway-action.tera"),
+        ),
+        (
+            "gateway-backend",
+            include_str!("../templates/snippets/gateway-backend.tera"),
+        ),
+        (
+            "gateway-status",
+            include_str!("../templates/snippets/gateway-status.tera"),
+        ),
+        (
             "gateway-crt-list",
             include_str!("../templates/snippets/gateway-crt-list.tera"),
         ),

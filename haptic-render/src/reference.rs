@@ -331,10 +331,6 @@ pub fn template_set() -> TemplateSet {
             include_str!("../templates/snippets/gateway-backend.tera"),
         ),
         (
-            "gateway-status",
-            include_str!("../templates/snippets/gateway-status.tera"),
-        ),
-        (
             "gateway-crt-list",
             include_str!("../templates/snippets/gateway-crt-list.tera"),
         ),

@@ -1300,7 +1300,7 @@ fn backend_rows(slices: Source<'_>, backends: &BTreeMap<String, Arc<Json>>) -> V
 pub(crate) struct RouteOut {
     context: Arc<Context>,
     /// The Services looked up, `(namespace, name)`, and the version found (none: missing).
-    services: Vec<((String, String), Option<Weak<Extracts>>)>,
+    services: Vec<ServiceRead>,
     /// The labels of the route's Namespace as a listener's selector reads them.
     labels: Option<Json>,
     refusals: Vec<Json>,
@@ -1323,6 +1323,9 @@ impl std::fmt::Debug for RouteOut {
             .finish_non_exhaustive()
     }
 }
+
+/// A Service a route looked up, `(namespace, name)`, and the version it found (none: missing).
+type ServiceRead = ((String, String), Option<Weak<Extracts>>);
 
 /// A match of a route on a listener port: what orders it, and its frontend row.
 struct RouteMatch {
@@ -1472,10 +1475,17 @@ fn route_out(reads: &RouteReads<'_>, key: &(String, String), route: &Value) -> R
                 None
             } else {
                 let entry = reads.services.get_entry(target_ns, svc);
-                out.services.push((
-                    (target_ns.to_owned(), svc.to_owned()),
-                    entry.map(|(_, e)| Arc::downgrade(e)),
-                ));
+                // Each Service once: checking a kept route looks each up again.
+                if !out
+                    .services
+                    .iter()
+                    .any(|((ns, name), _)| ns == target_ns && name == svc)
+                {
+                    out.services.push((
+                        (target_ns.to_owned(), svc.to_owned()),
+                        entry.map(|(_, e)| Arc::downgrade(e)),
+                    ));
+                }
                 let found = entry.and_then(|(v, e)| {
                     let service = e.service(target_ns, svc, v);
                     let p = service.ports.iter().find(|p| Some(p.number) == port)?;
@@ -1963,7 +1973,7 @@ fn route_out(reads: &RouteReads<'_>, key: &(String, String), route: &Value) -> R
     }
     // The frontend rows, built once per version of the route (20,000 rows at 10,000 routes
     // cost as much to build as the rest of the view).
-    let context = &*reads.context;
+    let context: &Context = reads.context;
     let mut used = vec![false; actions.len()];
     for (port, m) in matches {
         let https = context

@@ -1186,15 +1186,23 @@ pub(super) fn resolve(
                 ])
             })
             .collect();
+        let index: HashMap<&str, usize> =
+            actions.keys().enumerate().map(|(i, id)| (*id, i)).collect();
         frontends.push(Frontend {
             port,
             https,
             certificates,
-            matches: rows.iter().map(|m| m.front.clone()).collect(),
-            actions: actions
-                .into_iter()
-                .map(|(id, row)| (id.to_owned(), row.clone()))
+            action_of: rows
+                .iter()
+                .map(|m| {
+                    index
+                        .get(m.front.action.as_str())
+                        .copied()
+                        .unwrap_or(usize::MAX)
+                })
                 .collect(),
+            matches: rows.iter().map(|m| Arc::clone(&m.front)).collect(),
+            actions: actions.into_values().cloned().collect(),
             listeners: Value::from(listeners),
             // What the listeners' hostnames cover, as conditions on a TLS ClientHello's SNI:
             // an Ingress's ssl-passthrough does not take a host a Gateway's HTTPS listener on
@@ -1331,7 +1339,7 @@ type ServiceRead = ((String, String), Option<Weak<Extracts>>);
 struct RouteMatch {
     port: i64,
     row: MatchRow,
-    front: FrontMatch,
+    front: Arc<FrontMatch>,
 }
 
 impl RouteOut {
@@ -1996,6 +2004,7 @@ fn route_out(reads: &RouteReads<'_>, key: &(String, String), route: &Value) -> R
             reads.route_store,
             port,
         );
+        let front = Arc::new(front);
         out.matches.push(RouteMatch {
             port,
             row: m,
@@ -2196,7 +2205,6 @@ impl RouteClaim {
 }
 
 /// One match of a frontend: its row in `haproxy.cfg`, or its map entry.
-#[derive(Clone)]
 struct FrontMatch {
     /// The row of `matches` (`condition`, `action`, `origin`).
     row: Value,
@@ -2219,8 +2227,11 @@ struct Frontend {
     port: i64,
     https: bool,
     certificates: Value,
-    matches: Vec<FrontMatch>,
-    actions: BTreeMap<String, Value>,
+    matches: Vec<Arc<FrontMatch>>,
+    /// The index in `actions` of each match's action.
+    action_of: Vec<usize>,
+    /// The action rows, by id.
+    actions: Vec<Value>,
     listeners: Value,
     sni: Value,
 }
@@ -2238,7 +2249,7 @@ impl Frontend {
     fn row_without(&self, dropped: Option<&BTreeSet<usize>>, maps: &mut MapRows) -> Value {
         let mut seen: std::collections::HashSet<&(bool, String)> = std::collections::HashSet::new();
         let mut kept = Vec::new();
-        let mut used: BTreeSet<&str> = BTreeSet::new();
+        let mut used = vec![false; self.actions.len()];
         for (i, m) in self.matches.iter().enumerate() {
             if dropped.is_some_and(|d| d.contains(&i)) {
                 continue;
@@ -2253,7 +2264,9 @@ impl Frontend {
                 Some((false, entry)) => maps.prefix.push(entry.clone()),
                 None => {
                     kept.push(m.row.clone());
-                    used.insert(&m.action);
+                    if let Some(used) = self.action_of.get(i).and_then(|&a| used.get_mut(a)) {
+                        *used = true;
+                    }
                 }
             }
         }
@@ -2267,8 +2280,9 @@ impl Frontend {
                 Value::from(
                     self.actions
                         .iter()
-                        .filter(|(id, _)| used.contains(id.as_str()))
-                        .map(|(_, row)| row.clone())
+                        .zip(used)
+                        .filter(|(_, used)| *used)
+                        .map(|(row, _)| row.clone())
                         .collect::<Vec<_>>(),
                 ),
             ),

@@ -34,7 +34,12 @@
 //! as a path of one of our Ingresses (the Ingress conflict rule's route key) is a conflict the
 //! older object wins (`Resolved::with_ingresses`). What the Gateway API stores resolve to is
 //! kept (`resolve`) while they do not change: an Ingress change decides only the conflicts
-//! again, and reads no Ingress unless a match claims something.
+//! again, and reads no Ingress unless a match claims something. After a change of those
+//! stores, each HTTPRoute that did not change keeps what it resolved to (`RouteOut`, kept
+//! beside the route) while what it read is the same: its Services, its Namespace's labels and
+//! what every route reads of the Gateways, grants and config; only the others are resolved
+//! again, and the view is assembled from the kept and the new (the same rows, order, statuses
+//! and events as a derivation from scratch: `tests/derived.rs`).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Weak};

@@ -570,6 +570,9 @@ pub(crate) struct Extracts {
     /// The rows this resource last contributed to a view, and what they were joined with, per
     /// kind of view ([`Derivation::slot`]).
     rows: Mutex<[Option<Contribution>; 8]>,
+    /// An HTTPRoute: what the Gateway API view last resolved it to, and what it read
+    /// ([`gateway::RouteOut`]); gone with this version of the route.
+    gateway_route: Mutex<Option<Arc<gateway::RouteOut>>>,
 }
 
 /// An IngressClass: whether it is ours (by controller name) and marked default.
@@ -1084,6 +1087,20 @@ fn same_deps<'a>(deps: &Deps, joined: impl Iterator<Item = Option<&'a Arc<Extrac
 }
 
 impl Extracts {
+    /// What the Gateway API view last resolved this HTTPRoute to, if it kept it.
+    fn gateway_route(&self) -> Option<Arc<gateway::RouteOut>> {
+        self.gateway_route
+            .lock()
+            .map_or(None, |kept| kept.as_ref().map(Arc::clone))
+    }
+
+    /// Keeps what the Gateway API view resolved this HTTPRoute to.
+    fn keep_gateway_route(&self, out: Arc<gateway::RouteOut>) {
+        if let Ok(mut kept) = self.gateway_route.lock() {
+            *kept = Some(out);
+        }
+    }
+
     /// Appends this resource's rows for the view of kind `slot`: the ones it last contributed
     /// when they were joined with the same versions of the same resources (`joined`, none
     /// where a join found nothing), otherwise `compute()`'s (then kept for the next time).
@@ -2426,8 +2443,9 @@ impl DerivedView {
                             let resolved = match &state.gateway {
                                 Some((built, resolved)) if *built == from => Arc::clone(resolved),
                                 _ => {
+                                    let previous = state.gateway.as_ref().map(|(_, r)| &**r);
                                     let resolved = Arc::new(gateway::resolve(
-                                        slot, &inputs, &ports, controller,
+                                        slot, &inputs, &ports, controller, previous,
                                     ));
                                     state.gateway = Some((from, Arc::clone(&resolved)));
                                     resolved
@@ -2459,17 +2477,26 @@ impl DerivedView {
             split_classes(&self.derivation, inputs)
         {
             let from: Vec<u64> = own.iter().take(9).map(|s| s.generation()).collect();
-            let resolved = self
+            let kept = self
                 .lock()
                 .gateway
                 .as_ref()
-                .filter(|(built, _)| *built == from)
-                .map(|(_, resolved)| Arc::clone(resolved));
-            if let Some(resolved) = resolved {
-                let ours = Ours::new(derivation.classes(), classes);
-                if let Some((_, _, _, side)) = gateway_inputs(derivation, own, ours) {
-                    return resolved.with_ingresses(side.as_ref());
-                }
+                .map(|(built, resolved)| (*built == from, Arc::clone(resolved)));
+            let ours = Ours::new(derivation.classes(), classes);
+            if let Some((inputs, ports, controller, side)) = gateway_inputs(derivation, own, ours) {
+                return match kept {
+                    Some((true, resolved)) => resolved.with_ingresses(side.as_ref()),
+                    // An HTTPRoute or Gateway under review: the routes that did not change
+                    // keep what they resolved to.
+                    kept => gateway::resolve(
+                        slot,
+                        &inputs,
+                        &ports,
+                        controller,
+                        kept.as_ref().map(|(_, r)| &**r),
+                    )
+                    .with_ingresses(side.as_ref()),
+                };
             }
         }
         compute(&self.derivation, slot, inputs)
@@ -2631,7 +2658,10 @@ fn gateway_parts<'a>(
     ours: Ours<'a>,
 ) -> Option<(gateway::Resolved, Option<gateway::IngressSide<'a>>)> {
     let (inputs, ports, controller, side) = gateway_inputs(derivation, inputs, ours)?;
-    Some((gateway::resolve(slot, &inputs, &ports, controller), side))
+    Some((
+        gateway::resolve(slot, &inputs, &ports, controller, None),
+        side,
+    ))
 }
 
 /// Builds a map whose keys are static strings (no allocation per key), in the given order.

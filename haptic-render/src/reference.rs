@@ -324,6 +324,18 @@ pub fn template_set() -> TemplateSet {
             include_str!("../templates/snippets/gateway-entries.tera"),
         ),
         (
+            "gateway-match",
+            include_str!("../templates/snippets/gateway-match.tera"),
+        ),
+        (
+            "gateway-action",
+            include_str!("../templates/snippets/gateway-action.tera"),
+        ),
+        (
+            "gateway-backend",
+            include_str!("../templates/snippets/gateway-backend.tera"),
+        ),
+        (
             "gateway-crt-list",
             include_str!("../templates/snippets/gateway-crt-list.tera"),
         ),

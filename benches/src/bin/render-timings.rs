@@ -5,7 +5,8 @@
 //! timed numbers of record come from `cargo bench -p haptic-benches --bench render`.
 //! `RENDER_TIMINGS_BLANK=backends,nginx-frontend` blanks those snippets (their cost, by difference);
 //! `RENDER_TIMINGS_REUSE=1` times renders that reuse everything (nothing changed);
-//! `RENDER_TIMINGS_THREADS=2` renders on two threads (the wall clock is then the figure).
+//! `RENDER_TIMINGS_THREADS=2` renders on two threads (the wall clock is then the figure);
+//! `RENDER_TIMINGS_FIXTURE=gateway` renders `fixtures::gateway_api(n)` (n HTTPRoutes) instead;
 //! `RENDER_TIMINGS_DUMP=<dir>` writes the rendered files there (to compare two builds).
 
 use haptic_render::{Renderer, fixtures, reference};
@@ -55,9 +56,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let renderer = Renderer::compile(&set)?
         .with_reuse(reuse)
         .with_threads(threads);
-    let fixtures = fixtures::generate(n);
     let mut stores = reference::stores()?;
-    fixtures.load(&mut stores)?;
+    // RENDER_TIMINGS_FIXTURE=gateway: `fixtures::gateway_api(n)` (one Gateway, n HTTPRoutes
+    // and their Services) instead of n Ingresses.
+    if std::env::var("RENDER_TIMINGS_FIXTURE").is_ok_and(|v| v == "gateway") {
+        for (store, resource) in fixtures::gateway_api(n) {
+            stores
+                .get_mut(store)
+                .ok_or_else(|| format!("no store {store}"))?
+                .apply(&resource)?;
+        }
+    } else {
+        fixtures::generate(n).load(&mut stores)?;
+    }
     // The set's checksum: a template or engine change that should give the same bytes must
     // print the same one.
     let first = renderer.render(&stores)?;

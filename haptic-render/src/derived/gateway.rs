@@ -34,9 +34,15 @@
 //! as a path of one of our Ingresses (the Ingress conflict rule's route key) is a conflict the
 //! older object wins (`Resolved::with_ingresses`). What the Gateway API stores resolve to is
 //! kept (`resolve`) while they do not change: an Ingress change decides only the conflicts
-//! again, and reads no Ingress unless a match claims something.
+//! again, and reads no Ingress unless a match claims something. After a change of those
+//! stores, each HTTPRoute that did not change keeps what it resolved to (`RouteOut`, kept
+//! beside the route) while what it read is the same: its Services, its Namespace's labels and
+//! what every route reads of the Gateways, grants and config; only the others are resolved
+//! again, and the view is assembled from the kept and the new (the same rows, order, statuses
+//! and events as a derivation from scratch: `tests/derived.rs`).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Weak};
 
 use serde_json::{Value as Json, json};
 use tera::Value;
@@ -589,6 +595,7 @@ struct Action {
     origin: (String, String),
 }
 
+#[derive(Clone, PartialEq)]
 struct Listener {
     name: String,
     port: i64,
@@ -664,12 +671,14 @@ pub(super) fn resolve(
     inputs: &Inputs<'_>,
     ports: &Ports<'_>,
     controller: &str,
+    previous: Option<&Resolved>,
 ) -> Resolved {
-    let _ = slot;
     let ports_config = ports;
     // Our classes.
     let mut classes = BTreeSet::new();
-    let mut statuses: Vec<Json> = Vec::new();
+    // Template values: a route's is made once per version of the route (converting 10,000 of
+    // them from JSON on every change cost more than the rest of the statuses).
+    let mut statuses: Vec<Value> = Vec::new();
     for ((_, name), class, _) in inputs.classes.entries() {
         let class = js(class);
         if s(&class, "/spec/controllerName") != controller {
@@ -677,11 +686,11 @@ pub(super) fn resolve(
         }
         classes.insert(name.clone());
         let previous = arr(&class, "/status/conditions");
-        statuses.push(json!({
+        statuses.push(Value::from_serializable(&json!({
             "object": object_ref(&class),
             "field": "conditions",
             "value": [condition(previous, "Accepted", true, "Accepted", "accepted by haptic", generation(&class))],
-        }));
+        })));
     }
     let grants: Vec<Json> = inputs.grants.entries().map(|(_, g, _)| js(g)).collect();
     let namespace_labels: HashMap<String, Json> = inputs
@@ -916,579 +925,108 @@ pub(super) fn resolve(
         }
     }
 
+    // What routes read of the Gateways, grants and config: while it stays the same, a route
+    // that did not change, nor the Services and the Namespace it reads, keeps what it
+    // resolved to (kept beside it, [`RouteOut`]); only the others are resolved again.
+    let mut certificates: BTreeMap<i64, Vec<String>> = BTreeMap::new();
+    for g in &gateways {
+        for l in &g.listeners {
+            if l.problem.is_none() && l.https && !l.certificates.is_empty() {
+                let list = certificates.entry(l.port).or_default();
+                for c in &l.certificates {
+                    if !list.contains(c) {
+                        list.push(c.clone());
+                    }
+                }
+            }
+        }
+    }
+    // Frontends: a port per listener port that has a usable listener.
+    let mut frontend_ports: BTreeMap<i64, bool> = BTreeMap::new();
+    // The hostnames of the usable listeners of each port, most specific first.
+    let mut listener_hosts: BTreeMap<i64, Vec<Host>> = BTreeMap::new();
+    for g in &gateways {
+        for l in &g.listeners {
+            if l.problem.is_none() && (!l.https || certificates.contains_key(&l.port)) {
+                frontend_ports.insert(l.port, l.https);
+                let hosts = listener_hosts.entry(l.port).or_default();
+                if !hosts.contains(&l.host) {
+                    hosts.push(l.host.clone());
+                }
+            }
+        }
+    }
+    for hosts in listener_hosts.values_mut() {
+        hosts.sort_by(|a, b| (a.rank(), a).cmp(&(b.rank(), b)));
+    }
+    let context = Context {
+        controller: controller.to_owned(),
+        route_store: route_store.to_owned(),
+        ingress: (ports_config.ingress.http, ports_config.ingress.https),
+        gateways: gateways
+            .iter()
+            .map(|g| (g.namespace.clone(), g.name.clone(), g.listeners.clone()))
+            .collect(),
+        grants,
+        frontend_ports,
+        listener_hosts,
+    };
+    let context = match previous {
+        Some(previous) if *previous.context == context => Arc::clone(&previous.context),
+        _ => Arc::new(context),
+    };
+
     // Routes.
-    let mut matches: BTreeMap<i64, Vec<MatchRow>> = BTreeMap::new();
-    let mut actions: Vec<Action> = Vec::new();
-    let mut backends: BTreeMap<String, Json> = BTreeMap::new();
     let gateway_index: HashMap<(String, String), usize> = gateways
         .iter()
         .enumerate()
         .map(|(i, g)| ((g.namespace.clone(), g.name.clone()), i))
         .collect();
-    let routes = inputs.routes.1;
-    for ((namespace, name), route, _) in routes.entries() {
-        let route = js(route);
-        let route_generation = generation(&route);
-        let previous_parents = arr(&route, "/status/parents");
-        let given_hosts = arr(&route, "/spec/hostnames");
-        let route_hosts: Vec<Host> = given_hosts
-            .iter()
-            .filter_map(|h| h.as_str().and_then(Host::parse))
-            .collect();
-        for (i, h) in given_hosts.iter().enumerate() {
-            let text = h.as_str().unwrap_or_default();
-            if Host::parse(text).is_none_or(|h| h == Host::Any) {
-                refuse(
-                    &mut refusals,
-                    (route_store, namespace.as_str(), name.as_str()),
-                    format!("spec.hostnames[{i}]"),
-                    text,
-                    "is not a hostname or a wildcard (`*.` and a hostname)",
-                );
-            }
-        }
-        // Hostnames given, none usable: the route matches no listener, never every host.
-        let no_usable_host = !given_hosts.is_empty() && route_hosts.is_empty();
-        let age = (
-            s(&route, "/metadata/creationTimestamp").to_owned(),
-            namespace.clone(),
-            name.clone(),
-        );
-        // Backends and filters, resolved once per route.
-        let mut resolved: Option<(&'static str, String)> = None;
-        let mut accepted_problem: Option<(&'static str, String)> = None;
-        struct Rule {
-            shares: Vec<(i64, Option<String>)>,
-            request_headers: Vec<Json>,
-            response_headers: Vec<Json>,
-            redirect: Option<(Json, Option<i64>, Option<PathModifier>)>,
-            rewrite: Option<Json>,
-            /// The length of the rule's one PathPrefix match, for a ReplacePrefixMatch.
-            prefix_len: usize,
-            matches: Vec<RuleMatch>,
-        }
-        let mut rules = Vec::new();
-        for (ri, rule) in arr(&route, "/spec/rules").iter().enumerate() {
-            let mut shares = Vec::new();
-            for b in arr(rule, "/backendRefs") {
-                let weight = b.get("weight").and_then(Json::as_i64).unwrap_or(1);
-                let group = s(b, "/group");
-                let kind = match s(b, "/kind") {
-                    "" => "Service",
-                    k => k,
-                };
-                let target_ns = match s(b, "/namespace") {
-                    "" => namespace.as_str(),
-                    n => n,
-                };
-                let svc = s(b, "/name");
-                let port = b.get("port").and_then(Json::as_i64);
-                let backend = if !group.is_empty() || kind != "Service" {
-                    resolved.get_or_insert((
-                        "InvalidKind",
-                        format!("backendRef {group}/{kind} {svc}: only Services are supported"),
-                    ));
-                    None
-                } else if target_ns != namespace
-                    && !granted(&grants, "HTTPRoute", namespace, target_ns, "Service", svc)
-                {
-                    resolved.get_or_insert((
-                        "RefNotPermitted",
-                        format!(
-                            "Service {target_ns}/{svc}: no ReferenceGrant in {target_ns} allows it"
-                        ),
-                    ));
-                    None
-                } else {
-                    let found = inputs
-                        .services
-                        .get_entry(target_ns, svc)
-                        .and_then(|(v, e)| {
-                            let service = e.service(target_ns, svc, v);
-                            let p = service.ports.iter().find(|p| Some(p.number) == port)?;
-                            Some((p.name.clone(), p.number, js(&p.app_protocol)))
-                        });
-                    match found {
-                        None => {
-                            resolved.get_or_insert((
-                                "BackendNotFound",
-                                format!(
-                                    "Service {target_ns}/{svc} port {} does not exist",
-                                    port.map_or("(none)".to_owned(), |p| p.to_string())
-                                ),
-                            ));
-                            None
-                        }
-                        Some((port_name, number, app_protocol)) => {
-                            let backend =
-                                format!("gw_{}", backend_name(target_ns, svc, &number.to_string()));
-                            backends.entry(backend.clone()).or_insert_with(|| {
-                                json!({
-                                    "name": backend,
-                                    "namespace": target_ns,
-                                    "service": svc,
-                                    "port_name": port_name,
-                                    "app_protocol": app_protocol,
-                                })
-                            });
-                            Some(backend)
-                        }
-                    }
-                };
-                shares.push((weight.max(0), backend));
-            }
-            let mut request_headers = Vec::new();
-            let mut response_headers = Vec::new();
-            let mut redirect = None;
-            let mut rewrite = None;
-            for f in arr(rule, "/filters") {
-                match s(f, "/type") {
-                    t @ ("RequestHeaderModifier" | "ResponseHeaderModifier") => {
-                        let key = if t == "RequestHeaderModifier" {
-                            "/requestHeaderModifier"
-                        } else {
-                            "/responseHeaderModifier"
-                        };
-                        let out = if t == "RequestHeaderModifier" {
-                            &mut request_headers
-                        } else {
-                            &mut response_headers
-                        };
-                        for name in arr(f, &format!("{key}/remove"))
-                            .iter()
-                            .filter_map(Json::as_str)
-                        {
-                            if is_token(name) {
-                                out.push(json!({"op": "del-header", "name": name, "value": ""}));
-                            } else {
-                                accepted_problem.get_or_insert((
-                                    "UnsupportedValue",
-                                    format!("header name {name:?}"),
-                                ));
-                            }
-                        }
-                        for (op, list) in [("set-header", "set"), ("add-header", "add")] {
-                            for h in arr(f, &format!("{key}/{list}")) {
-                                let (hn, hv) = (s(h, "/name"), s(h, "/value"));
-                                if is_token(hn) && quotable(hv) {
-                                    if op == "set-header" {
-                                        out.push(
-                                            json!({"op": "del-header", "name": hn, "value": ""}),
-                                        );
-                                    }
-                                    out.push(json!({"op": "add-header", "name": hn, "value": log_format(hv)}));
-                                } else {
-                                    accepted_problem.get_or_insert((
-                                        "UnsupportedValue",
-                                        format!("header {hn:?}: {hv:?}"),
-                                    ));
-                                }
-                            }
-                        }
-                    }
-                    "RequestRedirect" => {
-                        let r = f.get("requestRedirect").cloned().unwrap_or(Json::Null);
-                        let port = r.get("port").and_then(Json::as_i64);
-                        let path = match PathModifier::parse(r.get("path")) {
-                            Ok(path) => path,
-                            Err(why) => {
-                                accepted_problem.get_or_insert((
-                                    "UnsupportedValue",
-                                    format!("requestRedirect {why}"),
-                                ));
-                                None
-                            }
-                        };
-                        let host = s(&r, "/hostname");
-                        let scheme = s(&r, "/scheme");
-                        if (!host.is_empty() && !is_hostname(host))
-                            || !matches!(scheme, "" | "http" | "https")
-                        {
-                            accepted_problem.get_or_insert((
-                                "UnsupportedValue",
-                                "requestRedirect hostname or scheme".to_owned(),
-                            ));
-                        } else {
-                            redirect = Some((r, port, path));
-                        }
-                    }
-                    // The hostname and a path, full or the matched prefix replaced.
-                    "URLRewrite" => {
-                        let host = s(f, "/urlRewrite/hostname");
-                        match PathModifier::parse(f.pointer("/urlRewrite/path")) {
-                            Ok(path) if host.is_empty() || is_hostname(host) => {
-                                rewrite = Some((host.to_owned(), path));
-                            }
-                            Ok(_) => {
-                                accepted_problem.get_or_insert((
-                                    "UnsupportedValue",
-                                    format!("urlRewrite hostname {host:?} is not a hostname"),
-                                ));
-                            }
-                            Err(why) => {
-                                accepted_problem.get_or_insert((
-                                    "UnsupportedValue",
-                                    format!("urlRewrite {why}"),
-                                ));
-                            }
-                        }
-                    }
-                    other => {
-                        accepted_problem.get_or_insert((
-                            "UnsupportedValue",
-                            format!("filter {other} is not supported"),
-                        ));
-                    }
-                }
-            }
-            let mut rule_matches = Vec::new();
-            let given = arr(rule, "/matches");
-            let default = [json!({})];
-            for (mi, m) in if given.is_empty() {
-                &default[..]
-            } else {
-                given
-            }
-            .iter()
-            .enumerate()
+    let reads = RouteReads {
+        context: &context,
+        gateways: &gateways,
+        gateway_index: &gateway_index,
+        grants: &context.grants,
+        namespace_labels: &namespace_labels,
+        services: inputs.services,
+        controller,
+        route_store,
+    };
+    let outs: Vec<Arc<RouteOut>> = inputs
+        .routes
+        .1
+        .entries()
+        .map(|(key, route, extracts)| {
+            if let Some(kept) = extracts.gateway_route()
+                && kept.still(&reads, &key.0)
             {
-                let value = match s(m, "/path/value") {
-                    "" => "/",
-                    v => v,
-                };
-                // A regular expression is written into haproxy.cfg: only what the PCRE2
-                // subset takes (one word, compiles).
-                let regex = |field: String, value: &str| {
-                    pcre::check(value).map_err(|why| {
-                        format!(
-                            "spec.rules[{ri}].matches[{mi}].{field}: RegularExpression {value:?} is not supported: {why}"
-                        )
-                    })
-                };
-                let path = match s(m, "/path/type") {
-                    "Exact" if is_plain_path(value) => PathMatch::Exact(value.to_owned()),
-                    "" | "PathPrefix" if is_plain_path(value) => {
-                        PathMatch::Prefix(value.trim_end_matches('/').to_owned())
-                    }
-                    "RegularExpression" => match regex("path.value".to_owned(), value) {
-                        Ok(()) => PathMatch::Regex(value.to_owned()),
-                        Err(why) => {
-                            accepted_problem.get_or_insert(("UnsupportedValue", why));
-                            continue;
-                        }
-                    },
-                    other => {
-                        accepted_problem.get_or_insert((
-                            "UnsupportedValue",
-                            format!("path match {other} {value:?} is not supported"),
-                        ));
-                        continue;
-                    }
-                };
-                let method = match s(m, "/method") {
-                    "" => None,
-                    m if is_token(m) => Some(m.to_owned()),
-                    _ => continue,
-                };
-                let mut headers = Vec::new();
-                let mut queries = Vec::new();
-                let mut problem = None;
-                for (list, out) in [("headers", &mut headers), ("queryParams", &mut queries)] {
-                    for (hi, h) in arr(m, &format!("/{list}")).iter().enumerate() {
-                        let (hn, hv) = (s(h, "/name"), s(h, "/value"));
-                        let value = match s(h, "/type") {
-                            "" | "Exact" if is_token(hn) && quotable(hv) => {
-                                Ok(ValueMatch::Exact(hv.to_owned()))
-                            }
-                            "RegularExpression" if is_token(hn) => {
-                                regex(format!("{list}[{hi}].value"), hv)
-                                    .map(|()| ValueMatch::Regex(hv.to_owned()))
-                            }
-                            t => Err(format!(
-                                "spec.rules[{ri}].matches[{mi}].{list}[{hi}]: {} name {hn:?} value {hv:?} is not supported",
-                                if t.is_empty() { "Exact" } else { t }
-                            )),
-                        };
-                        match value {
-                            Ok(value) => out.push((hn.to_owned(), value)),
-                            Err(why) => {
-                                problem.get_or_insert(why);
-                            }
-                        }
-                    }
-                }
-                if let Some(why) = problem {
-                    accepted_problem.get_or_insert(("UnsupportedValue", why));
-                    continue;
-                }
-                rule_matches.push((path, method, headers, queries));
+                return kept;
             }
-            // ReplacePrefixMatch replaces the prefix of the rule's one PathPrefix match (the
-            // CRD asks for exactly one; none given is the default `PathPrefix /`); with any
-            // other matches the route is not accepted, as the API says.
-            let replaces_prefix = [
-                redirect.as_ref().and_then(|r| r.2.as_ref()),
-                rewrite.as_ref().and_then(|r| r.1.as_ref()),
-            ]
-            .into_iter()
-            .flatten()
-            .any(|p| matches!(p, PathModifier::Prefix(_)));
-            let prefix_len = match rule_matches.as_slice() {
-                [(PathMatch::Prefix(p), ..)] if given.len() <= 1 => p.len(),
-                _ => {
-                    if replaces_prefix {
-                        accepted_problem.get_or_insert((
-                            "UnsupportedValue",
-                            "ReplacePrefixMatch needs exactly one PathPrefix match in its rule"
-                                .to_owned(),
-                        ));
-                    }
-                    0
-                }
-            };
-            let rewrite = rewrite.map(|(host, path)| {
-                json!({
-                    "host": host,
-                    "path": match &path {
-                        Some(PathModifier::Full(p)) => p.as_str(),
-                        _ => "",
-                    },
-                    "prefix": path.map_or(Json::Null, |p| p.prefix_row(prefix_len)),
-                })
-            });
-            rules.push(Rule {
-                shares,
-                request_headers,
-                response_headers,
-                redirect,
-                rewrite,
-                prefix_len,
-                matches: rule_matches,
-            });
-        }
-
-        // Parents.
-        let mut parents = Vec::new();
-        for p in arr(&route, "/spec/parentRefs") {
-            let group = p.get("group").and_then(Json::as_str).unwrap_or(GROUP);
-            let kind = p.get("kind").and_then(Json::as_str).unwrap_or("Gateway");
-            if group != GROUP || kind != "Gateway" {
-                continue;
+            let out = Arc::new(route_out(&reads, key, route));
+            // A render of an overlay keeps nothing: the stores' own routes stay theirs.
+            if slot.keep {
+                extracts.keep_gateway_route(Arc::clone(&out));
             }
-            let gw_ns = match s(p, "/namespace") {
-                "" => namespace.as_str(),
-                n => n,
-            };
-            let Some(&gi) = gateway_index.get(&(gw_ns.to_owned(), s(p, "/name").to_owned())) else {
-                continue;
-            };
-            let section = s(p, "/sectionName");
-            let port = p.get("port").and_then(Json::as_i64);
-            let gateway = &mut gateways[gi];
-            let candidates: Vec<usize> = (0..gateway.listeners.len())
-                .filter(|&i| {
-                    let l = &gateway.listeners[i];
-                    (section.is_empty() || l.name == section) && port.is_none_or(|p| p == l.port)
-                })
-                .collect();
-            let allowed: Vec<usize> = candidates
-                .iter()
-                .copied()
-                .filter(|&i| {
-                    let l = &gateway.listeners[i];
-                    let ns_ok = match l.from.as_str() {
-                        "All" => true,
-                        "Selector" => namespace_labels
-                            .get(namespace.as_str())
-                            .is_some_and(|labels| selects(&l.selector, labels)),
-                        _ => namespace == &gateway.namespace,
-                    };
-                    // A listener of a protocol we do not serve takes no routes.
-                    let served = !matches!(&l.problem, Some(("UnsupportedProtocol", _, _)));
-                    ns_ok && !l.invalid_kinds && served
-                })
-                .collect();
-            let attached: Vec<(usize, Vec<Host>)> = allowed
-                .iter()
-                .filter_map(|&i| {
-                    let hosts = intersect(&gateway.listeners[i].host, &route_hosts);
-                    (!hosts.is_empty() && !no_usable_host).then_some((i, hosts))
-                })
-                .collect();
-            let (accepted, reason, message) = if candidates.is_empty() {
-                (
-                    false,
-                    "NoMatchingParent",
-                    "no listener matches sectionName and port".to_owned(),
-                )
-            } else if allowed.is_empty() {
-                (
-                    false,
-                    "NotAllowedByListeners",
-                    "no listener allows this route's namespace and kind".to_owned(),
-                )
-            } else if attached.is_empty() {
-                (
-                    false,
-                    "NoMatchingListenerHostname",
-                    "no listener hostname intersects the route's hostnames".to_owned(),
-                )
-            } else if let Some((reason, message)) = &accepted_problem {
-                (false, *reason, message.clone())
-            } else {
-                (true, "Accepted", "accepted by haptic".to_owned())
-            };
-            let previous = previous_parents
-                .iter()
-                .find(|pp| {
-                    s(pp, "/controllerName") == controller
-                        && s(pp, "/parentRef/name") == s(p, "/name")
-                        && s(pp, "/parentRef/namespace") == gw_ns
-                        && s(pp, "/parentRef/sectionName") == section
-                })
-                .map_or(&[][..], |pp| arr(pp, "/conditions"));
-            let (rr_ok, rr_reason, rr_message) = match &resolved {
-                None => (true, "ResolvedRefs", "every backendRef resolves".to_owned()),
-                Some((reason, message)) => (false, *reason, message.clone()),
-            };
-            let mut parent_ref = json!({"group": GROUP, "kind": "Gateway", "namespace": gw_ns, "name": s(p, "/name")});
-            if !section.is_empty() {
-                parent_ref["sectionName"] = Json::from(section);
-            }
-            if let Some(port) = port {
-                parent_ref["port"] = Json::from(port);
-            }
-            parents.push(json!({
-                "parentRef": parent_ref,
-                "controllerName": controller,
-                "conditions": [
-                    condition(previous, "Accepted", accepted, reason, &message, route_generation),
-                    condition(previous, "ResolvedRefs", rr_ok, rr_reason, &rr_message, route_generation),
-                ],
-            }));
-            if !accepted {
-                continue;
-            }
-            for (li, hosts) in attached {
-                let listener = &mut gateway.listeners[li];
-                listener.attached += 1;
-                if listener.problem.is_some()
-                    || (listener.https && listener.certificates.is_empty())
-                {
-                    continue;
-                }
-                let listener_port = listener.port;
-                let listener_host = listener.host.clone();
-                let https = listener.https;
-                for (ri, rule) in rules.iter().enumerate() {
-                    let redirect = rule.redirect.as_ref().map(|(r, port, path)| {
-                        let scheme = match s(r, "/scheme") {
-                            "" => {
-                                if https {
-                                    "https"
-                                } else {
-                                    "http"
-                                }
-                            }
-                            sch => sch,
-                        };
-                        let host = match s(r, "/hostname") {
-                            "" => "%[var(txn.gwhost)]".to_owned(),
-                            h => h.to_owned(),
-                        };
-                        let port = match (port, s(r, "/scheme")) {
-                            (Some(p), _) => Some(*p),
-                            (None, "") => Some(listener_port),
-                            (None, _) => None,
-                        }
-                        .filter(|p| !matches!((scheme, *p), ("http", 80) | ("https", 443)));
-                        let port = port.map_or(String::new(), |p| format!(":{p}"));
-                        let base = format!("{scheme}://{host}{port}");
-                        // A replaced prefix: the location without a rest of the path (the
-                        // template writes the others).
-                        let (path, prefix) = match path {
-                            None => ("%[pathq]".to_owned(), Json::Null),
-                            Some(PathModifier::Full(p)) => (p.clone(), Json::Null),
-                            Some(p @ PathModifier::Prefix(_)) => {
-                                let prefix = p.prefix_row(rule.prefix_len);
-                                (s(&prefix, "/exact").to_owned(), prefix)
-                            }
-                        };
-                        json!({
-                            "location": format!("{base}{path}"),
-                            "base": base,
-                            "prefix": prefix,
-                            "code": r.get("statusCode").and_then(Json::as_i64).unwrap_or(302),
-                        })
-                    });
-                    let action = actions.len();
-                    // One backend, no filter: a match without conditions is a map entry.
-                    let mut positive = rule.shares.iter().filter(|(w, _)| *w > 0);
-                    let backend = match (positive.next(), positive.next()) {
-                        (Some((_, Some(b))), None)
-                            if rule.request_headers.is_empty()
-                                && rule.response_headers.is_empty()
-                                && rule.redirect.is_none()
-                                && rule.rewrite.is_none() =>
-                        {
-                            Some(b.clone())
-                        }
-                        _ => None,
-                    };
-                    actions.push(Action {
-                        id: format!(
-                            "{listener_port}/{}/{}/{ri}",
-                            sanitize(namespace),
-                            sanitize(name)
-                        ),
-                        request_headers: rule.request_headers.clone(),
-                        response_headers: rule.response_headers.clone(),
-                        redirect,
-                        rewrite: rule.rewrite.clone(),
-                        shares: rule.shares.clone(),
-                        origin: (namespace.clone(), name.clone()),
-                    });
-                    for host in &hosts {
-                        for (mi, (path, method, headers, queries)) in
-                            rule.matches.iter().enumerate()
-                        {
-                            matches.entry(listener_port).or_default().push(MatchRow {
-                                host: host.clone(),
-                                listener: listener_host.clone(),
-                                path: path.clone(),
-                                method: method.clone(),
-                                headers: headers.clone(),
-                                queries: queries.clone(),
-                                age: age.clone(),
-                                rule: ri,
-                                index: mi,
-                                action,
-                                backend: backend.clone(),
-                                origin: (namespace.clone(), name.clone()),
-                            });
-                        }
-                    }
-                }
+            out
+        })
+        .collect();
+    let mut backends: BTreeMap<String, Arc<Json>> = BTreeMap::new();
+    for out in &outs {
+        refusals.extend(out.refusals.iter().cloned());
+        for (backend, row) in &out.backends {
+            if !backends.contains_key(backend) {
+                backends.insert(backend.clone(), Arc::clone(row));
             }
         }
-        if !parents.is_empty() {
-            // Parents other controllers wrote are kept as they are.
-            let mut all: Vec<Json> = previous_parents
-                .iter()
-                .filter(|pp| s(pp, "/controllerName") != controller)
-                .cloned()
-                .collect();
-            all.extend(parents);
-            statuses.push(json!({
-                "object": object_ref(&route),
-                "field": "parents",
-                "value": all,
-            }));
+        statuses.extend(out.status.iter().cloned());
+        for &(gi, li) in &out.attached {
+            if let Some(l) = gateways.get_mut(gi).and_then(|g| g.listeners.get_mut(li)) {
+                l.attached += 1;
+            }
         }
     }
 
     // Gateway status.
-    let mut certificates: BTreeMap<i64, Vec<String>> = BTreeMap::new();
     for g in &gateways {
         let observed = generation(&g.object);
         let previous = arr(&g.object, "/status/conditions");
@@ -1556,14 +1094,6 @@ pub(super) fn resolve(
                 observed,
             ));
             all_valid &= programmed;
-            if l.problem.is_none() && l.https && !l.certificates.is_empty() {
-                let list = certificates.entry(l.port).or_default();
-                for c in &l.certificates {
-                    if !list.contains(c) {
-                        list.push(c.clone());
-                    }
-                }
-            }
             let kinds = if l
                 .problem
                 .as_ref()
@@ -1617,155 +1147,37 @@ pub(super) fn resolve(
             ),
         ]);
         let object = object_ref(&g.object);
-        statuses.push(json!({"object": object, "field": "addresses", "value": addresses}));
-        statuses.push(json!({"object": object, "field": "conditions", "value": conditions}));
-        statuses.push(json!({"object": object, "field": "listeners", "value": listeners}));
+        statuses.push(Value::from_serializable(
+            &json!({"object": object, "field": "addresses", "value": addresses}),
+        ));
+        statuses.push(Value::from_serializable(
+            &json!({"object": object, "field": "conditions", "value": conditions}),
+        ));
+        statuses.push(Value::from_serializable(
+            &json!({"object": object, "field": "listeners", "value": listeners}),
+        ));
     }
 
-    // Frontends: a port per listener port that has a usable listener.
-    let mut ports: BTreeMap<i64, bool> = BTreeMap::new();
-    // The hostnames of the usable listeners of each port, most specific first.
-    let mut listener_hosts: BTreeMap<i64, Vec<Host>> = BTreeMap::new();
-    for g in &gateways {
-        for l in &g.listeners {
-            if l.problem.is_none() && (!l.https || certificates.contains_key(&l.port)) {
-                ports.insert(l.port, l.https);
-                let hosts = listener_hosts.entry(l.port).or_default();
-                if !hosts.contains(&l.host) {
-                    hosts.push(l.host.clone());
-                }
-            }
+    // Frontends: the matches of each port in the spec's precedence (a stable sort: among
+    // equals, the order they were made in), with the actions they use.
+    let mut by_port: BTreeMap<i64, (Vec<&RouteMatch>, BTreeMap<&str, &Value>)> = BTreeMap::new();
+    for out in &outs {
+        for m in &out.matches {
+            by_port.entry(m.port).or_default().0.push(m);
         }
-    }
-    for hosts in listener_hosts.values_mut() {
-        hosts.sort_by(|a, b| (a.rank(), a).cmp(&(b.rank(), b)));
+        for (port, id, row) in &out.actions {
+            // The same route and rule through another listener of the port: the same lines.
+            by_port.entry(*port).or_default().1.entry(id).or_insert(row);
+        }
     }
     let mut frontends: Vec<Frontend> = Vec::new();
-    for (port, https) in ports {
-        let mut rows = matches.remove(&port).unwrap_or_default();
-        rows.sort_by(|a, b| a.key().cmp(&b.key()));
-        // A request is matched against the routes of the most specific listener whose
-        // hostname matches its host only (the spec's listener precedence): a match of a
-        // listener also requires that the host is none of the more specific listener
-        // hostnames of the port its own covers. (A less specific listener's route never
-        // answers for a host a more specific listener takes, even when none of that
-        // listener's routes matches.) The ACLs say it all: no template line is needed.
-        let hosts = listener_hosts.remove(&port).unwrap_or_default();
-        let mut unless: HashMap<&Host, Vec<String>> = HashMap::new();
-        // On the Ingress frontend's own port, a match without method, header or query
-        // conditions claims its host and path as an Ingress path does.
-        let shared = (port == i64::from(ports_config.ingress.http) && !https)
-            || (port == i64::from(ports_config.ingress.https) && https);
-        // Template values built directly (no JSON in between): 10,000 routes make 20,000
-        // match rows, and converting them from JSON cost as much as building them.
-        let match_rows: Vec<FrontMatch> = rows
-            .iter()
-            .map(|m| {
-                let not_theirs = unless.entry(&m.listener).or_insert_with(|| {
-                    hosts
-                        .iter()
-                        .filter(|h| *h != &m.listener && m.listener.covers_host(h))
-                        .map(|h| format!("!{}", h.condition().trim_start()))
-                        .collect::<Vec<_>>()
-                });
-                let rank = rank(&m.host, &m.path);
-                // A map hit of a strictly better host and path goes first; with the same host
-                // and path, this match (it has conditions, or it is the older) does.
-                let mut terms = m.terms();
-                terms.extend(not_theirs.iter().cloned());
-                terms.push(format!("!{{ var(txn.gwmaprank) -m int lt {rank} }}"));
-                let (condition, more) = lines(&terms);
-                let action = &actions[m.action];
-                let unconditioned = m.unconditioned();
-                let claim = (shared && unconditioned)
-                    .then(|| RouteClaim::of(m))
-                    .flatten();
-                let exact = matches!(m.path, PathMatch::Exact(_));
-                // The map key: the port and the listener's hostname (the frontend looks up the
-                // entries of the most specific listener covering the request host only), then
-                // the host and the path.
-                let key = format!(
-                    "{port}/{}/{}{}",
-                    m.listener.key(),
-                    m.host.key(),
-                    m.path.key()
-                );
-                let path_len = match &m.path {
-                    PathMatch::Exact(p) | PathMatch::Prefix(p) | PathMatch::Regex(p) => p.len(),
-                };
-                let entry = m
-                    .backend
-                    .as_ref()
-                    .filter(|_| unconditioned && m.host.in_maps() && path_len <= MAP_PATH_LIMIT)
-                    .map(|backend| {
-                        super::row([
-                            ("key", Value::from(key.as_str())),
-                            ("rank", Value::from(rank)),
-                            ("backend", Value::from(backend.as_str())),
-                            ("origin", origin(route_store, &m.origin.0, &m.origin.1)),
-                        ])
-                    });
-                FrontMatch {
-                    row: super::row([
-                        ("condition", Value::from(condition)),
-                        ("more", Value::from(more)),
-                        ("action", Value::from(action.id.as_str())),
-                        ("origin", origin(route_store, &m.origin.0, &m.origin.1)),
-                    ]),
-                    action: action.id.clone(),
-                    claim,
-                    same: unconditioned.then_some((exact, key)),
-                    entry: entry.map(|e| (exact, e)),
-                }
-            })
-            .collect();
-        let used: BTreeSet<usize> = rows.iter().map(|m| m.action).collect();
-        let mut action_rows: BTreeMap<String, Value> = BTreeMap::new();
-        for &i in &used {
-            let a = &actions[i];
-            if action_rows.contains_key(&a.id) {
-                // The same route and rule through another listener of the port: the same lines.
-                continue;
-            }
-            let total: i64 = a.shares.iter().map(|(w, _)| *w).sum();
-            let mut upper = 0;
-            let shares: Vec<Value> = a
-                .shares
-                .iter()
-                .filter(|(w, _)| *w > 0)
-                .map(|(w, b)| {
-                    upper += w;
-                    super::row([
-                        ("upper", Value::from(upper)),
-                        (
-                            "backend",
-                            b.as_deref().map_or_else(Value::none, Value::from),
-                        ),
-                    ])
-                })
-                .collect();
-            let json_value = |v: &Option<Json>| {
-                v.as_ref()
-                    .map_or_else(Value::none, Value::from_serializable)
-            };
-            let row = super::row([
-                ("id", Value::from(a.id.as_str())),
-                (
-                    "request_headers",
-                    Value::from_serializable(&a.request_headers),
-                ),
-                (
-                    "response_headers",
-                    Value::from_serializable(&a.response_headers),
-                ),
-                ("redirect", json_value(&a.redirect)),
-                ("rewrite", json_value(&a.rewrite)),
-                ("total", Value::from(total)),
-                ("shares", Value::from(shares)),
-                ("origin", origin(route_store, &a.origin.0, &a.origin.1)),
-            ]);
-            action_rows.insert(a.id.clone(), row);
-        }
+    for (&port, &https) in &context.frontend_ports {
+        let (mut rows, actions) = by_port.remove(&port).unwrap_or_default();
+        rows.sort_by(|a, b| a.row.key().cmp(&b.row.key()));
+        let hosts = context
+            .listener_hosts
+            .get(&port)
+            .map_or(&[][..], Vec::as_slice);
         let certificates =
             Value::from_serializable(&certificates.get(&port).cloned().unwrap_or_default());
         // The listener hostnames of the port, most specific first: the first that covers the
@@ -1779,12 +1191,23 @@ pub(super) fn resolve(
                 ])
             })
             .collect();
+        let index: HashMap<&str, usize> =
+            actions.keys().enumerate().map(|(i, id)| (*id, i)).collect();
         frontends.push(Frontend {
             port,
             https,
             certificates,
-            matches: match_rows,
-            actions: action_rows,
+            action_of: rows
+                .iter()
+                .map(|m| {
+                    index
+                        .get(m.front.action.as_str())
+                        .copied()
+                        .unwrap_or(usize::MAX)
+                })
+                .collect(),
+            matches: rows.iter().map(|m| Arc::clone(&m.front)).collect(),
+            actions: actions.into_values().cloned().collect(),
             listeners: Value::from(listeners),
             // What the listeners' hostnames cover, as conditions on a TLS ClientHello's SNI:
             // an Ingress's ssl-passthrough does not take a host a Gateway's HTTPS listener on
@@ -1793,53 +1216,18 @@ pub(super) fn resolve(
         });
     }
 
-    // Backends: the endpoints of each Service port the routes name.
-    // Only the slices of the Services routed to: a cluster's other slices are not walked
-    // further than their label.
-    let wanted: BTreeSet<(String, String)> = backends
-        .values()
-        .map(|b| (s(b, "/namespace").to_owned(), s(b, "/service").to_owned()))
-        .collect();
-    let mut by_service: HashMap<(&str, &str), Vec<&std::sync::Arc<Extracts>>> = HashMap::new();
-    for ((namespace, _), slice, extracts) in
-        inputs
-            .slices
-            .entries()
-            .take(if wanted.is_empty() { 0 } else { usize::MAX })
-    {
-        let service = extracts.slice(slice).service.as_str();
-        if !service.is_empty() && wanted.contains(&(namespace.clone(), service.to_owned())) {
-            by_service
-                .entry((namespace.as_str(), service))
-                .or_default()
-                .push(extracts);
+    // Backends: the endpoints of each Service port the routes name: the previous rows while
+    // the routes name the same ports and no EndpointSlice changed (an HTTPRoute change).
+    let slices_generation = inputs.slices.generation();
+    let backend_rows = match previous {
+        Some(previous)
+            if previous.backends_from.0 == slices_generation
+                && previous.backends_from.1 == backends =>
+        {
+            previous.backends.clone()
         }
-    }
-    let backend_rows: Vec<Value> = backends
-        .into_values()
-        .map(|b| {
-            let (ns, svc, port_name) =
-                (s(&b, "/namespace"), s(&b, "/service"), s(&b, "/port_name"));
-            let mut endpoints: Vec<Value> = Vec::new();
-            for e in by_service.get(&(ns, svc)).map_or(&[][..], Vec::as_slice) {
-                if let Some(slice) = e.slice.get() {
-                    for (name, rows) in &slice.ports {
-                        if name == port_name {
-                            endpoints.extend(rows.as_array().unwrap_or_default().iter().cloned());
-                        }
-                    }
-                }
-            }
-            super::row([
-                ("name", Value::from(s(&b, "/name"))),
-                ("endpoints", Value::from(endpoints)),
-                ("app_protocol", Value::from(s(&b, "/app_protocol"))),
-                ("namespace", Value::from(ns)),
-                ("service", Value::from(svc)),
-                ("origin", origin("services", ns, svc)),
-            ])
-        })
-        .collect();
+        _ => Value::from(backend_rows(inputs.slices, &backends)),
+    };
 
     let ports_of = |https: bool| -> Vec<i64> {
         frontends
@@ -1855,22 +1243,906 @@ pub(super) fn resolve(
     let mut resolved = Resolved {
         http_ports: Value::from_serializable(&http_ports),
         https_ports: Value::from_serializable(&https_ports),
-        backends: Value::from(backend_rows),
-        statuses: Value::from_serializable(&statuses),
+        backends: backend_rows,
+        backends_from: (slices_generation, backends),
+        statuses: Value::from(statuses),
         refusals: Value::from_serializable(&refusals),
         frontends,
         claims,
         route_store: route_store.to_owned(),
         plain: Value::none(),
+        context,
     };
     resolved.plain = resolved.value(None, Vec::new());
     resolved
 }
 
+/// The backend rows of `backends` (by name), with the endpoints of their Services'
+/// EndpointSlices on the named port.
+fn backend_rows(slices: Source<'_>, backends: &BTreeMap<String, Arc<Json>>) -> Vec<Value> {
+    // Only the slices of the Services routed to: a cluster's other slices are not walked
+    // further than their label.
+    let wanted: BTreeSet<(&str, &str)> = backends
+        .values()
+        .map(|b| (s(b, "/namespace"), s(b, "/service")))
+        .collect();
+    let mut by_service: HashMap<(&str, &str), Vec<&Arc<Extracts>>> = HashMap::new();
+    for ((namespace, _), slice, extracts) in
+        slices
+            .entries()
+            .take(if wanted.is_empty() { 0 } else { usize::MAX })
+    {
+        let service = extracts.slice(slice).service.as_str();
+        if !service.is_empty() && wanted.contains(&(namespace.as_str(), service)) {
+            by_service
+                .entry((namespace.as_str(), service))
+                .or_default()
+                .push(extracts);
+        }
+    }
+    backends
+        .values()
+        .map(|b| {
+            let (ns, svc, port_name) = (s(b, "/namespace"), s(b, "/service"), s(b, "/port_name"));
+            let mut endpoints: Vec<Value> = Vec::new();
+            for e in by_service.get(&(ns, svc)).map_or(&[][..], Vec::as_slice) {
+                if let Some(slice) = e.slice.get() {
+                    for (name, rows) in &slice.ports {
+                        if name == port_name {
+                            endpoints.extend(rows.as_array().unwrap_or_default().iter().cloned());
+                        }
+                    }
+                }
+            }
+            super::row([
+                ("name", Value::from(s(b, "/name"))),
+                ("endpoints", Value::from(endpoints)),
+                ("app_protocol", Value::from(s(b, "/app_protocol"))),
+                ("namespace", Value::from(ns)),
+                ("service", Value::from(svc)),
+                ("origin", origin("services", ns, svc)),
+            ])
+        })
+        .collect()
+}
+
+/// What one HTTPRoute resolves to, with what it read to get there: kept beside the route
+/// ([`Extracts`]) and taken again by the next resolution while the route, what it read of the
+/// Gateways, grants and config ([`Context`]), the Services it names and its Namespace's labels
+/// are the same.
+pub(crate) struct RouteOut {
+    context: Arc<Context>,
+    /// The Services looked up, `(namespace, name)`, and the version found (none: missing).
+    services: Vec<ServiceRead>,
+    /// The labels of the route's Namespace as a listener's selector reads them.
+    labels: Option<Json>,
+    refusals: Vec<Json>,
+    /// Backend name and row (the first of a name is kept).
+    backends: Vec<(String, Arc<Json>)>,
+    /// The `parents` status, as a template value.
+    status: Option<Value>,
+    /// `(gateway, listener)` indexes of each listener the route attached to.
+    attached: Vec<(usize, usize)>,
+    /// The matches, in the order they were made (a stable sort keeps it among equals).
+    matches: Vec<RouteMatch>,
+    /// `(port, id, row)` of each action some match of the route uses.
+    actions: Vec<(i64, String, Value)>,
+}
+
+impl std::fmt::Debug for RouteOut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RouteOut")
+            .field("matches", &self.matches.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A Service a route looked up, `(namespace, name)`, and the version it found (none: missing).
+type ServiceRead = ((String, String), Option<Weak<Extracts>>);
+
+/// A match of a route on a listener port: what orders it, and its frontend row.
+struct RouteMatch {
+    port: i64,
+    row: MatchRow,
+    front: Arc<FrontMatch>,
+}
+
+impl RouteOut {
+    /// Whether what the route read is still what it would read now.
+    fn still(&self, reads: &RouteReads<'_>, namespace: &str) -> bool {
+        Arc::ptr_eq(&self.context, reads.context)
+            && reads.namespace_labels.get(namespace) == self.labels.as_ref()
+            && self.services.iter().all(|((ns, svc), then)| {
+                match (then, reads.services.get_entry(ns, svc)) {
+                    (Some(then), Some((_, now))) => std::ptr::eq(then.as_ptr(), Arc::as_ptr(now)),
+                    (None, None) => true,
+                    _ => false,
+                }
+            })
+    }
+}
+
+/// What every route's resolution reads besides the route, its Services and its Namespace.
+#[derive(PartialEq)]
+struct Context {
+    controller: String,
+    route_store: String,
+    ingress: (u16, u16),
+    /// The Gateways of our classes (namespace, name) and their listeners before any route
+    /// attached.
+    gateways: Vec<(String, String, Vec<Listener>)>,
+    grants: Vec<Json>,
+    /// The listener ports served (HTTPS or not) and their listener hostnames.
+    frontend_ports: BTreeMap<i64, bool>,
+    listener_hosts: BTreeMap<i64, Vec<Host>>,
+}
+
+/// What [`route_out`] reads.
+struct RouteReads<'a> {
+    context: &'a Arc<Context>,
+    gateways: &'a [Gateway],
+    gateway_index: &'a HashMap<(String, String), usize>,
+    grants: &'a [Json],
+    namespace_labels: &'a HashMap<String, Json>,
+    services: Source<'a>,
+    controller: &'a str,
+    route_store: &'a str,
+}
+
+/// One HTTPRoute resolved against the Gateways' listeners: its refusals, backends, status,
+/// attachments, and its matches and actions as frontend rows.
+fn route_out(reads: &RouteReads<'_>, key: &(String, String), route: &Value) -> RouteOut {
+    let (namespace, name) = (&key.0, &key.1);
+    let controller = reads.controller;
+    let mut out = RouteOut {
+        context: Arc::clone(reads.context),
+        services: Vec::new(),
+        labels: reads.namespace_labels.get(namespace.as_str()).cloned(),
+        refusals: Vec::new(),
+        backends: Vec::new(),
+        status: None,
+        attached: Vec::new(),
+        matches: Vec::new(),
+        actions: Vec::new(),
+    };
+    let mut matches: Vec<(i64, MatchRow)> = Vec::new();
+    let mut actions: Vec<(i64, Action)> = Vec::new();
+    let route = js(route);
+    let route_generation = generation(&route);
+    let previous_parents = arr(&route, "/status/parents");
+    let given_hosts = arr(&route, "/spec/hostnames");
+    let route_hosts: Vec<Host> = given_hosts
+        .iter()
+        .filter_map(|h| h.as_str().and_then(Host::parse))
+        .collect();
+    for (i, h) in given_hosts.iter().enumerate() {
+        let text = h.as_str().unwrap_or_default();
+        if Host::parse(text).is_none_or(|h| h == Host::Any) {
+            refuse(
+                &mut out.refusals,
+                (reads.route_store, namespace.as_str(), name.as_str()),
+                format!("spec.hostnames[{i}]"),
+                text,
+                "is not a hostname or a wildcard (`*.` and a hostname)",
+            );
+        }
+    }
+    // Hostnames given, none usable: the route matches no listener, never every host.
+    let no_usable_host = !given_hosts.is_empty() && route_hosts.is_empty();
+    let age = (
+        s(&route, "/metadata/creationTimestamp").to_owned(),
+        namespace.clone(),
+        name.clone(),
+    );
+    // Backends and filters, resolved once per route.
+    let mut resolved: Option<(&'static str, String)> = None;
+    let mut accepted_problem: Option<(&'static str, String)> = None;
+    struct Rule {
+        shares: Vec<(i64, Option<String>)>,
+        request_headers: Vec<Json>,
+        response_headers: Vec<Json>,
+        redirect: Option<(Json, Option<i64>, Option<PathModifier>)>,
+        rewrite: Option<Json>,
+        /// The length of the rule's one PathPrefix match, for a ReplacePrefixMatch.
+        prefix_len: usize,
+        matches: Vec<RuleMatch>,
+    }
+    let mut rules = Vec::new();
+    for (ri, rule) in arr(&route, "/spec/rules").iter().enumerate() {
+        let mut shares = Vec::new();
+        for b in arr(rule, "/backendRefs") {
+            let weight = b.get("weight").and_then(Json::as_i64).unwrap_or(1);
+            let group = s(b, "/group");
+            let kind = match s(b, "/kind") {
+                "" => "Service",
+                k => k,
+            };
+            let target_ns = match s(b, "/namespace") {
+                "" => namespace.as_str(),
+                n => n,
+            };
+            let svc = s(b, "/name");
+            let port = b.get("port").and_then(Json::as_i64);
+            let backend = if !group.is_empty() || kind != "Service" {
+                resolved.get_or_insert((
+                    "InvalidKind",
+                    format!("backendRef {group}/{kind} {svc}: only Services are supported"),
+                ));
+                None
+            } else if target_ns != namespace
+                && !granted(
+                    reads.grants,
+                    "HTTPRoute",
+                    namespace,
+                    target_ns,
+                    "Service",
+                    svc,
+                )
+            {
+                resolved.get_or_insert((
+                    "RefNotPermitted",
+                    format!(
+                        "Service {target_ns}/{svc}: no ReferenceGrant in {target_ns} allows it"
+                    ),
+                ));
+                None
+            } else {
+                let entry = reads.services.get_entry(target_ns, svc);
+                // Each Service once: checking a kept route looks each up again.
+                if !out
+                    .services
+                    .iter()
+                    .any(|((ns, name), _)| ns == target_ns && name == svc)
+                {
+                    out.services.push((
+                        (target_ns.to_owned(), svc.to_owned()),
+                        entry.map(|(_, e)| Arc::downgrade(e)),
+                    ));
+                }
+                let found = entry.and_then(|(v, e)| {
+                    let service = e.service(target_ns, svc, v);
+                    let p = service.ports.iter().find(|p| Some(p.number) == port)?;
+                    Some((p.name.clone(), p.number, js(&p.app_protocol)))
+                });
+                match found {
+                    None => {
+                        resolved.get_or_insert((
+                            "BackendNotFound",
+                            format!(
+                                "Service {target_ns}/{svc} port {} does not exist",
+                                port.map_or("(none)".to_owned(), |p| p.to_string())
+                            ),
+                        ));
+                        None
+                    }
+                    Some((port_name, number, app_protocol)) => {
+                        let backend =
+                            format!("gw_{}", backend_name(target_ns, svc, &number.to_string()));
+                        out.backends.push((backend.clone(), {
+                            Arc::new(json!({
+                                "name": backend,
+                                "namespace": target_ns,
+                                "service": svc,
+                                "port_name": port_name,
+                                "app_protocol": app_protocol,
+                            }))
+                        }));
+                        Some(backend)
+                    }
+                }
+            };
+            shares.push((weight.max(0), backend));
+        }
+        let mut request_headers = Vec::new();
+        let mut response_headers = Vec::new();
+        let mut redirect = None;
+        let mut rewrite = None;
+        for f in arr(rule, "/filters") {
+            match s(f, "/type") {
+                t @ ("RequestHeaderModifier" | "ResponseHeaderModifier") => {
+                    let key = if t == "RequestHeaderModifier" {
+                        "/requestHeaderModifier"
+                    } else {
+                        "/responseHeaderModifier"
+                    };
+                    let out = if t == "RequestHeaderModifier" {
+                        &mut request_headers
+                    } else {
+                        &mut response_headers
+                    };
+                    for name in arr(f, &format!("{key}/remove"))
+                        .iter()
+                        .filter_map(Json::as_str)
+                    {
+                        if is_token(name) {
+                            out.push(json!({"op": "del-header", "name": name, "value": ""}));
+                        } else {
+                            accepted_problem.get_or_insert((
+                                "UnsupportedValue",
+                                format!("header name {name:?}"),
+                            ));
+                        }
+                    }
+                    for (op, list) in [("set-header", "set"), ("add-header", "add")] {
+                        for h in arr(f, &format!("{key}/{list}")) {
+                            let (hn, hv) = (s(h, "/name"), s(h, "/value"));
+                            if is_token(hn) && quotable(hv) {
+                                if op == "set-header" {
+                                    out.push(json!({"op": "del-header", "name": hn, "value": ""}));
+                                }
+                                out.push(json!({"op": "add-header", "name": hn, "value": log_format(hv)}));
+                            } else {
+                                accepted_problem.get_or_insert((
+                                    "UnsupportedValue",
+                                    format!("header {hn:?}: {hv:?}"),
+                                ));
+                            }
+                        }
+                    }
+                }
+                "RequestRedirect" => {
+                    let r = f.get("requestRedirect").cloned().unwrap_or(Json::Null);
+                    let port = r.get("port").and_then(Json::as_i64);
+                    let path = match PathModifier::parse(r.get("path")) {
+                        Ok(path) => path,
+                        Err(why) => {
+                            accepted_problem.get_or_insert((
+                                "UnsupportedValue",
+                                format!("requestRedirect {why}"),
+                            ));
+                            None
+                        }
+                    };
+                    let host = s(&r, "/hostname");
+                    let scheme = s(&r, "/scheme");
+                    if (!host.is_empty() && !is_hostname(host))
+                        || !matches!(scheme, "" | "http" | "https")
+                    {
+                        accepted_problem.get_or_insert((
+                            "UnsupportedValue",
+                            "requestRedirect hostname or scheme".to_owned(),
+                        ));
+                    } else {
+                        redirect = Some((r, port, path));
+                    }
+                }
+                // The hostname and a path, full or the matched prefix replaced.
+                "URLRewrite" => {
+                    let host = s(f, "/urlRewrite/hostname");
+                    match PathModifier::parse(f.pointer("/urlRewrite/path")) {
+                        Ok(path) if host.is_empty() || is_hostname(host) => {
+                            rewrite = Some((host.to_owned(), path));
+                        }
+                        Ok(_) => {
+                            accepted_problem.get_or_insert((
+                                "UnsupportedValue",
+                                format!("urlRewrite hostname {host:?} is not a hostname"),
+                            ));
+                        }
+                        Err(why) => {
+                            accepted_problem
+                                .get_or_insert(("UnsupportedValue", format!("urlRewrite {why}")));
+                        }
+                    }
+                }
+                other => {
+                    accepted_problem.get_or_insert((
+                        "UnsupportedValue",
+                        format!("filter {other} is not supported"),
+                    ));
+                }
+            }
+        }
+        let mut rule_matches = Vec::new();
+        let given = arr(rule, "/matches");
+        let default = [json!({})];
+        for (mi, m) in if given.is_empty() {
+            &default[..]
+        } else {
+            given
+        }
+        .iter()
+        .enumerate()
+        {
+            let value = match s(m, "/path/value") {
+                "" => "/",
+                v => v,
+            };
+            // A regular expression is written into haproxy.cfg: only what the PCRE2
+            // subset takes (one word, compiles).
+            let regex = |field: String, value: &str| {
+                pcre::check(value).map_err(|why| {
+                    format!(
+                        "spec.rules[{ri}].matches[{mi}].{field}: RegularExpression {value:?} is not supported: {why}"
+                    )
+                })
+            };
+            let path = match s(m, "/path/type") {
+                "Exact" if is_plain_path(value) => PathMatch::Exact(value.to_owned()),
+                "" | "PathPrefix" if is_plain_path(value) => {
+                    PathMatch::Prefix(value.trim_end_matches('/').to_owned())
+                }
+                "RegularExpression" => match regex("path.value".to_owned(), value) {
+                    Ok(()) => PathMatch::Regex(value.to_owned()),
+                    Err(why) => {
+                        accepted_problem.get_or_insert(("UnsupportedValue", why));
+                        continue;
+                    }
+                },
+                other => {
+                    accepted_problem.get_or_insert((
+                        "UnsupportedValue",
+                        format!("path match {other} {value:?} is not supported"),
+                    ));
+                    continue;
+                }
+            };
+            let method = match s(m, "/method") {
+                "" => None,
+                m if is_token(m) => Some(m.to_owned()),
+                _ => continue,
+            };
+            let mut headers = Vec::new();
+            let mut queries = Vec::new();
+            let mut problem = None;
+            for (list, out) in [("headers", &mut headers), ("queryParams", &mut queries)] {
+                for (hi, h) in arr(m, &format!("/{list}")).iter().enumerate() {
+                    let (hn, hv) = (s(h, "/name"), s(h, "/value"));
+                    let value = match s(h, "/type") {
+                        "" | "Exact" if is_token(hn) && quotable(hv) => {
+                            Ok(ValueMatch::Exact(hv.to_owned()))
+                        }
+                        "RegularExpression" if is_token(hn) => {
+                            regex(format!("{list}[{hi}].value"), hv)
+                                .map(|()| ValueMatch::Regex(hv.to_owned()))
+                        }
+                        t => Err(format!(
+                            "spec.rules[{ri}].matches[{mi}].{list}[{hi}]: {} name {hn:?} value {hv:?} is not supported",
+                            if t.is_empty() { "Exact" } else { t }
+                        )),
+                    };
+                    match value {
+                        Ok(value) => out.push((hn.to_owned(), value)),
+                        Err(why) => {
+                            problem.get_or_insert(why);
+                        }
+                    }
+                }
+            }
+            if let Some(why) = problem {
+                accepted_problem.get_or_insert(("UnsupportedValue", why));
+                continue;
+            }
+            rule_matches.push((path, method, headers, queries));
+        }
+        // ReplacePrefixMatch replaces the prefix of the rule's one PathPrefix match (the
+        // CRD asks for exactly one; none given is the default `PathPrefix /`); with any
+        // other matches the route is not accepted, as the API says.
+        let replaces_prefix = [
+            redirect.as_ref().and_then(|r| r.2.as_ref()),
+            rewrite.as_ref().and_then(|r| r.1.as_ref()),
+        ]
+        .into_iter()
+        .flatten()
+        .any(|p| matches!(p, PathModifier::Prefix(_)));
+        let prefix_len = match rule_matches.as_slice() {
+            [(PathMatch::Prefix(p), ..)] if given.len() <= 1 => p.len(),
+            _ => {
+                if replaces_prefix {
+                    accepted_problem.get_or_insert((
+                        "UnsupportedValue",
+                        "ReplacePrefixMatch needs exactly one PathPrefix match in its rule"
+                            .to_owned(),
+                    ));
+                }
+                0
+            }
+        };
+        let rewrite = rewrite.map(|(host, path)| {
+            json!({
+                "host": host,
+                "path": match &path {
+                    Some(PathModifier::Full(p)) => p.as_str(),
+                    _ => "",
+                },
+                "prefix": path.map_or(Json::Null, |p| p.prefix_row(prefix_len)),
+            })
+        });
+        rules.push(Rule {
+            shares,
+            request_headers,
+            response_headers,
+            redirect,
+            rewrite,
+            prefix_len,
+            matches: rule_matches,
+        });
+    }
+
+    // Parents.
+    let mut parents = Vec::new();
+    for p in arr(&route, "/spec/parentRefs") {
+        let group = p.get("group").and_then(Json::as_str).unwrap_or(GROUP);
+        let kind = p.get("kind").and_then(Json::as_str).unwrap_or("Gateway");
+        if group != GROUP || kind != "Gateway" {
+            continue;
+        }
+        let gw_ns = match s(p, "/namespace") {
+            "" => namespace.as_str(),
+            n => n,
+        };
+        let Some(&gi) = reads
+            .gateway_index
+            .get(&(gw_ns.to_owned(), s(p, "/name").to_owned()))
+        else {
+            continue;
+        };
+        let section = s(p, "/sectionName");
+        let port = p.get("port").and_then(Json::as_i64);
+        let gateway = &reads.gateways[gi];
+        let candidates: Vec<usize> = (0..gateway.listeners.len())
+            .filter(|&i| {
+                let l = &gateway.listeners[i];
+                (section.is_empty() || l.name == section) && port.is_none_or(|p| p == l.port)
+            })
+            .collect();
+        let allowed: Vec<usize> = candidates
+            .iter()
+            .copied()
+            .filter(|&i| {
+                let l = &gateway.listeners[i];
+                let ns_ok = match l.from.as_str() {
+                    "All" => true,
+                    "Selector" => reads
+                        .namespace_labels
+                        .get(namespace.as_str())
+                        .is_some_and(|labels| selects(&l.selector, labels)),
+                    _ => namespace == &gateway.namespace,
+                };
+                // A listener of a protocol we do not serve takes no routes.
+                let served = !matches!(&l.problem, Some(("UnsupportedProtocol", _, _)));
+                ns_ok && !l.invalid_kinds && served
+            })
+            .collect();
+        let attached: Vec<(usize, Vec<Host>)> = allowed
+            .iter()
+            .filter_map(|&i| {
+                let hosts = intersect(&gateway.listeners[i].host, &route_hosts);
+                (!hosts.is_empty() && !no_usable_host).then_some((i, hosts))
+            })
+            .collect();
+        let (accepted, reason, message) = if candidates.is_empty() {
+            (
+                false,
+                "NoMatchingParent",
+                "no listener matches sectionName and port".to_owned(),
+            )
+        } else if allowed.is_empty() {
+            (
+                false,
+                "NotAllowedByListeners",
+                "no listener allows this route's namespace and kind".to_owned(),
+            )
+        } else if attached.is_empty() {
+            (
+                false,
+                "NoMatchingListenerHostname",
+                "no listener hostname intersects the route's hostnames".to_owned(),
+            )
+        } else if let Some((reason, message)) = &accepted_problem {
+            (false, *reason, message.clone())
+        } else {
+            (true, "Accepted", "accepted by haptic".to_owned())
+        };
+        let previous = previous_parents
+            .iter()
+            .find(|pp| {
+                s(pp, "/controllerName") == controller
+                    && s(pp, "/parentRef/name") == s(p, "/name")
+                    && s(pp, "/parentRef/namespace") == gw_ns
+                    && s(pp, "/parentRef/sectionName") == section
+            })
+            .map_or(&[][..], |pp| arr(pp, "/conditions"));
+        let (rr_ok, rr_reason, rr_message) = match &resolved {
+            None => (true, "ResolvedRefs", "every backendRef resolves".to_owned()),
+            Some((reason, message)) => (false, *reason, message.clone()),
+        };
+        let mut parent_ref =
+            json!({"group": GROUP, "kind": "Gateway", "namespace": gw_ns, "name": s(p, "/name")});
+        if !section.is_empty() {
+            parent_ref["sectionName"] = Json::from(section);
+        }
+        if let Some(port) = port {
+            parent_ref["port"] = Json::from(port);
+        }
+        parents.push(json!({
+            "parentRef": parent_ref,
+            "controllerName": controller,
+            "conditions": [
+                condition(previous, "Accepted", accepted, reason, &message, route_generation),
+                condition(previous, "ResolvedRefs", rr_ok, rr_reason, &rr_message, route_generation),
+            ],
+        }));
+        if !accepted {
+            continue;
+        }
+        for (li, hosts) in attached {
+            let listener = &gateway.listeners[li];
+            out.attached.push((gi, li));
+            if listener.problem.is_some() || (listener.https && listener.certificates.is_empty()) {
+                continue;
+            }
+            let listener_port = listener.port;
+            let listener_host = listener.host.clone();
+            let https = listener.https;
+            for (ri, rule) in rules.iter().enumerate() {
+                let redirect = rule.redirect.as_ref().map(|(r, port, path)| {
+                    let scheme = match s(r, "/scheme") {
+                        "" => {
+                            if https {
+                                "https"
+                            } else {
+                                "http"
+                            }
+                        }
+                        sch => sch,
+                    };
+                    let host = match s(r, "/hostname") {
+                        "" => "%[var(txn.gwhost)]".to_owned(),
+                        h => h.to_owned(),
+                    };
+                    let port = match (port, s(r, "/scheme")) {
+                        (Some(p), _) => Some(*p),
+                        (None, "") => Some(listener_port),
+                        (None, _) => None,
+                    }
+                    .filter(|p| !matches!((scheme, *p), ("http", 80) | ("https", 443)));
+                    let port = port.map_or(String::new(), |p| format!(":{p}"));
+                    let base = format!("{scheme}://{host}{port}");
+                    // A replaced prefix: the location without a rest of the path (the
+                    // template writes the others).
+                    let (path, prefix) = match path {
+                        None => ("%[pathq]".to_owned(), Json::Null),
+                        Some(PathModifier::Full(p)) => (p.clone(), Json::Null),
+                        Some(p @ PathModifier::Prefix(_)) => {
+                            let prefix = p.prefix_row(rule.prefix_len);
+                            (s(&prefix, "/exact").to_owned(), prefix)
+                        }
+                    };
+                    json!({
+                        "location": format!("{base}{path}"),
+                        "base": base,
+                        "prefix": prefix,
+                        "code": r.get("statusCode").and_then(Json::as_i64).unwrap_or(302),
+                    })
+                });
+                let action = actions.len();
+                // One backend, no filter: a match without conditions is a map entry.
+                let mut positive = rule.shares.iter().filter(|(w, _)| *w > 0);
+                let backend = match (positive.next(), positive.next()) {
+                    (Some((_, Some(b))), None)
+                        if rule.request_headers.is_empty()
+                            && rule.response_headers.is_empty()
+                            && rule.redirect.is_none()
+                            && rule.rewrite.is_none() =>
+                    {
+                        Some(b.clone())
+                    }
+                    _ => None,
+                };
+                actions.push((
+                    listener_port,
+                    Action {
+                        id: format!(
+                            "{listener_port}/{}/{}/{ri}",
+                            sanitize(namespace),
+                            sanitize(name)
+                        ),
+                        request_headers: rule.request_headers.clone(),
+                        response_headers: rule.response_headers.clone(),
+                        redirect,
+                        rewrite: rule.rewrite.clone(),
+                        shares: rule.shares.clone(),
+                        origin: (namespace.clone(), name.clone()),
+                    },
+                ));
+                for host in &hosts {
+                    for (mi, (path, method, headers, queries)) in rule.matches.iter().enumerate() {
+                        matches.push((
+                            listener_port,
+                            MatchRow {
+                                host: host.clone(),
+                                listener: listener_host.clone(),
+                                path: path.clone(),
+                                method: method.clone(),
+                                headers: headers.clone(),
+                                queries: queries.clone(),
+                                age: age.clone(),
+                                rule: ri,
+                                index: mi,
+                                action,
+                                backend: backend.clone(),
+                                origin: (namespace.clone(), name.clone()),
+                            },
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    if !parents.is_empty() {
+        // Parents other controllers wrote are kept as they are.
+        let mut all: Vec<Json> = previous_parents
+            .iter()
+            .filter(|pp| s(pp, "/controllerName") != controller)
+            .cloned()
+            .collect();
+        all.extend(parents);
+        out.status = Some(Value::from_serializable(&json!({
+            "object": object_ref(&route),
+            "field": "parents",
+            "value": all,
+        })));
+    }
+    // The frontend rows, built once per version of the route (20,000 rows at 10,000 routes
+    // cost as much to build as the rest of the view).
+    let context: &Context = reads.context;
+    let mut used = vec![false; actions.len()];
+    for (port, m) in matches {
+        let https = context
+            .frontend_ports
+            .get(&port)
+            .copied()
+            .unwrap_or_default();
+        let shared = (port == i64::from(context.ingress.0) && !https)
+            || (port == i64::from(context.ingress.1) && https);
+        let hosts = context
+            .listener_hosts
+            .get(&port)
+            .map_or(&[][..], Vec::as_slice);
+        used[m.action] = true;
+        let front = front_match(
+            &m,
+            &actions[m.action].1.id,
+            hosts,
+            shared,
+            reads.route_store,
+            port,
+        );
+        let front = Arc::new(front);
+        out.matches.push(RouteMatch {
+            port,
+            row: m,
+            front,
+        });
+    }
+    for ((port, a), used) in actions.iter().zip(used) {
+        if used {
+            out.actions
+                .push((*port, a.id.clone(), action_row(a, reads.route_store)));
+        }
+    }
+    out
+}
+
+/// The frontend row of match `m` of port `port` (whose listener hostnames are `hosts`, most
+/// specific first; `shared`: the Ingress frontend's port), its action `action`.
+fn front_match(
+    m: &MatchRow,
+    action: &str,
+    hosts: &[Host],
+    shared: bool,
+    route_store: &str,
+    port: i64,
+) -> FrontMatch {
+    // A request is matched against the routes of the most specific listener whose hostname
+    // matches its host only (the spec's listener precedence): a match of a listener also
+    // requires that the host is none of the more specific listener hostnames of the port its
+    // own covers. (A less specific listener's route never answers for a host a more specific
+    // listener takes, even when none of that listener's routes matches.) The ACLs say it all:
+    // no template line is needed.
+    let not_theirs = hosts
+        .iter()
+        .filter(|h| *h != &m.listener && m.listener.covers_host(h))
+        .map(|h| format!("!{}", h.condition().trim_start()));
+    let rank = rank(&m.host, &m.path);
+    // A map hit of a strictly better host and path goes first; with the same host and path,
+    // this match (it has conditions, or it is the older) does.
+    let mut terms = m.terms();
+    terms.extend(not_theirs);
+    terms.push(format!("!{{ var(txn.gwmaprank) -m int lt {rank} }}"));
+    let (condition, more) = lines(&terms);
+    let unconditioned = m.unconditioned();
+    // On the Ingress frontend's own port, a match without method, header or query conditions
+    // claims its host and path as an Ingress path does.
+    let claim = (shared && unconditioned)
+        .then(|| RouteClaim::of(m))
+        .flatten();
+    let exact = matches!(m.path, PathMatch::Exact(_));
+    // The map key: the port and the listener's hostname (the frontend looks up the entries of
+    // the most specific listener covering the request host only), then the host and the path.
+    let key = format!(
+        "{port}/{}/{}{}",
+        m.listener.key(),
+        m.host.key(),
+        m.path.key()
+    );
+    let path_len = match &m.path {
+        PathMatch::Exact(p) | PathMatch::Prefix(p) | PathMatch::Regex(p) => p.len(),
+    };
+    let entry = m
+        .backend
+        .as_ref()
+        .filter(|_| unconditioned && m.host.in_maps() && path_len <= MAP_PATH_LIMIT)
+        .map(|backend| {
+            super::row([
+                ("key", Value::from(key.as_str())),
+                ("rank", Value::from(rank)),
+                ("backend", Value::from(backend.as_str())),
+                ("origin", origin(route_store, &m.origin.0, &m.origin.1)),
+            ])
+        });
+    // Template values built directly (no JSON in between): 10,000 routes make 20,000 match
+    // rows, and converting them from JSON cost as much as building them.
+    FrontMatch {
+        row: super::row([
+            ("condition", Value::from(condition)),
+            ("more", Value::from(more)),
+            ("action", Value::from(action)),
+            ("origin", origin(route_store, &m.origin.0, &m.origin.1)),
+        ]),
+        action: action.to_owned(),
+        claim,
+        same: unconditioned.then_some((exact, key)),
+        entry: entry.map(|e| (exact, e)),
+    }
+}
+
+/// The row of an action (`actions` of a frontend).
+fn action_row(a: &Action, route_store: &str) -> Value {
+    let total: i64 = a.shares.iter().map(|(w, _)| *w).sum();
+    let mut upper = 0;
+    let shares: Vec<Value> = a
+        .shares
+        .iter()
+        .filter(|(w, _)| *w > 0)
+        .map(|(w, b)| {
+            upper += w;
+            super::row([
+                ("upper", Value::from(upper)),
+                (
+                    "backend",
+                    b.as_deref().map_or_else(Value::none, Value::from),
+                ),
+            ])
+        })
+        .collect();
+    let json_value = |v: &Option<Json>| {
+        v.as_ref()
+            .map_or_else(Value::none, Value::from_serializable)
+    };
+    super::row([
+        ("id", Value::from(a.id.as_str())),
+        (
+            "request_headers",
+            Value::from_serializable(&a.request_headers),
+        ),
+        (
+            "response_headers",
+            Value::from_serializable(&a.response_headers),
+        ),
+        ("redirect", json_value(&a.redirect)),
+        ("rewrite", json_value(&a.rewrite)),
+        ("total", Value::from(total)),
+        ("shares", Value::from(shares)),
+        ("origin", origin(route_store, &a.origin.0, &a.origin.1)),
+    ])
+}
+
 /// A claim of an HTTPRoute match on the Ingress frontend's port: the host and path as an
 /// Ingress path's route key writes them ([`super::route_key`]: `*.` wildcards, `""` for any
 /// host, a prefix without its trailing slashes), and the route's age.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct RouteClaim {
     exact: bool,
     host: String,
@@ -1960,8 +2232,11 @@ struct Frontend {
     port: i64,
     https: bool,
     certificates: Value,
-    matches: Vec<FrontMatch>,
-    actions: BTreeMap<String, Value>,
+    matches: Vec<Arc<FrontMatch>>,
+    /// The index in `actions` of each match's action.
+    action_of: Vec<usize>,
+    /// The action rows, by id.
+    actions: Vec<Value>,
     listeners: Value,
     sni: Value,
 }
@@ -1979,7 +2254,7 @@ impl Frontend {
     fn row_without(&self, dropped: Option<&BTreeSet<usize>>, maps: &mut MapRows) -> Value {
         let mut seen: std::collections::HashSet<&(bool, String)> = std::collections::HashSet::new();
         let mut kept = Vec::new();
-        let mut used: BTreeSet<&str> = BTreeSet::new();
+        let mut used = vec![false; self.actions.len()];
         for (i, m) in self.matches.iter().enumerate() {
             if dropped.is_some_and(|d| d.contains(&i)) {
                 continue;
@@ -1994,7 +2269,9 @@ impl Frontend {
                 Some((false, entry)) => maps.prefix.push(entry.clone()),
                 None => {
                     kept.push(m.row.clone());
-                    used.insert(&m.action);
+                    if let Some(used) = self.action_of.get(i).and_then(|&a| used.get_mut(a)) {
+                        *used = true;
+                    }
                 }
             }
         }
@@ -2008,8 +2285,9 @@ impl Frontend {
                 Value::from(
                     self.actions
                         .iter()
-                        .filter(|(id, _)| used.contains(id.as_str()))
-                        .map(|(_, row)| row.clone())
+                        .zip(used)
+                        .filter(|(_, used)| *used)
+                        .map(|(row, _)| row.clone())
                         .collect::<Vec<_>>(),
                 ),
             ),
@@ -2027,6 +2305,9 @@ pub(crate) struct Resolved {
     http_ports: Value,
     https_ports: Value,
     backends: Value,
+    /// What the backend rows were made of: the EndpointSlices' generation and the backends
+    /// the routes name.
+    backends_from: (u64, BTreeMap<String, Arc<Json>>),
     statuses: Value,
     refusals: Value,
     /// Whether a match claims a route on the Ingress frontend's port.
@@ -2035,6 +2316,9 @@ pub(crate) struct Resolved {
     route_store: String,
     /// The value when no Ingress claims what a route does.
     plain: Value,
+    /// What the routes read of the Gateways, grants and config: the next resolution's routes
+    /// keep what they resolved to while it stays the same.
+    context: Arc<Context>,
 }
 
 impl std::fmt::Debug for Resolved {

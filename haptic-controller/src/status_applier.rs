@@ -58,7 +58,7 @@ pub fn component(
         .subscribe_leader_only("status-applier", Filter::kinds([Kind::Rendered]));
     async move {
         // What this term wrote (or found already there), by field.
-        let mut written: HashMap<Key, serde_json::Value> = HashMap::new();
+        let mut written: HashMap<Key, Arc<serde_json::Value>> = HashMap::new();
         let mut declared: Vec<StatusRequest> = Vec::new();
         let mut retry_at: Option<tokio::time::Instant> = None;
         let mut backoff = BACKOFF_INITIAL;
@@ -102,7 +102,7 @@ pub fn component(
                     by_object.get(&object(&request)).map_or(&[], Vec::as_slice);
                 let mut status = serde_json::Map::new();
                 for field in fields {
-                    status.insert(field.field.clone(), field.value.clone());
+                    status.insert(field.field.clone(), (*field.value).clone());
                 }
                 let patch = json!({
                     "apiVersion": request.api_version,
@@ -186,7 +186,7 @@ fn pending_objects(
 async fn pending(
     cache: &StateCache,
     declared: &[StatusRequest],
-    written: &mut HashMap<Key, serde_json::Value>,
+    written: &mut HashMap<Key, Arc<serde_json::Value>>,
 ) -> Vec<(StatusRequest, ApiResource)> {
     let state = cache.read().await;
     let Some(config) = state.config.as_ref() else {
@@ -228,7 +228,7 @@ async fn pending(
             debug!(kind = %request.kind, name = %request.name, "a template declared status for an object no store holds");
             continue;
         };
-        if current.as_ref() == Some(&request.value) {
+        if current.as_ref() == Some(&*request.value) {
             written.insert(k, request.value.clone());
             continue;
         }

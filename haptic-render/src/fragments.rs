@@ -189,7 +189,14 @@ pub(crate) struct Fragments {
     /// Fragments rendered and reused since the last [`Fragments::take_counts`].
     rendered: AtomicU64,
     reused: AtomicU64,
+    /// `set_status` values as JSON, by the identity of the template value (held, so that the
+    /// identity stays its own), with the last render that used each: a status a view keeps
+    /// from render to render (the Gateway API's, one per route) is converted once.
+    json: Mutex<HashMap<usize, StatusJson>>,
 }
+
+/// A `set_status` value held, its JSON, and the last render that passed it.
+type StatusJson = (Value, Arc<serde_json::Value>, u64);
 
 impl Fragments {
     /// Starts a render: its number.
@@ -205,9 +212,31 @@ impl Fragments {
         )
     }
 
+    /// `value` as JSON, converted once for as long as renders keep passing the same value.
+    fn json(&self, value: &Value, epoch: u64) -> Result<Arc<serde_json::Value>, String> {
+        let Some(id) = identity(value) else {
+            return convert(value);
+        };
+        if let Ok(mut cache) = self.json.lock()
+            && let Some((_, json, used)) = cache.get_mut(&id)
+        {
+            *used = (*used).max(epoch);
+            return Ok(Arc::clone(json));
+        }
+        let json = convert(value)?;
+        if let Ok(mut cache) = self.json.lock() {
+            cache.insert(id, (value.clone(), Arc::clone(&json), epoch));
+        }
+        Ok(json)
+    }
+
     /// Ends render `epoch`: of each key's calls, keeps those this render made or used (the
-    /// others were on lists that changed since), and drops keys no render used in a while.
+    /// others were on lists that changed since), and drops keys no render used in a while;
+    /// drops the JSON of status values this render did not pass.
     pub(crate) fn end(&self, epoch: u64) {
+        if let Ok(mut cache) = self.json.lock() {
+            cache.retain(|_, (_, _, used)| *used >= epoch);
+        }
         if let Ok(mut sites) = self.sites.lock() {
             for calls in sites.values_mut() {
                 let used = |site: &Arc<CallSite>| site.used.load(Ordering::Relaxed) >= epoch;
@@ -219,6 +248,28 @@ impl Fragments {
             }
             sites.retain(|_, calls| !calls.is_empty());
         }
+    }
+}
+
+/// A template value as JSON (none and undefined: null).
+fn convert(value: &Value) -> Result<Arc<serde_json::Value>, String> {
+    if value.is_undefined() || value.is_none() {
+        return Ok(Arc::new(serde_json::Value::Null));
+    }
+    serde_json::to_value(value)
+        .map(Arc::new)
+        .map_err(|e| e.to_string())
+}
+
+/// `value` as JSON for `set_status`: through the running render's cache when there is one.
+pub(crate) fn status_json(value: &Value) -> Result<Arc<serde_json::Value>, String> {
+    match ACTIVE.with(|a| {
+        a.borrow()
+            .as_ref()
+            .map(|a| (Arc::clone(&a.fragments), a.epoch))
+    }) {
+        Some((fragments, epoch)) => fragments.json(value, epoch),
+        None => convert(value),
     }
 }
 

@@ -15,6 +15,7 @@
 //! ```
 
 use std::cell::RefCell;
+use std::sync::Arc;
 
 use serde::Serialize;
 use tera::{Kwargs, State, Tera, Value};
@@ -54,8 +55,17 @@ pub struct StatusRequest {
     pub name: String,
     /// The top-level field of `status` (`loadBalancer`).
     pub field: String,
-    /// Its value.
-    pub value: serde_json::Value,
+    /// Its value (shared: a status a view keeps from render to render is converted once, and
+    /// the requests of a render are cloned cheaply).
+    #[serde(serialize_with = "shared_json")]
+    pub value: Arc<serde_json::Value>,
+}
+
+fn shared_json<S: serde::Serializer>(
+    value: &Arc<serde_json::Value>,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    value.as_ref().serialize(serializer)
 }
 
 /// Everything one render's templates asked for, in output order.
@@ -82,12 +92,10 @@ impl Requests {
         }
         // By key, not by a scan per status: a render declares one status per object (10,000
         // HTTPRoutes: 10,000), and a scan each made the merge quadratic.
-        let mut index: StatusIndex = self
-            .statuses
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (status_key(s), i))
-            .collect();
+        let mut index = StatusIndex::default();
+        for (place, status) in self.statuses.iter().enumerate() {
+            index.insert(index.hash(status), place);
+        }
         for status in other.statuses {
             put_status(&mut self.statuses, &mut index, status);
         }
@@ -99,11 +107,58 @@ impl Requests {
     }
 }
 
-/// What identifies a status field: apiVersion, kind, namespace, name, field.
-type StatusKey = (String, String, Option<String>, String, String);
+/// Where each status field (apiVersion, kind, namespace, name, field) is in a list of status
+/// requests: by a hash of those fields, read in place (a key of five owned strings cost five
+/// allocations per status, and a render declares one per route).
+#[derive(Default)]
+struct StatusIndex {
+    /// The hash's keys, random per index (the fields are the cluster's to choose).
+    state: std::hash::RandomState,
+    /// The first place with each hash.
+    first: std::collections::HashMap<
+        u64,
+        usize,
+        std::hash::BuildHasherDefault<crate::fragments::AddressHasher>,
+    >,
+    /// Further places with a hash already taken by another field (a collision).
+    more: std::collections::HashMap<u64, Vec<usize>>,
+}
 
-/// Where each status field is in a list of status requests.
-type StatusIndex = std::collections::HashMap<StatusKey, usize>;
+impl StatusIndex {
+    fn hash(&self, s: &StatusRequest) -> u64 {
+        use std::hash::BuildHasher as _;
+        self.state
+            .hash_one((&s.api_version, &s.kind, &s.namespace, &s.name, &s.field))
+    }
+
+    fn same(a: &StatusRequest, b: &StatusRequest) -> bool {
+        a.name == b.name
+            && a.field == b.field
+            && a.namespace == b.namespace
+            && a.kind == b.kind
+            && a.api_version == b.api_version
+    }
+
+    /// The place of `s`'s field in `statuses`, if it is there.
+    fn find(&self, statuses: &[StatusRequest], s: &StatusRequest, hash: u64) -> Option<usize> {
+        let at = |i: &usize| statuses.get(*i).is_some_and(|t| Self::same(t, s));
+        if let Some(i) = self.first.get(&hash).filter(|i| at(i)) {
+            return Some(*i);
+        }
+        self.more.get(&hash)?.iter().copied().find(|i| at(i))
+    }
+
+    fn insert(&mut self, hash: u64, place: usize) {
+        match self.first.entry(hash) {
+            std::collections::hash_map::Entry::Vacant(at) => {
+                at.insert(place);
+            }
+            std::collections::hash_map::Entry::Occupied(_) => {
+                self.more.entry(hash).or_default().push(place);
+            }
+        }
+    }
+}
 
 /// The Events already in a list of event requests.
 type EventSet = std::collections::HashSet<EventRequest>;
@@ -116,22 +171,13 @@ fn put_event(events: &mut Vec<EventRequest>, seen: &mut EventSet, event: EventRe
     }
 }
 
-fn status_key(s: &StatusRequest) -> StatusKey {
-    (
-        s.api_version.clone(),
-        s.kind.clone(),
-        s.namespace.clone(),
-        s.name.clone(),
-        s.field.clone(),
-    )
-}
-
 /// Adds `status` to `statuses`, replacing an earlier request for the same field.
 fn put_status(statuses: &mut Vec<StatusRequest>, index: &mut StatusIndex, status: StatusRequest) {
-    match index.entry(status_key(&status)) {
-        std::collections::hash_map::Entry::Occupied(at) => statuses[*at.get()] = status,
-        std::collections::hash_map::Entry::Vacant(at) => {
-            at.insert(statuses.len());
+    let hash = index.hash(&status);
+    match index.find(statuses, &status, hash) {
+        Some(place) => statuses[place] = status,
+        None => {
+            index.insert(hash, statuses.len());
             statuses.push(status);
         }
     }
@@ -256,11 +302,7 @@ pub(crate) fn register(tera: &mut Tera) {
                     "set_status: the object needs apiVersion, kind and metadata.name (a watched object, as listed)",
                 ));
             };
-            let value = if value.is_undefined() || value.is_none() {
-                serde_json::Value::Null
-            } else {
-                serde_json::to_value(&value).map_err(error)?
-            };
+            let value = crate::fragments::status_json(&value).map_err(error)?;
             let request = StatusRequest {
                 api_version,
                 kind,
@@ -354,7 +396,7 @@ mod tests {
         assert_eq!(names, ["broken", "good"]);
         for status in &asked.statuses {
             assert_eq!(
-                (status.kind.as_str(), status.field.as_str(), &status.value),
+                (status.kind.as_str(), status.field.as_str(), &*status.value),
                 ("Ingress", "loadBalancer", &lb)
             );
         }

@@ -311,7 +311,7 @@ impl Front {
         self.statuses
             .iter()
             .find(|s| s.kind == kind && s.name == name && s.field == field)
-            .map(|s| s.value.clone())
+            .map(|s| (*s.value).clone())
             .unwrap_or(Json::Null)
     }
 

@@ -107,7 +107,7 @@ mod tests {
             namespace: Some("shop".to_owned()),
             name: "web".to_owned(),
             field: field.to_owned(),
-            value,
+            value: value.into(),
         }
     }
 

@@ -1940,6 +1940,46 @@ fn http_route_rewrite_host_and_full_path() {
     }
 }
 
+/// Filters of a backendRef (extended, HTTPRouteBackendRequestHeaderModification) are not
+/// supported: the route is not accepted (UnsupportedValue) and written nowhere, rather than
+/// routed without them; a route with the same filter on its rule routes.
+#[test]
+fn a_backend_ref_with_filters_is_not_accepted() {
+    let mut w = world(&["infra-backend-v1"]);
+    let filter = json!({"type": "RequestHeaderModifier",
+                        "requestHeaderModifier": {"set": [{"name": "X-Backend", "value": "v1"}]}});
+    w.route(route(
+        "backend-filter",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["backend-filter.example"],
+            "rules": [{"backendRefs": [{"name": "infra-backend-v1", "port": 8080,
+                                        "filters": [filter]}]}]}),
+    ));
+    w.route(route(
+        "rule-filter",
+        "2026-01-01T00:00:00Z",
+        json!({"parentRefs": [{"name": "gw"}], "hostnames": ["rule-filter.example"],
+            "rules": [{"filters": [filter], "backendRefs": to("infra-backend-v1")}]}),
+    ));
+    let f = w.front();
+    assert_eq!(
+        f.parent_conditions("backend-filter")[0],
+        "Accepted=False/UnsupportedValue"
+    );
+    assert_eq!(f.to("backend-filter.example", "/"), "404");
+    assert_eq!(
+        f.parent_conditions("rule-filter")[0],
+        "Accepted=True/Accepted"
+    );
+    let a = get(f.port, "rule-filter.example", "/", &[]);
+    assert_eq!(a.backend(), "infra-backend-v1");
+    assert!(
+        a.body.to_lowercase().contains("x-backend: v1"),
+        "{}",
+        a.body
+    );
+}
+
 /// The path (with its query) the backend received, from the echo's first line.
 fn received_path(a: &Answer) -> String {
     a.body

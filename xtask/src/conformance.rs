@@ -27,8 +27,14 @@ const DEFAULT_CRDS: &str = "/work/shared/gateway-api/standard-install-v1.5.1.yam
 const GATEWAY_CLASS: &str = "haptic";
 /// The controller name of our GatewayClasses (`derivedViews.gateway.controllerName`).
 const CONTROLLER_NAME: &str = "haproxy-haptic.org/gateway-controller";
-/// What we claim beyond the profile's core features: nothing extended yet.
-const SUPPORTED_FEATURES: &str = "Gateway,HTTPRoute,ReferenceGrant";
+/// What we claim: the profile's core features and the extended ones HAPTIC implements.
+const SUPPORTED_FEATURES: &str = "Gateway,HTTPRoute,ReferenceGrant,\
+GatewayPort8080,GatewayHTTPListenerIsolation,\
+HTTPRouteQueryParamMatching,HTTPRouteMethodMatching,HTTPRouteResponseHeaderModification,\
+HTTPRoutePortRedirect,HTTPRouteSchemeRedirect,HTTPRoutePathRedirect,\
+HTTPRoute303RedirectStatusCode,HTTPRoute307RedirectStatusCode,HTTPRoute308RedirectStatusCode,\
+HTTPRouteHostRewrite,HTTPRoutePathRewrite,HTTPRouteParentRefPort,HTTPRouteDestinationPortMatching,\
+HTTPRouteBackendProtocolH2C,HTTPRouteBackendProtocolWebSocket,HTTPRouteNamedRouteRule";
 /// The suite's own bound (`go test -timeout`); the process is killed a minute after.
 const SUITE_BOUND: Duration = Duration::from_secs(45 * 60);
 

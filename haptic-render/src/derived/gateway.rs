@@ -1451,6 +1451,13 @@ fn route_out(reads: &RouteReads<'_>, key: &(String, String), route: &Value) -> R
     for (ri, rule) in arr(&route, "/spec/rules").iter().enumerate() {
         let mut shares = Vec::new();
         for b in arr(rule, "/backendRefs") {
+            // Filters of one backendRef (extended) are not supported: refused, not ignored.
+            if !arr(b, "/filters").is_empty() {
+                accepted_problem.get_or_insert((
+                    "UnsupportedValue",
+                    format!("backendRef {}: filters are not supported", s(b, "/name")),
+                ));
+            }
             let weight = b.get("weight").and_then(Json::as_i64).unwrap_or(1);
             let group = s(b, "/group");
             let kind = match s(b, "/kind") {

@@ -26,7 +26,7 @@
 //! | `port`, `port_name` | the Service port's number and name (`""` when it has none) |
 //! | `app_protocol` | the Service port's `appProtocol` (`""` when it has none) |
 //! | `endpoints` | the endpoints of the Service's EndpointSlices (label `kubernetes.io/service-name`, same namespace) on the slice port with the same name, ready or not: slices by name, then port, then endpoint order; FQDN slices and endpoints without addresses are left out |
-//! | `policy` | none; with `routedBy`, for the routes of Ingresses whose ingress-nginx annotations ask something of their requests, a copy of the port's row per policy, named `<backend>_nginx_<id>`, with the policy's row ([`crate::nginx::Policy::row`]) and the `origin` of the first such Ingress (an ingress-nginx canary's path whose main route, of the same namespace and not a regex, has a policy routes to the canary's port with the main's policy, and its `origin` is the main Ingress; with `service-upstream`, its `endpoints` are one row for the Service's cluster IP and port, named `cluster-ip_<ip>`, unless the Service is headless); the port's own row is then written only when a path without a policy (or the default backend) routes to it |
+//! | `policy` | none; with `routedBy`, for the routes of Ingresses whose ingress-nginx annotations ask something of their requests, a copy of the port's row per policy, named `<backend>_nginx_<id>`, with the policy's row ([`crate::nginx::Policy::row`]) and the `origin` of the first such Ingress (an ingress-nginx canary's path whose main route has a policy, not a regex, nor of another namespace with a policy that reads Secrets, routes to the canary's port with the main's policy, and its `origin` is the main Ingress; with `service-upstream`, its `endpoints` are one row for the Service's cluster IP and port, named `cluster-ip_<ip>`, unless the Service is headless); the port's own row is then written only when a path without a policy (or the default backend) routes to it |
 //!
 //! An endpoint:
 //!
@@ -98,8 +98,8 @@
 //! (`""` when every value parses), `canary` (none; for a canary Ingress, its split as
 //! [`crate::nginx::Canary::row`] with `paths`: `host`, `path`, `exact`, `service`,
 //! `port_number` or `port_name`, `main_policy`: the policy id of the main route, the oldest
-//! non-canary Ingress's path of the same host, path and kind, when its backend is a policy's,
-//! it is of the same namespace and not a regex, else none), `www_redirects` (`[from, to]`
+//! non-canary Ingress's path of the same host, path and kind, when its backend is a policy's
+//! and it is not a regex, nor of another namespace with a policy that reads Secrets; else none), `www_redirects` (`[from, to]`
 //! host pairs of `from-to-www-redirect`; `[]` without it), `namespace`, `ingress`, `origin`.
 //!
 //! [`Derivation::IngressDefaultBackends`]: a row per Ingress with a `spec.defaultBackend`, the
@@ -1402,8 +1402,9 @@ impl<'o, 'a> CanaryMains<'o, 'a> {
     /// annotations to canary traffic). None for a path of another Ingress, for a main
     /// without a policy (the canary's own backend), for a regex main (routes-regex.map: the
     /// canary block looks the route up by its literal key, so it never matches), and for a
-    /// main of another namespace (the policy's Secrets are read from the backend's
-    /// namespace: the canary would not get the main's).
+    /// main of another namespace whose policy reads Secrets (auth-secret, auth-tls-secret,
+    /// proxy-ssl-secret: the templates read them from the backend's namespace, the canary's,
+    /// so its backend would not have the main's).
     fn policy_for(
         &self,
         canary: &OurIngress<'a>,
@@ -1413,10 +1414,16 @@ impl<'o, 'a> CanaryMains<'o, 'a> {
             return None;
         }
         let (_, main, main_path) = self.by_key.get(&route_key(p))?;
-        if main_path.regex || main.namespace != canary.namespace {
+        let policy = main_path.policy.as_ref().filter(|_| !main_path.regex)?;
+        let reads_secrets = || {
+            ["auth_secret", "client_tls", "backend_tls"]
+                .iter()
+                .any(|key| attr(&policy.1, key).is_some_and(Value::is_truthy))
+        };
+        if main.namespace != canary.namespace && reads_secrets() {
             return None;
         }
-        Some((main, main_path.policy.as_ref()?))
+        Some((main, policy))
     }
 }
 

@@ -26,7 +26,7 @@
 //! | `port`, `port_name` | the Service port's number and name (`""` when it has none) |
 //! | `app_protocol` | the Service port's `appProtocol` (`""` when it has none) |
 //! | `endpoints` | the endpoints of the Service's EndpointSlices (label `kubernetes.io/service-name`, same namespace) on the slice port with the same name, ready or not: slices by name, then port, then endpoint order; FQDN slices and endpoints without addresses are left out |
-//! | `policy` | none; with `routedBy`, for the routes of Ingresses whose ingress-nginx annotations ask something of their requests, a copy of the port's row per policy, named `<backend>_nginx_<id>`, with the policy's row ([`crate::nginx::Policy::row`]) and the `origin` of the first such Ingress (with `service-upstream`, its `endpoints` are one row for the Service's cluster IP and port, named `cluster-ip_<ip>`, unless the Service is headless); the port's own row is then written only when a path without a policy (or the default backend) routes to it |
+//! | `policy` | none; with `routedBy`, for the routes of Ingresses whose ingress-nginx annotations ask something of their requests, a copy of the port's row per policy, named `<backend>_nginx_<id>`, with the policy's row ([`crate::nginx::Policy::row`]) and the `origin` of the first such Ingress (an ingress-nginx canary's path whose main route has a policy, not a regex, nor of another namespace with a policy that reads Secrets, routes to the canary's port with the main's policy, and its `origin` is the main Ingress; with `service-upstream`, its `endpoints` are one row for the Service's cluster IP and port, named `cluster-ip_<ip>`, unless the Service is headless); the port's own row is then written only when a path without a policy (or the default backend) routes to it |
 //!
 //! An endpoint:
 //!
@@ -97,8 +97,10 @@
 //! every one is supported or refused), `invalid`, the message of an `AnnotationInvalid` Event
 //! (`""` when every value parses), `canary` (none; for a canary Ingress, its split as
 //! [`crate::nginx::Canary::row`] with `paths`: `host`, `path`, `exact`, `service`,
-//! `port_number` or `port_name`), `www_redirects` (`[from, to]` host pairs of
-//! `from-to-www-redirect`; `[]` without it), `namespace`, `ingress`, `origin`.
+//! `port_number` or `port_name`, `main_policy`: the policy id of the main route, the oldest
+//! non-canary Ingress's path of the same host, path and kind, when its backend is a policy's
+//! and it is not a regex, nor of another namespace with a policy that reads Secrets; else none), `www_redirects` (`[from, to]`
+//! host pairs of `from-to-www-redirect`; `[]` without it), `namespace`, `ingress`, `origin`.
 //!
 //! [`Derivation::IngressDefaultBackends`]: a row per Ingress with a `spec.defaultBackend`, the
 //! winner first (the oldest whose default backend is a Service), then the other Service backends
@@ -678,7 +680,8 @@ fn nginx_findings(
 }
 
 /// A canary's row ([`crate::nginx::Canary::row`]) with `paths`: per path, `host`, `path`,
-/// `exact`, `service`, and the port it names (`port_number`, or `port_name`).
+/// `exact`, `service`, the port it names (`port_number`, or `port_name`), and `main_policy`
+/// (none here: the policy id of the main route, [`canary_mains`], is joined by the view).
 fn canary_row(canary: &crate::nginx::Canary, paths: &[PathExtract]) -> Value {
     let paths: Vec<Value> = paths
         .iter()
@@ -693,6 +696,8 @@ fn canary_row(canary: &crate::nginx::Canary, paths: &[PathExtract]) -> Value {
                     p.target.want_number.map_or_else(Value::none, Value::from),
                 ),
                 ("port_name", Value::from(p.target.want_name.as_str())),
+                // Set by the view ([`annotation_rows`]) when the main route has a policy.
+                ("main_policy", Value::none()),
             ])
         })
         .collect();
@@ -1375,6 +1380,74 @@ fn variant_name(backend: &Value, id: &str) -> String {
     format!("{}_nginx_{id}", backend.as_str().unwrap_or_default())
 }
 
+/// The main route of each host + path + kind, for the canaries to join: the path of the
+/// oldest non-canary Ingress that claims it (the winner of the route, as [`ingress_routes`]
+/// decides; within one Ingress, its first such path).
+struct CanaryMains<'o, 'a> {
+    by_key: HashMap<(bool, &'a str, &'a str), (Age<'a>, &'o OurIngress<'a>, &'a PathExtract)>,
+}
+
+/// The main routes of [`CanaryMains`]; none when no Ingress of `ours` is a canary (the
+/// common case costs a look at each Ingress).
+fn canary_mains<'o, 'a>(ours: &'o [OurIngress<'a>]) -> Option<CanaryMains<'o, 'a>> {
+    if !ours.iter().any(|ing| ing.ingress.canary) {
+        return None;
+    }
+    let mut by_key: HashMap<_, (Age<'a>, &'o OurIngress<'a>, &'a PathExtract)> = HashMap::new();
+    for ing in ours.iter().filter(|ing| !ing.ingress.canary) {
+        let age = ing.age();
+        for p in &ing.ingress.paths {
+            match by_key.entry(route_key(p)) {
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    v.insert((age, ing, p));
+                }
+                std::collections::hash_map::Entry::Occupied(mut o) => {
+                    if age < o.get().0 {
+                        o.insert((age, ing, p));
+                    }
+                }
+            }
+        }
+    }
+    Some(CanaryMains { by_key })
+}
+
+impl<'o, 'a> CanaryMains<'o, 'a> {
+    /// For a path of a canary Ingress: the main route's Ingress and policy when its
+    /// backend is a policy variant, so that the canary's requests go to a backend of the
+    /// canary's Service port with the same policy (ingress-nginx applies the main Ingress's
+    /// annotations to canary traffic). None for a path of another Ingress, for a main
+    /// without a policy (the canary's own backend), for a regex main (routes-regex.map: the
+    /// canary block looks the route up by its literal key, so it never matches), and for a
+    /// main of another namespace whose policy reads Secrets (auth-secret, auth-tls-secret,
+    /// proxy-ssl-secret: the templates read them from the backend's namespace, the canary's,
+    /// so its backend would not have the main's).
+    fn policy_for(
+        &self,
+        canary: &OurIngress<'a>,
+        p: &'a PathExtract,
+    ) -> Option<(&'o OurIngress<'a>, &'a (String, Value))> {
+        if !canary.ingress.canary {
+            return None;
+        }
+        let (_, main, main_path) = self.by_key.get(&route_key(p))?;
+        let policy = main_path.policy.as_ref().filter(|_| !main_path.regex)?;
+        let reads_secrets = || {
+            ["auth_secret", "client_tls", "backend_tls"]
+                .iter()
+                .any(|key| attr(&policy.1, key).is_some_and(Value::is_truthy))
+        };
+        if main.namespace != canary.namespace && reads_secrets() {
+            return None;
+        }
+        Some((main, policy))
+    }
+}
+
+/// What a policy variant is made of: the (namespace, name) of the Ingress whose annotations
+/// it applies (its rows' `origin`), and the policy's id and row.
+type VariantOf<'p> = ((&'p str, &'p str), &'p (String, Value));
+
 fn routed_ports(
     (store, ingresses): (&str, Source<'_>),
     services: Source<'_>,
@@ -1382,9 +1455,7 @@ fn routed_ports(
 ) -> Routed {
     let by_name = services_by_name(services);
     let mut routed = Routed::new();
-    let mut add = |namespace: &str,
-                   target: &ServiceRef,
-                   policy: Option<(&OurIngress<'_>, &(String, Value))>| {
+    let mut add = |namespace: &str, target: &ServiceRef, policy: Option<VariantOf<'_>>| {
         let resolved = by_name
             .get(&(namespace, target.service.as_str()))
             .and_then(|(svc, _)| svc.resolve(target));
@@ -1418,13 +1489,13 @@ fn routed_ports(
             };
             match policy {
                 None => routed_port.plain = true,
-                Some((ing, (id, row))) => {
+                Some(((ing_namespace, ing_name), (id, row))) => {
                     let name = variant_name(&port.backend, id);
                     if !routed_port.variants.iter().any(|(n, _, _)| *n == name) {
                         routed_port.variants.push((
                             name,
                             row.clone(),
-                            origin(store, ing.namespace, ing.name),
+                            origin(store, ing_namespace, ing_name),
                         ));
                     }
                 }
@@ -1436,17 +1507,27 @@ fn routed_ports(
         PASSTHROUGH.to_owned(),
         crate::nginx::Policy::passthrough_row(),
     );
+    let mains = canary_mains(&ours);
     for ing in &ours {
         for p in &ing.ingress.paths {
-            add(
-                ing.namespace,
-                &p.target,
-                p.policy.as_ref().map(|policy| (ing, policy)),
-            );
+            // A canary's path whose main route has a policy: the canary's port with that
+            // policy (its rules are the main Ingress's, so its origin is the main Ingress).
+            let policy = match mains.as_ref().and_then(|m| m.policy_for(ing, p)) {
+                Some((main, policy)) => Some(((main.namespace, main.name), policy)),
+                None => p
+                    .policy
+                    .as_ref()
+                    .map(|policy| ((ing.namespace, ing.name), policy)),
+            };
+            add(ing.namespace, &p.target, policy);
         }
         for (_, i) in &ing.ingress.passthrough {
             if let Some(p) = ing.ingress.paths.get(*i) {
-                add(ing.namespace, &p.target, Some((ing, &passthrough)));
+                add(
+                    ing.namespace,
+                    &p.target,
+                    Some(((ing.namespace, ing.name), &passthrough)),
+                );
             }
         }
     }
@@ -2020,12 +2101,14 @@ fn ingress_rows(slot: Slot, ingresses: Source<'_>, ours: &Ours<'_>) -> Value {
 /// A row per Ingress that carries ingress-nginx annotations: what is not applied of them.
 fn annotation_rows(slot: Slot, (store, ingresses): (&str, Source<'_>), ours: &Ours<'_>) -> Value {
     let ours = ours.of(ingresses);
+    let mains = canary_mains(&ours);
     let mut rows = Vec::new();
     for ing in &ours {
         let Some(found) = &ing.ingress.nginx else {
             continue;
         };
         let text = |message: &Option<String>| Value::from(message.as_deref().unwrap_or_default());
+        let first = rows.len();
         ing.extracts
             .rows_into(slot, std::iter::empty(), &mut rows, || {
                 vec![row([
@@ -2039,6 +2122,34 @@ fn annotation_rows(slot: Slot, (store, ingresses): (&str, Source<'_>), ours: &Ou
                     ("origin", origin(store, ing.namespace, ing.name)),
                 ])]
             });
+        // A canary's paths whose main route has a policy get its id (`main_policy`): the
+        // cached row is the Ingress's own, the join is made again on each build, and a row
+        // without such a path stays the very same value.
+        let Some(mains) = &mains else { continue };
+        let ids: Vec<Option<&str>> = ing
+            .ingress
+            .paths
+            .iter()
+            .map(|p| mains.policy_for(ing, p).map(|(_, (id, _))| id.as_str()))
+            .collect();
+        if ids.iter().all(Option::is_none) {
+            continue;
+        }
+        for annotation_row in rows.get_mut(first..).unwrap_or_default() {
+            let Some(canary) = attr(annotation_row, "canary").filter(|c| !c.is_none()) else {
+                continue;
+            };
+            let paths: Vec<Value> = list(canary, &["paths"])
+                .iter()
+                .zip(&ids)
+                .map(|(path_row, id)| match id {
+                    Some(id) => with_field(path_row, "main_policy", Value::from(*id)),
+                    None => path_row.clone(),
+                })
+                .collect();
+            let canary = with_field(canary, "paths", Value::from(paths));
+            *annotation_row = with_field(annotation_row, "canary", canary);
+        }
     }
     Value::from(rows)
 }
@@ -3101,6 +3212,77 @@ mod tests {
         // The Service loses the port the path names.
         service(&mut s, "web", json!([{"name": "http", "port": 80}]));
         assert_eq!(names(&s), ["ns_web_80"]);
+    }
+
+    #[test]
+    fn a_canary_behind_a_policy_gets_a_backend_with_the_main_routes_policy() {
+        let mut s = stores();
+        s.derive(
+            "routed",
+            Derivation::ServiceBackends {
+                services: "services".into(),
+                endpoint_slices: "endpointslices".into(),
+                routed_by: Some("ingresses".into()),
+                classes: None,
+            },
+        )
+        .unwrap();
+        s.derive(
+            "nginx",
+            Derivation::IngressAnnotations {
+                ingresses: "ingresses".into(),
+                classes: None,
+            },
+        )
+        .unwrap();
+        for name in ["web", "next"] {
+            service(&mut s, name, json!([{"name": "http", "port": 80}]));
+        }
+        let ingress = |name: &str, service: &str, annotations: Json| {
+            json!({"metadata": {"namespace": "ns", "name": name, "annotations": annotations,
+                    "creationTimestamp": "2026-01-01T00:00:00Z"},
+                   "spec": {"rules": [{"host": "shop.example.com", "http": {"paths": [
+                       {"path": "/", "pathType": "Prefix",
+                        "backend": {"service": {"name": service, "port": {"number": 80}}}}]}}]}})
+        };
+        let canary = json!({"nginx.ingress.kubernetes.io/canary": "true",
+                            "nginx.ingress.kubernetes.io/canary-weight": "10"});
+        apply(&mut s, "ingresses", ingress("canary", "next", canary));
+        apply(
+            &mut s,
+            "ingresses",
+            ingress(
+                "main",
+                "web",
+                json!({"nginx.ingress.kubernetes.io/whitelist-source-range": "10.0.0.0/8"}),
+            ),
+        );
+        let rows = derived(&s, "routed");
+        let names: Vec<&str> = rows
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["name"].as_str().unwrap())
+            .collect();
+        let id = names[1].strip_prefix("ns_web_80_nginx_").unwrap();
+        assert_eq!(names, [format!("ns_next_80_nginx_{id}").as_str(), names[1]]);
+        // The canary's backend has the main's policy and names the main Ingress.
+        assert_eq!(rows[0]["policy"], rows[1]["policy"]);
+        assert_eq!(rows[0]["origin"], json!(["ingresses", "ns", "main"]));
+        assert_eq!(rows[0]["service"], "next");
+        let canary_path = |s: &Stores| derived(s, "nginx")[0]["canary"]["paths"][0].clone();
+        assert_eq!(canary_path(&s)["main_policy"], id);
+        // The main loses its policy: both plain again.
+        apply(&mut s, "ingresses", ingress("main", "web", json!({})));
+        let rows = derived(&s, "routed");
+        let names: Vec<&str> = rows
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["ns_next_80", "ns_web_80"]);
+        assert_eq!(canary_path(&s)["main_policy"], Json::Null);
     }
 
     #[test]

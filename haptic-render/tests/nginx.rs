@@ -1138,8 +1138,7 @@ fn server_aliases_route_like_the_host() {
 
 /// canary: a canary Ingress claims no route (though older, it takes nothing from the main
 /// Ingress of the same host and path) and gets the main route's requests by header (always,
-/// never, a value, a pattern), then cookie, then weight, in ingress-nginx's precedence; never
-/// when the main route has rules of its own.
+/// never, a value, a pattern), then cookie, then weight, in ingress-nginx's precedence.
 #[test]
 fn canaries_by_header_cookie_and_weight() {
     let ports = (free_port(), free_port(), free_port());
@@ -1192,7 +1191,8 @@ fn canaries_by_header_cookie_and_weight() {
             ingress_to(&format!("m-{name}"), &host, "/", ("web", 80), &[]),
         );
     }
-    // A main route with an allow-list: its canary would skip it, so it gets nothing.
+    // A main route with an allow-list (it admits the client): its canary gets the requests,
+    // through the main's rules.
     apply(
         &mut s,
         "ingresses",
@@ -1264,14 +1264,124 @@ fn canaries_by_header_cookie_and_weight() {
     assert!(canary("hpat", "X-Version: v7\r\n"));
     assert!(canary("hpat", "X-Version: beta\r\n"));
     assert!(!canary("hpat", "X-Version: alpha\r\n"));
-    // The main route's own rules are never skipped.
-    assert!((0..20).all(|_| !canary("guarded", "")));
+    assert!((0..20).all(|_| canary("guarded", "")));
     // Neither Ingress is told of a conflict.
     assert!(
         f.events.iter().all(|e| e.reason != "RouteConflict"),
         "{:?}",
         f.events
     );
+}
+
+/// canary behind a main route with a policy (annotations that ask something of its requests):
+/// the canary's requests go to the canary's Service through the main Ingress's rules, as
+/// ingress-nginx applies the main's location config to them: the allow-list (a client it
+/// excludes gets 403 whichever Service would answer), the body size (413), basic
+/// authentication (401 without credentials). A main whose path is a regex, or of another
+/// namespace with a policy that reads Secrets (the canary's backend would read its own
+/// namespace's), never sends requests to the canary; one of another namespace without Secrets
+/// does.
+#[test]
+fn canaries_go_through_the_main_routes_rules() {
+    let ports = (free_port(), free_port(), free_port());
+    let _echo = echo_backends(ports.0, ports.1, ports.2);
+    let mut s = stores();
+    // The main Service answers from 127.0.0.1, the canaries' from 127.0.0.2.
+    service(&mut s, "a", "web", ports);
+    service_at(&mut s, "a", "next", ports, &["127.0.0.2"]);
+    service_at(&mut s, "b", "next", ports, &["127.0.0.2"]);
+    // bcrypt of "secret", in both namespaces: a canary of b must still not get a's main's.
+    let htpasswd = "alice:$2b$05$ERu7VgXqoHLTArkD/dYmMuZv5uAxu3YTSmWkbyjNItQuph9sdytmm\n";
+    for namespace in ["a", "b"] {
+        use base64::Engine as _;
+        apply(
+            &mut s,
+            "auth_secrets",
+            json!({"apiVersion": "v1", "kind": "Secret",
+                "metadata": {"namespace": namespace, "name": "users"},
+                "data": {"auth": base64::engine::general_purpose::STANDARD.encode(htpasswd)}}),
+        );
+    }
+    let by_weight = [("canary", "true"), ("canary-weight", "100")];
+    let by_header = [("canary", "true"), ("canary-by-header", "X-Canary")];
+    let limited = [("proxy-body-size", "1k")];
+    let auth = [("auth-type", "basic"), ("auth-secret", "users")];
+    type Annotations<'a> = &'a [(&'a str, &'a str)];
+    // (host, the main's annotations, the canary's, the canary's namespace)
+    let mains: [(&str, Annotations, Annotations, &str); 6] = [
+        (
+            "open",
+            &[
+                ("whitelist-source-range", "127.0.0.1/32"),
+                ("proxy-body-size", "1k"),
+            ],
+            &by_weight,
+            "a",
+        ),
+        (
+            "closed",
+            &[("whitelist-source-range", "10.0.0.0/8")],
+            &by_header,
+            "a",
+        ),
+        ("authed", &auth, &by_weight, "a"),
+        ("authed-elsewhere", &auth, &by_weight, "b"),
+        ("limited-elsewhere", &limited, &by_weight, "b"),
+        (
+            "regex",
+            &[("use-regex", "true"), ("proxy-body-size", "1k")],
+            &by_weight,
+            "a",
+        ),
+    ];
+    for (name, main, canary, namespace) in mains {
+        let host = format!("{name}.example.com");
+        let mut c = ingress_to(&format!("c-{name}"), &host, "/", ("next", 80), canary);
+        c["metadata"]["namespace"] = json!(namespace);
+        apply(&mut s, "ingresses", c);
+        apply(
+            &mut s,
+            "ingresses",
+            ingress_to(&format!("m-{name}"), &host, "/", ("web", 80), main),
+        );
+    }
+    let f = front(&s);
+    let send = |name: &str, headers: &str, size: usize| {
+        request(
+            f.http,
+            "POST",
+            &format!("{name}.example.com"),
+            "/some/path",
+            &format!("{headers}Content-Length: {size}\r\n"),
+            &"x".repeat(size),
+        )
+    };
+    let to = |name: &str, headers: &str, dst: &str| {
+        for _ in 0..10 {
+            let answer = send(name, headers, 10);
+            assert_eq!(answer.status, 200, "{name}: {answer:?}");
+            assert!(answer.body.ends_with(dst), "{name}: {}", answer.body);
+        }
+    };
+    // Allowed: every request goes to the canary, the main's body size applies.
+    to("open", "", "dst=127.0.0.2");
+    assert_eq!(send("open", "", 1024).status, 200);
+    assert_eq!(send("open", "", 1025).status, 413);
+    // Excluded by the main's allow-list: 403, to the canary or not.
+    assert_eq!(send("closed", "X-Canary: always\r\n", 10).status, 403);
+    assert_eq!(send("closed", "", 10).status, 403);
+    // The main's authentication: credentials needed on the canary too.
+    let alice = "Authorization: Basic YWxpY2U6c2VjcmV0\r\n";
+    to("authed", alice, "dst=127.0.0.2");
+    assert_eq!(send("authed", "", 10).status, 401);
+    // Another namespace: a policy without Secrets applies to its canary...
+    to("limited-elsewhere", "", "dst=127.0.0.2");
+    assert_eq!(send("limited-elsewhere", "", 1025).status, 413);
+    // ...one with Secrets, and a regex main route, keep their requests, their rules applied.
+    to("authed-elsewhere", alice, "dst=127.0.0.1");
+    assert_eq!(send("authed-elsewhere", "", 10).status, 401);
+    to("regex", "", "dst=127.0.0.1");
+    assert_eq!(send("regex", "", 1025).status, 413);
 }
 
 /// from-to-www-redirect: the www./bare twin of the Ingress's host is redirected to it (308, path

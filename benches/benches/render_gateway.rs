@@ -1,5 +1,6 @@
-//! The render at 1,000 and 10,000 HTTPRoutes (Gateway API, `fixtures::gateway_api`): a full
-//! render of the reference set, and the render after one HTTPRoute changed (what a watch event
+//! The render at 1,000 and 10,000 HTTPRoutes (Gateway API, `fixtures::gateway_api`): a render of
+//! the reference set with nothing changed (criterion's `full`: everything reused), the summary's
+//! full render with nothing reused, and the render after one HTTPRoute changed (what a watch event
 //! costs: the Gateway API view is derived again, the other views are kept).
 //!
 //! `cargo bench -p haptic-benches --bench render_gateway` runs criterion, then prints a summary
@@ -83,11 +84,19 @@ fn main() {
     criterion.final_summary();
 
     println!();
-    println!("| HTTPRoutes | full render (median) | after one HTTPRoute changed | haproxy.cfg |");
-    println!("| ---: | ---: | ---: | ---: |");
+    // A full render reuses nothing: a renderer with reuse off (what a new leader's first
+    // render costs). The criterion group's `full` renders with reuse on and nothing changed.
+    let no_reuse = Renderer::compile(&set)
+        .expect("reference set compiles")
+        .with_reuse(false);
+    println!(
+        "| HTTPRoutes | full render, nothing reused (median) | nothing changed (everything reused) | after one HTTPRoute changed | haproxy.cfg |"
+    );
+    println!("| ---: | ---: | ---: | ---: | ---: |");
     for (n, stores, first) in &cases {
         let files = renderer.render(stores).expect("renders");
         let cfg = files.get("haproxy.cfg").map_or(0, <[u8]>::len);
+        let fresh = median(5, || no_reuse.render(stores).expect("renders"));
         let full = median(9, || renderer.render(stores).expect("renders"));
         let mut round = 1_000;
         let runs = 9;
@@ -106,7 +115,8 @@ fn main() {
         }
         times.sort();
         println!(
-            "| {n} | {:.1} ms | {:.1} ms | {:.1} MB |",
+            "| {n} | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} MB |",
+            fresh.as_secs_f64() * 1e3,
             full.as_secs_f64() * 1e3,
             times[runs / 2].as_secs_f64() * 1e3,
             cfg as f64 / 1e6

@@ -137,6 +137,16 @@ fn put(out: &mut String, value: Option<&Value>) {
     }
 }
 
+/// `\n    <before><field><after>` when the field is truthy (the common shape of a rule).
+fn line(out: &mut String, field: Option<&Value>, before: &str, after: &str) {
+    if truthy(field) {
+        out.push_str("\n    ");
+        out.push_str(before);
+        put(out, field);
+        out.push_str(after);
+    }
+}
+
 /// A field's text, when it is a string.
 fn text(value: Option<&Value>) -> Option<&str> {
     value.and_then(Value::as_str)
@@ -213,16 +223,8 @@ fn head(out: &mut String, p: &Row<'_>) {
     if hashed {
         out.push_str("\n    hash-type consistent");
     }
-    if truthy(p.connect_timeout) {
-        out.push_str("\n    timeout connect ");
-        put(out, p.connect_timeout);
-        out.push('s');
-    }
-    if truthy(p.server_timeout) {
-        out.push_str("\n    timeout server ");
-        put(out, p.server_timeout);
-        out.push('s');
-    }
+    line(out, p.connect_timeout, "timeout connect ", "s");
+    line(out, p.server_timeout, "timeout server ", "s");
     if truthy(p.cookie) {
         out.push_str("\n    cookie ");
         put(out, p.cookie);
@@ -242,11 +244,12 @@ fn head(out: &mut String, p: &Row<'_>) {
     if truthy(p.force_ssl_redirect) {
         out.push_str("\n    http-request redirect scheme https code 308 if !{ ssl_fc }");
     }
-    if truthy(p.app_root) {
-        out.push_str("\n    http-request redirect location ");
-        put(out, p.app_root);
-        out.push_str(" code 302 if { path / }");
-    }
+    line(
+        out,
+        p.app_root,
+        "http-request redirect location ",
+        " code 302 if { path / }",
+    );
     if truthy(p.redirect) {
         out.push_str("\n    http-request redirect location \"");
         put(out, p.redirect);
@@ -292,16 +295,18 @@ fn access(out: &mut String, p: &Row<'_>, backend: &str) {
                 out.push_str(" }");
             }
         }
-        if truthy(p.limit_requests) {
-            out.push_str("\n    http-request deny deny_status 503 if { sc_http_req_rate(0) gt ");
-            put(out, p.limit_requests);
-            out.push_str(" }");
-        }
-        if truthy(p.limit_connections) {
-            out.push_str("\n    http-request deny deny_status 503 if { sc_conn_cur(0) gt ");
-            put(out, p.limit_connections);
-            out.push_str(" }");
-        }
+        line(
+            out,
+            p.limit_requests,
+            "http-request deny deny_status 503 if { sc_http_req_rate(0) gt ",
+            " }",
+        );
+        line(
+            out,
+            p.limit_connections,
+            "http-request deny deny_status 503 if { sc_conn_cur(0) gt ",
+            " }",
+        );
     }
     if truthy(p.auth_realm) {
         out.push_str("\n    http-request auth realm \"");
@@ -310,26 +315,25 @@ fn access(out: &mut String, p: &Row<'_>, backend: &str) {
         out.push_str(backend);
         out.push_str("_auth) }");
     }
-    if truthy(p.body_limit) {
-        out.push_str("\n    http-request deny status 413 if { req.hdr_val(content-length) gt ");
-        put(out, p.body_limit);
-        out.push_str(" }");
-    }
+    line(
+        out,
+        p.body_limit,
+        "http-request deny status 413 if { req.hdr_val(content-length) gt ",
+        " }",
+    );
     if truthy(p.rewrite_path) {
         out.push_str("\n    http-request replace-path (?i)^");
         put(out, p.rewrite_path);
         out.push(' ');
         put(out, p.rewrite_target);
     }
-    if truthy(p.upstream_vhost) {
-        out.push_str("\n    http-request set-header Host ");
-        put(out, p.upstream_vhost);
-    }
-    if truthy(p.forwarded_prefix) {
-        out.push_str("\n    http-request set-header X-Forwarded-Prefix \"");
-        put(out, p.forwarded_prefix);
-        out.push('"');
-    }
+    line(out, p.upstream_vhost, "http-request set-header Host ", "");
+    line(
+        out,
+        p.forwarded_prefix,
+        "http-request set-header X-Forwarded-Prefix \"",
+        "\"",
+    );
     if truthy(p.cors) {
         cors(out, p.cors);
     }
@@ -395,11 +399,12 @@ fn cors(out: &mut String, cors: Option<&Value>) {
     out.push_str("\n    http-response set-header Access-Control-Allow-Headers \"");
     put(out, headers);
     out.push_str("\" if cors_ok");
-    if truthy(expose) {
-        out.push_str("\n    http-response set-header Access-Control-Expose-Headers \"");
-        put(out, expose);
-        out.push_str("\" if cors_ok");
-    }
+    line(
+        out,
+        expose,
+        "http-response set-header Access-Control-Expose-Headers \"",
+        "\" if cors_ok",
+    );
     out.push_str("\n    http-response set-header Access-Control-Max-Age ");
     put(out, max_age);
     out.push_str(" if cors_ok");

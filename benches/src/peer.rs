@@ -277,6 +277,29 @@ fn register(env: &mut Environment<'static>) {
             Ok(Value::from_safe_string(lines))
         },
     );
+    env.add_filter(
+        "gateway_certificates",
+        |frontends: Value, kwargs: Kwargs| -> Result<Value> {
+            let https_port: Option<Value> = kwargs.get("https_port")?;
+            let shared: Option<bool> = kwargs.get("shared")?;
+            kwargs.assert_all_used()?;
+            let tera_value = |v: &Value| {
+                tera::Value::try_from_serializable(v)
+                    .map_err(|e| invalid(format!("gateway_certificates: {e}")))
+            };
+            let frontends = tera_value(&frontends)?;
+            let https_port = match &https_port {
+                Some(port) => tera_value(port)?,
+                None => tera::Value::none(),
+            };
+            let certificates = haptic_render::functions::gateway_certificates(
+                frontends.as_array().unwrap_or_default(),
+                &https_port,
+                shared.unwrap_or(false),
+            );
+            Ok(Value::from_serialize(&certificates))
+        },
+    );
     env.add_filter("trim_end", |s: &str, kwargs: Kwargs| -> Result<String> {
         let pat: Option<String> = kwargs.get("pat")?;
         kwargs.assert_all_used()?;

@@ -338,6 +338,36 @@ fn tera_error(e: impl std::fmt::Display) -> tera::Error {
     tera::Error::message(e.to_string())
 }
 
+/// The crt-list entries of the Gateway API's HTTPS frontends (`derived.gateway.frontends`):
+/// with `shared`, of the frontend on the Ingress frontend's HTTPS port (`https_port`), else of
+/// every other HTTPS port; their `certificates` in order, each once (a certificate of two
+/// ports is one line of a crt-list). The filter `gateway_certificates(https_port=, shared=)`.
+pub fn gateway_certificates(frontends: &[Value], https_port: &Value, shared: bool) -> Vec<Value> {
+    fn field<'a>(row: &'a Value, name: &str) -> Option<&'a Value> {
+        row.as_map()?
+            .iter()
+            .find_map(|(k, v)| (k.as_str() == Some(name)).then_some(v))
+    }
+    let mut seen = std::collections::HashSet::new();
+    let mut out = Vec::new();
+    for f in frontends {
+        let https = field(f, "https").is_some_and(Value::is_truthy);
+        let on_shared = field(f, "port").is_some_and(|p| p == https_port);
+        if !https || on_shared != shared {
+            continue;
+        }
+        for c in field(f, "certificates")
+            .and_then(Value::as_array)
+            .unwrap_or_default()
+        {
+            if seen.insert(key_text(c)) {
+                out.push(c.clone());
+            }
+        }
+    }
+    out
+}
+
 /// Looks `key` up in the per-store map held in the context variable `var`.
 fn store_lookup(
     state: &State,
@@ -499,6 +529,14 @@ pub(crate) fn register(tera: &mut Tera) {
     // that tests every row (the Events of the few route rows with a problem among 20,000).
     // The same rows list (a view that did not change) gives the very same list back, so a
     // `render_each` over it reuses it whole, as it would the view's own list.
+    tera.register_filter(
+        "gateway_certificates",
+        |frontends: &[Value], kwargs: Kwargs, _: &State| -> tera::TeraResult<Vec<Value>> {
+            let https_port: Value = kwargs.get("https_port")?.unwrap_or_else(Value::none);
+            let shared: bool = kwargs.get("shared")?.unwrap_or(false);
+            Ok(gateway_certificates(frontends, &https_port, shared))
+        },
+    );
     tera.register_filter(
         "where_any",
         |value: Value, kwargs: Kwargs, _: &State| -> tera::TeraResult<Value> {

@@ -1,5 +1,5 @@
 //! The render at 1,000 and 10,000 HTTPRoutes (Gateway API, `fixtures::gateway_api`): a render of
-//! the reference set with nothing changed (criterion's `full`: everything reused), the summary's
+//! the reference set with nothing changed (criterion's `nothing-changed`: everything reused), the summary's
 //! full render with nothing reused, and the render after one HTTPRoute changed (what a watch event
 //! costs: the Gateway API view is derived again, the other views are kept).
 //!
@@ -59,7 +59,7 @@ fn main() {
         .measurement_time(Duration::from_secs(3));
     let mut group = criterion.benchmark_group("render_gateway");
     for (n, stores, first) in &cases {
-        group.bench_with_input(BenchmarkId::new("full", n), stores, |b, stores| {
+        group.bench_with_input(BenchmarkId::new("nothing-changed", n), stores, |b, stores| {
             b.iter(|| renderer.render(stores).expect("renders"))
         });
         let mut round = 0;
@@ -85,7 +85,7 @@ fn main() {
 
     println!();
     // A full render reuses nothing: a renderer with reuse off (what a new leader's first
-    // render costs). The criterion group's `full` renders with reuse on and nothing changed.
+    // render costs). The criterion group's `nothing-changed` renders with reuse on.
     let no_reuse = Renderer::compile(&set)
         .expect("reference set compiles")
         .with_reuse(false);

@@ -59,9 +59,11 @@ fn main() {
         .measurement_time(Duration::from_secs(3));
     let mut group = criterion.benchmark_group("render_gateway");
     for (n, stores, first) in &cases {
-        group.bench_with_input(BenchmarkId::new("nothing-changed", n), stores, |b, stores| {
-            b.iter(|| renderer.render(stores).expect("renders"))
-        });
+        group.bench_with_input(
+            BenchmarkId::new("nothing-changed", n),
+            stores,
+            |b, stores| b.iter(|| renderer.render(stores).expect("renders")),
+        );
         let mut round = 0;
         group.bench_with_input(BenchmarkId::new("one-route-changed", n), n, |b, _| {
             b.iter_batched_ref(

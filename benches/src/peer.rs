@@ -336,6 +336,9 @@ fn register(env: &mut Environment<'static>) {
     env.add_function("set_status", |_: Kwargs| -> Result<String> {
         Ok(String::new())
     });
+    env.add_function("set_statuses", |_: Kwargs| -> Result<String> {
+        Ok(String::new())
+    });
     // Status values render nothing either; `pick` keeps the listed keys (as haptic-render's).
     env.add_filter("pick", |value: Value, kwargs: Kwargs| -> Result<Value> {
         let keys: Vec<String> = kwargs.get("keys")?;

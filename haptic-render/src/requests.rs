@@ -239,7 +239,7 @@ fn text(object: &Value, path: &str) -> Option<String> {
         .map(ToOwned::to_owned)
 }
 
-/// Registers `record_event` and `set_status`.
+/// Registers `record_event`, `set_status` and `set_statuses`.
 pub(crate) fn register(tera: &mut Tera) {
     tera.register_function(
         "record_event",
@@ -288,29 +288,7 @@ pub(crate) fn register(tera: &mut Tera) {
             let object: Value = kwargs.must_get("object")?;
             let field: String = kwargs.must_get("field")?;
             let value: Value = kwargs.must_get("value")?;
-            if field.is_empty() || field.contains('.') || field.contains('/') {
-                return Err(error(format!(
-                    "set_status: field must name one top-level field of status, not {field:?}"
-                )));
-            }
-            let (Some(api_version), Some(kind), Some(name)) = (
-                text(&object, "apiVersion"),
-                text(&object, "kind"),
-                text(&object, "metadata.name"),
-            ) else {
-                return Err(error(
-                    "set_status: the object needs apiVersion, kind and metadata.name (a watched object, as listed)",
-                ));
-            };
-            let value = crate::fragments::status_json(&value).map_err(error)?;
-            let request = StatusRequest {
-                api_version,
-                kind,
-                namespace: text(&object, "metadata.namespace"),
-                name,
-                field,
-                value,
-            };
+            let request = status_request("set_status", &object, field, &value)?;
             COLLECTED.with(|c| {
                 let (requests, index, _) = &mut *c.borrow_mut();
                 put_status(&mut requests.statuses, index, request);
@@ -318,6 +296,76 @@ pub(crate) fn register(tera: &mut Tera) {
             Ok(String::new())
         },
     );
+    tera.register_function(
+        "set_statuses",
+        |kwargs: Kwargs, _: &State| -> tera::TeraResult<String> {
+            let rows: Value = kwargs.must_get("rows")?;
+            let Some(rows) = rows.as_array() else {
+                return Err(error(format!(
+                    "set_statuses: `rows` must be a list of {{object, field, value}}, got {}",
+                    rows.name()
+                )));
+            };
+            let mut requests = Vec::with_capacity(rows.len());
+            for row in rows {
+                let get = |name: &str| {
+                    row.as_map().and_then(|m| {
+                        m.iter()
+                            .find_map(|(k, v)| (k.as_str() == Some(name)).then_some(v))
+                    })
+                };
+                let (Some(object), Some(field), Some(value)) =
+                    (get("object"), get("field"), get("value"))
+                else {
+                    return Err(error(
+                        "set_statuses: every row needs `object`, `field` and `value`",
+                    ));
+                };
+                let field = field.as_str().unwrap_or_default().to_owned();
+                requests.push(status_request("set_statuses", object, field, value)?);
+            }
+            COLLECTED.with(|c| {
+                let (collected, index, _) = &mut *c.borrow_mut();
+                for request in requests {
+                    put_status(&mut collected.statuses, index, request);
+                }
+            });
+            Ok(String::new())
+        },
+    );
+}
+
+/// The request `set_status(object=, field=, value=)` makes (`function` names the caller in
+/// errors).
+fn status_request(
+    function: &str,
+    object: &Value,
+    field: String,
+    value: &Value,
+) -> tera::TeraResult<StatusRequest> {
+    if field.is_empty() || field.contains('.') || field.contains('/') {
+        return Err(error(format!(
+            "{function}: field must name one top-level field of status, not {field:?}"
+        )));
+    }
+    let (Some(api_version), Some(kind), Some(name)) = (
+        text(object, "apiVersion"),
+        text(object, "kind"),
+        text(object, "metadata.name"),
+    ) else {
+        return Err(error(format!(
+            "{function}: the object needs apiVersion, kind and metadata.name (a watched object, as listed)"
+        )));
+    };
+    let value = crate::fragments::status_json(value).map_err(error)?;
+    Ok(StatusRequest {
+        api_version,
+        kind,
+        namespace: text(object, "metadata.namespace"),
+        name,
+        field,
+        value,
+    })
 }
 
 #[cfg(test)]
@@ -405,6 +453,40 @@ mod tests {
     }
 
     #[test]
+    fn set_statuses_asks_what_a_set_status_per_row_asks() {
+        let requests = |main: &str| {
+            let mut set = crate::TemplateSet {
+                haproxy_config: crate::Template::new(main),
+                ..crate::TemplateSet::default()
+            };
+            let object = |name: &str| json!({"apiVersion": "v1", "kind": "Service", "metadata": {"namespace": "a", "name": name}});
+            set.extra_context.insert(
+                "rows".into(),
+                json!([
+                    {"object": object("x"), "field": "loadBalancer", "value": {"ingress": [{"ip": "192.0.2.1"}]}},
+                    {"object": object("y"), "field": "conditions", "value": [{"type": "Ready"}]},
+                    {"object": object("x"), "field": "loadBalancer", "value": {"ingress": []}},
+                ]),
+            );
+            Renderer::compile(&set)
+                .unwrap()
+                .render_all(&crate::Stores::new())
+                .unwrap()
+                .1
+        };
+        let one_call = requests("{{ set_statuses(rows=rows) }}");
+        assert_eq!(
+            one_call,
+            requests(
+                "{% for r in rows %}{{ set_status(object=r.object, field=r.field, value=r.value) }}{% endfor %}"
+            )
+        );
+        // The last value of a field wins, in its first place.
+        assert_eq!(one_call.statuses.len(), 2);
+        assert_eq!(*one_call.statuses[0].value, json!({"ingress": []}));
+    }
+
+    #[test]
     fn bad_requests_are_render_errors_naming_the_function() {
         let compile = |main: &str| {
             let mut set = crate::TemplateSet {
@@ -428,6 +510,14 @@ mod tests {
             (
                 r#"{{ set_status(object=obj, field="a.b", value=1) }}"#,
                 "set_status: field",
+            ),
+            (
+                r#"{{ set_statuses(rows=[{"object": obj, "field": "ok"}]) }}"#,
+                "set_statuses: every row needs",
+            ),
+            (
+                r#"{{ set_statuses(rows=1) }}"#,
+                "set_statuses: `rows` must be a list",
             ),
         ] {
             let error = compile(template)

@@ -38,6 +38,8 @@ pub const ETCD_VERSION: &str = "v3.6.4";
 pub const ADMIN_USER: &str = "haptic-admin";
 /// How long [`RealApiServer::start`] waits for `/readyz`.
 const START_TIMEOUT: Duration = Duration::from_secs(90);
+/// How many times [`RealApiServer::start`] starts the servers when one exits early.
+const START_ATTEMPTS: u32 = 3;
 /// How long a drop waits for the supervisor to stop both servers before killing the group.
 const STOP_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -65,6 +67,17 @@ pub enum RealError {
     /// A certificate or key could not be generated.
     #[error("generating the fixture's certificates: {0}")]
     Certificate(#[source] rcgen::Error),
+    /// etcd or kube-apiserver exited before it was ready, on every attempt (the logs' tails
+    /// say why).
+    #[error("the real API server exited {after:?} after its start ({attempts} attempts): {detail}")]
+    Exited {
+        /// How long the last attempt ran.
+        after: Duration,
+        /// How many times a start was tried, each on fresh ports.
+        attempts: u32,
+        /// The last probe error and the servers' last log lines.
+        detail: String,
+    },
     /// The servers did not become ready in time (the logs' tails say why).
     #[error("the real API server was not ready within {timeout:?}: {detail}")]
     NotReady {
@@ -138,14 +151,27 @@ pub fn assets_dir() -> RealResult<PathBuf> {
 }
 
 /// A free TCP port on 127.0.0.1 (bound, then released: the servers bind it a moment later).
+/// A port nothing listens on now, never one this process handed out before: two servers
+/// starting at once in one test binary cannot be given the same port (controller-runtime's
+/// envtest keeps the same memory). Another process can still take it before etcd or
+/// kube-apiserver binds it; [`RealApiServer::start`] then starts again on fresh ports.
 fn free_port() -> RealResult<u16> {
-    let listener =
-        TcpListener::bind(("127.0.0.1", 0)).map_err(io("binding", Path::new("127.0.0.1:0")))?;
-    let port = listener
-        .local_addr()
-        .map_err(io("reading the address of", Path::new("127.0.0.1:0")))?
-        .port();
-    Ok(port)
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    loop {
+        let listener =
+            TcpListener::bind(("127.0.0.1", 0)).map_err(io("binding", Path::new("127.0.0.1:0")))?;
+        let port = listener
+            .local_addr()
+            .map_err(io("reading the address of", Path::new("127.0.0.1:0")))?
+            .port();
+        let mut given = GIVEN
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !given.contains(&port) {
+            given.push(port);
+            return Ok(port);
+        }
+    }
 }
 
 /// kube-apiserver v1.34 and etcd v3.6 on loopback, with RBAC, for tests.
@@ -181,8 +207,31 @@ impl RealApiServer {
         SHARED.get_or_try_init(Self::start).await
     }
 
-    /// Starts etcd and kube-apiserver and waits (bounded) until `/readyz` answers `ok`.
+    /// Starts etcd and kube-apiserver and waits (bounded) until `/readyz` answers `ok`. When
+    /// one of them exits first (a port another process took between [`free_port`] and the
+    /// bind is the usual reason), it starts again on fresh ports, [`START_ATTEMPTS`] times in
+    /// all; a server that runs but is not ready by the deadline is not retried.
     pub async fn start() -> RealResult<Self> {
+        let mut attempt = 1;
+        loop {
+            match Self::start_once().await {
+                Err(RealError::Exited { after, detail, .. }) if attempt < START_ATTEMPTS => {
+                    tracing::warn!(attempt, ?after, %detail, "real kube-apiserver exited early; starting again on fresh ports");
+                    attempt += 1;
+                }
+                Err(RealError::Exited { after, detail, .. }) => {
+                    return Err(RealError::Exited {
+                        after,
+                        attempts: attempt,
+                        detail,
+                    });
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn start_once() -> RealResult<Self> {
         let started = Instant::now();
         let assets = assets_dir()?;
         let dir = tempfile::Builder::new()
@@ -314,13 +363,13 @@ impl RealApiServer {
             startup: Duration::ZERO,
             dir,
         };
-        server.wait_ready().await?;
+        server.wait_ready(started).await?;
         server.startup = started.elapsed();
         tracing::info!(port, startup = ?server.startup, "real kube-apiserver ready");
         Ok(server)
     }
 
-    async fn wait_ready(&self) -> RealResult<()> {
+    async fn wait_ready(&self, started: Instant) -> RealResult<()> {
         let client = self.admin_client().await?;
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
@@ -333,14 +382,24 @@ impl RealApiServer {
                 },
                 Err(error) => error.to_string(),
             };
-            if Instant::now() >= deadline || self.exited() {
-                return Err(RealError::NotReady {
-                    timeout: START_TIMEOUT,
-                    detail: format!(
-                        "{last}\n--- kube-apiserver.log (tail)\n{}\n--- etcd.log (tail)\n{}",
-                        self.log_tail("kube-apiserver.log"),
-                        self.log_tail("etcd.log")
-                    ),
+            let exited = self.exited();
+            if Instant::now() >= deadline || exited {
+                let detail = format!(
+                    "{last}\n--- etcd.log (tail)\n{}\n--- kube-apiserver.log (tail)\n{}",
+                    self.log_tail("etcd.log"),
+                    self.log_tail("kube-apiserver.log"),
+                );
+                return Err(if exited {
+                    RealError::Exited {
+                        after: started.elapsed(),
+                        attempts: 1,
+                        detail,
+                    }
+                } else {
+                    RealError::NotReady {
+                        timeout: START_TIMEOUT,
+                        detail,
+                    }
                 });
             }
             tokio::time::sleep(Duration::from_millis(200)).await;

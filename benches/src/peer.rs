@@ -277,6 +277,14 @@ fn register(env: &mut Environment<'static>) {
             Ok(Value::from_safe_string(lines))
         },
     );
+    env.add_filter("gateway_action", |row: Value| -> Result<Value> {
+        let row = tera::Value::try_from_serializable(&row)
+            .map_err(|e| invalid(format!("gateway_action: {e}")))?;
+        let lines = haptic_render::gateway_action::action_lines(&row)
+            .ok_or_else(|| invalid("gateway_action: not an action row".to_owned()))?;
+        // The lines hold validated values: not escaped (tera writes them so).
+        Ok(Value::from_safe_string(lines))
+    });
     env.add_filter(
         "gateway_certificates",
         |frontends: Value, kwargs: Kwargs| -> Result<Value> {

@@ -46,6 +46,7 @@ pub mod fileset;
 pub mod fixtures;
 mod fragments;
 pub mod functions;
+pub mod gateway_action;
 pub mod nginx;
 pub mod nginx_rules;
 pub mod provenance;

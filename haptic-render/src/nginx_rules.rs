@@ -121,19 +121,43 @@ impl<'a> Row<'a> {
 }
 
 /// `{% if v %}`: whether a field is there and truthy.
-fn truthy(value: Option<&Value>) -> bool {
+pub(crate) fn truthy(value: Option<&Value>) -> bool {
     value.is_some_and(Value::is_truthy)
 }
 
 /// `{{ v }}`: a field as the engine writes it (nothing for a missing one).
-fn put(out: &mut String, value: Option<&Value>) {
+pub(crate) fn put(out: &mut String, value: Option<&Value>) {
     if let Some(value) = value {
-        match value.as_str() {
-            Some(text) => out.push_str(text),
-            None => {
-                let _ = write!(out, "{value}");
-            }
+        if let Some(text) = value.as_str() {
+            out.push_str(text);
+        } else if let Some(number) = value.as_i64() {
+            // Without the formatting machinery (a port, a length, a weight on every line).
+            push_integer(out, number);
+        } else {
+            let _ = write!(out, "{value}");
         }
+    }
+}
+
+/// `number` in decimal, as `{{ }}` writes an integer.
+pub(crate) fn push_integer(out: &mut String, number: i64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    let mut rest = number.unsigned_abs();
+    loop {
+        at -= 1;
+        // A digit: `rest % 10` is below 10.
+        digits[at] = b'0' + (rest % 10) as u8;
+        rest /= 10;
+        if rest == 0 {
+            break;
+        }
+    }
+    if number < 0 {
+        out.push('-');
+    }
+    for &digit in &digits[at..] {
+        out.push(char::from(digit));
     }
 }
 
@@ -456,4 +480,16 @@ pub(crate) fn register(tera: &mut Tera) {
             })
         },
     );
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn integers_are_written_as_the_engine_writes_them() {
+        for number in [0, 7, 10, -1, -10, 1_234_567, i64::MAX, i64::MIN] {
+            let mut out = String::from("x");
+            super::push_integer(&mut out, number);
+            assert_eq!(out, format!("x{}", tera::Value::from(number)));
+        }
+    }
 }

@@ -232,6 +232,7 @@ impl Renderer {
         provenance::register(&mut tera);
         crate::slots::register(&mut tera);
         crate::nginx_rules::register(&mut tera);
+        crate::gateway_action::register(&mut tera);
         fragments::register(&mut tera);
         // Each template gets a runner: it renders the template once per row of a list, for
         // `render_each` (one run of the engine for all the rows it cannot reuse).

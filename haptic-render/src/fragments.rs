@@ -1256,7 +1256,10 @@ mod tests {
         // Values made in a template, not read from JSON: undefined, big integers, bytes, and
         // maps with keys that are not strings.
         let mut map = tera::value::Map::new();
-        map.insert(tera::value::Key::U64(1), Value::from(u128::from(u64::MAX) + 1));
+        map.insert(
+            tera::value::Key::U64(1),
+            Value::from(u128::from(u64::MAX) + 1),
+        );
         map.insert(tera::value::Key::Bool(true), Value::bytes(vec![1u8, 2]));
         map.insert("1".into(), Value::from(-5i128));
         let odd = [
@@ -1269,7 +1272,11 @@ mod tests {
         ];
         for value in odd {
             let serde = serde_json::to_value(&value).map_err(|e| e.to_string());
-            assert_eq!(super::convert(&value).map(|j| (*j).clone()), serde, "{value}");
+            assert_eq!(
+                super::convert(&value).map(|j| (*j).clone()),
+                serde,
+                "{value}"
+            );
         }
         assert_eq!(*super::convert(&Value::undefined()).unwrap(), json!(null));
     }

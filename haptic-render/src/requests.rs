@@ -602,7 +602,11 @@ mod tests {
 
     #[test]
     fn a_second_render_reuses_the_requests_of_the_same_rows() {
-        let rows = json!([row("x", "192.0.2.1"), row("y", "192.0.2.2"), row("x", "192.0.2.3")]);
+        let rows = json!([
+            row("x", "192.0.2.1"),
+            row("y", "192.0.2.2"),
+            row("x", "192.0.2.3")
+        ]);
         let renderer = with_rows("{{ set_statuses(rows=rows) }}", rows);
         let stores = crate::Stores::new();
         let (_, first) = renderer.render_all(&stores).unwrap();

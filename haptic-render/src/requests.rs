@@ -78,8 +78,10 @@ pub struct Requests {
     /// a render are cloned and merged without copying a string.
     pub statuses: Vec<Arc<StatusRequest>>,
     /// The [`key_hash`] of each of `statuses`, in the same order, as they were put: merging
-    /// requests never hashes a string again. Trusted only while as long as `statuses` (a list
-    /// changed from outside, as the controller may, is hashed again).
+    /// requests never hashes a string again. Trusted only while it is as long as `statuses`:
+    /// a list grown or shrunk from outside is hashed again (a status replaced in place from
+    /// outside keeps the old hash, and a later request for its field is then not found but
+    /// added: replace none).
     hashes: Vec<u64>,
 }
 
@@ -330,11 +332,25 @@ fn error(e: impl std::fmt::Display) -> tera::Error {
     tera::Error::message(e.to_string())
 }
 
+/// The string at `path` (`metadata.name`) in `object`, if there is one there.
 fn text(object: &Value, path: &str) -> Option<String> {
-    object
-        .get_from_path(path)
-        .and_then(Value::as_str)
-        .map(ToOwned::to_owned)
+    let mut at = object;
+    for part in path.split('.') {
+        at = attr(at, part)?;
+    }
+    at.as_str().map(ToOwned::to_owned)
+}
+
+/// The field `name` of a map: a scan of a small map, as tera's own attribute look-up does (its
+/// path look-up hashes every part; a status is read from four paths of an object).
+fn attr<'v>(value: &'v Value, name: &'v str) -> Option<&'v Value> {
+    let map = value.as_map()?;
+    if map.len() <= 12 {
+        return map
+            .iter()
+            .find_map(|(k, v)| (k.as_str() == Some(name)).then_some(v));
+    }
+    map.get(&tera::value::Key::Str(name))
 }
 
 /// Registers `record_event`, `set_status` and `set_statuses`.

@@ -59,7 +59,7 @@ pub fn component(
     async move {
         // What this term wrote (or found already there), by field.
         let mut written: HashMap<Key, Arc<serde_json::Value>> = HashMap::new();
-        let mut declared: Vec<StatusRequest> = Vec::new();
+        let mut declared: Vec<Arc<StatusRequest>> = Vec::new();
         let mut retry_at: Option<tokio::time::Instant> = None;
         let mut backoff = BACKOFF_INITIAL;
         loop {
@@ -163,8 +163,8 @@ fn object(request: &StatusRequest) -> ObjectKey<'_> {
 /// The pending fields, one (the first) per object: each object is written once, with all of
 /// its declared fields.
 fn pending_objects(
-    pending: Vec<(StatusRequest, ApiResource)>,
-) -> Vec<(StatusRequest, ApiResource)> {
+    pending: Vec<(Arc<StatusRequest>, ApiResource)>,
+) -> Vec<(Arc<StatusRequest>, ApiResource)> {
     let mut seen = std::collections::HashSet::new();
     let mut out = Vec::new();
     for (request, ar) in pending {
@@ -185,9 +185,9 @@ fn pending_objects(
 /// the API resource to write it through. Fields already in place are recorded as written.
 async fn pending(
     cache: &StateCache,
-    declared: &[StatusRequest],
+    declared: &[Arc<StatusRequest>],
     written: &mut HashMap<Key, Arc<serde_json::Value>>,
-) -> Vec<(StatusRequest, ApiResource)> {
+) -> Vec<(Arc<StatusRequest>, ApiResource)> {
     let state = cache.read().await;
     let Some(config) = state.config.as_ref() else {
         return Vec::new();
@@ -232,7 +232,7 @@ async fn pending(
             written.insert(k, request.value.clone());
             continue;
         }
-        out.push((request.clone(), ar));
+        out.push((Arc::clone(request), ar));
     }
     out
 }

@@ -69,21 +69,49 @@ fn shared_json<S: serde::Serializer>(
 }
 
 /// Everything one render's templates asked for, in output order.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Clone, Default)]
 pub struct Requests {
     /// Events, each once.
     pub events: Vec<EventRequest>,
     /// Status fields; a later request for the same object and field replaces an earlier one.
-    pub statuses: Vec<StatusRequest>,
+    /// Shared: a status a view keeps from render to render is built once and the requests of
+    /// a render are cloned and merged without copying a string.
+    pub statuses: Vec<Arc<StatusRequest>>,
+    /// The [`key_hash`] of each of `statuses`, in the same order, as they were put: merging
+    /// requests never hashes a string again. Trusted only while it is as long as `statuses`:
+    /// a list grown or shrunk from outside is hashed again (a status replaced in place from
+    /// outside keeps the old hash, and a later request for its field is then not found but
+    /// added: replace none).
+    hashes: Vec<u64>,
+}
+
+impl std::fmt::Debug for Requests {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Requests")
+            .field("events", &self.events)
+            .field("statuses", &self.statuses)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PartialEq for Requests {
+    fn eq(&self, other: &Self) -> bool {
+        self.events == other.events && self.statuses == other.statuses
+    }
 }
 
 impl Requests {
     /// Appends `other`, keeping each event once and the last value of each status field.
-    pub(crate) fn extend(&mut self, other: Self) {
+    pub(crate) fn extend(&mut self, mut other: Self) {
+        // Most merges are into nothing yet (a job's requests into its render's): a move.
+        if self.is_empty() {
+            *self = other;
+            return;
+        }
         // By a set, not by a scan per event: a render may ask for an Event per object.
         if !other.events.is_empty() {
             let mut seen: EventSet = self.events.iter().cloned().collect();
-            for event in other.events {
+            for event in std::mem::take(&mut other.events) {
                 put_event(&mut self.events, &mut seen, event);
             }
         }
@@ -91,13 +119,15 @@ impl Requests {
             return;
         }
         // By key, not by a scan per status: a render declares one status per object (10,000
-        // HTTPRoutes: 10,000), and a scan each made the merge quadratic.
-        let mut index = StatusIndex::default();
-        for (place, status) in self.statuses.iter().enumerate() {
-            index.insert(index.hash(status), place);
+        // HTTPRoutes: 10,000), and a scan each made the merge quadratic. The index is of the
+        // hashes kept with the statuses: no string is hashed again.
+        self.rehash();
+        let mut index = StatusIndex::with_capacity(self.statuses.len() + other.statuses.len());
+        for (place, hash) in self.hashes.iter().enumerate() {
+            index.insert(*hash, place);
         }
-        for status in other.statuses {
-            put_status(&mut self.statuses, &mut index, status);
+        for (status, hash) in other.keyed() {
+            self.put_status(&mut index, Arc::clone(status), hash);
         }
     }
 
@@ -105,16 +135,82 @@ impl Requests {
     pub fn is_empty(&self) -> bool {
         self.events.is_empty() && self.statuses.is_empty()
     }
+
+    /// Makes `hashes` those of `statuses` again if `statuses` was changed from outside.
+    fn rehash(&mut self) {
+        if self.hashes.len() != self.statuses.len() {
+            self.hashes = self.statuses.iter().map(|s| key_hash(s)).collect();
+        }
+    }
+
+    /// Each of `statuses` with its hash: the one kept or, if `statuses` was changed from
+    /// outside, computed.
+    fn keyed(&self) -> impl Iterator<Item = (&Arc<StatusRequest>, u64)> {
+        let kept = self.hashes.len() == self.statuses.len();
+        self.statuses.iter().enumerate().map(move |(i, status)| {
+            let hash = if kept {
+                self.hashes[i]
+            } else {
+                key_hash(status)
+            };
+            (status, hash)
+        })
+    }
+
+    /// Adds `status` (whose [`key_hash`] is `hash`), replacing an earlier request for the same
+    /// field in its place; `index` is where each field is in `statuses`.
+    fn put_status(&mut self, index: &mut StatusIndex, status: Arc<StatusRequest>, hash: u64) {
+        match index.find(&self.statuses, &status, hash) {
+            Some(place) => {
+                self.statuses[place] = status;
+                self.hashes[place] = hash;
+            }
+            None => {
+                index.insert(hash, self.statuses.len());
+                self.statuses.push(status);
+                self.hashes.push(hash);
+            }
+        }
+    }
+}
+
+/// The keys of [`key_hash`], drawn once per process: the fields hashed are the cluster's to
+/// choose, and no one outside the process can aim for collisions without them.
+static KEYS: std::sync::LazyLock<std::hash::RandomState> =
+    std::sync::LazyLock::new(std::hash::RandomState::new);
+
+/// The hash of what identifies a status field: (apiVersion, kind, namespace, name, field).
+/// Computed once per request (a cached row's request keeps it from render to render).
+fn key_hash(s: &StatusRequest) -> u64 {
+    use std::hash::BuildHasher as _;
+    KEYS.hash_one((&s.api_version, &s.kind, &s.namespace, &s.name, &s.field))
+}
+
+/// A status request with its [`key_hash`]: what a `set_statuses` row gives, kept from render to
+/// render while the row is the same value.
+#[derive(Debug, Clone)]
+pub(crate) struct KeyedStatus {
+    pub(crate) request: Arc<StatusRequest>,
+    pub(crate) hash: u64,
+}
+
+impl KeyedStatus {
+    fn new(request: StatusRequest) -> Self {
+        let hash = key_hash(&request);
+        Self {
+            request: Arc::new(request),
+            hash,
+        }
+    }
 }
 
 /// Where each status field (apiVersion, kind, namespace, name, field) is in a list of status
-/// requests: by a hash of those fields, read in place (a key of five owned strings cost five
-/// allocations per status, and a render declares one per route).
+/// requests, by its [`key_hash`] (a key of five owned strings cost five allocations per
+/// status, and a render declares one per route).
 #[derive(Default)]
 struct StatusIndex {
-    /// The hash's keys, random per index (the fields are the cluster's to choose).
-    state: std::hash::RandomState,
-    /// The first place with each hash.
+    /// The first place with each hash (the hashes are keyed already: one multiplication
+    /// spreads them over the table).
     first: std::collections::HashMap<
         u64,
         usize,
@@ -125,10 +221,14 @@ struct StatusIndex {
 }
 
 impl StatusIndex {
-    fn hash(&self, s: &StatusRequest) -> u64 {
-        use std::hash::BuildHasher as _;
-        self.state
-            .hash_one((&s.api_version, &s.kind, &s.namespace, &s.name, &s.field))
+    fn with_capacity(capacity: usize) -> Self {
+        Self {
+            first: std::collections::HashMap::with_capacity_and_hasher(
+                capacity,
+                Default::default(),
+            ),
+            more: Default::default(),
+        }
     }
 
     fn same(a: &StatusRequest, b: &StatusRequest) -> bool {
@@ -140,7 +240,7 @@ impl StatusIndex {
     }
 
     /// The place of `s`'s field in `statuses`, if it is there.
-    fn find(&self, statuses: &[StatusRequest], s: &StatusRequest, hash: u64) -> Option<usize> {
+    fn find(&self, statuses: &[Arc<StatusRequest>], s: &StatusRequest, hash: u64) -> Option<usize> {
         let at = |i: &usize| statuses.get(*i).is_some_and(|t| Self::same(t, s));
         if let Some(i) = self.first.get(&hash).filter(|i| at(i)) {
             return Some(*i);
@@ -168,18 +268,6 @@ fn put_event(events: &mut Vec<EventRequest>, seen: &mut EventSet, event: EventRe
     if !seen.contains(&event) {
         seen.insert(event.clone());
         events.push(event);
-    }
-}
-
-/// Adds `status` to `statuses`, replacing an earlier request for the same field.
-fn put_status(statuses: &mut Vec<StatusRequest>, index: &mut StatusIndex, status: StatusRequest) {
-    let hash = index.hash(&status);
-    match index.find(statuses, &status, hash) {
-        Some(place) => statuses[place] = status,
-        None => {
-            index.insert(hash, statuses.len());
-            statuses.push(status);
-        }
     }
 }
 
@@ -212,18 +300,30 @@ pub(crate) fn take() -> Requests {
 }
 
 /// Adds requests made elsewhere (a reused fragment's), as if made here.
-pub(crate) fn replay(requests: Requests) {
+pub(crate) fn replay(requests: &Requests) {
     if requests.is_empty() {
         return;
     }
     COLLECTED.with(|c| {
         let (collected, index, seen) = &mut *c.borrow_mut();
         // Through this thread's set and index: a replay per reused row must not rebuild them.
-        for event in requests.events {
-            put_event(&mut collected.events, seen, event);
+        for event in &requests.events {
+            put_event(&mut collected.events, seen, event.clone());
         }
-        for status in requests.statuses {
-            put_status(&mut collected.statuses, index, status);
+        for (status, hash) in requests.keyed() {
+            collected.put_status(index, Arc::clone(status), hash);
+        }
+    });
+}
+
+/// Adds `statuses` to what this thread's template asked for, in order.
+fn put_statuses(statuses: impl ExactSizeIterator<Item = KeyedStatus>) {
+    COLLECTED.with(|c| {
+        let (collected, index, _) = &mut *c.borrow_mut();
+        collected.statuses.reserve(statuses.len());
+        collected.hashes.reserve(statuses.len());
+        for KeyedStatus { request, hash } in statuses {
+            collected.put_status(index, request, hash);
         }
     });
 }
@@ -232,11 +332,25 @@ fn error(e: impl std::fmt::Display) -> tera::Error {
     tera::Error::message(e.to_string())
 }
 
+/// The string at `path` (`metadata.name`) in `object`, if there is one there.
 fn text(object: &Value, path: &str) -> Option<String> {
-    object
-        .get_from_path(path)
-        .and_then(Value::as_str)
-        .map(ToOwned::to_owned)
+    let mut at = object;
+    for part in path.split('.') {
+        at = attr(at, part)?;
+    }
+    at.as_str().map(ToOwned::to_owned)
+}
+
+/// The field `name` of a map: a scan of a small map, as tera's own attribute look-up does (its
+/// path look-up hashes every part; a status is read from four paths of an object).
+fn attr<'v>(value: &'v Value, name: &'v str) -> Option<&'v Value> {
+    let map = value.as_map()?;
+    if map.len() <= 12 {
+        return map
+            .iter()
+            .find_map(|(k, v)| (k.as_str() == Some(name)).then_some(v));
+    }
+    map.get(&tera::value::Key::Str(name))
 }
 
 /// Registers `record_event`, `set_status` and `set_statuses`.
@@ -289,10 +403,7 @@ pub(crate) fn register(tera: &mut Tera) {
             let field: String = kwargs.must_get("field")?;
             let value: Value = kwargs.must_get("value")?;
             let request = status_request("set_status", &object, field, &value)?;
-            COLLECTED.with(|c| {
-                let (requests, index, _) = &mut *c.borrow_mut();
-                put_status(&mut requests.statuses, index, request);
-            });
+            put_statuses(std::iter::once(KeyedStatus::new(request)));
             Ok(String::new())
         },
     );
@@ -306,33 +417,31 @@ pub(crate) fn register(tera: &mut Tera) {
                     rows.name()
                 )));
             };
-            let mut requests = Vec::with_capacity(rows.len());
-            for row in rows {
-                let get = |name: &str| {
-                    row.as_map().and_then(|m| {
-                        m.iter()
-                            .find_map(|(k, v)| (k.as_str() == Some(name)).then_some(v))
-                    })
-                };
-                let (Some(object), Some(field), Some(value)) =
-                    (get("object"), get("field"), get("value"))
-                else {
-                    return Err(error(
-                        "set_statuses: every row needs `object`, `field` and `value`",
-                    ));
-                };
-                let field = field.as_str().unwrap_or_default().to_owned();
-                requests.push(status_request("set_statuses", object, field, value)?);
-            }
-            COLLECTED.with(|c| {
-                let (collected, index, _) = &mut *c.borrow_mut();
-                for request in requests {
-                    put_status(&mut collected.statuses, index, request);
-                }
-            });
+            // A row the last render passed too (the same value: a view keeps the row of an
+            // unchanged object) asks what it asked then: its request is not built again.
+            let requests = crate::fragments::status_rows(rows, status_row)?;
+            put_statuses(requests.into_iter());
             Ok(String::new())
         },
     );
+}
+
+/// The request one `set_statuses` row `{object, field, value}` makes.
+fn status_row(row: &Value) -> tera::TeraResult<KeyedStatus> {
+    let get = |name: &str| {
+        row.as_map().and_then(|m| {
+            m.iter()
+                .find_map(|(k, v)| (k.as_str() == Some(name)).then_some(v))
+        })
+    };
+    let (Some(object), Some(field), Some(value)) = (get("object"), get("field"), get("value"))
+    else {
+        return Err(error(
+            "set_statuses: every row needs `object`, `field` and `value`",
+        ));
+    };
+    let field = field.as_str().unwrap_or_default().to_owned();
+    status_request("set_statuses", object, field, value).map(KeyedStatus::new)
 }
 
 /// The request `set_status(object=, field=, value=)` makes (`function` names the caller in
@@ -371,7 +480,10 @@ fn status_request(
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    use std::sync::Arc;
+
     use serde_json::json;
+    use tera::Value;
 
     use crate::{Renderer, reference};
 
@@ -484,6 +596,113 @@ mod tests {
         // The last value of a field wins, in its first place.
         assert_eq!(one_call.statuses.len(), 2);
         assert_eq!(*one_call.statuses[0].value, json!({"ingress": []}));
+    }
+
+    /// A renderer whose main template is `main`, with `rows` in its extra context.
+    fn with_rows(main: &str, rows: serde_json::Value) -> Renderer {
+        let mut set = crate::TemplateSet {
+            haproxy_config: crate::Template::new(main),
+            ..crate::TemplateSet::default()
+        };
+        set.extra_context.insert("rows".into(), rows);
+        Renderer::compile(&set).unwrap()
+    }
+
+    fn service(name: &str) -> serde_json::Value {
+        json!({"apiVersion": "v1", "kind": "Service", "metadata": {"namespace": "a", "name": name}})
+    }
+
+    fn row(name: &str, ip: &str) -> serde_json::Value {
+        json!({"object": service(name), "field": "loadBalancer", "value": {"ingress": [{"ip": ip}]}})
+    }
+
+    #[test]
+    fn a_second_render_reuses_the_requests_of_the_same_rows() {
+        let rows = json!([
+            row("x", "192.0.2.1"),
+            row("y", "192.0.2.2"),
+            row("x", "192.0.2.3")
+        ]);
+        let renderer = with_rows("{{ set_statuses(rows=rows) }}", rows);
+        let stores = crate::Stores::new();
+        let (_, first) = renderer.render_all(&stores).unwrap();
+        let (_, second) = renderer.render_all(&stores).unwrap();
+        assert_eq!(first, second);
+        assert_eq!(second.statuses.len(), 2);
+        assert_eq!(
+            *second.statuses[0].value,
+            json!({"ingress": [{"ip": "192.0.2.3"}]})
+        );
+        // Not built again: the very requests of the first render.
+        for (a, b) in first.statuses.iter().zip(&second.statuses) {
+            assert!(Arc::ptr_eq(a, b), "{b:?} was built again");
+        }
+    }
+
+    #[test]
+    fn a_changed_row_asks_for_its_new_value() {
+        let fragments = crate::fragments::Fragments::default();
+        let value = |v: serde_json::Value| Value::from_serializable(&v);
+        let (x, y) = (value(row("x", "192.0.2.1")), value(row("y", "192.0.2.2")));
+        let epoch = fragments.begin();
+        let first = fragments
+            .status_rows(&[x.clone(), y.clone()], epoch, super::status_row)
+            .unwrap();
+        fragments.end(epoch);
+        // y changed: a new value, where x is the same one.
+        let y = value(row("y", "192.0.2.9"));
+        let epoch = fragments.begin();
+        let second = fragments
+            .status_rows(&[x.clone(), y.clone()], epoch, super::status_row)
+            .unwrap();
+        fragments.end(epoch);
+        assert!(Arc::ptr_eq(&first[0].request, &second[0].request));
+        assert_eq!(second[1].request.name, "y");
+        assert_eq!(
+            *second[1].request.value,
+            json!({"ingress": [{"ip": "192.0.2.9"}]})
+        );
+        assert_eq!(first[1].hash, second[1].hash, "the same field");
+        // A bad row is an error whether or not the good ones were seen before.
+        let bad = value(json!({"object": service("z"), "field": "a.b", "value": 1}));
+        let epoch = fragments.begin();
+        let error = fragments
+            .status_rows(&[x, bad], epoch, super::status_row)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("set_statuses: field must name"), "{error}");
+    }
+
+    #[test]
+    fn merging_keeps_each_field_once_in_its_first_place() {
+        let renderer = with_rows(
+            "{{ set_statuses(rows=rows) }}",
+            json!([row("x", "192.0.2.1"), row("y", "192.0.2.2")]),
+        );
+        let (_, mut asked) = renderer.render_all(&crate::Stores::new()).unwrap();
+        let later = with_rows(
+            "{{ set_statuses(rows=rows) }}",
+            json!([row("z", "192.0.2.5"), row("x", "192.0.2.3")]),
+        );
+        let (_, mut more) = later.render_all(&crate::Stores::new()).unwrap();
+        // Lists changed from outside (the controller may) are hashed again.
+        let outside = Arc::new(super::StatusRequest {
+            name: "w".into(),
+            ..(*more.statuses[0]).clone()
+        });
+        more.statuses.push(Arc::clone(&outside));
+        asked.statuses.push(outside);
+        asked.extend(more);
+        let names: Vec<&str> = asked.statuses.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["x", "y", "w", "z"]);
+        assert_eq!(
+            *asked.statuses[0].value,
+            json!({"ingress": [{"ip": "192.0.2.3"}]})
+        );
+        // Into nothing: the same requests.
+        let mut empty = super::Requests::default();
+        empty.extend(asked.clone());
+        assert_eq!(empty, asked);
     }
 
     #[test]

@@ -219,7 +219,7 @@ fn to(backend: &str) -> Json {
 /// for HTTP on a free port (all namespaces), and the statuses asked for.
 struct Front {
     port: u16,
-    statuses: Vec<StatusRequest>,
+    statuses: Vec<std::sync::Arc<StatusRequest>>,
     events: Vec<EventRequest>,
     _running: Running,
 }

@@ -9,6 +9,8 @@
 //! the config policy or `haproxy -c` (so the change of every other tenant would be held) is
 //! denied, by the checks every resource of ours goes through.
 
+use std::sync::Arc;
+
 use haptic_render::StatusRequest;
 use serde_json::Value as Json;
 
@@ -49,7 +51,11 @@ fn unhealthy(conditions: &Json) -> Vec<String> {
 
 /// The warnings for the reviewed object: each unhealthy condition the render declares for it,
 /// naming the object and where (a listener, a parent). None for a removal.
-pub(super) fn warnings(what: &str, key: &ObjectKey, statuses: &[StatusRequest]) -> Vec<String> {
+pub(super) fn warnings(
+    what: &str,
+    key: &ObjectKey,
+    statuses: &[Arc<StatusRequest>],
+) -> Vec<String> {
     let (kind, namespace, name, deleted) = key;
     if *deleted {
         return Vec::new();
@@ -100,15 +106,15 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn status(kind: &str, field: &str, value: Json) -> StatusRequest {
-        StatusRequest {
+    fn status(kind: &str, field: &str, value: Json) -> Arc<StatusRequest> {
+        Arc::new(StatusRequest {
             api_version: format!("{GROUP}/v1"),
             kind: kind.to_owned(),
             namespace: Some("shop".to_owned()),
             name: "web".to_owned(),
             field: field.to_owned(),
             value: value.into(),
-        }
+        })
     }
 
     fn cond(kind: &str, status: &str, reason: &str) -> Json {

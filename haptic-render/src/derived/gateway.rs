@@ -1065,14 +1065,12 @@ pub(super) fn resolve(
             out
         })
         .collect();
-    let mut backends: BTreeMap<String, Arc<Json>> = BTreeMap::new();
+    // The backends by name, the first row of each name (a stable sort of a list the routes'
+    // store order mostly sorts already, then one of each: no tree walked per backend).
+    let mut named: Vec<(&String, &Arc<Json>)> = Vec::new();
     for out in &outs {
         refusals.extend(out.refusals.iter().cloned());
-        for (backend, row) in &out.backends {
-            if !backends.contains_key(backend) {
-                backends.insert(backend.clone(), Arc::clone(row));
-            }
-        }
+        named.extend(out.backends.iter().map(|(name, row)| (name, row)));
         statuses.extend(out.status.iter().cloned());
         for &(gi, li) in &out.attached {
             if let Some(l) = gateways.get_mut(gi).and_then(|g| g.listeners.get_mut(li)) {
@@ -1080,6 +1078,13 @@ pub(super) fn resolve(
             }
         }
     }
+
+    named.sort_by(|a, b| a.0.cmp(b.0));
+    named.dedup_by(|later, first| later.0 == first.0);
+    let backends: BTreeMap<String, Arc<Json>> = named
+        .into_iter()
+        .map(|(name, row)| (name.clone(), Arc::clone(row)))
+        .collect();
 
     // Gateway status.
     for g in &gateways {
@@ -1215,20 +1220,25 @@ pub(super) fn resolve(
 
     // Frontends: the matches of each port in the spec's precedence (a stable sort: among
     // equals, the order they were made in), with the actions they use.
-    let mut by_port: BTreeMap<i64, (Vec<&RouteMatch>, BTreeMap<&str, &Value>)> = BTreeMap::new();
+    type PortRows<'a> = (Vec<&'a RouteMatch>, Vec<(&'a str, &'a Value)>);
+    let mut by_port: BTreeMap<i64, PortRows<'_>> = BTreeMap::new();
     for out in &outs {
         for m in &out.matches {
             by_port.entry(m.port).or_default().0.push(m);
         }
         for (port, id, row) in &out.actions {
-            // The same route and rule through another listener of the port: the same lines.
-            by_port.entry(*port).or_default().1.entry(id).or_insert(row);
+            by_port.entry(*port).or_default().1.push((id, row));
         }
     }
     let mut frontends: Vec<Frontend> = Vec::new();
     for (&port, &https) in &context.frontend_ports {
-        let (mut rows, actions) = by_port.remove(&port).unwrap_or_default();
-        rows.sort_by(|a, b| a.row.order(&b.row));
+        let (rows, mut actions) = by_port.remove(&port).unwrap_or_default();
+        let rows = sorted(rows);
+        // The actions by id (the routes come in store order, which their ids mostly keep: a
+        // sort of an almost sorted list compares little), each once: the same route and rule
+        // through another listener of the port has the same lines (the first is kept).
+        actions.sort_by(|a, b| a.0.cmp(b.0));
+        actions.dedup_by(|later, first| later.0 == first.0);
         let hosts = context
             .listener_hosts
             .get(&port)
@@ -1246,8 +1256,11 @@ pub(super) fn resolve(
                 ])
             })
             .collect();
-        let index: HashMap<&str, usize> =
-            actions.keys().enumerate().map(|(i, id)| (*id, i)).collect();
+        let index: HashMap<&str, usize> = actions
+            .iter()
+            .enumerate()
+            .map(|(i, (id, _))| (*id, i))
+            .collect();
         frontends.push(Frontend {
             port,
             https,
@@ -1262,7 +1275,7 @@ pub(super) fn resolve(
                 })
                 .collect(),
             matches: rows.iter().map(|m| Arc::clone(&m.front)).collect(),
-            actions: actions.into_values().cloned().collect(),
+            actions: actions.into_iter().map(|(_, row)| row.clone()).collect(),
             listeners: Value::from(listeners),
             // What the listeners' hostnames cover, as conditions on a TLS ClientHello's SNI:
             // an Ingress's ssl-passthrough does not take a host a Gateway's HTTPS listener on
@@ -1310,6 +1323,28 @@ pub(super) fn resolve(
     };
     resolved.plain = resolved.value(None, Vec::new());
     resolved
+}
+
+/// `rows` in the spec's order ([`MatchRow::order`]; a stable sort: among equals, the order
+/// they were made in). The sort moves and compares keys held side by side (the rank, the
+/// creationTimestamp's digits, the place), not pointers to matches spread over the heap:
+/// sorting 20,000 matches through pointers was mostly waiting for memory. Only keys that tie
+/// (or a timestamp of another form) compare the matches themselves.
+fn sorted(rows: Vec<&RouteMatch>) -> Vec<&RouteMatch> {
+    let mut keys: Vec<(u128, Option<u64>, usize)> = rows
+        .iter()
+        .enumerate()
+        .map(|(i, m)| (m.row.rank, m.row.created, i))
+        .collect();
+    keys.sort_by(|a, b| {
+        a.0.cmp(&b.0)
+            .then_with(|| match (a.1, b.1) {
+                (Some(x), Some(y)) => x.cmp(&y),
+                _ => std::cmp::Ordering::Equal,
+            })
+            .then_with(|| rows[a.2].row.order(&rows[b.2].row))
+    });
+    keys.into_iter().map(|(_, _, i)| rows[i]).collect()
 }
 
 /// The backend rows of `backends` (by name), with the endpoints of their Services'

@@ -680,7 +680,7 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
                 if !all_fresh {
                     site.bytes.extend_from_slice(bytes);
                 }
-                for (offset, value) in out.marks {
+                for (offset, value) in out.first.into_iter().chain(out.marks) {
                     site.marks
                         .push((place, offset.saturating_sub(batch_start), value));
                 }
@@ -754,6 +754,9 @@ fn note_enclosing<'a>(reads: impl Iterator<Item = &'a Read>, refused: bool) {
 struct RowOut {
     /// Where the row's bytes end in the run's output.
     end: usize,
+    /// The row's own mark (`from`: its object, at its start), before `marks`: apart, so
+    /// that marking a row allocates nothing.
+    first: Option<(usize, Value)>,
     /// Marks, at offsets in the run's output.
     marks: Vec<(usize, Value)>,
     requests: Requests,
@@ -851,6 +854,7 @@ fn row_end(_: Kwargs, _: &State) -> tera::TeraResult<String> {
         if let Some(run) = ends.borrow_mut().last_mut() {
             run.push(RowOut {
                 end,
+                first: None,
                 marks,
                 requests,
                 reads: frame.reads,
@@ -886,7 +890,7 @@ fn render_rows(
         // Each row's mark at its start, before the marks its snippet made.
         let mut start = 0;
         for (object, out) in objects.into_iter().zip(&mut outs) {
-            out.marks.insert(0, (start, object));
+            out.first = Some((start, object));
             start = out.end;
         }
     }
@@ -924,6 +928,7 @@ fn render_rows_unmarked(
             rendered.map_err(|e| error(format!("render_each: {}", describe(&e, template))))?;
             outs.push(RowOut {
                 end: bytes.len(),
+                first: None,
                 marks,
                 requests,
                 reads: frame.reads,
@@ -981,7 +986,7 @@ fn render_rows_unmarked(
         bytes.extend_from_slice(&part);
         outs.extend(part_outs.into_iter().map(|mut out| {
             out.end += start;
-            for (offset, _) in &mut out.marks {
+            for (offset, _) in out.first.iter_mut().chain(&mut out.marks) {
                 *offset += start;
             }
             out

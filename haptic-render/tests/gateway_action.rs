@@ -2,8 +2,9 @@
 //! test per field of the action row (`tests/raw-templates/gateway-action.tera`, the snippet
 //! before the filter): the same `haproxy.cfg`, byte for byte, for HTTPRoutes with any mix of
 //! header modifiers, URL rewrites, redirects (full path, replaced prefix, scheme, host, port,
-//! code) and backend shares (one, several, weight 0, a Service that does not exist, all weights
-//! 0, none).
+//! code), backend shares (one, several, weight 0, a Service that does not exist, all weights
+//! 0, none) and matches of one line or of more terms than a line holds, in a frontend of the
+//! Gateway's own and in the Ingress frontend whose port a listener shares.
 
 #![allow(clippy::unwrap_used)]
 
@@ -85,12 +86,15 @@ fn backends(i: usize, web: &str, other: &str) -> Json {
 }
 const BACKENDS: usize = 7;
 
-/// A rule with a header match (so that it stays in haproxy.cfg, its action rendered by the
-/// snippet) and the filters and backends chosen.
+/// A rule with header matches (so that it stays in haproxy.cfg, its match and action rendered
+/// by the snippets: one header, or nine, more terms than a line holds) and the filters and
+/// backends chosen.
 fn rule(filter: usize, backend: usize, web: &str, other: &str) -> Json {
+    let headers: Vec<Json> = (0..if (filter + backend) % 2 == 0 { 1 } else { 9 })
+        .map(|i| json!({"name": format!("x-case-{i}"), "value": "1"}))
+        .collect();
     json!({
-        "matches": [{"path": {"type": "PathPrefix", "value": "/p"},
-                     "headers": [{"name": "x-case", "value": "1"}]}],
+        "matches": [{"path": {"type": "PathPrefix", "value": "/p"}, "headers": headers}],
         "filters": filters(filter),
         "backendRefs": backends(backend, web, other),
     })
@@ -102,6 +106,15 @@ fn render(renderer: &Renderer, cases: &[Vec<(usize, usize)>]) -> String {
     let mut stores = reference::stores().unwrap();
     let mut i = 0;
     for (store, mut resource) in fixtures::gateway_api(cases.len().max(2)) {
+        if store == "gateways" {
+            // A second listener on the Ingress frontend's port (80): the routes' lines there
+            // also require `{ dst_port 80 }` (the snippets' `args`).
+            resource["spec"]["listeners"]
+                .as_array_mut()
+                .unwrap()
+                .push(json!({"name": "shared", "port": 80, "protocol": "HTTP",
+                             "allowedRoutes": {"namespaces": {"from": "All"}}}));
+        }
         if store == "httproutes" {
             let Some(case) = cases.get(i) else { continue };
             i += 1;
@@ -149,6 +162,11 @@ fn every_filter_and_backend_choice_renders_the_same_with_the_filter() {
         "http-request set-var(txn.gwshare) rand(100)",
         "{ var(txn.gwshare) -m int lt 90 }",
         "use_backend gateway-500 if { var(txn.gwm) -m str ",
+        "http-request set-var(txn.gwc) bool(1) if !{ var(txn.gwm) -m found } { dst_port 80 }",
+        "http-request unset-var(txn.gwc) if !{ req.hdr(x-case-",
+        "if { var(txn.gwc) -m found }\n    http-request unset-var(txn.gwc)",
+        "if !{ var(txn.gwm) -m found } { dst_port 80 } { var(txn.gwhost) -m str ",
+        ") if !{ var(txn.gwm) -m found } { var(txn.gwhost) -m str ",
     ] {
         assert!(with_filter.contains(line), "no {line:?} in:\n{with_filter}");
     }

@@ -90,7 +90,11 @@ const BACKENDS: usize = 7;
 /// by the snippets: one header, or nine, more terms than a line holds) and the filters and
 /// backends chosen.
 fn rule(filter: usize, backend: usize, web: &str, other: &str) -> Json {
-    let headers: Vec<Json> = (0..if (filter + backend) % 2 == 0 { 1 } else { 9 })
+    let headers: Vec<Json> = (0..if (filter + backend).is_multiple_of(2) {
+        1
+    } else {
+        9
+    })
         .map(|i| json!({"name": format!("x-case-{i}"), "value": "1"}))
         .collect();
     json!({

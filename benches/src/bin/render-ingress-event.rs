@@ -1,0 +1,101 @@
+//! What one watch event costs at scale, on one thread: `render-ingress-event [INGRESSES]
+//! [STORE] [RUNS]` loads `fixtures::generate(INGRESSES)`, renders once (the views built), then
+//! RUNS times changes STORE's middle resource (`ingresses`, `services`, `endpointslices` or
+//! `secrets`: a label, and for an EndpointSlice its first endpoint's readiness, as the
+//! `render_event` bench changes them), back and forth, and renders. It prints the median wall
+//! clock, this thread's CPU time and the views' refresh, and the checksum of the last changed
+//! set (a change that should give the same bytes must print the same one).
+//!
+//! The render runs in `changed_render`, never inlined: under
+//! `valgrind --tool=callgrind --toggle-collect='*changed_render*'` the instruction count is
+//! the events' alone (the load and the first render left out), steady whatever the load.
+
+use std::time::{Duration, Instant};
+
+use haptic_render::{Renderer, Stores, fixtures, reference};
+use serde_json::Value as Json;
+
+#[inline(never)]
+fn changed_render(
+    renderer: &Renderer,
+    stores: &Stores,
+) -> Result<String, Box<dyn std::error::Error>> {
+    Ok(renderer.render(stores)?.checksum_hex())
+}
+
+fn thread_cpu() -> Option<Duration> {
+    let text = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    let nanos: u64 = text.split_whitespace().next()?.parse().ok()?;
+    Some(Duration::from_nanos(nanos))
+}
+
+/// The other version of `resource`: a label, and an EndpointSlice's first endpoint's readiness.
+fn changed(store: &str, resource: &Json) -> Json {
+    let mut other = resource.clone();
+    other["metadata"]["labels"]["haptic-bench"] = Json::from("changed");
+    if store == "endpointslices"
+        && let Some(endpoint) = other["endpoints"].get_mut(0)
+    {
+        let ready = endpoint["conditions"]["ready"].as_bool().unwrap_or(true);
+        endpoint["conditions"]["ready"] = Json::from(!ready);
+    }
+    other
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let n: usize = match args.next() {
+        Some(arg) => arg.parse()?,
+        None => 10_000,
+    };
+    let store = args.next().unwrap_or_else(|| "ingresses".to_owned());
+    let runs: usize = match args.next() {
+        Some(arg) => arg.parse()?,
+        None => 5,
+    };
+    let renderer = Renderer::compile(&reference::template_set())?.with_threads(1);
+    let fixture = fixtures::generate(n);
+    let mut stores = reference::stores()?;
+    fixture.load(&mut stores)?;
+    println!("checksum {}", renderer.render(&stores)?.checksum_hex());
+    let middle = n / 2;
+    let resource = match store.as_str() {
+        "ingresses" => fixture.ingresses.get(middle),
+        "services" => fixture.services.get(middle),
+        "endpointslices" => fixture.endpoint_slices.get(middle),
+        "secrets" => fixture.secrets.get(middle / 4),
+        other => return Err(format!("no such store: {other}").into()),
+    }
+    .ok_or("the fixture has no such resource")?;
+    let versions = [changed(&store, resource), resource.clone()];
+    let (mut wall, mut cpu, mut refresh) = (Vec::new(), Vec::new(), Vec::new());
+    let mut last = String::new();
+    for round in 0..runs.max(1) {
+        stores
+            .get_mut(&store)
+            .ok_or_else(|| format!("no store {store}"))?
+            .apply(&versions[round % 2])?;
+        let (started, on_cpu) = (Instant::now(), thread_cpu());
+        last = changed_render(&renderer, &stores)?;
+        wall.push(started.elapsed());
+        if let (Some(before), Some(after)) = (on_cpu, thread_cpu()) {
+            cpu.push(after.saturating_sub(before));
+        }
+        refresh.push(renderer.last_timings().refresh);
+    }
+    println!("checksum after the last change {last}");
+    let median = |mut times: Vec<Duration>| {
+        times.sort();
+        times
+            .get(times.len() / 2)
+            .map_or(0.0, |t| t.as_secs_f64() * 1e3)
+    };
+    println!(
+        "{n} Ingresses, one of {store} changed, median of {}: {:.1} ms wall, {:.1} ms on this thread's CPU, refresh {:.1} ms",
+        wall.len(),
+        median(wall),
+        median(cpu),
+        median(refresh)
+    );
+    Ok(())
+}

@@ -5,35 +5,14 @@
 //!
 //! `cargo bench -p haptic-benches --bench render_event` (`-- <n>` for another size).
 
+use haptic_benches::measure::{changed, middle};
 use std::time::Duration;
 
 use haptic_render::fixtures;
 use haptic_render::{Change, Renderer, Stores, Timings, reference};
-use serde_json::Value as Json;
 
 fn ms(time: Duration) -> f64 {
     time.as_secs_f64() * 1e3
-}
-
-/// The other version of `resource`: a label added (a change every view sees as a new
-/// version, though no rendered line depends on it) and, with `visible`, one that changes what
-/// is rendered: an Ingress path's host, a Service port's name... kept simple here: an
-/// EndpointSlice's first endpoint flips its readiness.
-fn changed(store: &str, resource: &Json) -> Json {
-    let mut other = resource.clone();
-    other["metadata"]["labels"]["haptic-bench"] = Json::from("changed");
-    if store == "endpointslices"
-        && let Some(endpoint) = other["endpoints"].get_mut(0)
-    {
-        let ready = endpoint["conditions"]["ready"].as_bool().unwrap_or(true);
-        endpoint["conditions"]["ready"] = Json::from(!ready);
-    }
-    other
-}
-
-fn median(mut times: Vec<Duration>) -> Duration {
-    times.sort_unstable();
-    times[times.len() / 2]
 }
 
 fn load_average() -> String {
@@ -102,15 +81,15 @@ fn main() {
         .collect();
     println!(
         "- full render, nothing reused (a fresh renderer's first render): {:.2} ms on all cores (median of 5 renders with reuse off; the first render of fresh renderers: {:.2} ms, {:.2} ms on one thread); load {}",
-        ms(median(off)),
-        ms(median(cold)),
-        ms(median(cold_single)),
+        ms(middle(off)),
+        ms(middle(cold)),
+        ms(middle(cold_single)),
         load_average()
     );
     let t = renderer.last_timings();
     println!(
         "- no change: {:.2} ms (last: refresh {:.2}, templates {:.2} {:?}, checksum {:.2}; fragments rendered {} reused {})",
-        ms(median(quiet)),
+        ms(middle(quiet)),
         ms(t.refresh),
         ms(t.templates),
         t.outputs
@@ -125,15 +104,15 @@ fn main() {
     if runs > 9 {
         return;
     }
-    let middle = n / 2;
+    let half = n / 2;
     // The webhook's render: an Ingress changed, laid over the stores (nothing kept).
-    if let Some(ingress) = fixtures.ingresses.get(middle) {
+    if let Some(ingress) = fixtures.ingresses.get(half) {
         let changed = changed("ingresses", ingress);
         let overlay = stores
             .overlay("ingresses", Change::Apply(&changed))
             .expect("overlay");
         let time = |renderer: &Renderer| {
-            median(
+            middle(
                 (0..7)
                     .map(|_| {
                         let start = std::time::Instant::now();
@@ -153,10 +132,10 @@ fn main() {
         );
     }
     let picks = [
-        ("ingresses", fixtures.ingresses.get(middle)),
-        ("services", fixtures.services.get(middle)),
-        ("endpointslices", fixtures.endpoint_slices.get(middle)),
-        ("secrets", fixtures.secrets.get(middle / 4)),
+        ("ingresses", fixtures.ingresses.get(half)),
+        ("services", fixtures.services.get(half)),
+        ("endpointslices", fixtures.endpoint_slices.get(half)),
+        ("secrets", fixtures.secrets.get(half / 4)),
     ];
     for (store, resource) in picks {
         let Some(resource) = resource else { continue };
@@ -174,8 +153,8 @@ fn main() {
             times.push(start.elapsed());
             phases.push(renderer.last_timings());
         }
-        let total = median(times);
-        let phase = |f: &dyn Fn(&Timings) -> Duration| median(phases.iter().map(f).collect());
+        let total = middle(times);
+        let phase = |f: &dyn Fn(&Timings) -> Duration| middle(phases.iter().map(f).collect());
         let mut outputs: Vec<(String, Duration)> = Vec::new();
         if let Some(first) = phases.first() {
             for (i, (path, _)) in first.outputs.iter().enumerate() {

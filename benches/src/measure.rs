@@ -17,6 +17,35 @@ pub fn median<T>(runs: usize, mut f: impl FnMut() -> T) -> Duration {
     times[times.len() / 2]
 }
 
+/// The middle of `times` (zero for none).
+pub fn middle(mut times: Vec<Duration>) -> Duration {
+    times.sort_unstable();
+    times.get(times.len() / 2).copied().unwrap_or_default()
+}
+
+/// The CPU time this thread has used (`/proc/thread-self/schedstat`), where Linux says it: on
+/// a loaded machine the wall clock includes waiting for a core, this does not.
+pub fn thread_cpu() -> Option<Duration> {
+    let text = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    let nanos: u64 = text.split_whitespace().next()?.parse().ok()?;
+    Some(Duration::from_nanos(nanos))
+}
+
+/// The other version of `resource` of store `store`, as the event benches change it: a label
+/// added (a change every view sees as a new version, though no rendered line depends on it),
+/// and an EndpointSlice's first endpoint's readiness flipped (a change that is rendered).
+pub fn changed(store: &str, resource: &serde_json::Value) -> serde_json::Value {
+    let mut other = resource.clone();
+    other["metadata"]["labels"]["haptic-bench"] = serde_json::Value::from("changed");
+    if store == "endpointslices"
+        && let Some(endpoint) = other["endpoints"].get_mut(0)
+    {
+        let ready = endpoint["conditions"]["ready"].as_bool().unwrap_or(true);
+        endpoint["conditions"]["ready"] = serde_json::Value::from(!ready);
+    }
+    other
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {

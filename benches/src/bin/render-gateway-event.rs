@@ -11,6 +11,7 @@
 
 use std::time::{Duration, Instant};
 
+use haptic_benches::measure::{middle, thread_cpu};
 use haptic_render::{Renderer, Stores, fixtures, reference};
 use serde_json::Value as Json;
 
@@ -20,12 +21,6 @@ fn changed_render(
     stores: &Stores,
 ) -> Result<String, Box<dyn std::error::Error>> {
     Ok(renderer.render(stores)?.checksum_hex())
-}
-
-fn thread_cpu() -> Option<Duration> {
-    let text = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
-    let nanos: u64 = text.split_whitespace().next()?.parse().ok()?;
-    Some(Duration::from_nanos(nanos))
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -74,12 +69,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         derive.push(renderer.last_timings().refresh);
     }
     println!("checksum after the change {last}");
-    let median = |mut times: Vec<Duration>| {
-        times.sort();
-        times
-            .get(times.len() / 2)
-            .map_or(0.0, |t| t.as_secs_f64() * 1e3)
-    };
+    let median = |times: Vec<Duration>| middle(times).as_secs_f64() * 1e3;
     println!(
         "{n} HTTPRoutes, one changed, median of {runs}: {:.1} ms wall, {:.1} ms on this thread's CPU, derive {:.1} ms",
         median(wall),

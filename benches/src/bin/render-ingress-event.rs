@@ -12,8 +12,8 @@
 
 use std::time::{Duration, Instant};
 
+use haptic_benches::measure::{changed, middle, thread_cpu};
 use haptic_render::{Renderer, Stores, fixtures, reference};
-use serde_json::Value as Json;
 
 #[inline(never)]
 fn changed_render(
@@ -21,25 +21,6 @@ fn changed_render(
     stores: &Stores,
 ) -> Result<String, Box<dyn std::error::Error>> {
     Ok(renderer.render(stores)?.checksum_hex())
-}
-
-fn thread_cpu() -> Option<Duration> {
-    let text = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
-    let nanos: u64 = text.split_whitespace().next()?.parse().ok()?;
-    Some(Duration::from_nanos(nanos))
-}
-
-/// The other version of `resource`: a label, and an EndpointSlice's first endpoint's readiness.
-fn changed(store: &str, resource: &Json) -> Json {
-    let mut other = resource.clone();
-    other["metadata"]["labels"]["haptic-bench"] = Json::from("changed");
-    if store == "endpointslices"
-        && let Some(endpoint) = other["endpoints"].get_mut(0)
-    {
-        let ready = endpoint["conditions"]["ready"].as_bool().unwrap_or(true);
-        endpoint["conditions"]["ready"] = Json::from(!ready);
-    }
-    other
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -58,12 +39,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut stores = reference::stores()?;
     fixture.load(&mut stores)?;
     println!("checksum {}", renderer.render(&stores)?.checksum_hex());
-    let middle = n / 2;
+    let half = n / 2;
     let resource = match store.as_str() {
-        "ingresses" => fixture.ingresses.get(middle),
-        "services" => fixture.services.get(middle),
-        "endpointslices" => fixture.endpoint_slices.get(middle),
-        "secrets" => fixture.secrets.get(middle / 4),
+        "ingresses" => fixture.ingresses.get(half),
+        "services" => fixture.services.get(half),
+        "endpointslices" => fixture.endpoint_slices.get(half),
+        "secrets" => fixture.secrets.get(half / 4),
         other => return Err(format!("no such store: {other}").into()),
     }
     .ok_or("the fixture has no such resource")?;
@@ -84,18 +65,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         refresh.push(renderer.last_timings().refresh);
     }
     println!("checksum after the last change {last}");
-    let median = |mut times: Vec<Duration>| {
-        times.sort();
-        times
-            .get(times.len() / 2)
-            .map_or(0.0, |t| t.as_secs_f64() * 1e3)
-    };
+    let ms = |times: Vec<Duration>| middle(times).as_secs_f64() * 1e3;
     println!(
         "{n} Ingresses, one of {store} changed, median of {}: {:.1} ms wall, {:.1} ms on this thread's CPU, refresh {:.1} ms",
         wall.len(),
-        median(wall),
-        median(cpu),
-        median(refresh)
+        ms(wall),
+        ms(cpu),
+        ms(refresh)
     );
     Ok(())
 }

@@ -70,8 +70,22 @@ struct Captured(Arc<Mutex<Vec<(Level, String)>>>);
 
 impl Captured {
     fn install(&self) -> tracing::subscriber::DefaultGuard {
+        // tracing caches one interest per callsite for the whole process, computed by the first
+        // thread that reaches it. A test thread without a subscriber would cache `never` for the
+        // bus's `warn!` (tracing-core 0.1.36, `Rebuilder::JustOne`), and this test's scoped
+        // subscriber would then see nothing. A global default that takes everything, set once,
+        // means no thread ever has "no subscriber".
+        static GLOBAL: std::sync::Once = std::sync::Once::new();
+        GLOBAL.call_once(|| {
+            // Nothing else in this binary sets one; a second setter would only keep its own.
+            let _ = tracing::subscriber::set_global_default(tracing_subscriber::registry());
+        });
         let subscriber = tracing_subscriber::registry().with(self.clone());
-        tracing::subscriber::set_default(subscriber)
+        let guard = tracing::subscriber::set_default(subscriber);
+        // A callsite a thread began registering before the global default existed may have been
+        // listed after that rebuild with `never`: ask every listed callsite again.
+        tracing::callsite::rebuild_interest_cache();
+        guard
     }
 
     fn matching(&self, level: Level, needle: &str) -> Vec<String> {

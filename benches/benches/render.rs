@@ -16,6 +16,10 @@ use haptic_benches::peer::{PeerContext, PeerRenderer};
 use haptic_render::fixtures::{self, Fixtures};
 use haptic_render::{FileSet, Renderer, Stores, reference};
 
+/// The controller's allocator (its `main.rs` says why): the render measured as it runs there.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const SIZES: [usize; 4] = [10, 100, 1_000, 10_000];
 
 struct Case {

@@ -11,6 +11,10 @@ use std::time::Duration;
 use haptic_render::fixtures;
 use haptic_render::{Change, Renderer, Stores, Timings, reference};
 
+/// The controller's allocator (its `main.rs` says why): the render measured as it runs there.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn ms(time: Duration) -> f64 {
     time.as_secs_f64() * 1e3
 }

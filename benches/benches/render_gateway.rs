@@ -13,6 +13,10 @@ use haptic_benches::measure::median;
 use haptic_render::{Renderer, Stores, fixtures, reference};
 use serde_json::Value as Json;
 
+/// The controller's allocator (its `main.rs` says why): the render measured as it runs there.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const SIZES: [usize; 2] = [1_000, 10_000];
 
 fn stores(n: usize) -> (Stores, Json) {

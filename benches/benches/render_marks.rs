@@ -5,6 +5,10 @@ use std::time::{Duration, Instant};
 
 use haptic_render::{Renderer, fixtures, reference};
 
+/// The controller's allocator (its `main.rs` says why): the render measured as it runs there.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     let mut stores = reference::stores().expect("stores");
     fixtures::generate(10_000).load(&mut stores).expect("load");

@@ -11,6 +11,13 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+/// mimalloc rather than glibc's malloc, as the controller (its `main.rs` says why): an apply
+/// receives and hashes a set of up to tens of MB, short-lived buffers glibc would hand back to
+/// the kernel after each apply and fault in again on the next.
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// The HAPTIC agent: applies fenced HAProxy file sets pushed by the leader.
 #[derive(Debug, Parser)]
 #[command(name = "haptic-agent", version)]

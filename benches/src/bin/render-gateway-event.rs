@@ -15,6 +15,10 @@ use haptic_benches::measure::{middle, thread_cpu};
 use haptic_render::{Renderer, Stores, fixtures, reference};
 use serde_json::Value as Json;
 
+/// The controller's allocator (its `main.rs` says why): the render measured as it runs there.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[inline(never)]
 fn changed_render(
     renderer: &Renderer,

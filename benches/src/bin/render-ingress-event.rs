@@ -15,6 +15,10 @@ use std::time::{Duration, Instant};
 use haptic_benches::measure::{changed, middle, thread_cpu};
 use haptic_render::{Renderer, Stores, fixtures, reference};
 
+/// The controller's allocator (its `main.rs` says why): the render measured as it runs there.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[inline(never)]
 fn changed_render(
     renderer: &Renderer,

@@ -14,6 +14,10 @@ use haptic_render::{Renderer, fixtures, reference};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+/// The controller's allocator (its `main.rs` says why): the render measured as it runs there.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let n: usize = match args.next() {

@@ -571,3 +571,180 @@ proptest! {
         check_gateway_events(&events);
     }
 }
+
+// The routed ports of the backends view (`routedBy`) are kept per Ingress and patched after an
+// Ingress or Service event: after any sequence of events they must be what fresh stores give.
+// The events reach what makes one Ingress's routed ports depend on other resources: Services
+// created, renamed, renumbered and deleted under the paths that name them (by number and by
+// name), ingress-nginx policies (a backend per policy), canaries beside a main Ingress with a
+// policy, default backends (the oldest wins), ssl-passthrough, and IngressClasses (which
+// Ingresses are ours). Two Ingresses share each namespace, so that one routes to the other's
+// Service. Fresh stores are the oracle; the raw templates predate these annotations.
+
+const ROUTED: usize = 4;
+
+fn routed_fixtures() -> &'static fixtures::Fixtures {
+    static F: OnceLock<fixtures::Fixtures> = OnceLock::new();
+    F.get_or_init(|| {
+        let mut params = fixtures::Params::new(ROUTED);
+        params.namespaces = 2;
+        params.annotated_every = 2;
+        params.generate()
+    })
+}
+
+#[derive(Debug, Clone)]
+enum RoutedEvent {
+    /// Generated resource `i` of a store, as generated.
+    Base(&'static str, usize),
+    /// Generated resource `i` of a store, removed.
+    Remove(&'static str, usize),
+    /// A changed version of generated Ingress `i`.
+    Ingress(usize, u8),
+    /// A changed version of generated Service `i`, or another Service beside it.
+    Service(usize, u8),
+    /// A canary Ingress on the first route of generated Ingress `i` (removed for variant 3).
+    Canary(usize, u8),
+    /// A changed version of the IngressClass (or another one).
+    Class(u8),
+}
+
+fn routed_base(store: &str, i: usize) -> Json {
+    let f = routed_fixtures();
+    match store {
+        "ingresses" => f.ingresses[i].clone(),
+        _ => f.services[i].clone(),
+    }
+}
+
+/// The name of the Service of the other generated Ingress in the namespace of Ingress `i`.
+fn neighbour(i: usize) -> String {
+    format!("app-{:05}", (i + 2) % ROUTED)
+}
+
+/// The (store, resource) an event applies, and whether it removes it.
+fn routed_resolve(event: &RoutedEvent) -> (&'static str, Json, bool) {
+    let nginx = |key: &str| format!("nginx.ingress.kubernetes.io/{key}");
+    match event {
+        RoutedEvent::Base(store, i) => (store, routed_base(store, *i), false),
+        RoutedEvent::Remove(store, i) => (store, routed_base(store, *i), true),
+        RoutedEvent::Ingress(i, variant) => {
+            let mut s = routed_base("ingresses", *i);
+            let first = &mut s["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"];
+            match variant {
+                0 => first["name"] = json!(neighbour(*i)),
+                1 => first["port"] = json!({"name": "metrics"}),
+                2 => first["name"] = json!("late"),
+                3 => {
+                    s["metadata"]["annotations"] =
+                        json!({nginx("whitelist-source-range"): "10.0.0.0/8"});
+                }
+                4 => s["metadata"]["annotations"] = json!({}),
+                5 => s["metadata"]["annotations"] = json!({nginx("proxy-body-size"): "1m"}),
+                6 => {
+                    s["spec"]["defaultBackend"] =
+                        json!({"service": {"name": neighbour(*i), "port": {"number": 80}}});
+                }
+                7 => {
+                    s["spec"] = json!({"ingressClassName": "haptic", "defaultBackend":
+                        {"service": {"name": format!("app-{i:05}"), "port": {"name": "http"}}}});
+                    s["metadata"]["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
+                }
+                8 => s["spec"]["ingressClassName"] = json!("other"),
+                9 => {
+                    s["spec"]
+                        .as_object_mut()
+                        .unwrap()
+                        .remove("ingressClassName");
+                }
+                _ => s["metadata"]["annotations"] = json!({nginx("ssl-passthrough"): "true"}),
+            }
+            ("ingresses", s, false)
+        }
+        RoutedEvent::Service(i, variant) => {
+            let mut s = routed_base("services", *i);
+            match variant {
+                0 => s["spec"]["ports"] = json!([{"name": "metrics", "port": 9090}]),
+                1 => s["spec"]["ports"][0]["port"] = json!(8080),
+                2 => s["spec"]["ports"] = json!([]),
+                3 => s["metadata"]["name"] = json!("late"),
+                4 => s["spec"]["ports"][0]["name"] = json!("web"),
+                _ => s["spec"] = json!({"type": "ExternalName", "externalName": "example.com"}),
+            }
+            ("services", s, false)
+        }
+        RoutedEvent::Canary(i, variant) => {
+            let main = routed_base("ingresses", *i);
+            let service = match variant {
+                0 => format!("app-{i:05}"),
+                1 => neighbour(*i),
+                _ => "late".to_owned(),
+            };
+            let canary = json!({
+                "apiVersion": "networking.k8s.io/v1",
+                "kind": "Ingress",
+                "metadata": {"namespace": main["metadata"]["namespace"],
+                             "name": format!("canary-{i}"),
+                             "annotations": {nginx("canary"): "true", nginx("canary-weight"): "10"}},
+                "spec": {"ingressClassName": "haptic", "rules": [{
+                    "host": main["spec"]["rules"][0]["host"],
+                    "http": {"paths": [{"path": "/", "pathType": "Prefix",
+                        "backend": {"service": {"name": service, "port": {"number": 80}}}}]}}]},
+            });
+            ("ingresses", canary, *variant == 3)
+        }
+        RoutedEvent::Class(variant) => {
+            let mut class = routed_fixtures().ingress_classes[0].clone();
+            match variant {
+                0 => class["metadata"]["annotations"] = json!({}),
+                1 => class["spec"]["controller"] = json!("example.com/another"),
+                2 => return ("ingressclasses", class, true),
+                3 => class = fixtures::ingress_class("other", false),
+                _ => {}
+            }
+            ("ingressclasses", class, false)
+        }
+    }
+}
+
+fn arb_routed_event() -> impl Strategy<Value = RoutedEvent> {
+    let store = prop::sample::select(vec!["ingresses", "services"]);
+    prop_oneof![
+        1 => (store.clone(), 0..ROUTED).prop_map(|(s, i)| RoutedEvent::Base(s, i)),
+        1 => (store, 0..ROUTED).prop_map(|(s, i)| RoutedEvent::Remove(s, i)),
+        3 => (0..ROUTED, 0u8..11).prop_map(|(i, v)| RoutedEvent::Ingress(i, v)),
+        2 => (0..ROUTED, 0u8..6).prop_map(|(i, v)| RoutedEvent::Service(i, v)),
+        1 => (0..ROUTED, 0u8..4).prop_map(|(i, v)| RoutedEvent::Canary(i, v)),
+        1 => (0u8..5).prop_map(RoutedEvent::Class),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn routed_backends_match_fresh_stores_after_service_policy_canary_and_class_events(
+        events in prop::collection::vec(arb_routed_event(), 1..24),
+    ) {
+        let mut stores = reference::stores().unwrap();
+        routed_fixtures().load(&mut stores).unwrap();
+        let mut model: BTreeMap<(&'static str, (String, String)), Json> = BTreeMap::new();
+        for (store, resource) in routed_fixtures().resources() {
+            model.insert((store, key(resource)), resource.clone());
+        }
+        renderer().render(&stores).unwrap();
+        for event in &events {
+            let (store, resource, remove) = routed_resolve(event);
+            let k = key(&resource);
+            if remove {
+                stores.get_mut(store).unwrap().remove(&k.0, &k.1);
+                model.remove(&(store, k));
+            } else {
+                stores.get_mut(store).unwrap().apply(&resource).unwrap();
+                model.insert((store, k), resource);
+            }
+            let incremental = renderer().render(&stores).unwrap();
+            assert_same(&incremental, &renderer().render(&fresh(&model)).unwrap(), "incremental vs fresh");
+        }
+    }
+}

@@ -1456,95 +1456,414 @@ impl<'o, 'a> CanaryMains<'o, 'a> {
 /// it applies (its rows' `origin`), and the policy's id and row.
 type VariantOf<'p> = ((&'p str, &'p str), &'p (String, Value));
 
-fn routed_ports(
-    (store, ingresses): (&str, Source<'_>),
-    services: Source<'_>,
-    ours: &Ours<'_>,
-) -> Routed {
-    let by_name = services_by_name(services);
-    let mut routed = Routed::default();
-    let mut add = |namespace: &str, target: &ServiceRef, policy: Option<VariantOf<'_>>| {
-        let resolved = by_name
-            .get(&(namespace, target.service.as_str()))
-            .and_then(|(svc, _)| svc.resolve(target));
-        if let Some(port) = resolved {
-            // Most paths route to a port already seen: look up before allocating the keys.
-            if !routed.contains_key(namespace) {
-                routed.insert(namespace.to_owned(), HashMap::default());
-            }
-            let Some(services) = routed.get_mut(namespace) else {
-                return;
-            };
-            if !services.contains_key(target.service.as_str()) {
-                services.insert(target.service.clone(), Vec::new());
-            }
-            let Some(ports) = services.get_mut(target.service.as_str()) else {
-                return;
-            };
-            let i = match ports.iter().position(|p| p.number == port.number) {
-                Some(i) => i,
-                None => {
-                    ports.push(RoutedPort {
-                        number: port.number,
-                        plain: false,
-                        variants: Vec::new(),
-                    });
-                    ports.len() - 1
-                }
-            };
-            let Some(routed_port) = ports.get_mut(i) else {
-                return;
-            };
-            match policy {
-                None => routed_port.plain = true,
-                Some(((ing_namespace, ing_name), (id, row))) => {
-                    let name = variant_name(&port.backend, id);
-                    if !routed_port.variants.iter().any(|(n, _, _)| *n == name) {
-                        routed_port.variants.push((
-                            name,
-                            row.clone(),
-                            origin(store, ing_namespace, ing_name),
-                        ));
-                    }
-                }
-            }
+/// A policy's backend as a path routes to it: its name ([`variant_name`]), the policy's row
+/// and the `origin` of the Ingress whose annotations it applies.
+type Variant = (String, Value, Value);
+
+/// At most this many changed Ingresses and Services are patched into the routed ports
+/// ([`RoutedState::patch`]); after more, they are computed afresh.
+const ROUTED_PATCH_LEN: usize = 64;
+
+/// What one of our Ingresses adds to the routed ports, in the order [`routed_state`] adds it
+/// (its paths, then the paths of its passthrough hosts), kept so that after an Ingress or
+/// Service event only the Ingresses it touches are resolved again ([`RoutedState::patch`]).
+#[derive(Debug, Clone, Default)]
+struct RoutedShare {
+    /// The Services its paths name (in its namespace), once each, resolved or not: a change
+    /// of one of them resolves this Ingress again.
+    names: Vec<String>,
+    /// Per path that resolves: its Service (an index in `names`), the port number, and the
+    /// policy backend it routes to (none: the port's own backend).
+    ports: Vec<(usize, i64, Option<Variant>)>,
+    /// Whether the routed ports depend on this Ingress together with others, so that only a
+    /// computation over all of them is sure: a canary (it takes its main route's policy),
+    /// an Ingress with a path on a canary's route (it may be that main), or one with a
+    /// default backend (the oldest wins).
+    entangled: bool,
+}
+
+/// The routed ports of a `routedBy` view, and what each Ingress contributed to them: after a
+/// few Ingress or Service events, only the Ingresses they touch are resolved again, and only
+/// the Services those route to are summed up again (at 10,000 Ingresses, computing them all
+/// was about half of the refresh after one event).
+#[derive(Debug, Clone, Default)]
+struct RoutedState {
+    /// The generations of the Ingresses, Services (and IngressClasses) they are of.
+    built_from: Vec<u64>,
+    routed: Routed,
+    /// Our Ingresses' contributions: namespace -> name -> contribution.
+    contributions: HashMap<String, HashMap<String, RoutedShare>>,
+    /// `(namespace, Service)` -> the names of our Ingresses (of that namespace) whose paths
+    /// name it, sorted as the store sorts them: the order their ports are added in.
+    named_by: HashMap<(String, String), BTreeSet<String>>,
+    /// The default backend that routes (the first candidate, when it is a Service's): its
+    /// namespace, the Service it names and the port number it resolves to.
+    default: Option<(String, String, Option<i64>)>,
+    /// The routes ([`route_key`]) of the canaries' paths: a change of an Ingress with a path
+    /// on one of them may change a canary's policy.
+    canary_routes: HashSet<(bool, String, String)>,
+}
+
+/// The ports of a Service in `routed`, made empty if it had none (without allocating the
+/// keys when it has: most paths route to a port already seen).
+fn ports_mut<'r>(
+    routed: &'r mut Routed,
+    namespace: &str,
+    service: &str,
+) -> Option<&'r mut Vec<RoutedPort>> {
+    if !routed.contains_key(namespace) {
+        routed.insert(namespace.to_owned(), HashMap::default());
+    }
+    let services = routed.get_mut(namespace)?;
+    if !services.contains_key(service) {
+        services.insert(service.to_owned(), Vec::new());
+    }
+    services.get_mut(service)
+}
+
+/// Adds a path's port to its Service's routed ports: a port number not seen yet goes last;
+/// a path without a policy makes the port's own backend written; a policy's backend is added
+/// once, with the row and origin of the first path that routes to it.
+fn fold(ports: &mut Vec<RoutedPort>, number: i64, variant: Option<&Variant>) {
+    let i = match ports.iter().position(|p| p.number == number) {
+        Some(i) => i,
+        None => {
+            ports.push(RoutedPort {
+                number,
+                plain: false,
+                variants: Vec::new(),
+            });
+            ports.len() - 1
         }
     };
-    let ours = ours.of(ingresses);
+    let Some(routed_port) = ports.get_mut(i) else {
+        return;
+    };
+    match variant {
+        None => routed_port.plain = true,
+        Some(variant) => {
+            if !routed_port.variants.iter().any(|(n, _, _)| *n == variant.0) {
+                routed_port.variants.push(variant.clone());
+            }
+        }
+    }
+}
+
+/// The route of a path, owned (for [`RoutedState::canary_routes`]).
+fn owned_route(p: &PathExtract) -> (bool, String, String) {
+    let (exact, host, path) = route_key(p);
+    (exact, host.to_owned(), path.to_owned())
+}
+
+/// What `ing` adds to the routed ports ([`RoutedShare`]), its Services looked up with
+/// `lookup` (namespace, name). `mains` is needed only for a canary (none: no Ingress is one).
+fn contribution<'s, 'a>(
+    store: &str,
+    ing: &OurIngress<'a>,
+    mains: Option<&CanaryMains<'_, 'a>>,
+    canary_routes: &HashSet<(bool, String, String)>,
+    lookup: &impl Fn(&str, &str) -> Option<&'s ServiceExtract>,
+) -> RoutedShare {
     let passthrough = (
         PASSTHROUGH.to_owned(),
         crate::nginx::Policy::passthrough_row(),
     );
-    let mains = canary_mains(&ours);
-    for ing in &ours {
-        for p in &ing.ingress.paths {
-            // A canary's path whose main route has a policy: the canary's port with that
-            // policy (its rules are the main Ingress's, so its origin is the main Ingress).
-            let policy = match mains.as_ref().and_then(|m| m.policy_for(ing, p)) {
-                Some((main, policy)) => Some(((main.namespace, main.name), policy)),
-                None => p
-                    .policy
-                    .as_ref()
-                    .map(|policy| ((ing.namespace, ing.name), policy)),
+    let near_canary = || {
+        !canary_routes.is_empty()
+            && ing
+                .ingress
+                .paths
+                .iter()
+                .any(|p| canary_routes.contains(&owned_route(p)))
+    };
+    let mut made = RoutedShare {
+        entangled: ing.ingress.canary || ing.ingress.default_backend.is_some() || near_canary(),
+        ..RoutedShare::default()
+    };
+    // The origin of this Ingress's own policies, made once.
+    let mut own_origin: Option<Value> = None;
+    let mut add = |target: &ServiceRef, policy: Option<VariantOf<'_>>| {
+        let service = match made.names.iter().position(|n| *n == target.service) {
+            Some(i) => i,
+            None => {
+                made.names.push(target.service.clone());
+                made.names.len() - 1
+            }
+        };
+        let Some(port) = lookup(ing.namespace, &target.service).and_then(|s| s.resolve(target))
+        else {
+            return;
+        };
+        let variant = policy.map(|((namespace, name), (id, row))| {
+            let origin = if (namespace, name) == (ing.namespace, ing.name) {
+                own_origin
+                    .get_or_insert_with(|| origin(store, namespace, name))
+                    .clone()
+            } else {
+                origin(store, namespace, name)
             };
-            add(ing.namespace, &p.target, policy);
+            (variant_name(&port.backend, id), row.clone(), origin)
+        });
+        made.ports.push((service, port.number, variant));
+    };
+    for p in &ing.ingress.paths {
+        // A canary's path whose main route has a policy: the canary's port with that policy
+        // (its rules are the main Ingress's, so its origin is the main Ingress).
+        let policy = match mains.and_then(|m| m.policy_for(ing, p)) {
+            Some((main, policy)) => Some(((main.namespace, main.name), policy)),
+            None => p
+                .policy
+                .as_ref()
+                .map(|policy| ((ing.namespace, ing.name), policy)),
+        };
+        add(&p.target, policy);
+    }
+    for (_, i) in &ing.ingress.passthrough {
+        if let Some(p) = ing.ingress.paths.get(*i) {
+            add(&p.target, Some(((ing.namespace, ing.name), &passthrough)));
         }
-        for (_, i) in &ing.ingress.passthrough {
-            if let Some(p) = ing.ingress.paths.get(*i) {
-                add(
-                    ing.namespace,
-                    &p.target,
-                    Some(((ing.namespace, ing.name), &passthrough)),
-                );
+    }
+    made
+}
+
+/// The routed ports over all our Ingresses of `ingresses`, with (when `keep`) what each
+/// contributed, for [`RoutedState::patch`].
+fn routed_state(
+    (store, ingresses): (&str, Source<'_>),
+    services: Source<'_>,
+    ours: &Ours<'_>,
+    keep: bool,
+) -> RoutedState {
+    let by_name = services_by_name(services);
+    let lookup = |namespace: &str, name: &str| by_name.get(&(namespace, name)).map(|(s, _)| *s);
+    let ours = ours.of(ingresses);
+    let mains = canary_mains(&ours);
+    let mut state = RoutedState::default();
+    if mains.is_some() {
+        state.canary_routes = ours
+            .iter()
+            .filter(|ing| ing.ingress.canary)
+            .flat_map(|ing| ing.ingress.paths.iter().map(owned_route))
+            .collect();
+    }
+    for ing in &ours {
+        let made = contribution(store, ing, mains.as_ref(), &state.canary_routes, &lookup);
+        for (service, number, variant) in &made.ports {
+            let ports = made
+                .names
+                .get(*service)
+                .and_then(|service| ports_mut(&mut state.routed, ing.namespace, service));
+            if let Some(ports) = ports {
+                fold(ports, *number, variant.as_ref());
+            }
+        }
+        if keep {
+            for name in &made.names {
+                state
+                    .named_by
+                    .entry((ing.namespace.to_owned(), name.clone()))
+                    .or_default()
+                    .insert(ing.name.to_owned());
+            }
+            if !state.contributions.contains_key(ing.namespace) {
+                state
+                    .contributions
+                    .insert(ing.namespace.to_owned(), HashMap::default());
+            }
+            if let Some(names) = state.contributions.get_mut(ing.namespace) {
+                names.insert(ing.name.to_owned(), made);
             }
         }
     }
     if let Some((ing, DefaultBackendExtract::Service(target))) =
         default_backend_candidates(&ours).first()
     {
-        add(ing.namespace, target, None);
+        let number = lookup(ing.namespace, &target.service)
+            .and_then(|s| s.resolve(target))
+            .map(|port| port.number);
+        if let Some(number) = number
+            && let Some(ports) = ports_mut(&mut state.routed, ing.namespace, &target.service)
+        {
+            fold(ports, number, None);
+        }
+        state.default = Some((ing.namespace.to_owned(), target.service.clone(), number));
     }
-    routed
+    state
+}
+
+/// The routed ports over all our Ingresses of `ingresses`.
+fn routed_ports(ingresses: (&str, Source<'_>), services: Source<'_>, ours: &Ours<'_>) -> Routed {
+    routed_state(ingresses, services, ours, false).routed
+}
+
+/// The contribution kept for an Ingress.
+fn kept<'c>(
+    contributions: &'c HashMap<String, HashMap<String, RoutedShare>>,
+    namespace: &str,
+    name: &str,
+) -> Option<&'c RoutedShare> {
+    contributions
+        .get(namespace)
+        .and_then(|names| names.get(name))
+}
+
+impl RoutedState {
+    /// Brings the routed ports up to date with `ingresses` and `services` (generations
+    /// `from`, the IngressClasses' unchanged) by resolving again only the Ingresses changed
+    /// since and those whose paths name a Service changed since, then adding up again only
+    /// the Services those route to (before or after), from every contribution to them in
+    /// the order [`routed_state`] adds them: the same routed ports as computed afresh.
+    ///
+    /// Returns the Services whose routed ports changed; `None`, with nothing changed, when
+    /// it cannot be sure: the stores do not remember their changes back that far, there are
+    /// more than [`ROUTED_PATCH_LEN`], or one of the Ingresses to resolve again is entangled
+    /// with others ([`RoutedShare::entangled`], before or after), or a changed Service is
+    /// the default backend's.
+    fn patch(
+        &mut self,
+        (store, ingresses): (&str, &Store),
+        services: &Store,
+        ours: &Ours<'_>,
+        from: Vec<u64>,
+    ) -> Option<BTreeSet<(String, String)>> {
+        let (Some(&ingresses_from), Some(&services_from)) =
+            (self.built_from.first(), self.built_from.get(1))
+        else {
+            return None;
+        };
+        let changed_ingresses = ingresses.changes_since(ingresses_from)?;
+        let changed_services = services.changes_since(services_from)?;
+        if changed_ingresses.len() + changed_services.len() > ROUTED_PATCH_LEN {
+            return None;
+        }
+        // The Ingresses to resolve again: changed, or naming a changed Service.
+        let mut again: BTreeSet<(String, String)> = BTreeSet::new();
+        again.extend(changed_ingresses.into_iter().cloned());
+        for (namespace, service) in changed_services {
+            if self
+                .default
+                .as_ref()
+                .is_some_and(|(n, s, _)| (n, s) == (namespace, service))
+            {
+                return None;
+            }
+            let users = self.named_by.get(&(namespace.clone(), service.clone()));
+            for name in users.into_iter().flatten() {
+                again.insert((namespace.clone(), name.clone()));
+            }
+        }
+        let lookup = |namespace: &str, name: &str| {
+            services
+                .get_entry(namespace, name)
+                .map(|(svc, extracts)| extracts.service(namespace, name, svc))
+        };
+        // Every check before any change: a `None` leaves the state as it was.
+        let mut made = Vec::with_capacity(again.len());
+        for (namespace, name) in &again {
+            if kept(&self.contributions, namespace, name).is_some_and(|c| c.entangled) {
+                return None;
+            }
+            let now = ingresses
+                .get_entry(namespace, name)
+                .and_then(|(value, extracts)| {
+                    let ingress = extracts.ingress(value);
+                    ours.accepts(ingress).then_some(OurIngress {
+                        namespace,
+                        name,
+                        value,
+                        extracts,
+                        ingress,
+                    })
+                })
+                // Not entangled: no canary, so no main route to join.
+                .map(|ing| contribution(store, &ing, None, &self.canary_routes, &lookup));
+            if now.as_ref().is_some_and(|c| c.entangled) {
+                return None;
+            }
+            made.push(now);
+        }
+        // The Services whose ports a path of them resolved to, before or after.
+        let mut touched: BTreeSet<(String, String)> = BTreeSet::new();
+        for ((namespace, name), now) in again.into_iter().zip(made) {
+            let before = self
+                .contributions
+                .get_mut(&namespace)
+                .and_then(|names| names.remove(&name));
+            for (c, indexed) in before
+                .iter()
+                .map(|c| (c, false))
+                .chain(now.iter().map(|c| (c, true)))
+            {
+                for (service, _, _) in &c.ports {
+                    if let Some(service) = c.names.get(*service) {
+                        touched.insert((namespace.clone(), service.clone()));
+                    }
+                }
+                for service in &c.names {
+                    let key = (namespace.clone(), service.clone());
+                    if indexed {
+                        self.named_by.entry(key).or_default().insert(name.clone());
+                    } else if let Some(users) = self.named_by.get_mut(&key) {
+                        users.remove(&name);
+                        if users.is_empty() {
+                            self.named_by.remove(&key);
+                        }
+                    }
+                }
+            }
+            if let Some(now) = now {
+                self.contributions
+                    .entry(namespace)
+                    .or_default()
+                    .insert(name, now);
+            }
+        }
+        let mut dirty = BTreeSet::new();
+        for (namespace, service) in touched {
+            let mut ports = Vec::new();
+            let users = self.named_by.get(&(namespace.clone(), service.clone()));
+            for c in users
+                .into_iter()
+                .flatten()
+                .filter_map(|name| kept(&self.contributions, &namespace, name))
+            {
+                for (_, number, variant) in c
+                    .ports
+                    .iter()
+                    .filter(|(i, _, _)| c.names.get(*i) == Some(&service))
+                {
+                    fold(&mut ports, *number, variant.as_ref());
+                }
+            }
+            if let Some((_, _, Some(number))) = self
+                .default
+                .as_ref()
+                .filter(|(n, s, _)| (n, s) == (&namespace, &service))
+            {
+                fold(&mut ports, *number, None);
+            }
+            let before = self.routed.get(&namespace).and_then(|s| s.get(&service));
+            if before.map_or(ports.is_empty(), |before| *before == ports) {
+                continue;
+            }
+            if ports.is_empty() {
+                if let Some(services) = self.routed.get_mut(&namespace) {
+                    services.remove(&service);
+                    if services.is_empty() {
+                        self.routed.remove(&namespace);
+                    }
+                }
+            } else {
+                self.routed
+                    .entry(namespace.clone())
+                    .or_default()
+                    .insert(service.clone(), ports);
+            }
+            dirty.insert((namespace, service));
+        }
+        self.built_from = from;
+        Some(dirty)
+    }
 }
 
 fn routed_port<'r>(
@@ -2279,9 +2598,8 @@ struct ViewState {
     /// The input stores' generations the value was computed from.
     built_from: Option<Vec<u64>>,
     value: Value,
-    /// For `routedBy`: the routed ports, and the generations of the Ingresses, Services (and
-    /// IngressClasses) they were computed from.
-    routed: Option<(Vec<u64>, Routed)>,
+    /// For `routedBy`: the routed ports, and what they were computed from.
+    routed: Option<RoutedState>,
     /// For `ServiceBackends`: the rows of each Service, patched after a change.
     backends: Option<Backends>,
     /// For `GatewayApi`: what its own stores (not the Ingresses) resolved to, and their
@@ -2511,7 +2829,7 @@ impl DerivedView {
                 ) => {
                     // The Services whose routed ports changed; none for "all of them".
                     let mut dirty = Some(BTreeSet::new());
-                    if let Some(ingresses) = rest.first() {
+                    if let (Some(ingresses), Some(ingress_store)) = (rest.first(), stores.get(2)) {
                         let from: Vec<u64> = [Some(*ingresses), Some(*services), classes]
                             .into_iter()
                             .flatten()
@@ -2520,24 +2838,43 @@ impl DerivedView {
                         if state
                             .routed
                             .as_ref()
-                            .is_none_or(|(built, _)| *built != from)
+                            .is_none_or(|routed| routed.built_from != from)
                         {
                             let ours = Ours::new(self.derivation.classes(), classes);
-                            let ingresses =
-                                (self.derivation.ingresses().unwrap_or_default(), *ingresses);
-                            let now = routed_ports(ingresses, *services, &ours);
-                            dirty = state
-                                .routed
-                                .as_ref()
-                                .map(|(_, before)| routed_changes(before, &now));
-                            state.routed = Some((from, now));
+                            let store = self.derivation.ingresses().unwrap_or_default();
+                            // A few Ingress or Service events: patched, when it is sure.
+                            let patched = match state.routed.as_mut() {
+                                Some(routed) if routed.built_from.get(2..) == from.get(2..) => {
+                                    routed.patch(
+                                        (store, ingress_store),
+                                        service_store,
+                                        &ours,
+                                        from.clone(),
+                                    )
+                                }
+                                _ => None,
+                            };
+                            dirty = match patched {
+                                Some(changed) => Some(changed),
+                                None => {
+                                    let mut now =
+                                        routed_state((store, *ingresses), *services, &ours, true);
+                                    now.built_from = from;
+                                    let changed = state
+                                        .routed
+                                        .as_ref()
+                                        .map(|before| routed_changes(&before.routed, &now.routed));
+                                    state.routed = Some(now);
+                                    changed
+                                }
+                            };
                         }
                     }
                     // Set only with `routedBy`.
                     let ViewState {
                         routed, backends, ..
                     } = &mut *state;
-                    let routed = routed.as_ref().map(|(_, routed)| routed);
+                    let routed = routed.as_ref().map(|routed| &routed.routed);
                     let store = (store_of(&self.derivation), *service_store);
                     let patched = match (backends.as_mut(), dirty) {
                         (Some(backends), Some(dirty)) => {

@@ -1495,7 +1495,7 @@ struct RoutedState {
     contributions: HashMap<String, HashMap<String, RoutedShare>>,
     /// `(namespace, Service)` -> the names of our Ingresses (of that namespace) whose paths
     /// name it, sorted as the store sorts them: the order their ports are added in.
-    named_by: HashMap<(String, String), BTreeSet<String>>,
+    named_by: HashMap<(String, String), Vec<String>>,
     /// The default backend that routes (the first candidate, when it is a Service's): its
     /// namespace, the Service it names and the port number it resolves to.
     default: Option<(String, String, Option<i64>)>,
@@ -1564,10 +1564,6 @@ fn contribution<'s, 'a>(
     canary_routes: &HashSet<(bool, String, String)>,
     lookup: &impl Fn(&str, &str) -> Option<&'s ServiceExtract>,
 ) -> RoutedShare {
-    let passthrough = (
-        PASSTHROUGH.to_owned(),
-        crate::nginx::Policy::passthrough_row(),
-    );
     let near_canary = || {
         !canary_routes.is_empty()
             && ing
@@ -1618,9 +1614,16 @@ fn contribution<'s, 'a>(
         };
         add(&p.target, policy);
     }
-    for (_, i) in &ing.ingress.passthrough {
-        if let Some(p) = ing.ingress.paths.get(*i) {
-            add(&p.target, Some(((ing.namespace, ing.name), &passthrough)));
+    if !ing.ingress.passthrough.is_empty() {
+        // Made only for an Ingress that asks for it: the row is built afresh each time.
+        let passthrough = (
+            PASSTHROUGH.to_owned(),
+            crate::nginx::Policy::passthrough_row(),
+        );
+        for (_, i) in &ing.ingress.passthrough {
+            if let Some(p) = ing.ingress.paths.get(*i) {
+                add(&p.target, Some(((ing.namespace, ing.name), &passthrough)));
+            }
         }
     }
     made
@@ -1639,6 +1642,9 @@ fn routed_state(
     let ours = ours.of(ingresses);
     let mains = canary_mains(&ours);
     let mut state = RoutedState::default();
+    if keep {
+        state.named_by.reserve(ours.len());
+    }
     if mains.is_some() {
         state.canary_routes = ours
             .iter()
@@ -1659,11 +1665,11 @@ fn routed_state(
         }
         if keep {
             for name in &made.names {
-                state
+                let users = state
                     .named_by
                     .entry((ing.namespace.to_owned(), name.clone()))
-                    .or_default()
-                    .insert(ing.name.to_owned());
+                    .or_default();
+                add_user(users, ing.name);
             }
             if !state.contributions.contains_key(ing.namespace) {
                 state
@@ -1694,6 +1700,14 @@ fn routed_state(
 /// The routed ports over all our Ingresses of `ingresses`.
 fn routed_ports(ingresses: (&str, Source<'_>), services: Source<'_>, ours: &Ours<'_>) -> Routed {
     routed_state(ingresses, services, ours, false).routed
+}
+
+/// Adds an Ingress to the sorted names of those that name a Service (at the end, in the order
+/// a computation over all of them meets them).
+fn add_user(users: &mut Vec<String>, name: &str) {
+    if let Err(i) = users.binary_search_by(|user| user.as_str().cmp(name)) {
+        users.insert(i, name.to_owned());
+    }
 }
 
 /// The contribution kept for an Ingress.
@@ -1802,9 +1816,11 @@ impl RoutedState {
                 for service in &c.names {
                     let key = (namespace.clone(), service.clone());
                     if indexed {
-                        self.named_by.entry(key).or_default().insert(name.clone());
+                        add_user(self.named_by.entry(key).or_default(), &name);
                     } else if let Some(users) = self.named_by.get_mut(&key) {
-                        users.remove(&name);
+                        if let Ok(i) = users.binary_search_by(|user| user.as_str().cmp(&name)) {
+                            users.remove(i);
+                        }
                         if users.is_empty() {
                             self.named_by.remove(&key);
                         }

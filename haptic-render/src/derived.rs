@@ -1491,11 +1491,11 @@ struct RoutedState {
     /// The generations of the Ingresses, Services (and IngressClasses) they are of.
     built_from: Vec<u64>,
     routed: Routed,
-    /// Our Ingresses' contributions: namespace -> name -> contribution.
+    /// Our Ingresses' contributions: namespace -> name -> contribution. The Ingresses that
+    /// name a Service are found among those of its namespace, where a path can name it (an
+    /// index by Service cost more to build and drop, when all are computed afresh, than
+    /// looking through one namespace after an event).
     contributions: HashMap<String, HashMap<String, RoutedShare>>,
-    /// `(namespace, Service)` -> the names of our Ingresses (of that namespace) whose paths
-    /// name it, sorted as the store sorts them: the order their ports are added in.
-    named_by: HashMap<(String, String), Vec<String>>,
     /// The default backend that routes (the first candidate, when it is a Service's): its
     /// namespace, the Service it names and the port number it resolves to.
     default: Option<(String, String, Option<i64>)>,
@@ -1642,9 +1642,6 @@ fn routed_state(
     let ours = ours.of(ingresses);
     let mains = canary_mains(&ours);
     let mut state = RoutedState::default();
-    if keep {
-        state.named_by.reserve(ours.len());
-    }
     if mains.is_some() {
         state.canary_routes = ours
             .iter()
@@ -1664,13 +1661,6 @@ fn routed_state(
             }
         }
         if keep {
-            for name in &made.names {
-                let users = state
-                    .named_by
-                    .entry((ing.namespace.to_owned(), name.clone()))
-                    .or_default();
-                add_user(users, ing.name);
-            }
             if !state.contributions.contains_key(ing.namespace) {
                 state
                     .contributions
@@ -1702,14 +1692,6 @@ fn routed_ports(ingresses: (&str, Source<'_>), services: Source<'_>, ours: &Ours
     routed_state(ingresses, services, ours, false).routed
 }
 
-/// Adds an Ingress to the sorted names of those that name a Service (at the end, in the order
-/// a computation over all of them meets them).
-fn add_user(users: &mut Vec<String>, name: &str) {
-    if let Err(i) = users.binary_search_by(|user| user.as_str().cmp(name)) {
-        users.insert(i, name.to_owned());
-    }
-}
-
 /// The contribution kept for an Ingress.
 fn kept<'c>(
     contributions: &'c HashMap<String, HashMap<String, RoutedShare>>,
@@ -1722,6 +1704,19 @@ fn kept<'c>(
 }
 
 impl RoutedState {
+    /// Our Ingresses of `namespace` whose paths name `service` (resolved or not), in no order.
+    fn users<'s>(
+        &'s self,
+        namespace: &str,
+        service: &'s str,
+    ) -> impl Iterator<Item = (&'s String, &'s RoutedShare)> + 's {
+        self.contributions
+            .get(namespace)
+            .into_iter()
+            .flatten()
+            .filter(move |(_, c)| c.names.iter().any(|name| name == service))
+    }
+
     /// Brings the routed ports up to date with `ingresses` and `services` (generations
     /// `from`, the IngressClasses' unchanged) by resolving again only the Ingresses changed
     /// since and those whose paths name a Service changed since, then adding up again only
@@ -1761,8 +1756,7 @@ impl RoutedState {
             {
                 return None;
             }
-            let users = self.named_by.get(&(namespace.clone(), service.clone()));
-            for name in users.into_iter().flatten() {
+            for (name, _) in self.users(namespace, service) {
                 again.insert((namespace.clone(), name.clone()));
             }
         }
@@ -1803,27 +1797,10 @@ impl RoutedState {
                 .contributions
                 .get_mut(&namespace)
                 .and_then(|names| names.remove(&name));
-            for (c, indexed) in before
-                .iter()
-                .map(|c| (c, false))
-                .chain(now.iter().map(|c| (c, true)))
-            {
+            for c in before.iter().chain(&now) {
                 for (service, _, _) in &c.ports {
                     if let Some(service) = c.names.get(*service) {
                         touched.insert((namespace.clone(), service.clone()));
-                    }
-                }
-                for service in &c.names {
-                    let key = (namespace.clone(), service.clone());
-                    if indexed {
-                        add_user(self.named_by.entry(key).or_default(), &name);
-                    } else if let Some(users) = self.named_by.get_mut(&key) {
-                        if let Ok(i) = users.binary_search_by(|user| user.as_str().cmp(&name)) {
-                            users.remove(i);
-                        }
-                        if users.is_empty() {
-                            self.named_by.remove(&key);
-                        }
                     }
                 }
             }
@@ -1837,12 +1814,11 @@ impl RoutedState {
         let mut dirty = BTreeSet::new();
         for (namespace, service) in touched {
             let mut ports = Vec::new();
-            let users = self.named_by.get(&(namespace.clone(), service.clone()));
-            for c in users
-                .into_iter()
-                .flatten()
-                .filter_map(|name| kept(&self.contributions, &namespace, name))
-            {
+            let mut users: Vec<(&String, &RoutedShare)> =
+                self.users(&namespace, &service).collect();
+            // In the order a computation over all of them meets them.
+            users.sort_unstable_by_key(|(name, _)| *name);
+            for (_, c) in users {
                 for (_, number, variant) in c
                     .ports
                     .iter()

@@ -1499,9 +1499,21 @@ struct RoutedState {
     /// The default backend that routes (the first candidate, when it is a Service's): its
     /// namespace, the Service it names and the port number it resolves to.
     default: Option<(String, String, Option<i64>)>,
-    /// The routes ([`route_key`]) of the canaries' paths: a change of an Ingress with a path
-    /// on one of them may change a canary's policy.
-    canary_routes: HashSet<(bool, String, String)>,
+    /// The routes of the canaries' paths ([`CanaryRoutes`]): a change of an Ingress with a
+    /// path on one of them may change a canary's policy.
+    canary_routes: CanaryRoutes,
+}
+
+/// Routes ([`route_key`]) by host: the paths, and whether they are Exact. Looked up by
+/// `&str`, without allocating a key for each path.
+type CanaryRoutes = HashMap<String, Vec<(bool, String)>>;
+
+/// Whether a path is on one of `routes`.
+fn on_route(routes: &CanaryRoutes, p: &PathExtract) -> bool {
+    let (exact, host, path) = route_key(p);
+    routes
+        .get(host)
+        .is_some_and(|paths| paths.iter().any(|(e, p)| (*e, p.as_str()) == (exact, path)))
 }
 
 /// The ports of a Service in `routed`, made empty if it had none (without allocating the
@@ -1549,28 +1561,17 @@ fn fold(ports: &mut Vec<RoutedPort>, number: i64, variant: Option<&Variant>) {
     }
 }
 
-/// The route of a path, owned (for [`RoutedState::canary_routes`]).
-fn owned_route(p: &PathExtract) -> (bool, String, String) {
-    let (exact, host, path) = route_key(p);
-    (exact, host.to_owned(), path.to_owned())
-}
-
 /// What `ing` adds to the routed ports ([`RoutedShare`]), its Services looked up with
 /// `lookup` (namespace, name). `mains` is needed only for a canary (none: no Ingress is one).
 fn contribution<'s, 'a>(
     store: &str,
     ing: &OurIngress<'a>,
     mains: Option<&CanaryMains<'_, 'a>>,
-    canary_routes: &HashSet<(bool, String, String)>,
+    canary_routes: &CanaryRoutes,
     lookup: &impl Fn(&str, &str) -> Option<&'s ServiceExtract>,
 ) -> RoutedShare {
     let near_canary = || {
-        !canary_routes.is_empty()
-            && ing
-                .ingress
-                .paths
-                .iter()
-                .any(|p| canary_routes.contains(&owned_route(p)))
+        !canary_routes.is_empty() && ing.ingress.paths.iter().any(|p| on_route(canary_routes, p))
     };
     let mut made = RoutedShare {
         entangled: ing.ingress.canary || ing.ingress.default_backend.is_some() || near_canary(),
@@ -1643,11 +1644,18 @@ fn routed_state(
     let mains = canary_mains(&ours);
     let mut state = RoutedState::default();
     if mains.is_some() {
-        state.canary_routes = ours
+        for p in ours
             .iter()
             .filter(|ing| ing.ingress.canary)
-            .flat_map(|ing| ing.ingress.paths.iter().map(owned_route))
-            .collect();
+            .flat_map(|ing| &ing.ingress.paths)
+        {
+            let (exact, host, path) = route_key(p);
+            state
+                .canary_routes
+                .entry(host.to_owned())
+                .or_default()
+                .push((exact, path.to_owned()));
+        }
     }
     for ing in &ours {
         let made = contribution(store, ing, mains.as_ref(), &state.canary_routes, &lookup);

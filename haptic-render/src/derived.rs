@@ -2598,8 +2598,9 @@ struct ViewState {
     /// The input stores' generations the value was computed from.
     built_from: Option<Vec<u64>>,
     value: Value,
-    /// For `routedBy`: the routed ports, and what they were computed from.
-    routed: Option<RoutedState>,
+    /// For `routedBy`: the routed ports, and what they were computed from; shared with the
+    /// copies of [`crate::Stores::excluding`] until one of them patches its own.
+    routed: Option<Arc<RoutedState>>,
     /// For `ServiceBackends`: the rows of each Service, patched after a change.
     backends: Option<Backends>,
     /// For `GatewayApi`: what its own stores (not the Ingresses) resolved to, and their
@@ -2845,7 +2846,7 @@ impl DerivedView {
                             // A few Ingress or Service events: patched, when it is sure.
                             let patched = match state.routed.as_mut() {
                                 Some(routed) if routed.built_from.get(2..) == from.get(2..) => {
-                                    routed.patch(
+                                    Arc::make_mut(routed).patch(
                                         (store, ingress_store),
                                         service_store,
                                         &ours,
@@ -2864,7 +2865,7 @@ impl DerivedView {
                                         .routed
                                         .as_ref()
                                         .map(|before| routed_changes(&before.routed, &now.routed));
-                                    state.routed = Some(now);
+                                    state.routed = Some(Arc::new(now));
                                     changed
                                 }
                             };

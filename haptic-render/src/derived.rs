@@ -3139,9 +3139,9 @@ mod tests {
     use base64::Engine as _;
     use serde_json::{Value as Json, json};
 
-    use crate::store::{Error, StoreConfig, Stores};
+    use crate::store::{Error, Store, StoreConfig, Stores};
 
-    use super::Derivation;
+    use super::{BTreeSet, Derivation, Ours, RoutedState, routed_state};
 
     fn stores() -> Stores {
         let mut stores = Stores::new();
@@ -3558,6 +3558,100 @@ mod tests {
         // The Service loses the port the path names.
         service(&mut s, "web", json!([{"name": "http", "port": 80}]));
         assert_eq!(names(&s), ["ns_web_80"]);
+    }
+
+    #[test]
+    fn routed_ports_patched_after_an_ingress_or_service_event_are_those_computed_afresh() {
+        let mut s = stores();
+        service(
+            &mut s,
+            "web",
+            json!([{"name": "http", "port": 80}, {"name": "m", "port": 9090}]),
+        );
+        service(&mut s, "api", json!([{"name": "http", "port": 8080}]));
+        let ingress = |name: &str, service: &str, port: Json, annotations: Json| {
+            json!({"metadata": {"namespace": "ns", "name": name, "annotations": annotations},
+                   "spec": {"rules": [{"host": format!("{name}.example.com"), "http": {"paths": [
+                       {"path": "/", "pathType": "Prefix",
+                        "backend": {"service": {"name": service, "port": port}}}]}}]}})
+        };
+        let policy = json!({"nginx.ingress.kubernetes.io/whitelist-source-range": "10.0.0.0/8"});
+        apply(
+            &mut s,
+            "ingresses",
+            ingress("a", "web", json!({"number": 9090}), policy.clone()),
+        );
+        apply(
+            &mut s,
+            "ingresses",
+            ingress("b", "web", json!({"name": "http"}), json!({})),
+        );
+        apply(
+            &mut s,
+            "ingresses",
+            ingress("c", "api", json!({"number": 8080}), policy),
+        );
+        let all = Ours::new(None, None);
+        fn two(s: &Stores) -> (&Store, &Store) {
+            (s.get("ingresses").unwrap(), s.get("services").unwrap())
+        }
+        let fresh = |s: &Stores| {
+            let (ingresses, services) = two(s);
+            let mut state = routed_state(
+                ("ingresses", ingresses.source()),
+                services.source(),
+                &all,
+                true,
+            );
+            state.built_from = vec![ingresses.generation(), services.generation()];
+            state
+        };
+        let patch = |kept: &mut RoutedState, s: &Stores| {
+            let (ingresses, services) = two(s);
+            let from = vec![ingresses.generation(), services.generation()];
+            kept.patch(("ingresses", ingresses), services, &all, from)
+        };
+        let dirty = |services: &[&str]| -> BTreeSet<(String, String)> {
+            services
+                .iter()
+                .map(|s| ("ns".to_owned(), (*s).to_owned()))
+                .collect()
+        };
+        let mut kept = fresh(&s);
+        // A Service event: the port a path names by name is renumbered.
+        service(
+            &mut s,
+            "web",
+            json!([{"name": "http", "port": 81}, {"name": "m", "port": 9090}]),
+        );
+        assert_eq!(patch(&mut kept, &s), Some(dirty(&["web"])));
+        assert_eq!(kept.routed, fresh(&s).routed);
+        // An Ingress event: a path moves to another Service.
+        apply(
+            &mut s,
+            "ingresses",
+            ingress("b", "api", json!({"name": "http"}), json!({})),
+        );
+        assert_eq!(patch(&mut kept, &s), Some(dirty(&["api", "web"])));
+        assert_eq!(kept.routed, fresh(&s).routed);
+        // A Service a path names appears; one no path resolves to changes nothing.
+        apply(
+            &mut s,
+            "ingresses",
+            ingress("d", "late", json!({"number": 80}), json!({})),
+        );
+        service(&mut s, "late", json!([{"port": 80}]));
+        service(&mut s, "unused", json!([{"port": 80}]));
+        assert_eq!(patch(&mut kept, &s), Some(dirty(&["late"])));
+        assert_eq!(kept.routed, fresh(&s).routed);
+        // A default backend: one Ingress's ports depend on others', so not patched, and the
+        // routed ports are left as they were.
+        let before = kept.routed.clone();
+        let mut e = ingress("e", "web", json!({"number": 9090}), json!({}));
+        e["spec"]["defaultBackend"] = json!({"service": {"name": "api", "port": {"number": 8080}}});
+        apply(&mut s, "ingresses", e);
+        assert_eq!(patch(&mut kept, &s), None);
+        assert_eq!(kept.routed, before);
     }
 
     #[test]

@@ -38,11 +38,16 @@ use k8s_openapi::api::{
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 
+/// The `p` percentile of `samples`; zero for none (`--endpoint-changes 0`: each row says how
+/// many samples it has).
 fn percentile(samples: &[Duration], p: f64) -> Duration {
     let mut sorted = samples.to_vec();
     sorted.sort();
-    let index = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[index.min(sorted.len() - 1)]
+    let Some(last) = sorted.len().checked_sub(1) else {
+        return Duration::ZERO;
+    };
+    let index = (last as f64 * p).round() as usize;
+    sorted[index.min(last)]
 }
 
 fn ms(d: Duration) -> f64 {

@@ -209,7 +209,7 @@ fn arb_event() -> impl Strategy<Value = Event> {
     ]
 }
 
-fn fresh(model: &BTreeMap<(&'static str, (String, String)), Json>) -> Stores {
+fn fresh(model: &Model) -> Stores {
     let mut stores = reference::stores().unwrap();
     for ((store, _), resource) in model {
         stores.get_mut(store).unwrap().apply(resource).unwrap();
@@ -228,6 +228,37 @@ fn assert_same(a: &FileSet, b: &FileSet, what: &str) {
     assert_eq!(a.checksum(), b.checksum(), "{what}: the file sets differ");
 }
 
+/// The stores and a model of them, as a map of resources by store and key.
+type Model = BTreeMap<(&'static str, (String, String)), Json>;
+
+/// Loads `fixtures` into the reference stores and renders once (so that the next renders
+/// start from cached views), then makes each change `(store, resource, remove)` to the stores
+/// and to a model of them, and calls `check` with the render after it and the model.
+fn replay(
+    fixtures: &fixtures::Fixtures,
+    changes: impl IntoIterator<Item = (&'static str, Json, bool)>,
+    mut check: impl FnMut(&FileSet, &Model),
+) {
+    let mut stores = reference::stores().unwrap();
+    fixtures.load(&mut stores).unwrap();
+    let mut model = Model::new();
+    for (store, resource) in fixtures.resources() {
+        model.insert((store, key(resource)), resource.clone());
+    }
+    renderer().render(&stores).unwrap();
+    for (store, resource, remove) in changes {
+        let k = key(&resource);
+        if remove {
+            stores.get_mut(store).unwrap().remove(&k.0, &k.1);
+            model.remove(&(store, k));
+        } else {
+            stores.get_mut(store).unwrap().apply(&resource).unwrap();
+            model.insert((store, k), resource);
+        }
+        check(&renderer().render(&stores).unwrap(), &model);
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
@@ -235,29 +266,11 @@ proptest! {
     fn derived_views_match_fresh_stores_and_the_raw_templates_after_any_events(
         events in prop::collection::vec(arb_event(), 1..24),
     ) {
-        let mut stores = reference::stores().unwrap();
-        unannotated().load(&mut stores).unwrap();
-        let mut model: BTreeMap<(&'static str, (String, String)), Json> = BTreeMap::new();
-        for (store, resource) in unannotated().resources() {
-            model.insert((store, key(resource)), resource.clone());
-        }
-        // A first render, so that the next ones start from cached views.
-        renderer().render(&stores).unwrap();
-        for event in &events {
-            let (store, resource, remove) = resolve(event);
-            let k = key(&resource);
-            if remove {
-                stores.get_mut(store).unwrap().remove(&k.0, &k.1);
-                model.remove(&(store, k));
-            } else {
-                stores.get_mut(store).unwrap().apply(&resource).unwrap();
-                model.insert((store, k), resource);
-            }
-            let incremental = renderer().render(&stores).unwrap();
-            let fresh = fresh(&model);
-            assert_same(&incremental, &renderer().render(&fresh).unwrap(), "incremental vs fresh");
-            assert_same(&incremental, &raw_renderer().render(&fresh).unwrap(), "derived vs raw templates");
-        }
+        replay(&unannotated(), events.iter().map(resolve), |incremental, model| {
+            let fresh = fresh(model);
+            assert_same(incremental, &renderer().render(&fresh).unwrap(), "incremental vs fresh");
+            assert_same(incremental, &raw_renderer().render(&fresh).unwrap(), "derived vs raw templates");
+        });
     }
 }
 
@@ -726,25 +739,8 @@ proptest! {
     fn routed_backends_match_fresh_stores_after_service_policy_canary_and_class_events(
         events in prop::collection::vec(arb_routed_event(), 1..24),
     ) {
-        let mut stores = reference::stores().unwrap();
-        routed_fixtures().load(&mut stores).unwrap();
-        let mut model: BTreeMap<(&'static str, (String, String)), Json> = BTreeMap::new();
-        for (store, resource) in routed_fixtures().resources() {
-            model.insert((store, key(resource)), resource.clone());
-        }
-        renderer().render(&stores).unwrap();
-        for event in &events {
-            let (store, resource, remove) = routed_resolve(event);
-            let k = key(&resource);
-            if remove {
-                stores.get_mut(store).unwrap().remove(&k.0, &k.1);
-                model.remove(&(store, k));
-            } else {
-                stores.get_mut(store).unwrap().apply(&resource).unwrap();
-                model.insert((store, k), resource);
-            }
-            let incremental = renderer().render(&stores).unwrap();
-            assert_same(&incremental, &renderer().render(&fresh(&model)).unwrap(), "incremental vs fresh");
-        }
+        replay(routed_fixtures(), events.iter().map(routed_resolve), |incremental, model| {
+            assert_same(incremental, &renderer().render(&fresh(model)).unwrap(), "incremental vs fresh");
+        });
     }
 }

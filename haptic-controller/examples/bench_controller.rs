@@ -38,6 +38,12 @@ use k8s_openapi::api::{
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 
+/// The controller's allocator (its `main.rs` says why): the render rows this bench measures in
+/// its own process run as they run in the controller.
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// The `p` percentile of `samples`; zero for none (`--endpoint-changes 0`: each row says how
 /// many samples it has).
 fn percentile(samples: &[Duration], p: f64) -> Duration {

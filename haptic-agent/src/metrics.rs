@@ -50,6 +50,8 @@ pub const MASTER_CLI_CONNECTIONS_TOTAL: &str = "haptic_agent_master_cli_connecti
 pub const RELOADS_AVOIDED_TOTAL: &str = "haptic_agent_reloads_avoided_total";
 /// Deltas that built on the live set (a `base_mismatch` is counted among the applies).
 pub const DELTAS_TOTAL: &str = "haptic_agent_deltas_total";
+/// The live set read from disk and hashed whole (not held in memory, or not as on disk).
+pub const LIVE_SET_READS_TOTAL: &str = "haptic_agent_live_set_reads_total";
 /// `haptic_agent_reload_duration_seconds`.
 pub const RELOAD_DURATION: &str = "haptic_agent_reload_duration_seconds";
 /// `haptic_agent_check_duration_seconds`.
@@ -88,6 +90,7 @@ pub struct Metrics {
     apply: Histogram<f64>,
     reloads_avoided: Counter<u64>,
     deltas: Counter<u64>,
+    live_set_reads: Counter<u64>,
     /// The same count, for `/v1/state`.
     reloads_avoided_count: AtomicU64,
     // Kept so the callback lives as long as the agent.
@@ -119,6 +122,12 @@ impl Metrics {
                 DELTAS_TOTAL,
                 "Deltas that built on the live set: what changed, not the whole set.",
             ),
+            live_set_reads: counter(
+                meter,
+                LIVE_SET_READS_TOTAL,
+                "The live set read from disk and hashed whole: at start, after a rollback to a \
+                 set memory no longer held, or when its files on disk were not as written.",
+            ),
             reloads_avoided_count: AtomicU64::new(0),
             _cli_connections: cli_connections.map(|read| {
                 meter
@@ -134,7 +143,13 @@ impl Metrics {
         }
         metrics.reloads_avoided.add(0, &[]);
         metrics.deltas.add(0, &[]);
+        metrics.live_set_reads.add(0, &[]);
         metrics
+    }
+
+    /// Counts a read of the whole live set from disk.
+    pub fn count_live_set_read(&self) {
+        self.live_set_reads.add(1, &[]);
     }
 
     /// Counts a delta that built on the live set.

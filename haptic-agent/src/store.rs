@@ -13,7 +13,9 @@ use std::{
     collections::BTreeMap,
     fs,
     io::Write as _,
-    os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _},
+    os::unix::fs::{
+        DirBuilderExt as _, MetadataExt as _, OpenOptionsExt as _, PermissionsExt as _,
+    },
     path::{Path, PathBuf},
 };
 
@@ -41,6 +43,32 @@ pub enum Error {
 
 /// Result type of this module.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What the file system says of one file of a complete set, taken when the agent knew its
+/// content (it wrote or hard-linked the file, or read it): writing to the file moves its
+/// modification time (and usually its size), replacing it changes its inode. A complete set's
+/// files are never modified, so a stamp that still matches vouches for the content without
+/// reading it; one that moved sends the agent back to the content.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stamp {
+    inode: u64,
+    len: u64,
+    modified_ns: i128,
+}
+
+impl Stamp {
+    fn of(metadata: &fs::Metadata) -> Self {
+        Self {
+            inode: metadata.ino(),
+            len: metadata.len(),
+            modified_ns: i128::from(metadata.mtime()) * 1_000_000_000
+                + i128::from(metadata.mtime_nsec()),
+        }
+    }
+}
+
+/// The stamps of a set's files, by path.
+pub type Stamps = BTreeMap<String, Stamp>;
 
 fn io<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Error + 'a {
     move |source| Error::Io {
@@ -371,16 +399,72 @@ impl SetStore {
     /// The files of set `name` as they are on disk (those its metadata lists, or every
     /// regular file of its directory), as a [`FileSet`].
     pub fn read_set(&self, name: &str) -> Result<FileSet> {
+        self.read_set_stamped(name).map(|(set, _)| set)
+    }
+
+    /// [`SetStore::read_set`], with each file's [`Stamp`] taken before it was read (a file
+    /// changed after its stamp has a stamp that no longer matches).
+    pub fn read_set_stamped(&self, name: &str) -> Result<(FileSet, Stamps)> {
+        let mut stamps = Stamps::new();
         let mut set = FileSet::new();
-        for (path, content) in self.read_files(name)? {
+        for (path, content) in self.read_files_stamped(name, Some(&mut stamps))? {
             let full = self.set_dir(name).join(&path);
             set.insert(path, content)
                 .map_err(|_| Error::Unexpected(full))?;
         }
-        Ok(set)
+        Ok((set, stamps))
+    }
+
+    /// The stamps of `paths` in set `name` as they are now (a path that is missing or not a
+    /// regular file is an error).
+    pub fn stamps<'a>(
+        &self,
+        name: &str,
+        paths: impl IntoIterator<Item = &'a str>,
+    ) -> Result<Stamps> {
+        let dir = self.set_dir(name);
+        paths
+            .into_iter()
+            .map(|path| {
+                let full = dir.join(path);
+                let metadata = fs::symlink_metadata(&full).map_err(io("inspecting", &full))?;
+                if !metadata.is_file() {
+                    return Err(Error::Unexpected(full));
+                }
+                Ok((path.to_owned(), Stamp::of(&metadata)))
+            })
+            .collect()
+    }
+
+    /// Whether every file of set `name` is on disk as `held` says: a file whose stamp still
+    /// matches is taken as is, any other is read and compared (a file rewritten with the same
+    /// content matches). False when a file differs, is missing, or has no stamp.
+    pub fn matches(&self, name: &str, held: &FileSet, stamps: &Stamps) -> bool {
+        let dir = self.set_dir(name);
+        held.iter().all(|(path, content)| {
+            let full = dir.join(path);
+            let Ok(metadata) = fs::symlink_metadata(&full) else {
+                return false;
+            };
+            if !metadata.is_file() {
+                return false;
+            }
+            if stamps.get(path) == Some(&Stamp::of(&metadata)) {
+                return true;
+            }
+            fs::read(&full).is_ok_and(|on_disk| on_disk == content.as_ref())
+        })
     }
 
     fn read_files(&self, name: &str) -> Result<BTreeMap<String, Vec<u8>>> {
+        self.read_files_stamped(name, None)
+    }
+
+    fn read_files_stamped(
+        &self,
+        name: &str,
+        mut stamps: Option<&mut Stamps>,
+    ) -> Result<BTreeMap<String, Vec<u8>>> {
         let dir = self.set_dir(name);
         let mut files = BTreeMap::new();
         match self.meta(name).map(|meta| meta.files) {
@@ -396,10 +480,13 @@ impl SetStore {
                         return Err(Error::Unexpected(full));
                     }
                     let content = fs::read(&full).map_err(io("reading", &full))?;
+                    if let Some(stamps) = stamps.as_deref_mut() {
+                        stamps.insert(path.clone(), Stamp::of(&kind));
+                    }
                     files.insert(path, content);
                 }
             }
-            _ => read_tree(&dir, "", &mut files)?,
+            _ => read_tree(&dir, "", &mut files, stamps)?,
         }
         Ok(files)
     }
@@ -407,7 +494,12 @@ impl SetStore {
 
 /// Reads every regular file under `dir` into `files`, keyed by its `/`-joined relative path;
 /// sockets and other special files (HAProxy's, made at run time) are not part of a set.
-fn read_tree(dir: &Path, prefix: &str, files: &mut BTreeMap<String, Vec<u8>>) -> Result<()> {
+fn read_tree(
+    dir: &Path,
+    prefix: &str,
+    files: &mut BTreeMap<String, Vec<u8>>,
+    mut stamps: Option<&mut Stamps>,
+) -> Result<()> {
     for entry in fs::read_dir(dir).map_err(io("listing", dir))? {
         let entry = entry.map_err(io("listing", dir))?;
         let path = entry.path();
@@ -422,8 +514,12 @@ fn read_tree(dir: &Path, prefix: &str, files: &mut BTreeMap<String, Vec<u8>>) ->
         };
         let kind = entry.file_type().map_err(io("inspecting", &path))?;
         if kind.is_dir() {
-            read_tree(&path, &relative, files)?;
+            read_tree(&path, &relative, files, stamps.as_deref_mut())?;
         } else if kind.is_file() {
+            if let Some(stamps) = stamps.as_deref_mut() {
+                let metadata = entry.metadata().map_err(io("inspecting", &path))?;
+                stamps.insert(relative.clone(), Stamp::of(&metadata));
+            }
             files.insert(relative, fs::read(&path).map_err(io("reading", &path))?);
         }
     }

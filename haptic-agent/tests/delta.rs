@@ -8,7 +8,8 @@ mod common;
 use std::path::Path;
 
 use common::{
-    Backend, Serving, TestAgent, await_body, config, free_port, get_once, listing, request,
+    Backend, Serving, TestAgent, await_body, config, free_port, get_once, listing, request, scrape,
+    value,
 };
 use haptic_agent_client::{ApplyRequest, DeltaRequest, Error, FileSet, Outcome};
 
@@ -294,6 +295,99 @@ async fn an_agent_without_the_base_answers_so_and_takes_the_whole_set() {
         Some(fourth.checksum.as_str())
     );
     agent.stop().await;
+}
+
+/// A new leader's claim (the set it wants, as a delta of no paths against itself, at its new
+/// epoch) is answered from memory while every file on disk still has the stamp it was written
+/// with; a file changed on disk sends the agent back to the disk, and the claim repairs it.
+#[tokio::test]
+async fn a_claim_is_answered_from_memory_unless_a_file_changed_on_disk() {
+    let serving = Serving::start(3).await;
+    let client = &serving.client;
+    let url = &serving.agent.url;
+    let data = &serving.agent.data;
+    let reads = || async { value(&scrape(url).await, "haptic_agent_live_set_reads_total", &[]) };
+    let live_map = || {
+        std::fs::canonicalize(data.join("current"))
+            .expect("current")
+            .join("maps/routes.map")
+    };
+    // The live set as the runtime path writes it (its unchanged files linked from the set
+    // before, which the reload path wrote).
+    let first = serving.live.clone();
+    let routes = "/ be_a\n/x be_none\n";
+    let second = request(
+        3,
+        "leader-0",
+        2,
+        with(&first.files, "maps/routes.map", routes),
+    );
+    let report = client
+        .apply_delta(url, &delta(&first, &second))
+        .await
+        .expect("runtime delta");
+    assert_eq!((report.outcome, report.reload), (Outcome::Applied, false));
+    let before = reads().await;
+
+    // 1. Nothing changed on disk: `unchanged`, the fence raised, nothing read from disk.
+    let claim = request(4, "leader-1", 3, second.files.clone());
+    let report = client
+        .apply_delta(url, &delta(&claim, &claim))
+        .await
+        .expect("claim");
+    assert_eq!(report.outcome, Outcome::Unchanged);
+    assert_eq!(client.state(url).await.expect("state").fence, Some(4));
+    assert_eq!(reads().await, before, "answered from memory");
+
+    // 2. A file edited on disk (its size and time move): the claim reads the set again,
+    //    finds the edit, and applies the set it claims over it.
+    std::fs::write(live_map(), "/ be_none\n").expect("edit");
+    let claim = request(5, "leader-2", 4, second.files.clone());
+    let report = client
+        .apply_delta(url, &delta(&claim, &claim))
+        .await
+        .expect("claim over an edit");
+    assert_eq!(report.outcome, Outcome::Applied, "{report:?}");
+    assert_eq!(reads().await, before + 1.0, "read from disk once");
+    assert_eq!(std::fs::read_to_string(live_map()).expect("map"), routes);
+    assert_eq!(await_body(serving.port, "backend a").await, "backend a");
+
+    // 3. An edit that keeps the size and puts the time back leaves the stamps as they were;
+    //    the drift check (`/v1/state`, which hashes the files on disk) finds it, and the agent
+    //    drops the set from memory: the leader's claim then learns what is on disk
+    //    (`base_mismatch`), and the whole set repairs it.
+    let map = live_map();
+    let stamp = std::fs::metadata(&map)
+        .and_then(|m| m.modified())
+        .expect("mtime");
+    std::fs::write(&map, "/ be_a\n/x be_zzzz\n").expect("edit");
+    std::fs::File::options()
+        .write(true)
+        .open(&map)
+        .and_then(|file| file.set_modified(stamp))
+        .expect("put the time back");
+    let state = client.state(url).await.expect("state");
+    assert_ne!(
+        state.live_checksum.as_deref(),
+        Some(claim.checksum.as_str())
+    );
+    let claim = request(6, "leader-3", 5, second.files.clone());
+    match client.apply_delta(url, &delta(&claim, &claim)).await {
+        Err(Error::BaseMismatch { live_checksum }) => {
+            assert_eq!(live_checksum, state.live_checksum, "what is on disk");
+        }
+        other => panic!("expected base_mismatch, got {other:?}"),
+    }
+    assert_eq!(reads().await, before + 2.0);
+    let report = client.apply(url, &claim).await.expect("whole set");
+    assert_eq!(report.outcome, Outcome::Applied, "{report:?}");
+    assert_eq!(std::fs::read_to_string(live_map()).expect("map"), routes);
+    let state = client.state(url).await.expect("state");
+    assert_eq!(
+        state.live_checksum.as_deref(),
+        Some(claim.checksum.as_str())
+    );
+    serving.agent.stop().await;
 }
 
 fn serving_routes(port: u16, backend: &Backend, route_to: &str) -> FileSet {

@@ -68,6 +68,9 @@ pub struct Options {
     pub agent_channel: crate::channel::AgentChannel,
     /// The reconciler's coalescing window.
     pub reconcile_window: Duration,
+    /// How often at most a replica that does not lead renders, to keep its renderer warm for
+    /// a handoff ([`crate::standby`]; none: never).
+    pub standby_render_interval: Option<Duration>,
     /// The admission webhook (none: off).
     pub webhook: Option<crate::webhook::WebhookSettings>,
     /// What `/metrics` on the health address serves (none: 404).
@@ -207,6 +210,11 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
         .all_replicas("reconciler", {
             let window = options.reconcile_window;
             move |bus, token| reconciler::component(window, bus, token)
+        })
+        .all_replicas("warm-standby", {
+            let cache = cache.clone();
+            let interval = options.standby_render_interval;
+            move |bus, token| crate::standby::component(cache.clone(), interval, bus, token)
         })
         .leader_only(
             "coordinator",

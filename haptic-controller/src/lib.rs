@@ -7,7 +7,7 @@
 //! One module per component, named as in the design (`CONTROLLER.md`): [`config_loader`],
 //! [`credentials`], [`watchers`] (resource watchers), [`reconciler`], [`pod_discovery`],
 //! [`state`] (state cache), [`health`], [`debug`] (the observer and `/debug/vars`),
-//! [`metrics`]; leader only: [`coordinator`], [`render_gate`],
+//! [`metrics`], [`standby`] (the warm standby: renders while not leading); leader only: [`coordinator`], [`render_gate`],
 //! [`scheduler`] (deployment scheduler and deployer), [`drift`], [`status`]. [`daemon`] wires
 //! them on a haptic-eventbus bus through haptic-leadership; [`crd`] is the custom resource.
 //!
@@ -47,6 +47,7 @@ pub mod recorder;
 pub mod reference;
 pub mod render_gate;
 pub mod scheduler;
+pub mod standby;
 pub mod state;
 pub mod status;
 pub mod status_applier;

@@ -28,8 +28,9 @@ use crate::{events::ControllerEvent, state::StateCache};
 pub const BUCKETS: [f64; 10] = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
 
 /// Every metric name the controller exports (the leadership adapter's three included).
-pub const NAMES: [&str; 15] = [
+pub const NAMES: [&str; 16] = [
     "haptic_change_to_render_seconds",
+    "haptic_standby_renders_total",
     "haptic_reconciliation_duration_seconds",
     "haptic_reconciliation_total",
     "haptic_reconciliation_errors_total",
@@ -88,6 +89,8 @@ pub struct Metrics {
     pub events_published: Counter<u64>,
     /// `haptic_webhook_requests_total{gvk,result}`: admission reviews answered.
     pub webhook_requests: Counter<u64>,
+    /// `haptic_standby_renders_total`: renders of the warm standby (a replica not leading).
+    pub standby_renders: Counter<u64>,
 }
 
 impl Metrics {
@@ -141,6 +144,11 @@ impl Metrics {
                 "haptic_webhook_requests_total",
                 "Admission reviews answered, by the object's group/version/kind and the answer.",
             ),
+            standby_renders: counter(
+                meter,
+                "haptic_standby_renders_total",
+                "Renders of the warm standby: a replica that does not lead keeping its renderer warm for a handoff (the set dropped).",
+            ),
         };
         // Counters are on the page from the start, at 0 (an alert on their rate needs them).
         for counter in [
@@ -149,6 +157,7 @@ impl Metrics {
             &metrics.deployment_total,
             &metrics.deployment_errors,
             &metrics.events_published,
+            &metrics.standby_renders,
         ] {
             counter.add(0, &[]);
         }
@@ -194,6 +203,11 @@ impl Metrics {
     /// Records the wait from a store change to the render that covers it.
     pub fn change_to_render(&self, waited: Duration) {
         self.change_to_render.record(waited.as_secs_f64(), &[]);
+    }
+
+    /// Counts one render of the warm standby.
+    pub fn standby_render(&self) {
+        self.standby_renders.add(1, &[]);
     }
 
     /// Records one apply's answer.

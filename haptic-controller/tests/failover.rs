@@ -241,6 +241,19 @@ async fn a_new_leader_claims_the_agents_without_resending_their_set() {
         .iter()
         .position(|c| c.name == first)
         .expect("leader is ours");
+    // The follower keeps its renderer warm (the warm standby) for the handoff.
+    let follower = &replicas[1 - index];
+    eventually(
+        "the follower renders as a warm standby",
+        Duration::from_secs(20),
+        || async {
+            let renders = follower
+                .metric_value("haptic_standby_renders_total")
+                .await?;
+            (renders >= 1.0).then_some(())
+        },
+    )
+    .await;
     let mut leaving = replicas.remove(index);
     leaving.signal("TERM");
     leaving.exited(Duration::from_secs(25)).await;

@@ -162,6 +162,7 @@ async fn metrics_alerts_debug_state_and_json_logs_after_a_deploy() {
     let scrape = parse(&page);
     let expected: BTreeMap<&str, &str> = BTreeMap::from([
         ("haptic_change_to_render_seconds", "histogram"),
+        ("haptic_standby_renders_total", "counter"),
         ("haptic_reconciliation_duration_seconds", "histogram"),
         ("haptic_reconciliation_total", "counter"),
         ("haptic_reconciliation_errors_total", "counter"),

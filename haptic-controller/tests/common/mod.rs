@@ -712,6 +712,17 @@ impl Controller {
         .map(|(_, body)| body)
     }
 
+    /// The value of the unlabelled counter or gauge `name` on `/metrics`.
+    #[allow(dead_code)]
+    pub async fn metric_value(&self, name: &str) -> Option<f64> {
+        let page = self.metrics().await?;
+        page.lines().find_map(|line| {
+            let mut words = line.split_whitespace();
+            (words.next()? == name).then_some(())?;
+            words.next()?.parse().ok()
+        })
+    }
+
     pub async fn probe(&self, path: &str) -> Option<u16> {
         get(&format!("127.0.0.1:{}", self.health), "localhost", path)
             .await

@@ -312,14 +312,23 @@ async fn a_claim_is_answered_from_memory_unless_a_file_changed_on_disk() {
             .expect("current")
             .join("maps/routes.map")
     };
+    // A claim of the set the reload path wrote.
+    let first = serving.live.clone();
+    let before = reads().await;
+    let claim = request(3, "leader-0", 2, first.files.clone());
+    let report = client
+        .apply_delta(url, &delta(&claim, &claim))
+        .await
+        .expect("claim");
+    assert_eq!(report.outcome, Outcome::Unchanged);
+    assert_eq!(reads().await, before, "answered from memory");
     // The live set as the runtime path writes it (its unchanged files linked from the set
     // before, which the reload path wrote).
-    let first = serving.live.clone();
     let routes = "/ be_a\n/x be_none\n";
     let second = request(
         3,
         "leader-0",
-        2,
+        3,
         with(&first.files, "maps/routes.map", routes),
     );
     let report = client

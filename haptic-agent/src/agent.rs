@@ -429,6 +429,7 @@ impl Agent {
         let agent = self.clone();
         let started = Instant::now();
         let result = tokio::spawn(async move {
+            let _in_flight = agent.shared.metrics.apply_started();
             let policy = agent.shared.config.policy.clone();
             let (request, (violations, roles)) = blocking(move || {
                 check_request(request).map(|request| {
@@ -475,6 +476,7 @@ impl Agent {
         let agent = self.clone();
         let started = Instant::now();
         let result = tokio::spawn(async move {
+            let _in_flight = agent.shared.metrics.apply_started();
             haptic_agent_client::protocol::validate_leader(&delta.leader)
                 .map_err(|error| Error::BadRequest(error.to_string()))?;
             let live = agent.live_set().await?;

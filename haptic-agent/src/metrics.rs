@@ -52,6 +52,8 @@ pub const RELOADS_AVOIDED_TOTAL: &str = "haptic_agent_reloads_avoided_total";
 pub const DELTAS_TOTAL: &str = "haptic_agent_deltas_total";
 /// The live set read from disk and hashed whole (not held in memory, or not as on disk).
 pub const LIVE_SET_READS_TOTAL: &str = "haptic_agent_live_set_reads_total";
+/// Applies being worked on now (at most one past the fence at a time; others wait for it).
+pub const APPLIES_IN_FLIGHT: &str = "haptic_agent_applies_in_flight";
 /// `haptic_agent_reload_duration_seconds`.
 pub const RELOAD_DURATION: &str = "haptic_agent_reload_duration_seconds";
 /// `haptic_agent_check_duration_seconds`.
@@ -93,6 +95,9 @@ pub struct Metrics {
     live_set_reads: Counter<u64>,
     /// The same count, for `/v1/state`.
     reloads_avoided_count: AtomicU64,
+    /// Applies in flight, read at each collection.
+    in_flight: Arc<AtomicU64>,
+    _in_flight_gauge: opentelemetry::metrics::ObservableGauge<u64>,
     // Kept so the callback lives as long as the agent.
     _cli_connections: Option<ObservableCounter<u64>>,
 }
@@ -101,7 +106,17 @@ impl Metrics {
     /// The instruments on `meter`; `cli_connections` (read at each collection) backs
     /// `haptic_agent_master_cli_connections_total`.
     pub fn new(meter: &Meter, cli_connections: Option<Arc<dyn Fn() -> u64 + Send + Sync>>) -> Self {
+        let in_flight = Arc::new(AtomicU64::new(0));
+        let read = in_flight.clone();
         let metrics = Self {
+            _in_flight_gauge: meter
+                .u64_observable_gauge(APPLIES_IN_FLIGHT)
+                .with_description(
+                    "Applies being worked on now (one past the fence at a time, the rest waiting for it).",
+                )
+                .with_callback(move |observer| observer.observe(read.load(Ordering::Relaxed), &[]))
+                .build(),
+            in_flight,
             applies: counter(meter, APPLIES_TOTAL, "Applies by outcome."),
             fence: gauge(meter, FENCE, "The highest fencing epoch accepted."),
             generation: gauge(meter, LIVE_GENERATION, "Generation of the live set."),
@@ -145,6 +160,12 @@ impl Metrics {
         metrics.deltas.add(0, &[]);
         metrics.live_set_reads.add(0, &[]);
         metrics
+    }
+
+    /// An apply starts: counted in flight until the guard drops.
+    pub fn apply_started(&self) -> InFlight {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(self.in_flight.clone())
     }
 
     /// Counts a read of the whole live set from disk.
@@ -210,5 +231,15 @@ impl Default for Metrics {
     /// one), without the master CLI counter.
     fn default() -> Self {
         Self::new(&opentelemetry::global::meter("haptic-agent"), None)
+    }
+}
+
+/// An apply in flight ([`Metrics::apply_started`]); dropping it ends it.
+#[derive(Debug)]
+pub struct InFlight(Arc<AtomicU64>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }

@@ -288,6 +288,9 @@ async fn an_apply_behind_a_long_one_waits_at_most_the_lock_timeout() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    let in_flight =
+        |metrics: &prometheus_parse::Scrape| value(metrics, "haptic_agent_applies_in_flight", &[]);
+    assert_eq!(in_flight(&scrape(&agent.url).await), 1.0, "the slow apply");
     let once = haptic_agent_client::AgentClient::new(
         haptic_agent_client::ClientConfig::new(TOKEN).with_retries(1, Duration::from_millis(10)),
     )
@@ -304,5 +307,6 @@ async fn an_apply_behind_a_long_one_waits_at_most_the_lock_timeout() {
     }
     assert!(waited < Duration::from_secs(2), "waited {waited:?}");
     slow_apply.await.expect("task").expect("the slow apply");
+    assert_eq!(in_flight(&scrape(&agent.url).await), 0.0, "all answered");
     agent.stop().await;
 }

@@ -415,10 +415,26 @@ async fn handoff(
         {
             let at = first["at_ms"].as_u64().unwrap_or(start_ms);
             last_answer = last_answer.max(at.saturating_sub(start_ms));
+            let reads = agent.fetch("/metrics").await.and_then(|page| {
+                page.lines().find_map(|line| {
+                    line.strip_prefix("haptic_agent_live_set_reads_total ")
+                        .and_then(|value| value.trim().parse::<f64>().ok())
+                })
+            });
             outcomes.push(format!(
-                "{} {} (paths {})",
-                agent.name, first["outcome"], first["delta_paths"]
+                "{} {} (paths {}, {:.1} ms in the agent; whole reads of its live set so far: {})",
+                agent.name,
+                first["outcome"],
+                first["delta_paths"],
+                first["took_us"].as_f64().unwrap_or(f64::NAN) / 1000.0,
+                reads.map_or("?".to_owned(), |reads| format!("{reads:.0}"))
             ));
+            if let Some(log) = agent.data.parent().map(|dir| dir.join("agent.log")) {
+                let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench");
+                let _ = std::fs::create_dir_all(&dir).and_then(|()| {
+                    std::fs::copy(&log, dir.join(format!("handoff-{}.log", agent.name)))
+                });
+            }
         }
     }
     let from_signal = Duration::from_millis(last_answer);
@@ -645,16 +661,73 @@ async fn main() {
             json.insert(format!("endpoint_change_{n}_p99_ms"), json!(ms(p99)));
             json.insert(format!("endpoint_change_{n}_reloads"), json!(reloads));
 
-            // Graceful handoff.
+            // Graceful handoff, from a quiet fleet: HAProxy serves an endpoint change through
+            // the runtime API before the agent has written the set to disk, and a claim waits
+            // behind an apply in flight (the old leader's), which is not the handoff's time.
+            let quiet = Instant::now();
+            for agent in &fleet {
+                loop {
+                    let in_flight = agent.fetch("/metrics").await.and_then(|page| {
+                        page.lines().find_map(|line| {
+                            line.strip_prefix("haptic_agent_applies_in_flight ")
+                                .and_then(|value| value.trim().parse::<f64>().ok())
+                        })
+                    });
+                    if in_flight == Some(0.0) {
+                        break;
+                    }
+                    if quiet.elapsed() > Duration::from_secs(60) {
+                        eprintln!("{}: an apply still in flight after 60 s", agent.name);
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+            eprintln!(
+                "before the handoff, the agents finished the last apply after {:.0} ms",
+                ms(quiet.elapsed())
+            );
             let epoch = cluster.lease_epoch().await.expect("epoch");
             let mut leaving = replicas.remove(lead);
             let (from_signal, from_claim, outcomes) =
                 handoff(&cluster, &fleet, &mut leaving, epoch).await;
             leaving.exited(Duration::from_secs(25)).await;
+            // The new leader's log, kept to say where the handoff's time went.
+            if let Some(new) = replicas.first() {
+                let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench");
+                let kept = dir.join(format!("handoff-{n}-new-leader.log"));
+                if std::fs::create_dir_all(&dir)
+                    .and_then(|()| std::fs::copy(&new.log, &kept))
+                    .is_ok()
+                {
+                    eprintln!("the new leader's log: {}", kept.display());
+                }
+            }
+            // The new leader's renders so far (the first, and any since).
+            let (renders, render_s) = match replicas.first() {
+                Some(new) => (
+                    new.metric_value("haptic_reconciliation_duration_seconds_count")
+                        .await,
+                    new.metric_value("haptic_reconciliation_duration_seconds_sum")
+                        .await,
+                ),
+                None => (None, None),
+            };
+            let render_note = match (renders, render_s) {
+                (Some(count), Some(sum)) => format!(
+                    "; the new leader's renders since: {count:.0}, {:.0} ms in all",
+                    sum * 1000.0
+                ),
+                _ => String::new(),
+            };
+            json.insert(
+                format!("handoff_{n}_new_leader_render_ms"),
+                json!(render_s.map(|sum| sum * 1000.0)),
+            );
             push(
                 &mut rows,
                 format!(
-                    "| graceful handoff, {n} Ingresses: the new leader's epoch claim (SIGTERM) -> its first apply answered by all 3 agents ({}) | {} ({:.0} ms) | <= 250 ms |",
+                    "| graceful handoff, {n} Ingresses: the new leader's epoch claim (SIGTERM) -> its first apply answered by all 3 agents ({}{render_note}) | {} ({:.0} ms) | <= 250 ms |",
                     outcomes.join(", "),
                     from_claim.map_or("?".to_owned(), |d| format!("{:.0} ms", ms(d))),
                     ms(from_signal)

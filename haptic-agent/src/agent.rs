@@ -126,6 +126,23 @@ enum Runtime {
     },
 }
 
+/// Where the runtime path's write of the set went, in microseconds (logged with its answer).
+#[derive(Debug, Default)]
+struct WritePhases {
+    /// The staging directory: changed files written, the others hard-linked.
+    stage_us: u64,
+    /// The fsyncs of the changed files and of the directories.
+    sync_us: u64,
+    /// The rename into `sets/` and the metadata written.
+    promote_us: u64,
+    /// `last-known-good` and `current` swapped.
+    links_us: u64,
+    /// The set before last-known-good removed.
+    retain_us: u64,
+    /// The new set's stamps.
+    stamps_us: u64,
+}
+
 /// A set just made `current`, to be loaded.
 struct Swapped {
     checksum: String,
@@ -826,17 +843,28 @@ impl Agent {
         };
         let previous = live_name.to_owned();
         let base_stamps = self.held(live_name).and_then(|held| held.stamps.clone());
-        let written = blocking(move || -> Result<(String, Option<Stamps>)> {
+        let written = blocking(move || -> Result<(String, Option<Stamps>, WritePhases)> {
+            let mut phases = WritePhases::default();
+            let mut phase = Instant::now();
+            let mut lap = |into: &mut u64| {
+                *into = micros(phase.elapsed());
+                phase = Instant::now();
+            };
             let linked = |path: &str| !changed.contains(path);
             let (name, _) = store.write_staged_reusing(&files, &checksum, Some(&base), linked)?;
+            lap(&mut phases.stage_us);
             if let Err(error) = store.sync_staged_reusing(&name, linked) {
                 let _ = store.discard_staged(&name);
                 return Err(error.into());
             }
+            lap(&mut phases.sync_us);
             store.promote(&name, &meta)?;
+            lap(&mut phases.promote_us);
             store.set_link(LAST_KNOWN_GOOD, Some(&previous))?;
             store.set_link(CURRENT, Some(&name))?;
+            lap(&mut phases.links_us);
             store.retain(&[name.as_str(), previous.as_str()])?;
+            lap(&mut phases.retain_us);
             // A linked file is the base's file (the same inode): its stamp carries over, so
             // only the files written now are looked at.
             let stamps = base_stamps.and_then(|base| {
@@ -853,11 +881,12 @@ impl Agent {
                 stamps.extend(store.stamps(&name, written).ok()?);
                 Some(stamps)
             });
-            Ok((name, stamps))
+            lap(&mut phases.stamps_us);
+            Ok((name, stamps, phases))
         })
         .await
         .and_then(|written| written);
-        let (name, stamps) = match written {
+        let (name, stamps, phases) = match written {
             Ok(written) => written,
             Err(error) => {
                 // HAProxy runs what the disk does not hold: load the live set again.
@@ -890,6 +919,7 @@ impl Agent {
             servers = plan.servers.len(),
             files = plan.files.len(),
             ?timing,
+            ?phases,
             "applied through the runtime API, no reload"
         );
         Ok(Runtime::Applied(ApplyResponse::Applied {

@@ -367,6 +367,23 @@ async fn endpoint_map_and_certificate_changes_apply_with_no_reload_and_survive_a
         workers,
         "HAProxy reloaded"
     );
+    // Only the live set and last-known-good stay on disk: after its answer, each runtime
+    // apply removes the set before them.
+    let set_dirs = || {
+        std::fs::read_dir(agent.data.join("sets"))
+            .expect("sets")
+            .filter(|entry| entry.as_ref().is_ok_and(|e| e.path().is_dir()))
+            .count()
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while set_dirs() != 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} sets on disk",
+            set_dirs()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     // The last state is the one served: 127.0.0.7 answers, 127.0.0.2 no longer does.
     await_get(http_port, "web.test", "backend 127.0.0.7")
         .await

@@ -241,7 +241,7 @@ struct RunArgs {
     #[arg(
         long,
         env = "HAPTIC_STANDBY_RENDER_INTERVAL_MS",
-        default_value_t = 1000
+        default_value_t = haptic_controller::standby::DEFAULT_INTERVAL.as_millis() as u64
     )]
     standby_render_interval_ms: u64,
     /// Where /debug/vars listens [default: nowhere].

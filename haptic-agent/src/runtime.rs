@@ -12,6 +12,15 @@
 //! - files HAProxy loaded as certificates (`show ssl cert`): `set ssl cert` with the new PEM,
 //!   then `commit ssl cert`.
 //!
+//! The order keeps a map entry from ever pointing at a backend whose servers belong to
+//! something else (a pool of spare backends, `pool_<n>`, handed from one Service to another
+//! through a map): of the backends whose servers change, those no live entry of a changed map
+//! names are set first; then each changed map gets an intermediate version without the
+//! entries that would point at a backend still to change (see `staged_map`; usually that
+//! is the new version, and the only commit); then the servers of the backends live entries
+//! name are set; then the maps get their new versions; certificates last. The agent knows no
+//! file names: it only compares map values with the names of backends whose servers change.
+//!
 //! Every change is verified afterwards (`show servers state`, `show map`, `show ssl cert`
 //! with the new certificate's SHA-1 fingerprint). Anything else, a command that fails or a
 //! change that does not verify is an [`Error`], and the agent takes its reload path, which
@@ -20,7 +29,11 @@
 //! Commands go to the current worker by pid (`@!<pid>`), one master CLI connection per
 //! batch of at most [`MAX_REQUEST`] bytes.
 
-use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::SocketAddr,
+    time::Duration,
+};
 
 use haptic_agent_client::{FileSet, protocol::MAIN_CONFIG};
 use rustls::pki_types::{CertificateDer, pem::PemObject as _};
@@ -123,6 +136,9 @@ pub struct Plan {
     /// Files other than `haproxy.cfg` whose contents changed (maps or certificates, told
     /// apart by what HAProxy loaded), with their new contents.
     pub files: Vec<(String, bytes::Bytes)>,
+    /// The live contents of each of `files`, in the same order: a map's live entries decide
+    /// the order of the apply (see `staged_map`). Shorter than `files` needs a reload.
+    pub live_files: Vec<bytes::Bytes>,
 }
 
 impl Plan {
@@ -260,6 +276,7 @@ pub fn plan(live: &FileSet, new: &FileSet) -> Result<Plan> {
             plan.servers = config_changes(text(old)?, text(content)?)?;
         } else {
             plan.files.push((path.to_owned(), content.clone()));
+            plan.live_files.push(old.clone());
         }
     }
     Ok(plan)
@@ -290,17 +307,133 @@ pub fn fingerprint(pem: &[u8]) -> Option<String> {
     Some(hex::encode_upper(Sha1::digest(first.as_ref())))
 }
 
-/// One file changed at run time, classified by what HAProxy loaded.
-enum FileKind<'a> {
+/// A changed file HAProxy loaded as a certificate.
+struct Cert<'a> {
+    path: &'a str,
+    pem: String,
+    fingerprint: String,
+}
+
+/// A changed file HAProxy loaded as a map: its live entries and its new ones.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct MapChange<'a> {
+    path: &'a str,
+    old: Vec<(&'a str, &'a str)>,
+    new: Vec<(&'a str, &'a str)>,
+}
+
+/// One step of a runtime apply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Step<'a> {
+    /// Set these servers, then verify them.
+    Servers(Vec<&'a ServerChange>),
+    /// Commit this version of a map, then verify it.
     Map {
         path: &'a str,
         entries: Vec<(&'a str, &'a str)>,
     },
-    Cert {
-        path: &'a str,
-        pem: String,
-        fingerprint: String,
-    },
+}
+
+/// The backends whose servers change and that a live entry of a changed map names (by
+/// value): their servers may belong to something else after the change, so no map entry
+/// may point at them while they change unless it did before and still does.
+fn held_backends<'a>(servers: &'a [ServerChange], maps: &[MapChange<'_>]) -> BTreeSet<&'a str> {
+    let named: BTreeSet<&str> = maps
+        .iter()
+        .flat_map(|map| map.old.iter().map(|&(_, value)| value))
+        .collect();
+    servers
+        .iter()
+        .map(|change| change.backend.as_str())
+        .filter(|backend| named.contains(backend))
+        .collect()
+}
+
+/// The version of a map to commit before the servers of the `held` backends change, or
+/// `None` when that is the new version itself (one commit, the usual case).
+///
+/// Key by key, in the new order and then the live keys the new version drops: an entry
+/// that keeps its value stays; else the new value, unless it names a held backend (whose
+/// servers are not yet the ones the entry means); else the live value, unless that names a
+/// held backend (whose servers are about to become something else's); else the key is left
+/// out until the new version. Nothing held: no intermediate, since no server changes
+/// between the two commits.
+fn staged_map<'a>(
+    held: &BTreeSet<&str>,
+    old: &[(&'a str, &'a str)],
+    new: &[(&'a str, &'a str)],
+) -> Option<Vec<(&'a str, &'a str)>> {
+    if held.is_empty() {
+        return None;
+    }
+    // A repeated key matches its first entry, as in HAProxy's lookups.
+    let mut live: BTreeMap<&str, &str> = BTreeMap::new();
+    for &(key, value) in old {
+        live.entry(key).or_insert(value);
+    }
+    let wanted: BTreeSet<&str> = new.iter().map(|&(key, _)| key).collect();
+    let free = |value: &str| !held.contains(value);
+    let mut staged = Vec::with_capacity(new.len());
+    for &(key, value) in new {
+        match live.get(key) {
+            Some(&was) if was == value => staged.push((key, value)),
+            _ if free(value) => staged.push((key, value)),
+            Some(&was) if free(was) => staged.push((key, was)),
+            _ => {}
+        }
+    }
+    staged.extend(
+        old.iter()
+            .filter(|&&(key, value)| !wanted.contains(key) && free(value)),
+    );
+    (staged != new).then_some(staged)
+}
+
+/// The steps of a runtime apply, in order: the servers of backends no live map entry names;
+/// each map's intermediate version (or its new one); the servers of the held backends
+/// ([`held_backends`]); the new versions of maps that had an intermediate one.
+fn schedule<'a>(servers: &'a [ServerChange], maps: Vec<MapChange<'a>>) -> Vec<Step<'a>> {
+    let held = held_backends(servers, &maps);
+    let (later, first): (Vec<&ServerChange>, Vec<&ServerChange>) = servers
+        .iter()
+        .partition(|change| held.contains(change.backend.as_str()));
+    let mut steps = Vec::new();
+    if !first.is_empty() {
+        steps.push(Step::Servers(first));
+    }
+    let mut last = Vec::new();
+    for map in maps {
+        let path = map.path;
+        match staged_map(&held, &map.old, &map.new) {
+            Some(staged) => {
+                steps.push(Step::Map {
+                    path,
+                    entries: staged,
+                });
+                last.push(Step::Map {
+                    path,
+                    entries: map.new,
+                });
+            }
+            None => steps.push(Step::Map {
+                path,
+                entries: map.new,
+            }),
+        }
+    }
+    if !later.is_empty() {
+        steps.push(Step::Servers(later));
+    }
+    steps.extend(last);
+    steps
+}
+
+/// Whether a map entry cannot go through `add map`: no value, or characters the runtime
+/// API would not carry as they are.
+fn unsendable(entries: &[(&str, &str)]) -> bool {
+    entries
+        .iter()
+        .any(|(key, value)| value.is_empty() || unsafe_text(key) || unsafe_text(value))
 }
 
 /// The runtime API of one HAProxy worker, through the master socket.
@@ -446,27 +579,35 @@ async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
     worker.prefix = format!("@!{pid}");
 
     // Classify and check every file before changing anything.
-    let mut kinds = Vec::new();
+    let (mut maps, mut certs) = (Vec::new(), Vec::new());
     if !plan.files.is_empty() {
-        let maps = worker.ask("show map").await?;
-        let certs = worker.ask("show ssl cert").await?;
-        let (maps, certs) = (listed_maps(&maps), listed_certs(&certs));
-        for (path, content) in &plan.files {
+        if plan.live_files.len() != plan.files.len() {
+            return Err(Error::NeedsReload(
+                "the plan lacks the live contents of its files".to_owned(),
+            ));
+        }
+        let listed = worker.ask("show map").await?;
+        let loaded = worker.ask("show ssl cert").await?;
+        let (listed, loaded) = (listed_maps(&listed), listed_certs(&loaded));
+        for ((path, content), live) in plan.files.iter().zip(&plan.live_files) {
             let text = std::str::from_utf8(content)
                 .map_err(|_| Error::NeedsReload(format!("{path} is not text")))?;
-            if maps.contains(&path.as_str()) {
+            if listed.contains(&path.as_str()) {
                 let entries = map_entries(text);
-                if entries
-                    .iter()
-                    .any(|(key, value)| value.is_empty() || unsafe_text(key) || unsafe_text(value))
-                {
+                if unsendable(&entries) {
                     return Err(Error::NeedsReload(format!(
                         "map {path} has an entry without a value or with characters the \
                          runtime API would not carry as they are"
                     )));
                 }
-                kinds.push(FileKind::Map { path, entries });
-            } else if certs.contains(&path.as_str()) {
+                let live = std::str::from_utf8(live)
+                    .map_err(|_| Error::NeedsReload(format!("the live {path} is not text")))?;
+                maps.push(MapChange {
+                    path,
+                    old: map_entries(live),
+                    new: entries,
+                });
+            } else if loaded.contains(&path.as_str()) {
                 let pem: String = text
                     .lines()
                     .filter(|line| !line.trim().is_empty())
@@ -479,7 +620,7 @@ async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
                         "{path} is over {MAX_CERT_PAYLOAD} bytes, more than the runtime API takes"
                     )));
                 }
-                kinds.push(FileKind::Cert {
+                certs.push(Cert {
                     path,
                     pem,
                     fingerprint,
@@ -492,32 +633,43 @@ async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
         }
     }
 
-    if !plan.servers.is_empty() {
-        let commands: Vec<String> = plan
-            .servers
-            .iter()
-            .flat_map(ServerChange::commands)
-            .collect();
-        let answers = worker.change_all(&commands).await?;
-        debug!(commands = commands.len(), %answers, "server commands sent");
-        verify_servers(worker, &plan.servers).await?;
+    let steps = schedule(&plan.servers, maps);
+    // An intermediate version may keep a live entry the new one drops.
+    if let Some(path) = steps.iter().find_map(|step| match step {
+        Step::Map { path, entries } if unsendable(entries) => Some(path),
+        _ => None,
+    }) {
+        return Err(Error::NeedsReload(format!(
+            "map {path} would keep a live entry the runtime API would not carry as it is"
+        )));
     }
-    for kind in &kinds {
-        match kind {
-            FileKind::Map { path, entries } => update_map(worker, path, entries).await?,
-            FileKind::Cert {
-                path,
-                pem,
-                fingerprint,
-            } => update_cert(worker, path, pem, fingerprint).await?,
+    debug!(steps = steps.len(), "runtime steps planned");
+    for step in &steps {
+        match step {
+            Step::Servers(changes) => {
+                let commands: Vec<String> = changes
+                    .iter()
+                    .flat_map(|change| change.commands())
+                    .collect();
+                let answers = worker.change_all(&commands).await?;
+                debug!(commands = commands.len(), %answers, "server commands sent");
+                verify_servers(worker, changes).await?;
+            }
+            Step::Map { path, entries } => update_map(worker, path, entries).await?,
         }
+    }
+    // Certificates are chosen by SNI, never decide which backend a request reaches, so
+    // their place in the order cannot route one to another's servers: they go last, as
+    // before the order above existed.
+    for cert in &certs {
+        update_cert(worker, cert.path, &cert.pem, &cert.fingerprint).await?;
     }
     Ok(())
 }
 
-async fn verify_servers(worker: &Worker<'_>, changes: &[ServerChange]) -> Result<()> {
+async fn verify_servers(worker: &Worker<'_>, changes: &[&ServerChange]) -> Result<()> {
     let mut by_backend: BTreeMap<&str, Vec<&ServerChange>> = BTreeMap::new();
-    for change in changes {
+    for &change in changes {
         by_backend.entry(&change.backend).or_default().push(change);
     }
     for (backend, changes) in by_backend {
@@ -714,5 +866,316 @@ mod tests {
             listed_certs("# filename\nssl/a.pem\n*ssl/b.pem\n"),
             ["ssl/a.pem", "ssl/b.pem"]
         );
+    }
+
+    #[test]
+    fn the_plan_carries_the_live_contents_of_the_files_it_changes() {
+        let set = |pool: &str| {
+            FileSet::new()
+                .with(MAIN_CONFIG, LIVE)
+                .and_then(|set| set.with("maps/hosts.map", "a.test svc-a\n"))
+                .and_then(|set| set.with("maps/pool.map", pool.to_owned()))
+                .expect("a set")
+        };
+        let plan = plan(&set("svc-a pool_0\n"), &set("svc-b pool_0\n")).expect("runtime");
+        assert_eq!(plan.files.len(), 1);
+        assert_eq!(plan.files[0].0, "maps/pool.map");
+        assert_eq!(plan.live_files, [bytes::Bytes::from("svc-a pool_0\n")]);
+    }
+
+    /// Endpoint addresses and the Service that owns each (the placeholder: nobody).
+    const OWNERS: [(&str, &str); 5] = [
+        ("10.0.0.1:80", "svc-a"),
+        ("10.0.0.11:80", "svc-a"),
+        ("10.0.0.2:80", "svc-b"),
+        ("10.0.0.3:80", "svc-k"),
+        ("127.0.0.1:1", ""),
+    ];
+
+    fn owner(address: SocketAddr) -> &'static str {
+        let address = address.to_string();
+        OWNERS
+            .iter()
+            .find(|(a, _)| *a == address)
+            .map_or("?", |(_, owner)| owner)
+    }
+
+    /// Slot `server` of `backend` from one endpoint to another (`None`: the disabled
+    /// placeholder `haptic-render` writes).
+    fn slot(backend: &str, server: &str, from: Option<&str>, to: Option<&str>) -> ServerChange {
+        let spec = |address: Option<&str>| ServerSpec {
+            address: address
+                .unwrap_or("127.0.0.1:1")
+                .parse()
+                .expect("an address"),
+            weight: 1,
+            enabled: address.is_some(),
+        };
+        ServerChange {
+            backend: backend.to_owned(),
+            server: server.to_owned(),
+            from: spec(from),
+            to: spec(to),
+        }
+    }
+
+    fn pool_map<'a>(old: &[(&'a str, &'a str)], new: &[(&'a str, &'a str)]) -> MapChange<'a> {
+        MapChange {
+            path: "maps/pool.map",
+            old: old.to_vec(),
+            new: new.to_vec(),
+        }
+    }
+
+    /// The order before this one: every server, then every map.
+    fn todays_order<'a>(servers: &'a [ServerChange], maps: Vec<MapChange<'a>>) -> Vec<Step<'a>> {
+        let mut steps = vec![Step::Servers(servers.iter().collect())];
+        steps.extend(maps.into_iter().map(|map| Step::Map {
+            path: map.path,
+            entries: map.new,
+        }));
+        steps
+    }
+
+    /// Replays `steps` on a model of the worker (the servers the changes name, the maps)
+    /// and checks after every step that no map entry points at a backend serving another
+    /// key's endpoints (a map's key is the owner of the endpoints it means), and that each
+    /// of `stays` is routed to its own endpoints; at the end, that the new state is reached.
+    fn replay(
+        servers: &[ServerChange],
+        maps: &[MapChange<'_>],
+        steps: &[Step<'_>],
+        stays: &[&str],
+    ) -> Result<(), String> {
+        let mut slots: BTreeMap<(&str, &str), ServerSpec> = servers
+            .iter()
+            .map(|c| ((c.backend.as_str(), c.server.as_str()), c.from))
+            .collect();
+        let mut live: BTreeMap<&str, Vec<(&str, &str)>> =
+            maps.iter().map(|m| (m.path, m.old.clone())).collect();
+        for (n, step) in steps.iter().enumerate() {
+            match step {
+                Step::Servers(changes) => {
+                    for change in changes {
+                        slots.insert((&change.backend, &change.server), change.to);
+                    }
+                }
+                Step::Map { path, entries } => {
+                    live.insert(path, entries.clone());
+                }
+            }
+            let serving = |backend: &str| -> Vec<&str> {
+                slots
+                    .iter()
+                    .filter(|((b, _), spec)| *b == backend && spec.enabled)
+                    .map(|(_, spec)| owner(spec.address))
+                    .collect()
+            };
+            for (key, backend) in live.values().flatten() {
+                if let Some(other) = serving(backend).iter().find(|o| *o != key) {
+                    return Err(format!(
+                        "after step {n}, {key} -> {backend} is served by {other}'s endpoints"
+                    ));
+                }
+            }
+            for key in stays {
+                let routed = live
+                    .values()
+                    .flatten()
+                    .find(|(k, _)| k == key)
+                    .is_some_and(|(_, backend)| !serving(backend).is_empty());
+                if !routed {
+                    return Err(format!("after step {n}, {key} is not served"));
+                }
+            }
+        }
+        for change in servers {
+            assert_eq!(
+                slots[&(change.backend.as_str(), change.server.as_str())],
+                change.to
+            );
+        }
+        for map in maps {
+            assert_eq!(live[map.path], map.new, "{}", map.path);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_pool_backend_handed_to_another_service_is_never_routed_to_by_the_wrong_one() {
+        // svc-a leaves pool_17, svc-b takes it; svc-k on pool_3 is untouched.
+        let servers = [slot(
+            "pool_17",
+            "s1",
+            Some("10.0.0.1:80"),
+            Some("10.0.0.2:80"),
+        )];
+        let maps = vec![pool_map(
+            &[("svc-k", "pool_3"), ("svc-a", "pool_17")],
+            &[("svc-k", "pool_3"), ("svc-b", "pool_17")],
+        )];
+        let held = held_backends(&servers, &maps);
+        assert_eq!(held, BTreeSet::from(["pool_17"]));
+        assert_eq!(
+            staged_map(&held, &maps[0].old, &maps[0].new),
+            Some(vec![("svc-k", "pool_3")]),
+            "neither svc-a nor svc-b points at pool_17 while it changes hands"
+        );
+        let steps = schedule(&servers, maps.clone());
+        assert_eq!(
+            steps,
+            [
+                Step::Map {
+                    path: "maps/pool.map",
+                    entries: vec![("svc-k", "pool_3")]
+                },
+                Step::Servers(vec![&servers[0]]),
+                Step::Map {
+                    path: "maps/pool.map",
+                    entries: maps[0].new.clone()
+                },
+            ]
+        );
+        assert_eq!(replay(&servers, &maps, &steps, &[]), Ok(()));
+        // The order before: pool_17 gets svc-b's endpoints while svc-a still points at it.
+        let leak = replay(&servers, &maps, &todays_order(&servers, maps.clone()), &[]);
+        assert_eq!(
+            leak,
+            Err("after step 0, svc-a -> pool_17 is served by svc-b's endpoints".to_owned())
+        );
+    }
+
+    #[test]
+    fn a_service_moving_to_a_spare_backend_never_loses_service() {
+        // svc-a moves from pool_17 to the spare pool_12, which is filled first.
+        let servers = [
+            slot("pool_17", "s1", Some("10.0.0.1:80"), None),
+            slot("pool_12", "s1", None, Some("10.0.0.1:80")),
+        ];
+        let maps = vec![pool_map(&[("svc-a", "pool_17")], &[("svc-a", "pool_12")])];
+        let steps = schedule(&servers, maps.clone());
+        assert_eq!(
+            steps,
+            [
+                Step::Servers(vec![&servers[1]]),
+                Step::Map {
+                    path: "maps/pool.map",
+                    entries: vec![("svc-a", "pool_12")]
+                },
+                Step::Servers(vec![&servers[0]]),
+            ],
+            "one commit: the new map is safe as soon as pool_12 is set"
+        );
+        assert_eq!(replay(&servers, &maps, &steps, &["svc-a"]), Ok(()));
+        assert_eq!(
+            replay(
+                &servers,
+                &maps,
+                &todays_order(&servers, maps.clone()),
+                &["svc-a"]
+            ),
+            Err("after step 0, svc-a is not served".to_owned())
+        );
+    }
+
+    #[test]
+    fn endpoint_changes_and_new_services_on_spares_take_one_commit() {
+        // An endpoint change of a used backend, no map change: the servers, as before.
+        let servers = [slot(
+            "pool_17",
+            "s1",
+            Some("10.0.0.1:80"),
+            Some("10.0.0.11:80"),
+        )];
+        assert_eq!(
+            schedule(&servers, Vec::new()),
+            [Step::Servers(vec![&servers[0]])]
+        );
+        // The same, while svc-b takes the spare pool_1: pool_1 first, the new map in one
+        // commit (svc-a keeps its entry), then pool_17.
+        let servers = [
+            servers[0].clone(),
+            slot("pool_1", "s2", None, Some("10.0.0.2:80")),
+        ];
+        let maps = vec![pool_map(
+            &[("svc-a", "pool_17")],
+            &[("svc-a", "pool_17"), ("svc-b", "pool_1")],
+        )];
+        let steps = schedule(&servers, maps.clone());
+        assert_eq!(
+            steps,
+            [
+                Step::Servers(vec![&servers[1]]),
+                Step::Map {
+                    path: "maps/pool.map",
+                    entries: maps[0].new.clone()
+                },
+                Step::Servers(vec![&servers[0]]),
+            ]
+        );
+        assert_eq!(replay(&servers, &maps, &steps, &["svc-a"]), Ok(()));
+        // A new route whose value names no backend (a host to a Service name): one commit.
+        let hosts = MapChange {
+            path: "maps/hosts.map",
+            old: vec![("a.test", "svc-a")],
+            new: vec![("a.test", "svc-a"), ("b.test", "svc-b")],
+        };
+        assert_eq!(
+            schedule(&[], vec![hosts.clone()]),
+            [Step::Map {
+                path: "maps/hosts.map",
+                entries: hosts.new.clone()
+            }]
+        );
+        let held = BTreeSet::from(["pool_17"]);
+        assert_eq!(staged_map(&held, &hosts.old, &hosts.new), None);
+    }
+
+    #[test]
+    fn the_intermediate_map_keeps_what_is_safe_key_by_key() {
+        let held = BTreeSet::from(["pool_1", "pool_2"]);
+        let old = [
+            ("k1", "pool_1"),
+            ("k2", "pool_9"),
+            ("k3", "pool_2"),
+            ("k4", "pool_2"),
+            ("k5", "pool_7"),
+            ("k6", "pool_2"),
+        ];
+        let new = [
+            ("k8", "svc"),
+            ("k1", "pool_1"),
+            ("k2", "pool_1"),
+            ("k3", "pool_8"),
+            ("k4", "pool_1"),
+            ("k7", "pool_2"),
+        ];
+        assert_eq!(
+            staged_map(&held, &old, &new),
+            Some(vec![
+                ("k8", "svc"),    // a new key to a free value
+                ("k1", "pool_1"), // unchanged, even though pool_1 changes (its endpoints)
+                ("k2", "pool_9"), // the new value is held: the live one until the end
+                ("k3", "pool_8"), // the live value is held, the new one free
+                // k4: both values held, left out; k7: a new key to a held value, left out
+                ("k5", "pool_7"), // a key the new version drops, to a free value
+                                  // k6: dropped, to a held value, left out
+            ])
+        );
+        // Nothing held: no intermediate, the new version at once.
+        assert_eq!(staged_map(&BTreeSet::new(), &old, &new), None);
+        // Two services swap pools: both entries wait for the new version (no spare to keep
+        // them served), and neither ever points at the other's endpoints.
+        let servers = [
+            slot("pool_1", "s1", Some("10.0.0.1:80"), Some("10.0.0.2:80")),
+            slot("pool_2", "s1", Some("10.0.0.2:80"), Some("10.0.0.1:80")),
+        ];
+        let maps = vec![pool_map(
+            &[("svc-a", "pool_1"), ("svc-b", "pool_2")],
+            &[("svc-a", "pool_2"), ("svc-b", "pool_1")],
+        )];
+        let steps = schedule(&servers, maps.clone());
+        assert_eq!(steps.len(), 3, "{steps:?}");
+        assert_eq!(replay(&servers, &maps, &steps, &[]), Ok(()));
     }
 }

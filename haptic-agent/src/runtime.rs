@@ -137,7 +137,7 @@ pub struct Plan {
     /// apart by what HAProxy loaded), with their new contents.
     pub files: Vec<(String, bytes::Bytes)>,
     /// The live contents of each of `files`, in the same order: a map's live entries decide
-    /// the order of the apply (see `staged_map`). Shorter than `files` needs a reload.
+    /// the order of the apply (see `staged_map`). Any other length needs a reload.
     pub live_files: Vec<bytes::Bytes>,
 }
 

@@ -25,6 +25,7 @@
 //! | `namespace`, `service` | the Service's |
 //! | `port`, `port_name` | the Service port's number and name (`""` when it has none) |
 //! | `app_protocol` | the Service port's `appProtocol` (`""` when it has none) |
+//! | `created` | the Service's `metadata.creationTimestamp` (`""` when absent): the order in which [`crate::pool`] assigns backends |
 //! | `endpoints` | the endpoints of the Service's EndpointSlices (label `kubernetes.io/service-name`, same namespace) on the slice port with the same name, ready or not: slices by name, then port, then endpoint order; FQDN slices and endpoints without addresses are left out |
 //! | `policy` | none; with `routedBy`, for the routes of Ingresses whose ingress-nginx annotations ask something of their requests, a copy of the port's row per policy, named `<backend>_nginx_<id>`, with the policy's row ([`crate::nginx::Policy::row`]) and the `origin` of the first such Ingress (an ingress-nginx canary's path whose main route has a policy, not a regex, nor of another namespace with a policy that reads Secrets, routes to the canary's port with the main's policy, and its `origin` is the main Ingress; with `service-upstream`, its `endpoints` are one row for the Service's cluster IP and port, named `cluster-ip_<ip>`, unless the Service is headless); the port's own row is then written only when a path without a policy (or the default backend) routes to it |
 //!
@@ -1963,6 +1964,7 @@ fn service_rows(
         rows,
         || {
             let origin = origin(store, namespace, service);
+            let created = Value::from(text(svc, &["metadata", "creationTimestamp"]));
             ports
                 .iter()
                 .map(|port| {
@@ -1995,6 +1997,7 @@ fn service_rows(
                         ("service", Value::from(service)),
                         ("port", Value::from(port.number)),
                         ("port_name", Value::from(port.name.as_str())),
+                        ("created", created.clone()),
                         ("origin", origin.clone()),
                         ("policy", Value::none()),
                     ])
@@ -3220,7 +3223,7 @@ mod tests {
             rows,
             json!([
                 {"name": "ns_web_80", "namespace": "ns", "service": "web", "port": 80,
-                 "port_name": "http", "app_protocol": "", "origin": ["services", "ns", "web"], "policy": null, "endpoints": [
+                 "port_name": "http", "app_protocol": "", "created": "", "origin": ["services", "ns", "web"], "policy": null, "endpoints": [
                     {"name": "web-b_10.0.0.1", "address": "10.0.0.1", "port": 8080,
                      "endpoint": "10.0.0.1:8080", "ready": true, "terminating": false, "slice": "web-b"},
                     {"name": "web-b_10.0.0.2", "address": "10.0.0.2", "port": 8080,
@@ -3228,7 +3231,7 @@ mod tests {
                  ]},
                 // No slice port named `admin`; the port without a number is left out.
                 {"name": "ns_web_81", "namespace": "ns", "service": "web", "port": 81,
-                 "port_name": "admin", "app_protocol": "", "origin": ["services", "ns", "web"], "policy": null, "endpoints": []},
+                 "port_name": "admin", "app_protocol": "", "created": "", "origin": ["services", "ns", "web"], "policy": null, "endpoints": []},
             ])
         );
     }

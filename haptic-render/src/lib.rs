@@ -49,6 +49,7 @@ pub mod functions;
 pub mod gateway_action;
 pub mod nginx;
 pub mod nginx_rules;
+pub mod pool;
 pub mod provenance;
 pub mod reference;
 pub mod render;

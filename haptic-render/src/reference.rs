@@ -195,7 +195,7 @@ fn template(source: &str) -> Template {
 ///
 /// Outputs: `haproxy.cfg`; `maps/routes-exact.map`, `maps/routes-prefix.map` and
 /// `maps/routes-regex.map` (routing; regex paths of ingress-nginx's use-regex and
-/// rewrite-target);
+/// rewrite-target); `maps/pool.map` (each plain backend's pool backend: [`crate::pool`]);
 /// `maps/certs.list` (the HTTPS crt-list); `maps/ssl-redirect.map` (hosts redirected to HTTPS);
 /// `maps/passthrough.map` (hosts whose TLS ingress-nginx's ssl-passthrough passes through, and
 /// their TCP backends); `maps/gw-exact.map` and `maps/gw-prefix.map` (the HTTPRoute matches
@@ -215,7 +215,9 @@ fn template(source: &str) -> Template {
 /// `stats_socket` (none: a path adds an admin `stats socket`), `route_debug` (false: true
 /// answers requests carrying `x-haptic-route-debug` with the backend they would go to),
 /// `server_slots` (10: `server` lines per backend, growing in steps of it; see
-/// [`crate::slots`]), `health_checks` (true: `check` on every server slot; HAProxy reserves a
+/// [`crate::slots`]), `backend_pool_step` (32: the pool of spare backends grows in steps of
+/// it, so that a new Service is a runtime change; 0 turns the pool off: see [`crate::pool`]),
+/// `health_checks` (true: `check` on every server slot; HAProxy reserves a
 /// file descriptor for each checked server, disabled or not),
 /// `service` (none: `"namespace/name"` of the HAProxy Service, whose load-balancer address
 /// becomes every Ingress's `status.loadBalancer`), `default_certificate` (none:
@@ -243,6 +245,7 @@ pub fn template_set() -> TemplateSet {
             "routes-regex.map",
             include_str!("../templates/maps/routes-regex.map.tera"),
         ),
+        ("pool.map", include_str!("../templates/maps/pool.map.tera")),
         (
             "certs.list",
             include_str!("../templates/maps/certs.list.tera"),
@@ -391,6 +394,7 @@ pub fn template_set() -> TemplateSet {
             "service": null,
             "server_slots": crate::slots::DEFAULT_SLOTS,
             "health_checks": true,
+            "backend_pool_step": crate::pool::DEFAULT_STEP,
         }),
     );
     set

@@ -231,6 +231,7 @@ impl Renderer {
         requests::register(&mut tera);
         provenance::register(&mut tera);
         crate::slots::register(&mut tera);
+        crate::pool::register(&mut tera);
         crate::nginx_rules::register(&mut tera);
         crate::gateway_action::register(&mut tera);
         fragments::register(&mut tera);

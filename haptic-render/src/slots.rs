@@ -81,7 +81,7 @@ pub fn slot_count(endpoints: usize, per_backend: usize) -> usize {
 
 /// FNV-1a, 64 bits: a hash fixed by its definition (the standard library's is not
 /// guaranteed across releases), so every replica and every version prefers the same slot.
-fn fnv1a(text: &str) -> u64 {
+pub(crate) fn fnv1a(text: &str) -> u64 {
     text.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
         (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
     })

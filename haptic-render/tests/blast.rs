@@ -8,7 +8,7 @@ mod common;
 
 use std::process::Command;
 
-use common::{haproxy, haproxy_check, reference_stores};
+use common::{haproxy, haproxy_check, reference_stores, section};
 use haptic_render::{FileSet, ObjectRef, Renderer, Stores, reference};
 use serde_json::{Value as Json, json};
 
@@ -166,7 +166,7 @@ fn a_line_haproxy_refuses_is_traced_to_its_object_and_the_set_without_it_passes(
     let cfg = files.text("haproxy.cfg").unwrap();
     let server = cfg
         .lines()
-        .position(|l| l.starts_with("backend team-03_app-00003_9090"))
+        .position(|l| l == format!("backend {}", section(&files, "team-03_app-00003_9090")))
         .unwrap()
         + 3;
     assert_eq!(

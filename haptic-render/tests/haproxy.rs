@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{haproxy_check, reference_stores, render_reference};
+use common::{haproxy_check, reference_stores, render_reference, section};
 use serde_json::json;
 
 #[test]
@@ -16,20 +16,30 @@ fn ten_ingresses_render_a_config_haproxy_accepts() {
 
     let cfg = files.text("haproxy.cfg").expect("haproxy.cfg");
     // A backend per Service port an Ingress routes to: port 80 of the 10 Services, and port
-    // 9090 of every 3rd (0, 3, 6, 9), plus the default backend. Unrouted ports get none.
-    assert_eq!(cfg.matches("\nbackend ").count(), 10 + 4 + 1, "{cfg}");
-    assert!(!cfg.contains("backend team-01_app-00001_9090"), "{cfg}");
-    assert!(cfg.contains("backend team-03_app-00003_9090"), "{cfg}");
-    // Every backend of a Service has 10 server slots (the default `server_slots`). Three
-    // endpoints per slice, the third not ready in every 5th slice (0 and 5): the ready ones
-    // are the enabled servers; the rest of the slots are disabled.
-    assert_eq!(cfg.matches("    server ").count(), (10 + 4) * 10, "{cfg}");
+    // 9090 of every 3rd (0, 3, 6, 9). Unrouted ports get none. The plain ones (10: the
+    // Ingresses 1, 5 and 9 carry ingress-nginx annotations, whose backends have their own
+    // names) are each one of the pool's (maps/pool.map names it), which has 64 (10 and a step
+    // of 32 spares, rounded up to the step); plus the default backend.
+    let pool = files.text("maps/pool.map").expect("maps/pool.map");
+    assert_eq!(pool.lines().count(), 10, "{pool}");
+    assert!(!pool.contains("team-01_app-00001_9090"), "{pool}");
+    assert!(pool.contains("team-03_app-00003_9090 pool_"), "{pool}");
+    assert_eq!(cfg.matches("\nbackend pool_").count(), 64, "{cfg}");
+    assert_eq!(cfg.matches("\nbackend ").count(), 64 + 4 + 1, "{cfg}");
+    // Every backend has 10 server slots (the default `server_slots`). Three endpoints per
+    // slice, the third not ready in every 5th slice (0 and 5): the ready ones are the enabled
+    // servers; the rest of the slots, and every slot of a spare, are disabled.
+    assert_eq!(cfg.matches("    server ").count(), (64 + 4) * 10, "{cfg}");
     let enabled = cfg
         .lines()
         .filter(|l| l.starts_with("    server ") && !l.contains(" disabled"))
         .count();
     assert_eq!(enabled, (10 * 3 - 2) + (4 * 3 - 1), "{cfg}");
-    assert!(cfg.contains("backend team-00_app-00000_80\n    balance roundrobin\n    server s1 "));
+    let web = section(&files, "team-00_app-00000_80");
+    assert!(web.starts_with("pool_"), "{web}");
+    assert!(cfg.contains(&format!(
+        "backend {web}\n    balance roundrobin\n    server s1 "
+    )));
     assert!(cfg.contains(" 10.0.0.1:8080 check"), "{cfg}");
     assert!(cfg.contains(" 127.0.0.1:1 disabled check"), "{cfg}");
     // Ingresses 0, 4 and 8 have TLS: HTTPS is on.
@@ -78,8 +88,20 @@ fn a_thousand_ingresses_render_a_config_haproxy_accepts() {
     let files = render_reference(&stores);
     haproxy_check(&files);
     let cfg = files.text("haproxy.cfg").expect("haproxy.cfg");
-    // Port 80 of every Service, port 9090 of every 3rd, the default backend.
-    assert_eq!(cfg.matches("\nbackend ").count(), 1000 + 334 + 1);
+    // Port 80 of every Service, port 9090 of every 3rd, the default backend; the plain ones
+    // in the pool, with its spares.
+    let pooled = files
+        .text("maps/pool.map")
+        .expect("maps/pool.map")
+        .lines()
+        .count();
+    assert!(pooled > 900, "{pooled}");
+    let pool = haptic_render::pool::size(pooled, haptic_render::pool::DEFAULT_STEP);
+    assert_eq!(cfg.matches("\nbackend pool_").count(), pool);
+    assert_eq!(
+        cfg.matches("\nbackend ").count(),
+        (1000 + 334 - pooled) + pool + 1
+    );
     assert_eq!(
         files
             .text("maps/certs.list")
@@ -89,9 +111,9 @@ fn a_thousand_ingresses_render_a_config_haproxy_accepts() {
             .count(),
         250
     );
-    // haproxy.cfg, seven maps (ssl-passthrough's and the two gateway maps empty), the
-    // crt-lists (the Gateway HTTPS ports' empty), a PEM per TLS Secret.
-    assert_eq!(files.len(), 10 + 250);
+    // haproxy.cfg, eight maps (ssl-passthrough's and the two gateway maps empty; the pool's),
+    // the crt-lists (the Gateway HTTPS ports' empty), a PEM per TLS Secret.
+    assert_eq!(files.len(), 11 + 250);
     for map in [
         "maps/gw-exact.map",
         "maps/gw-prefix.map",
@@ -308,7 +330,7 @@ fn broken_ingresses_never_produce_an_invalid_config() {
     assert!(!files.iter().any(|(p, _)| p.starts_with("ssl/broken_")));
     let cfg = files.text("haproxy.cfg").unwrap();
     let web = cfg
-        .split("backend broken_web_80\n")
+        .split(&format!("backend {}\n", section(&files, "broken_web_80")))
         .nth(1)
         .expect("web backend");
     let web = web.split("\nbackend ").next().unwrap_or_default();
@@ -327,7 +349,8 @@ fn broken_ingresses_never_produce_an_invalid_config() {
     );
     // 443/TCP and 443/UDP: one backend, with the TCP slice port's endpoint; routed by number
     // and by the TCP name, not by the UDP name.
-    assert_eq!(cfg.matches("backend broken_quic_443\n").count(), 1, "{cfg}");
+    let quic = format!("backend {}\n", section(&files, "broken_quic_443"));
+    assert_eq!(cfg.matches(&quic).count(), 1, "{cfg}");
     assert!(cfg.contains(" 10.8.8.8:8443 check"), "{cfg}");
     assert!(
         maps.contains("q1.broken.example.com/ broken_quic_443\n"),

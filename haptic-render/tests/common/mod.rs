@@ -97,3 +97,17 @@ pub fn free_port() -> u16 {
     }
     panic!("no free port between 20000 and 32000 on 127.0.0.1 after 1000 tries");
 }
+
+/// The `backend` section HAProxy serves a Service port's backend (`<namespace>_<service>_<port>`)
+/// from: its pool backend when `maps/pool.map` names one, else the backend itself.
+pub fn section(files: &FileSet, backend: &str) -> String {
+    files
+        .text("maps/pool.map")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|line| {
+            let (name, pool) = line.split_once(' ')?;
+            (name == backend).then(|| pool.to_owned())
+        })
+        .unwrap_or_else(|| backend.to_owned())
+}

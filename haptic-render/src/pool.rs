@@ -1,0 +1,425 @@
+//! A pool of spare backends: a new Service port gets a backend HAProxy already has, so that
+//! routing to it is a runtime change (server slots and map entries), not a reload.
+//!
+//! HAProxy 2.6 (Debian's) cannot add a `backend` at run time. So the reference templates
+//! declare the plain backends (HTTP/1.1 in clear text, no ingress-nginx policy: most of them)
+//! as `pool_<n>` sections, all alike (`balance roundrobin` and the server slots), plus spare
+//! ones whose slots are all `disabled`; `maps/pool.map` sends each Service port's backend name
+//! (`<namespace>_<service>_<port>`, what the route maps name) to its pool backend. A new
+//! Service port takes a spare: its slots get the endpoints and the map gets a line, both
+//! through the runtime API. A removed one leaves its pool backend spare again.
+//!
+//! The assignment is a pure function of the backends (their names and their Services'
+//! `creationTimestamp`), so every replica and a new leader compute the same, with nothing
+//! read back from HAProxy or kept from one render to the next (as [`crate::slots`] does for
+//! endpoints):
+//!
+//! - the pool has [`size`] backends: the plain backends plus at least a step of spares (and
+//!   an eighth more at scale, so that probing stays short), rounded up to a multiple of the
+//!   step (`extraContext.haproxy.backend_pool_step`, [`DEFAULT_STEP`]; 0 turns the pool off);
+//! - each backend prefers `pool_<fnv1a(name) mod size>` and takes the first free one from
+//!   there (linear probing), backends taken oldest Service first (`creationTimestamp`, then
+//!   name).
+//!
+//! So a new Service, the newest, takes a free backend and moves nobody; removing one may move
+//! the backends that had probed past it (each still a runtime change: the agent sets a
+//! backend's servers before a map entry names it, and takes an entry away before its backend
+//! gets another Service's servers). When the plain backends cross a step, the pool's size
+//! changes, every backend is assigned afresh, and the set needs one reload, ahead of need:
+//! a step of spares is always left.
+//!
+//! ```
+//! use haptic_render::pool::{assign, Member};
+//!
+//! let members = [
+//!     Member { name: "shop_web_80", created: "2026-01-01T00:00:00Z" },
+//!     Member { name: "shop_api_80", created: "2026-01-02T00:00:00Z" },
+//! ];
+//! let (size, slots) = assign(&members, 32);
+//! assert_eq!(size, 64);
+//! assert_ne!(slots[0], slots[1]);
+//! // The same backends, listed in another order: the same assignment.
+//! let (_, again) = assign(&[members[1], members[0]], 32);
+//! assert_eq!((again[1], again[0]), (slots[0], slots[1]));
+//! ```
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use tera::value::{Key, Map};
+use tera::{Kwargs, State, Tera, Value};
+
+use crate::fragments::identity;
+use crate::slots::fnv1a;
+use crate::value::map_value;
+
+/// The pool's step when the template does not say (`extraContext.haproxy.backend_pool_step`).
+pub const DEFAULT_STEP: usize = 32;
+
+/// The name of pool backend `index`.
+pub fn backend_name(index: usize) -> String {
+    format!("pool_{index}")
+}
+
+/// A backend as the assignment reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Member<'a> {
+    /// Its name (what the route maps name).
+    pub name: &'a str,
+    /// Its Service's `metadata.creationTimestamp` (RFC 3339, which sorts as time does).
+    pub created: &'a str,
+}
+
+/// How many backends the pool has for `used` plain backends: at least a step of spares, and
+/// an eighth of `used` at scale, rounded up to a multiple of `step`; 0 when `step` is 0.
+pub fn size(used: usize, step: usize) -> usize {
+    if step == 0 {
+        return 0;
+    }
+    (used + step.max(used / 8)).div_ceil(step) * step
+}
+
+/// The pool's size and each member's pool backend, in `members`' order (see the module docs).
+/// A name listed twice gets one backend.
+pub fn assign(members: &[Member<'_>], step: usize) -> (usize, Vec<usize>) {
+    let size = size(members.len(), step);
+    let mut slots = vec![usize::MAX; members.len()];
+    if size == 0 {
+        return (0, slots);
+    }
+    let mut order: Vec<usize> = (0..members.len()).collect();
+    order.sort_by(|&a, &b| {
+        let (a, b) = (&members[a], &members[b]);
+        (a.created, a.name).cmp(&(b.created, b.name))
+    });
+    let mut taken = vec![false; size];
+    let mut by_name: HashMap<&str, usize> = HashMap::with_capacity(members.len());
+    for i in order {
+        let name = members[i].name;
+        if let Some(&slot) = by_name.get(name) {
+            slots[i] = slot;
+            continue;
+        }
+        // Fewer members than backends: a free one is always found.
+        #[allow(clippy::cast_possible_truncation)]
+        let home = (fnv1a(name) % size as u64) as usize;
+        let Some(slot) = (0..size)
+            .map(|k| (home + k) % size)
+            .find(|&slot| !taken[slot])
+        else {
+            break;
+        };
+        taken[slot] = true;
+        slots[i] = slot;
+        by_name.insert(name, slot);
+    }
+    (size, slots)
+}
+
+/// Whether a backend row is a plain one, which the pool takes: no ingress-nginx policy, no
+/// `appProtocol` (the pool's backends are all alike).
+fn plain(row: &Value) -> bool {
+    !field(row, "policy").is_some_and(Value::is_truthy)
+        && !field(row, "app_protocol").is_some_and(Value::is_truthy)
+}
+
+fn field<'a>(row: &'a Value, key: &'static str) -> Option<&'a Value> {
+    row.as_map().and_then(|m| m.get(&Key::Str(key)))
+}
+
+fn text<'a>(row: &'a Value, key: &'static str) -> &'a str {
+    field(row, key).and_then(Value::as_str).unwrap_or("")
+}
+
+/// What the last call computed, reused while its input is the same value.
+struct Memo {
+    /// The rows list of the last call (held, so that identities stay its rows').
+    input: Option<Value>,
+    step: usize,
+    /// The members of the last assignment (name, created), in row order.
+    members: Vec<(String, String)>,
+    /// Their pool backends.
+    slots: Vec<usize>,
+    size: usize,
+    /// The output rows of the last call's plain rows, by the input row's identity.
+    rows: HashMap<usize, (usize, Value)>,
+    /// Spare rows, by pool index.
+    spares: HashMap<usize, Value>,
+    names: Value,
+    map: Value,
+    output: Value,
+}
+
+impl Default for Memo {
+    fn default() -> Self {
+        Self {
+            input: None,
+            step: 0,
+            members: Vec::new(),
+            slots: Vec::new(),
+            size: 0,
+            rows: HashMap::new(),
+            spares: HashMap::new(),
+            names: Value::from(Map::new()),
+            map: Value::from(""),
+            output: Value::none(),
+        }
+    }
+}
+
+impl Memo {
+    fn pool(&mut self, rows: &Value, step: usize) -> tera::TeraResult<Value> {
+        if let (Some(before), Some(now)) = (self.input.as_ref().and_then(identity), identity(rows))
+            && before == now
+            && self.step == step
+        {
+            return Ok(self.output.clone());
+        }
+        let list = rows.as_array().ok_or_else(|| {
+            tera::Error::message(format!(
+                "backend_pool: `rows` must be a list of backend rows, got {}",
+                rows.name()
+            ))
+        })?;
+        let plain_rows: Vec<&Value> = if step == 0 {
+            Vec::new()
+        } else {
+            list.iter().filter(|row| plain(row)).collect()
+        };
+        let same_members = self.step == step
+            && self.members.len() == plain_rows.len()
+            && self
+                .members
+                .iter()
+                .zip(&plain_rows)
+                .all(|((name, created), row)| {
+                    name == text(row, "name") && created == text(row, "created")
+                });
+        if !same_members {
+            let members: Vec<Member<'_>> = plain_rows
+                .iter()
+                .map(|row| Member {
+                    name: text(row, "name"),
+                    created: text(row, "created"),
+                })
+                .collect();
+            let (size, slots) = assign(&members, step);
+            let mut names = Map::with_capacity(members.len());
+            let mut map = String::with_capacity(members.len() * 40);
+            for (member, slot) in members.iter().zip(&slots) {
+                let pool = backend_name(*slot);
+                map.push_str(member.name);
+                map.push(' ');
+                map.push_str(&pool);
+                map.push('\n');
+                names.insert(Key::String(Arc::from(member.name)), Value::from(pool));
+            }
+            self.members = members
+                .iter()
+                .map(|m| (m.name.to_owned(), m.created.to_owned()))
+                .collect();
+            if size != self.size {
+                self.spares.clear();
+            }
+            (self.size, self.slots) = (size, slots);
+            self.names = Value::from(names);
+            self.map = Value::from(map);
+        }
+        // The rows: the other backends as they are, then the pool's in pool order.
+        let mut out: Vec<Value> = list
+            .iter()
+            .filter(|row| !plain(row) || step == 0)
+            .cloned()
+            .collect();
+        let mut pool: Vec<Option<Value>> = vec![None; self.size];
+        let mut kept = HashMap::with_capacity(plain_rows.len());
+        for (row, &slot) in plain_rows.iter().zip(&self.slots) {
+            let Some(place) = pool.get_mut(slot) else {
+                continue;
+            };
+            if place.is_some() {
+                // A name listed twice: its first row is the backend.
+                continue;
+            }
+            let id = identity(row).unwrap_or_default();
+            let value = match self.rows.get(&id) {
+                Some((was, value)) if *was == slot => value.clone(),
+                _ => {
+                    let mut map = row.as_map().cloned().unwrap_or_default();
+                    map.insert(
+                        Key::Str("service_backend"),
+                        map.get(&Key::Str("name"))
+                            .cloned()
+                            .unwrap_or_else(Value::none),
+                    );
+                    map.insert(Key::Str("name"), Value::from(backend_name(slot)));
+                    Value::from(map)
+                }
+            };
+            kept.insert(id, (slot, value.clone()));
+            *place = Some(value);
+        }
+        for (index, place) in pool.into_iter().enumerate() {
+            out.push(match place {
+                Some(value) => value,
+                None => self
+                    .spares
+                    .entry(index)
+                    .or_insert_with(|| spare(index))
+                    .clone(),
+            });
+        }
+        self.rows = kept;
+        self.input = Some(rows.clone());
+        self.step = step;
+        self.output = map_value([
+            ("rows", Value::from(out)),
+            ("names", self.names.clone()),
+            ("map", self.map.clone()),
+            ("size", Value::from(self.size)),
+            ("used", Value::from(self.members.len())),
+        ]);
+        Ok(self.output.clone())
+    }
+}
+
+/// A spare pool backend's row: no endpoints (every slot `disabled`), nobody's (`origin` empty).
+fn spare(index: usize) -> Value {
+    map_value([
+        ("name", Value::from(backend_name(index))),
+        ("endpoints", Value::from(Vec::<Value>::new())),
+        ("app_protocol", Value::from("")),
+        ("policy", Value::none()),
+        ("origin", Value::from(Vec::<Value>::new())),
+    ])
+}
+
+/// Registers `backend_pool(rows=<backend rows>, step=<n>)`: a map with `rows` (the backends to
+/// write: the rows the pool does not take as they are, then the pool's `size` backends in
+/// order, a taken one as its row named `pool_<n>` with `service_backend` its own name, a
+/// spare one without endpoints), `names` (each pooled backend's name to its pool backend's),
+/// `map` (the text of `maps/pool.map`: `<name> pool_<n>` lines), `size` and `used`. With `step`
+/// 0 (or none given: [`DEFAULT_STEP`]), nothing is pooled. Each renderer keeps its last answer
+/// and reuses it while `rows` is the same value.
+pub(crate) fn register(tera: &mut Tera) {
+    let memo = Mutex::new(Memo::default());
+    tera.register_function(
+        "backend_pool",
+        move |kwargs: Kwargs, _: &State| -> tera::TeraResult<Value> {
+            let rows: Value = kwargs.must_get("rows")?;
+            let step: Option<i64> = kwargs.get("step")?;
+            let step = match step {
+                None => DEFAULT_STEP,
+                Some(n) => usize::try_from(n).map_err(|_| {
+                    tera::Error::message(format!("backend_pool: `step` must be 0 or more, got {n}"))
+                })?,
+            };
+            // A panic while computing (none is known) leaves a half-written memo: start over.
+            let mut memo = memo.lock().unwrap_or_else(|poisoned| {
+                let mut memo = poisoned.into_inner();
+                *memo = Memo::default();
+                memo
+            });
+            memo.pool(&rows, step)
+        },
+    );
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn members(names: &[String]) -> Vec<Member<'_>> {
+        names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| Member {
+                name,
+                created: if i % 2 == 0 {
+                    "2026-01-01T00:00:00Z"
+                } else {
+                    "2026-02-01T00:00:00Z"
+                },
+            })
+            .collect()
+    }
+
+    fn names(n: usize) -> Vec<String> {
+        (0..n)
+            .map(|i| format!("team-{}_svc-{i}_80", i % 7))
+            .collect()
+    }
+
+    #[test]
+    fn the_pool_keeps_a_step_of_spares_and_an_eighth_at_scale() {
+        assert_eq!(size(0, 32), 32);
+        assert_eq!(size(1, 32), 64);
+        assert_eq!(size(32, 32), 64);
+        assert_eq!(size(33, 32), 96);
+        assert_eq!(size(10_000, 32), 11_264);
+        assert_eq!(size(10_000, 0), 0);
+        for used in 0..2_000 {
+            let s = size(used, 32);
+            assert!(s >= used + 32 && s.is_multiple_of(32), "{used}: {s}");
+        }
+    }
+
+    #[test]
+    fn every_member_gets_a_backend_of_its_own_whatever_the_order() {
+        let names = names(500);
+        let members = members(&names);
+        let (size, slots) = assign(&members, 32);
+        let mut seen = std::collections::HashSet::new();
+        assert!(slots.iter().all(|&s| s < size && seen.insert(s)));
+        let mut reversed = members.clone();
+        reversed.reverse();
+        let (_, again) = assign(&reversed, 32);
+        let again: Vec<usize> = again.into_iter().rev().collect();
+        assert_eq!(again, slots);
+    }
+
+    #[test]
+    fn a_new_service_moves_nobody_and_a_removal_moves_few() {
+        // 410 and 411 backends need the same pool (480), and 409 too.
+        let names = names(410);
+        let members = members(&names);
+        let (size, slots) = assign(&members, 32);
+        // The newest Service: the others keep their backends (same size).
+        let newest = "team-9_new_80".to_owned();
+        let mut more = members.clone();
+        more.push(Member {
+            name: &newest,
+            created: "2026-03-01T00:00:00Z",
+        });
+        let (size_more, with_new) = assign(&more, 32);
+        assert_eq!(size_more, size);
+        assert_eq!(with_new[..410], slots[..]);
+        assert!(!slots.contains(&with_new[410]));
+        // Removing one: most keep theirs.
+        let mut fewer = members.clone();
+        fewer.remove(17);
+        let (size_fewer, without) = assign(&fewer, 32);
+        assert_eq!(size_fewer, size);
+        let kept: Vec<usize> = slots
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != 17)
+            .map(|(_, s)| *s)
+            .collect();
+        let moved = kept.iter().zip(&without).filter(|(a, b)| a != b).count();
+        assert!(moved < 40, "{moved} of 409 moved");
+    }
+
+    #[test]
+    fn a_name_listed_twice_gets_one_backend() {
+        let names = [
+            "a_b_80".to_owned(),
+            "a_b_80".to_owned(),
+            "a_c_80".to_owned(),
+        ];
+        let (_, slots) = assign(&members(&names), 32);
+        assert_eq!(slots[0], slots[1]);
+        assert_ne!(slots[0], slots[2]);
+    }
+}

@@ -68,6 +68,8 @@ fn issue(host: &str) -> (String, String, String) {
 /// The resources a controller would watch, rendered by the reference templates.
 struct Cluster {
     renderer: Renderer,
+    /// `extraContext.haproxy`.
+    context: Json,
     stores: Stores,
     /// The port every endpoint of Service `web` listens on (on its own loopback address).
     endpoint_port: u16,
@@ -78,18 +80,17 @@ const NS: &str = "shop";
 impl Cluster {
     fn new(http: u16, https: u16, endpoint_port: u16, slots: u64) -> Self {
         let mut set = reference::template_set();
-        set.extra_context.insert(
-            "haproxy".into(),
-            json!({"maxconn": 1000, "bind_address": "127.0.0.1", "http_port": http,
-                "https_port": https, "timeout_connect": "1s", "timeout_client": "10s",
-                "timeout_server": "10s", "stats_socket": null, "route_debug": false,
-                "server_slots": slots,
-                // The TLS host is probed over plain HTTP too.
-                "ssl_redirect": false}),
-        );
+        let context = json!({"maxconn": 1000, "bind_address": "127.0.0.1", "http_port": http,
+            "https_port": https, "timeout_connect": "1s", "timeout_client": "10s",
+            "timeout_server": "10s", "stats_socket": null, "route_debug": false,
+            "server_slots": slots,
+            // The TLS host is probed over plain HTTP too.
+            "ssl_redirect": false});
+        set.extra_context.insert("haproxy".into(), context.clone());
         let renderer = Renderer::compile(&set).expect("compile the reference set");
         let mut cluster = Self {
             renderer,
+            context,
             stores: reference::stores().expect("stores"),
             endpoint_port,
         };
@@ -106,6 +107,17 @@ impl Cluster {
             );
         }
         cluster
+    }
+
+    /// The same cluster rendered with the pool of spare backends growing in steps of `step`
+    /// (`extraContext.haproxy.backend_pool_step`).
+    fn with_pool_step(mut self, step: u64) -> Self {
+        let mut set = reference::template_set();
+        let mut haproxy = self.context.clone();
+        haproxy["backend_pool_step"] = json!(step);
+        set.extra_context.insert("haproxy".into(), haproxy);
+        self.renderer = Renderer::compile(&set).expect("compile the reference set");
+        self
     }
 
     fn apply(&mut self, store: &str, resource: Json) {
@@ -257,6 +269,66 @@ async fn endpoints(last: u8) -> (u16, Vec<Endpoint>) {
         running.push(Endpoint::start(&format!("127.0.0.{n}"), port).await);
     }
     (port, running)
+}
+
+/// The pool of spare backends (`haptic_render::pool`): a new Service takes a spare backend at
+/// run time; the one that would leave fewer than a step of spares grows the pool, with one
+/// reload; every route is served after each change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_services_take_spare_backends_and_an_outgrown_pool_reloads_once() {
+    const STEP: usize = 2;
+    let (endpoint_port, _endpoints) = endpoints(7).await;
+    let (http_port, https_port) = (free_port(), free_port());
+    let mut cluster =
+        Cluster::new(http_port, https_port, endpoint_port, 2).with_pool_step(STEP as u64);
+    let service = |cluster: &mut Cluster, k: usize| {
+        let name = format!("s{k}");
+        cluster.apply(
+            "services",
+            json!({"metadata": {"namespace": NS, "name": name,
+                    "creationTimestamp": format!("2026-01-01T00:00:{k:02}Z")},
+                "spec": {"ports": [{"name": "http", "port": 80}]}}),
+        );
+        cluster.endpoints(&name, &[(&format!("127.0.0.{}", k + 2), true)]);
+        cluster.ingress(&name, &format!("s{k}.test"), &name, None);
+    };
+    service(&mut cluster, 0);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let agent = TestAgent::start(dir.path()).await;
+    let client = client();
+    apply(&client, &agent.url, &cluster, 1)
+        .await
+        .expect("first");
+    await_get(http_port, "s0.test", "backend 127.0.0.2")
+        .await
+        .expect("served");
+    let http = traffic_client();
+    let (mut reloads, mut runtime) = (0, 0);
+    for k in 1..=5 {
+        let workers = worker_pids(&client, &agent.url).await;
+        service(&mut cluster, k);
+        let report = apply(&client, &agent.url, &cluster, 1 + k as u64)
+            .await
+            .expect("apply");
+        let grows = haptic_render::pool::size(k + 1, STEP) != haptic_render::pool::size(k, STEP);
+        assert_eq!(report.reload, grows, "Service s{k}: {report:?}");
+        if grows {
+            reloads += 1;
+        } else {
+            runtime += 1;
+            assert!(report.runtime_ops > 0, "{report:?}");
+            assert_eq!(worker_pids(&client, &agent.url).await, workers);
+        }
+        for j in 0..=k {
+            assert_eq!(
+                get(&http, http_port, &format!("s{j}.test")).await,
+                Ok(format!("backend 127.0.0.{}", j + 2)),
+                "s{j} after s{k} came"
+            );
+        }
+    }
+    // Pools of 4, 4, 6, 6, 8, 8 backends for 1 to 6 Services: two growths.
+    assert_eq!((reloads, runtime), (2, 3));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

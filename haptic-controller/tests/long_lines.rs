@@ -39,7 +39,7 @@ fn renderer() -> Renderer {
         plain,
         &format!(
             "{plain}{{% set svc = [\"services\", row.namespace, row.service] | get %}}\
-             {{% if svc.metadata.annotations and svc.metadata.annotations[\"{HOOK}\"] %}}\n    \
+             {{% if svc and svc.metadata.annotations and svc.metadata.annotations[\"{HOOK}\"] %}}\n    \
              acl haptic_test path {{{{ svc.metadata.annotations[\"{HOOK}\"] }}}}{{% endif %}}"
         ),
         1,
@@ -95,9 +95,24 @@ fn patterns(words: usize) -> String {
         .join(" ")
 }
 
+/// Where the `backend` section of the Service whose backend names start with `prefix` begins:
+/// `\nbackend <its pool backend>\n` when `maps/pool.map` names one, else `\nbackend <prefix>`.
+fn section(files: &FileSet, prefix: &str) -> String {
+    files
+        .text("maps/pool.map")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|line| {
+            let (name, pool) = line.split_once(' ')?;
+            name.starts_with(prefix)
+                .then(|| format!("\nbackend {pool}\n"))
+        })
+        .unwrap_or_else(|| format!("\nbackend {prefix}"))
+}
+
 fn the_line(files: &FileSet, service: &str) -> Option<(usize, usize)> {
     let cfg = files.text("haproxy.cfg").expect("haproxy.cfg");
-    let backend = cfg.find(&format!("\nbackend {service}"))?;
+    let backend = cfg.find(&section(files, service))?;
     let at = backend + cfg[backend..].find("\n    acl haptic_test ")? + 1;
     let number = cfg[..at].matches('\n').count() + 1;
     let words = cfg[at..].lines().next()?.split_whitespace().count();
@@ -200,7 +215,7 @@ async fn a_line_over_64_words_leaves_only_its_object_out() {
     for i in [0, 2, 3, 4, 5] {
         let (ns, name) = name(i);
         assert!(
-            cfg.contains(&format!("\nbackend {}", backend(&ns, &name))),
+            cfg.contains(&section(&kept, &backend(&ns, &name))),
             "{ns}/{name}"
         );
     }

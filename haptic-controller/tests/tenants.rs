@@ -453,7 +453,7 @@ async fn one_tenants_line_over_64_words_leaves_only_its_object_out() {
         plain,
         &format!(
             "{plain}{{% set svc = [\"services\", row.namespace, row.service] | get %}}\
-             {{% if svc.metadata.annotations and svc.metadata.annotations[\"haptic.test/acl\"] %}}\n    \
+             {{% if svc and svc.metadata.annotations and svc.metadata.annotations[\"haptic.test/acl\"] %}}\n    \
              acl haptic_test path {{{{ svc.metadata.annotations[\"haptic.test/acl\"] }}}}{{% endif %}}"
         ),
         1,

@@ -283,14 +283,22 @@ impl Memo {
     }
 }
 
-/// A spare pool backend's row: no endpoints (every slot `disabled`), nobody's (`origin` empty).
+/// A spare pool backend's row: the fields of a backend row, with no endpoints (every slot
+/// `disabled`), of no Service (`namespace`, `service`, `service_backend` empty, `port` 0) and
+/// nobody's (`origin` empty).
 fn spare(index: usize) -> Value {
     map_value([
         ("name", Value::from(backend_name(index))),
         ("endpoints", Value::from(Vec::<Value>::new())),
         ("app_protocol", Value::from("")),
-        ("policy", Value::none()),
+        ("namespace", Value::from("")),
+        ("service", Value::from("")),
+        ("port", Value::from(0)),
+        ("port_name", Value::from("")),
+        ("created", Value::from("")),
         ("origin", Value::from(Vec::<Value>::new())),
+        ("policy", Value::none()),
+        ("service_backend", Value::from("")),
     ])
 }
 

@@ -14,9 +14,11 @@
 //! read back from HAProxy or kept from one render to the next (as [`crate::slots`] does for
 //! endpoints):
 //!
-//! - the pool has [`size`] backends: the plain backends plus at least a step of spares (and
-//!   an eighth more at scale, so that probing stays short), rounded up to a multiple of the
-//!   step (`extraContext.haproxy.backend_pool_step`, [`DEFAULT_STEP`]; 0 turns the pool off);
+//! - the pool has [`size`] backends: the plain backends plus at least a [`granule`] of spares,
+//!   rounded up to a multiple of it; the granule is the step
+//!   (`extraContext.haproxy.backend_pool_step`, [`DEFAULT_STEP`]; 0 turns the pool off),
+//!   doubled while it stays at most an eighth of the backends (so growths get rarer at scale
+//!   and probing stays short);
 //! - each backend prefers `pool_<fnv1a(name) mod size>` and takes the first free one from
 //!   there (linear probing), backends taken oldest Service first (`creationTimestamp`, then
 //!   name).
@@ -70,13 +72,26 @@ pub struct Member<'a> {
     pub created: &'a str,
 }
 
-/// How many backends the pool has for `used` plain backends: at least a step of spares, and
-/// an eighth of `used` at scale, rounded up to a multiple of `step`; 0 when `step` is 0.
+/// How many backends the pool has for `used` plain backends: `used` plus at least one
+/// [`granule`] of spares, rounded up to a multiple of the granule; 0 when `step` is 0.
 pub fn size(used: usize, step: usize) -> usize {
     if step == 0 {
         return 0;
     }
-    (used + step.max(used / 8)).div_ceil(step) * step
+    let granule = granule(used, step);
+    (used + granule).div_ceil(granule) * granule
+}
+
+/// The unit the pool grows by: `step`, doubled while it stays at most an eighth of `used`.
+/// So a growth (a reload) comes once per `step` new backends in a small cluster, and once per
+/// about an eighth more of them at scale (every 1,024 at 10,000), rather than every `step`,
+/// and probing stays short (the pool is at least an eighth larger than what it holds).
+pub fn granule(used: usize, step: usize) -> usize {
+    let mut granule = step.max(1);
+    while granule.saturating_mul(2) <= used / 8 {
+        granule *= 2;
+    }
+    granule
 }
 
 /// The pool's size and each member's pool backend, in `members`' order (see the module docs).
@@ -365,12 +380,26 @@ mod tests {
         assert_eq!(size(1, 32), 64);
         assert_eq!(size(32, 32), 64);
         assert_eq!(size(33, 32), 96);
+        assert_eq!(granule(10_000, 32), 1_024);
         assert_eq!(size(10_000, 32), 11_264);
+        assert_eq!(size(10_001, 32), 11_264);
+        assert_eq!(size(10_240, 32), 11_264);
+        assert_eq!(size(10_241, 32), 12_288);
         assert_eq!(size(10_000, 0), 0);
-        for used in 0..2_000 {
+        let mut growths = 0;
+        for used in 0..20_000 {
             let s = size(used, 32);
-            assert!(s >= used + 32 && s.is_multiple_of(32), "{used}: {s}");
+            assert!(
+                s >= used + 32.max(used / 16) && s.is_multiple_of(32),
+                "{used}: {s}"
+            );
+            if used > 0 && s != size(used - 1, 32) {
+                growths += 1;
+            }
         }
+        // Every 32 up to 511, then 8 per doubling of the granule (64 at 512, 128 at 1,024...),
+        // and one where it doubles: 64 in 20,000 where a fixed step would grow 625 times.
+        assert_eq!(growths, 64);
     }
 
     #[test]

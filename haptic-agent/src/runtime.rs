@@ -139,6 +139,10 @@ pub struct Plan {
     /// The live contents of each of `files`, in the same order: a map's live entries decide
     /// the order of the apply (see `staged_map`). Any other length needs a reload.
     pub live_files: Vec<bytes::Bytes>,
+    /// The files of `files` that `haproxy.cfg` looks up only by whole key or longest prefix
+    /// ([`order_free`]): their entries' order does not matter, so a few changed entries go in
+    /// one by one (`add map`, `set map`, `del map`) instead of a new version of the whole map.
+    pub order_free: BTreeSet<String>,
 }
 
 impl Plan {
@@ -253,6 +257,41 @@ pub fn config_changes(live: &str, new: &str) -> Result<Vec<ServerChange>> {
     Ok(changes)
 }
 
+/// Whether `haproxy.cfg` (`config`) uses the map file `path` only through the converters
+/// `map`, `map_str` and `map_beg`, and at least once. HAProxy indexes those lookups in trees
+/// (the exact key; the longest prefix), so the order of the entries does not change what a
+/// lookup finds, as long as no key is listed twice; a `map_reg` (first match in file order),
+/// an ACL's `-f` or any other use makes the order matter.
+pub fn order_free(config: &str, path: &str) -> bool {
+    let mut uses = 0;
+    // Comment lines name no map HAProxy uses.
+    for line in config
+        .lines()
+        .filter(|line| !line.trim_start().starts_with('#'))
+    {
+        for (at, _) in line.match_indices(path) {
+            if !order_free_use(line, at, path) {
+                return false;
+            }
+            uses += 1;
+        }
+    }
+    uses > 0
+}
+
+/// Whether the mention of `path` at `at` in `line` is an argument of `map`, `map_str` or
+/// `map_beg`.
+fn order_free_use(line: &str, at: usize, path: &str) -> bool {
+    let before = &line[..at];
+    let after = line[at + path.len()..].chars().next();
+    let converter = ["map(", "map_str(", "map_beg("]
+        .iter()
+        .find(|c| before.ends_with(*c))
+        .and_then(|c| before[..before.len() - c.len()].chars().next_back());
+    // A converter follows a fetch or another converter: `,map(...)` or `(map(...)`.
+    matches!(converter, Some(',' | ' ' | '(')) && matches!(after, Some(')' | ','))
+}
+
 /// What would make `new` live from `live` at run time, or why it needs a reload.
 pub fn plan(live: &FileSet, new: &FileSet) -> Result<Plan> {
     let paths = |set: &FileSet| {
@@ -278,6 +317,18 @@ pub fn plan(live: &FileSet, new: &FileSet) -> Result<Plan> {
             plan.files.push((path.to_owned(), content.clone()));
             plan.live_files.push(old.clone());
         }
+    }
+    if let Some(config) = new
+        .iter()
+        .find(|(path, _)| *path == MAIN_CONFIG)
+        .and_then(|(_, bytes)| std::str::from_utf8(bytes).ok())
+    {
+        plan.order_free = plan
+            .files
+            .iter()
+            .filter(|(path, _)| order_free(config, path))
+            .map(|(path, _)| path.clone())
+            .collect();
     }
     Ok(plan)
 }
@@ -475,6 +526,26 @@ impl Worker<'_> {
         }
     }
 
+    /// Sends commands that change nothing, batched, and returns their answers.
+    async fn ask_all(&self, commands: &[String]) -> Result<String> {
+        let mut answers = String::new();
+        let mut batch = String::new();
+        for command in commands {
+            batch.push_str(&self.prefix);
+            batch.push(' ');
+            batch.push_str(command);
+            batch.push('\n');
+            if batch.len() >= MAX_REQUEST {
+                answers.push_str(&self.send(batch.trim_end()).await?);
+                batch.clear();
+            }
+        }
+        if !batch.is_empty() {
+            answers.push_str(&self.send(batch.trim_end()).await?);
+        }
+        Ok(answers)
+    }
+
     /// Sends changing commands without payloads, batched, and returns their answers.
     async fn change_all(&mut self, commands: &[String]) -> Result<String> {
         let mut answers = String::new();
@@ -633,6 +704,9 @@ async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
         }
     }
 
+    // What HAProxy holds of each changed map, as the steps change it.
+    let mut held_maps: BTreeMap<&str, Vec<(&str, &str)>> =
+        maps.iter().map(|map| (map.path, map.old.clone())).collect();
     let steps = schedule(&plan.servers, maps);
     // An intermediate version may keep a live entry the new one drops.
     if let Some(path) = steps.iter().find_map(|step| match step {
@@ -655,7 +729,14 @@ async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
                 debug!(commands = commands.len(), %answers, "server commands sent");
                 verify_servers(worker, changes).await?;
             }
-            Step::Map { path, entries } => update_map(worker, path, entries).await?,
+            Step::Map { path, entries } => {
+                let from = held_maps.remove(path).unwrap_or_default();
+                match map_delta(&from, entries).filter(|_| plan.order_free.contains(*path)) {
+                    Some(delta) => update_map_entries(worker, path, &delta).await?,
+                    None => update_map(worker, path, entries).await?,
+                }
+                held_maps.insert(path, entries.clone());
+            }
         }
     }
     // Certificates are chosen by SNI, never decide which backend a request reaches, so
@@ -695,6 +776,138 @@ async fn verify_servers(worker: &Worker<'_>, changes: &[&ServerChange]) -> Resul
                     state.get(change.server.as_str())
                 )));
             }
+        }
+    }
+    Ok(())
+}
+
+/// Most entries of a map changed one by one ([`map_delta`]); more go in as a new version.
+pub const MAX_MAP_DELTA: usize = 256;
+
+/// One entry of a map changed on its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum EntryChange<'a> {
+    /// `add map`: a key the map lacks.
+    Add(&'a str, &'a str),
+    /// `set map`: a new value for a key the map has.
+    Set(&'a str, &'a str),
+    /// `del map`: a key the map loses.
+    Del(&'a str),
+}
+
+/// The entry changes that take a map from `from` to `to`, when each lists every key once, no
+/// new value has a blank in it, and they are at most [`MAX_MAP_DELTA`]; `None` otherwise (a
+/// new version of the whole map).
+fn map_delta<'a>(
+    from: &[(&'a str, &'a str)],
+    to: &[(&'a str, &'a str)],
+) -> Option<Vec<EntryChange<'a>>> {
+    let old: BTreeMap<&str, &str> = from.iter().copied().collect();
+    let new: BTreeMap<&str, &str> = to.iter().copied().collect();
+    if old.len() != from.len() || new.len() != to.len() {
+        return None;
+    }
+    // `add map` and `set map` take the value as one word.
+    if to
+        .iter()
+        .any(|(_, value)| value.contains(char::is_whitespace))
+    {
+        return None;
+    }
+    let mut changes = Vec::new();
+    for (&key, &value) in &old {
+        match new.get(key) {
+            None => changes.push(EntryChange::Del(key)),
+            Some(&now) if now != value => changes.push(EntryChange::Set(key, now)),
+            Some(_) => {}
+        }
+        if changes.len() > MAX_MAP_DELTA {
+            return None;
+        }
+    }
+    for (&key, &value) in &new {
+        if !old.contains_key(key) {
+            changes.push(EntryChange::Add(key, value));
+        }
+        if changes.len() > MAX_MAP_DELTA {
+            return None;
+        }
+    }
+    Some(changes)
+}
+
+/// What `get map` answered: whether the lookup found an entry, and its key and value
+/// (`type=str, case=sensitive, found=yes, idx=tree, key="k", value="v", type="str"`).
+fn got_entry(answer: &str) -> Option<(&str, &str)> {
+    let field = |name: &str| {
+        let start = answer.find(&format!("{name}=\""))? + name.len() + 2;
+        let len = answer[start..].find('"')?;
+        Some(&answer[start..start + len])
+    };
+    answer
+        .contains("found=yes")
+        .then(|| field("key").zip(field("value")))
+        .flatten()
+}
+
+/// Changes a map entry by entry (`del map`, `set map`, `add map` on its current version),
+/// then looks each changed key up (`get map`): an added or set key finds its own entry with
+/// the new value, a deleted one finds no entry of its own.
+async fn update_map_entries(
+    worker: &mut Worker<'_>,
+    path: &str,
+    delta: &[EntryChange<'_>],
+) -> Result<()> {
+    if delta.is_empty() {
+        return Ok(());
+    }
+    let commands: Vec<String> = delta
+        .iter()
+        .map(|change| match change {
+            EntryChange::Add(key, value) => format!("add map {path} {key} {value}"),
+            EntryChange::Set(key, value) => format!("set map {path} {key} {value}"),
+            EntryChange::Del(key) => format!("del map {path} {key}"),
+        })
+        .collect();
+    let answers = worker.change_all(&commands).await?;
+    if !answers.trim().is_empty() {
+        return Err(Error::Command {
+            command: format!("{} entry changes of map {path}", commands.len()),
+            answer: answers.trim().to_owned(),
+        });
+    }
+    let lookups: Vec<String> = delta
+        .iter()
+        .map(|change| match change {
+            EntryChange::Add(key, _) | EntryChange::Set(key, _) | EntryChange::Del(key) => {
+                format!("get map {path} {key}")
+            }
+        })
+        .collect();
+    let answers = worker.ask_all(&lookups).await?;
+    let found: Vec<&str> = answers
+        .lines()
+        .filter(|line| line.starts_with("type="))
+        .collect();
+    if found.len() != delta.len() {
+        return Err(Error::Verify(format!(
+            "map {path}: {} answers to {} lookups after the entry changes",
+            found.len(),
+            delta.len()
+        )));
+    }
+    for (change, answer) in delta.iter().zip(found) {
+        let got = got_entry(answer);
+        let ok = match change {
+            EntryChange::Add(key, value) | EntryChange::Set(key, value) => {
+                got == Some((*key, *value))
+            }
+            EntryChange::Del(key) => got.is_none_or(|(found, _)| found != *key),
+        };
+        if !ok {
+            return Err(Error::Verify(format!(
+                "map {path} after {change:?}: the lookup found {got:?}"
+            )));
         }
     }
     Ok(())
@@ -842,6 +1055,59 @@ mod tests {
                 "{reload}"
             );
         }
+    }
+
+    #[test]
+    fn only_maps_looked_up_by_key_or_longest_prefix_change_entry_by_entry() {
+        let config = "frontend f\n    http-request set-var(txn.a) path,map(maps/a.map)\n    \
+            http-request set-var(txn.b) path,map_beg(maps/b.map) if { var(txn.a),map_str(maps/a.map) -m found }\n    \
+            http-request set-var(txn.c) path,map_reg(maps/c.map)\n    \
+            acl d path -f maps/d.map\n    http-request set-var(txn.e) path,map(maps/e.map,none),map_reg(maps/e.map)\n";
+        assert!(order_free(config, "maps/a.map"));
+        assert!(order_free(config, "maps/b.map"));
+        // First match in file order, another kind of use, a use as both, no use at all.
+        assert!(!order_free(config, "maps/c.map"));
+        assert!(!order_free(config, "maps/d.map"));
+        assert!(!order_free(config, "maps/e.map"));
+        assert!(!order_free(config, "maps/f.map"));
+        assert!(!order_free("x map_beg_int(maps/a.map)", "maps/a.map"));
+        assert!(!order_free("x ,map(maps/a.map.old)", "maps/a.map"));
+        assert!(order_free(
+            "    # the pool (maps/a.map)\n    x ,map(maps/a.map)",
+            "maps/a.map"
+        ));
+    }
+
+    #[test]
+    fn a_map_delta_adds_sets_and_deletes_only_what_changed() {
+        let from = [("a/", "x"), ("b/", "y"), ("c/", "z")];
+        let to = [("b/", "y2"), ("a/", "x"), ("d/", "w")];
+        assert_eq!(
+            map_delta(&from, &to),
+            Some(vec![
+                EntryChange::Set("b/", "y2"),
+                EntryChange::Del("c/"),
+                EntryChange::Add("d/", "w"),
+            ])
+        );
+        assert_eq!(map_delta(&from, &from), Some(vec![]));
+        // A key listed twice: its lookups depend on the order, a new version instead.
+        assert_eq!(map_delta(&[("a/", "x"), ("a/", "y")], &from), None);
+        assert_eq!(map_delta(&from, &[("a/", "x"), ("a/", "y")]), None);
+        // A value of two words (`<rank> <backend>`): a new version.
+        assert_eq!(map_delta(&from, &[("a/", "1 x")]), None);
+        // Many changes: a new version.
+        let keys: Vec<String> = (0..=MAX_MAP_DELTA).map(|i| format!("k{i}/")).collect();
+        let many: Vec<(&str, &str)> = keys.iter().map(|k| (k.as_str(), "v")).collect();
+        assert_eq!(map_delta(&[], &many), None);
+        assert!(map_delta(&[], &many[1..]).is_some());
+    }
+
+    #[test]
+    fn get_map_answers_are_read_as_haproxy_2_6_writes_them() {
+        let found = "type=beg, case=sensitive, found=yes, idx=tree, key=\"a.example/\", value=\"svc_a\", type=\"str\"";
+        assert_eq!(got_entry(found), Some(("a.example/", "svc_a")));
+        assert_eq!(got_entry("type=str, case=sensitive, found=no"), None);
     }
 
     #[test]

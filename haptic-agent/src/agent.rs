@@ -860,6 +860,7 @@ impl Agent {
         let changed: std::collections::BTreeSet<String> = plan
             .files
             .iter()
+            .chain(&plan.added)
             .map(|(path, _)| path.clone())
             .chain((!plan.servers.is_empty()).then(|| MAIN_CONFIG.to_owned()))
             .collect();
@@ -952,6 +953,8 @@ impl Agent {
             ops,
             servers = plan.servers.len(),
             files = plan.files.len(),
+            added = plan.added.len(),
+            removed = plan.removed.len(),
             ?timing,
             ?phases,
             "applied through the runtime API, no reload"

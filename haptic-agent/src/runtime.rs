@@ -2,15 +2,25 @@
 //! can change is applied to the running worker through the master socket, verified, and then
 //! made live on disk, with no reload.
 //!
-//! What qualifies ([`plan`]): the same file paths, and
+//! What qualifies ([`plan`]):
 //! - in `haproxy.cfg`, only `server` lines of `backend`/`listen` sections that keep their
 //!   name and every parameter but the address (`ip:port`), `weight` and `disabled`/`enabled`
 //!   (the server slots of `haptic-render`'s reference templates): `set server ... addr`,
 //!   `weight`, `state ready|maint`;
 //! - files HAProxy loaded as maps (`show map` names them): the new entries replace the old
-//!   in one transaction (`prepare map`, `add map @<version>` with payloads, `commit map`);
+//!   in one transaction (`prepare map`, `add map @<version>` with payloads, `commit map`), or,
+//!   for a map `haproxy.cfg` looks up only by key or longest prefix ([`order_free`]), a few
+//!   entries one by one (`add map`, `set map`, `del map`);
 //! - files HAProxy loaded as certificates (`show ssl cert`): `set ssl cert` with the new PEM,
-//!   then `commit ssl cert`.
+//!   then `commit ssl cert`;
+//! - files HAProxy loaded as crt-lists (`show ssl crt-list`), when every new line names its
+//!   SNI filters and no filter twice (so that their order does not matter): the lines added
+//!   (`add ssl crt-list`, their certificates loaded first with `new ssl cert`, from the set
+//!   when it held them before) and dropped (`del ssl crt-list`, then `del ssl cert` of a
+//!   certificate file the set no longer has);
+//! - files added, changed or removed that HAProxy did not load and neither `haproxy.cfg`
+//!   ([`unnamed`]) nor a changing crt-list line names (a TLS Secret's file no Ingress uses
+//!   yet; a map the configuration does not use): written or removed on disk only.
 //!
 //! The order keeps a map entry from ever pointing at a backend whose servers belong to
 //! something else (a pool of spare backends, `pool_<n>`, handed from one Service to another
@@ -21,8 +31,9 @@
 //! name are set; then the maps get their new versions; certificates last. The agent knows no
 //! file names: it only compares map values with the names of backends whose servers change.
 //!
-//! Every change is verified afterwards (`show servers state`, `show map`, `show ssl cert`
-//! with the new certificate's SHA-1 fingerprint). Anything else, a command that fails or a
+//! Every change is verified afterwards (`show servers state`, `show map` or `get map` per
+//! changed key, `show ssl cert` with the new certificate's SHA-1 fingerprint, `show ssl
+//! crt-list` naming the new lines' certificates). Anything else, a command that fails or a
 //! change that does not verify is an [`Error`], and the agent takes its reload path, which
 //! makes HAProxy load the whole set from disk whatever the runtime commands did.
 //!
@@ -143,12 +154,30 @@ pub struct Plan {
     /// ([`order_free`]): their entries' order does not matter, so a few changed entries go in
     /// one by one (`add map`, `set map`, `del map`) instead of a new version of the whole map.
     pub order_free: BTreeSet<String>,
+    /// Files the new set adds, with their contents: certificates that a changed crt-list's
+    /// new lines name (`new ssl cert`, `add ssl crt-list`), or the apply needs a reload.
+    pub added: Vec<(String, bytes::Bytes)>,
+    /// Files the new set no longer has: certificates that only a changed crt-list's dropped
+    /// lines named (`del ssl crt-list`, `del ssl cert`), or the apply needs a reload.
+    pub removed: Vec<String>,
+    /// The files of `files`, `added` and `removed` that `haproxy.cfg` names neither by their
+    /// path nor by their directory ([`unnamed`]): such a file that HAProxy did not load (as a
+    /// map, certificate, crt-list, CA or CRL file) and no crt-list names is not HAProxy's (a
+    /// certificate no Ingress uses yet, a map the configuration does not use), and is only
+    /// written or removed on disk.
+    pub unnamed: BTreeSet<String>,
+    /// The new set, for the certificates a new crt-list line names that HAProxy has not
+    /// loaded (a Secret's file written before an Ingress used it).
+    pub new_set: FileSet,
 }
 
 impl Plan {
     /// Nothing to change.
     pub fn is_empty(&self) -> bool {
-        self.servers.is_empty() && self.files.is_empty()
+        self.servers.is_empty()
+            && self.files.is_empty()
+            && self.added.is_empty()
+            && self.removed.is_empty()
     }
 }
 
@@ -294,16 +323,20 @@ fn order_free_use(line: &str, at: usize, path: &str) -> bool {
 
 /// What would make `new` live from `live` at run time, or why it needs a reload.
 pub fn plan(live: &FileSet, new: &FileSet) -> Result<Plan> {
-    let paths = |set: &FileSet| {
-        set.iter()
-            .map(|(path, _)| path.to_owned())
-            .collect::<Vec<_>>()
+    let mut plan = Plan {
+        new_set: new.clone(),
+        ..Plan::default()
     };
-    if paths(live) != paths(new) {
-        return Err(Error::NeedsReload("files were added or removed".to_owned()));
+    for (path, _) in live.iter() {
+        if new.get(path).is_none() {
+            plan.removed.push(path.to_owned());
+        }
     }
-    let mut plan = Plan::default();
-    for ((path, old), (_, content)) in live.iter().zip(new.iter()) {
+    for (path, content) in new.iter() {
+        let Some(old) = live.get(path) else {
+            plan.added.push((path.to_owned(), content.clone()));
+            continue;
+        };
         if old == content {
             continue;
         }
@@ -329,8 +362,37 @@ pub fn plan(live: &FileSet, new: &FileSet) -> Result<Plan> {
             .filter(|(path, _)| order_free(config, path))
             .map(|(path, _)| path.clone())
             .collect();
+        plan.unnamed = plan
+            .added
+            .iter()
+            .chain(&plan.files)
+            .map(|(path, _)| path)
+            .chain(&plan.removed)
+            .filter(|path| unnamed(config, path))
+            .cloned()
+            .collect();
     }
     Ok(plan)
+}
+
+/// Whether `haproxy.cfg` (`config`) names the file `path` neither in a word nor by its
+/// directory after `crt` (`crt ssl/` loads every file of `ssl/`), outside comment lines.
+pub fn unnamed(config: &str, path: &str) -> bool {
+    let directory = path
+        .rsplit_once('/')
+        .map_or(".", |(directory, _)| directory);
+    !config
+        .lines()
+        .filter(|line| !line.trim_start().starts_with('#'))
+        .any(|line| {
+            let words: Vec<&str> = line.split_ascii_whitespace().collect();
+            words.iter().enumerate().any(|(at, word)| {
+                word.contains(path)
+                    || (at > 0
+                        && words[at - 1] == "crt"
+                        && [directory, "."].contains(&word.trim_end_matches('/')))
+            })
+        })
 }
 
 /// The entries of a map file, as HAProxy reads one: leading blanks skipped, `#` lines and
@@ -650,16 +712,33 @@ async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
     worker.prefix = format!("@!{pid}");
 
     // Classify and check every file before changing anything.
-    let (mut maps, mut certs) = (Vec::new(), Vec::new());
-    if !plan.files.is_empty() {
+    let (mut maps, mut certs, mut lists) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut new_certs, mut gone_certs, mut inert_files) = (Vec::new(), Vec::new(), Vec::new());
+    let loaded_answer;
+    if !plan.files.is_empty() || !plan.added.is_empty() || !plan.removed.is_empty() {
         if plan.live_files.len() != plan.files.len() {
             return Err(Error::NeedsReload(
                 "the plan lacks the live contents of its files".to_owned(),
             ));
         }
         let listed = worker.ask("show map").await?;
-        let loaded = worker.ask("show ssl cert").await?;
-        let (listed, loaded) = (listed_maps(&listed), listed_certs(&loaded));
+        loaded_answer = worker.ask("show ssl cert").await?;
+        let crt_lists = worker.ask("show ssl crt-list").await?;
+        let (listed, loaded) = (listed_maps(&listed), listed_certs(&loaded_answer));
+        let crt_lists = listed_certs(&crt_lists);
+        let others = format!(
+            "{}\n{}",
+            worker.ask("show ssl ca-file").await?,
+            worker.ask("show ssl crl-file").await?
+        );
+        // CA and CRL files HAProxy loaded (`<file> - <n> certificate(s)`).
+        let others: Vec<&str> = listed_certs(&others)
+            .into_iter()
+            .filter_map(|line| line.split_ascii_whitespace().next())
+            .collect();
+        let inert = |path: &String| {
+            plan.unnamed.contains(path.as_str()) && !others.contains(&path.as_str())
+        };
         for ((path, content), live) in plan.files.iter().zip(&plan.live_files) {
             let text = std::str::from_utf8(content)
                 .map_err(|_| Error::NeedsReload(format!("{path} is not text")))?;
@@ -679,28 +758,99 @@ async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
                     new: entries,
                 });
             } else if loaded.contains(&path.as_str()) {
-                let pem: String = text
-                    .lines()
-                    .filter(|line| !line.trim().is_empty())
-                    .map(|line| format!("{line}\n"))
-                    .collect();
-                let fingerprint = fingerprint(pem.as_bytes())
-                    .ok_or_else(|| Error::NeedsReload(format!("{path} holds no certificate")))?;
-                if pem.len() > MAX_CERT_PAYLOAD || unsafe_text(path) {
-                    return Err(Error::NeedsReload(format!(
-                        "{path} is over {MAX_CERT_PAYLOAD} bytes, more than the runtime API takes"
-                    )));
-                }
-                certs.push(Cert {
-                    path,
-                    pem,
-                    fingerprint,
-                });
+                certs.push(cert_change(path, text)?);
+            } else if crt_lists.contains(&path.as_str()) {
+                let live = std::str::from_utf8(live)
+                    .map_err(|_| Error::NeedsReload(format!("the live {path} is not text")))?;
+                lists.push(crt_list_change(path, live, text)?);
+            } else if inert(path) {
+                // Checked against the crt-lists below; else nothing HAProxy reads names it.
+                inert_files.push(path.as_str());
             } else {
                 return Err(Error::NeedsReload(format!(
-                    "{path} changed and HAProxy loaded it neither as a map nor as a certificate"
+                    "{path} changed and HAProxy loaded it neither as a map, a certificate nor \
+                     a crt-list"
                 )));
             }
+        }
+        // Files added or removed: certificates that the crt-lists' new or dropped lines name.
+        let named: BTreeSet<&str> = lists
+            .iter()
+            .flat_map(|list| list.added.iter().map(|line| crt_line_cert(line)))
+            .collect();
+        let dropped: BTreeSet<&str> = lists
+            .iter()
+            .flat_map(|list| list.removed.iter().map(|line| crt_line_cert(line)))
+            .collect();
+        let kept: BTreeSet<&str> = lists
+            .iter()
+            .flat_map(|list| list.certs.iter().copied())
+            .collect();
+        let added: BTreeSet<&str> = plan.added.iter().map(|(path, _)| path.as_str()).collect();
+        let in_lists = |path: &str| {
+            lists.iter().any(|list| {
+                list.added.iter().chain(&list.removed).any(|line| {
+                    line.split_ascii_whitespace()
+                        .any(|word| word.contains(path))
+                })
+            })
+        };
+        if let Some(path) = inert_files.iter().find(|path| in_lists(path)) {
+            return Err(Error::NeedsReload(format!(
+                "{path} changed, and a crt-list line that changes names it"
+            )));
+        }
+        for (path, content) in &plan.added {
+            let text = std::str::from_utf8(content)
+                .map_err(|_| Error::NeedsReload(format!("{path} is not text")))?;
+            if !named.contains(path.as_str()) && inert(path) && !in_lists(path) {
+                // Nothing HAProxy reads names it: written on disk only.
+                continue;
+            }
+            if !named.contains(path.as_str()) || loaded.contains(&path.as_str()) {
+                return Err(Error::NeedsReload(format!(
+                    "{path} was added, and no new crt-list line names it as its certificate"
+                )));
+            }
+            new_certs.push(cert_change(path, text)?);
+        }
+        // A certificate of the set that HAProxy has not loaded yet (written when its Secret
+        // came, before a line named it) is loaded as a new one.
+        for cert in named
+            .iter()
+            .filter(|cert| !loaded.contains(cert) && !added.contains(*cert))
+        {
+            let text = plan
+                .new_set
+                .get(cert)
+                .and_then(|bytes| std::str::from_utf8(bytes).ok())
+                .ok_or_else(|| {
+                    Error::NeedsReload(format!(
+                        "a new crt-list line names {cert}, which the set does not hold"
+                    ))
+                })?;
+            new_certs.push(cert_change(cert, text)?);
+        }
+        for path in &plan.removed {
+            if !dropped.contains(path.as_str())
+                && !kept.contains(path.as_str())
+                && !loaded.contains(&path.as_str())
+                && inert(path)
+                && !in_lists(path)
+            {
+                // HAProxy never loaded it: removed on disk only.
+                continue;
+            }
+            if !dropped.contains(path.as_str())
+                || kept.contains(path.as_str())
+                || !loaded.contains(&path.as_str())
+                || unsafe_text(path)
+            {
+                return Err(Error::NeedsReload(format!(
+                    "{path} was removed, and not as the certificate of dropped crt-list lines only"
+                )));
+            }
+            gone_certs.push(path.as_str());
         }
     }
 
@@ -741,9 +891,190 @@ async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
     }
     // Certificates are chosen by SNI, never decide which backend a request reaches, so
     // their place in the order cannot route one to another's servers: they go last, as
-    // before the order above existed.
+    // before the order above existed. New ones are loaded before a crt-list line names
+    // them; a line is dropped before its certificate is.
+    for cert in &new_certs {
+        let command = format!("new ssl cert {}", cert.path);
+        let answer = worker.change(&command, None).await?;
+        if !answer.contains("New empty certificate") {
+            return Err(Error::Command {
+                command,
+                answer: answer.trim().to_owned(),
+            });
+        }
+        update_cert(worker, cert.path, &cert.pem, &cert.fingerprint).await?;
+    }
+    for list in &lists {
+        for line in &list.added {
+            let command = format!("add ssl crt-list {}", list.path);
+            let answer = worker.change(&command, Some(line)).await?;
+            if !answer.contains("Success!") {
+                return Err(Error::Command {
+                    command,
+                    answer: answer.trim().to_owned(),
+                });
+            }
+        }
+    }
     for cert in &certs {
         update_cert(worker, cert.path, &cert.pem, &cert.fingerprint).await?;
+    }
+    for list in &lists {
+        for line in &list.removed {
+            let command = format!("del ssl crt-list {} {}", list.path, crt_line_cert(line));
+            let answer = worker.change(&command, None).await?;
+            if !answer.contains("deleted") {
+                return Err(Error::Command {
+                    command,
+                    answer: answer.trim().to_owned(),
+                });
+            }
+        }
+        verify_crt_list(worker, list).await?;
+    }
+    for path in &gone_certs {
+        let command = format!("del ssl cert {path}");
+        let answer = worker.change(&command, None).await?;
+        if !answer.contains("deleted!") {
+            return Err(Error::Command {
+                command,
+                answer: answer.trim().to_owned(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A changed certificate file's PEM (blank lines dropped) and fingerprint, or why the runtime
+/// API cannot take it.
+fn cert_change<'a>(path: &'a str, text: &str) -> Result<Cert<'a>> {
+    let pem: String = text
+        .lines()
+        .filter(|line| !line.trim().is_empty())
+        .map(|line| format!("{line}\n"))
+        .collect();
+    let fingerprint = fingerprint(pem.as_bytes())
+        .ok_or_else(|| Error::NeedsReload(format!("{path} holds no certificate")))?;
+    if pem.len() > MAX_CERT_PAYLOAD || unsafe_text(path) {
+        return Err(Error::NeedsReload(format!(
+            "{path} is over {MAX_CERT_PAYLOAD} bytes, more than the runtime API takes"
+        )));
+    }
+    Ok(Cert {
+        path,
+        pem,
+        fingerprint,
+    })
+}
+
+/// A changed crt-list: the lines it gains and the lines it loses, and the certificate of
+/// each of its new lines.
+#[derive(Debug, PartialEq, Eq)]
+struct CrtListChange<'a> {
+    path: &'a str,
+    added: Vec<&'a str>,
+    removed: Vec<&'a str>,
+    certs: Vec<&'a str>,
+}
+
+/// The lines of a crt-list: trimmed, blank and `#` lines left out.
+fn crt_lines(text: &str) -> Vec<&str> {
+    text.lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty() && !line.starts_with('#'))
+        .collect()
+}
+
+/// A crt-list line's certificate: its first word.
+fn crt_line_cert(line: &str) -> &str {
+    line.split_ascii_whitespace().next().unwrap_or("")
+}
+
+/// A crt-list line's SNI filters: its words after the certificate and its `[options]`.
+fn crt_line_filters(line: &str) -> Vec<&str> {
+    let mut words = line.split_ascii_whitespace().skip(1).peekable();
+    if words.peek().is_some_and(|word| word.starts_with('[')) {
+        for word in words.by_ref() {
+            if word.ends_with(']') {
+                break;
+            }
+        }
+    }
+    words.collect()
+}
+
+/// What changes a crt-list from `live` to `new` line by line, or why it needs a reload. The
+/// order of its lines matters to HAProxy only where two name the same SNI, or a line names
+/// none (then its certificate's own names count): so every new line must give filters, no
+/// filter twice. A certificate whose line changes (dropped and added) or that two live
+/// lines name needs a reload too (`del ssl crt-list` names a line by its certificate).
+fn crt_list_change<'a>(path: &'a str, live: &'a str, new: &'a str) -> Result<CrtListChange<'a>> {
+    let reload = |why: String| Err(Error::NeedsReload(format!("crt-list {path}: {why}")));
+    let (old, now) = (crt_lines(live), crt_lines(new));
+    let mut filters = BTreeSet::new();
+    for line in &now {
+        if unsafe_text(line) {
+            return reload(format!(
+                "the line `{line}` has characters the CLI would not carry"
+            ));
+        }
+        let named = crt_line_filters(line);
+        if named.is_empty() {
+            return reload(format!("the line `{line}` names no SNI filter"));
+        }
+        for filter in named {
+            if !filters.insert(filter.to_ascii_lowercase()) {
+                return reload(format!("two lines name {filter}"));
+            }
+        }
+    }
+    let mut left: Vec<&str> = now.clone();
+    let mut removed = Vec::new();
+    for line in &old {
+        match left.iter().position(|l| l == line) {
+            Some(at) => {
+                left.remove(at);
+            }
+            None => removed.push(*line),
+        }
+    }
+    let added = left;
+    let gone: BTreeSet<&str> = removed.iter().map(|line| crt_line_cert(line)).collect();
+    if let Some(line) = added.iter().find(|line| gone.contains(crt_line_cert(line))) {
+        return reload(format!("the line of {} changes", crt_line_cert(line)));
+    }
+    if let Some(cert) = gone.iter().find(|cert| {
+        old.iter()
+            .filter(|line| crt_line_cert(line) == **cert)
+            .count()
+            > 1
+    }) {
+        return reload(format!("two live lines name {cert}"));
+    }
+    Ok(CrtListChange {
+        path,
+        added,
+        removed,
+        certs: now.iter().map(|line| crt_line_cert(line)).collect(),
+    })
+}
+
+/// `show ssl crt-list <path>` names the certificates of the new lines, as many times each.
+async fn verify_crt_list(worker: &Worker<'_>, list: &CrtListChange<'_>) -> Result<()> {
+    let shown = worker
+        .ask(&format!("show ssl crt-list {}", list.path))
+        .await?;
+    let mut shown: Vec<&str> = crt_lines(&shown).into_iter().map(crt_line_cert).collect();
+    let mut want = list.certs.clone();
+    shown.sort_unstable();
+    want.sort_unstable();
+    if shown != want {
+        return Err(Error::Verify(format!(
+            "crt-list {} holds {} lines after the change, {} expected, or other ones",
+            list.path,
+            shown.len(),
+            want.len()
+        )));
     }
     Ok(())
 }
@@ -1075,6 +1406,48 @@ mod tests {
         assert!(order_free(
             "    # the pool (maps/a.map)\n    x ,map(maps/a.map)",
             "maps/a.map"
+        ));
+    }
+
+    #[test]
+    fn a_file_haproxy_cfg_names_by_path_or_by_its_directory_after_crt_is_named() {
+        let config = "frontend f\n    # ssl/c.pem\n    bind :443 ssl strict-sni crt ssl/a.pem crt-list maps/certs.list\n";
+        assert!(!unnamed(config, "ssl/a.pem"));
+        assert!(unnamed(config, "ssl/b.pem"));
+        assert!(unnamed(config, "ssl/c.pem"));
+        assert!(!unnamed("    bind :443 ssl crt ssl/", "ssl/b.pem"));
+        assert!(!unnamed("    bind :443 ssl crt .", "b.pem"));
+        assert!(unnamed("    bind :443 ssl crt ssl/", "other/b.pem"));
+    }
+
+    #[test]
+    fn crt_list_changes_are_lines_added_and_dropped_with_filters_on_each() {
+        let live =
+            "ssl/a.pem a.example\nssl/b.pem [ca-file ssl/ca.pem verify optional] b.example\n";
+        let new = "ssl/b.pem [ca-file ssl/ca.pem verify optional] b.example\nssl/c.pem c.example *.c.example\n";
+        let change = crt_list_change("maps/certs.list", live, new).expect("a line change");
+        assert_eq!(change.added, ["ssl/c.pem c.example *.c.example"]);
+        assert_eq!(change.removed, ["ssl/a.pem a.example"]);
+        assert_eq!(change.certs, ["ssl/b.pem", "ssl/c.pem"]);
+        assert_eq!(
+            crt_line_filters("ssl/b.pem [ca-file ssl/ca.pem verify optional] b.example"),
+            ["b.example"]
+        );
+        // The order would matter, or a line would have to be named by its line number.
+        for new in [
+            "ssl/a.pem a.example\nssl/c.pem\n",
+            "ssl/a.pem a.example\nssl/c.pem A.example\n",
+            "ssl/a.pem a.example x.example\n",
+        ] {
+            assert!(
+                matches!(crt_list_change("l", live, new), Err(Error::NeedsReload(_))),
+                "{new}"
+            );
+        }
+        let twice = "ssl/a.pem a.example\nssl/a.pem x.example\n";
+        assert!(matches!(
+            crt_list_change("l", twice, "ssl/a.pem a.example\n"),
+            Err(Error::NeedsReload(_))
         ));
     }
 

@@ -128,6 +128,10 @@ impl Cluster {
             .expect("resource");
     }
 
+    fn remove(&mut self, store: &str, name: &str) {
+        self.stores.get_mut(store).expect("store").remove(NS, name);
+    }
+
     /// Service `service`'s endpoints: `(ip, ready)`.
     fn endpoints(&mut self, service: &str, endpoints: &[(&str, bool)]) {
         let endpoints: Vec<Json> = endpoints
@@ -269,6 +273,95 @@ async fn endpoints(last: u8) -> (u16, Vec<Endpoint>) {
         running.push(Endpoint::start(&format!("127.0.0.{n}"), port).await);
     }
     (port, running)
+}
+
+/// A TLS Secret no Ingress uses is a file HAProxy does not read; a new TLS host is that
+/// certificate loaded and a crt-list line added at run time; an Ingress that goes takes its
+/// line and its certificate with it: no reload in any of them, and each host's handshake says
+/// what HAProxy serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_hosts_come_and_go_with_no_reload() {
+    let (endpoint_port, _endpoints) = endpoints(3).await;
+    let (http_port, https_port) = (free_port(), free_port());
+    let mut cluster = Cluster::new(http_port, https_port, endpoint_port, 2);
+    let (web_ca, cert, key) = issue("web.test");
+    cluster.secret("web-tls", &cert, &key);
+    cluster.ingress("web", "web.test", "web", Some("web-tls"));
+    cluster.endpoints("web", &[("127.0.0.2", true)]);
+    cluster.endpoints("api", &[("127.0.0.3", true)]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let agent = TestAgent::start(dir.path()).await;
+    let client = client();
+    apply(&client, &agent.url, &cluster, 1)
+        .await
+        .expect("first");
+    await_get(http_port, "web.test", "backend 127.0.0.2")
+        .await
+        .expect("served");
+    handshake(https_port, "web.test", &web_ca)
+        .await
+        .expect("web.test over TLS");
+    let workers = worker_pids(&client, &agent.url).await;
+    let set_files = |cluster: &Cluster| {
+        cluster
+            .render()
+            .iter()
+            .map(|(path, _)| path.to_owned())
+            .collect::<Vec<_>>()
+    };
+    let before = set_files(&cluster);
+
+    // A Secret alone: its file is added, and HAProxy has nothing to load.
+    let (api_ca, cert, key) = issue("api.test");
+    cluster.secret("api-tls", &cert, &key);
+    assert_eq!(
+        set_files(&cluster).len(),
+        before.len() + 1,
+        "the Secret's file"
+    );
+    let report = apply(&client, &agent.url, &cluster, 2)
+        .await
+        .expect("a Secret");
+    assert!(!report.reload && report.runtime_ops == 0, "{report:?}");
+    assert!(handshake(https_port, "api.test", &api_ca).await.is_err());
+
+    // The Ingress that uses it: its certificate and crt-list line, at run time.
+    cluster.ingress("api", "api.test", "api", Some("api-tls"));
+    let report = apply(&client, &agent.url, &cluster, 3)
+        .await
+        .expect("a TLS host");
+    assert!(!report.reload && report.runtime_ops > 0, "{report:?}");
+    handshake(https_port, "api.test", &api_ca)
+        .await
+        .expect("api.test served with its own certificate");
+    handshake(https_port, "web.test", &web_ca)
+        .await
+        .expect("web.test still");
+    assert_eq!(
+        get(&traffic_client(), http_port, "api.test").await,
+        Ok("backend 127.0.0.3".to_owned())
+    );
+
+    // The Ingress and its Secret go: the line, the certificate and the file.
+    cluster.remove("ingresses", "api");
+    cluster.remove("secrets", "api-tls");
+    assert_eq!(set_files(&cluster), before);
+    let report = apply(&client, &agent.url, &cluster, 4)
+        .await
+        .expect("a TLS host gone");
+    assert!(!report.reload && report.runtime_ops > 0, "{report:?}");
+    assert!(handshake(https_port, "api.test", &api_ca).await.is_err());
+    handshake(https_port, "web.test", &web_ca)
+        .await
+        .expect("web.test still");
+    assert_eq!(worker_pids(&client, &agent.url).await, workers, "a reload");
+
+    // The live set is the rendered one, on disk too.
+    let state = client.state(&agent.url).await.expect("state");
+    assert_eq!(
+        state.live_checksum.as_deref(),
+        Some(cluster.render().checksum().as_str())
+    );
 }
 
 /// The pool of spare backends (`haptic_render::pool`): a new Service takes a spare backend at

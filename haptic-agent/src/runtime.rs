@@ -1112,7 +1112,7 @@ async fn verify_servers(worker: &Worker<'_>, changes: &[&ServerChange]) -> Resul
     Ok(())
 }
 
-/// Most entries of a map changed one by one ([`map_delta`]); more go in as a new version.
+/// Most entries of a map changed one by one (`map_delta`); more go in as a new version.
 pub const MAX_MAP_DELTA: usize = 256;
 
 /// One entry of a map changed on its own.

@@ -867,32 +867,10 @@ async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
             "map {path} would keep a live entry the runtime API would not carry as it is"
         )));
     }
-    debug!(steps = steps.len(), "runtime steps planned");
-    for step in &steps {
-        match step {
-            Step::Servers(changes) => {
-                let commands: Vec<String> = changes
-                    .iter()
-                    .flat_map(|change| change.commands())
-                    .collect();
-                let answers = worker.change_all(&commands).await?;
-                debug!(commands = commands.len(), %answers, "server commands sent");
-                verify_servers(worker, changes).await?;
-            }
-            Step::Map { path, entries } => {
-                let from = held_maps.remove(path).unwrap_or_default();
-                match map_delta(&from, entries).filter(|_| plan.order_free.contains(*path)) {
-                    Some(delta) => update_map_entries(worker, path, &delta).await?,
-                    None => update_map(worker, path, entries).await?,
-                }
-                held_maps.insert(path, entries.clone());
-            }
-        }
-    }
-    // Certificates are chosen by SNI, never decide which backend a request reaches, so
-    // their place in the order cannot route one to another's servers: they go last, as
-    // before the order above existed. New ones are loaded before a crt-list line names
-    // them; a line is dropped before its certificate is.
+    // New TLS hosts first: HAProxy parses a crt-list line when it is added and may refuse it
+    // (an option it does not know), and a refusal then leaves every route as it was (a new
+    // certificate no line names serves nobody; the reload of the live set that follows a
+    // failed attempt drops it). A new certificate is loaded before a line names it.
     for cert in &new_certs {
         let command = format!("new ssl cert {}", cert.path);
         let answer = worker.change(&command, None).await?;
@@ -916,6 +894,31 @@ async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
             }
         }
     }
+    debug!(steps = steps.len(), "runtime steps planned");
+    for step in &steps {
+        match step {
+            Step::Servers(changes) => {
+                let commands: Vec<String> = changes
+                    .iter()
+                    .flat_map(|change| change.commands())
+                    .collect();
+                let answers = worker.change_all(&commands).await?;
+                debug!(commands = commands.len(), %answers, "server commands sent");
+                verify_servers(worker, changes).await?;
+            }
+            Step::Map { path, entries } => {
+                let from = held_maps.remove(path).unwrap_or_default();
+                match map_delta(&from, entries).filter(|_| plan.order_free.contains(*path)) {
+                    Some(delta) => update_map_entries(worker, path, &delta).await?,
+                    None => update_map(worker, path, entries).await?,
+                }
+                held_maps.insert(path, entries.clone());
+            }
+        }
+    }
+    // Rotated certificates are chosen by SNI, never decide which backend a request reaches,
+    // so their place in the order cannot route one to another's servers: they go last, as
+    // before the order above existed; a crt-list line is dropped before its certificate is.
     for cert in &certs {
         update_cert(worker, cert.path, &cert.pem, &cert.fingerprint).await?;
     }

@@ -131,10 +131,11 @@ pub fn assign(members: &[Member<'_>], step: usize) -> (usize, Vec<usize>) {
     (size, slots)
 }
 
-/// Whether a backend row is a plain one, which the pool takes: no ingress-nginx policy, no
-/// `appProtocol` (the pool's backends are all alike).
+/// Whether a backend row is a plain one, which the pool takes: a map with no ingress-nginx
+/// policy and no `appProtocol` (the pool's backends are all alike).
 fn plain(row: &Value) -> bool {
-    !field(row, "policy").is_some_and(Value::is_truthy)
+    row.as_map().is_some()
+        && !field(row, "policy").is_some_and(Value::is_truthy)
         && !field(row, "app_protocol").is_some_and(Value::is_truthy)
 }
 

@@ -453,6 +453,79 @@ fn register(env: &mut Environment<'static>) {
             )))
         },
     );
+    // The pool of spare backends (haptic_render::pool), computed afresh on every call.
+    env.add_function("backend_pool", |kwargs: Kwargs| -> Result<Value> {
+        let rows: Vec<Value> = kwargs.get("rows")?;
+        let step: Option<usize> = kwargs.get("step")?;
+        kwargs.assert_all_used()?;
+        let step = step.unwrap_or(haptic_render::pool::DEFAULT_STEP);
+        let field = |row: &Value, name: &str| row.get_attr(name).ok().filter(|v| !v.is_undefined());
+        let plain = |row: &Value| {
+            step > 0
+                && row.kind() == minijinja::value::ValueKind::Map
+                && !field(row, "policy").is_some_and(|v| v.is_true())
+                && !field(row, "app_protocol").is_some_and(|v| v.is_true())
+        };
+        let texts: Vec<(String, String)> = rows
+            .iter()
+            .filter(|row| plain(row))
+            .map(|row| {
+                let get = |name| field(row, name).map(|v| text(&v)).unwrap_or_default();
+                (get("name"), get("created"))
+            })
+            .collect();
+        let members: Vec<haptic_render::pool::Member<'_>> = texts
+            .iter()
+            .map(|(name, created)| haptic_render::pool::Member { name, created })
+            .collect();
+        let (size, slots) = haptic_render::pool::assign(&members, step);
+        let mut out: Vec<Value> = rows.iter().filter(|row| !plain(row)).cloned().collect();
+        let mut pool: Vec<Option<Value>> = vec![None; size];
+        let mut names = BTreeMap::new();
+        let mut map = String::new();
+        for ((row, (name, _)), slot) in rows.iter().filter(|row| plain(row)).zip(&texts).zip(&slots)
+        {
+            let pool_name = haptic_render::pool::backend_name(*slot);
+            map.push_str(&format!("{name} {pool_name}\n"));
+            names.insert(name.clone(), Value::from(pool_name.clone()));
+            if let Some(place) = pool.get_mut(*slot).filter(|place| place.is_none()) {
+                let mut fields: BTreeMap<String, Value> = BTreeMap::new();
+                if let Ok(keys) = row.try_iter() {
+                    for key in keys {
+                        let value = row.get_item(&key)?;
+                        fields.insert(text(&key), value);
+                    }
+                }
+                fields.insert("service_backend".into(), Value::from(name.clone()));
+                fields.insert("name".into(), Value::from(pool_name));
+                *place = Some(Value::from(fields));
+            }
+        }
+        for (index, place) in pool.into_iter().enumerate() {
+            out.push(place.unwrap_or_else(|| {
+                context! {
+                    name => haptic_render::pool::backend_name(index),
+                    endpoints => Vec::<Value>::new(),
+                    app_protocol => "",
+                    namespace => "",
+                    service => "",
+                    port => 0,
+                    port_name => "",
+                    created => "",
+                    origin => Vec::<Value>::new(),
+                    policy => (),
+                    service_backend => "",
+                }
+            }));
+        }
+        Ok(context! {
+            rows => out,
+            names => names,
+            map => map,
+            size => size,
+            used => texts.len(),
+        })
+    });
     env.add_filter("backend_name", |parts: Vec<Value>| -> Result<String> {
         match parts.as_slice() {
             [namespace, service, port] => {

@@ -18,7 +18,8 @@
 //! - RSS of the leader and a follower; the render after one event (in this process).
 //!
 //! Arguments: base sizes (default `1000 10000`), `--changes N` (default 100), `--reload-changes
-//! M` (default 10), `--endpoint-changes E` (default 20). Timings use the test config of
+//! M` (default 10), `--endpoint-changes E` (default 20), `--tls-every K` (default 0: every K-th
+//! new Ingress with a TLS Secret of its own). Timings use the test config of
 //! `tests/common` (LeaseDuration 3 s, minDeploymentInterval 100 ms).
 
 #[path = "../tests/common/mod.rs"]
@@ -225,13 +226,17 @@ struct Changes {
 }
 
 /// `count` changes of HAPTIC's protocol: a new Service and EndpointSlice, then the Ingress;
-/// from the Ingress's create to a 200 from backend `a` through every agent.
+/// from the Ingress's create to a 200 from backend `a` through every agent. With `tls_every`
+/// K > 0, every K-th change first creates a TLS Secret of its own that its Ingress names (a
+/// new certificate and crt-list line; the Ingress keeps plain HTTP, `ssl-redirect: "false"`,
+/// so that the same probe times it).
 async fn changes(
     cluster: &Cluster,
     agents: &[Agent],
     prefix: &str,
     count: usize,
     backend: std::net::SocketAddr,
+    tls_every: usize,
 ) -> Changes {
     let mut out = Changes::default();
     let reloads_before = all_reloads(agents).await;
@@ -239,11 +244,37 @@ async fn changes(
         let name = format!("{prefix}-{i}");
         service_and_slice(cluster, &name, backend).await;
         let host = format!("{name}.example");
+        let mut new = ingress(&name, &host, "/", &name);
+        if tls_every > 0 && i % tls_every == 0 {
+            let secret: Secret = serde_json::from_value(haptic_render::fixtures::tls_secret(
+                NS,
+                &format!("{name}-tls"),
+            ))
+            .expect("secret");
+            cluster
+                .api::<Secret>()
+                .create(&PostParams::default(), &secret)
+                .await
+                .expect("secret");
+            new.spec.as_mut().expect("spec").tls = Some(vec![
+                serde_json::from_value(
+                    json!({"hosts": [host], "secretName": format!("{name}-tls")}),
+                )
+                .expect("tls"),
+            ]);
+            new.metadata.annotations = Some(
+                [(
+                    haptic_render::derived::SSL_REDIRECT_ANNOTATION.to_owned(),
+                    "false".to_owned(),
+                )]
+                .into(),
+            );
+        }
         let start = Instant::now();
         let start_ms = unix_ms();
         cluster
             .api::<Ingress>()
-            .create(&PostParams::default(), &ingress(&name, &host, "/", &name))
+            .create(&PostParams::default(), &new)
             .await
             .expect("ingress");
         all_route(agents, &host, "backend a").await;
@@ -468,6 +499,8 @@ struct Args {
     changes: usize,
     reload_changes: usize,
     endpoint_changes: usize,
+    /// Every K-th new Ingress with TLS (0: none, HAPTIC's protocol as it is).
+    tls_every: usize,
 }
 
 fn args() -> Args {
@@ -476,6 +509,7 @@ fn args() -> Args {
         changes: 100,
         reload_changes: 10,
         endpoint_changes: 20,
+        tls_every: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -484,6 +518,7 @@ fn args() -> Args {
             "--changes" => args.changes = value(),
             "--reload-changes" => args.reload_changes = value(),
             "--endpoint-changes" => args.endpoint_changes = value(),
+            "--tls-every" => args.tls_every = value(),
             other => args.bases.extend(other.parse::<usize>().ok()),
         }
     }
@@ -501,6 +536,7 @@ async fn main() {
     json.insert("load_average_start".into(), json!(load_average()));
     json.insert("changes".into(), json!(args.changes));
     json.insert("reload_changes".into(), json!(args.reload_changes));
+    json.insert("tls_every".into(), json!(args.tls_every));
     let largest = args.bases.iter().copied().max().unwrap_or(0);
     for row in render_rows(largest, &mut json).await {
         push(&mut rows, row);
@@ -544,7 +580,15 @@ async fn main() {
 
         // HAPTIC's protocol, runtime updates on.
         let load = load_average();
-        let run = changes(&cluster, &fleet, "new", args.changes, a.addr).await;
+        let run = changes(
+            &cluster,
+            &fleet,
+            "new",
+            args.changes,
+            a.addr,
+            args.tls_every,
+        )
+        .await;
         let (p50, p95, p99, max) = (
             percentile(&run.samples, 0.5),
             percentile(&run.samples, 0.95),
@@ -554,8 +598,13 @@ async fn main() {
         push(
             &mut rows,
             format!(
-                "| change to live on {n}: {} new Ingresses (each with a new Service and EndpointSlice) -> 200 through 3 agents, p50 / p95 / p99 / max; reloads (load {load}) | {:.0} / {:.0} / {:.0} / {:.0} ms; {} reloads | p99 <= 100 ms at 10,000, 0 reloads |",
+                "| change to live on {n}: {} new Ingresses (each with a new Service and EndpointSlice{}) -> 200 through 3 agents, p50 / p95 / p99 / max; reloads (load {load}) | {:.0} / {:.0} / {:.0} / {:.0} ms; {} reloads | p99 <= 100 ms at 10,000, 0 reloads |",
                 args.changes,
+                if args.tls_every > 0 {
+                    format!("; every {}th with a new TLS Secret", args.tls_every)
+                } else {
+                    String::new()
+                },
                 ms(p50),
                 ms(p95),
                 ms(p99),
@@ -804,7 +853,7 @@ async fn main() {
             .await;
             all_route(&fleet, &format!("h{}.example", n - 1), "backend a").await;
             let load = load_average();
-            let run = changes(&cluster, &fleet, "reload", args.reload_changes, a.addr).await;
+            let run = changes(&cluster, &fleet, "reload", args.reload_changes, a.addr, 0).await;
             let (p50, p99) = (
                 percentile(&run.samples, 0.5),
                 percentile(&run.samples, 0.99),

@@ -123,6 +123,13 @@ fn ms(duration: Duration) -> String {
 
 #[tokio::main]
 async fn main() -> Result<()> {
+    // `RUST_LOG=haptic_agent=info` shows the agents' own account of each apply (its phases).
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let haproxy = haptic_agent::haproxy::find_binary(std::path::Path::new("haproxy"))
         .context("HAProxy not found on PATH or in /usr/sbin: run `cargo xtask setup`")?;
     let shutdown = CancellationToken::new();

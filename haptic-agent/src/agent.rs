@@ -857,6 +857,7 @@ impl Agent {
         let files = request.files.clone();
         let checksum = request.checksum.clone();
         let base = live_name.to_owned();
+        let base_files = live.clone();
         let changed: std::collections::BTreeSet<String> = plan
             .files
             .iter()
@@ -886,7 +887,12 @@ impl Agent {
                 phase = Instant::now();
             };
             let linked = |path: &str| !changed.contains(path);
-            let (name, _) = store.write_staged_reusing(&files, &checksum, Some(&base), linked)?;
+            let (name, _) = store.write_staged_reusing(
+                &files,
+                &checksum,
+                Some((&base, &base_files)),
+                linked,
+            )?;
             lap(&mut phases.stage_us);
             if let Err(error) = store.sync_staged_reusing(&name, linked) {
                 let _ = store.discard_staged(&name);

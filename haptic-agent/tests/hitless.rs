@@ -16,6 +16,7 @@ use std::{
 
 use base64::Engine as _;
 use common::*;
+use haptic_agent::store::TREE_MIN_FILES;
 use haptic_agent_client::{AgentClient, Error, FileSet, Outcome};
 use haptic_render::{Renderer, Stores, reference};
 use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
@@ -289,6 +290,11 @@ async fn tls_hosts_come_and_go_with_no_reload() {
     cluster.ingress("web", "web.test", "web", Some("web-tls"));
     cluster.endpoints("web", &[("127.0.0.2", true)]);
     cluster.endpoints("api", &[("127.0.0.3", true)]);
+    // Enough TLS Secrets for their directory to be a tree of the agent's store (shared by
+    // the sets whose certificates did not change): HAProxy reads web.test's through it.
+    for i in 0..TREE_MIN_FILES {
+        cluster.secret(&format!("spare-{i}"), &cert, &key);
+    }
     let dir = tempfile::tempdir().expect("tempdir");
     let agent = TestAgent::start(dir.path()).await;
     let client = client();
@@ -301,6 +307,20 @@ async fn tls_hosts_come_and_go_with_no_reload() {
     handshake(https_port, "web.test", &web_ca)
         .await
         .expect("web.test over TLS");
+    // The live set's certificate directory, a tree: where its link points.
+    let cert_dir = {
+        let files = cluster.render();
+        let (path, _) = files
+            .iter()
+            .find(|(path, _)| path.contains("spare-0"))
+            .expect("a spare Secret's file");
+        path.split_once('/').expect("in a directory").0.to_owned()
+    };
+    let tree = || {
+        std::fs::read_link(agent.data.join("current").join(&cert_dir))
+            .expect("the certificates are a tree")
+    };
+    let first_tree = tree();
     let workers = worker_pids(&client, &agent.url).await;
     let set_files = |cluster: &Cluster| {
         cluster
@@ -324,6 +344,8 @@ async fn tls_hosts_come_and_go_with_no_reload() {
         .expect("a Secret");
     assert!(!report.reload && report.runtime_ops == 0, "{report:?}");
     assert!(handshake(https_port, "api.test", &api_ca).await.is_err());
+    let second_tree = tree();
+    assert_ne!(second_tree, first_tree, "a file more: a new tree");
 
     // The Ingress that uses it: its certificate and crt-list line, at run time.
     cluster.ingress("api", "api.test", "api", Some("api-tls"));
@@ -331,6 +353,7 @@ async fn tls_hosts_come_and_go_with_no_reload() {
         .await
         .expect("a TLS host");
     assert!(!report.reload && report.runtime_ops > 0, "{report:?}");
+    assert_eq!(tree(), second_tree, "no certificate changed: the same tree");
     handshake(https_port, "api.test", &api_ca)
         .await
         .expect("api.test served with its own certificate");

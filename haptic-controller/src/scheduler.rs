@@ -84,6 +84,17 @@ pub fn component(
     }
 }
 
+/// Whether a drift report (a pod whose live checksum `reported` is not the one in the last
+/// `Deployed` report) is drift to this scheduler, which knows more: the pod's own answers
+/// (`known`, what it confirmed live) and whether an apply to it is in flight. The monitor's
+/// expectation comes from `Deployed` reports, which wait for every pod's answer: a pod that
+/// answered a newer set before the others is no drift, and neither is a pod an apply is
+/// changing (what it answers settles what is live; the next check looks again). Before,
+/// such reports made the pod's live set unknown mid-stream, and its next apply a claim.
+fn is_drift(known: Option<&str>, in_flight: bool, reported: Option<&str>) -> bool {
+    !in_flight && (reported.is_none() || known != reported)
+}
+
 struct Failure {
     checksum: String,
     attempts: u32,
@@ -246,6 +257,14 @@ impl Scheduler {
                 }
             }
             ControllerEvent::DriftDetected { pod, live } => {
+                if !is_drift(
+                    self.live.get(&**pod).map(String::as_str),
+                    self.in_flight.contains(&**pod),
+                    live.as_deref(),
+                ) {
+                    debug!(%pod, live = ?live, "drift report behind this scheduler's own answers; nothing to re-apply");
+                    return;
+                }
                 info!(%pod, live = ?live, "drift: re-applying the last deployed set");
                 self.live.remove(&**pod);
                 self.found.remove(&**pod);
@@ -670,5 +689,23 @@ async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_drift;
+
+    #[test]
+    fn a_pod_that_answered_newer_than_the_deployed_report_is_no_drift() {
+        // The pod answered `b`; the last Deployed report still says `a`.
+        assert!(!is_drift(Some("b"), false, Some("b")));
+        // A file changed by hand: the live checksum is neither.
+        assert!(is_drift(Some("b"), false, Some("c")));
+        // An apply in flight settles what is live.
+        assert!(!is_drift(Some("a"), true, Some("b")));
+        // Nothing live, or nothing known of the pod: drift.
+        assert!(is_drift(Some("a"), false, None));
+        assert!(is_drift(None, false, Some("a")));
     }
 }

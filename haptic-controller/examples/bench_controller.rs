@@ -19,7 +19,11 @@
 //!
 //! Arguments: base sizes (default `1000 10000`), `--changes N` (default 100), `--reload-changes
 //! M` (default 10), `--endpoint-changes E` (default 20), `--tls-every K` (default 0: every K-th
-//! new Ingress with a TLS Secret of its own). Timings use the test config of
+//! new Ingress with a TLS Secret of its own), `--no-health-checks` (`haproxy.health_checks:
+//! false`: HAProxy does not probe the endpoints, Kubernetes readiness alone says which serve,
+//! as with ingress-nginx; with checks, each of the 3 HAProxy probes every endpoint every 2 s,
+//! 5,000 probes a second each at 10,000 Services, on the same 2 cores as everything measured).
+//! Timings use the test config of
 //! `tests/common` (LeaseDuration 3 s, minDeploymentInterval 100 ms).
 
 #[path = "../tests/common/mod.rs"]
@@ -71,6 +75,65 @@ fn rss_mib(pid: i32) -> f64 {
                 .and_then(|kb| kb.parse::<f64>().ok())
         })
         .map_or(0.0, |kb| (kb / 1024.0).round())
+}
+
+/// CPU time (user + system, ms) of every process of this machine by what it is: `leader`
+/// and `follower` (by pid), and by command name the agents, HAProxy, the API server and
+/// etcd, and this bench process (which runs the API stand-in when that is the server); and
+/// `leader_children`, the leader's children that exited (the render gate's `haproxy -c`). A
+/// process that exited is not counted otherwise (none does while changes are measured).
+fn cpu_by_kind(leader: i32, follower: i32) -> BTreeMap<String, f64> {
+    // Clock ticks per second: 100 on Linux on x86-64 and arm64 (`getconf CLK_TCK`).
+    const TICK_MS: f64 = 10.0;
+    let own = std::process::id() as i32;
+    let mut cpu = BTreeMap::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return cpu;
+    };
+    for entry in dir.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid ...`: the command may hold spaces, so split after its `)`.
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let comm = &stat[open + 1..close];
+        let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+        // utime and stime are fields 14 and 15 of stat(5); here 11 and 12 after `state`.
+        let ticks: f64 = [11, 12]
+            .iter()
+            .filter_map(|i| fields.get(*i).and_then(|f| f.parse::<f64>().ok()))
+            .sum();
+        if pid == leader {
+            // What the leader's children used, once waited for: the render gate's `haproxy -c`
+            // (cutime and cstime, fields 16 and 17).
+            let children: f64 = [13, 14]
+                .iter()
+                .filter_map(|i| fields.get(*i).and_then(|f| f.parse::<f64>().ok()))
+                .sum();
+            *cpu.entry("leader_children".to_owned()).or_insert(0.0) += children * TICK_MS;
+        }
+        let kind = match comm {
+            _ if pid == leader => "leader",
+            _ if pid == follower => "follower",
+            _ if pid == own => "bench",
+            "haptic-agent" => "agents",
+            "haproxy" => "haproxy",
+            "kube-apiserver" => "apiserver",
+            "etcd" => "etcd",
+            _ => continue,
+        };
+        *cpu.entry(kind.to_owned()).or_insert(0.0) += ticks * TICK_MS;
+    }
+    cpu
 }
 
 fn load_average() -> String {
@@ -166,6 +229,32 @@ async fn reloads(agent: &Agent) -> u64 {
         .sum::<f64>() as u64
 }
 
+/// Waits until no agent has an apply in flight (`haptic_agent_applies_in_flight`), at most
+/// 60 s an agent: an agent serves a set before it has confirmed the reload that loaded it and
+/// counted it, and a count read meanwhile would give that reload to what follows.
+async fn quiesce(agents: &[Agent]) -> Duration {
+    let quiet = Instant::now();
+    for agent in agents {
+        loop {
+            let in_flight = agent.fetch("/metrics").await.and_then(|page| {
+                page.lines().find_map(|line| {
+                    line.strip_prefix("haptic_agent_applies_in_flight ")
+                        .and_then(|value| value.trim().parse::<f64>().ok())
+                })
+            });
+            if in_flight == Some(0.0) {
+                break;
+            }
+            if quiet.elapsed() > Duration::from_secs(60) {
+                eprintln!("{}: an apply still in flight after 60 s", agent.name);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    quiet.elapsed()
+}
+
 async fn all_reloads(agents: &[Agent]) -> u64 {
     let mut total = 0;
     for agent in agents {
@@ -239,6 +328,7 @@ async fn changes(
     tls_every: usize,
 ) -> Changes {
     let mut out = Changes::default();
+    quiesce(agents).await;
     let reloads_before = all_reloads(agents).await;
     for i in 0..count {
         let name = format!("{prefix}-{i}");
@@ -501,6 +591,8 @@ struct Args {
     endpoint_changes: usize,
     /// Every K-th new Ingress with TLS (0: none, HAPTIC's protocol as it is).
     tls_every: usize,
+    /// HAProxy's active health checks of the endpoints (the reference default: on).
+    health_checks: bool,
 }
 
 fn args() -> Args {
@@ -510,6 +602,7 @@ fn args() -> Args {
         reload_changes: 10,
         endpoint_changes: 20,
         tls_every: 0,
+        health_checks: true,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -519,6 +612,7 @@ fn args() -> Args {
             "--reload-changes" => args.reload_changes = value(),
             "--endpoint-changes" => args.endpoint_changes = value(),
             "--tls-every" => args.tls_every = value(),
+            "--no-health-checks" => args.health_checks = false,
             other => args.bases.extend(other.parse::<usize>().ok()),
         }
     }
@@ -537,6 +631,7 @@ async fn main() {
     json.insert("changes".into(), json!(args.changes));
     json.insert("reload_changes".into(), json!(args.reload_changes));
     json.insert("tls_every".into(), json!(args.tls_every));
+    json.insert("health_checks".into(), json!(args.health_checks));
     let largest = args.bases.iter().copied().max().unwrap_or(0);
     for row in render_rows(largest, &mut json).await {
         push(&mut rows, row);
@@ -561,6 +656,15 @@ async fn main() {
             }
             eprintln!("{n} Ingresses: server_slots 1 (HAProxy's descriptors)");
         }
+        if !args.health_checks
+            && let Some(haproxy) = config
+                .templating_settings
+                .extra_context
+                .get_mut("haproxy")
+                .and_then(|v| v.as_object_mut())
+        {
+            haproxy.insert("health_checks".into(), json!(false));
+        }
         cluster.apply_htc(&config).await;
         let a = Backend::start("a").await;
         let b = Backend::start("b").await;
@@ -580,6 +684,13 @@ async fn main() {
 
         // HAPTIC's protocol, runtime updates on.
         let load = load_average();
+        let leader_before = cluster.leader().await.expect("leader");
+        let (lead_pid, follow_pid) = if replicas[0].name == leader_before {
+            (replicas[0].pid(), replicas[1].pid())
+        } else {
+            (replicas[1].pid(), replicas[0].pid())
+        };
+        let cpu_before = cpu_by_kind(lead_pid, follow_pid);
         let run = changes(
             &cluster,
             &fleet,
@@ -589,6 +700,7 @@ async fn main() {
             args.tls_every,
         )
         .await;
+        let cpu_after = cpu_by_kind(lead_pid, follow_pid);
         let (p50, p95, p99, max) = (
             percentile(&run.samples, 0.5),
             percentile(&run.samples, 0.95),
@@ -633,6 +745,30 @@ async fn main() {
             json.insert(format!("p50_change_{n}_sent_ms"), json!(sent));
             json.insert(format!("p50_change_{n}_agent_apply_ms"), json!(apply));
             json.insert(format!("p50_change_{n}_answered_ms"), json!(answered));
+        }
+        // Where the machine's two cores went during the changes: CPU ms per change by process.
+        let per_change: Vec<(String, f64)> = cpu_after
+            .iter()
+            .map(|(kind, after)| {
+                let before = cpu_before.get(kind).copied().unwrap_or(0.0);
+                (kind.clone(), (after - before) / args.changes.max(1) as f64)
+            })
+            .collect();
+        push(
+            &mut rows,
+            format!(
+                "| CPU per change on {n} (user + system, ms, over the {} changes): {} | {:.0} ms in all | |",
+                args.changes,
+                per_change
+                    .iter()
+                    .map(|(kind, ms)| format!("{kind} {ms:.0}"))
+                    .collect::<Vec<_>>()
+                    .join(" / "),
+                per_change.iter().map(|(_, ms)| ms).sum::<f64>(),
+            ),
+        );
+        for (kind, ms) in &per_change {
+            json.insert(format!("cpu_per_change_{n}_{kind}_ms"), json!(ms));
         }
         // The leader's own spans over the changes: mean render and mean apply (send + agent).
         let leader = cluster.leader().await.expect("leader");
@@ -713,28 +849,10 @@ async fn main() {
             // Graceful handoff, from a quiet fleet: HAProxy serves an endpoint change through
             // the runtime API before the agent has written the set to disk, and a claim waits
             // behind an apply in flight (the old leader's), which is not the handoff's time.
-            let quiet = Instant::now();
-            for agent in &fleet {
-                loop {
-                    let in_flight = agent.fetch("/metrics").await.and_then(|page| {
-                        page.lines().find_map(|line| {
-                            line.strip_prefix("haptic_agent_applies_in_flight ")
-                                .and_then(|value| value.trim().parse::<f64>().ok())
-                        })
-                    });
-                    if in_flight == Some(0.0) {
-                        break;
-                    }
-                    if quiet.elapsed() > Duration::from_secs(60) {
-                        eprintln!("{}: an apply still in flight after 60 s", agent.name);
-                        break;
-                    }
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-            }
+            let quiet = quiesce(&fleet).await;
             eprintln!(
                 "before the handoff, the agents finished the last apply after {:.0} ms",
-                ms(quiet.elapsed())
+                ms(quiet)
             );
             let epoch = cluster.lease_epoch().await.expect("epoch");
             let mut leaving = replicas.remove(lead);

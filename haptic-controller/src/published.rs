@@ -20,7 +20,9 @@
 //! `status.auxiliaryFiles.sslCertificates` by path and checksum only.
 //!
 //! Nothing is written when nothing changed: each object is compared by checksum with what this
-//! term wrote, and on a new term with what the cluster holds. Writes are server-side applies
+//! term wrote, and on a new term with what the cluster holds. Of several sets in a row only
+//! the newest is published, and a publication rests three times as long as the last one took
+//! before the next ([`REST_FACTOR`]): the published objects follow the fleet, not each set. Writes are server-side applies
 //! with field manager [`FIELD_MANAGER`]; only a leader whose Lease is fresh writes; a failed
 //! write is retried with backoff; an object too large for the API even compressed is skipped
 //! with a warning.
@@ -52,6 +54,11 @@ use crate::{
 
 /// The field manager of every published object.
 pub const FIELD_MANAGER: &str = "haptic";
+/// After a publication that took `t` (the set's objects built, compressed and written), the
+/// next starts no sooner than `t` times this later: at 10,000 Ingresses building them is
+/// ~100 ms of a core (a 7 MB `haproxy.cfg` compressed), and during a stream of changes it ran
+/// for every set, beside the changes. The newest set is the one published.
+const REST_FACTOR: u32 = 3;
 /// Content larger than this is published zstd-compressed and base64-encoded.
 pub const COMPRESS_ABOVE: usize = 1024 * 1024;
 /// An object whose content is still larger than this once compressed is not published (the
@@ -551,6 +558,9 @@ pub fn component(
         let mut state = Publisher::default();
         let mut retry_at: Option<tokio::time::Instant> = None;
         let mut backoff = Duration::from_millis(500);
+        // The newest set not yet published, and when the next publication may start.
+        let mut pending: Option<std::sync::Arc<RenderedSet>> = None;
+        let mut rest_until = tokio::time::Instant::now();
         loop {
             let retry = crate::tasks::until(retry_at);
             tokio::select! {
@@ -561,23 +571,9 @@ pub fn component(
                         ControllerEvent::ConfigVerdict(v) if !v.uid.is_empty() => {
                             state.htc_uid = Some(v.uid.clone());
                         }
-                        ControllerEvent::Deployable(set) => {
-                            // Checksums and compression of a multi-megabyte set: off the runtime.
-                            let (set, name, threshold) = (set.clone(), htc.clone(), settings.compress_above);
-                            let checksum = format!("sha256:{}", set.checksum);
-                            let built = tokio::task::spawn_blocking(move || desired(&name, &set, threshold));
-                            let built = tokio::select! {
-                                () = ctx.token().cancelled() => return,
-                                built = built => built,
-                            };
-                            let Ok((objects, certificates)) = built else {
-                                warn!("preparing the published objects panicked; not published");
-                                continue;
-                            };
-                            state.desired = objects;
-                            state.certificates = certificates;
-                            state.set_checksum = checksum;
-                        }
+                        // Built when it is published: of several sets in a row only the
+                        // last is.
+                        ControllerEvent::Deployable(set) => pending = Some(set.clone()),
                         ControllerEvent::Deployed(report) => state.observe(report),
                         _ => continue,
                     }
@@ -585,6 +581,30 @@ pub fn component(
                 () = retry => {}
             }
             retry_at = None;
+            // A stream of changes publishes at most a quarter of the time (`REST_FACTOR`).
+            if tokio::time::Instant::now() < rest_until {
+                retry_at = Some(rest_until);
+                continue;
+            }
+            let started = tokio::time::Instant::now();
+            if let Some(set) = pending.take() {
+                // Checksums and compression of a multi-megabyte set: off the runtime.
+                let (set, name, threshold) = (set, htc.clone(), settings.compress_above);
+                let checksum = format!("sha256:{}", set.checksum);
+                let built = tokio::task::spawn_blocking(move || desired(&name, &set, threshold));
+                let built = tokio::select! {
+                    () = ctx.token().cancelled() => return,
+                    built = built => built,
+                };
+                match built {
+                    Ok((objects, certificates)) => {
+                        state.desired = objects;
+                        state.certificates = certificates;
+                        state.set_checksum = checksum;
+                    }
+                    Err(_) => warn!("preparing the published objects panicked; not published"),
+                }
+            }
             if !ctx.lease_is_fresh() {
                 debug!("not publishing: this replica's Lease is not fresh");
                 retry_at = Some(tokio::time::Instant::now() + backoff);
@@ -598,6 +618,8 @@ pub fn component(
                 () = ctx.token().cancelled() => return,
                 result = tokio::time::timeout(Duration::from_secs(30), write) => result,
             };
+            let took = started.elapsed();
+            rest_until = tokio::time::Instant::now() + took * REST_FACTOR;
             match result {
                 Ok(Ok(Synced::Done)) => backoff = Duration::from_millis(500),
                 Ok(Ok(Synced::NotFresh)) => {

@@ -239,7 +239,9 @@ fn render(
                     .iter()
                     .filter_map(|e| excluded_event(&state.stores, e)),
             );
-            let checksum = haptic_agent_client::protocol::checksum(files.iter());
+            // The render's own checksum: the protocol's framing (a scheduler test holds them
+            // equal), not 15 MB hashed again at 10,000 Ingresses.
+            let checksum = files.checksum_hex();
             Ok(RenderedSet {
                 files,
                 checksum,

@@ -850,20 +850,27 @@ impl Checker<'_> {
     /// Checks the lines of `text` in `changed` (0-based line ranges of `text`, in order): the
     /// others only move the section along. For a configuration whose other lines passed.
     fn config_lines(&mut self, text: &str, changed: &[std::ops::Range<usize>]) {
-        let mut section = Section::Other;
-        let mut next = 0;
-        for (index, line) in text.lines().enumerate() {
-            while changed.get(next).is_some_and(|range| range.end <= index) {
-                next += 1;
-            }
-            if changed
-                .get(next)
-                .is_some_and(|range| range.contains(&index))
-            {
+        // Each run of changed lines is checked in the section the nearest header above it
+        // opens, found by reading back from the run (a few lines in a generated config),
+        // not by reading every line of a 7 MB `haproxy.cfg` from its top for its headers.
+        let mut lines = text.lines().enumerate().peekable();
+        for range in changed {
+            // Lines of a run that overlaps the one before were checked with it.
+            while lines.next_if(|(index, _)| *index < range.start).is_some() {}
+            let Some(&(_, first)) = lines.peek() else {
+                return;
+            };
+            let offset = first.as_ptr() as usize - text.as_ptr() as usize;
+            let mut section = text
+                .get(..offset)
+                .unwrap_or_default()
+                .lines()
+                .rev()
+                .find_map(section_header)
+                .unwrap_or(Section::Other);
+            while let Some((index, line)) = lines.next_if(|(index, _)| *index < range.end) {
                 self.line = index + 1;
                 self.config_line(line, &mut section);
-            } else if let Some(header) = section_header(line) {
-                section = header;
             }
         }
     }

@@ -4,7 +4,9 @@
 //! case counts below (a few seconds in a debug build); `PROPTEST_CASES=20000` runs longer.
 
 use haptic_agent_client::policy::Policy;
-use haptic_agent_client::protocol::{ApplyRequest, FileSet, decode_apply, encode_apply};
+use haptic_agent_client::protocol::{
+    ApplyRequest, FileSet, decode_apply, encode_apply, line_hunks,
+};
 use proptest::prelude::*;
 
 /// Cases per property in CI (a policy case is a few milliseconds in a debug build).
@@ -184,5 +186,77 @@ proptest! {
         if let Ok(request) = decode_apply(&damaged, gzip, 1 << 20).and_then(|wire| wire.into_request()) {
             prop_assert_eq!(request.files.checksum(), request.checksum);
         }
+    }
+}
+
+/// A line that rewrites one of a config: any [`line`], or one the policy judges by its section
+/// (`daemon` and the file keywords only in `global`, `backing-file` only in a `ring`).
+fn rewrite() -> impl Strategy<Value = String> {
+    prop_oneof![
+        line(),
+        Just("  daemon".to_owned()),
+        Just("  pidfile /run/x.pid".to_owned()),
+        Just("  server-state-file ../state".to_owned()),
+        Just("  backing-file /var/x".to_owned()),
+    ]
+}
+
+/// A config of plain lines (that the policy passes) in sections.
+fn plain_config() -> impl Strategy<Value = String> {
+    let section = prop_oneof![
+        Just("global"),
+        Just("defaults"),
+        Just("frontend f"),
+        Just("backend b"),
+        Just("program p"),
+        Just("ring r"),
+    ];
+    let plain = "  (server s[0-9] 10\\.0\\.0\\.[0-9]:80|maxconn [0-9]{1,4}|timeout client [0-9]s)";
+    proptest::collection::vec((section, proptest::collection::vec(plain, 0..6)), 1..6).prop_map(
+        |sections| {
+            let mut text = String::new();
+            for (header, lines) in sections {
+                text.push_str(header);
+                text.push('\n');
+                for line in lines {
+                    text.push_str(&line);
+                    text.push('\n');
+                }
+            }
+            text
+        },
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(POLICY_CASES), ..ProptestConfig::default() })]
+
+    /// A change checked by what it changed (`violations_of_change`, the lines the hunks
+    /// inserted, each in its section) finds exactly what a whole check of the changed set
+    /// finds, when the set before passed: whatever lines are rewritten, in whichever sections.
+    #[test]
+    fn a_change_finds_what_a_whole_check_finds(
+        base in plain_config(),
+        rewrites in proptest::collection::vec((any::<prop::sample::Index>(), rewrite()), 1..4),
+    ) {
+        let mut lines: Vec<String> = base.lines().map(str::to_owned).collect();
+        for (at, line) in rewrites {
+            let at = at.index(lines.len());
+            lines[at] = line.replace('\n', " ");
+        }
+        let changed = lines.join("\n") + "\n";
+        let set = |text: &str| FileSet::new().with("haproxy.cfg", text.to_owned());
+        let (Ok(before), Ok(after)) = (set(&base), set(&changed)) else { return Ok(()) };
+        let policy = Policy::default();
+        let (violations, roles) = policy.violations_and_roles(&before);
+        prop_assume!(violations.is_empty());
+        let hunks = line_hunks(&base, &changed);
+        let (of_change, _) = policy.violations_of_change(
+            &after,
+            ["haproxy.cfg"],
+            &roles,
+            Some((base.as_bytes(), hunks.as_slice())),
+        );
+        prop_assert_eq!(of_change, policy.violations(&after));
     }
 }

@@ -11,7 +11,6 @@
 
 use std::{
     io::Write as _,
-    net::TcpListener,
     path::{Path, PathBuf},
     process::{Child, ChildStdin, Command, Stdio},
     sync::atomic::{AtomicU64, Ordering},
@@ -150,30 +149,6 @@ pub fn assets_dir() -> RealResult<PathBuf> {
     )))
 }
 
-/// A free TCP port on 127.0.0.1 (bound, then released: the servers bind it a moment later).
-/// A port nothing listens on now, never one this process handed out before: two servers
-/// starting at once in one test binary cannot be given the same port (controller-runtime's
-/// envtest keeps the same memory). Another process can still take it before etcd or
-/// kube-apiserver binds it; [`RealApiServer::start`] then starts again on fresh ports.
-fn free_port() -> RealResult<u16> {
-    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
-    loop {
-        let listener =
-            TcpListener::bind(("127.0.0.1", 0)).map_err(io("binding", Path::new("127.0.0.1:0")))?;
-        let port = listener
-            .local_addr()
-            .map_err(io("reading the address of", Path::new("127.0.0.1:0")))?
-            .port();
-        let mut given = GIVEN
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !given.contains(&port) {
-            given.push(port);
-            return Ok(port);
-        }
-    }
-}
-
 /// kube-apiserver v1.34 and etcd v3.6 on loopback, with RBAC, for tests.
 ///
 /// The admin (user [`ADMIN_USER`], group `system:masters`) authenticates with a static token;
@@ -208,7 +183,7 @@ impl RealApiServer {
     }
 
     /// Starts etcd and kube-apiserver and waits (bounded) until `/readyz` answers `ok`. When
-    /// one of them exits first (a port another process took between [`free_port`] and the
+    /// one of them exits first (a port another process took between [`crate::free_port`] and the
     /// bind is the usual reason), it starts again on fresh ports, [`START_ATTEMPTS`] times in
     /// all; a server that runs but is not ready by the deadline is not retried.
     pub async fn start() -> RealResult<Self> {
@@ -275,7 +250,8 @@ impl RealApiServer {
             &format!("{admin_token},{ADMIN_USER},{ADMIN_USER},\"system:masters\"\n"),
         )?;
 
-        let (etcd_client, etcd_peer, port) = (free_port()?, free_port()?, free_port()?);
+        let (etcd_client, etcd_peer, port) =
+            (crate::free_port(), crate::free_port(), crate::free_port());
         let etcd_dir = root.join("etcd");
         let etcd_url = format!("http://127.0.0.1:{etcd_client}");
         let peer_url = format!("http://127.0.0.1:{etcd_peer}");

@@ -28,12 +28,10 @@ pub fn haproxy_bin() -> PathBuf {
     })
 }
 
-/// A loopback port free at the time of asking.
+/// A loopback port for a server started next ([`haptic_testkit::free_port`]).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .map(|addr| addr.port())
-        .expect("a free loopback port")
+    // Below the ephemeral range: no connection can be given it before the server binds it.
+    haptic_testkit::free_port()
 }
 
 /// A small HTTP backend answering `backend <name>` on every path.

@@ -41,12 +41,10 @@ pub const NS: &str = "default";
 pub const TOKEN: &str = "agent-token-for-tests-0123456789";
 pub const HTC: &str = "haptic-config";
 
-/// A loopback port free at the time of asking.
+/// A loopback port for a server started next ([`haptic_testkit::free_port`]).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
+    // Below the ephemeral range: no connection can be given it before the server binds it.
+    haptic_testkit::free_port()
 }
 
 /// A binary of this workspace, next to the test executable's directory.

@@ -8,9 +8,9 @@
 //! optimistic. A check in progress never holds a newer render: it goes on (gate open) as it
 //! arrives, and the newest one waiting is checked when the running check ends (a check at
 //! 10,000 Ingresses with 2,500 certificates takes seconds; the first change after a deployment
-//! used to wait for the check of the deployed set); while the gate is open, only after a rest
-//! as long as the last check took, and `haproxy -c` runs at the lowest CPU priority: in a
-//! stream of changes at 10,000 the checks otherwise kept a core busy beside the changes. The check runs on a scratch copy laid out as the agent lays a set out (`-C` at
+//! used to wait for the check of the deployed set); while the gate is open and the pods took
+//! the last deployment, only after a rest as long as the last check took: in a stream of
+//! changes at 10,000 the checks otherwise kept a core busy beside the changes. The check runs on a scratch copy laid out as the agent lays a set out (`-C` at
 //! the set's directory), so relative map and certificate paths resolve the same, and only after
 //! the set passed the agents' own config policy ([`haptic_agent_client::policy`]: no Lua,
 //! programs, external checks or files outside the set unless allowed), so a set the policy
@@ -39,18 +39,19 @@ use haptic_eventbus::Filter;
 use haptic_leadership::LeaderContext;
 use haptic_render::FileSet;
 use tokio::process::Command;
-use tracing::{Instrument as _, debug, error, info, warn};
+use tracing::{Instrument as _, error, info, warn};
 
-use crate::events::{ControllerEvent, Exclusion, GateVerdict, Kind, RenderedSet};
+use crate::events::{ControllerEvent, Exclusion, GateVerdict, Kind, PodOutcome, RenderedSet};
 
 /// How long one `haproxy -c` may take.
 pub const CHECK_TIMEOUT: Duration = Duration::from_secs(60);
-/// The nice value of `haproxy -c` (the lowest priority).
-const CHECK_NICE: i32 = 19;
 /// While the gate is open, a check starts no sooner after the last one ended than that one
 /// took, times this: during a stream of changes at 10,000 Ingresses the checks (seconds each)
 /// otherwise ran back to back, a core busy for as long as changes came. A closed gate checks
-/// at once (renders wait for a pass).
+/// at once (renders wait for a pass), and so does an open one once a pod failed an apply
+/// (the check may be what finds the object to leave out). Not a lower CPU priority: when
+/// the agents refuse a set, the fleet waits for this check, and at nice 19 on busy cores it
+/// took 20 s where it took 2.
 const OPEN_REST_FACTOR: u32 = 1;
 /// How many lines over HAProxy's word limit a refusal names ([`long_lines`]).
 const LONG_LINES_SHOWN: usize = 20;
@@ -75,6 +76,10 @@ pub fn component(
         "render-gate",
         Filter::kinds([Kind::Rendered, Kind::BecameLeader]),
     );
+    // Apart from the renders: the newest render wins there, and a report must not displace one.
+    let mut deployed = ctx
+        .bus()
+        .subscribe_leader_only("render-gate-deployments", Filter::kinds([Kind::Deployed]));
     async move {
         // The term's stamp (`BecameLeader.at`); renders of earlier terms (the sticky last
         // render arrives first) are not this term's to deploy.
@@ -120,6 +125,14 @@ pub fn component(
                     verdict(&ctx, &set, refused, &mut open, &mut reported);
                 }
                 () = tokio::time::sleep_until(rest_until), if resting => {}
+                report = deployed.recv() => {
+                    let Some(report) = report else { return };
+                    if let ControllerEvent::Deployed(report) = &*report
+                        && report.pods.values().any(|outcome| matches!(outcome, PodOutcome::Failed(_)))
+                    {
+                        rest_until = tokio::time::Instant::now();
+                    }
+                }
                 event = renders.recv() => {
                     let Some(event) = event else { return };
                     if let Some(set) = admit(&ctx, &settings, event, &mut renders, (&mut term, &mut open, &mut reported, &mut passed)).await {
@@ -368,7 +381,7 @@ pub async fn check_files(haproxy: &Path, files: &FileSet) -> Result<(), CheckErr
             )));
         }
     }
-    let child = Command::new(haproxy)
+    let run = Command::new(haproxy)
         .arg("-c")
         .arg("-C")
         .arg(&dir)
@@ -378,23 +391,7 @@ pub async fn check_files(haproxy: &Path, files: &FileSet) -> Result<(), CheckErr
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
-        .spawn()
-        .map_err(|error| {
-            CheckError::CannotRun(format!("running {}: {error}", haproxy.display()))
-        })?;
-    // The check is off the deployment's path: at the lowest priority, so that where the
-    // controller shares cores (with HAProxy, agents, other pods) it never slows a change down.
-    // (A check at 10,000 Ingresses is seconds of a core.) Best effort: a refusal changes nothing
-    // but the priority.
-    if let Some(pid) = child
-        .id()
-        .and_then(|id| i32::try_from(id).ok())
-        .and_then(rustix::process::Pid::from_raw)
-        && let Err(error) = rustix::process::setpriority_process(Some(pid), CHECK_NICE)
-    {
-        debug!(%error, "could not lower the priority of haproxy -c");
-    }
-    let run = child.wait_with_output();
+        .output();
     match tokio::time::timeout(CHECK_TIMEOUT, run).await {
         Err(_) => Err(CheckError::Refused(format!(
             "haproxy -c did not finish within {CHECK_TIMEOUT:?}"

@@ -22,10 +22,10 @@
 //! Nothing is written when nothing changed: each object is compared by checksum with what this
 //! term wrote, and on a new term with what the cluster holds. Of several sets in a row only
 //! the newest is published, and a publication rests three times as long as the last one took
-//! before the next ([`REST_FACTOR`]): the published objects follow the fleet, not each set. Writes are server-side applies
-//! with field manager [`FIELD_MANAGER`]; only a leader whose Lease is fresh writes; a failed
-//! write is retried with backoff; an object too large for the API even compressed is skipped
-//! with a warning.
+//! before the next (`REST_FACTOR`): the published objects follow the fleet, not each set.
+//! Writes are server-side applies with field manager [`FIELD_MANAGER`]; only a leader whose
+//! Lease is fresh writes; a failed write is retried with backoff; an object too large for the
+//! API even compressed is skipped with a warning.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -581,7 +581,8 @@ pub fn component(
                 () = retry => {}
             }
             retry_at = None;
-            // A stream of changes publishes at most a quarter of the time (`REST_FACTOR`).
+            // A stream of changes publishes at most a quarter of the time (`REST_FACTOR`), the
+            // newest set then.
             if tokio::time::Instant::now() < rest_until {
                 retry_at = Some(rest_until);
                 continue;

@@ -8,6 +8,9 @@
 //! below that range instead, where the kernel gives nothing on its own: each one at most once
 //! in a process (the tests of a binary run on its threads), checked free when handed out,
 //! from a window that depends on the process id (test binaries that run at once rarely meet).
+//! Each port comes with the [`RESERVED`] - 1 ports after it, free and handed to no one else:
+//! test configurations put HTTPS at the HTTP port + 1 (handing out neighbours made one test's
+//! HTTPS port another's HTTP port).
 
 use std::{
     net::TcpListener,
@@ -16,6 +19,9 @@ use std::{
 
 /// The lowest port handed out (above the well-known and most registered services' ports).
 const LOWEST: u32 = 10_000;
+
+/// How many consecutive ports each [`free_port`] reserves, from the one it returns.
+pub(crate) const RESERVED: u16 = 4;
 
 /// The first port of the kernel's ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`),
 /// 32768 when it cannot be read.
@@ -27,7 +33,8 @@ fn ephemeral_start() -> u32 {
 }
 
 /// A free TCP port on 127.0.0.1 that no outgoing connection or `bind(0)` can be given before
-/// the server that asked for it binds it, never the same twice in this process.
+/// the server that asked for it binds it, never the same twice in this process; so are the
+/// [`RESERVED`] - 1 ports after it.
 ///
 /// # Panics
 ///
@@ -43,19 +50,22 @@ pub fn free_port() -> u16 {
             .map(|addr| addr.port())
             .expect("a free loopback port");
     }
-    let span = high - LOWEST;
-    let start = std::process::id().wrapping_mul(7_919) % span;
-    for _ in 0..span {
+    let blocks = (high - LOWEST) / u32::from(RESERVED);
+    let start = std::process::id().wrapping_mul(7_919) % blocks;
+    for _ in 0..blocks {
         let next = NEXT.fetch_add(1, Ordering::Relaxed);
-        let port = LOWEST + start.wrapping_add(next) % span;
-        let Ok(port) = u16::try_from(port) else {
+        let first = LOWEST + (start.wrapping_add(next) % blocks) * u32::from(RESERVED);
+        let Ok(first) = u16::try_from(first) else {
             continue;
         };
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
+        // Free on every address (a server of another process on 127.0.0.2 holds it too).
+        let free = (first..first.saturating_add(RESERVED))
+            .all(|port| TcpListener::bind(("0.0.0.0", port)).is_ok());
+        if free {
+            return first;
         }
     }
-    panic!("no free loopback port below {high}");
+    panic!("no {RESERVED} free loopback ports in a row below {high}");
 }
 
 #[cfg(test)]
@@ -66,10 +76,19 @@ mod tests {
     fn ports_are_below_the_ephemeral_range_free_and_never_given_twice() {
         let high = ephemeral_start();
         let ports: Vec<u16> = (0..200).map(|_| free_port()).collect();
-        let mut unique = ports.clone();
-        unique.sort_unstable();
-        unique.dedup();
-        assert_eq!(unique.len(), ports.len(), "a port handed out twice");
+        // Every port with the ones reserved after it: none handed out twice.
+        let mut all: Vec<u16> = ports
+            .iter()
+            .flat_map(|port| *port..port + RESERVED)
+            .collect();
+        all.sort_unstable();
+        let count = all.len();
+        all.dedup();
+        assert_eq!(
+            all.len(),
+            count,
+            "a port handed out twice, or next to another"
+        );
         for port in ports {
             if high >= LOWEST + 1_000 {
                 assert!(
@@ -78,6 +97,7 @@ mod tests {
                 );
             }
             TcpListener::bind(("127.0.0.1", port)).expect("free when handed out");
+            TcpListener::bind(("127.0.0.1", port + 1)).expect("its neighbour too");
         }
     }
 }

@@ -91,7 +91,17 @@ fn main() {
     time("agent: policy of the whole set (before)", || {
         policy.violations(&files)
     });
-    time("agent: runtime plan", || {
+    time("agent: runtime plan (the two sets compared)", || {
         haptic_agent::runtime::plan(&base, &files).expect("a runtime change")
+    });
+    let changed = haptic_agent::runtime::Changed {
+        base: decoded.base.clone(),
+        paths: decoded.changed().map(str::to_owned).collect(),
+        removed: decoded.removed.iter().cloned().collect(),
+        config_hunks: decoded.patches.get(MAIN_CONFIG).cloned(),
+    };
+    time("agent: runtime plan (from the delta's changes)", || {
+        haptic_agent::runtime::plan_changed(&base, &base_checksum, &files, &changed)
+            .expect("a runtime change")
     });
 }

@@ -552,7 +552,7 @@ impl Agent {
             };
             agent.shared.metrics.count_delta();
             let policy = agent.shared.config.policy.clone();
-            let (request, (violations, roles)) = blocking(move || -> Result<_> {
+            let (request, (violations, roles), changed) = blocking(move || -> Result<_> {
                 let files = delta
                     .apply_to(&base.files)
                     .map_err(|error| Error::BadRequest(error.to_string()))?;
@@ -566,7 +566,14 @@ impl Agent {
                     base.roles.as_ref().unwrap_or(&Roles::default()),
                     config_hunks,
                 );
-                Ok((delta.into_request(files), checked))
+                // What the delta changed, for the runtime plan (which reads only that).
+                let changed = runtime::Changed {
+                    base: delta.base.clone(),
+                    paths: delta.changed().map(str::to_owned).collect(),
+                    removed: delta.removed.iter().cloned().collect(),
+                    config_hunks: delta.patches.get(MAIN_CONFIG).cloned(),
+                };
+                Ok((delta.into_request(files), checked, changed))
             })
             .await??;
             if !violations.is_empty() {
@@ -585,7 +592,9 @@ impl Agent {
                     more,
                 });
             }
-            agent.apply_serialized(request, roles).await
+            agent
+                .apply_serialized_changed(request, roles, Some(changed))
+                .await
         })
         .await
         .map_err(|error| Error::Task(error.to_string()))
@@ -614,9 +623,19 @@ impl Agent {
         }
     }
 
+    async fn apply_serialized(&self, request: ApplyRequest, roles: Roles) -> Result<ApplyResponse> {
+        self.apply_serialized_changed(request, roles, None).await
+    }
+
+    /// [`Agent::apply_serialized`], with what a delta changed (`changed`) for the runtime plan.
     // The leader is a validated pod name; `?` escapes it in the log all the same.
     #[instrument(skip_all, fields(epoch = request.epoch, leader = ?request.leader, generation = request.generation, checksum = %request.checksum))]
-    async fn apply_serialized(&self, request: ApplyRequest, roles: Roles) -> Result<ApplyResponse> {
+    async fn apply_serialized_changed(
+        &self,
+        request: ApplyRequest,
+        roles: Roles,
+        changed: Option<runtime::Changed>,
+    ) -> Result<ApplyResponse> {
         let shared = &self.shared;
         // While an apply waits for HAProxy to finish a reload whose outcome is unknown, others
         // are answered 503 at once rather than queued behind it.
@@ -761,8 +780,9 @@ impl Agent {
             && running
             && self.loaded().as_deref() == Some(checksum.as_str())
         {
+            let changed = changed.map(|changed| (checksum.clone(), changed));
             match self
-                .apply_at_runtime(name, files, &request, &roles, started)
+                .apply_at_runtime(name, files, &request, &roles, started, changed)
                 .await?
             {
                 Runtime::Applied(response) => return Ok(response),
@@ -823,11 +843,18 @@ impl Agent {
         request: &ApplyRequest,
         roles: &Roles,
         started: Instant,
+        changed: Option<(String, runtime::Changed)>,
     ) -> Result<Runtime> {
         let shared = &self.shared;
         let phase = Instant::now();
         let (old, new) = (live.clone(), request.files.clone());
-        let plan = match blocking(move || runtime::plan(&old, &new)).await? {
+        let planned = blocking(move || match changed {
+            Some((live_checksum, changed)) => {
+                runtime::plan_changed(&old, &live_checksum, &new, &changed)
+            }
+            None => runtime::plan(&old, &new),
+        });
+        let plan = match planned.await? {
             Ok(plan) if !plan.is_empty() => plan,
             Ok(_) => return Ok(Runtime::Skipped),
             Err(error) => {

@@ -245,54 +245,107 @@ pub fn config_changes(live: &str, new: &str) -> Result<Vec<ServerChange>> {
             live_lines.len()
         )));
     }
-    // The section a line is in: the nearest header above it, read back from the line (a
-    // few lines in a generated config; reading every line of a 7 MB haproxy.cfg for its
-    // headers was most of a plan at 10,000 Ingresses). Lines above a changed one are
-    // unchanged, or changed server lines: a changed header stops the plan where it is.
-    let section_of = |number: usize| -> (&str, &str) {
-        live_lines[..number]
-            .iter()
-            .rev()
-            .find_map(|line| {
-                let mut tokens = line.split_ascii_whitespace();
-                let first = tokens.next().filter(|first| SECTIONS.contains(first))?;
-                Some((first, tokens.next().unwrap_or("")))
-            })
-            .unwrap_or(("", ""))
-    };
     let mut changes = Vec::new();
     for (number, (old, new)) in live_lines.iter().zip(&new_lines).enumerate() {
         if old == new {
             continue;
         }
-        let differs = || {
-            Error::NeedsReload(format!(
-                "haproxy.cfg line {} changed beyond a server's address, weight or state",
-                number + 1
-            ))
-        };
-        let section = section_of(number);
-        if !matches!(section.0, "backend" | "listen") {
-            return Err(differs());
-        }
-        let (Some((old_name, from, old_rest)), Some((new_name, to, new_rest))) =
-            (parse_server(old), parse_server(new))
-        else {
-            return Err(differs());
-        };
-        if old_name != new_name || old_rest != new_rest || unsafe_text(section.1) {
-            return Err(differs());
-        }
-        if from != to {
-            changes.push(ServerChange {
-                backend: section.1.to_owned(),
-                server: new_name.to_owned(),
-                from,
-                to,
-            });
+        // The section: the nearest header above the line, read back from it (a few lines in
+        // a generated config; reading every line of a 7 MB haproxy.cfg for its headers was
+        // most of a plan at 10,000 Ingresses). Lines above a changed one are unchanged, or
+        // changed server lines: a changed header stops the plan where it is.
+        let section = section_above(live_lines[..number].iter().rev().copied());
+        changes.extend(server_change(number, old, new, section)?);
+    }
+    Ok(changes)
+}
+
+/// [`config_changes`] from the hunks that made `new` of `live` (a delta's): only the lines
+/// they replace are read, and the live text is walked only up to the last of them. The
+/// caller vouches that the hunks make `new` of `live` (the delta's checksum was checked
+/// against its base, and `live` is that base).
+pub fn config_changes_from_hunks(
+    live: &str,
+    new: &str,
+    hunks: &[haptic_agent_client::protocol::Hunk],
+) -> Result<Vec<ServerChange>> {
+    if hunks.iter().any(|hunk| hunk.remove != hunk.insert.len()) {
+        let count = |text: &str| text.bytes().filter(|b| *b == b'\n').count() + 1;
+        return Err(Error::NeedsReload(format!(
+            "haproxy.cfg has {} lines, the live one {}",
+            count(new),
+            count(live)
+        )));
+    }
+    let mut changes = Vec::new();
+    // (index, byte offset) of the live line the walk is at.
+    let (mut index, mut offset) = (0usize, 0usize);
+    for hunk in hunks {
+        for (i, inserted) in hunk.insert.iter().enumerate() {
+            let number = hunk.at + i;
+            while index < number {
+                let Some(newline) = live[offset..].find('\n') else {
+                    return Err(Error::NeedsReload(
+                        "a hunk beyond the live haproxy.cfg".to_owned(),
+                    ));
+                };
+                offset += newline + 1;
+                index += 1;
+            }
+            let old = live[offset..].split('\n').next().unwrap_or_default();
+            let new = inserted.strip_suffix('\n').unwrap_or(inserted);
+            if old == new {
+                continue;
+            }
+            let section = section_above(live[..offset].rsplit('\n').skip(1));
+            changes.extend(server_change(number, old, new, section)?);
         }
     }
     Ok(changes)
+}
+
+/// The section (keyword, name) the first header among `lines_above` (nearest first) opens.
+fn section_above<'a>(mut lines_above: impl Iterator<Item = &'a str>) -> (&'a str, &'a str) {
+    lines_above
+        .find_map(|line| {
+            let mut tokens = line.split_ascii_whitespace();
+            let first = tokens.next().filter(|first| SECTIONS.contains(first))?;
+            Some((first, tokens.next().unwrap_or("")))
+        })
+        .unwrap_or(("", ""))
+}
+
+/// The server change of line `number` (0-based), `old` become `new`, in `section`: none when
+/// the server holds the same, an error when the line changed in more.
+fn server_change(
+    number: usize,
+    old: &str,
+    new: &str,
+    section: (&str, &str),
+) -> Result<Option<ServerChange>> {
+    let differs = || {
+        Error::NeedsReload(format!(
+            "haproxy.cfg line {} changed beyond a server's address, weight or state",
+            number + 1
+        ))
+    };
+    if !matches!(section.0, "backend" | "listen") {
+        return Err(differs());
+    }
+    let (Some((old_name, from, old_rest)), Some((new_name, to, new_rest))) =
+        (parse_server(old), parse_server(new))
+    else {
+        return Err(differs());
+    };
+    if old_name != new_name || old_rest != new_rest || unsafe_text(section.1) {
+        return Err(differs());
+    }
+    Ok((from != to).then(|| ServerChange {
+        backend: section.1.to_owned(),
+        server: new_name.to_owned(),
+        from,
+        to,
+    }))
 }
 
 /// Whether `haproxy.cfg` (`config`) uses the map file `path` only through the converters
@@ -366,6 +419,76 @@ pub fn plan(live: &FileSet, new: &FileSet) -> Result<Plan> {
             plan.live_files.push(old.clone());
         }
     }
+    Ok(finish(plan, new))
+}
+
+/// What a delta says it changed, against the set whose checksum is `base`.
+#[derive(Debug, Clone)]
+pub struct Changed {
+    /// The checksum of the set the delta was made against.
+    pub base: String,
+    /// The paths it added or rewrote.
+    pub paths: BTreeSet<String>,
+    /// The paths it removed.
+    pub removed: BTreeSet<String>,
+    /// The hunks that made the new `haproxy.cfg` of the base's, when it traveled as hunks.
+    pub config_hunks: Option<Vec<haptic_agent_client::protocol::Hunk>>,
+}
+
+/// [`plan`], reading only what `changed` says changed when `live` is its base (its checksum
+/// `live_checksum`): the other files are not compared, and `haproxy.cfg` is read at the lines
+/// the hunks replace. At 10,000 Ingresses comparing the two sets (12 MB) and the two configs
+/// line by line was most of the plan. Any other live set gets [`plan`].
+pub fn plan_changed(
+    live: &FileSet,
+    live_checksum: &str,
+    new: &FileSet,
+    changed: &Changed,
+) -> Result<Plan> {
+    if live_checksum != changed.base {
+        return plan(live, new);
+    }
+    let mut plan = Plan {
+        new_set: new.clone(),
+        ..Plan::default()
+    };
+    for path in &changed.removed {
+        if live.get(path).is_none() || new.get(path).is_some() {
+            return self::plan(live, new);
+        }
+        plan.removed.push(path.clone());
+    }
+    for path in &changed.paths {
+        let Some(content) = new.get(path) else {
+            return self::plan(live, new);
+        };
+        let Some(old) = live.get(path) else {
+            plan.added.push((path.clone(), content.clone()));
+            continue;
+        };
+        if old == content {
+            continue;
+        }
+        if path == MAIN_CONFIG {
+            let text = |bytes| {
+                std::str::from_utf8(bytes)
+                    .map_err(|_| Error::NeedsReload("haproxy.cfg is not UTF-8".to_owned()))
+            };
+            plan.servers = match &changed.config_hunks {
+                Some(hunks) => config_changes_from_hunks(text(old)?, text(content)?, hunks)?,
+                None => config_changes(text(old)?, text(content)?)?,
+            };
+        } else {
+            plan.files.push((path.clone(), content.clone()));
+            plan.live_files.push(old.clone());
+        }
+    }
+    Ok(finish(plan, new))
+}
+
+/// The parts of a plan that read the new `haproxy.cfg`: which changed maps are order-free,
+/// which files it does not name.
+fn finish(mut plan: Plan, new: &FileSet) -> Plan {
     if let Some(config) = new
         .iter()
         .find(|(path, _)| *path == MAIN_CONFIG)
@@ -387,7 +510,7 @@ pub fn plan(live: &FileSet, new: &FileSet) -> Result<Plan> {
             .cloned()
             .collect();
     }
-    Ok(plan)
+    plan
 }
 
 /// Whether `haproxy.cfg` (`config`) names the file `path` neither in a word nor by its
@@ -1365,6 +1488,136 @@ async fn update_cert(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A `haproxy.cfg` of 60 backends of 3 servers (over the size a delta patches rather than
+    /// sends whole), with `server` rewriting each server line.
+    fn big_config(server: &dyn Fn(usize, usize) -> String) -> String {
+        let mut config = String::from(
+            "global\n    maxconn 10\n\nfrontend http\n    bind :80\n    \
+             use_backend %[req.hdr(host),map(maps/hosts.map)]\n",
+        );
+        for backend in 0..60 {
+            config.push_str(&format!("\nbackend be_{backend}\n    balance roundrobin\n"));
+            for slot in 0..3 {
+                config.push_str(&format!("    {}\n", server(backend, slot)));
+            }
+        }
+        config
+    }
+
+    fn server_line(backend: usize, slot: usize) -> String {
+        format!("server s{slot} 10.0.{backend}.{slot}:80 check")
+    }
+
+    fn set(config: &str, files: &[(&str, &str)]) -> FileSet {
+        let mut set = FileSet::new()
+            .with(MAIN_CONFIG, config.to_owned())
+            .expect("config");
+        for (path, content) in files {
+            set.insert(*path, content.to_string()).expect("file");
+        }
+        set
+    }
+
+    /// The plan from what a delta says changed (its paths, and the hunks of `haproxy.cfg`) is
+    /// the plan from comparing the two sets, whatever the change; and a live set that is not
+    /// the delta's base gets the plan from the two sets.
+    #[test]
+    fn a_plan_from_a_deltas_changes_is_the_plan_from_the_two_sets() {
+        let files = [
+            ("maps/hosts.map", "a.test be_0\n"),
+            ("certs/a.pem", "pem a"),
+        ];
+        let live = set(&big_config(&server_line), &files);
+        let moved = |to: &'static [(usize, usize)]| {
+            move |backend: usize, s: usize| {
+                if to.contains(&(backend, s)) {
+                    format!("server s{s} 10.9.{backend}.{s}:8080 disabled check")
+                } else {
+                    server_line(backend, s)
+                }
+            }
+        };
+        let cases = [
+            // One server; two in a row (one hunk of two lines); several in several backends.
+            set(&big_config(&moved(&[(7, 1)])), &files),
+            set(&big_config(&moved(&[(9, 0), (9, 1)])), &files),
+            set(
+                &big_config(&moved(&[(0, 0), (0, 2), (31, 1), (59, 2)])),
+                &files,
+            ),
+            // A server renamed; a line out of a backend; a line more.
+            set(
+                &big_config(&server_line).replace("server s1 10.0.3.1:80", "server x1 10.0.3.1:80"),
+                &files,
+            ),
+            set(
+                &big_config(&server_line).replace("maxconn 10", "maxconn 11"),
+                &files,
+            ),
+            set(
+                &big_config(&server_line).replace(
+                    "    balance roundrobin\n    server s0 10.0.5.0",
+                    "    balance roundrobin\n    retries 3\n    server s0 10.0.5.0",
+                ),
+                &files,
+            ),
+            // Maps and certificates: a map entry more, a certificate added and one gone.
+            set(
+                &big_config(&moved(&[(4, 0)])),
+                &[
+                    ("maps/hosts.map", "a.test be_0\nb.test be_1\n"),
+                    ("certs/a.pem", "pem a"),
+                ],
+            ),
+            set(
+                &big_config(&server_line),
+                &[
+                    ("maps/hosts.map", "a.test be_0\n"),
+                    ("certs/b.pem", "pem b"),
+                ],
+            ),
+            // Nothing.
+            set(&big_config(&server_line), &files),
+        ];
+        let base = live.checksum();
+        for (case, new) in cases.iter().enumerate() {
+            let request = haptic_agent_client::ApplyRequest::new(1, "leader-0", 1, new.clone())
+                .expect("request");
+            let delta = haptic_agent_client::DeltaRequest::between(&live, &base, &request);
+            if case < 2 {
+                assert!(
+                    delta.patches.contains_key(MAIN_CONFIG),
+                    "case {case}: hunks"
+                );
+            }
+            let changed = Changed {
+                base: delta.base.clone(),
+                paths: delta.changed().map(str::to_owned).collect(),
+                removed: delta.removed.iter().cloned().collect(),
+                config_hunks: delta.patches.get(MAIN_CONFIG).cloned(),
+            };
+            let outcome = |plan: Result<Plan>| plan.map_err(|error| error.to_string());
+            let whole = outcome(plan(&live, new));
+            assert_eq!(
+                outcome(plan_changed(&live, &base, new, &changed)),
+                whole,
+                "case {case}"
+            );
+            // Another live set than the delta's base: the plan from the two sets.
+            assert_eq!(
+                outcome(plan_changed(&live, "another", new, &changed)),
+                whole,
+                "case {case}"
+            );
+            if case < 2 {
+                assert!(
+                    whole.is_ok_and(|plan| !plan.servers.is_empty()),
+                    "case {case}"
+                );
+            }
+        }
+    }
 
     const LIVE: &str = "global\n    maxconn 10\n\nbackend be_a\n    balance roundrobin\n    \
         server s1 10.0.0.1:80 check\n    server s2 127.0.0.1:1 disabled check\n";

@@ -298,10 +298,12 @@ pub fn policy_check_since(
     let (violations, roles) = match passed {
         Some(passed) => {
             let config = haptic_agent_client::protocol::MAIN_CONFIG;
+            // Hunks only for a config that changed (two 7 MB texts split into lines else).
             let texts = passed
                 .files
                 .get(config)
                 .zip(files.get(config))
+                .filter(|_| changed.contains(&config))
                 .and_then(|(old, new)| {
                     Some((
                         std::str::from_utf8(old).ok()?,

@@ -1376,7 +1376,7 @@ fn backend_rows(slices: Source<'_>, backends: &BTreeMap<String, Arc<Json>>) -> V
             let (ns, svc, port_name) = (s(b, "/namespace"), s(b, "/service"), s(b, "/port_name"));
             let mut endpoints: Vec<Value> = Vec::new();
             for e in by_service.get(&(ns, svc)).map_or(&[][..], Vec::as_slice) {
-                if let Some(slice) = e.slice.get() {
+                if let Some(slice) = e.slice.get().map(|s| &**s) {
                     for (name, rows) in &slice.ports {
                         if name == port_name {
                             endpoints.extend(rows.as_array().unwrap_or_default().iter().cloned());

@@ -286,15 +286,21 @@ fn histogram(text: &str, name: &str) -> (f64, f64) {
 }
 
 /// Where one change's time went, from the agents' journals: when the first agent was sent the
-/// apply (its answer time minus its own apply time) and when the last one answered, in ms
-/// after the create.
-fn agent_times(journals: &[Vec<Value>], since_ms: u64) -> Option<(u64, u64, u64)> {
+/// apply that made the route live (its answer time minus its own apply time), the longest
+/// such apply, and when the last one answered, in ms after the create (`since_ms`); the route
+/// was seen on every agent at `routed_ms`.
+fn agent_times(journals: &[Vec<Value>], since_ms: u64, routed_ms: u64) -> Option<(u64, u64, u64)> {
     let mut sent = u64::MAX;
     let mut answered = 0;
     let mut took = 0;
     for entries in journals {
-        let entry = entries.iter().find(|e| {
-            e["at_ms"].as_u64().is_some_and(|at| at >= since_ms) && e["outcome"] == "applied"
+        // The last apply answered before the route was seen: the one that made it live (the
+        // first after the create can be the set of the Service created just before).
+        let entry = entries.iter().rev().find(|e| {
+            e["at_ms"]
+                .as_u64()
+                .is_some_and(|at| at >= since_ms && at <= routed_ms)
+                && e["outcome"] == "applied"
         })?;
         let at = entry["at_ms"].as_u64()? - since_ms;
         let apply_ms = entry["took_us"].as_u64().unwrap_or(0) / 1000;
@@ -374,7 +380,9 @@ async fn changes(
         for agent in agents {
             journals.push(journal(agent).await);
         }
-        if let Some((sent, apply, answered)) = agent_times(&journals, start_ms) {
+        if let Some((sent, apply, answered)) =
+            agent_times(&journals, start_ms, start_ms + took.as_millis() as u64)
+        {
             out.trace
                 .push((sent, apply, answered, took.as_millis() as u64));
         }

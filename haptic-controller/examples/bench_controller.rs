@@ -287,19 +287,23 @@ fn histogram(text: &str, name: &str) -> (f64, f64) {
 
 /// Where one change's time went, from the agents' journals: when the first agent was sent the
 /// apply that made the route live (its answer time minus its own apply time), the longest
-/// such apply, and when the last one answered, in ms after the create (`since_ms`); the route
-/// was seen on every agent at `routed_ms`.
+/// such apply, and when the last one answered (which can be after the route was seen), in ms
+/// after the create (`since_ms`); the route was seen on every agent at `routed_ms`.
 fn agent_times(journals: &[Vec<Value>], since_ms: u64, routed_ms: u64) -> Option<(u64, u64, u64)> {
     let mut sent = u64::MAX;
     let mut answered = 0;
     let mut took = 0;
     for entries in journals {
-        // The last apply answered before the route was seen: the one that made it live (the
-        // first after the create can be the set of the Service created just before).
+        // The last apply that started before the route was seen: the one that made it live
+        // (the first after the create can be the set of the Service created just before; a
+        // runtime change serves before the agent writes the set and answers, so the answer
+        // can come after the route was seen).
         let entry = entries.iter().rev().find(|e| {
-            e["at_ms"]
-                .as_u64()
-                .is_some_and(|at| at >= since_ms && at <= routed_ms)
+            let (Some(at), took) = (e["at_ms"].as_u64(), e["took_us"].as_u64().unwrap_or(0)) else {
+                return false;
+            };
+            at >= since_ms
+                && at.saturating_sub(took / 1000) <= routed_ms
                 && e["outcome"] == "applied"
         })?;
         let at = entry["at_ms"].as_u64()? - since_ms;

@@ -570,12 +570,12 @@ fn is_tcp(port: &Value) -> bool {
 /// What the derivations need of one resource, taken from it once (on first use after the
 /// resource arrived) and kept beside it: a derived view is then recomputed from these small
 /// extracts, not by walking every resource again.
-#[derive(Debug, Default)]
 ///
 /// One is kept beside each of the stores' resources (tens of thousands), and a resource is
 /// read by one or two kinds of view: each extract is boxed, so an empty one costs a pointer
 /// (the struct was 952 bytes a resource with them inline: 31 MB at 10,000 Ingresses with their
 /// Services, EndpointSlices and 2,500 Secrets).
+#[derive(Debug, Default)]
 pub(crate) struct Extracts {
     service: OnceLock<Box<ServiceExtract>>,
     slice: OnceLock<Box<SliceExtract>>,

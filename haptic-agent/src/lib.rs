@@ -12,6 +12,7 @@
 //! - [`metrics`]: the instruments, recorded through the OpenTelemetry API (the binary serves them).
 //! - [`journal`]: the bounded, durable record of the applies answered (`/v1/journal`).
 //! - [`server`]: the HTTP API (`/v1/apply`, `/v1/state`, `/v1/journal`, `/healthz`, `/readyz`, `/metrics`).
+//! - [`thp`]: transparent huge pages off for the agent's memory, not for HAProxy's.
 //! - [`tls`]: the listener's TLS, mutual by default in the binary (a client certificate from
 //!   `--client-ca` required); certificate, key and client CA read again when they change.
 //!
@@ -45,6 +46,7 @@ pub mod runtime;
 pub mod server;
 pub mod store;
 pub mod supervisor;
+pub mod thp;
 pub mod tls;
 
 pub use agent::Agent;

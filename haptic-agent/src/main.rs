@@ -125,6 +125,10 @@ async fn main() -> Result<()> {
         LogFormat::Text => logs.init(),
         LogFormat::Json => logs.json().init(),
     }
+    // The agent's own memory only: HAProxy is started with the host's setting (`thp`).
+    if let Err(error) = haptic_agent::thp::turn_off() {
+        warn!(%error, "could not turn transparent huge pages off for the agent: its applies may take more CPU");
+    }
 
     let token = std::fs::read_to_string(&args.token_file)
         .with_context(|| format!("reading the token file {}", args.token_file.display()))?;

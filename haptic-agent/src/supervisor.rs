@@ -241,7 +241,7 @@ impl Supervisor {
             // If the agent dies without stopping it, the runtime's drop still kills the
             // master, and its workers exit with it.
             .kill_on_drop(true);
-        let mut child = command.spawn().map_err(|source| Error::Spawn {
+        let mut child = crate::thp::spawn(&mut command).map_err(|source| Error::Spawn {
             bin: self.haproxy.bin.clone(),
             source,
         })?;

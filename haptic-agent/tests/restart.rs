@@ -377,3 +377,43 @@ async fn an_agent_killed_with_sigkill_leaves_no_second_master_after_its_restart(
     second.stop().await;
     drop(first);
 }
+
+/// `THP_enabled` of a process's `/proc/<pid>/status` (Linux 6.4 and later print it): whether
+/// transparent huge pages may back its memory.
+fn thp_enabled(pid: u32) -> Option<bool> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("THP_enabled:"))?;
+    Some(line.split_whitespace().nth(1)? == "1")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_pages_are_off_for_the_agent_and_as_the_host_has_them_for_haproxy() {
+    let a = Backend::start("a").await;
+    let root = tempfile::tempdir().expect("tempdir");
+    let data = root.path().join("data");
+    let port = free_port();
+    let set = request(1, "leader-1", 1, config(port, "a", &[("a", a.addr)]));
+
+    let agent = AgentProcess::start(&data);
+    assert_eq!(await_ready(&agent.url, 200).await, 200);
+    client().apply(&agent.url, &set).await.expect("apply");
+    assert_eq!(await_body(port, "backend a").await, "backend a");
+    let Some(ours) = thp_enabled(std::process::id()) else {
+        eprintln!("this kernel does not say THP_enabled in /proc/<pid>/status: nothing to check");
+        agent.stop().await;
+        return;
+    };
+    let masters = masters_of(&data.canonicalize().expect("data"));
+    assert_eq!(masters.len(), 1, "one master: {masters:?}");
+    assert_eq!(
+        thp_enabled(agent.child.id()),
+        Some(false),
+        "the agent's own"
+    );
+    assert_eq!(
+        thp_enabled(masters[0]),
+        Some(ours),
+        "HAProxy's as this test process has it (the host's)"
+    );
+    agent.stop().await;
+}

@@ -554,29 +554,47 @@ const PATCH_MIN_BYTES: usize = 4096;
 /// changed lines is a hunk (a `server` line or a map entry rewritten in place), else the
 /// whole middle is one.
 pub fn line_hunks(old: &str, new: &str) -> Vec<Hunk> {
-    let a: Vec<&str> = old.split_inclusive('\n').collect();
-    let b: Vec<&str> = new.split_inclusive('\n').collect();
-    let head = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
-    let tail = a[head..]
-        .iter()
-        .rev()
-        .zip(b[head..].iter().rev())
-        .take_while(|(x, y)| x == y)
-        .count();
-    let (a_mid, b_mid) = (&a[head..a.len() - tail], &b[head..b.len() - tail]);
-    if a_mid.is_empty() && b_mid.is_empty() {
+    // The common head and tail are found on the bytes, with memcmp, and only the middle is
+    // split into lines: a 7 MB `haproxy.cfg` at 10,000 Ingresses is some 300,000 lines, and
+    // splitting both versions into lines to compare them took the leader 5-8 ms a change.
+    let (a, b) = (old.as_bytes(), new.as_bytes());
+    if a == b {
         return Vec::new();
     }
+    // The lines wholly in the common prefix (ending with their `\n` there) are the head; the
+    // line holding the first difference differs (or one text ends in it and the other not).
+    let prefix = common_prefix(a, b);
+    let head_end = a[..prefix]
+        .iter()
+        .rposition(|&byte| byte == b'\n')
+        .map_or(0, |at| at + 1);
+    let head = a[..head_end].iter().filter(|&&byte| byte == b'\n').count();
+    let (a_rest, b_rest) = (&a[head_end..], &b[head_end..]);
+    // The tail: the lines of both rests that start in their common suffix, at a start of a
+    // line in both (inside the suffix the byte before is the same in both; at its first
+    // byte it must be checked in each).
+    let suffix = common_suffix(a_rest, b_rest);
+    let starts_line = |text: &[u8], at: usize| at == 0 || text[at - 1] == b'\n';
+    let from = a_rest.len() - suffix;
+    let tail_start = (from..a_rest.len()).find(|&at| {
+        starts_line(a_rest, at)
+            && (at > from || starts_line(b_rest, at + b_rest.len() - a_rest.len()))
+    });
+    let tail_bytes = tail_start.map_or(0, |at| a_rest.len() - at);
+    let a_mid = &old[head_end..head_end + a_rest.len() - tail_bytes];
+    let b_mid = &new[head_end..head_end + b_rest.len() - tail_bytes];
+    let a_mid: Vec<&str> = a_mid.split_inclusive('\n').collect();
+    let b_mid: Vec<&str> = b_mid.split_inclusive('\n').collect();
     let owned = |lines: &[&str]| lines.iter().map(|line| (*line).to_owned()).collect();
     if a_mid.len() != b_mid.len() {
         return vec![Hunk {
             at: head,
             remove: a_mid.len(),
-            insert: owned(b_mid),
+            insert: owned(&b_mid),
         }];
     }
     let mut hunks: Vec<Hunk> = Vec::new();
-    for (i, (x, y)) in a_mid.iter().zip(b_mid).enumerate() {
+    for (i, (x, y)) in a_mid.iter().zip(&b_mid).enumerate() {
         if x == y {
             continue;
         }
@@ -596,6 +614,42 @@ pub fn line_hunks(old: &str, new: &str) -> Vec<Hunk> {
     hunks
 }
 
+/// How many bytes `a` and `b` share from their start: whole blocks compared with memcmp,
+/// then the block that differs byte by byte.
+fn common_prefix(a: &[u8], b: &[u8]) -> usize {
+    const BLOCK: usize = 1024;
+    let len = a.len().min(b.len());
+    let mut at = 0;
+    while at + BLOCK <= len && a[at..at + BLOCK] == b[at..at + BLOCK] {
+        at += BLOCK;
+    }
+    at + a[at..len]
+        .iter()
+        .zip(&b[at..len])
+        .take_while(|(x, y)| x == y)
+        .count()
+}
+
+/// How many bytes `a` and `b` share at their end ([`common_prefix`] from the end).
+fn common_suffix(a: &[u8], b: &[u8]) -> usize {
+    const BLOCK: usize = 1024;
+    let len = a.len().min(b.len());
+    let (a, b) = (&a[a.len() - len..], &b[b.len() - len..]);
+    let mut shared = 0;
+    while shared + BLOCK <= len
+        && a[len - shared - BLOCK..len - shared] == b[len - shared - BLOCK..len - shared]
+    {
+        shared += BLOCK;
+    }
+    shared
+        + a[..len - shared]
+            .iter()
+            .rev()
+            .zip(b[..len - shared].iter().rev())
+            .take_while(|(x, y)| x == y)
+            .count()
+}
+
 /// `base` with `hunks` applied; an error names what does not fit (`path` for the message).
 pub fn apply_hunks(path: &str, base: &[u8], hunks: &[Hunk]) -> Result<Bytes> {
     let refuse = |reason: &str| Error::Content {
@@ -604,22 +658,37 @@ pub fn apply_hunks(path: &str, base: &[u8], hunks: &[Hunk]) -> Result<Bytes> {
     };
     let text =
         std::str::from_utf8(base).map_err(|_| refuse("patched, but not UTF-8 in the base"))?;
-    let lines: Vec<&str> = text.split_inclusive('\n').collect();
+    // The base is walked line by line once and copied between hunks in whole runs (not
+    // collected into a list of its lines: 300,000 of them in a 7 MB `haproxy.cfg`).
+    let mut lines = text.split_inclusive('\n');
+    let (mut line, mut offset) = (0, 0);
+    let mut advance_to = |to: usize, line: &mut usize, offset: &mut usize| {
+        while *line < to {
+            *offset += lines
+                .next()
+                .ok_or_else(|| refuse("hunks out of order or beyond the base file"))?
+                .len();
+            *line += 1;
+        }
+        Ok::<_, Error>(())
+    };
     let mut out = String::with_capacity(text.len() + 64);
-    let mut next = 0;
+    let mut copied = 0;
     for hunk in hunks {
         let end = hunk
             .at
             .checked_add(hunk.remove)
-            .filter(|end| hunk.at >= next && *end <= lines.len())
+            .filter(|_| hunk.at >= line)
             .ok_or_else(|| refuse("hunks out of order or beyond the base file"))?;
-        lines[next..hunk.at]
+        advance_to(hunk.at, &mut line, &mut offset)?;
+        out.push_str(&text[copied..offset]);
+        advance_to(end, &mut line, &mut offset)?;
+        hunk.insert
             .iter()
-            .for_each(|line| out.push_str(line));
-        hunk.insert.iter().for_each(|line| out.push_str(line));
-        next = end;
+            .for_each(|inserted| out.push_str(inserted));
+        copied = offset;
     }
-    lines[next..].iter().for_each(|line| out.push_str(line));
+    out.push_str(&text[copied..]);
     Ok(Bytes::from(out))
 }
 
@@ -1193,6 +1262,123 @@ mod tests {
                 .into_request()
                 .expect("valid");
             assert_eq!(back, request);
+        }
+    }
+
+    /// [`line_hunks`] as first written: both texts split into lines, compared line by line.
+    fn line_hunks_of_all_lines(old: &str, new: &str) -> Vec<Hunk> {
+        let a: Vec<&str> = old.split_inclusive('\n').collect();
+        let b: Vec<&str> = new.split_inclusive('\n').collect();
+        let head = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+        let tail = a[head..]
+            .iter()
+            .rev()
+            .zip(b[head..].iter().rev())
+            .take_while(|(x, y)| x == y)
+            .count();
+        let (a_mid, b_mid) = (&a[head..a.len() - tail], &b[head..b.len() - tail]);
+        if a_mid.is_empty() && b_mid.is_empty() {
+            return Vec::new();
+        }
+        let owned = |lines: &[&str]| lines.iter().map(|line| (*line).to_owned()).collect();
+        if a_mid.len() != b_mid.len() {
+            return vec![Hunk {
+                at: head,
+                remove: a_mid.len(),
+                insert: owned(b_mid),
+            }];
+        }
+        let mut hunks: Vec<Hunk> = Vec::new();
+        for (i, (x, y)) in a_mid.iter().zip(b_mid).enumerate() {
+            if x == y {
+                continue;
+            }
+            let at = head + i;
+            match hunks.last_mut() {
+                Some(last) if last.at + last.remove == at => {
+                    last.remove += 1;
+                    last.insert.push((*y).to_owned());
+                }
+                _ => hunks.push(Hunk {
+                    at,
+                    remove: 1,
+                    insert: vec![(*y).to_owned()],
+                }),
+            }
+        }
+        hunks
+    }
+
+    #[test]
+    fn hunks_out_of_order_or_beyond_the_base_are_refused() {
+        let base = b"a\nb\nc\n";
+        let hunk = |at, remove| Hunk {
+            at,
+            remove,
+            insert: vec!["x\n".to_owned()],
+        };
+        let ok = apply_hunks("f", base, &[hunk(0, 1), hunk(2, 1)]).expect("applies");
+        assert_eq!(ok.as_ref(), b"x\nb\nx\n");
+        assert_eq!(
+            apply_hunks("f", base, &[hunk(3, 0)])
+                .expect("appends")
+                .as_ref(),
+            b"a\nb\nc\nx\n"
+        );
+        for hunks in [
+            vec![hunk(1, 1), hunk(0, 1)],
+            vec![hunk(0, 2), hunk(1, 1)],
+            vec![hunk(2, 2)],
+            vec![hunk(4, 0)],
+        ] {
+            let refused = apply_hunks("f", base, &hunks).expect_err("refused");
+            assert!(
+                refused.to_string().contains("out of order or beyond"),
+                "{hunks:?}: {refused}"
+            );
+        }
+    }
+
+    proptest::proptest! {
+        /// Texts of a few distinct lines (so that runs repeat), the last one with or without
+        /// its newline, and a few lines replaced, added or dropped anywhere.
+        #[test]
+        fn line_hunks_from_the_bytes_are_the_hunks_of_all_lines(
+            lines in proptest::collection::vec(0u8..4, 0..12),
+            edits in proptest::collection::vec((0usize..14, 0u8..5, 0u8..3), 0..4),
+            old_end in proptest::bool::ANY,
+            new_end in proptest::bool::ANY,
+            width in 1usize..300,
+        ) {
+            // Long lines too, so that the texts span the comparison's 1 KiB blocks.
+            let line = |n: u8| match n {
+                0 => format!("{}\n", "a".repeat(width)),
+                1 => "bb\n".to_owned(),
+                2 => "a".to_owned(),
+                3 => "\n".to_owned(),
+                _ => format!("{}\n", "c".repeat(width)),
+            };
+            let text = |lines: &[u8], newline_at_end: bool| {
+                let mut text: String = lines.iter().map(|&n| line(n)).collect();
+                if !newline_at_end && text.ends_with('\n') {
+                    text.pop();
+                }
+                text
+            };
+            let mut changed = lines.clone();
+            for (at, n, what) in edits {
+                let at = at.min(changed.len());
+                match what {
+                    0 if at < changed.len() => changed[at] = n,
+                    1 if at < changed.len() => { changed.remove(at); }
+                    _ => changed.insert(at, n),
+                }
+            }
+            let (old, new) = (text(&lines, old_end), text(&changed, new_end));
+            let hunks = line_hunks(&old, &new);
+            proptest::prop_assert_eq!(&hunks, &line_hunks_of_all_lines(&old, &new));
+            let rebuilt = apply_hunks("f", old.as_bytes(), &hunks).expect("applies");
+            proptest::prop_assert_eq!(rebuilt.as_ref(), new.as_bytes());
         }
     }
 

@@ -49,10 +49,15 @@ pub const CHECK_TIMEOUT: Duration = Duration::from_secs(60);
 /// took, times this: during a stream of changes at 10,000 Ingresses the checks (seconds each)
 /// otherwise ran back to back, a core busy for as long as changes came. A closed gate checks
 /// at once (renders wait for a pass), and so does an open one once a pod failed an apply
-/// (the check may be what finds the object to leave out). Not a lower CPU priority: when
-/// the agents refuse a set, the fleet waits for this check, and at nice 19 on busy cores it
-/// took 20 s where it took 2.
+/// (the check may be what finds the object to leave out).
 const OPEN_REST_FACTOR: u32 = 1;
+/// How much lower than the controller's own the CPU priority of a check nobody waits for is
+/// (the gate open, no pod failing: [`Priority::Background`]): `haproxy -c` at 10,000 Ingresses
+/// is seconds of a core, and on the leader's cores it competed with the renders of the
+/// changes it was checking. A check the fleet waits for (the gate closed, or a pod failed an
+/// apply) runs at the controller's priority: at nice 19 on busy cores one took 20 s where it
+/// took 2, so a background check running when a pod fails is started again at full priority.
+const BACKGROUND_NICENESS: i32 = 10;
 /// How many lines over HAProxy's word limit a refusal names ([`long_lines`]).
 const LONG_LINES_SHOWN: usize = 20;
 /// How much of HAProxy's output a refusal keeps (the end, where the alerts are).
@@ -92,8 +97,10 @@ pub fn component(
         // for the check of an earlier one (at 10,000 Ingresses with 2,500 certificates it takes
         // seconds): while the gate is open it goes on at once, and only the newest render
         // waiting is checked next.
-        let mut checking: Option<(Arc<RenderedSet>, Check, tokio::time::Instant)> = None;
+        let mut checking: Option<(Arc<RenderedSet>, Check, tokio::time::Instant, Priority)> = None;
         let mut waiting: Option<Arc<RenderedSet>> = None;
+        // A pod failed an apply since the last check at full priority ended.
+        let mut urgent = false;
         // No check starts before this while the gate is open (`OPEN_REST_FACTOR`).
         let mut rest_until = tokio::time::Instant::now();
         loop {
@@ -102,24 +109,34 @@ pub fn component(
                 && rested
                 && let Some(set) = waiting.take()
             {
+                let priority = if open && !urgent {
+                    Priority::Background
+                } else {
+                    Priority::Interactive
+                };
                 let future = {
                     let (settings, set) = (settings.clone(), set.clone());
                     let span = set.span.clone();
-                    Box::pin(async move { check(&settings, &set).instrument(span).await })
+                    Box::pin(
+                        async move { check_at(&settings, &set, priority).instrument(span).await },
+                    )
                 };
-                checking = Some((set, future, tokio::time::Instant::now()));
+                checking = Some((set, future, tokio::time::Instant::now(), priority));
             }
             let resting = checking.is_none() && waiting.is_some() && open;
             let in_check = async {
                 match checking.as_mut() {
-                    Some((_, future, _)) => future.await,
+                    Some((_, future, _, _)) => future.await,
                     None => std::future::pending().await,
                 }
             };
             tokio::select! {
                 () = ctx.token().cancelled() => return,
                 refused = in_check => {
-                    let Some((set, _, started)) = checking.take() else { continue };
+                    let Some((set, _, started, priority)) = checking.take() else { continue };
+                    if priority == Priority::Interactive {
+                        urgent = false;
+                    }
                     let now = tokio::time::Instant::now();
                     rest_until = now + (now - started) * OPEN_REST_FACTOR;
                     verdict(&ctx, &set, refused, &mut open, &mut reported);
@@ -131,6 +148,14 @@ pub fn component(
                         && report.pods.values().any(|outcome| matches!(outcome, PodOutcome::Failed(_)))
                     {
                         rest_until = tokio::time::Instant::now();
+                        urgent = true;
+                        // A check at background priority is stopped (its HAProxy killed) and
+                        // its set checked again at full priority, unless a newer one waits.
+                        if checking.as_ref().is_some_and(|(_, _, _, priority)| *priority == Priority::Background)
+                            && let Some((set, _, _, _)) = checking.take()
+                        {
+                            waiting.get_or_insert(set);
+                        }
                     }
                 }
                 event = renders.recv() => {
@@ -332,12 +357,21 @@ pub fn policy_check_since(
 /// Runs the check; `None` when it passed (or cannot run), else HAProxy's output (or, for a
 /// line HAProxy would refuse for its length, [`long_lines`]'s, which reads as HAProxy's).
 pub async fn check(settings: &GateSettings, set: &RenderedSet) -> Option<String> {
+    check_at(settings, set, Priority::Interactive).await
+}
+
+/// [`check`], `haproxy -c` running at `priority`.
+async fn check_at(
+    settings: &GateSettings,
+    set: &RenderedSet,
+    priority: Priority,
+) -> Option<String> {
     // Without a binary too: what the gate can see for itself it never lets through.
     if let Err(output) = long_lines(&set.files) {
         return Some(output);
     }
     let haproxy = settings.haproxy.as_ref()?;
-    match check_files(haproxy, &set.files).await {
+    match check_files_at(haproxy, &set.files, priority).await {
         Ok(()) => None,
         Err(CheckError::Refused(output)) => Some(output),
         Err(CheckError::CannotRun(error)) => {
@@ -362,6 +396,49 @@ pub enum CheckError {
 /// no `-dr`, and a check that cannot run is an error, not a pass (what the webhook and
 /// `haptic-controller validate` need; the gate itself is optimistic, see [`check`]).
 pub async fn check_files(haproxy: &Path, files: &FileSet) -> Result<(), CheckError> {
+    check_files_at(haproxy, files, Priority::Interactive).await
+}
+
+/// The CPU priority of a check's `haproxy -c`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Priority {
+    /// The controller's own: someone waits for the verdict (a closed gate, a failed pod, the
+    /// webhook, `validate`).
+    Interactive,
+    /// [`BACKGROUND_NICENESS`] lower: the verdict only confirms what already went on.
+    Background,
+}
+
+/// Spawns `command` and, for [`Priority::Background`], lowers the child's CPU priority (from
+/// the instant it started: a check lasts hundreds of ms to seconds). A priority that cannot be
+/// lowered leaves the check as it is.
+pub fn spawn_at(
+    command: &mut Command,
+    priority: Priority,
+) -> std::io::Result<tokio::process::Child> {
+    let child = command.spawn()?;
+    #[cfg(target_os = "linux")]
+    if priority == Priority::Background
+        && let Some(pid) = child
+            .id()
+            .and_then(|id| rustix::process::Pid::from_raw(id.cast_signed()))
+    {
+        let lowered = rustix::process::getpriority_process(None).and_then(|own| {
+            rustix::process::setpriority_process(Some(pid), (own + BACKGROUND_NICENESS).min(19))
+        });
+        if let Err(error) = lowered {
+            warn!(%error, "could not lower the priority of a background haproxy -c");
+        }
+    }
+    Ok(child)
+}
+
+/// [`check_files`], `haproxy -c` running at `priority`.
+pub async fn check_files_at(
+    haproxy: &Path,
+    files: &FileSet,
+    priority: Priority,
+) -> Result<(), CheckError> {
     long_lines(files).map_err(CheckError::Refused)?;
     let scratch = tempfile::Builder::new()
         .prefix("haptic-gate-")
@@ -383,7 +460,8 @@ pub async fn check_files(haproxy: &Path, files: &FileSet) -> Result<(), CheckErr
             )));
         }
     }
-    let run = Command::new(haproxy)
+    let mut command = Command::new(haproxy);
+    command
         .arg("-c")
         .arg("-C")
         .arg(&dir)
@@ -392,8 +470,8 @@ pub async fn check_files(haproxy: &Path, files: &FileSet) -> Result<(), CheckErr
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .output();
+        .kill_on_drop(true);
+    let run = async { spawn_at(&mut command, priority)?.wait_with_output().await };
     match tokio::time::timeout(CHECK_TIMEOUT, run).await {
         Err(_) => Err(CheckError::Refused(format!(
             "haproxy -c did not finish within {CHECK_TIMEOUT:?}"
@@ -508,6 +586,38 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
+
+    /// The niceness of a child started with `spawn_at`: the child waits for a line on its
+    /// stdin (written once the priority is set), then prints the niceness (field 19 of
+    /// `/proc/<pid>/stat`) of a process it starts, which inherits its own.
+    async fn niceness_of_a_child_at(priority: Priority) -> i32 {
+        use tokio::io::AsyncWriteExt as _;
+        let mut command = Command::new("sh");
+        command
+            .args(["-c", "read line; cut -d' ' -f19 /proc/self/stat"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = spawn_at(&mut command, priority).expect("sh starts");
+        let mut stdin = child.stdin.take().expect("stdin");
+        stdin.write_all(b"go\n").await.expect("write");
+        drop(stdin);
+        let output = child.wait_with_output().await.expect("sh ends");
+        String::from_utf8_lossy(&output.stdout)
+            .trim()
+            .parse()
+            .expect("a niceness")
+    }
+
+    #[tokio::test]
+    async fn a_background_check_runs_at_a_lower_cpu_priority_than_the_controller() {
+        let own = rustix::process::getpriority_process(None).expect("own niceness");
+        assert_eq!(niceness_of_a_child_at(Priority::Interactive).await, own);
+        assert_eq!(
+            niceness_of_a_child_at(Priority::Background).await,
+            (own + BACKGROUND_NICENESS).min(19)
+        );
+    }
 
     fn set(config: &str, crt_list: &str) -> RenderedSet {
         let files: BTreeMap<String, Vec<u8>> = [

@@ -81,8 +81,9 @@ fn rss_mib(pid: i32) -> f64 {
 /// CPU time (user + system, ms) of every process of this machine by what it is: `leader`
 /// and `follower` (by pid), and by command name the agents, HAProxy, the API server and
 /// etcd, and this bench process (which runs the API stand-in when that is the server); and
-/// `leader_children`, the leader's children that exited (the render gate's `haproxy -c`). A
-/// process that exited is not counted otherwise (none does while changes are measured).
+/// `leader_children`, the leader's children (the render gate's `haproxy -c`), running or
+/// exited. A process that exited is not counted otherwise (none does while changes are
+/// measured).
 fn cpu_by_kind(leader: i32, follower: i32) -> BTreeMap<String, f64> {
     // Clock ticks per second: 100 on Linux on x86-64 and arm64 (`getconf CLK_TCK`).
     const TICK_MS: f64 = 10.0;
@@ -122,8 +123,13 @@ fn cpu_by_kind(leader: i32, follower: i32) -> BTreeMap<String, f64> {
                 .sum();
             *cpu.entry("leader_children".to_owned()).or_insert(0.0) += children * TICK_MS;
         }
+        // fields[1]: the parent. A running `haproxy -c` of the leader's is its child too
+        // (counted with HAProxy, a check that ran across the first reading and ended before
+        // the second made HAProxy's share negative).
+        let parent = fields.get(1).and_then(|f| f.parse::<i32>().ok());
         let kind = match comm {
             _ if pid == leader => "leader",
+            _ if parent == Some(leader) => "leader_children",
             _ if pid == follower => "follower",
             _ if pid == own => "bench",
             "haptic-agent" => "agents",

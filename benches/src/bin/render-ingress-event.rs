@@ -28,6 +28,9 @@ fn changed_render(
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // As the controller runs (its `main.rs`: `no_transparent_huge_pages`).
+    #[cfg(target_os = "linux")]
+    rustix::thread::disable_transparent_huge_pages(true)?;
     let mut args = std::env::args().skip(1);
     let n: usize = match args.next() {
         Some(arg) => arg.parse()?,

@@ -23,7 +23,8 @@
 //! false`: HAProxy does not probe the endpoints, Kubernetes readiness alone says which serve,
 //! as with ingress-nginx; with checks, each of the 3 HAProxy probes every endpoint every 2 s,
 //! 5,000 probes a second each at 10,000 Services, on the same 2 cores as everything measured).
-//! Timings use the test config of
+//! `HAPTIC_BENCH_EACH=1` prints every change (its time, and when it started in Unix ms, to
+//! find it in the logs `HAPTIC_TEST_KEEP=1` keeps). Timings use the test config of
 //! `tests/common` (LeaseDuration 3 s, minDeploymentInterval 100 ms), with the default drift
 //! check interval (60 s) instead of its 1 s.
 
@@ -397,9 +398,12 @@ async fn changes(
             out.trace
                 .push((sent, apply, answered, took.as_millis() as u64));
         }
-        if i < 3 || took > Duration::from_millis(500) {
+        if i < 3
+            || took > Duration::from_millis(500)
+            || std::env::var_os("HAPTIC_BENCH_EACH").is_some()
+        {
             eprintln!(
-                "  {prefix} change {i}: {:.0} ms (agents: sent, apply, answered: {:?})",
+                "  {prefix} change {i}: {:.0} ms from {start_ms} (agents: sent, apply, answered: {:?})",
                 ms(took),
                 out.trace.last()
             );

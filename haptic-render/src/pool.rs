@@ -173,7 +173,16 @@ struct Memo {
     names: Value,
     map: Value,
     output: Value,
+    /// The output's rows (the value's own list), to patch a few of.
+    rows: Vec<Value>,
+    /// Per row of the input, in order: its place in `rows`, if it has one (a pooled row's
+    /// name listed before takes none), and its place in `members`, if it is one.
+    places: Vec<(Option<usize>, Option<usize>)>,
 }
+
+/// At most this many rows changed (the others the same values, in the same order) are
+/// patched into the last answer ([`Memo::patch`]); more are computed afresh.
+const PATCH_MAX: usize = 64;
 
 /// What one row gave the last call.
 #[derive(Clone)]
@@ -199,6 +208,8 @@ impl Default for Memo {
             names: Value::from(Map::new()),
             map: Value::from(""),
             output: Value::none(),
+            rows: Vec::new(),
+            places: Vec::new(),
         }
     }
 }
@@ -216,6 +227,9 @@ impl Memo {
         if self.input.is_some() && self.step == step && ids == self.ids {
             self.input = Some(rows.clone());
             return Ok(self.output.clone());
+        }
+        if let Some(output) = self.patch(rows, list, &ids, step) {
+            return Ok(output);
         }
         let mut known: HashMap<usize, Known> = HashMap::with_capacity(list.len());
         for (row, &id) in list.iter().zip(&ids) {
@@ -278,12 +292,27 @@ impl Memo {
             self.map = Value::from(map);
         }
         self.members = members;
-        // The rows: the other backends as they are, then the pool's in pool order.
-        let mut out: Vec<Value> = list
+        // The rows: the other backends as they are, then the pool's in pool order; and where
+        // each row of the input went.
+        let mut places: Vec<(Option<usize>, Option<usize>)> = vec![(None, None); list.len()];
+        let mut out: Vec<Value> = Vec::with_capacity(list.len());
+        let mut member = 0;
+        for ((row, id), place) in list.iter().zip(&ids).zip(&mut places) {
+            if step == 0 || !known.get(id).is_some_and(|k| k.plain) {
+                place.0 = Some(out.len());
+                out.push(row.clone());
+            } else {
+                place.1 = Some(member);
+                member += 1;
+            }
+        }
+        let pooled_from = out.len();
+        // The input row of each member (`members` are the plain rows, in input order).
+        let member_rows: Vec<usize> = places
             .iter()
-            .zip(&ids)
-            .filter(|(_, id)| step == 0 || !known.get(*id).is_some_and(|k| k.plain))
-            .map(|(row, _)| row.clone())
+            .enumerate()
+            .filter(|(_, (_, member))| member.is_some())
+            .map(|(at, _)| at)
             .collect();
         let mut pool: Vec<Option<Value>> = vec![None; self.size];
         // The rows to copy under their pool name: a new row, or one that moved.
@@ -301,13 +330,16 @@ impl Memo {
         } else {
             HashMap::new()
         };
-        for ((id, _, _), &slot) in self.members.iter().zip(&self.slots) {
+        for (m, ((id, _, _), &slot)) in self.members.iter().zip(&self.slots).enumerate() {
             let Some(place) = pool.get_mut(slot) else {
                 continue;
             };
             if place.is_some() {
                 // A name listed twice: its first row is the backend.
                 continue;
+            }
+            if let Some(&at) = member_rows.get(m) {
+                places[at].0 = Some(pooled_from + slot);
             }
             let Some(k) = known.get_mut(id) else {
                 continue;
@@ -318,15 +350,7 @@ impl Memo {
                     let Some(row) = rows_by_id.get(id) else {
                         continue;
                     };
-                    let mut map = row.as_map().cloned().unwrap_or_default();
-                    map.insert(
-                        Key::Str("service_backend"),
-                        map.get(&Key::Str("name"))
-                            .cloned()
-                            .unwrap_or_else(Value::none),
-                    );
-                    map.insert(Key::Str("name"), Value::from(backend_name(slot)));
-                    let value = Value::from(map);
+                    let value = pooled(row, slot);
                     k.placed = Some((slot, value.clone()));
                     value
                 }
@@ -347,15 +371,108 @@ impl Memo {
         self.ids = ids;
         self.input = Some(rows.clone());
         self.step = step;
-        self.output = map_value([
-            ("rows", Value::from(out)),
+        self.places = places;
+        self.rows = out;
+        self.output = self.answer();
+        Ok(self.output.clone())
+    }
+
+    /// The answer for `self.rows` and the assignment.
+    fn answer(&self) -> Value {
+        map_value([
+            ("rows", Value::from(self.rows.clone())),
             ("names", self.names.clone()),
             ("map", self.map.clone()),
             ("size", Value::from(self.size)),
             ("used", Value::from(self.members.len())),
-        ]);
-        Ok(self.output.clone())
+        ])
     }
+
+    /// The last answer with a few rows replaced, when `list` (of identities `ids`) is the last
+    /// input but for at most [`PATCH_MAX`] rows at the same places (an EndpointSlice event at
+    /// 10,000 Services changes one), each of which the pool takes exactly as its predecessor
+    /// (plain or not; when plain, the same name and age): then the assignment, the names and
+    /// the map stay, and each changed row replaces its predecessor's output row. Recomputing
+    /// the whole answer (maps and lists of every row's identity) was a sixth of such a render.
+    /// `None` when that does not hold.
+    fn patch(&mut self, rows: &Value, list: &[Value], ids: &[usize], step: usize) -> Option<Value> {
+        if self.input.is_none()
+            || self.step != step
+            || ids.len() != self.ids.len()
+            || self.places.len() != ids.len()
+        {
+            return None;
+        }
+        let changed: Vec<usize> = (0..ids.len())
+            .filter(|&at| ids[at] != self.ids[at])
+            .collect();
+        if changed.len() > PATCH_MAX {
+            return None;
+        }
+        for &at in &changed {
+            // A row without an identity (not a map) is not known apart from another.
+            let (was, now) = (self.ids[at], ids[at]);
+            let known = self.known.get(&was)?;
+            let row = &list[at];
+            let same = was != 0
+                && now != 0
+                && !self.known.contains_key(&now)
+                && plain(row) == known.plain
+                && (!known.plain
+                    || (text(row, "name") == &*known.name
+                        && text(row, "created") == &*known.created));
+            if !same {
+                return None;
+            }
+        }
+        let pooled_from = self.rows.len() - self.size;
+        for &at in &changed {
+            let (was, now) = (self.ids[at], ids[at]);
+            let row = &list[at];
+            let mut known = self.known.remove(&was)?;
+            known.placed = None;
+            if !known.plain {
+                known.name = Arc::from(text(row, "name"));
+                known.created = Arc::from(text(row, "created"));
+            }
+            let (output, member) = self.places[at];
+            if let Some(member) = member
+                && let Some(entry) = self.members.get_mut(member)
+            {
+                entry.0 = now;
+            }
+            if let Some(place) = output {
+                let value = match member {
+                    Some(_) => {
+                        let slot = place - pooled_from;
+                        let value = pooled(row, slot);
+                        known.placed = Some((slot, value.clone()));
+                        value
+                    }
+                    None => row.clone(),
+                };
+                self.rows[place] = value;
+            }
+            self.known.insert(now, known);
+            self.ids[at] = now;
+        }
+        self.input = Some(rows.clone());
+        self.output = self.answer();
+        Some(self.output.clone())
+    }
+}
+
+/// A pooled row: `row` named `pool_<slot>`, with `service_backend` its own name.
+fn pooled(row: &Value, slot: usize) -> Value {
+    let mut map = row.as_map().cloned().unwrap_or_default();
+    map.insert(
+        Key::Str("service_backend"),
+        map.get(&Key::Str("name"))
+            .cloned()
+            .unwrap_or_else(Value::none),
+    );
+    map.insert(Key::Str("name"), Value::from(backend_name(slot)));
+    Value::from(map)
 }
 
 /// A spare pool backend's row: the fields of a backend row, with no endpoints (every slot
@@ -412,6 +529,103 @@ pub(crate) fn register(tera: &mut Tera) {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    /// A backend row: `name`, `created`, `app_protocol` (`h2`: not plain) and `endpoints`.
+    fn row(name: &str, created: u8, h2: bool, endpoints: u8) -> Value {
+        map_value([
+            ("name", Value::from(name)),
+            (
+                "created",
+                Value::from(format!("2026-01-0{created}T00:00:00Z")),
+            ),
+            ("app_protocol", Value::from(if h2 { "h2" } else { "" })),
+            ("endpoints", Value::from(i64::from(endpoints))),
+            ("policy", Value::none()),
+        ])
+    }
+
+    proptest::proptest! {
+        /// Rows replaced in place (their endpoints, or their name, age or kind too), added or
+        /// dropped: the kept answer, patched or computed again, is a fresh memo's.
+        #[test]
+        fn a_patched_answer_is_the_answer_computed_afresh(
+            first in proptest::collection::vec((0u8..6, 1u8..3, proptest::bool::weighted(0.2)), 1..20),
+            edits in proptest::collection::vec(
+                proptest::collection::vec((0usize..24, 0u8..4, 0u8..6, 1u8..3, proptest::bool::weighted(0.2)), 1..4),
+                1..8,
+            ),
+            step in 0usize..3,
+        ) {
+            let name = |n: u8| format!("ns_svc-{n}_80");
+            let mut list: Vec<Value> = first
+                .iter()
+                .map(|&(n, created, h2)| row(&name(n), created, h2, 0))
+                .collect();
+            let mut memo = Memo::default();
+            memo.pool(&Value::from(list.clone()), step).expect("pools");
+            for (round, batch) in edits.into_iter().enumerate() {
+                for (at, what, n, created, h2) in batch {
+                    let endpoints = u8::try_from(round % 200).unwrap_or(0) + 1;
+                    let at = at % (list.len() + 1);
+                    match what {
+                        // The same backend, its endpoints changed (the usual event).
+                        0 | 1 if at < list.len() => {
+                            let was = &list[at];
+                            list[at] = row(
+                                text(was, "name"),
+                                text(was, "created").as_bytes()[9] - b'0',
+                                !plain(was),
+                                endpoints,
+                            );
+                        }
+                        2 if at < list.len() => list[at] = row(&name(n), created, h2, endpoints),
+                        3 if at < list.len() => {
+                            list.remove(at);
+                        }
+                        _ => list.insert(at, row(&name(n), created, h2, endpoints)),
+                    }
+                }
+                let rows = Value::from(list.clone());
+                let kept = memo.pool(&rows, step).expect("pools");
+                let fresh = Memo::default().pool(&rows, step).expect("pools");
+                proptest::prop_assert_eq!(kept, fresh);
+            }
+        }
+    }
+
+    #[test]
+    fn an_endpoint_change_patches_the_answer_and_keeps_the_other_rows() {
+        let list: Vec<Value> = (0..40u8)
+            .map(|i| row(&format!("ns_svc-{i}_80"), 1, i % 9 == 0, 0))
+            .collect();
+        let mut memo = Memo::default();
+        let before = memo.pool(&Value::from(list.clone()), 32).expect("pools");
+        let mut changed = list.clone();
+        changed[7] = row("ns_svc-7_80", 1, false, 5);
+        let after = memo.pool(&Value::from(changed.clone()), 32).expect("pools");
+        assert_eq!(
+            after,
+            Memo::default()
+                .pool(&Value::from(changed), 32)
+                .expect("pools")
+        );
+        let rows = |answer: &Value| {
+            answer
+                .as_map()
+                .and_then(|m| m.get(&Key::Str("rows")))
+                .and_then(Value::as_array)
+                .map(<[Value]>::to_vec)
+                .unwrap_or_default()
+        };
+        let (before, after) = (rows(&before), rows(&after));
+        // One row differs, the others are the very same values (their fragments reused).
+        let differ = before
+            .iter()
+            .zip(&after)
+            .filter(|(a, b)| crate::fragments::identity(a) != crate::fragments::identity(b))
+            .count();
+        assert_eq!((before.len(), differ), (after.len(), 1));
+    }
 
     fn members(names: &[String]) -> Vec<Member<'_>> {
         names

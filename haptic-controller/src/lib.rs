@@ -25,6 +25,7 @@
 //! ```
 
 pub mod agent_ca;
+pub mod background;
 pub mod channel;
 pub mod config;
 pub mod config_loader;

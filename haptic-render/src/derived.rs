@@ -127,6 +127,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 pub mod gateway;
 mod pcre;
+mod routes;
 
 use serde::{Deserialize, Serialize};
 use tera::Value;
@@ -2120,101 +2121,130 @@ fn ingress_routes(
 ) -> Value {
     let by_name = services_by_name(services);
     let ours = ours.of(ingresses);
-    let kind = |p: &PathExtract| exact.is_none_or(|exact| p.exact == exact);
     // Who claims each route: the oldest Ingress.
     let mut claims = Claims::with_capacity(ours.len() * 2);
     for ing in ours.iter().filter(|ing| !ing.ingress.canary) {
         let age = ing.age();
-        for p in ing.ingress.paths.iter().filter(|p| kind(p)) {
+        for p in ing.ingress.paths.iter().filter(|p| route_kind(exact, p)) {
             claims.claim(route_key(p), age);
         }
     }
+    let lookup = |namespace: &str, service: &str| by_name.get(&(namespace, service)).copied();
     let mut rows = Vec::with_capacity(ours.len() * 2);
     for ing in &ours {
-        let namespace = ing.namespace;
-        let paths = &ing.ingress.paths;
-        let resolved: Vec<Option<(&ServiceExtract, &Arc<Extracts>)>> = paths
-            .iter()
-            .map(|p| {
-                by_name
-                    .get(&(namespace, p.target.service.as_str()))
-                    .copied()
-            })
-            .collect();
-        let joined = resolved.iter().map(|r| r.map(|(_, e)| e));
-        // The cached rows are every path's (views of either kind share them); row `i` is path
-        // `i`'s.
-        let keep = |i: usize| paths.get(i).is_some_and(kind);
-        let first = rows.len();
-        ing.extracts.rows_into_if(
+        let age = ing.age();
+        let lost = |p: &PathExtract| claims.lost_to(&route_key(p), &age);
+        route_rows(
             slot,
-            joined,
+            store,
+            ing,
+            exact,
+            &lookup,
+            claims.contested.then_some(&lost),
             &mut rows,
-            || {
-                let origin = origin(store, namespace, ing.name);
-                paths
-                    .iter()
-                    .zip(&resolved)
-                    .map(|(p, svc)| {
-                        let port = svc.and_then(|(svc, _)| svc.resolve(&p.target));
-                        let (port, backend) = match (port, &p.policy) {
-                            (Some(port), None) => (Value::from(port.number), port.backend.clone()),
-                            (Some(port), Some((id, _))) => (
-                                Value::from(port.number),
-                                Value::from(variant_name(&port.backend, id)),
-                            ),
-                            (None, _) => (Value::none(), Value::none()),
-                        };
-                        let key = map_key(p, &backend, ing.ingress.canary);
-                        row([
-                            ("backend", backend),
-                            ("path_type", p.path_type.clone()),
-                            ("host", p.host.clone()),
-                            ("path", p.path.clone()),
-                            ("conflict", Value::none()),
-                            ("namespace", Value::from(namespace)),
-                            ("ingress", Value::from(ing.name)),
-                            ("service", Value::from(p.target.service.as_str())),
-                            ("port", port),
-                            (
-                                "external_name",
-                                Value::from(svc.is_some_and(|(svc, _)| svc.external_name)),
-                            ),
-                            ("origin", origin.clone()),
-                            ("regex", Value::from(p.regex)),
-                            ("canary", Value::from(ing.ingress.canary)),
-                            (
-                                "host_pattern",
-                                if p.regex {
-                                    Value::from(host_pattern(p.host.as_str().unwrap_or_default()))
-                                } else {
-                                    Value::none()
-                                },
-                            ),
-                            ("unsafe", Value::from(unsafe_field(p))),
-                            ("map_key", key),
-                        ])
-                    })
-                    .collect()
-            },
-            keep,
         );
-        if claims.contested && !ing.ingress.canary {
-            let age = ing.age();
-            let kept = paths.iter().filter(|p| kind(p));
-            for (row, p) in rows
-                .get_mut(first..)
-                .unwrap_or_default()
-                .iter_mut()
-                .zip(kept)
-            {
-                if let Some(winner) = claims.lost_to(&route_key(p), &age) {
-                    *row = with_field(row, "conflict", Value::from(winner));
-                }
+    }
+    Value::from(rows)
+}
+
+/// Whether a path is of the kind a routes view lists (`exact`: Exact paths, or the others;
+/// none: all).
+fn route_kind(exact: Option<bool>, p: &PathExtract) -> bool {
+    exact.is_none_or(|exact| p.exact == exact)
+}
+
+/// The Ingress that won a path's route from the Ingress whose rows are written, if one did.
+type LostTo<'a> = dyn Fn(&PathExtract) -> Option<String> + 'a;
+
+/// Appends the rows of one of our Ingresses to a routes view: its paths of the view's kind,
+/// each joined with the Service port it names (`lookup`), and marked with the Ingress that
+/// won its route from this one (`lost`, when some route is contested at all).
+fn route_rows<'s>(
+    slot: Slot,
+    store: &str,
+    ing: &OurIngress<'_>,
+    exact: Option<bool>,
+    lookup: &impl Fn(&str, &str) -> Option<(&'s ServiceExtract, &'s Arc<Extracts>)>,
+    lost: Option<&LostTo<'_>>,
+    rows: &mut Vec<Value>,
+) {
+    let namespace = ing.namespace;
+    let paths = &ing.ingress.paths;
+    let resolved: Vec<Option<(&ServiceExtract, &Arc<Extracts>)>> = paths
+        .iter()
+        .map(|p| lookup(namespace, p.target.service.as_str()))
+        .collect();
+    let joined = resolved.iter().map(|r| r.map(|(_, e)| e));
+    // The cached rows are every path's (views of either kind share them); row `i` is path
+    // `i`'s.
+    let keep = |i: usize| paths.get(i).is_some_and(|p| route_kind(exact, p));
+    let first = rows.len();
+    ing.extracts.rows_into_if(
+        slot,
+        joined,
+        rows,
+        || {
+            let origin = origin(store, namespace, ing.name);
+            paths
+                .iter()
+                .zip(&resolved)
+                .map(|(p, svc)| {
+                    let port = svc.and_then(|(svc, _)| svc.resolve(&p.target));
+                    let (port, backend) = match (port, &p.policy) {
+                        (Some(port), None) => (Value::from(port.number), port.backend.clone()),
+                        (Some(port), Some((id, _))) => (
+                            Value::from(port.number),
+                            Value::from(variant_name(&port.backend, id)),
+                        ),
+                        (None, _) => (Value::none(), Value::none()),
+                    };
+                    let key = map_key(p, &backend, ing.ingress.canary);
+                    row([
+                        ("backend", backend),
+                        ("path_type", p.path_type.clone()),
+                        ("host", p.host.clone()),
+                        ("path", p.path.clone()),
+                        ("conflict", Value::none()),
+                        ("namespace", Value::from(namespace)),
+                        ("ingress", Value::from(ing.name)),
+                        ("service", Value::from(p.target.service.as_str())),
+                        ("port", port),
+                        (
+                            "external_name",
+                            Value::from(svc.is_some_and(|(svc, _)| svc.external_name)),
+                        ),
+                        ("origin", origin.clone()),
+                        ("regex", Value::from(p.regex)),
+                        ("canary", Value::from(ing.ingress.canary)),
+                        (
+                            "host_pattern",
+                            if p.regex {
+                                Value::from(host_pattern(p.host.as_str().unwrap_or_default()))
+                            } else {
+                                Value::none()
+                            },
+                        ),
+                        ("unsafe", Value::from(unsafe_field(p))),
+                        ("map_key", key),
+                    ])
+                })
+                .collect()
+        },
+        keep,
+    );
+    if let Some(lost) = lost.filter(|_| !ing.ingress.canary) {
+        let kept = paths.iter().filter(|p| route_kind(exact, p));
+        for (row, p) in rows
+            .get_mut(first..)
+            .unwrap_or_default()
+            .iter_mut()
+            .zip(kept)
+        {
+            if let Some(winner) = lost(p) {
+                *row = with_field(row, "conflict", Value::from(winner));
             }
         }
     }
-    Value::from(rows)
 }
 
 fn ingress_tls(
@@ -2630,6 +2660,9 @@ struct ViewState {
     /// For `GatewayApi`: what its own stores (not the Ingresses) resolved to, and their
     /// generations: an Ingress change decides the conflicts with Ingresses again, nothing else.
     gateway: Option<(Vec<u64>, Arc<gateway::Resolved>)>,
+    /// For `IngressRoutes`: each Ingress's rows and the claims, patched after a change;
+    /// shared with the copies of [`crate::Stores::excluding`] until one of them patches.
+    routes: Option<Arc<routes::RoutesState>>,
 }
 
 /// The rows of a `ServiceBackends` view per Service, and which EndpointSlices join to which
@@ -2805,6 +2838,7 @@ impl DerivedView {
                 routed: None,
                 backends: None,
                 gateway: None,
+                routes: None,
             }),
         }
     }
@@ -2822,6 +2856,7 @@ impl DerivedView {
             state.routed = None;
             state.backends = None;
             state.gateway = None;
+            state.routes = None;
             state
         })
     }
@@ -2911,6 +2946,37 @@ impl DerivedView {
                         *backends = Some(Backends::build(slot, store, slice_store, routed));
                     }
                     backends.as_ref().map_or_else(Value::none, Backends::value)
+                }
+                (
+                    (Derivation::IngressRoutes { exact, .. }, [_, _], classes),
+                    Some((ingress_store, service_store)),
+                ) => {
+                    let ours = Ours::new(self.derivation.classes(), classes);
+                    let store = (store_of(&self.derivation), *ingress_store);
+                    let patched = state.routes.as_mut().is_some_and(|routes| {
+                        Arc::make_mut(routes).patch(
+                            slot,
+                            store,
+                            service_store,
+                            *exact,
+                            &ours,
+                            generations.clone(),
+                        )
+                    });
+                    if !patched {
+                        state.routes = Some(Arc::new(routes::RoutesState::build(
+                            slot,
+                            store,
+                            service_store,
+                            *exact,
+                            &ours,
+                            generations.clone(),
+                        )));
+                    }
+                    state
+                        .routes
+                        .as_ref()
+                        .map_or_else(Value::none, |routes| routes.value())
                 }
                 ((derivation, own, classes), _)
                     if matches!(derivation, Derivation::GatewayApi { .. }) =>

@@ -182,6 +182,9 @@ fn resolve(event: &Event) -> (&'static str, Json, bool) {
                         {"hosts": ["x.example.com"]},
                     ]);
                 }
+                // Claims Ingress 0's routes (it is older): a conflict that changes hands as
+                // either of them changes or goes.
+                7 => s["spec"]["rules"] = base("ingresses", 0)["spec"]["rules"].clone(),
                 _ => s["spec"] = json!({}),
             }
             ("ingresses", s, false)
@@ -219,7 +222,7 @@ fn arb_event() -> impl Strategy<Value = Event> {
         (store, 0..N).prop_map(|(s, i)| Event::Remove(s, i)),
         (0..N, 0u8..7).prop_map(|(i, v)| Event::Slice(i, v)),
         (0..N, 0u8..4).prop_map(|(i, v)| Event::Service(i, v)),
-        (0..N, 0u8..7).prop_map(|(i, v)| Event::Ingress(i, v)),
+        (0..N, 0u8..9).prop_map(|(i, v)| Event::Ingress(i, v)),
         (0u8..4).prop_map(Event::Secret),
     ]
 }

@@ -58,6 +58,8 @@ pub fn component(
         let mut term = SystemTime::now();
         let mut last_failure: Option<String> = None;
         let mut excluded: Vec<Excluded> = Vec::new();
+        // The last set rendered: the next render hashes its set on from where it differs.
+        let mut last: Option<Arc<RenderedSet>> = None;
         loop {
             let event = tokio::select! {
                 () = ctx.token().cancelled() => return,
@@ -117,9 +119,15 @@ pub fn component(
             }
             let cache = cache.clone();
             let leave_out = excluded.clone();
+            let previous = last.clone();
             let rendered = tokio::task::spawn_blocking({
                 let span = span.clone();
-                move || span.in_scope(|| render(&cache, term, span.clone(), leave_out))
+                move || {
+                    span.in_scope(|| {
+                        let previous = previous.as_ref().map(|set| &set.files);
+                        render(&cache, term, span.clone(), leave_out, previous)
+                    })
+                }
             })
             .instrument(span.clone())
             .await;
@@ -135,7 +143,9 @@ pub fn component(
                 Ok(Some(Ok(set))) => {
                     last_failure = None;
                     debug!(checksum = %set.checksum, files = set.files.len(), took = ?set.render_time, "rendered");
-                    ctx.bus().publish(ControllerEvent::Rendered(Arc::new(set)));
+                    let set = Arc::new(set);
+                    last = Some(Arc::clone(&set));
+                    ctx.bus().publish(ControllerEvent::Rendered(set));
                 }
                 Ok(Some(Err(failure))) => {
                     if last_failure.as_deref() != Some(&failure.message) {
@@ -210,6 +220,7 @@ fn render(
     term: SystemTime,
     span: tracing::Span,
     mut excluded: Vec<Excluded>,
+    previous: Option<&haptic_render::FileSet>,
 ) -> Option<(Result<RenderedSet, RenderFailure>, Vec<Excluded>)> {
     let state = cache.blocking_read();
     if !state.ready() {
@@ -232,7 +243,11 @@ fn render(
         copy = state.stores.excluding(&objects);
         &copy
     };
-    let result = match config.renderer.render_traced(stores) {
+    let rendered = match previous {
+        Some(previous) => config.renderer.render_traced_following(stores, previous),
+        None => config.renderer.render_traced(stores),
+    };
+    let result = match rendered {
         Ok((files, mut requests, provenance)) => {
             requests.events.extend(
                 excluded

@@ -3,8 +3,9 @@
 //! RUNS times changes STORE's middle resource (`ingresses`, `services`, `endpointslices` or
 //! `secrets`: a label, and for an EndpointSlice its first endpoint's readiness, as the
 //! `render_event` bench changes them), back and forth, and renders. It prints the median wall
-//! clock, this thread's CPU time and the views' refresh, and the checksum of the last changed
-//! set (a change that should give the same bytes must print the same one).
+//! clock, this thread's CPU time, the views' refresh and the checksum's part (hashed on from
+//! where the set differs from the last, as the controller renders), and the checksum of the
+//! last changed set (a change that should give the same bytes must print the same one).
 //!
 //! The render runs in `changed_render`, never inlined: under
 //! `valgrind --tool=callgrind --toggle-collect='*changed_render*'` the instruction count is
@@ -13,18 +14,21 @@
 use std::time::{Duration, Instant};
 
 use haptic_benches::measure::{changed, middle, thread_cpu};
-use haptic_render::{Renderer, Stores, fixtures, reference};
+use haptic_render::{FileSet, Renderer, Stores, fixtures, reference};
 
 /// The controller's allocator (its `main.rs` says why): the render measured as it runs there.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// As the controller's coordinator renders: the set hashed on from where it differs from the
+/// last one (`Renderer::render_traced_following`).
 #[inline(never)]
 fn changed_render(
     renderer: &Renderer,
     stores: &Stores,
-) -> Result<String, Box<dyn std::error::Error>> {
-    Ok(renderer.render(stores)?.checksum_hex())
+    last: &FileSet,
+) -> Result<FileSet, Box<dyn std::error::Error>> {
+    Ok(renderer.render_traced_following(stores, last)?.0)
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -45,7 +49,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fixture = fixtures::generate(n);
     let mut stores = reference::stores()?;
     fixture.load(&mut stores)?;
-    println!("checksum {}", renderer.render(&stores)?.checksum_hex());
+    let mut last = renderer.render(&stores)?;
+    println!("checksum {}", last.checksum_hex());
     let half = n / 2;
     let resource = match store.as_str() {
         "ingresses" => fixture.ingresses.get(half),
@@ -56,29 +61,32 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     .ok_or("the fixture has no such resource")?;
     let versions = [changed(&store, resource), resource.clone()];
-    let (mut wall, mut cpu, mut refresh) = (Vec::new(), Vec::new(), Vec::new());
-    let mut last = String::new();
+    let (mut wall, mut cpu, mut refresh, mut checksum) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for round in 0..runs.max(1) {
         stores
             .get_mut(&store)
             .ok_or_else(|| format!("no store {store}"))?
             .apply(&versions[round % 2])?;
         let (started, on_cpu) = (Instant::now(), thread_cpu());
-        last = changed_render(&renderer, &stores)?;
+        last = changed_render(&renderer, &stores, &last)?;
         wall.push(started.elapsed());
         if let (Some(before), Some(after)) = (on_cpu, thread_cpu()) {
             cpu.push(after.saturating_sub(before));
         }
-        refresh.push(renderer.last_timings().refresh);
+        let timings = renderer.last_timings();
+        refresh.push(timings.refresh);
+        checksum.push(timings.checksum);
     }
-    println!("checksum after the last change {last}");
+    println!("checksum after the last change {}", last.checksum_hex());
     let ms = |times: Vec<Duration>| middle(times).as_secs_f64() * 1e3;
     println!(
-        "{n} Ingresses, one of {store} changed, median of {}: {:.1} ms wall, {:.1} ms on this thread's CPU, refresh {:.1} ms",
+        "{n} Ingresses, one of {store} changed, median of {}: {:.1} ms wall, {:.1} ms on this thread's CPU, refresh {:.1} ms, checksum {:.1} ms",
         wall.len(),
         ms(wall),
         ms(cpu),
-        ms(refresh)
+        ms(refresh),
+        ms(checksum)
     );
     Ok(())
 }

@@ -25,7 +25,6 @@ use std::{collections::BTreeMap, fmt};
 use base64::Engine as _;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
 /// Path of the apply endpoint.
 pub const APPLY_PATH: &str = "/v1/apply";
@@ -196,10 +195,22 @@ pub fn validate_leader(leader: &str) -> Result<()> {
 /// Every path passed [`validate_path`], no path is both a file and a directory of another,
 /// and [`MAIN_CONFIG`] is checked by [`FileSet::validate`] (a set under construction may
 /// lack it).
-#[derive(Clone, Default, PartialEq, Eq)]
+#[derive(Clone, Default)]
 pub struct FileSet {
     files: BTreeMap<String, Bytes>,
+    /// The checksum once computed, with the hasher's states along its stream (a set made
+    /// from this one by a delta hashes only from where it differs: [`FileSet::checksum_following`]);
+    /// emptied by every change of the files.
+    hashed: std::sync::OnceLock<haptic_checksum::Hashed>,
 }
+
+impl PartialEq for FileSet {
+    fn eq(&self, other: &Self) -> bool {
+        self.files == other.files
+    }
+}
+
+impl Eq for FileSet {}
 
 impl fmt::Debug for FileSet {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -224,6 +235,7 @@ impl FileSet {
         if self.files.contains_key(&path) || self.conflicts(&path) {
             return Err(Error::Conflict { path });
         }
+        self.hashed.take();
         self.files.insert(path, content.into());
         Ok(())
     }
@@ -249,6 +261,7 @@ impl FileSet {
         let path = path.into();
         match self.files.get_mut(&path) {
             Some(existing) => {
+                self.hashed.take();
                 *existing = content.into();
                 Ok(())
             }
@@ -258,6 +271,7 @@ impl FileSet {
 
     /// Removes the file at `path`; whether the set held it.
     pub fn remove(&mut self, path: &str) -> bool {
+        self.hashed.take();
         self.files.remove(path).is_some()
     }
 
@@ -309,9 +323,30 @@ impl FileSet {
         self.files.values().map(Bytes::len).sum()
     }
 
-    /// The set's checksum; see [`checksum`].
+    /// The set's checksum; see [`checksum`]. Computed once (kept until the files change).
     pub fn checksum(&self) -> String {
-        checksum(self.iter().map(|(path, content)| (path, content.as_ref())))
+        self.hashed
+            .get_or_init(|| haptic_checksum::hash(self.pairs()))
+            .hex()
+    }
+
+    /// The set's checksum, as [`FileSet::checksum`] gives it, hashed only from about where
+    /// this set first differs from `base` when `base` knows its own
+    /// ([`haptic_checksum::hash_following`]; unchanged files that share `base`'s bytes are not
+    /// even read): an agent's set after a delta that changed a few lines of a map.
+    pub fn checksum_following(&self, base: &FileSet) -> String {
+        self.hashed
+            .get_or_init(|| match base.hashed.get() {
+                Some(hashed) => haptic_checksum::hash_following(self.pairs(), base.pairs(), hashed),
+                None => haptic_checksum::hash(self.pairs()),
+            })
+            .hex()
+    }
+
+    fn pairs(&self) -> impl Iterator<Item = (&str, &[u8])> + Clone {
+        self.files
+            .iter()
+            .map(|(path, content)| (path.as_str(), content.as_ref()))
     }
 }
 
@@ -322,14 +357,7 @@ impl FileSet {
 /// path order (a [`FileSet`] iterates that way); the agent recomputes it from disk the same
 /// way.
 pub fn checksum<'a>(files: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> String {
-    let mut hasher = Sha256::new();
-    for (path, content) in files {
-        hasher.update((path.len() as u64).to_be_bytes());
-        hasher.update(path.as_bytes());
-        hasher.update((content.len() as u64).to_be_bytes());
-        hasher.update(content);
-    }
-    hex::encode(hasher.finalize())
+    haptic_checksum::hash(files).hex()
 }
 
 /// One apply: who sends it, under which fencing epoch, and the whole set.
@@ -775,7 +803,7 @@ impl DeltaRequest {
             files.put(path.clone(), apply_hunks(path, base_content, hunks)?)?;
         }
         files.validate()?;
-        let actual = files.checksum();
+        let actual = files.checksum_following(base);
         if actual != self.checksum {
             return Err(Error::Checksum {
                 claimed: self.checksum.clone(),
@@ -1451,6 +1479,38 @@ mod tests {
             delta.apply_to(&other),
             Err(Error::Checksum { .. })
         ));
+    }
+
+    #[test]
+    fn a_chain_of_deltas_gives_each_set_the_checksum_of_the_whole_set() {
+        // A set of several checkpoints (64 KiB each): each applied set is the base of the
+        // next delta, and hashes on from where it differs from its base.
+        let cfg = |step: usize| -> String {
+            (0..20_000)
+                .map(|i| match i {
+                    _ if i == 19_000 - step * 4_000 => format!("server s{i} 10.9.9.{step}:80\n"),
+                    _ => format!("server s{i} 10.0.{}.{}:80\n", i / 256, i % 256),
+                })
+                .collect()
+        };
+        let set = |step: usize| {
+            FileSet::new()
+                .with("haproxy.cfg", cfg(step))
+                .and_then(|s| s.with("maps/a.map", format!("a be_{step}\n")))
+                .expect("set")
+        };
+        let mut base = set(0);
+        for step in 1..5 {
+            let target = set(step);
+            let request = ApplyRequest::new(3, "leader-0", 2, target.clone()).expect("request");
+            let delta = DeltaRequest::between(&base, &base.checksum(), &request);
+            let got = delta
+                .apply_to(&base)
+                .expect("applies: the checksum comes out");
+            assert_eq!(got, target);
+            assert_eq!(got.checksum(), checksum(target.pairs()), "step {step}");
+            base = got;
+        }
     }
 
     #[test]

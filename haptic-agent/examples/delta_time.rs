@@ -3,7 +3,9 @@
 //! rebuilding the set (with its checksum), the policy of the change and the runtime plan.
 //! 20 runs of each step, p50 and the slowest.
 //!
-//! `cargo run --release -p haptic-agent --example delta_time`
+//! `cargo run --release -p haptic-agent --example delta_time [first|middle|last]`: the server
+//! line changed is the config's first (default), middle or last one (the set's checksum is
+//! hashed on from where the change is).
 
 use std::time::{Duration, Instant};
 
@@ -38,12 +40,19 @@ fn main() {
     for (path, content) in rendered.iter() {
         base.insert(path, content.to_vec()).expect("path");
     }
-    // An endpoint change: one server line's address.
+    // An endpoint change: one server line's address; the first server line of the config,
+    // or (argument `middle`, `last`) the one in its middle or at its end.
     let cfg = String::from_utf8_lossy(base.get(MAIN_CONFIG).expect("cfg")).into_owned();
-    let line = cfg
+    let servers: Vec<&str> = cfg
         .lines()
-        .find(|line| line.trim_start().starts_with("server ") && line.contains(':'))
-        .expect("a server line");
+        .filter(|line| line.trim_start().starts_with("server ") && line.contains(':'))
+        .collect();
+    let at = match std::env::args().nth(1).as_deref() {
+        Some("middle") => servers.len() / 2,
+        Some("last") => servers.len() - 1,
+        _ => 0,
+    };
+    let line = *servers.get(at).expect("a server line");
     let address = line
         .split_ascii_whitespace()
         .nth(2)
@@ -52,7 +61,11 @@ fn main() {
     let changed = cfg.replacen(line, &line.replacen(&address, "10.99.99.99:8080", 1), 1);
     let mut target = base.clone();
     target.put(MAIN_CONFIG, changed).expect("put");
-    let base_checksum = time("base checksum (7 MB)", || base.checksum());
+    let base_checksum = time("base checksum (the whole set)", || {
+        haptic_agent_client::protocol::checksum(base.iter().map(|(p, c)| (p, c.as_ref())))
+    });
+    // The agent's live set knows its checksum, with the hasher's states along it.
+    assert_eq!(base.checksum(), base_checksum);
     let request = ApplyRequest::new(1, "bench", 2, target).expect("request");
     println!(
         "{} files, {} bytes, haptic.cfg {} bytes",

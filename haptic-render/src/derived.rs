@@ -128,6 +128,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 pub mod gateway;
 mod pcre;
 mod routes;
+mod sparse;
 
 use serde::{Deserialize, Serialize};
 use tera::Value;
@@ -2663,6 +2664,9 @@ struct ViewState {
     /// For `IngressRoutes`: each Ingress's rows and the claims, patched after a change;
     /// shared with the copies of [`crate::Stores::excluding`] until one of them patches.
     routes: Option<Arc<routes::RoutesState>>,
+    /// For the views of a few Ingresses ([`sparse::applies`]): which Ingresses gave rows and
+    /// what they joined with, so that an event touching none of them keeps the rows.
+    sparse: Option<sparse::Sparse>,
 }
 
 /// The rows of a `ServiceBackends` view per Service, and which EndpointSlices join to which
@@ -2839,6 +2843,7 @@ impl DerivedView {
                 backends: None,
                 gateway: None,
                 routes: None,
+                sparse: None,
             }),
         }
     }
@@ -2857,6 +2862,7 @@ impl DerivedView {
             state.backends = None;
             state.gateway = None;
             state.routes = None;
+            state.sparse = None;
             state
         })
     }
@@ -3001,6 +3007,27 @@ impl DerivedView {
                             resolved.with_ingresses(side.as_ref())
                         }
                         None => Value::from(Vec::<Value>::new()),
+                    }
+                }
+                ((derivation, own, classes), _) if sparse::applies(derivation) => {
+                    let ours = Ours::new(derivation.classes(), classes);
+                    match state.sparse.as_mut() {
+                        Some(kept) if kept.still(derivation, stores, &ours, &generations) => {
+                            kept.advance(generations.clone());
+                            state.value.clone()
+                        }
+                        _ => {
+                            let value = compute(&self.derivation, slot, &inputs);
+                            state.sparse = own.first().map(|ingresses| {
+                                sparse::Sparse::of(
+                                    derivation,
+                                    *ingresses,
+                                    &ours,
+                                    generations.clone(),
+                                )
+                            });
+                            value
+                        }
                     }
                 }
                 _ => compute(&self.derivation, slot, &inputs),

@@ -1162,10 +1162,21 @@ pub(crate) struct ItemOutput {
     inputs: Vec<Value>,
     /// The bytes (blank: no file).
     pub(crate) bytes: Vec<u8>,
+    /// Where they go, and the item's namespace and name; none when they are blank (taken
+    /// from the item once, not again on every render that reuses them).
+    pub(crate) file: Option<ItemFile>,
     pub(crate) requests: Requests,
     reads: Vec<Read>,
     refused: bool,
     used: AtomicU64,
+}
+
+/// Where a per-item output's bytes go: its path and the item's namespace and name.
+#[derive(Debug, Clone)]
+pub(crate) struct ItemFile {
+    pub(crate) path: String,
+    pub(crate) namespace: String,
+    pub(crate) name: String,
 }
 
 /// The outputs of per-item templates, by output and item identity, kept between renders.
@@ -1213,7 +1224,7 @@ impl Items {
         index: usize,
         item: &Value,
         inputs: Vec<Value>,
-        bytes: Vec<u8>,
+        (bytes, file): (Vec<u8>, Option<ItemFile>),
         requests: Requests,
         (reads, refused): (Vec<Read>, bool),
         epoch: u64,
@@ -1226,6 +1237,7 @@ impl Items {
                     item: item.clone(),
                     inputs,
                     bytes,
+                    file,
                     requests,
                     reads,
                     refused,

@@ -10,7 +10,7 @@ use tera::{Context, ErrorKind, Tera, Value};
 use tracing::instrument;
 
 use crate::fileset::FileSet;
-use crate::fragments::{self, Active, Fragments, Items};
+use crate::fragments::{self, Active, Fragments, ItemFile, Items};
 use crate::functions::{self, DERIVED_VAR, GET_VAR, INDEX_VAR, REVIEW_VAR};
 use crate::provenance::{self, Counting, ObjectRef, Provenance};
 use crate::requests::{self, Requests};
@@ -741,25 +741,25 @@ impl Renderer {
                     (INDEX_VAR, context.get(INDEX_VAR).cloned()),
                 ];
                 for item in *items {
-                    let text_of = |path: &str| {
-                        item.get_from_path(path)
-                            .and_then(Value::as_str)
-                            .unwrap_or_default()
-                            .to_owned()
-                    };
-                    let (namespace, name) =
-                        (text_of("metadata.namespace"), text_of("metadata.name"));
                     // The same item, reading the same views and stores: what it gave last time.
                     let kept = inputs.and_then(|inputs| {
                         self.items
                             .reuse(*index, item, inputs, &stores, review, active.epoch)
                     });
-                    let bytes = match kept {
+                    let (bytes, file) = match kept {
                         Some(kept) => {
                             asked.extend(kept.requests.clone());
-                            kept.bytes.clone()
+                            (kept.bytes.clone(), kept.file.clone())
                         }
                         None => {
+                            let text_of = |path: &str| {
+                                item.get_from_path(path)
+                                    .and_then(Value::as_str)
+                                    .unwrap_or_default()
+                                    .to_owned()
+                            };
+                            let (namespace, name) =
+                                (text_of("metadata.namespace"), text_of("metadata.name"));
                             item_context.insert_value("item", item.clone());
                             let label = || format!("{} for {namespace}/{name}", output.template);
                             let capacity = size.map_or(0, |s| s.load(Ordering::Relaxed));
@@ -776,27 +776,38 @@ impl Renderer {
                                 )
                             });
                             let bytes = bytes?;
+                            // A blank output writes no file.
+                            let blank = std::str::from_utf8(&bytes)
+                                .is_ok_and(|text| text.trim().is_empty());
+                            let file = (!blank).then(|| ItemFile {
+                                path: functions::ssl_file(&namespace, &name),
+                                namespace,
+                                name,
+                            });
                             if let Some(inputs) = inputs.filter(|_| active.keep) {
                                 self.items.keep(
                                     *index,
                                     item,
                                     inputs.to_vec(),
-                                    bytes.clone(),
+                                    (bytes.clone(), file.clone()),
                                     asked_here.clone(),
                                     tracked,
                                     active.epoch,
                                 );
                             }
                             asked.extend(asked_here);
-                            bytes
+                            (bytes, file)
                         }
                     };
-                    // A blank output writes no file.
-                    if !std::str::from_utf8(&bytes).is_ok_and(|text| text.trim().is_empty()) {
+                    if let Some(ItemFile {
+                        path,
+                        namespace,
+                        name,
+                    }) = file
+                    {
                         if let Some(size) = size {
                             size.store(bytes.len(), Ordering::Relaxed);
                         }
-                        let path = functions::ssl_file(&namespace, &name);
                         let object = ObjectRef {
                             store: store.to_owned(),
                             namespace,

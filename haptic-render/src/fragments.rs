@@ -478,9 +478,8 @@ fn still_valid(reads: &[Read], stores: &[(&'static str, Option<Value>)]) -> bool
             .and_then(|(_, v)| v.as_ref())
             .and_then(Value::as_map)
             .and_then(|m| m.get(&tera::value::Key::Str(&read.store)))
-            .and_then(Value::as_map)
-            .and_then(|m| m.get(&tera::value::Key::Str(&read.key)));
-        same(now, read.found.as_ref())
+            .and_then(|m| crate::store::find_in(m, read.var == GET_VAR, &read.key));
+        same(now.as_ref(), read.found.as_ref())
     })
 }
 

@@ -388,10 +388,7 @@ fn store_lookup(
             known.join(", ")
         )));
     };
-    let found = entries
-        .as_map()
-        .and_then(|m| m.get(&Key::Str(key)))
-        .cloned();
+    let found = crate::store::find_in(entries, var == GET_VAR, key);
     // A fragment of `render_each` that read this is reused only while it finds the same.
     let var = if var == GET_VAR { GET_VAR } else { INDEX_VAR };
     crate::fragments::record_read(var, store, key, found.as_ref());

@@ -15,7 +15,7 @@ use crate::functions::{self, DERIVED_VAR, GET_VAR, INDEX_VAR, REVIEW_VAR};
 use crate::provenance::{self, Counting, ObjectRef, Provenance};
 use crate::requests::{self, Requests};
 use crate::set::{self, Output, TemplateSet};
-use crate::store::{Overlay, Stores};
+use crate::store::{Overlay, Stores, Wants};
 use crate::value::{Interner, map_value, to_tera};
 
 /// What [`Renderer::with_split_rows`] is by default: below about a thousand rows a thread
@@ -188,6 +188,19 @@ pub struct Renderer {
     sizes: Vec<AtomicUsize>,
     /// Where the last render's time went.
     timings: Mutex<Timings>,
+    /// Which parts of the store views the templates read.
+    store_reads: StoreReads,
+}
+
+/// Which parts of the stores' views a template set reads, beyond `get` (every store's
+/// resources by name): the lists when a template names `resources` at all, the indexes when
+/// one names `lookup`, and the list of each store a per-item output walks. (A word in a
+/// comment counts too: the views built are then more than needed, never fewer.)
+#[derive(Debug)]
+struct StoreReads {
+    lists: bool,
+    indexes: bool,
+    items: Vec<String>,
 }
 
 /// Where one render's time went, phase by phase (what [`Renderer::last_timings`] returns).
@@ -289,6 +302,11 @@ impl Renderer {
             })
             .collect();
         let sizes = outputs.iter().map(|_| AtomicUsize::new(0)).collect();
+        let store_reads = StoreReads {
+            lists: sources.iter().any(|(_, s)| s.contains("resources")),
+            indexes: sources.iter().any(|(_, s)| s.contains("lookup")),
+            items: outputs.iter().filter_map(|o| o.for_each.clone()).collect(),
+        };
         Ok(Self {
             tera: Arc::new(tera),
             outputs,
@@ -303,7 +321,17 @@ impl Renderer {
             costs,
             sizes,
             timings: Mutex::new(Timings::default()),
+            store_reads,
         })
+    }
+
+    /// The parts of `store`'s view this template set reads ([`StoreReads`]).
+    fn wants(&self, store: &str) -> Wants {
+        let reads = &self.store_reads;
+        Wants {
+            list: reads.lists || reads.items.iter().any(|s| s == store),
+            index: reads.indexes,
+        }
     }
 
     /// Whether renders reuse what earlier renders gave for the same inputs (default: yes):
@@ -344,7 +372,7 @@ impl Renderer {
         for (key, value) in self.extra.iter() {
             context.insert_value(key.clone(), value.clone());
         }
-        let views = stores.views(overlay);
+        let views = stores.views(overlay, &|store| self.wants(store));
         let derived = stores.derived_values_over(overlay);
         if let Some(over) = overlay {
             let (namespace, name) = over.key();
@@ -359,7 +387,11 @@ impl Renderer {
         }
         context.insert_value(
             "resources",
-            map_value(views.iter().map(|(n, v)| (*n, v.list.clone()))),
+            map_value(
+                views
+                    .iter()
+                    .filter_map(|(n, v)| Some((*n, v.list.clone()?))),
+            ),
         );
         context.insert_value(
             GET_VAR,
@@ -367,7 +399,11 @@ impl Renderer {
         );
         context.insert_value(
             INDEX_VAR,
-            map_value(views.iter().map(|(n, v)| (*n, v.by_index.clone()))),
+            map_value(
+                views
+                    .iter()
+                    .filter_map(|(n, v)| Some((*n, v.by_index.clone()?))),
+            ),
         );
         context.insert_value(DERIVED_VAR, map_value(derived));
         context
@@ -486,7 +522,7 @@ impl Renderer {
         let started = Instant::now();
         // After a watch event, the changed stores' views and the derived views that read them
         // are rebuilt here, before any template runs, on the render's threads.
-        stores.refresh(self.threads);
+        stores.refresh(self.threads, &|store| self.wants(store));
         timings.refresh = started.elapsed();
         let started = Instant::now();
         let context = self.context(stores, overlay);
@@ -501,7 +537,7 @@ impl Renderer {
                         known: stores.iter().map(|(n, _)| n).collect::<Vec<_>>().join(", "),
                     });
                 };
-                views.push((index, output, source.view()));
+                views.push((index, output, source.view(self.wants(store_name))));
             }
         }
         // Single outputs start longest first, by what each took in the previous render (the
@@ -547,7 +583,11 @@ impl Renderer {
             })
             .collect();
         for (index, output, view) in &views {
-            let items = view.list.as_array().unwrap_or_default();
+            let items = view
+                .list
+                .as_ref()
+                .and_then(Value::as_array)
+                .unwrap_or_default();
             jobs.extend(
                 items
                     .chunks(ITEMS_PER_JOB)

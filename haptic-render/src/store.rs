@@ -9,7 +9,7 @@ use std::sync::{Arc, OnceLock};
 use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 use tera::Value;
-use tera::value::Key;
+use tera::value::{Key, Map};
 
 use crate::derived::{Derivation, DerivedView, Extracts};
 use crate::value::{Interner, map_value, to_tera};
@@ -214,14 +214,56 @@ pub(crate) struct Entry {
 }
 
 /// What a template sees of a store, built once after each change and shared by renders.
+///
+/// The parts no template of a set reads are not built ([`Wants`]): at 10,000 resources,
+/// rebuilding the list and the index after each event cost more than the rest of the view.
 #[derive(Debug)]
 pub(crate) struct StoreView {
-    /// All resources, sorted by namespace then name.
-    pub(crate) list: Value,
-    /// `namespace/name` -> resource.
+    /// All resources, sorted by namespace then name (`resources.<store>`, and the items of a
+    /// per-item output); none when not wanted.
+    pub(crate) list: Option<Value>,
+    /// namespace -> name -> resource (what `get` finds): after an event only the maps of
+    /// the outer map and of the namespace changed are copied, not every resource's entry.
     pub(crate) by_name: Value,
-    /// index key -> resources with that key, sorted by namespace then name.
-    pub(crate) by_index: Value,
+    /// index key -> resources with that key, sorted by namespace then name (what `lookup`
+    /// finds); none when not wanted.
+    pub(crate) by_index: Option<Value>,
+}
+
+/// Which parts of a store's view a render reads besides `by_name`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Wants {
+    /// The list of resources.
+    pub(crate) list: bool,
+    /// The index.
+    pub(crate) index: bool,
+}
+
+impl Wants {
+    /// Every part.
+    pub(crate) const ALL: Self = Self {
+        list: true,
+        index: true,
+    };
+
+    /// Whether a view of parts `built` has these.
+    fn met_by(self, view: &StoreView) -> bool {
+        (!self.list || view.list.is_some()) && (!self.index || view.by_index.is_some())
+    }
+}
+
+/// The resource `key` names in a view's map of `var` (`GET_VAR`: `namespace/name`, looked up
+/// namespace first; `INDEX_VAR`: the index key).
+pub(crate) fn find_in(map: &Value, by_name: bool, key: &str) -> Option<Value> {
+    let map = map.as_map()?;
+    if !by_name {
+        return map.get(&Key::Str(key)).cloned();
+    }
+    let (namespace, name) = key.split_once('/')?;
+    map.get(&Key::Str(namespace))?
+        .as_map()?
+        .get(&Key::Str(name))
+        .cloned()
 }
 
 /// The watched resources of one kind, kept sorted by namespace and name.
@@ -381,7 +423,8 @@ impl Store {
     /// The resources as JSON, sorted by namespace then name, as templates see them (ignored
     /// fields dropped): for callers outside templates, such as a test's JSONPath.
     pub fn json(&self) -> Json {
-        serde_json::to_value(&self.view().list).unwrap_or(Json::Null)
+        let list: Vec<Value> = self.items.values().map(|e| e.value.clone()).collect();
+        serde_json::to_value(Value::from(list)).unwrap_or(Json::Null)
     }
 
     /// Whether the store is empty.
@@ -455,81 +498,134 @@ impl Store {
         self.generation
     }
 
-    /// The template view, built on first use after a change.
-    pub(crate) fn view(&self) -> Arc<StoreView> {
-        Arc::clone(self.view.get_or_init(|| Arc::new(self.build_view())))
+    /// The template view with (at least) the parts `wants` names, built on first use after
+    /// a change and kept; a view kept without a part wanted now is built again for this
+    /// caller alone (two renderers of different template sets on the same stores).
+    pub(crate) fn view(&self, wants: Wants) -> Arc<StoreView> {
+        let view = self.view.get_or_init(|| Arc::new(self.build_view(wants)));
+        if wants.met_by(view) {
+            Arc::clone(view)
+        } else {
+            Arc::new(build_view(|| self.items.iter(), Wants::ALL))
+        }
     }
 
-    fn build_view(&self) -> StoreView {
-        self.patched_view()
-            .unwrap_or_else(|| build_view(|| self.items.iter()))
+    fn build_view(&self, wants: Wants) -> StoreView {
+        self.patched_view(wants)
+            .unwrap_or_else(|| build_view(|| self.items.iter(), wants))
     }
 
     /// The last view built, patched for the few changes since (what a full build gives, in
     /// the same order; the resources that did not change are the same values), or `None`.
-    fn patched_view(&self) -> Option<StoreView> {
+    fn patched_view(&self, wants: Wants) -> Option<StoreView> {
         let (generation, old) = self.stale.as_ref()?;
         let logged: Vec<&Logged> = self.logged_since(*generation)?.collect();
-        if logged.len() > PATCH_LEN {
+        if logged.len() > PATCH_LEN || (wants.index && old.by_index.is_none()) {
             return None;
         }
-        let keys: BTreeSet<&(String, String)> = logged.iter().map(|l| &l.key).collect();
+        // By namespace: the names changed there.
+        let mut keys: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+        for l in &logged {
+            keys.entry(&l.key.0).or_default().insert(&l.key.1);
+        }
         let mut by_name = old.by_name.as_map()?.clone();
-        for key @ (namespace, name) in keys {
-            let name_key: Key<'static> = format!("{namespace}/{name}").into();
-            match self.items.get(key) {
-                None => {
-                    by_name.shift_remove(&name_key);
-                }
-                Some(entry) => {
-                    if let Some(value) = by_name.get_mut(&name_key) {
-                        *value = entry.value.clone();
-                    } else {
-                        let at = self.items.range(..key).count();
-                        by_name.shift_insert(at, name_key, entry.value.clone());
+        for (namespace, names) in keys {
+            let at = by_name.binary_search_by(|k, _| k.as_str().cmp(&Some(namespace)));
+            let mut inner = match at {
+                Ok(at) => by_name
+                    .get_index(at)
+                    .and_then(|(_, v)| v.as_map())
+                    .cloned()
+                    .unwrap_or_default(),
+                Err(_) => Map::new(),
+            };
+            for name in names {
+                let found = inner.binary_search_by(|k, _| k.as_str().cmp(&Some(name)));
+                match (
+                    self.items.get(&(namespace.to_owned(), name.to_owned())),
+                    found,
+                ) {
+                    (None, Ok(i)) => {
+                        inner.shift_remove_index(i);
+                    }
+                    (None, Err(_)) => {}
+                    (Some(entry), Ok(i)) => {
+                        if let Some((_, value)) = inner.get_index_mut(i) {
+                            *value = entry.value.clone();
+                        }
+                    }
+                    (Some(entry), Err(i)) => {
+                        inner.shift_insert(i, name.to_owned().into(), entry.value.clone());
                     }
                 }
             }
+            match (inner.is_empty(), at) {
+                (true, Ok(at)) => {
+                    by_name.shift_remove_index(at);
+                }
+                (true, Err(_)) => {}
+                (false, Ok(at)) => {
+                    if let Some((_, value)) = by_name.get_index_mut(at) {
+                        *value = Value::from(inner);
+                    }
+                }
+                (false, Err(at)) => {
+                    by_name.shift_insert(at, namespace.to_owned().into(), Value::from(inner));
+                }
+            }
         }
+        let by_index = match (&old.by_index, wants.index) {
+            (Some(old_index), true) => Some(self.patched_index(&logged, old_index)?),
+            _ => None,
+        };
+        let list = wants.list.then(|| {
+            let list: Vec<Value> = self.items.values().map(|e| e.value.clone()).collect();
+            Value::from(list)
+        });
+        Some(StoreView {
+            list,
+            by_name: Value::from(by_name),
+            by_index,
+        })
+    }
+
+    /// The index of a view, patched for the changes `logged`.
+    fn patched_index(&self, logged: &[&Logged], old: &Value) -> Option<Value> {
         let touched: BTreeSet<&str> = logged
             .iter()
             .flat_map(|l| l.index_keys.iter().flatten())
             .map(String::as_str)
             .collect();
-        let mut by_index = old.by_index.as_map()?.clone();
-        if !touched.is_empty() {
-            let mut lists: BTreeMap<&str, Vec<Value>> = BTreeMap::new();
-            for entry in self.items.values() {
-                if let Some(index) = entry.index_key.as_deref()
-                    && touched.contains(index)
-                {
-                    lists.entry(index).or_default().push(entry.value.clone());
-                }
-            }
-            for index in touched {
-                let found = by_index.binary_search_by(|k, _| k.as_str().cmp(&Some(index)));
-                match (lists.remove(index), found) {
-                    (Some(list), Ok(at)) => {
-                        if let Some((_, value)) = by_index.get_index_mut(at) {
-                            *value = Value::from(list);
-                        }
-                    }
-                    (Some(list), Err(at)) => {
-                        by_index.shift_insert(at, index.to_owned().into(), Value::from(list));
-                    }
-                    (None, Ok(at)) => {
-                        by_index.shift_remove_index(at);
-                    }
-                    (None, Err(_)) => {}
-                }
+        if touched.is_empty() {
+            return Some(old.clone());
+        }
+        let mut by_index = old.as_map()?.clone();
+        let mut lists: BTreeMap<&str, Vec<Value>> = BTreeMap::new();
+        for entry in self.items.values() {
+            if let Some(index) = entry.index_key.as_deref()
+                && touched.contains(index)
+            {
+                lists.entry(index).or_default().push(entry.value.clone());
             }
         }
-        let list: Vec<Value> = self.items.values().map(|e| e.value.clone()).collect();
-        Some(StoreView {
-            list: Value::from(list),
-            by_name: Value::from(by_name),
-            by_index: Value::from(by_index),
-        })
+        for index in touched {
+            let found = by_index.binary_search_by(|k, _| k.as_str().cmp(&Some(index)));
+            match (lists.remove(index), found) {
+                (Some(list), Ok(at)) => {
+                    if let Some((_, value)) = by_index.get_index_mut(at) {
+                        *value = Value::from(list);
+                    }
+                }
+                (Some(list), Err(at)) => {
+                    by_index.shift_insert(at, index.to_owned().into(), Value::from(list));
+                }
+                (None, Ok(at)) => {
+                    by_index.shift_remove_index(at);
+                }
+                (None, Err(_)) => {}
+            }
+        }
+        Some(Value::from(by_index))
     }
 
     /// This store as a derivation input.
@@ -541,24 +637,48 @@ impl Store {
     }
 }
 
-/// The template view of `(key, entry)` pairs given in (namespace, name) order.
-fn build_view<'a, I>(entries: impl Fn() -> I) -> StoreView
+/// The template view of `(key, entry)` pairs given in (namespace, name) order, with the
+/// parts `wants` names.
+fn build_view<'a, I>(entries: impl Fn() -> I, wants: Wants) -> StoreView
 where
     I: Iterator<Item = (&'a (String, String), &'a Entry)>,
 {
-    let list: Vec<Value> = entries().map(|(_, e)| e.value.clone()).collect();
-    let by_name =
-        map_value(entries().map(|((ns, name), e)| (format!("{ns}/{name}"), e.value.clone())));
-    let mut index: BTreeMap<&str, Vec<Value>> = BTreeMap::new();
-    for (_, entry) in entries() {
-        if let Some(key) = &entry.index_key {
-            index.entry(key).or_default().push(entry.value.clone());
+    let list = wants.list.then(|| {
+        let list: Vec<Value> = entries().map(|(_, e)| e.value.clone()).collect();
+        Value::from(list)
+    });
+    let mut by_name = Map::new();
+    let mut namespace: Option<(&str, Map)> = None;
+    for ((ns, name), e) in entries() {
+        match &mut namespace {
+            Some((current, inner)) if *current == ns.as_str() => {
+                inner.insert(name.clone().into(), e.value.clone());
+            }
+            _ => {
+                if let Some((done, inner)) = namespace.take() {
+                    by_name.insert(done.to_owned().into(), Value::from(inner));
+                }
+                let mut inner = Map::new();
+                inner.insert(name.clone().into(), e.value.clone());
+                namespace = Some((ns, inner));
+            }
         }
     }
-    let by_index = map_value(index.into_iter().map(|(k, v)| (k, Value::from(v))));
+    if let Some((done, inner)) = namespace {
+        by_name.insert(done.to_owned().into(), Value::from(inner));
+    }
+    let by_index = wants.index.then(|| {
+        let mut index: BTreeMap<&str, Vec<Value>> = BTreeMap::new();
+        for (_, entry) in entries() {
+            if let Some(key) = &entry.index_key {
+                index.entry(key).or_default().push(entry.value.clone());
+            }
+        }
+        map_value(index.into_iter().map(|(k, v)| (k, Value::from(v))))
+    });
     StoreView {
-        list: Value::from(list),
-        by_name,
+        list,
+        by_name: Value::from(by_name),
         by_index,
     }
 }
@@ -662,10 +782,10 @@ impl<'a> Source<'a> {
     }
 
     /// The template view: the store's own, or one built for the overlay (not kept).
-    pub(crate) fn view(self) -> Arc<StoreView> {
+    pub(crate) fn view(self, wants: Wants) -> Arc<StoreView> {
         match self.over {
-            None => self.base.view(),
-            Some(_) => Arc::new(build_view(|| self.pairs())),
+            None => self.base.view(wants),
+            Some(_) => Arc::new(build_view(|| self.pairs(), wants)),
         }
     }
 }
@@ -776,6 +896,7 @@ impl Stores {
     pub(crate) fn views<'a>(
         &'a self,
         overlay: Option<&'a Overlay>,
+        wants: &dyn Fn(&str) -> Wants,
     ) -> Vec<(&'a str, Arc<StoreView>)> {
         self.stores
             .iter()
@@ -784,7 +905,7 @@ impl Stores {
                     base: store,
                     over: overlay.filter(|o| o.store == *name),
                 };
-                (name.as_str(), source.view())
+                (name.as_str(), source.view(wants(name)))
             })
             .collect()
     }
@@ -918,10 +1039,10 @@ impl Stores {
     /// derived view that a change made stale: after a watch event, the changed store's view
     /// and the derived views that read it. The derived views go first: they are the longer
     /// jobs.
-    pub(crate) fn refresh(&self, workers: usize) {
+    pub(crate) fn refresh(&self, workers: usize, wants: &(dyn Fn(&str) -> Wants + Sync)) {
         enum Job<'a> {
             Derived(&'a DerivedView, Vec<&'a Store>),
-            Store(&'a Store),
+            Store(&'a Store, Wants),
         }
         let derived = self.derived.values().filter_map(|view| {
             let inputs = self.inputs(view)?;
@@ -929,9 +1050,9 @@ impl Stores {
         });
         let stores = self
             .stores
-            .values()
-            .filter(|store| store.view.get().is_none())
-            .map(Job::Store);
+            .iter()
+            .filter(|(_, store)| store.view.get().is_none())
+            .map(|(name, store)| Job::Store(store, wants(name)));
         let jobs: Vec<Job<'_>> = derived.chain(stores).collect();
         // The jobs are independent of each other: the workers take them in turn.
         let next = AtomicUsize::new(0);
@@ -939,7 +1060,7 @@ impl Stores {
             while let Some(job) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
                 match job {
                     Job::Derived(view, inputs) => drop(view.value(inputs)),
-                    Job::Store(store) => drop(store.view()),
+                    Job::Store(store, wants) => drop(store.view(*wants)),
                 }
             }
         };
@@ -1092,17 +1213,32 @@ mod tests {
                     store.apply(&slice(ns, name, svc, step)).unwrap();
                 }
             }
-            let patched = store.view();
-            let fresh = build_view(|| store.items.iter());
-            assert_eq!(patched.list, fresh.list, "step {step}: list");
+            // Mostly the names alone (what the reference templates read), now and then
+            // every part (built afresh when the view kept lacks one, patched after).
+            let wants = if step % 7 < 2 {
+                Wants::ALL
+            } else {
+                Wants {
+                    list: false,
+                    index: false,
+                }
+            };
+            let patched = store.view(wants);
+            let fresh = build_view(|| store.items.iter(), Wants::ALL);
+            if wants.list {
+                assert_eq!(patched.list, fresh.list, "step {step}: list");
+            }
             assert_eq!(patched.by_name, fresh.by_name, "step {step}: by_name");
             assert_eq!(keys(&patched.by_name), keys(&fresh.by_name), "step {step}");
-            assert_eq!(patched.by_index, fresh.by_index, "step {step}: by_index");
-            assert_eq!(
-                keys(&patched.by_index),
-                keys(&fresh.by_index),
-                "step {step}"
-            );
+            for (namespace, names) in fresh.by_name.as_map().unwrap() {
+                let patched_names = patched.by_name.as_map().unwrap().get(namespace).unwrap();
+                assert_eq!(keys(patched_names), keys(names), "step {step}: {namespace}");
+            }
+            if wants.index {
+                let (patched, fresh) = (patched.by_index.as_ref(), fresh.by_index.as_ref());
+                assert_eq!(patched, fresh, "step {step}: by_index");
+                assert_eq!(keys(patched.unwrap()), keys(fresh.unwrap()), "step {step}");
+            }
         }
     }
 
@@ -1123,16 +1259,18 @@ mod tests {
         store
             .apply(&json!({"metadata": {"namespace": "a", "name": "unlabelled"}}))
             .unwrap();
-        let view = store.view();
+        let view = store.view(Wants::ALL);
         let names: Vec<String> = view
             .list
+            .as_ref()
+            .unwrap()
             .as_array()
             .unwrap()
             .iter()
             .map(|v| v.get_from_path("metadata.name").unwrap().to_string())
             .collect();
         assert_eq!(names, ["s1", "s9", "unlabelled", "s2"]);
-        let a_web = view.by_index.as_map().unwrap();
+        let a_web = view.by_index.as_ref().unwrap().as_map().unwrap();
         let hits = a_web
             .get(&tera::value::Key::Str("a/web"))
             .and_then(Value::as_array)
@@ -1141,7 +1279,7 @@ mod tests {
         assert_eq!(a_web.len(), 2, "the unlabelled slice is not indexed");
         assert!(store.remove("a", "s1"));
         assert!(!store.remove("a", "s1"));
-        assert_eq!(store.view().list.len(), Some(3));
+        assert_eq!(store.view(Wants::ALL).list.as_ref().unwrap().len(), Some(3));
     }
 
     #[test]
@@ -1154,7 +1292,14 @@ mod tests {
                     "keep": "me"}}, "spec": {"managedFields": "not metadata"}}),
             )
             .unwrap();
-        let item = store.view().list.as_array().unwrap()[0].clone();
+        let item = store
+            .view(Wants::ALL)
+            .list
+            .as_ref()
+            .unwrap()
+            .as_array()
+            .unwrap()[0]
+            .clone();
         assert!(item.get_from_path("metadata.managedFields").is_none());
         let annotations = item.get_from_path("metadata.annotations").unwrap();
         assert_eq!(

@@ -2258,84 +2258,110 @@ fn ingress_tls(
     let (claims, passing) = tls_host_claims(&ours);
     let mut rows = Vec::new();
     for ing in &ours {
-        let (namespace, ingress) = (ing.namespace, ing.name);
-        let entries = ing.extracts.tls(ing.value);
-        if entries.is_empty() {
-            continue;
-        }
-        let found: Vec<Option<(&Verdict, &Arc<Extracts>)>> = entries
-            .iter()
-            .map(|tls| {
-                if tls.secret.is_empty() {
-                    return None;
-                }
-                let (secret, extracts) = secrets.get_entry(namespace, &tls.secret)?;
-                Some((extracts.certificate(secret), extracts))
-            })
-            .collect();
-        let joined = found.iter().map(|f| f.map(|(_, e)| e));
-        let first = rows.len();
-        ing.extracts.rows_into(slot, joined, &mut rows, || {
-            let origin = origin(store, namespace, ingress);
-            // ingress-nginx's auth-tls-secret: the Secret whose CA verifies clients, or "".
-            let client_ca = Value::from(functions::nginx_client_ca(ing.value));
-            entries
-                .iter()
-                .zip(&found)
-                .map(|(tls, found)| {
-                    let reason = match found {
-                        _ if tls.secret.is_empty() => "the TLS entry names no Secret".to_owned(),
-                        None => "the Secret does not exist".to_owned(),
-                        Some((Ok(_), _)) => String::new(),
-                        Some((Err(unusable), _)) => unusable.to_string(),
-                    };
-                    row([
-                        ("usable", Value::from(reason.is_empty())),
-                        ("reason", Value::from(reason)),
-                        ("file", Value::from(ssl_file(namespace, &tls.secret))),
-                        ("hosts", tls.hosts.clone()),
-                        ("conflicts", Value::from(Vec::<Value>::new())),
-                        ("ssl_redirect", Value::from(ing.ingress.ssl_redirect)),
-                        ("namespace", Value::from(namespace)),
-                        ("ingress", Value::from(ingress)),
-                        ("secret", Value::from(tls.secret.as_str())),
-                        ("origin", origin.clone()),
-                        ("client_ca", client_ca.clone()),
-                    ])
-                })
-                .collect()
-        });
-        if claims.contested {
-            let age = ing.age();
-            for (entry_row, tls) in rows
-                .get_mut(first..)
-                .unwrap_or_default()
-                .iter_mut()
-                .zip(entries)
-            {
-                let mut kept = Vec::new();
-                let mut lost = Vec::new();
-                for host in tls.hosts.as_array().unwrap_or_default() {
-                    let won = host
-                        .as_str()
-                        .and_then(|h| Some((h, claims.lost_to(&h, &age)?)));
-                    match won {
-                        Some((h, winner)) => lost.push(row([
-                            ("host", host.clone()),
-                            ("winner", Value::from(winner.as_str())),
-                            ("passthrough", Value::from(passing.contains(&(h, winner)))),
-                        ])),
-                        None => kept.push(host.clone()),
-                    }
-                }
-                if !lost.is_empty() {
-                    let changed = with_field(entry_row, "hosts", Value::from(kept));
-                    *entry_row = with_field(&changed, "conflicts", Value::from(lost));
-                }
-            }
-        }
+        let age = ing.age();
+        let lost = |host: &str| {
+            let winner = claims.lost_to(&host, &age)?;
+            let passthrough = passing.contains(&(host, winner.clone()));
+            Some((winner, passthrough))
+        };
+        tls_rows(
+            slot,
+            store,
+            ing,
+            secrets,
+            claims.contested.then_some(&lost),
+            &mut rows,
+        );
     }
     Value::from(rows)
+}
+
+/// The Ingress that won a TLS host from the Ingress whose rows are written, and whether it
+/// passes the host's connections through, if one did.
+type HostLostTo<'a> = dyn Fn(&str) -> Option<(String, bool)> + 'a;
+
+/// Appends the TLS rows of one of our Ingresses: an entry each, joined with its Secret's
+/// verdict, its hosts that another Ingress won (`lost`, when some host is contested at all)
+/// moved to `conflicts`.
+fn tls_rows(
+    slot: Slot,
+    store: &str,
+    ing: &OurIngress<'_>,
+    secrets: Source<'_>,
+    lost: Option<&HostLostTo<'_>>,
+    rows: &mut Vec<Value>,
+) {
+    let (namespace, ingress) = (ing.namespace, ing.name);
+    let entries = ing.extracts.tls(ing.value);
+    if entries.is_empty() {
+        return;
+    }
+    let found: Vec<Option<(&Verdict, &Arc<Extracts>)>> = entries
+        .iter()
+        .map(|tls| {
+            if tls.secret.is_empty() {
+                return None;
+            }
+            let (secret, extracts) = secrets.get_entry(namespace, &tls.secret)?;
+            Some((extracts.certificate(secret), extracts))
+        })
+        .collect();
+    let joined = found.iter().map(|f| f.map(|(_, e)| e));
+    let first = rows.len();
+    ing.extracts.rows_into(slot, joined, rows, || {
+        let origin = origin(store, namespace, ingress);
+        // ingress-nginx's auth-tls-secret: the Secret whose CA verifies clients, or "".
+        let client_ca = Value::from(functions::nginx_client_ca(ing.value));
+        entries
+            .iter()
+            .zip(&found)
+            .map(|(tls, found)| {
+                let reason = match found {
+                    _ if tls.secret.is_empty() => "the TLS entry names no Secret".to_owned(),
+                    None => "the Secret does not exist".to_owned(),
+                    Some((Ok(_), _)) => String::new(),
+                    Some((Err(unusable), _)) => unusable.to_string(),
+                };
+                row([
+                    ("usable", Value::from(reason.is_empty())),
+                    ("reason", Value::from(reason)),
+                    ("file", Value::from(ssl_file(namespace, &tls.secret))),
+                    ("hosts", tls.hosts.clone()),
+                    ("conflicts", Value::from(Vec::<Value>::new())),
+                    ("ssl_redirect", Value::from(ing.ingress.ssl_redirect)),
+                    ("namespace", Value::from(namespace)),
+                    ("ingress", Value::from(ingress)),
+                    ("secret", Value::from(tls.secret.as_str())),
+                    ("origin", origin.clone()),
+                    ("client_ca", client_ca.clone()),
+                ])
+            })
+            .collect()
+    });
+    let Some(lost) = lost else { return };
+    for (entry_row, tls) in rows
+        .get_mut(first..)
+        .unwrap_or_default()
+        .iter_mut()
+        .zip(entries)
+    {
+        let mut kept = Vec::new();
+        let mut taken = Vec::new();
+        for host in tls.hosts.as_array().unwrap_or_default() {
+            match host.as_str().and_then(lost) {
+                Some((winner, passthrough)) => taken.push(row([
+                    ("host", host.clone()),
+                    ("winner", Value::from(winner.as_str())),
+                    ("passthrough", Value::from(passthrough)),
+                ])),
+                None => kept.push(host.clone()),
+            }
+        }
+        if !taken.is_empty() {
+            let changed = with_field(entry_row, "hosts", Value::from(kept));
+            *entry_row = with_field(&changed, "conflicts", Value::from(taken));
+        }
+    }
 }
 
 /// Who claims each host for ssl-passthrough, when an Ingress asks for it: the oldest Ingress
@@ -2468,16 +2494,21 @@ fn ingress_rows(slot: Slot, ingresses: Source<'_>, ours: &Ours<'_>) -> Value {
     let ours = ours.of(ingresses);
     let mut rows = Vec::with_capacity(ours.len());
     for ing in &ours {
-        ing.extracts
-            .rows_into(slot, std::iter::empty(), &mut rows, || {
-                vec![row([
-                    ("namespace", Value::from(ing.namespace)),
-                    ("name", Value::from(ing.name)),
-                    ("object", ing.value.clone()),
-                ])]
-            });
+        ingress_row(slot, ing, &mut rows);
     }
     Value::from(rows)
+}
+
+/// Appends the row of one of our Ingresses to the `Ingresses` view.
+fn ingress_row(slot: Slot, ing: &OurIngress<'_>, rows: &mut Vec<Value>) {
+    ing.extracts
+        .rows_into(slot, std::iter::empty(), rows, || {
+            vec![row([
+                ("namespace", Value::from(ing.namespace)),
+                ("name", Value::from(ing.name)),
+                ("object", ing.value.clone()),
+            ])]
+        });
 }
 
 /// A row per Ingress that carries ingress-nginx annotations: what is not applied of them.

@@ -2501,14 +2501,13 @@ fn ingress_rows(slot: Slot, ingresses: Source<'_>, ours: &Ours<'_>) -> Value {
 
 /// Appends the row of one of our Ingresses to the `Ingresses` view.
 fn ingress_row(slot: Slot, ing: &OurIngress<'_>, rows: &mut Vec<Value>) {
-    ing.extracts
-        .rows_into(slot, std::iter::empty(), rows, || {
-            vec![row([
-                ("namespace", Value::from(ing.namespace)),
-                ("name", Value::from(ing.name)),
-                ("object", ing.value.clone()),
-            ])]
-        });
+    ing.extracts.rows_into(slot, std::iter::empty(), rows, || {
+        vec![row([
+            ("namespace", Value::from(ing.namespace)),
+            ("name", Value::from(ing.name)),
+            ("object", ing.value.clone()),
+        ])]
+    });
 }
 
 /// A row per Ingress that carries ingress-nginx annotations: what is not applied of them.
@@ -2692,9 +2691,10 @@ struct ViewState {
     /// For `GatewayApi`: what its own stores (not the Ingresses) resolved to, and their
     /// generations: an Ingress change decides the conflicts with Ingresses again, nothing else.
     gateway: Option<(Vec<u64>, Arc<gateway::Resolved>)>,
-    /// For `IngressRoutes`: each Ingress's rows and the claims, patched after a change;
-    /// shared with the copies of [`crate::Stores::excluding`] until one of them patches.
-    routes: Option<Arc<routes::RoutesState>>,
+    /// For `IngressRoutes`, `IngressTls` and `Ingresses`: each Ingress's rows and the claims,
+    /// patched after a change ([`routes::KeptRows`]); shared with the copies of
+    /// [`crate::Stores::excluding`] until one of them patches.
+    routes: Option<Arc<routes::KeptRows>>,
     /// For the views of a few Ingresses ([`sparse::applies`]): which Ingresses gave rows and
     /// what they joined with, so that an event touching none of them keeps the rows.
     sparse: Option<sparse::Sparse>,
@@ -2984,36 +2984,39 @@ impl DerivedView {
                     }
                     backends.as_ref().map_or_else(Value::none, Backends::value)
                 }
-                (
-                    (Derivation::IngressRoutes { exact, .. }, [_, _], classes),
-                    Some((ingress_store, service_store)),
-                ) => {
-                    let ours = Ours::new(self.derivation.classes(), classes);
-                    let store = (store_of(&self.derivation), *ingress_store);
-                    let patched = state.routes.as_mut().is_some_and(|routes| {
-                        Arc::make_mut(routes).patch(
-                            slot,
-                            store,
-                            service_store,
-                            *exact,
-                            &ours,
-                            generations.clone(),
-                        )
-                    });
-                    if !patched {
-                        state.routes = Some(Arc::new(routes::RoutesState::build(
-                            slot,
-                            store,
-                            service_store,
-                            *exact,
-                            &ours,
-                            generations.clone(),
-                        )));
-                    }
-                    state
-                        .routes
-                        .as_ref()
-                        .map_or_else(Value::none, |routes| routes.value())
+                ((derivation, _, classes), _) if routes::kind_of(derivation).is_some() => {
+                    let ours = Ours::new(derivation.classes(), classes);
+                    let kind = routes::kind_of(derivation);
+                    let joined = stores.get(1).filter(|_| kind.is_some_and(|k| k.own() == 2));
+                    let kept = match (kind, stores.first()) {
+                        (Some(kind), Some(ingress_store)) => {
+                            let store = (store_of(derivation), *ingress_store);
+                            let patched = state.routes.as_mut().is_some_and(|kept| {
+                                Arc::make_mut(kept).patch(
+                                    slot,
+                                    store,
+                                    joined.copied(),
+                                    &ours,
+                                    generations.clone(),
+                                )
+                            });
+                            if !patched {
+                                state.routes = routes::KeptRows::build(
+                                    kind,
+                                    slot,
+                                    store,
+                                    joined.copied(),
+                                    &ours,
+                                    generations.clone(),
+                                )
+                                .map(Arc::new);
+                            }
+                            state.routes.as_ref().map(|kept| kept.value())
+                        }
+                        _ => None,
+                    };
+                    // Not kept (a TLS view with passthrough): over every Ingress.
+                    kept.unwrap_or_else(|| compute(&self.derivation, slot, &inputs))
                 }
                 ((derivation, own, classes), _)
                     if matches!(derivation, Derivation::GatewayApi { .. }) =>

@@ -766,3 +766,77 @@ proptest! {
         });
     }
 }
+
+/// The TLS view is kept per Ingress after the first render (`derived/routes.rs`): a host two
+/// Ingresses name changes hands as they change or go, a Secret's change reaches the entries
+/// that name it, and an Ingress asking for ssl-passthrough makes the view one computed over
+/// every Ingress (and back). After each step the kept stores' views are those of fresh stores
+/// with the same resources.
+#[test]
+fn tls_hosts_change_hands_as_their_ingresses_change() {
+    let fixtures = fixtures::generate(8);
+    let shared = |i: usize| {
+        let mut ingress = fixtures.ingresses[i].clone();
+        ingress["spec"]["tls"][0]["hosts"] =
+            json!(["shared.example.com", format!("own-{i}.example.com")]);
+        ingress
+    };
+    let (first, second) = (shared(0), shared(4));
+    let mut passthrough = first.clone();
+    passthrough["metadata"]["annotations"] =
+        json!({"nginx.ingress.kubernetes.io/ssl-passthrough": "true"});
+    // Its rule's host too: it passes that host's connections through, which the other's
+    // conflict says.
+    passthrough["spec"]["rules"][0]["host"] = json!("shared.example.com");
+    let mut unusable = fixtures.secrets[0].clone();
+    unusable["data"]["tls.crt"] = json!("aGVsbG8=");
+    let steps: Vec<(&str, Json, bool)> = vec![
+        ("ingresses", first.clone(), false),
+        ("ingresses", second.clone(), false),
+        ("ingresses", first.clone(), true),
+        ("ingresses", first.clone(), false),
+        ("secrets", unusable, false),
+        ("secrets", fixtures.secrets[0].clone(), false),
+        ("ingresses", passthrough, false),
+        ("ingresses", first.clone(), false),
+        ("ingresses", second, true),
+    ];
+    let mut stores = reference::stores().unwrap();
+    fixtures.load(&mut stores).unwrap();
+    let mut model = Model::new();
+    for (store, resource) in fixtures.resources() {
+        model.insert((store, key(resource)), resource.clone());
+    }
+    let views = ["tls", "ingresses", "routes_prefix", "routes_exact"];
+    for view in views {
+        assert!(stores.derived_json(view).is_some(), "{view}");
+    }
+    for (n, (store, resource, remove)) in steps.into_iter().enumerate() {
+        let k = key(&resource);
+        if remove {
+            stores.get_mut(store).unwrap().remove(&k.0, &k.1);
+            model.remove(&(store, k));
+        } else {
+            stores.get_mut(store).unwrap().apply(&resource).unwrap();
+            model.insert((store, k), resource);
+        }
+        let fresh = fresh(&model);
+        for view in views {
+            assert_eq!(
+                stores.derived_json(view),
+                fresh.derived_json(view),
+                "step {n}: {view}"
+            );
+        }
+        let tls = stores.derived_json("tls").unwrap();
+        let conflicts: usize = tls
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|row| row["conflicts"].as_array().map_or(0, Vec::len))
+            .sum();
+        // Both name the host at steps 1, 3 to 7: the newer one loses it.
+        let both = matches!(n, 1 | 3..=7);
+        assert_eq!(conflicts > 0, both, "step {n}: {tls}");
+    }
+}

@@ -1,45 +1,85 @@
-//! An `IngressRoutes` view kept from one render to the next: each of our Ingresses' rows, who
-//! claims each route, and which Ingresses name each Service, so that after a few Ingress or
-//! Service events only the Ingresses they touch get their rows again (at 10,000 Ingresses,
-//! computing both routes views over every Ingress was about a third of the render after one
-//! Ingress event: the walk, the claims of every path, a map of every Service).
+//! Views of a row or a few per Ingress kept from one render to the next (`IngressRoutes`,
+//! `IngressTls`, `Ingresses`): each of our Ingresses' rows, who claims each route or TLS host,
+//! and which Ingresses name each Service or Secret, so that after a few events only the
+//! Ingresses they touch get their rows again (at 10,000 Ingresses, computing both routes views
+//! over every Ingress was about a third of the render after one Ingress event: the walk, the
+//! claims of every path, a map of every Service; the TLS and Ingresses views another third of
+//! what was left).
 //!
-//! What it gives is what [`super::ingress_routes`] computes over all of them (the webhook's
-//! overlay renders still do that): the rows come from the same function, [`route_rows`], the
-//! claims decide by the same age, and `tests/incremental.rs` holds renders kept over random
-//! changes to fresh ones.
+//! What it gives is what [`super::ingress_routes`], [`super::ingress_tls`] and
+//! [`super::ingress_rows`] compute over all of them (the webhook's overlay renders still do
+//! that): the rows come from the same functions, the claims decide by the same age, and
+//! `tests/derived.rs` and `tests/incremental.rs` hold renders kept over random changes to
+//! fresh ones. A TLS view while one of our Ingresses asks for ssl-passthrough is not kept
+//! (a passthrough's claims read every Ingress's hosts): it is computed over all of them.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use tera::Value;
 
-use super::{HashMap, OurIngress, Ours, PathExtract, Slot, route_key, route_kind, route_rows};
+use super::{
+    HashMap, OurIngress, Ours, PathExtract, Slot, ingress_row, route_key, route_kind, route_rows,
+    tls_rows,
+};
 use crate::store::Store;
+
+/// Which view: the routes (Exact paths, the others, or all), the TLS entries, or a row per
+/// Ingress.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Kind {
+    Routes(Option<bool>),
+    Tls,
+    Ingresses,
+}
+
+/// The kind of a view kept per Ingress, if `derivation` is one.
+pub(super) fn kind_of(derivation: &super::Derivation) -> Option<Kind> {
+    match derivation {
+        super::Derivation::IngressRoutes { exact, .. } => Some(Kind::Routes(*exact)),
+        super::Derivation::IngressTls { .. } => Some(Kind::Tls),
+        super::Derivation::Ingresses { .. } => Some(Kind::Ingresses),
+        _ => None,
+    }
+}
+
+impl Kind {
+    /// How many of the view's inputs come before the IngressClasses: the Ingresses, and the
+    /// store it joins (Services, Secrets).
+    pub(super) fn own(self) -> usize {
+        match self {
+            Self::Ingresses => 1,
+            Self::Routes(_) | Self::Tls => 2,
+        }
+    }
+}
 
 /// More changes than this since the last render (a resync, a burst): computed afresh, which
 /// is then cheaper than patching one by one.
 const PATCH_LEN: usize = 64;
 
-/// A route as two paths collide on it ([`route_key`]), owned.
+/// What two Ingresses collide on, owned: a route ([`route_key`]), or a TLS host
+/// (`(false, host, "")`).
 type RouteKey = (bool, String, String);
 
 /// How old an Ingress is ([`super::Age`]), owned: oldest first in the order of the tuple.
 type OwnedAge = (bool, String, String, String);
 
-/// The kept state of one `IngressRoutes` view.
-#[derive(Debug, Clone, Default)]
-pub(super) struct RoutesState {
-    /// The generations of the Ingresses, the Services (and the IngressClasses) it is of.
+/// The kept state of one view.
+#[derive(Debug, Clone)]
+pub(super) struct KeptRows {
+    kind: Kind,
+    /// The generations of the view's inputs it is of.
     built_from: Vec<u64>,
     /// Our Ingresses by (namespace, name), each with its rows: the view is their rows in
     /// this order.
     parts: BTreeMap<(String, String), Part>,
-    /// Each route claimed, with the Ingresses claiming it, oldest first (each once).
+    /// Each route (or TLS host) claimed, with the Ingresses claiming it, oldest first (each
+    /// once).
     claims: HashMap<RouteKey, Vec<Arc<OwnedAge>>>,
-    /// How many routes more than one Ingress claims: none, and no row has a conflict.
+    /// How many keys more than one Ingress claims: none, and no row has a conflict.
     contested: usize,
-    /// (namespace, Service) -> the names of our Ingresses there whose paths name it.
+    /// (namespace, Service or Secret) -> the names of our Ingresses there that name it.
     users: HashMap<(String, String), BTreeSet<String>>,
 }
 
@@ -47,30 +87,38 @@ pub(super) struct RoutesState {
 #[derive(Debug, Clone)]
 struct Part {
     age: Arc<OwnedAge>,
-    /// The routes it claims, once each (none for a canary).
+    /// The routes (or TLS hosts) it claims, once each (no route for a canary).
     keys: Vec<RouteKey>,
-    /// The Services its paths name, once each.
+    /// The Services its paths (or the Secrets its TLS entries) name, once each.
     services: Vec<String>,
     rows: Vec<Value>,
 }
 
-impl RoutesState {
+impl KeptRows {
     /// The view over every Ingress of `ingresses`.
+    /// `None` for a TLS view while one of our Ingresses asks for ssl-passthrough.
     pub(super) fn build(
+        kind: Kind,
         slot: Slot,
         (store, ingresses): (&str, &Store),
-        services: &Store,
-        exact: Option<bool>,
+        joined: Option<&Store>,
         ours: &Ours<'_>,
         from: Vec<u64>,
-    ) -> Self {
+    ) -> Option<Self> {
         let mut state = Self {
+            kind,
             built_from: from,
-            ..Self::default()
+            parts: BTreeMap::new(),
+            claims: HashMap::default(),
+            contested: 0,
+            users: HashMap::default(),
         };
         for ((namespace, name), value, extracts) in ingresses.source().entries() {
             let ingress = extracts.ingress(value);
             if ours.accepts(ingress) {
+                if entangled(kind, ingress) {
+                    return None;
+                }
                 let ing = OurIngress {
                     namespace,
                     name,
@@ -78,12 +126,12 @@ impl RoutesState {
                     extracts,
                     ingress,
                 };
-                state.add(&ing, exact);
+                state.add(&ing);
             }
         }
         let all: Vec<(String, String)> = state.parts.keys().cloned().collect();
-        state.rows_again(slot, store, (ingresses, services), exact, all);
-        state
+        state.rows_again(slot, store, (ingresses, joined), all);
+        Some(state)
     }
 
     /// Brings the view up to date with `ingresses` and `services` (generations `from`):
@@ -96,31 +144,46 @@ impl RoutesState {
         &mut self,
         slot: Slot,
         (store, ingresses): (&str, &Store),
-        services: &Store,
-        exact: Option<bool>,
+        joined: Option<&Store>,
         ours: &Ours<'_>,
         from: Vec<u64>,
     ) -> bool {
-        let (Some(&ingresses_from), Some(&services_from)) =
-            (self.built_from.first(), self.built_from.get(1))
-        else {
+        let own = self.kind.own();
+        let Some(&ingresses_from) = self.built_from.first() else {
             return false;
         };
-        if self.built_from.get(2..) != from.get(2..) {
+        if self.built_from.len() != from.len() || self.built_from.get(own..) != from.get(own..) {
             return false;
         }
-        let (Some(changed_ingresses), Some(changed_services)) = (
-            ingresses.changes_since(ingresses_from),
-            services.changes_since(services_from),
-        ) else {
+        let Some(changed_ingresses) = ingresses.changes_since(ingresses_from) else {
             return false;
         };
-        if changed_ingresses.len() + changed_services.len() > PATCH_LEN {
+        let changed_joined = match (own, joined, self.built_from.get(1)) {
+            (1, _, _) => Vec::new(),
+            (_, Some(joined), Some(&joined_from)) => match joined.changes_since(joined_from) {
+                Some(changed) => changed,
+                None => return false,
+            },
+            _ => return false,
+        };
+        if changed_ingresses.len() + changed_joined.len() > PATCH_LEN {
+            return false;
+        }
+        let changed: BTreeSet<&(String, String)> = changed_ingresses.into_iter().collect();
+        // Every check before any change: `false` leaves the state as it was.
+        let now_entangled = changed.iter().any(|key| {
+            ingresses
+                .get_entry(&key.0, &key.1)
+                .is_some_and(|(value, extracts)| {
+                    let ingress = extracts.ingress(value);
+                    ours.accepts(ingress) && entangled(self.kind, ingress)
+                })
+        });
+        if now_entangled {
             return false;
         }
         let mut again: BTreeSet<(String, String)> = BTreeSet::new();
         let mut touched: BTreeSet<RouteKey> = BTreeSet::new();
-        let changed: BTreeSet<&(String, String)> = changed_ingresses.into_iter().collect();
         for key in changed {
             if let Some(before) = self.remove(key) {
                 touched.extend(before.keys);
@@ -138,11 +201,11 @@ impl RoutesState {
                     })
                 });
             if let Some(ing) = now {
-                touched.extend(self.add(&ing, exact).iter().cloned());
+                touched.extend(self.add(&ing).iter().cloned());
                 again.insert(key.clone());
             }
         }
-        for (namespace, service) in changed_services {
+        for (namespace, service) in changed_joined {
             let users = self.users.get(&(namespace.clone(), service.clone()));
             for name in users.into_iter().flatten() {
                 again.insert((namespace.clone(), name.clone()));
@@ -154,7 +217,7 @@ impl RoutesState {
                 again.insert((age.2.clone(), age.3.clone()));
             }
         }
-        self.rows_again(slot, store, (ingresses, services), exact, again);
+        self.rows_again(slot, store, (ingresses, joined), again);
         self.built_from = from;
         true
     }
@@ -169,23 +232,51 @@ impl RoutesState {
         Value::from(rows)
     }
 
-    /// Adds one of our Ingresses (not in the view): its claims and the Services it names;
-    /// its rows are computed later ([`Self::rows_again`]). Returns the routes it claims.
-    fn add(&mut self, ing: &OurIngress<'_>, exact: Option<bool>) -> &[RouteKey] {
+    /// Adds one of our Ingresses (not in the view): its claims and what it names of the
+    /// joined store; its rows are computed later ([`Self::rows_again`]). Returns the keys it
+    /// claims.
+    fn add(&mut self, ing: &OurIngress<'_>) -> &[RouteKey] {
         let age = ing.age();
         let age = Arc::new((age.0, age.1.to_owned(), age.2.to_owned(), age.3.to_owned()));
-        let mut keys: Vec<RouteKey> = if ing.ingress.canary {
-            Vec::new()
-        } else {
-            ing.ingress
-                .paths
-                .iter()
-                .filter(|p| route_kind(exact, p))
-                .map(|p| {
-                    let (exact, host, path) = route_key(p);
-                    (exact, host.to_owned(), path.to_owned())
-                })
-                .collect()
+        let (mut keys, mut services): (Vec<RouteKey>, Vec<String>) = match self.kind {
+            Kind::Routes(exact) => {
+                let keys = if ing.ingress.canary {
+                    Vec::new()
+                } else {
+                    ing.ingress
+                        .paths
+                        .iter()
+                        .filter(|p| route_kind(exact, p))
+                        .map(|p| {
+                            let (exact, host, path) = route_key(p);
+                            (exact, host.to_owned(), path.to_owned())
+                        })
+                        .collect()
+                };
+                let services = ing
+                    .ingress
+                    .paths
+                    .iter()
+                    .map(|p| p.target.service.clone())
+                    .collect();
+                (keys, services)
+            }
+            Kind::Tls => {
+                let entries = ing.extracts.tls(ing.value);
+                let keys = entries
+                    .iter()
+                    .flat_map(|tls| tls.hosts.as_array().unwrap_or_default())
+                    .filter_map(|host| host.as_str().filter(|h| !h.is_empty()))
+                    .map(|host| (false, host.to_owned(), String::new()))
+                    .collect();
+                let secrets = entries
+                    .iter()
+                    .filter(|tls| !tls.secret.is_empty())
+                    .map(|tls| tls.secret.clone())
+                    .collect();
+                (keys, secrets)
+            }
+            Kind::Ingresses => (Vec::new(), Vec::new()),
         };
         keys.sort_unstable();
         keys.dedup();
@@ -197,12 +288,6 @@ impl RoutesState {
                 self.contested += 1;
             }
         }
-        let mut services: Vec<String> = ing
-            .ingress
-            .paths
-            .iter()
-            .map(|p| p.target.service.clone())
-            .collect();
         services.sort_unstable();
         services.dedup();
         for service in &services {
@@ -266,12 +351,11 @@ impl RoutesState {
         &mut self,
         slot: Slot,
         store: &str,
-        (ingresses, services): (&Store, &Store),
-        exact: Option<bool>,
+        (ingresses, joined): (&Store, Option<&Store>),
         keys: impl IntoIterator<Item = (String, String)>,
     ) {
         let lookup = |namespace: &str, service: &str| {
-            services
+            joined?
                 .get_entry(namespace, service)
                 .map(|(svc, extracts)| (extracts.service(namespace, service, svc), extracts))
         };
@@ -290,23 +374,52 @@ impl RoutesState {
                 ingress: extracts.ingress(value),
             };
             let age = Arc::clone(&part.age);
-            let lost = |p: &PathExtract| {
-                let (exact, host, path) = route_key(p);
-                self.lost_to((exact, host.to_owned(), path.to_owned()), &age)
-            };
             let mut rows = Vec::with_capacity(part.rows.capacity().max(1));
-            route_rows(
-                slot,
-                store,
-                &ing,
-                exact,
-                &lookup,
-                (self.contested > 0).then_some(&lost),
-                &mut rows,
-            );
+            match self.kind {
+                Kind::Routes(exact) => {
+                    let lost = |p: &PathExtract| {
+                        let (exact, host, path) = route_key(p);
+                        self.lost_to((exact, host.to_owned(), path.to_owned()), &age)
+                    };
+                    route_rows(
+                        slot,
+                        store,
+                        &ing,
+                        exact,
+                        &lookup,
+                        (self.contested > 0).then_some(&lost),
+                        &mut rows,
+                    );
+                }
+                Kind::Tls => {
+                    // No passthrough here (the view is not kept then): no winner passes
+                    // the host through.
+                    let lost = |host: &str| {
+                        self.lost_to((false, host.to_owned(), String::new()), &age)
+                            .map(|winner| (winner, false))
+                    };
+                    if let Some(secrets) = joined {
+                        tls_rows(
+                            slot,
+                            store,
+                            &ing,
+                            secrets.source(),
+                            (self.contested > 0).then_some(&lost),
+                            &mut rows,
+                        );
+                    }
+                }
+                Kind::Ingresses => ingress_row(slot, &ing, &mut rows),
+            }
             if let Some(part) = self.parts.get_mut(&key) {
                 part.rows = rows;
             }
         }
     }
+}
+
+/// Whether one of our Ingresses makes the view one to compute over all Ingresses: a TLS
+/// view's Ingress with ssl-passthrough.
+fn entangled(kind: Kind, ingress: &super::IngressExtract) -> bool {
+    matches!(kind, Kind::Tls) && !ingress.passthrough.is_empty()
 }

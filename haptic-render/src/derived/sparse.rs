@@ -1,5 +1,6 @@
-//! Views whose rows come from a few of the Ingresses: those with a default backend, TLS
-//! entries, ingress-nginx annotations, ssl-passthrough. After an event that touches none of
+//! Views whose rows come from a few of the Ingresses: those with a default backend,
+//! ingress-nginx annotations, ssl-passthrough (the TLS entries' view is kept per Ingress:
+//! [`super::routes`]). After an event that touches none of
 //! those Ingresses (before or after it) nor anything they join with, the rows are the ones
 //! already computed, and the view is not computed again: at 10,000 Ingresses each such view
 //! walked every Ingress after every Ingress or Service event (the default backends' view was
@@ -23,7 +24,7 @@ pub(super) struct Sparse {
     /// Our Ingresses that gave rows (namespace, name).
     members: HashSet<(String, String)>,
     /// The resources of the view's second store the members name (namespace, name): the
-    /// Services of default backends and passthroughs, the Secrets of TLS entries.
+    /// Services of default backends.
     joined: HashSet<(String, String)>,
     /// A member's rows read other Ingresses too.
     entangled: bool,
@@ -34,7 +35,6 @@ pub(super) fn applies(derivation: &Derivation) -> bool {
     matches!(
         derivation,
         Derivation::IngressDefaultBackends { .. }
-            | Derivation::IngressTls { .. }
             | Derivation::IngressAnnotations { .. }
             | Derivation::IngressPassthrough { .. }
     )
@@ -55,14 +55,6 @@ fn membership(
             DefaultBackendExtract::Service(target) => Some((false, vec![named(&target.service)])),
             DefaultBackendExtract::Resource => Some((false, Vec::new())),
         },
-        Derivation::IngressTls { .. } => {
-            let tls = extracts.tls(value);
-            if tls.is_empty() && ingress.passthrough.is_empty() {
-                return None;
-            }
-            let secrets = tls.iter().map(|entry| named(&entry.secret)).collect();
-            Some((!ingress.passthrough.is_empty(), secrets))
-        }
         Derivation::IngressAnnotations { .. } => {
             ingress.nginx.as_ref()?;
             Some((ingress.canary, Vec::new()))

@@ -135,8 +135,7 @@ async fn crash_graceful_and_stale_leaders() {
         agent
             .await_route("shop.example", "/", (200, "backend b"))
             .await;
-        let state = agent.state().await.expect("agent state");
-        assert_eq!(state.leader.as_deref(), Some(successor.as_str()));
+        let state = agent.await_live_from(&successor).await;
         assert!(state.fence.expect("fence") > epoch_before);
     }
     // A change only the stale leader's cache has not seen yet: it will render and send it.
@@ -347,8 +346,7 @@ async fn disabled_election_deploys_without_a_lease() {
     f.agents[0]
         .await_route("shop.example", "/", (200, "backend b"))
         .await;
-    let state = f.agents[0].state().await.expect("state");
-    assert_eq!(state.leader.as_deref(), Some("standalone-7"));
+    let state = f.agents[0].await_live_from("standalone-7").await;
     assert!(state.fence.expect("fence") > fence);
     let leases = f
         .cluster

@@ -532,6 +532,22 @@ impl Agent {
         self.client().state(&target.url).await.ok()
     }
 
+    /// Waits until the agent's live set is one `leader` applied, and returns its state. A
+    /// runtime change serves before the agent writes the set and records who applied it, so
+    /// a route seen through HAProxy does not mean the state says so yet.
+    pub async fn await_live_from(&self, leader: &str) -> AgentState {
+        eventually(
+            &format!("{}'s live set applied by {leader}", self.name),
+            Duration::from_secs(30),
+            || async {
+                self.state()
+                    .await
+                    .filter(|state| state.leader.as_deref() == Some(leader))
+            },
+        )
+        .await
+    }
+
     /// An authorized GET of `path` on the agent's API: the body of a 200.
     pub async fn fetch(&self, path: &str) -> Option<String> {
         let target = Target::new(&self.name, &self.url()).ok()?;

@@ -95,8 +95,9 @@ struct Part {
 }
 
 impl KeptRows {
-    /// The view over every Ingress of `ingresses`.
-    /// `None` for a TLS view while one of our Ingresses asks for ssl-passthrough.
+    /// The view over every Ingress of `ingresses`; `None` for a TLS view while one of our
+    /// Ingresses asks for ssl-passthrough (found by a look at each Ingress's extract before
+    /// anything is built: such a view is computed over every Ingress on each render).
     pub(super) fn build(
         kind: Kind,
         slot: Slot,
@@ -105,6 +106,14 @@ impl KeptRows {
         ours: &Ours<'_>,
         from: Vec<u64>,
     ) -> Option<Self> {
+        let passthrough = matches!(kind, Kind::Tls)
+            && ingresses.source().entries().any(|(_, value, extracts)| {
+                let ingress = extracts.ingress(value);
+                ours.accepts(ingress) && entangled(kind, ingress)
+            });
+        if passthrough {
+            return None;
+        }
         let mut state = Self {
             kind,
             built_from: from,
@@ -116,9 +125,6 @@ impl KeptRows {
         for ((namespace, name), value, extracts) in ingresses.source().entries() {
             let ingress = extracts.ingress(value);
             if ours.accepts(ingress) {
-                if entangled(kind, ingress) {
-                    return None;
-                }
                 let ing = OurIngress {
                     namespace,
                     name,

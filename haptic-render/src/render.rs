@@ -194,13 +194,52 @@ pub struct Renderer {
 
 /// Which parts of the stores' views a template set reads, beyond `get` (every store's
 /// resources by name): the lists when a template names `resources` at all, the indexes when
-/// one names `lookup`, and the list of each store a per-item output walks. (A word in a
-/// comment counts too: the views built are then more than needed, never fewer.)
+/// one calls `lookup` (as a function or a filter: [`calls`]), and the list of each store a
+/// per-item output walks. Comments are left out; a string that reads like one counts too
+/// (the views built are then more than needed, never fewer).
 #[derive(Debug)]
 struct StoreReads {
     lists: bool,
     indexes: bool,
     items: Vec<String>,
+}
+
+/// A template's source without its comments (`{# ... #}`; an unclosed one runs to the end).
+fn without_comments(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(start) = rest.find("{#") {
+        out.push_str(rest.get(..start).unwrap_or_default());
+        rest = match rest
+            .get(start + 2..)
+            .and_then(|r| r.find("#}").map(|end| (r, end)))
+        {
+            Some((r, end)) => r.get(end + 2..).unwrap_or_default(),
+            None => "",
+        };
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Whether template source `source` may call `name`: as a function (`name(`, not preceded by
+/// a character of a longer name, a `-` or a `.`) or as a filter (`| name`). The snippet
+/// `gateway-lookup`, or the word in a sentence, is not a call.
+fn calls(source: &str, name: &str) -> bool {
+    source.match_indices(name).any(|(at, _)| {
+        let before = source.get(..at).unwrap_or_default();
+        let after = source.get(at + name.len()..).unwrap_or_default();
+        let part_of_name = |c: char| c.is_alphanumeric() || c == '_' || c == '-' || c == '.';
+        if before.chars().next_back().is_some_and(part_of_name)
+            || after
+                .chars()
+                .next()
+                .is_some_and(|c| c.is_alphanumeric() || c == '_')
+        {
+            return false;
+        }
+        after.trim_start().starts_with('(') || before.trim_end().ends_with('|')
+    })
 }
 
 /// Where one render's time went, phase by phase (what [`Renderer::last_timings`] returns).
@@ -302,9 +341,12 @@ impl Renderer {
             })
             .collect();
         let sizes = outputs.iter().map(|_| AtomicUsize::new(0)).collect();
+        let code: Vec<String> = sources.iter().map(|(_, s)| without_comments(s)).collect();
         let store_reads = StoreReads {
-            lists: sources.iter().any(|(_, s)| s.contains("resources")),
-            indexes: sources.iter().any(|(_, s)| s.contains("lookup")),
+            lists: code.iter().any(|s| s.contains("resources")),
+            indexes: code
+                .iter()
+                .any(|s| calls(s, "lookup") || s.contains(INDEX_VAR)),
             items: outputs.iter().filter_map(|o| o.for_each.clone()).collect(),
         };
         Ok(Self {
@@ -924,6 +966,62 @@ mod tests {
             haproxy_config: Template::new(main),
             ..TemplateSet::default()
         })
+    }
+
+    #[test]
+    fn a_lookup_is_a_call_of_it_not_the_word() {
+        for called in [
+            "{{ lookup(store=\"s\", key=k) }}",
+            "{% set x = lookup (store=\"s\", key=k) %}",
+            "{{ [\"s\", a] | lookup }}",
+            "{{ [\"s\", a]|lookup|length }}",
+        ] {
+            assert!(calls(called, "lookup"), "{called}");
+        }
+        assert!(!calls(
+            &without_comments("{# a lookup (in a map) #}{{ x }}"),
+            "lookup"
+        ));
+        assert!(calls(
+            &without_comments("{# x #}{{ lookup(key=1) }}{# y"),
+            "lookup"
+        ));
+        for not in [
+            "{% include \"gateway-lookup\" %}",
+            "{# without a lookup in a map #}",
+            "{{ row.lookup }}",
+            "{{ lookups(x) }}",
+            "{{ my_lookup(x) }}",
+        ] {
+            assert!(!calls(not, "lookup"), "{not}");
+        }
+    }
+
+    /// The reference set calls no `lookup` and names no `resources`: its renders build
+    /// neither the indexes nor the lists (but the certificates' Secrets, which a per-item
+    /// output walks).
+    #[test]
+    fn the_reference_set_reads_names_and_one_list() {
+        let renderer = Renderer::compile(&crate::reference::template_set()).unwrap();
+        assert!(!renderer.store_reads.lists);
+        assert!(!renderer.store_reads.indexes);
+        assert_eq!(
+            renderer.wants("secrets"),
+            Wants {
+                list: true,
+                index: false
+            }
+        );
+        assert_eq!(
+            renderer.wants("ingresses"),
+            Wants {
+                list: false,
+                index: false
+            }
+        );
+        // A set that calls it builds the indexes.
+        let looking = compile("{{ lookup(store=\"services\", key=\"ns\") | length }}").unwrap();
+        assert!(looking.store_reads.indexes);
     }
 
     fn stores() -> Stores {

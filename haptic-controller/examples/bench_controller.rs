@@ -25,8 +25,9 @@
 //! 5,000 probes a second each at 10,000 Services, on the same 2 cores as everything measured).
 //! `HAPTIC_BENCH_EACH=1` prints every change (its time, and when it started in Unix ms, to
 //! find it in the logs `HAPTIC_TEST_KEEP=1` keeps). Timings use the test config of
-//! `tests/common` (LeaseDuration 3 s, minDeploymentInterval 100 ms), with the default drift
-//! check interval (60 s) instead of its 1 s.
+//! `tests/common` (LeaseDuration 3 s, minDeploymentInterval 100 ms: `--min-deployment-interval
+//! 2s` sets the default's instead), with the default drift check interval (60 s) instead of its
+//! 1 s.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -408,7 +409,9 @@ async fn changes(
                 out.trace.last()
             );
         }
-        // Past minDeploymentInterval, so each change measures the pipeline, not the pacing.
+        // Changes 120 ms apart: past the tests' minDeploymentInterval (100 ms), so the pacing
+        // after a reload does not hold the next change; a longer `--min-deployment-interval`
+        // measures it too, as a cluster changing that often meets it.
         tokio::time::sleep(Duration::from_millis(120)).await;
     }
     out.reloads = all_reloads(agents).await - reloads_before;
@@ -616,6 +619,8 @@ struct Args {
     tls_every: usize,
     /// HAProxy's active health checks of the endpoints (the reference default: on).
     health_checks: bool,
+    /// `agent.minDeploymentInterval` instead of the tests' 100 ms (the default is `2s`).
+    min_deployment_interval: Option<String>,
 }
 
 fn args() -> Args {
@@ -626,6 +631,7 @@ fn args() -> Args {
         endpoint_changes: 20,
         tls_every: 0,
         health_checks: true,
+        min_deployment_interval: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -636,6 +642,7 @@ fn args() -> Args {
             "--endpoint-changes" => args.endpoint_changes = value(),
             "--tls-every" => args.tls_every = value(),
             "--no-health-checks" => args.health_checks = false,
+            "--min-deployment-interval" => args.min_deployment_interval = it.next(),
             other => args.bases.extend(other.parse::<usize>().ok()),
         }
     }
@@ -655,6 +662,10 @@ async fn main() {
     json.insert("reload_changes".into(), json!(args.reload_changes));
     json.insert("tls_every".into(), json!(args.tls_every));
     json.insert("health_checks".into(), json!(args.health_checks));
+    json.insert(
+        "min_deployment_interval".into(),
+        json!(args.min_deployment_interval.as_deref().unwrap_or("100ms")),
+    );
     let largest = args.bases.iter().copied().max().unwrap_or(0);
     for row in render_rows(largest, &mut json).await {
         push(&mut rows, row);
@@ -669,6 +680,9 @@ async fn main() {
         // deployments check at the default interval.
         config.agent.drift_prevention_interval =
             haptic_controller::crd::AgentSettings::default().drift_prevention_interval;
+        if let Some(interval) = &args.min_deployment_interval {
+            config.agent.min_deployment_interval.clone_from(interval);
+        }
         if n > 5000 {
             // 10 server slots a backend make 100,000 servers at 10,000 Services, for which
             // HAProxy 2.6 asks for 102,040 descriptors: above this machine's hard limit (20,000),

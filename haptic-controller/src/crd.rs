@@ -245,7 +245,8 @@ pub struct AgentSettings {
     /// The agent container's name: a pod gets the configuration once it is ready (default
     /// `haptic-agent`; a pod without a container of that name counts when the pod is Ready).
     pub container_name: String,
-    /// Least time between two deployments (default `2s`).
+    /// Least time from a pod's reload of HAProxy to its next deployment (default `2s`);
+    /// deployments the agent makes through HAProxy's runtime API, with no reload, are not paced.
     pub min_deployment_interval: String,
     /// How often the leader compares each agent's live set with the last deployed one and
     /// re-applies where they differ (default `60s`).

@@ -3,7 +3,9 @@
 //! Each pod is its own pipeline, so one slow or failing pod never holds up the others: the
 //! scheduler starts an apply of the latest deployable set on every pod whose live set (as the
 //! last answer said) differs from it and has nothing in flight, at least
-//! `minDeploymentInterval` after that pod's previous apply. That gives every rule at once:
+//! `minDeploymentInterval` after that pod's previous apply when that one reloaded HAProxy or
+//! failed ([`Pacing`]; one the agent made through HAProxy's runtime API paces nothing: the
+//! next change goes as soon as it is rendered). That gives every rule at once:
 //! unchanged sets and pod sets are skipped (nothing differs), one pending slot with the latest
 //! set winning (only the newest set is ever sent next), a pod that appears gets the last good
 //! set with no re-render, and a failing pod is retried with backoff. Each apply runs under a
@@ -143,7 +145,7 @@ struct Scheduler {
     settings: Option<AgentSettings>,
     live: BTreeMap<String, String>,
     failed: BTreeMap<String, Failure>,
-    started: BTreeMap<String, Instant>,
+    pacing: Pacing,
     in_flight: BTreeSet<String>,
     tasks: JoinSet<Finished>,
     generation: u64,
@@ -175,7 +177,7 @@ impl Scheduler {
             settings: None,
             live: BTreeMap::new(),
             failed: BTreeMap::new(),
-            started: BTreeMap::new(),
+            pacing: Pacing::default(),
             in_flight: BTreeSet::new(),
             tasks: JoinSet::new(),
             generation: 0,
@@ -464,9 +466,9 @@ impl Scheduler {
                 continue;
             }
             if self
-                .started
-                .get(&pod)
-                .is_some_and(|at| *at + settings.min_deployment_interval > now)
+                .pacing
+                .next(&pod, settings.min_deployment_interval)
+                .is_some_and(|at| at > now)
             {
                 continue;
             }
@@ -493,7 +495,7 @@ impl Scheduler {
             let checksum = desired.checksum.clone();
             let watchdog = settings.deployment_timeout;
             self.in_flight.insert(pod.clone());
-            self.started.insert(pod.clone(), now);
+            self.pacing.started(&pod, now);
             let span = info_span!(parent: &desired.span, "apply", %pod);
             let answer_span = span.clone();
             self.whole_next.remove(&pod);
@@ -528,10 +530,7 @@ impl Scheduler {
                 !self.in_flight.contains(*p) && self.live.get(*p) != Some(&desired.checksum)
             })
             .filter_map(|p| {
-                let interval = self
-                    .started
-                    .get(p)
-                    .map(|at| *at + settings.min_deployment_interval);
+                let interval = self.pacing.next(p, settings.min_deployment_interval);
                 let backoff = match self.failed.get(p) {
                     Some(f) if f.checksum == desired.checksum => Some(f.retry_at?),
                     _ => None,
@@ -552,7 +551,8 @@ impl Scheduler {
         self.in_flight.remove(&pod);
         let error = match result {
             Ok(report) => {
-                debug!(%pod, checksum = %report.checksum, outcome = ?report.outcome, "apply answered: live");
+                debug!(%pod, checksum = %report.checksum, outcome = ?report.outcome, reload = report.reload, "apply answered: live");
+                self.pacing.answered(&pod, report.reload);
                 self.live.insert(pod.clone(), report.checksum);
                 self.found.remove(&pod);
                 self.failed.remove(&pod);
@@ -565,7 +565,7 @@ impl Scheduler {
                 // Not a failure: a delta against what the agent holds when this leader holds
                 // it too (tried once), else the whole set, at once.
                 self.live.remove(&pod);
-                self.started.remove(&pod);
+                self.pacing.forget(&pod);
                 let held = live_checksum.as_ref().filter(|live| {
                     self.found.get(&pod) != Some(*live)
                         && self.held.iter().any(|(checksum, _)| checksum == *live)
@@ -585,7 +585,7 @@ impl Scheduler {
                 if let Some(url) = self.pods.pods.get(&pod).map(|p| p.url.clone()) {
                     self.no_deltas.insert(pod.clone(), url);
                 }
-                self.started.remove(&pod);
+                self.pacing.forget(&pod);
                 return true;
             }
             ClientError::Fenced { fence, epoch } => {
@@ -613,7 +613,7 @@ impl Scheduler {
                             .bus()
                             .publish(fenced(format!("reclaimed: epoch raised to {new}")));
                         self.prepared = None;
-                        self.started.remove(&pod);
+                        self.pacing.forget(&pod);
                         return true;
                     }
                     Err(haptic_epoch::Error::ForeignLeader { .. }) => {
@@ -699,6 +699,45 @@ impl Scheduler {
     }
 }
 
+/// When each pod may get its next apply. `minDeploymentInterval` exists to space HAProxy's
+/// reloads (each one starts a worker, and the old one lingers while it drains its
+/// connections), so it counts from the start of an apply that reloaded, or whose answer is
+/// still out, or that failed (a failure has its backoff on top). An apply the agent made
+/// through the runtime API (or found already live) paces nothing: the pod's next apply starts
+/// as soon as there is a newer set. Applies to a pod still go one at a time, the newest set
+/// only, so a stream of changes is batched by the time an apply takes, and two reloads of a
+/// pod are always `minDeploymentInterval` apart: after the first, nothing starts sooner.
+#[derive(Debug, Default)]
+struct Pacing {
+    /// The start of each pod's last apply that paces the next one.
+    since: BTreeMap<String, Instant>,
+}
+
+impl Pacing {
+    /// An apply to `pod` started `at`: it paces the next until its answer says otherwise.
+    fn started(&mut self, pod: &str, at: Instant) {
+        self.since.insert(pod.to_owned(), at);
+    }
+
+    /// The pod answered that its set is live, having reloaded HAProxy or not.
+    fn answered(&mut self, pod: &str, reloaded: bool) {
+        if !reloaded {
+            self.since.remove(pod);
+        }
+    }
+
+    /// The pod's next apply goes at once (an answer that is no failure of the set: a delta's
+    /// base the agent lacked, an agent older than deltas, a fence reclaimed).
+    fn forget(&mut self, pod: &str) {
+        self.since.remove(pod);
+    }
+
+    /// The earliest the pod's next apply may start, when anything paces it.
+    fn next(&self, pod: &str, interval: Duration) -> Option<Instant> {
+        self.since.get(pod).map(|at| *at + interval)
+    }
+}
+
 async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
@@ -708,7 +747,48 @@ async fn sleep_until(at: Option<Instant>) {
 
 #[cfg(test)]
 mod tests {
-    use super::is_drift;
+    use std::time::Duration;
+
+    use tokio::time::Instant;
+
+    use super::{Pacing, is_drift};
+
+    #[test]
+    fn only_a_reload_or_an_unanswered_or_failed_apply_paces_the_next() {
+        let interval = Duration::from_secs(2);
+        let t0 = Instant::now();
+        let mut pacing = Pacing::default();
+        assert_eq!(pacing.next("a", interval), None, "a pod never applied to");
+
+        // In flight, then failed (no answer of a live set): paced from the start.
+        pacing.started("a", t0);
+        assert_eq!(pacing.next("a", interval), Some(t0 + interval));
+
+        // Reloaded: paced from that apply's start.
+        let t1 = t0 + Duration::from_secs(5);
+        pacing.started("a", t1);
+        pacing.answered("a", true);
+        assert_eq!(pacing.next("a", interval), Some(t1 + interval));
+
+        // Applied through the runtime API: the next goes at once.
+        let t2 = t1 + Duration::from_secs(5);
+        pacing.started("a", t2);
+        assert_eq!(
+            pacing.next("a", interval),
+            Some(t2 + interval),
+            "unanswered"
+        );
+        pacing.answered("a", false);
+        assert_eq!(pacing.next("a", interval), None);
+
+        // Pods are paced each on its own.
+        pacing.started("b", t2);
+        pacing.answered("b", true);
+        assert_eq!(pacing.next("a", interval), None);
+        assert_eq!(pacing.next("b", interval), Some(t2 + interval));
+        pacing.forget("b");
+        assert_eq!(pacing.next("b", interval), None);
+    }
 
     /// The scheduler sends a render's own checksum as the protocol's: they must be one.
     #[test]

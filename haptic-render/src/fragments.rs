@@ -140,8 +140,9 @@ struct CallSite {
     list: Option<usize>,
     /// Row identity -> its place in `rows` (rows without an identity are not indexed).
     index: IdentityMap,
-    /// Every row's bytes, one after the other.
-    bytes: Vec<u8>,
+    /// Every row's bytes, one after the other (text: the engine writes text, and each row's
+    /// ends where a write ended, so the call's value is made without validating it again).
+    bytes: String,
     /// Row `i`'s bytes are `bytes[ends[i - 1]..ends[i]]`.
     ends: Vec<usize>,
     /// Provenance marks (offset from the row's start), with the row each belongs to, in order.
@@ -162,11 +163,32 @@ impl CallSite {
         start..self.ends[i]
     }
 
-    /// The marks of row `i`.
-    fn of_row_marks(marks: &[(u32, usize, Value)], i: u32) -> &[(u32, usize, Value)] {
-        let from = marks.partition_point(|(row, _, _)| *row < i);
-        let to = marks.partition_point(|(row, _, _)| *row <= i);
-        &marks[from..to]
+    /// Where row `i`'s entries are in `list` (sorted by row), looked for first at `hint`:
+    /// where the previous row's ended, when the rows are walked in order (a list that kept its
+    /// order reuses its rows one after the other), so that most rows need no search. Any hint
+    /// gives the right range.
+    fn row_range<T>(
+        list: &[T],
+        row: impl Fn(&T) -> u32,
+        i: u32,
+        hint: usize,
+    ) -> std::ops::Range<usize> {
+        let at_hint = hint <= list.len()
+            && (hint == 0 || list.get(hint - 1).is_some_and(|e| row(e) < i))
+            && list.get(hint).is_none_or(|e| row(e) >= i);
+        let from = if at_hint {
+            hint
+        } else {
+            list.partition_point(|e| row(e) < i)
+        };
+        let to = from
+            + list
+                .get(from..)
+                .unwrap_or_default()
+                .iter()
+                .take_while(|e| row(e) == i)
+                .count();
+        from..to
     }
 
     /// The entries of `list` (sorted by row) that belong to row `i`.
@@ -590,7 +612,7 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
             .fetch_add(rows.len() as u64, Ordering::Relaxed);
         note_enclosing(site.reads.iter().map(|(_, r)| r), !site.refused.is_empty());
         replay(site, at);
-        return text_of(&site.bytes);
+        return Ok(text_of(&site.bytes));
     }
 
     // The snippet's own context: the row, args, extraContext, the stores for get/lookup.
@@ -612,13 +634,14 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
         rows: rows_value.clone(),
         list: identity(&rows_value),
         index: IdentityMap::with_capacity_and_hasher(rows.len(), Default::default()),
-        bytes: Vec::with_capacity(
+        bytes: String::with_capacity(
             previous
                 .as_ref()
                 .map_or(0, |p| p.bytes.len() + p.bytes.len() / 8),
         ),
         ends: Vec::with_capacity(rows.len()),
-        marks: Vec::new(),
+        // As many as last time: a view's rows mark their objects, one or more a row.
+        marks: Vec::with_capacity(previous.as_ref().map_or(0, |p| p.marks.len())),
         requests: Vec::new(),
         reads: Vec::new(),
         refused: Vec::new(),
@@ -666,26 +689,43 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
     // are; they are not copied row by row.
     let all_fresh = missing.len() == rows.len();
     let (mut batch, mut fresh) = if missing.is_empty() {
-        (Vec::new(), Vec::new().into_iter())
+        (String::new(), Vec::new().into_iter())
     } else {
         let (batch, outs) = render_rows(&active, &template, &context, missing, from.as_deref())?;
+        let batch =
+            String::from_utf8(batch).map_err(|_| error("render_each: a fragment is not UTF-8"))?;
         (batch, outs.into_iter())
     };
     let mut batch_start = 0;
+    // The call reused from last, and where its last reused row's marks, requests and reads
+    // ended: the next row's start there when it is the next row of that call.
+    let mut hints: (*const CallSite, usize, usize, usize) = (std::ptr::null(), 0, 0, 0);
     for (i, before) in plan.into_iter().enumerate() {
         let place = u32::try_from(i).map_err(|_| error("render_each: too many rows"))?;
-        let start = site.bytes.len();
         match before {
             Some((p, j)) => {
                 reused += 1;
-                site.bytes.extend_from_slice(&p.bytes[p.span(j as usize)]);
-                for (_, offset, value) in CallSite::of_row_marks(&p.marks, j) {
+                let bytes = p
+                    .bytes
+                    .get(p.span(j as usize))
+                    .ok_or_else(|| error("render_each: a kept row's output is out of bounds"))?;
+                site.bytes.push_str(bytes);
+                if !std::ptr::eq(hints.0, p) {
+                    hints = (p, 0, 0, 0);
+                }
+                let marks = CallSite::row_range(&p.marks, |m| m.0, j, hints.1);
+                hints.1 = marks.end;
+                for (_, offset, value) in &p.marks[marks] {
                     site.marks.push((place, *offset, value.clone()));
                 }
-                for (_, requests) in CallSite::of_row(&p.requests, j) {
+                let requests = CallSite::row_range(&p.requests, |r| r.0, j, hints.2);
+                hints.2 = requests.end;
+                for (_, requests) in &p.requests[requests] {
                     site.requests.push((place, requests.clone()));
                 }
-                for (_, read) in CallSite::of_row(&p.reads, j) {
+                let reads = CallSite::row_range(&p.reads, |r| r.0, j, hints.3);
+                hints.3 = reads.end;
+                for (_, read) in &p.reads[reads] {
                     site.reads.push((place, read.clone()));
                 }
                 if p.refused.binary_search(&j).is_ok() {
@@ -701,7 +741,7 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
                     .get(batch_start..out.end)
                     .ok_or_else(|| error("render_each: a row's output is out of bounds"))?;
                 if !all_fresh {
-                    site.bytes.extend_from_slice(bytes);
+                    site.bytes.push_str(bytes);
                 }
                 for (offset, value) in out.first.into_iter().chain(out.marks) {
                     site.marks
@@ -718,7 +758,6 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
                 }
             }
         }
-        let _ = start;
         site.ends.push(if all_fresh {
             batch_start
         } else {
@@ -735,7 +774,7 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
         .fetch_add(rendered, Ordering::Relaxed);
     note_enclosing(site.reads.iter().map(|(_, r)| r), !site.refused.is_empty());
     replay(&site, at);
-    let text = text_of(&site.bytes)?;
+    let text = text_of(&site.bytes);
     // An overlay render reuses what it can and keeps nothing of its own.
     if active.keep
         && let Ok(mut sites) = active.fragments.sites.lock()
@@ -757,10 +796,8 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
 
 /// The call's output as the template value it returns: one copy of its bytes (the engine
 /// copies a returned `String` into a value of its own as well, so a `String` would cost two).
-fn text_of(bytes: &[u8]) -> tera::TeraResult<Value> {
-    std::str::from_utf8(bytes)
-        .map(Value::from)
-        .map_err(|_| error("render_each: a fragment is not UTF-8"))
+fn text_of(bytes: &str) -> Value {
+    Value::from(bytes)
 }
 
 /// Tells the fragment being rendered around this call (if any) what the rows read.
@@ -1270,6 +1307,31 @@ pub(crate) fn tracking<T>(f: impl FnOnce() -> T) -> (T, (Vec<Read>, bool)) {
 mod tests {
     use serde_json::json;
     use tera::Value;
+
+    use super::CallSite;
+
+    /// A row's entries are found at any hint, right or wrong, as a search finds them.
+    #[test]
+    fn a_rows_range_is_the_same_whatever_the_hint() {
+        // Rows 0, 2 (three entries), 3, 7; none for 1, 4, 5, 6, 8.
+        let list: Vec<(u32, char)> =
+            vec![(0, 'a'), (2, 'b'), (2, 'c'), (2, 'd'), (3, 'e'), (7, 'f')];
+        for i in 0..9u32 {
+            let from = list.partition_point(|e| e.0 < i);
+            let to = list.partition_point(|e| e.0 <= i);
+            for hint in 0..list.len() + 3 {
+                assert_eq!(
+                    CallSite::row_range(&list, |e| e.0, i, hint),
+                    from..to,
+                    "row {i}, hint {hint}"
+                );
+            }
+        }
+        assert_eq!(
+            CallSite::row_range(&[] as &[(u32, ())], |e| e.0, 4, 0),
+            0..0
+        );
+    }
 
     /// The walk gives what serde gives, for every kind a status value can hold.
     #[test]

@@ -47,7 +47,7 @@ impl std::fmt::Display for ObjectRef {
 
 /// Where the content of one output came from.
 #[derive(Debug, Clone)]
-enum Origin {
+pub(crate) enum Origin {
     /// A per-item file: all of it is this object's.
     Item(ObjectRef),
     /// A single output: byte offsets where a run of one object's content (or of none)
@@ -63,13 +63,10 @@ pub struct Provenance {
 }
 
 impl Provenance {
-    pub(crate) fn item(&mut self, path: String, object: ObjectRef) {
-        self.origins.insert(path, Origin::Item(object));
-    }
-
-    pub(crate) fn marks(&mut self, path: String, marks: Vec<(usize, Value)>) {
-        if !marks.is_empty() {
-            self.origins.insert(path, Origin::Marks(marks));
+    /// The origins of files given in path order, each path once (a map built in one pass).
+    pub(crate) fn from_sorted(origins: impl Iterator<Item = (String, Origin)>) -> Self {
+        Self {
+            origins: origins.collect(),
         }
     }
 
@@ -293,7 +290,6 @@ mod tests {
         };
         // "head\nA1\nB1\ntail": marks before the newline that starts A1 and B1, none for tail.
         let text = "head\nA1\nB1\ntail";
-        let mut p = Provenance::default();
         let mark = |o: &ObjectRef| {
             Value::from(vec![
                 Value::from(o.store.as_str()),
@@ -301,14 +297,14 @@ mod tests {
                 Value::from(o.name.as_str()),
             ])
         };
-        p.marks(
-            "f".into(),
-            vec![
+        let p = Provenance::from_sorted(std::iter::once((
+            "f".to_owned(),
+            Origin::Marks(vec![
                 (4, mark(&a)),
                 (7, mark(&b)),
                 (10, Value::from(Vec::<Value>::new())),
-            ],
-        );
+            ]),
+        )));
         let mut files = BTreeMap::new();
         files.insert("f".to_owned(), text.as_bytes().to_vec());
         let files = FileSet::new(files);

@@ -683,22 +683,38 @@ impl Renderer {
             .zip(spent)
             .map(|(o, t)| (o.path.clone(), t))
             .collect();
-        let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
         let mut asked = Requests::default();
-        let mut origins = Provenance::default();
+        let mut entries = Vec::new();
         for (_, result) in results {
             let (rendered, asked_here, _) = result?;
             asked.extend(asked_here);
-            for (path, bytes, origin) in rendered {
-                match origin {
-                    Origin::Marks(marks) => origins.marks(path.clone(), marks),
-                    Origin::Item(object) => origins.item(path.clone(), object),
-                }
-                if files.insert(path.clone(), bytes).is_some() {
-                    return Err(Error::DuplicatePath(path));
-                }
-            }
+            entries.extend(rendered);
         }
+        // The files in path order (mostly sorted runs already: a stable sort merges them), so
+        // that the maps are built in one pass: inserted one by one, the 2,500 certificates'
+        // paths (long common prefixes) cost a tenth of a render after one event at 10,000.
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
+        if let Some(pair) = entries.windows(2).find(|pair| pair[0].0 == pair[1].0) {
+            return Err(Error::DuplicatePath(pair[0].0.clone()));
+        }
+        let mut traced = Vec::with_capacity(entries.len());
+        let files: BTreeMap<String, Vec<u8>> = entries
+            .into_iter()
+            .map(|(path, bytes, origin)| {
+                traced.push((path.clone(), origin));
+                (path, bytes)
+            })
+            .collect();
+        let origins =
+            Provenance::from_sorted(
+                traced
+                    .into_iter()
+                    .filter_map(|(path, origin)| match origin {
+                        Origin::Marks(marks) if marks.is_empty() => None,
+                        Origin::Marks(marks) => Some((path, provenance::Origin::Marks(marks))),
+                        Origin::Item(object) => Some((path, provenance::Origin::Item(object))),
+                    }),
+            );
         timings.assemble = started.elapsed();
         let started = Instant::now();
         let files = match previous {

@@ -138,7 +138,10 @@ struct CallSite {
     rows: Value,
     /// The identity of the rows list itself (the whole call is reused when it is the same).
     list: Option<usize>,
-    /// Row identity -> its place in `rows` (rows without an identity are not indexed).
+    /// Row identity -> its place in `rows` (rows without an identity are not indexed). The
+    /// previous call's index, copied, with the rows that are not where they were put in (a
+    /// list that kept its order changes a few entries, not every one), so it may also name
+    /// rows this call no longer has: [`CallSite::place_of`] checks the row found.
     index: IdentityMap,
     /// Every row's bytes, one after the other (text: the engine writes text, and each row's
     /// ends where a write ended, so the call's value is made without validating it again).
@@ -158,6 +161,14 @@ struct CallSite {
 }
 
 impl CallSite {
+    /// The place of the row whose identity is `id`.
+    fn place_of(&self, id: usize) -> Option<u32> {
+        let place = *self.index.get(&id)?;
+        let row = self.rows.as_array()?.get(place as usize)?;
+        // The call holds its rows, so an identity among them is that row's alone.
+        (identity(row) == Some(id)).then_some(place)
+    }
+
     fn span(&self, i: usize) -> std::ops::Range<usize> {
         let start = if i == 0 { 0 } else { self.ends[i - 1] };
         start..self.ends[i]
@@ -630,10 +641,18 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
     }
     context.insert_value("args", args.clone());
 
+    // The previous call's index is copied, unless it names many rows gone (an index copied
+    // over and over).
+    let copied = previous
+        .as_deref()
+        .filter(|p| p.index.len() <= 2 * rows.len());
     let mut site = CallSite {
         rows: rows_value.clone(),
         list: identity(&rows_value),
-        index: IdentityMap::with_capacity_and_hasher(rows.len(), Default::default()),
+        index: copied.map_or_else(
+            || IdentityMap::with_capacity_and_hasher(rows.len(), Default::default()),
+            |p| p.index.clone(),
+        ),
         bytes: String::with_capacity(
             previous
                 .as_ref()
@@ -653,16 +672,24 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
     // First what each row reuses, if anything; then the others, rendered in one run.
     let mut plan: Vec<Option<(&CallSite, u32)>> = Vec::with_capacity(rows.len());
     let mut missing: Vec<Value> = Vec::new();
-    for (i, row) in rows.iter().enumerate() {
-        let place = u32::try_from(i).map_err(|_| error("render_each: too many rows"))?;
+    if u32::try_from(rows.len()).is_err() {
+        return Err(error("render_each: too many rows"));
+    }
+    for (place, row) in (0u32..).zip(rows.iter()) {
         let id = identity(row);
-        if let Some(id) = id {
-            site.index.insert(id, place);
-        }
-        let before = id
-            .and_then(|id| {
+        // Where the last call had it, when that is the row after the last one reused from
+        // it (a list that kept its order), else wherever a kept call has it.
+        let in_order = id.and_then(|id| {
+            let p = previous.as_deref()?;
+            let j = next_previous;
+            let there = identity(p.rows.as_array()?.get(j as usize)?) == Some(id);
+            (there && reusable(p, j)).then_some((p, j))
+        });
+        let before = in_order
+            .or_else(|| {
+                let id = id?;
                 candidates.iter().find_map(|p| {
-                    let j = *p.index.get(&id)?;
+                    let j = p.place_of(id)?;
                     reusable(p, j).then_some((p.as_ref(), j))
                 })
             })
@@ -675,10 +702,17 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
                 let same = identical(p.rows.as_array()?.get(j as usize)?, row);
                 (same && reusable(p, j)).then_some((p, j))
             });
-        if let Some((p, j)) = before
-            && previous.as_deref().is_some_and(|q| std::ptr::eq(p, q))
-        {
+        let from_previous =
+            before.filter(|(p, _)| previous.as_deref().is_some_and(|q| std::ptr::eq(*p, q)));
+        if let Some((_, j)) = from_previous {
             next_previous = j + 1;
+        }
+        // A copied index has the rows the previous call had at the same place (a row twice in
+        // a list may keep the other place: still its own, as `place_of` checks).
+        if let Some(id) = id
+            && (copied.is_none() || from_previous.is_none_or(|(_, j)| j != place))
+        {
+            site.index.insert(id, place);
         }
         if before.is_none() {
             missing.push(row.clone());

@@ -318,13 +318,37 @@ struct WhereAny {
     truthy: Vec<String>,
     falsy: Vec<String>,
     selected: Value,
-    verdicts: Verdicts,
+    /// Each row's verdict, in the rows' order.
+    verdicts: Vec<bool>,
+    /// Rows' places by their address ([`crate::fragments::identity`]): the answer's on the
+    /// same list before, copied, with the rows not at the same place put in (a list rebuilt in
+    /// the same order changes a few), so it may name rows gone: [`WhereAny::verdict_of`]
+    /// checks the row there.
+    places: Places,
 }
 
-/// Rows' verdicts by their address ([`crate::fragments::identity`]).
-type Verdicts = std::collections::HashMap<
+impl WhereAny {
+    /// The verdict on the row whose identity is `id`, and its place.
+    fn verdict_of(&self, id: usize) -> Option<(usize, bool)> {
+        let place = *self.places.get(&id)?;
+        Some((place, self.verdict_at(place, id)?))
+    }
+
+    /// The verdict on the row at `place`, when the row there is `id` (the answer holds its
+    /// rows, so an identity among them is that row's alone).
+    fn verdict_at(&self, place: usize, id: usize) -> Option<bool> {
+        let row = self.rows.as_array()?.get(place)?;
+        if crate::fragments::identity(row) != Some(id) {
+            return None;
+        }
+        self.verdicts.get(place).copied()
+    }
+}
+
+/// Rows' places by their address ([`crate::fragments::identity`]).
+type Places = std::collections::HashMap<
     usize,
-    bool,
+    usize,
     std::hash::BuildHasherDefault<crate::fragments::AddressHasher>,
 >;
 
@@ -564,16 +588,51 @@ pub(crate) fn register(tera: &mut Tera) {
             let mut kept = WHERE_ANY
                 .lock()
                 .map_err(|_| tera_error("where_any: a render thread panicked while filtering"))?;
-            let earlier: Vec<&Verdicts> = kept
+            let earlier: Vec<&WhereAny> = kept
                 .iter()
                 .filter(|k| k.truthy == truthy && k.falsy == falsy)
-                .map(|k| &k.verdicts)
                 .collect();
-            let mut verdicts = Verdicts::with_capacity_and_hasher(items.len(), Default::default());
+            // The answer on this list before (the same arguments are asked of several lists):
+            // the one that has one of the first rows at its place. It is read in order (the
+            // next row is usually the one after the last found there) and its places copied
+            // (unless they name many rows gone), with those of the rows elsewhere put in.
+            let base = items.iter().take(4).enumerate().find_map(|(place, item)| {
+                let id = crate::fragments::identity(item)?;
+                earlier
+                    .iter()
+                    .copied()
+                    .find(|answer| answer.verdict_at(place, id).is_some())
+            });
+            let copied = base.filter(|base| base.places.len() <= 2 * items.len());
+            let mut places = copied.map_or_else(
+                || Places::with_capacity_and_hasher(items.len(), Default::default()),
+                |base| base.places.clone(),
+            );
+            let mut next = 0;
+            let mut verdicts = Vec::with_capacity(items.len());
             let mut selected = Vec::new();
-            for item in items {
+            for (place, item) in items.iter().enumerate() {
                 let id = crate::fragments::identity(item);
-                let known = id.and_then(|id| earlier.iter().find_map(|v| v.get(&id).copied()));
+                let mut in_order = None;
+                let known = id.and_then(|id| {
+                    if let Some(verdict) = base.and_then(|base| base.verdict_at(next, id)) {
+                        in_order = Some(next);
+                        next += 1;
+                        return Some(verdict);
+                    }
+                    earlier.iter().find_map(|answer| {
+                        let (at, verdict) = answer.verdict_of(id)?;
+                        if base.is_some_and(|base| std::ptr::eq(base, *answer)) {
+                            next = at + 1;
+                        }
+                        Some(verdict)
+                    })
+                });
+                if let Some(id) = id
+                    && (copied.is_none() || in_order != Some(place))
+                {
+                    places.insert(id, place);
+                }
                 let verdict = match (known, item.as_map()) {
                     (Some(verdict), _) => verdict,
                     (None, Some(map)) => {
@@ -586,9 +645,7 @@ pub(crate) fn register(tera: &mut Tera) {
                         )));
                     }
                 };
-                if let Some(id) = id {
-                    verdicts.insert(id, verdict);
-                }
+                verdicts.push(verdict);
                 if verdict {
                     selected.push(item.clone());
                 }
@@ -602,6 +659,7 @@ pub(crate) fn register(tera: &mut Tera) {
                     falsy,
                     selected: selected.clone(),
                     verdicts,
+                    places,
                 },
             );
             kept.truncate(WHERE_ANY_KEPT);

@@ -707,10 +707,18 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
         if let Some((_, j)) = from_previous {
             next_previous = j + 1;
         }
-        // A copied index has the rows the previous call had at the same place (a row twice in
-        // a list may keep the other place: still its own, as `place_of` checks).
+        // A copied index has the rows the previous call had at the same place (the very same
+        // row: not one found equal; a row twice in a list may keep the other place, still its
+        // own, as `place_of` checks).
+        let same_place = from_previous.is_some_and(|(p, j)| {
+            j == place
+                && p.rows
+                    .as_array()
+                    .and_then(|rows| rows.get(j as usize))
+                    .is_some_and(|there| identity(there) == id)
+        });
         if let Some(id) = id
-            && (copied.is_none() || from_previous.is_none_or(|(_, j)| j != place))
+            && (copied.is_none() || !same_place)
         {
             site.index.insert(id, place);
         }

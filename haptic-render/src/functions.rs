@@ -823,7 +823,17 @@ mod tests {
         assert_eq!(render(&[a.clone(), row("c", true), b.clone()]), "c b ");
         // A row rebuilt with other contents is another value: read again.
         assert_eq!(render(&[row("a", true), b.clone()]), "a b ");
-        assert_eq!(render(&[b, a]), "b ");
+        assert_eq!(render(&[b.clone(), a.clone()]), "b ");
+        // Two lists asked with the same arguments in turn (the reference's exact and prefix
+        // routes), each rebuilt around the same rows: each answer read from its own list's,
+        // a row moved or dropped read right.
+        let (p, q) = (row("p", false), row("q", true));
+        assert_eq!(render(&[p.clone(), q.clone(), a.clone()]), "q ");
+        assert_eq!(render(&[a.clone(), b.clone(), row("d", true)]), "b d ");
+        assert_eq!(render(&[q.clone(), p.clone()]), "q ");
+        assert_eq!(render(&[b.clone(), row("e", false), a.clone()]), "b ");
+        assert_eq!(render(&[p, row("r", true), q]), "r q ");
+        assert_eq!(render(&[a, b]), "b ");
     }
 
     #[test]

@@ -685,23 +685,22 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
             let there = identity(p.rows.as_array()?.get(j as usize)?) == Some(id);
             (there && reusable(p, j)).then_some((p, j))
         });
-        let before = in_order
-            .or_else(|| {
-                let id = id?;
-                candidates.iter().find_map(|p| {
-                    let j = p.place_of(id)?;
-                    reusable(p, j).then_some((p.as_ref(), j))
-                })
+        let same_row = in_order.or_else(|| {
+            let id = id?;
+            candidates.iter().find_map(|p| {
+                let j = p.place_of(id)?;
+                reusable(p, j).then_some((p.as_ref(), j))
             })
-            .or_else(|| {
-                // A row rebuilt with the same contents (a view that copies rows, a contested
-                // route): the row after the last one reused, in the call compared with, when it
-                // is equal (lists keep their order, so that is where an equal row would be).
-                let p = previous.as_deref()?;
-                let j = next_previous;
-                let same = identical(p.rows.as_array()?.get(j as usize)?, row);
-                (same && reusable(p, j)).then_some((p, j))
-            });
+        });
+        let before = same_row.or_else(|| {
+            // A row rebuilt with the same contents (a view that copies rows, a contested
+            // route): the row after the last one reused, in the call compared with, when it
+            // is equal (lists keep their order, so that is where an equal row would be).
+            let p = previous.as_deref()?;
+            let j = next_previous;
+            let same = identical(p.rows.as_array()?.get(j as usize)?, row);
+            (same && reusable(p, j)).then_some((p, j))
+        });
         let from_previous =
             before.filter(|(p, _)| previous.as_deref().is_some_and(|q| std::ptr::eq(*p, q)));
         if let Some((_, j)) = from_previous {
@@ -710,12 +709,8 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
         // A copied index has the rows the previous call had at the same place (the very same
         // row: not one found equal; a row twice in a list may keep the other place, still its
         // own, as `place_of` checks).
-        let same_place = from_previous.is_some_and(|(p, j)| {
-            j == place
-                && p.rows
-                    .as_array()
-                    .and_then(|rows| rows.get(j as usize))
-                    .is_some_and(|there| identity(there) == id)
+        let same_place = same_row.is_some_and(|(p, j)| {
+            j == place && previous.as_deref().is_some_and(|q| std::ptr::eq(p, q))
         });
         if let Some(id) = id
             && (copied.is_none() || !same_place)

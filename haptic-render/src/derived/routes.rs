@@ -230,11 +230,14 @@ impl KeptRows {
 
     /// The view: every Ingress's rows, in (namespace, name) order.
     pub(super) fn value(&self) -> Value {
-        let rows: Vec<Value> = self
-            .parts
-            .values()
-            .flat_map(|part| part.rows.iter().cloned())
-            .collect();
+        // Sized first: collected from the parts' rows, the list grew (and was copied) a dozen
+        // times over at 20,000 rows.
+        let mut rows = Vec::with_capacity(self.parts.values().map(|part| part.rows.len()).sum());
+        rows.extend(
+            self.parts
+                .values()
+                .flat_map(|part| part.rows.iter().cloned()),
+        );
         Value::from(rows)
     }
 

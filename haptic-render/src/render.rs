@@ -1295,6 +1295,28 @@ mod tests {
     }
 
     #[test]
+    fn two_outputs_of_one_path_are_an_error_naming_it() {
+        let mut set = TemplateSet::default();
+        for key in ["one", "two"] {
+            set.ssl_certificates.insert(
+                key.into(),
+                CertificateTemplate {
+                    template: "PEM {{ item.metadata.name }}".into(),
+                    for_each: Some("services".into()),
+                },
+            );
+        }
+        let err = Renderer::compile(&set)
+            .unwrap()
+            .render(&stores())
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::DuplicatePath(path) if path == "ssl/a_api.pem"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn render_each_reuses_rows_and_names_errors() {
         let mut set = TemplateSet {
             haproxy_config: Template::new(

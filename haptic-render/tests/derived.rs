@@ -692,6 +692,29 @@ fn routed_resolve(event: &RoutedEvent) -> (&'static str, Json, bool) {
                         .unwrap()
                         .remove("ingressClassName");
                 }
+                // No Exact path: the Exact routes view leaves the Ingress out.
+                11 => {
+                    let paths = &mut s["spec"]["rules"][0]["http"]["paths"];
+                    let prefix: Vec<Json> = paths
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .filter(|p| p["pathType"] != "Exact")
+                        .cloned()
+                        .collect();
+                    *paths = Json::Array(prefix);
+                }
+                // The Exact path on the neighbour's Service, the Prefix ones on its own.
+                12 => {
+                    for p in s["spec"]["rules"][0]["http"]["paths"]
+                        .as_array_mut()
+                        .unwrap()
+                    {
+                        if p["pathType"] == "Exact" {
+                            p["backend"]["service"]["name"] = json!(neighbour(*i));
+                        }
+                    }
+                }
                 _ => s["metadata"]["annotations"] = json!({nginx("ssl-passthrough"): "true"}),
             }
             ("ingresses", s, false)
@@ -747,7 +770,7 @@ fn arb_routed_event() -> impl Strategy<Value = RoutedEvent> {
     prop_oneof![
         1 => (store.clone(), 0..ROUTED).prop_map(|(s, i)| RoutedEvent::Base(s, i)),
         1 => (store, 0..ROUTED).prop_map(|(s, i)| RoutedEvent::Remove(s, i)),
-        3 => (0..ROUTED, 0u8..11).prop_map(|(i, v)| RoutedEvent::Ingress(i, v)),
+        3 => (0..ROUTED, 0u8..13).prop_map(|(i, v)| RoutedEvent::Ingress(i, v)),
         2 => (0..ROUTED, 0u8..6).prop_map(|(i, v)| RoutedEvent::Service(i, v)),
         1 => (0..ROUTED, 0u8..4).prop_map(|(i, v)| RoutedEvent::Canary(i, v)),
         1 => (0u8..5).prop_map(RoutedEvent::Class),

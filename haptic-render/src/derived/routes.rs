@@ -79,8 +79,9 @@ pub(super) struct KeptRows {
     claims: HashMap<RouteKey, Vec<Arc<OwnedAge>>>,
     /// How many keys more than one Ingress claims: none, and no row has a conflict.
     contested: usize,
-    /// (namespace, Service or Secret) -> the names of our Ingresses there that name it.
-    users: HashMap<(String, String), BTreeSet<String>>,
+    /// (namespace, Service or Secret) -> the names of our Ingresses there that name it,
+    /// sorted, each once (a list: mostly one name, where a set cost a B-tree node).
+    users: HashMap<(String, String), Vec<String>>,
 }
 
 /// One of our Ingresses in the view.
@@ -243,8 +244,19 @@ impl KeptRows {
 
     /// Adds one of our Ingresses (not in the view): its claims and what it names of the
     /// joined store; its rows are computed later ([`Self::rows_again`]). Returns the keys it
-    /// claims.
+    /// claims. An Ingress the view has no row of (no path of a routes view's kind, no TLS
+    /// entry) is left out: it claims nothing there, and what its rows would be joined with
+    /// cannot change that (at 10,000 Ingresses with Prefix paths only, the Exact routes view
+    /// held 10,000 empty parts).
     fn add(&mut self, ing: &OurIngress<'_>) -> &[RouteKey] {
+        let empty = match self.kind {
+            Kind::Routes(exact) => !ing.ingress.paths.iter().any(|p| route_kind(exact, p)),
+            Kind::Tls => ing.extracts.tls(ing.value).is_empty(),
+            Kind::Ingresses => false,
+        };
+        if empty {
+            return &[];
+        }
         let age = ing.age();
         let age = Arc::new((age.0, age.1.to_owned(), age.2.to_owned(), age.3.to_owned()));
         let (mut keys, mut services): (Vec<RouteKey>, Vec<String>) = match self.kind {
@@ -262,10 +274,13 @@ impl KeptRows {
                         })
                         .collect()
                 };
+                // The Services of the view's paths only: a row is its path's, joined with
+                // its path's Service alone.
                 let services = ing
                     .ingress
                     .paths
                     .iter()
+                    .filter(|p| route_kind(exact, p))
                     .map(|p| p.target.service.clone())
                     .collect();
                 (keys, services)
@@ -300,10 +315,13 @@ impl KeptRows {
         services.sort_unstable();
         services.dedup();
         for service in &services {
-            self.users
+            let names = self
+                .users
                 .entry((ing.namespace.to_owned(), service.clone()))
-                .or_default()
-                .insert(ing.name.to_owned());
+                .or_default();
+            if let Err(at) = names.binary_search_by(|name| name.as_str().cmp(ing.name)) {
+                names.insert(at, ing.name.to_owned());
+            }
         }
         let key = (ing.namespace.to_owned(), ing.name.to_owned());
         let part = Part {
@@ -338,7 +356,7 @@ impl KeptRows {
         for service in &part.services {
             let at = (key.0.clone(), service.clone());
             if let Some(names) = self.users.get_mut(&at) {
-                names.remove(&key.1);
+                names.retain(|name| *name != key.1);
                 if names.is_empty() {
                     self.users.remove(&at);
                 }

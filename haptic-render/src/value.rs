@@ -1,28 +1,51 @@
 //! Conversion of JSON resources into tera values with a fixed (sorted) key order.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::hash::{DefaultHasher, Hash as _, Hasher as _};
 use std::sync::Arc;
 
 use serde_json::Value as Json;
-use tera::value::Key;
+use tera::value::{Key, ValueKind};
 
 use crate::store::FieldPath;
 use tera::{Map, Value};
 
-/// Shares one allocation per distinct map key among the resources of a store.
+/// Shares one allocation per distinct map key, and one value per distinct small subtree,
+/// among the resources of a store.
 ///
-/// Templates find attributes by comparing key strings; when every `metadata` key of ten
+/// Keys: templates find attributes by comparing key strings; when every `metadata` key of ten
 /// thousand resources points at the same bytes, those comparisons stay in cache instead of
 /// chasing ten thousand copies across the heap (measured: 10k-Ingress renders about twice as
 /// fast). Capped, so that resources with unbounded key sets (ConfigMap data, annotations)
 /// cannot grow it without limit; past the cap keys are allocated per resource as before.
+///
+/// Subtrees: a map or list that a second resource holds with the same contents (a Service's
+/// `ports`, an endpoint's `conditions`, an EndpointSlice's `ports`, `ipFamilies`, a label set
+/// of a Deployment's Pods) is the first one's value, not a copy: a tera map costs ~100 bytes
+/// and ~70 more an entry. Only a subtree seen twice is kept for sharing (the first sighting
+/// keeps a 64-bit digest, in a set cleared when it fills), equal means equal to the byte and
+/// the kind (a float is not the integer it equals), and a resource's own top-level value is
+/// never shared, so each resource keeps a value of its own. The subtrees kept for sharing are
+/// capped too; those of resources gone since stay until the store is dropped (at most
+/// [`Self::SUBTREE_CAP`] small values).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Interner {
     keys: HashSet<Arc<str>>,
+    /// Subtrees seen once, by digest.
+    seen: HashSet<u64>,
+    /// Subtrees seen more than once, by digest: the value the next equal one shares.
+    shared: HashMap<u64, Value>,
 }
 
 impl Interner {
     const CAP: usize = 16_384;
+    /// The most first sightings remembered; then forgotten all at once.
+    const SEEN_CAP: usize = 65_536;
+    /// The most subtrees kept for sharing.
+    const SUBTREE_CAP: usize = 16_384;
+    /// The largest subtree (in JSON nodes) considered: larger ones are seldom equal, and
+    /// comparing them costs more.
+    const SUBTREE_NODES: usize = 64;
 
     fn key(&mut self, key: &str) -> Key<'static> {
         if let Some(shared) = self.keys.get(key) {
@@ -34,6 +57,60 @@ impl Interner {
         }
         Key::String(shared)
     }
+
+    /// The value to keep for `json`, just converted to `value` (digest `digest`): an equal
+    /// one kept before, or `value` itself.
+    fn share(&mut self, json: &Json, value: Value, digest: u64) -> Value {
+        if let Some(kept) = self.shared.get(&digest) {
+            if same(kept, json) {
+                return kept.clone();
+            }
+            return value;
+        }
+        if self.seen.remove(&digest) {
+            if self.shared.len() < Self::SUBTREE_CAP {
+                self.shared.insert(digest, value.clone());
+            }
+            return value;
+        }
+        if self.seen.len() >= Self::SEEN_CAP {
+            self.seen.clear();
+        }
+        self.seen.insert(digest);
+        value
+    }
+}
+
+/// Whether `value` is `json` converted: the same kinds (an integer is not a float, a
+/// non-negative integer is `U64`), the same strings, maps of the same keys in sorted order.
+fn same(value: &Value, json: &Json) -> bool {
+    match json {
+        Json::Null => value.is_none(),
+        Json::Bool(b) => value.kind() == ValueKind::Bool && value.as_bool() == Some(*b),
+        Json::Number(n) => {
+            if let Some(u) = n.as_u64() {
+                value.kind() == ValueKind::U64 && value.as_u64() == Some(u)
+            } else if let Some(i) = n.as_i64() {
+                value.kind() == ValueKind::I64 && value.as_i64() == Some(i)
+            } else {
+                let f = n.as_f64().unwrap_or(f64::NAN);
+                value.kind() == ValueKind::F64
+                    && value.as_f64().map(f64::to_bits) == Some(f.to_bits())
+            }
+        }
+        Json::String(s) => value.kind() == ValueKind::String && value.as_str() == Some(s),
+        Json::Array(items) => value.as_array().is_some_and(|values| {
+            values.len() == items.len() && values.iter().zip(items).all(|(v, j)| same(v, j))
+        }),
+        Json::Object(object) => value.as_map().is_some_and(|map| {
+            map.len() == object.len()
+                && map.iter().all(|(key, v)| {
+                    key.as_str()
+                        .and_then(|key| object.get(key))
+                        .is_some_and(|j| same(v, j))
+                })
+        }),
+    }
 }
 
 /// Converts a JSON value into a tera value whose maps iterate in sorted key order.
@@ -42,42 +119,73 @@ impl Interner {
 /// in the build, so the order is imposed here rather than inherited: the same object always
 /// gives the same iteration order in a template, whatever order its keys arrived in.
 ///
-/// Keys at the `ignore` paths are left out.
+/// Keys at the `ignore` paths are left out. Small subtrees equal to ones converted before
+/// with the same `interner` are shared ([`Interner`]).
 pub(crate) fn to_tera(json: &Json, interner: &mut Interner, ignore: &[FieldPath]) -> Value {
     let active: Vec<&[String]> = ignore.iter().map(|p| p.0.as_slice()).collect();
-    convert(json, interner, &active)
+    convert(json, interner, &active, true).value
 }
 
-/// `active` holds the rest of every ignore path that matched the keys on the way down.
-fn convert(json: &Json, interner: &mut Interner, active: &[&[String]]) -> Value {
-    match json {
-        Json::Null => Value::none(),
-        Json::Bool(b) => Value::from(*b),
+/// A converted subtree: its value, the digest of its contents, and its size in JSON nodes.
+struct Converted {
+    value: Value,
+    digest: u64,
+    nodes: usize,
+}
+
+/// `active` holds the rest of every ignore path that matched the keys on the way down; `root`
+/// is the resource itself (never shared).
+fn convert(json: &Json, interner: &mut Interner, active: &[&[String]], root: bool) -> Converted {
+    let mut hasher = DefaultHasher::new();
+    let (value, nodes) = match json {
+        Json::Null => {
+            0u8.hash(&mut hasher);
+            (Value::none(), 1)
+        }
+        Json::Bool(b) => {
+            (1u8, b).hash(&mut hasher);
+            (Value::from(*b), 1)
+        }
         Json::Number(n) => {
-            if let Some(u) = n.as_u64() {
+            let value = if let Some(u) = n.as_u64() {
+                (2u8, u).hash(&mut hasher);
                 Value::from(u)
             } else if let Some(i) = n.as_i64() {
+                (3u8, i).hash(&mut hasher);
                 Value::from(i)
             } else {
-                Value::from(n.as_f64().unwrap_or(f64::NAN))
-            }
+                let f = n.as_f64().unwrap_or(f64::NAN);
+                (4u8, f.to_bits()).hash(&mut hasher);
+                Value::from(f)
+            };
+            (value, 1)
         }
-        Json::String(s) => Value::from(s.as_str()),
-        Json::Array(items) => Value::from(
-            items
+        Json::String(s) => {
+            (5u8, s).hash(&mut hasher);
+            (Value::from(s.as_str()), 1)
+        }
+        Json::Array(items) => {
+            (6u8, items.len()).hash(&mut hasher);
+            let mut nodes: usize = 1;
+            let values = items
                 .iter()
-                .map(|item| convert(item, interner, active))
-                .collect::<Vec<_>>(),
-        ),
+                .map(|item| {
+                    let item = convert(item, interner, active, false);
+                    item.digest.hash(&mut hasher);
+                    nodes = nodes.saturating_add(item.nodes);
+                    item.value
+                })
+                .collect::<Vec<_>>();
+            (Value::from(values), nodes)
+        }
         Json::Object(object) => {
             let mut entries: Vec<(&String, &Json)> = object.iter().collect();
             entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            (7u8, entries.len()).hash(&mut hasher);
             let mut map = Map::with_capacity(entries.len());
+            let mut nodes: usize = 1;
+            let mut ignored = false;
             for (key, value) in entries {
-                if active.is_empty() {
-                    map.insert(interner.key(key), convert(value, interner, &[]));
-                    continue;
-                }
                 let below: Vec<&[String]> = active
                     .iter()
                     .filter_map(|path| match path.split_first() {
@@ -86,12 +194,35 @@ fn convert(json: &Json, interner: &mut Interner, active: &[&[String]]) -> Value 
                     })
                     .collect();
                 if below.iter().any(|rest| rest.is_empty()) {
+                    ignored = true;
                     continue;
                 }
-                map.insert(interner.key(key), convert(value, interner, &below));
+                let value = convert(value, interner, &below, false);
+                key.hash(&mut hasher);
+                value.digest.hash(&mut hasher);
+                nodes = nodes.saturating_add(value.nodes);
+                map.insert(interner.key(key), value.value);
             }
-            Value::from(map)
+            if ignored {
+                // Not the JSON's contents: never compared with it.
+                nodes = usize::MAX;
+            }
+            (Value::from(map), nodes)
         }
+    };
+    let digest = hasher.finish();
+    let value = if !root
+        && nodes <= Interner::SUBTREE_NODES
+        && matches!(json, Json::Array(_) | Json::Object(_))
+    {
+        interner.share(json, value, digest)
+    } else {
+        value
+    };
+    Converted {
+        value,
+        digest,
+        nodes,
     }
 }
 
@@ -139,6 +270,138 @@ mod tests {
         assert_eq!(tera(&json!(-3)).as_i64(), Some(-3));
         assert_eq!(tera(&json!(7)).as_u64(), Some(7));
         assert_eq!(tera(&json!(0.5)).as_f64(), Some(0.5));
+    }
+
+    /// The map at `path` of `value`, as a pointer: the same for a shared subtree.
+    fn map_at(value: &Value, path: &str) -> *const Map {
+        value
+            .get_from_path(path)
+            .and_then(|v| v.as_map().map(|m| m as *const Map))
+            .expect("a map")
+    }
+
+    #[test]
+    fn an_equal_subtree_of_another_resource_is_shared_and_a_resource_keeps_its_own_value() {
+        let mut interner = Interner::default();
+        let resource = |name: &str| {
+            json!({"metadata": {"name": name}, "spec": {"ports": [{"name": "http", "port": 80}]},
+                   "conditions": {"ready": true}})
+        };
+        let values: Vec<Value> = ["a", "b", "c"]
+            .iter()
+            .map(|name| to_tera(&resource(name), &mut interner, &[]))
+            .collect();
+        // The first sighting is remembered, the second kept for sharing, the third shares it.
+        assert!(std::ptr::eq(
+            map_at(&values[1], "spec"),
+            map_at(&values[2], "spec")
+        ));
+        assert!(std::ptr::eq(
+            map_at(&values[1], "conditions"),
+            map_at(&values[2], "conditions")
+        ));
+        assert!(!std::ptr::eq(
+            map_at(&values[1], "metadata"),
+            map_at(&values[2], "metadata")
+        ));
+        for (value, name) in values.iter().zip(["a", "b", "c"]) {
+            assert_eq!(serde_json::to_value(value).unwrap(), resource(name));
+        }
+        // Two resources with the very same contents still get values of their own.
+        let twin = to_tera(&resource("c"), &mut interner, &[]);
+        assert!(!std::ptr::eq(
+            twin.as_map().unwrap() as *const Map,
+            values[2].as_map().unwrap() as *const Map
+        ));
+        assert!(std::ptr::eq(
+            map_at(&twin, "spec"),
+            map_at(&values[2], "spec")
+        ));
+    }
+
+    #[test]
+    fn a_subtree_shares_only_what_is_equal_to_the_byte_and_the_kind() {
+        let mut interner = Interner::default();
+        let integer = json!({"a": {"x": 1, "y": "s"}});
+        let float = json!({"a": {"x": 1.0, "y": "s"}});
+        let negative = json!({"a": {"x": -1, "y": "s"}});
+        for json in [&integer, &integer, &float, &float, &negative, &integer] {
+            let value = to_tera(json, &mut interner, &[]);
+            let x = value.get_from_path("a.x").unwrap();
+            let kind = match json["a"]["x"].as_f64() {
+                _ if json["a"]["x"].is_u64() => ValueKind::U64,
+                _ if json["a"]["x"].is_i64() => ValueKind::I64,
+                _ => ValueKind::F64,
+            };
+            assert_eq!(x.kind(), kind, "{json}");
+            assert_eq!(serde_json::to_value(&value).unwrap(), *json);
+        }
+    }
+
+    #[test]
+    fn a_digest_collision_shares_nothing_unequal() {
+        // Digests are 64 bits: an equal digest is only a candidate, compared to the byte and
+        // the kind before it is shared.
+        let mut interner = Interner::default();
+        let integer = json!({"x": 1});
+        let kept = tera(&integer);
+        let digest = 42;
+        interner.share(&integer, kept.clone(), digest);
+        interner.share(&integer, kept.clone(), digest);
+        for other in [
+            json!({"x": 1.0}),
+            json!({"x": "1"}),
+            json!({"x": 1, "y": null}),
+            json!([1]),
+        ] {
+            let value = tera(&other);
+            let kept_now = interner.share(&other, value.clone(), digest);
+            assert_eq!(serde_json::to_value(&kept_now).unwrap(), other);
+        }
+        let again = interner.share(&integer, tera(&integer), digest);
+        assert!(std::ptr::eq(
+            again.as_map().unwrap() as *const Map,
+            interner.shared[&digest].as_map().unwrap() as *const Map
+        ));
+        assert!(!same(&tera(&json!(1)), &json!(1.0)));
+        assert!(!same(&tera(&json!(-1)), &json!(18446744073709551615u64)));
+        assert!(same(
+            &tera(&json!({"b": [1, -2, 0.5, null, true], "a": "s"})),
+            &json!({"a": "s", "b": [1, -2, 0.5, null, true]})
+        ));
+    }
+
+    #[test]
+    fn a_subtree_with_ignored_fields_is_never_shared_with_one_without() {
+        let ignore = [FieldPath::parse("metadata.managedFields").unwrap()];
+        let mut interner = Interner::default();
+        let with = json!({"spec": {"metadata": {"managedFields": [1], "name": "n"}}});
+        let without = json!({"spec": {"metadata": {"name": "n"}}});
+        for json in [&with, &with, &without, &without, &with] {
+            let value = to_tera(json, &mut interner, &ignore);
+            assert_eq!(
+                serde_json::to_value(&value).unwrap(),
+                *json,
+                "only a top-level metadata.managedFields is ignored"
+            );
+        }
+        let top = json!({"metadata": {"managedFields": [1], "name": "n"}, "x": {"k": 1}});
+        for _ in 0..3 {
+            let value = to_tera(&top, &mut interner, &ignore);
+            assert_eq!(
+                serde_json::to_value(&value).unwrap(),
+                json!({"metadata": {"name": "n"}, "x": {"k": 1}})
+            );
+        }
+        let plain = to_tera(
+            &json!({"metadata": {"managedFields": [1], "name": "n"}}),
+            &mut interner,
+            &[],
+        );
+        assert_eq!(
+            serde_json::to_value(&plain).unwrap(),
+            json!({"metadata": {"managedFields": [1], "name": "n"}})
+        );
     }
 
     #[test]

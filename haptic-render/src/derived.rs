@@ -1382,7 +1382,7 @@ fn host_pattern(host: &str) -> String {
 
 /// A copy of a row with one field set.
 fn with_field(row: &Value, key: &'static str, value: Value) -> Value {
-    let mut map = row.as_map().cloned().unwrap_or_default();
+    let mut map = crate::value::map_with_room(row, 1);
     map.insert(Key::Str(key), value);
     Value::from(map)
 }

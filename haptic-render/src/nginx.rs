@@ -1848,7 +1848,7 @@ impl Policy {
     /// the default policy's row with `passthrough` true (the snippet `backends` writes a TCP
     /// backend, speaking to the endpoints as they are, whatever their appProtocol).
     pub fn passthrough_row() -> tera::Value {
-        let mut map = Self::default().row().as_map().cloned().unwrap_or_default();
+        let mut map = crate::value::map_with_room(&Self::default().row(), 1);
         map.insert(
             tera::value::Key::Str("passthrough"),
             tera::Value::from(true),
@@ -1864,7 +1864,7 @@ impl Policy {
         }
         use sha2::Digest as _;
         let digest = sha2::Sha256::digest(format!("{id} {path}").as_bytes());
-        let mut map = row.as_map().cloned().unwrap_or_default();
+        let mut map = crate::value::map_with_room(row, 1);
         map.insert(
             tera::value::Key::Str("rewrite_path"),
             tera::Value::from(path),

@@ -464,7 +464,7 @@ impl Memo {
 
 /// A pooled row: `row` named `pool_<slot>`, with `service_backend` its own name.
 fn pooled(row: &Value, slot: usize) -> Value {
-    let mut map = row.as_map().cloned().unwrap_or_default();
+    let mut map = crate::value::map_with_room(row, 1);
     map.insert(
         Key::Str("service_backend"),
         map.get(&Key::Str("name"))

@@ -226,6 +226,18 @@ fn convert(json: &Json, interner: &mut Interner, active: &[&[String]], root: boo
     }
 }
 
+/// A copy of `value`'s map (empty when it is none) with room for `more` entries: a clone
+/// and then an insert of one new key doubled the entry list (a pooled backend row of 10
+/// fields held room for 20: 5 MB at 10,000 Services).
+pub(crate) fn map_with_room(value: &Value, more: usize) -> Map {
+    let fields = value.as_map();
+    let mut map = Map::with_capacity(fields.map_or(0, Map::len) + more);
+    if let Some(fields) = fields {
+        map.extend(fields.iter().map(|(k, v)| (k.clone(), v.clone())));
+    }
+    map
+}
+
 /// Builds a tera map value from entries that are already in the wanted order.
 pub(crate) fn map_value<I, K>(entries: I) -> Value
 where

@@ -317,6 +317,94 @@ async fn a_new_leader_claims_the_agents_without_resending_their_set() {
     drop(replicas);
 }
 
+/// `minDeploymentInterval` spaces the applies that follow a reload (`Pacing` in
+/// `src/scheduler.rs`), not those that follow an apply HAProxy took without one: a new
+/// leader's first apply answers `unchanged`, and its next change goes out at once, not an
+/// interval later, through real agents answering `reload: false`. With the rule the interval
+/// had before (at least the interval between any two deployments of a pod) the change waited
+/// the whole 8 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_interval_follows_reloads_not_an_unchanged_claim() {
+    const INTERVAL_MS: u64 = 8_000;
+    let f = fleet(1, true, |spec| {
+        spec.agent.min_deployment_interval = format!("{INTERVAL_MS}ms");
+    })
+    .await;
+    let mut replicas = vec![
+        Controller::start(&f.cluster, "controller-1").await,
+        Controller::start(&f.cluster, "controller-2").await,
+    ];
+    let agent = &f.agents[0];
+    agent
+        .await_route("shop.example", "/", (200, "backend a"))
+        .await;
+    let first = await_leader(&f.cluster, None).await;
+    let epoch = f.cluster.lease_epoch().await.expect("epoch");
+    let index = replicas
+        .iter()
+        .position(|c| c.name == first)
+        .expect("leader is ours");
+    let follower = &replicas[1 - index];
+    eventually(
+        "the follower renders as a warm standby",
+        Duration::from_secs(20),
+        || async {
+            let renders = follower
+                .metric_value("haptic_standby_renders_total")
+                .await?;
+            (renders >= 1.0).then_some(())
+        },
+    )
+    .await;
+    let mut leaving = replicas.remove(index);
+    leaving.signal("TERM");
+    leaving.exited(Duration::from_secs(25)).await;
+    let second = await_leader(&f.cluster, Some(&first)).await;
+    let claim = eventually(
+        "the new leader's first apply reaches the agent",
+        Duration::from_secs(30),
+        || async { journal_above(agent, epoch).await.into_iter().next() },
+    )
+    .await;
+    assert_eq!(claim["leader"], second.as_str(), "{claim}");
+    assert_eq!(
+        claim["outcome"], "unchanged",
+        "the precondition: the new leader found the set it renders\n{claim}"
+    );
+
+    f.cluster
+        .ingress("shop", "shop.example", "/", "web-b")
+        .await;
+    agent
+        .await_route("shop.example", "/", (200, "backend b"))
+        .await;
+    let change = eventually(
+        "the agent journals the change",
+        Duration::from_secs(10),
+        || async {
+            journal_above(agent, epoch)
+                .await
+                .into_iter()
+                .find(|entry| entry["outcome"] == "applied")
+        },
+    )
+    .await;
+    let (claimed, changed) = (
+        claim["at_ms"].as_u64().expect("at_ms"),
+        change["at_ms"].as_u64().expect("at_ms"),
+    );
+    // Half the interval: the change is the new leader's next apply (a render and a runtime
+    // apply, milliseconds here); held by the interval it would come 8 s after the claim.
+    assert!(
+        changed.saturating_sub(claimed) < INTERVAL_MS / 2,
+        "the change was applied {} ms after the unchanged claim: held by the interval\n\
+         claim {claim}\nchange {change}\n{}",
+        changed.saturating_sub(claimed),
+        replicas[0].logs()
+    );
+    drop(replicas);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disabled_election_deploys_without_a_lease() {
     // A fleet an elected leader served first: its agents are fenced above epoch 0.

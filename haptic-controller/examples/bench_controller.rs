@@ -744,6 +744,9 @@ async fn main() {
             (replicas[1].pid(), replicas[0].pid())
         };
         let lead_at = usize::from(replicas[0].name != leader_before);
+        // No apply in flight when the leader's histograms are read: one that started with the
+        // first deployment (a whole set, seconds) would count among the changes' applies.
+        quiesce(&fleet).await;
         let spans_before = leader_spans(&replicas[lead_at]).await;
         let cpu_before = cpu_by_kind(lead_pid, follow_pid);
         let run = changes(

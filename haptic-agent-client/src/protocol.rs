@@ -1033,7 +1033,8 @@ pub struct Timing {
     /// From the start of the apply (after the body was parsed) to the answer.
     pub total_us: u64,
     /// Writing the set to staging and making it durable. The agent fsyncs while `haproxy -c`
-    /// runs; only the wait for the fsync after the check ended counts here.
+    /// runs, and stages and fsyncs a runtime change's set while its commands go to HAProxy;
+    /// only what the write adds after the check or the commands ended counts here.
     pub write_us: u64,
     /// Running `haproxy -c` on staging.
     pub check_us: u64,

@@ -131,6 +131,7 @@ enum Runtime {
 }
 
 /// Where the runtime path's write of the set went, in microseconds (logged with its answer).
+/// Staging and its fsyncs run beside the runtime commands; the rest after them.
 #[derive(Debug, Default)]
 struct WritePhases {
     /// The staging directory: changed files written, the others hard-linked.
@@ -862,9 +863,63 @@ impl Agent {
                 return Ok(Runtime::Skipped);
             }
         };
-        let (ops, applied) =
-            runtime::apply(&shared.haproxy, &plan, shared.config.runtime_timeout).await;
-        let took = phase.elapsed();
+        // The new set is staged and fsynced while the runtime commands go to HAProxy (the
+        // staging directory is nobody's until promoted, and the fsync waits on the disk while
+        // the commands wait on HAProxy): the answer then waits for the longer of the two, not
+        // their sum. Files the plan did not change are linked from the live set.
+        let store = shared.store.clone();
+        let changed: std::collections::BTreeSet<String> = plan
+            .files
+            .iter()
+            .chain(&plan.added)
+            .map(|(path, _)| path.clone())
+            .chain((!plan.servers.is_empty()).then(|| MAIN_CONFIG.to_owned()))
+            .collect();
+        self.cleaned_up().await;
+        let staging = {
+            let store = store.clone();
+            let files = request.files.clone();
+            let checksum = request.checksum.clone();
+            let base = live_name.to_owned();
+            let base_files = live.clone();
+            let changed = changed.clone();
+            blocking(move || -> Result<(String, WritePhases)> {
+                let mut phases = WritePhases::default();
+                let phase = Instant::now();
+                let linked = |path: &str| !changed.contains(path);
+                let (name, _) = store.write_staged_reusing(
+                    &files,
+                    &checksum,
+                    Some((&base, &base_files)),
+                    linked,
+                )?;
+                phases.stage_us = micros(phase.elapsed());
+                let phase = Instant::now();
+                if let Err(error) = store.sync_staged_reusing(&name, linked) {
+                    let _ = store.discard_staged(&name);
+                    return Err(error.into());
+                }
+                phases.sync_us = micros(phase.elapsed());
+                Ok((name, phases))
+            })
+        };
+        let commands = async {
+            let applied =
+                runtime::apply(&shared.haproxy, &plan, shared.config.runtime_timeout).await;
+            (applied, phase.elapsed())
+        };
+        let (((ops, applied), took), staged) = tokio::join!(commands, staging);
+        let staged = staged.and_then(|staged| staged);
+        let write = Instant::now();
+        if applied.is_err()
+            && let Ok((name, _)) = &staged
+        {
+            // The reload path stages the set on its own.
+            let (store, name) = (store.clone(), name.clone());
+            if let Ok(Err(error)) = blocking(move || store.discard_staged(&name)).await {
+                warn!(%error, "removing the set staged beside a runtime change that did not apply");
+            }
+        }
         match applied {
             Ok(()) => {}
             Err(error @ runtime::Error::NeedsReload(_)) if ops == 0 => {
@@ -877,21 +932,9 @@ impl Agent {
             }
         }
 
-        // HAProxy runs the new set; now make it the live one on disk, durably, before the
-        // answer. Files the plan did not change are linked from the live set.
-        let write = Instant::now();
-        let store = shared.store.clone();
+        // HAProxy runs the new set, and it is staged and durable: make it the live one on
+        // disk before the answer.
         let files = request.files.clone();
-        let checksum = request.checksum.clone();
-        let base = live_name.to_owned();
-        let base_files = live.clone();
-        let changed: std::collections::BTreeSet<String> = plan
-            .files
-            .iter()
-            .chain(&plan.added)
-            .map(|(path, _)| path.clone())
-            .chain((!plan.servers.is_empty()).then(|| MAIN_CONFIG.to_owned()))
-            .collect();
         let meta = SetMeta {
             checksum: request.checksum.clone(),
             generation: request.generation,
@@ -905,53 +948,45 @@ impl Agent {
         };
         let previous = live_name.to_owned();
         let base_stamps = self.held(live_name).and_then(|held| held.stamps.clone());
-        self.cleaned_up().await;
-        let written = blocking(move || -> Result<(String, Option<Stamps>, WritePhases)> {
-            let mut phases = WritePhases::default();
-            let mut phase = Instant::now();
-            let mut lap = |into: &mut u64| {
-                *into = micros(phase.elapsed());
-                phase = Instant::now();
-            };
-            let linked = |path: &str| !changed.contains(path);
-            let (name, _) = store.write_staged_reusing(
-                &files,
-                &checksum,
-                Some((&base, &base_files)),
-                linked,
-            )?;
-            lap(&mut phases.stage_us);
-            if let Err(error) = store.sync_staged_reusing(&name, linked) {
-                let _ = store.discard_staged(&name);
-                return Err(error.into());
-            }
-            lap(&mut phases.sync_us);
-            store.promote(&name, &meta)?;
-            lap(&mut phases.promote_us);
-            store.set_link(LAST_KNOWN_GOOD, Some(&previous))?;
-            store.set_link(CURRENT, Some(&name))?;
-            lap(&mut phases.links_us);
-            // A linked file is the base's file (the same inode): its stamp carries over, so
-            // only the files written now are looked at.
-            let stamps = base_stamps.and_then(|base| {
-                let mut stamps = Stamps::new();
-                let mut written = Vec::new();
-                for (path, _) in files.iter() {
-                    match base.get(path).filter(|_| linked(path)) {
-                        Some(stamp) => {
-                            stamps.insert(path.to_owned(), *stamp);
+        let written = match staged {
+            Ok((name, staged_phases)) => {
+                blocking(move || -> Result<(String, Option<Stamps>, WritePhases)> {
+                    let mut phases = staged_phases;
+                    let mut phase = Instant::now();
+                    let mut lap = |into: &mut u64| {
+                        *into = micros(phase.elapsed());
+                        phase = Instant::now();
+                    };
+                    let linked = |path: &str| !changed.contains(path);
+                    store.promote(&name, &meta)?;
+                    lap(&mut phases.promote_us);
+                    store.set_link(LAST_KNOWN_GOOD, Some(&previous))?;
+                    store.set_link(CURRENT, Some(&name))?;
+                    lap(&mut phases.links_us);
+                    // A linked file is the base's file (the same inode): its stamp carries
+                    // over, so only the files written now are looked at.
+                    let stamps = base_stamps.and_then(|base| {
+                        let mut stamps = Stamps::new();
+                        let mut written = Vec::new();
+                        for (path, _) in files.iter() {
+                            match base.get(path).filter(|_| linked(path)) {
+                                Some(stamp) => {
+                                    stamps.insert(path.to_owned(), *stamp);
+                                }
+                                None => written.push(path),
+                            }
                         }
-                        None => written.push(path),
-                    }
-                }
-                stamps.extend(store.stamps(&name, written).ok()?);
-                Some(stamps)
-            });
-            lap(&mut phases.stamps_us);
-            Ok((name, stamps, phases))
-        })
-        .await
-        .and_then(|written| written);
+                        stamps.extend(store.stamps(&name, written).ok()?);
+                        Some(stamps)
+                    });
+                    lap(&mut phases.stamps_us);
+                    Ok((name, stamps, phases))
+                })
+                .await
+                .and_then(|written| written)
+            }
+            Err(error) => Err(error),
+        };
         let (name, stamps, phases) = match written {
             Ok(written) => written,
             Err(error) => {

@@ -1942,11 +1942,20 @@ mod tests {
         // pool_1/s1 is in maintenance (admin state 5): wanted in service, it does not verify;
         // nor does pool_2's s1 wanted at pool_1's address (the same server name elsewhere).
         let ready = change("pool_1", spec("127.0.0.9:9090", true));
-        assert!(matches!(verify_servers(&answer, &[&ready]), Err(Error::Verify(_))));
+        assert!(matches!(
+            verify_servers(&answer, &[&ready]),
+            Err(Error::Verify(_))
+        ));
         let wrong = change("pool_2", spec("127.0.0.9:9090", true));
-        assert!(matches!(verify_servers(&answer, &[&wrong]), Err(Error::Verify(_))));
+        assert!(matches!(
+            verify_servers(&answer, &[&wrong]),
+            Err(Error::Verify(_))
+        ));
         let absent = change("pool_3", spec("127.0.0.3:8081", true));
-        assert!(matches!(verify_servers(&answer, &[&absent]), Err(Error::Verify(_))));
+        assert!(matches!(
+            verify_servers(&answer, &[&absent]),
+            Err(Error::Verify(_))
+        ));
     }
 
     #[test]

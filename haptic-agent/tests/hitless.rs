@@ -262,6 +262,23 @@ async fn handshake(port: u16, host: &str, ca: &str) -> Result<(), String> {
         .map_err(|e| e.to_string())
 }
 
+/// The sets left in the agent's staging directory.
+fn staged(data: &std::path::Path) -> Vec<String> {
+    match std::fs::read_dir(data.join("staging")) {
+        Ok(entries) => entries
+            .map(|entry| {
+                entry
+                    .expect("staging entry")
+                    .file_name()
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect(),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        Err(error) => panic!("reading the staging directory: {error}"),
+    }
+}
+
 async fn worker_pids(client: &AgentClient, url: &Url) -> Vec<u32> {
     client.state(url).await.expect("state").worker_pids
 }
@@ -750,6 +767,9 @@ async fn changes_beyond_the_runtime_api_reload_and_a_failed_runtime_change_falls
     let report = report.expect("fallback");
     assert!(report.reload, "{report:?}");
     assert!(report.timing.runtime_us > 0, "{report:?}");
+    // The set staged beside the runtime commands is gone with them: the reload path staged
+    // and promoted its own.
+    assert_eq!(staged(dir.path()), Vec::<String>::new());
     assert_ne!(worker_pids(&client, &agent.url).await, workers);
     await_get(http_port, "web.test", "backend 127.0.0.5")
         .await
@@ -789,6 +809,7 @@ async fn changes_beyond_the_runtime_api_reload_and_a_failed_runtime_change_falls
     }
     let state = client.state(&agent.url).await.expect("state");
     assert_eq!(state.live_checksum, live, "the refused set is not live");
+    assert_eq!(staged(dir.path()), Vec::<String>::new());
     assert_ne!(
         state.worker_pids, workers,
         "the live set was not loaded again"

@@ -28,6 +28,7 @@
 //! ```
 
 pub mod client;
+pub mod hitless;
 pub mod policy;
 pub mod protocol;
 pub mod tls;

@@ -5,7 +5,8 @@
 //!
 //! `cargo run --release -p haptic-agent --example delta_time [first|middle|last]`: the server
 //! line changed is the config's first (default), middle or last one (the set's checksum is
-//! hashed on from where the change is).
+//! hashed on from where the change is). `HAPTIC_DELTA_GROW=1` makes the line one byte
+//! longer, so that `haproxy.cfg` changes length.
 
 use std::time::{Duration, Instant};
 
@@ -58,7 +59,13 @@ fn main() {
         .nth(2)
         .expect("an address")
         .to_owned();
-    let changed = cfg.replacen(line, &line.replacen(&address, "10.99.99.99:8080", 1), 1);
+    // `HAPTIC_DELTA_GROW=1`: the new address one byte longer than the old (a spare slot
+    // filled, a port of more digits), so that `haproxy.cfg`'s length changes.
+    let new_address = match std::env::var_os("HAPTIC_DELTA_GROW") {
+        Some(_) => format!("{address}0"),
+        None => "10.99.99.99:8080".to_owned(),
+    };
+    let changed = cfg.replacen(line, &line.replacen(&address, &new_address, 1), 1);
     let mut target = base.clone();
     target.put(MAIN_CONFIG, changed).expect("put");
     let base_checksum = time("base checksum (the whole set)", || {

@@ -42,11 +42,15 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap, HashSet},
-    net::SocketAddr,
     time::Duration,
 };
 
-use haptic_agent_client::{FileSet, protocol::MAIN_CONFIG};
+pub use haptic_agent_client::hitless::{ServerChange, ServerSpec, map_entries, order_free};
+use haptic_agent_client::{
+    FileSet,
+    hitless::{self, unsafe_text},
+    protocol::MAIN_CONFIG,
+};
 use rustls::pki_types::{CertificateDer, pem::PemObject as _};
 use sha1::{Digest as _, Sha1};
 use tokio::time::Instant;
@@ -88,56 +92,6 @@ pub const MAX_REQUEST: usize = 8 << 10;
 
 /// Largest certificate PEM sent through `set ssl cert` (a larger one takes the reload).
 pub const MAX_CERT_PAYLOAD: usize = 12 << 10;
-
-/// A `server` line's changeable part.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ServerSpec {
-    /// Address and port.
-    pub address: SocketAddr,
-    /// `weight` (HAProxy's default 1).
-    pub weight: u32,
-    /// Not `disabled`.
-    pub enabled: bool,
-}
-
-/// One server slot to change.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ServerChange {
-    /// The backend (or `listen` section).
-    pub backend: String,
-    /// The server's name.
-    pub server: String,
-    /// As live.
-    pub from: ServerSpec,
-    /// As wanted.
-    pub to: ServerSpec,
-}
-
-impl ServerChange {
-    /// The commands that take the server from `from` to `to`: out of service first, in
-    /// service last, so that it never takes traffic at a half-changed address.
-    fn commands(&self) -> Vec<String> {
-        let name = format!("{}/{}", self.backend, self.server);
-        let mut commands = Vec::new();
-        if self.from.enabled && !self.to.enabled {
-            commands.push(format!("set server {name} state maint"));
-        }
-        if self.from.address != self.to.address {
-            commands.push(format!(
-                "set server {name} addr {} port {}",
-                self.to.address.ip(),
-                self.to.address.port()
-            ));
-        }
-        if self.from.weight != self.to.weight {
-            commands.push(format!("set server {name} weight {}", self.to.weight));
-        }
-        if !self.from.enabled && self.to.enabled {
-            commands.push(format!("set server {name} state ready"));
-        }
-        commands
-    }
-}
 
 /// What a runtime apply changes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -181,216 +135,20 @@ impl Plan {
     }
 }
 
-/// Section keywords of an HAProxy configuration.
-const SECTIONS: [&str; 14] = [
-    "global",
-    "defaults",
-    "frontend",
-    "backend",
-    "listen",
-    "peers",
-    "resolvers",
-    "userlist",
-    "mailers",
-    "program",
-    "http-errors",
-    "ring",
-    "cache",
-    "fcgi-app",
-];
-
-/// Characters that make a line or an entry unsafe to change at run time: quoting and
-/// escapes (the agent does not re-implement HAProxy's), comments, variables, and the CLI's
-/// command separator.
-fn unsafe_text(text: &str) -> bool {
-    // Byte by byte (every map entry of a change is checked): ASCII controls include `\r`;
-    // the other control characters (C1) are not ASCII.
-    text.bytes().any(|byte| {
-        matches!(byte, b'"' | b'\'' | b'\\' | b'#' | b'$' | b';') || byte.is_ascii_control()
-    }) || (!text.is_ascii() && text.chars().any(char::is_control))
-}
-
-/// A `server` line: name, changeable part, and every other token in order.
-fn parse_server(line: &str) -> Option<(&str, ServerSpec, Vec<&str>)> {
-    if unsafe_text(line) {
-        return None;
-    }
-    let mut tokens = line.split_ascii_whitespace();
-    if tokens.next()? != "server" {
-        return None;
-    }
-    let name = tokens.next()?;
-    let address: SocketAddr = tokens.next()?.parse().ok()?;
-    let mut spec = ServerSpec {
-        address,
-        weight: 1,
-        enabled: true,
-    };
-    let mut rest = Vec::new();
-    while let Some(token) = tokens.next() {
-        match token {
-            "disabled" => spec.enabled = false,
-            "enabled" => spec.enabled = true,
-            "weight" => spec.weight = tokens.next()?.parse().ok().filter(|w| *w <= 256)?,
-            other => rest.push(other),
-        }
-    }
-    Some((name, spec, rest))
-}
-
-/// The server changes between two `haproxy.cfg` texts, or why they differ in more.
+/// The server changes between two `haproxy.cfg` texts, or why they differ in more
+/// ([`hitless::config_changes`]).
 pub fn config_changes(live: &str, new: &str) -> Result<Vec<ServerChange>> {
-    let (live_lines, new_lines): (Vec<&str>, Vec<&str>) =
-        (live.split('\n').collect(), new.split('\n').collect());
-    if live_lines.len() != new_lines.len() {
-        return Err(Error::NeedsReload(format!(
-            "haproxy.cfg has {} lines, the live one {}",
-            new_lines.len(),
-            live_lines.len()
-        )));
-    }
-    let mut changes = Vec::new();
-    for (number, (old, new)) in live_lines.iter().zip(&new_lines).enumerate() {
-        if old == new {
-            continue;
-        }
-        // The section: the nearest header above the line, read back from it (a few lines in
-        // a generated config; reading every line of a 7 MB haproxy.cfg for its headers was
-        // most of a plan at 10,000 Ingresses). Lines above a changed one are unchanged, or
-        // changed server lines: a changed header stops the plan where it is.
-        let section = section_above(live_lines[..number].iter().rev().copied());
-        changes.extend(server_change(number, old, new, section)?);
-    }
-    Ok(changes)
+    hitless::config_changes(live, new).map_err(Error::NeedsReload)
 }
 
-/// [`config_changes`] from the hunks that made `new` of `live` (a delta's): only the lines
-/// they replace are read, and the live text is walked only up to the last of them. The
-/// caller vouches that the hunks make `new` of `live` (the delta's checksum was checked
-/// against its base, and `live` is that base).
+/// [`config_changes`] from the hunks that made `new` of `live` (a delta's; see
+/// [`hitless::config_changes_from_hunks`]).
 pub fn config_changes_from_hunks(
     live: &str,
     new: &str,
     hunks: &[haptic_agent_client::protocol::Hunk],
 ) -> Result<Vec<ServerChange>> {
-    if hunks.iter().any(|hunk| hunk.remove != hunk.insert.len()) {
-        let count = |text: &str| text.bytes().filter(|b| *b == b'\n').count() + 1;
-        return Err(Error::NeedsReload(format!(
-            "haproxy.cfg has {} lines, the live one {}",
-            count(new),
-            count(live)
-        )));
-    }
-    let mut changes = Vec::new();
-    // (index, byte offset) of the live line the walk is at.
-    let (mut index, mut offset) = (0usize, 0usize);
-    for hunk in hunks {
-        for (i, inserted) in hunk.insert.iter().enumerate() {
-            let number = hunk.at + i;
-            while index < number {
-                let Some(newline) = live[offset..].find('\n') else {
-                    return Err(Error::NeedsReload(
-                        "a hunk beyond the live haproxy.cfg".to_owned(),
-                    ));
-                };
-                offset += newline + 1;
-                index += 1;
-            }
-            let old = live[offset..].split('\n').next().unwrap_or_default();
-            let new = inserted.strip_suffix('\n').unwrap_or(inserted);
-            if old == new {
-                continue;
-            }
-            let section = section_above(live[..offset].rsplit('\n').skip(1));
-            changes.extend(server_change(number, old, new, section)?);
-        }
-    }
-    Ok(changes)
-}
-
-/// The section (keyword, name) the first header among `lines_above` (nearest first) opens.
-fn section_above<'a>(mut lines_above: impl Iterator<Item = &'a str>) -> (&'a str, &'a str) {
-    lines_above
-        .find_map(|line| {
-            let mut tokens = line.split_ascii_whitespace();
-            let first = tokens.next().filter(|first| SECTIONS.contains(first))?;
-            Some((first, tokens.next().unwrap_or("")))
-        })
-        .unwrap_or(("", ""))
-}
-
-/// The server change of line `number` (0-based), `old` become `new`, in `section`: none when
-/// the server holds the same, an error when the line changed in more.
-fn server_change(
-    number: usize,
-    old: &str,
-    new: &str,
-    section: (&str, &str),
-) -> Result<Option<ServerChange>> {
-    let differs = || {
-        Error::NeedsReload(format!(
-            "haproxy.cfg line {} changed beyond a server's address, weight or state",
-            number + 1
-        ))
-    };
-    if !matches!(section.0, "backend" | "listen") {
-        return Err(differs());
-    }
-    let (Some((old_name, from, old_rest)), Some((new_name, to, new_rest))) =
-        (parse_server(old), parse_server(new))
-    else {
-        return Err(differs());
-    };
-    if old_name != new_name || old_rest != new_rest || unsafe_text(section.1) {
-        return Err(differs());
-    }
-    Ok((from != to).then(|| ServerChange {
-        backend: section.1.to_owned(),
-        server: new_name.to_owned(),
-        from,
-        to,
-    }))
-}
-
-/// Whether `haproxy.cfg` (`config`) uses the map file `path` only through the converters
-/// `map`, `map_str` and `map_beg`, and at least once. HAProxy indexes those lookups in trees
-/// (the exact key; the longest prefix), so the order of the entries does not change what a
-/// lookup finds, as long as no key is listed twice; a `map_reg` (first match in file order),
-/// an ACL's `-f` or any other use makes the order matter.
-pub fn order_free(config: &str, path: &str) -> bool {
-    let mut uses = 0;
-    // Every mention of `path`, found in the whole text at once (a 7 MB haproxy.cfg at 10,000
-    // Ingresses), then read in its line; comment lines name no map HAProxy uses.
-    for (at, _) in config.match_indices(path) {
-        let start = config[..at].rfind('\n').map_or(0, |newline| newline + 1);
-        let end = config[at..]
-            .find('\n')
-            .map_or(config.len(), |newline| at + newline);
-        let line = config[start..end]
-            .strip_suffix('\r')
-            .unwrap_or(&config[start..end]);
-        if line.trim_start().starts_with('#') {
-            continue;
-        }
-        if !order_free_use(line, at - start, path) {
-            return false;
-        }
-        uses += 1;
-    }
-    uses > 0
-}
-
-/// Whether the mention of `path` at `at` in `line` is an argument of `map`, `map_str` or
-/// `map_beg`.
-fn order_free_use(line: &str, at: usize, path: &str) -> bool {
-    let before = &line[..at];
-    let after = line[at + path.len()..].chars().next();
-    let converter = ["map(", "map_str(", "map_beg("]
-        .iter()
-        .find(|c| before.ends_with(*c))
-        .and_then(|c| before[..before.len() - c.len()].chars().next_back());
-    // A converter follows a fetch or another converter: `,map(...)` or `(map(...)`.
-    matches!(converter, Some(',' | ' ' | '(')) && matches!(after, Some(')' | ','))
+    hitless::config_changes_from_hunks(live, new, hunks).map_err(Error::NeedsReload)
 }
 
 /// What would make `new` live from `live` at run time, or why it needs a reload.
@@ -538,27 +296,6 @@ pub fn unnamed(config: &str, path: &str) -> bool {
                         && [directory, "."].contains(&word.trim_end_matches('/')))
             })
         })
-}
-
-/// The entries of a map file, as HAProxy reads one: leading blanks skipped, `#` lines and
-/// blank lines left out, the key up to the first blank, the value the rest of the line
-/// without its leading and trailing blanks.
-pub fn map_entries(text: &str) -> Vec<(&str, &str)> {
-    // Split on `\n`, then on a rare `\r`: each a memchr, where a pattern of two characters
-    // steps through the 10,000 lines of a map character by character.
-    text.split('\n')
-        .flat_map(|line| line.split('\r'))
-        .filter_map(|line| {
-            let line = line.trim_start_matches(|c: char| c.is_ascii_whitespace());
-            if line.is_empty() || line.starts_with('#') {
-                return None;
-            }
-            let (key, value) = line
-                .split_once(|c: char| c.is_ascii_whitespace())
-                .unwrap_or((line, ""));
-            Some((key, value.trim_matches([' ', '\t'])))
-        })
-        .collect()
 }
 
 /// The SHA-1 fingerprint (uppercase hex, as `show ssl cert` prints it) of the first
@@ -1565,6 +1302,7 @@ async fn update_cert(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::SocketAddr;
 
     /// A `haproxy.cfg` of 60 backends of 3 servers (over the size a delta patches rather than
     /// sends whole), with `server` rewriting each server line.

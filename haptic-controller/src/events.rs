@@ -237,7 +237,8 @@ pub struct GateVerdict {
     pub checksum: String,
     /// The config generation it was rendered with.
     pub config_generation: i64,
-    /// `None`: `haproxy -c` accepted it; otherwise why it was refused.
+    /// `None`: `haproxy -c` accepted it, or a set it accepted that differs from it only in
+    /// server slots and map entries (`render_gate::passes_as`); otherwise why it was refused.
     pub refused: Option<String>,
 }
 

@@ -16,6 +16,13 @@
 //! programs, external checks or files outside the set unless allowed), so a set the policy
 //! refuses never runs `haproxy -c` here and never leaves the controller.
 //!
+//! A render that differs from the last set `haproxy -c` passed only in what the agents change
+//! at run time with no check (server slots' addresses, weights and states; entries of maps
+//! looked up by key or prefix: [`passes_as`]) passes as that one did, at once: no `haproxy -c`
+//! runs for it, and a check of an older render in progress is dropped. A stream of new routes
+//! on spare backends and endpoint changes then runs no check at all (at 10,000 Ingresses each
+//! check is seconds of a core).
+//!
 //! A refusal is traced to the object that produced the refused line or file (the set's
 //! provenance: a per-Secret certificate file, a map or crt-list line of an Ingress, a
 //! backend of a Service); when one is found, the gate asks the coordinator to render again
@@ -39,7 +46,7 @@ use haptic_eventbus::Filter;
 use haptic_leadership::LeaderContext;
 use haptic_render::FileSet;
 use tokio::process::Command;
-use tracing::{Instrument as _, error, info, warn};
+use tracing::{Instrument as _, debug, error, info, warn};
 
 use crate::events::{ControllerEvent, Exclusion, GateVerdict, Kind, PodOutcome, RenderedSet};
 
@@ -99,6 +106,8 @@ pub fn component(
         // waiting is checked next.
         let mut checking: Option<(Arc<RenderedSet>, Check, tokio::time::Instant, Priority)> = None;
         let mut waiting: Option<Arc<RenderedSet>> = None;
+        // The newest set that passed `haproxy -c` (or passed as one that did, `passes_as`).
+        let mut last_pass: Option<Arc<RenderedSet>> = None;
         // A pod failed an apply since the last check at full priority ended.
         let mut urgent = false;
         // No check starts before this while the gate is open (`OPEN_REST_FACTOR`).
@@ -139,7 +148,17 @@ pub fn component(
                     }
                     let now = tokio::time::Instant::now();
                     rest_until = now + (now - started) * OPEN_REST_FACTOR;
+                    let passed = refused.is_none();
                     verdict(&ctx, &set, refused, &mut open, &mut reported);
+                    if passed {
+                        last_pass = Some(set);
+                        // The render that waited for this check may need none.
+                        if let Some(newer) = waiting.take()
+                            && !inherit(&ctx, &mut last_pass, &newer, (&mut open, &mut reported)).await
+                        {
+                            waiting = Some(newer);
+                        }
+                    }
                 }
                 () = tokio::time::sleep_until(rest_until), if resting => {}
                 report = deployed.recv() => {
@@ -161,12 +180,104 @@ pub fn component(
                 event = renders.recv() => {
                     let Some(event) = event else { return };
                     if let Some(set) = admit(&ctx, &settings, event, &mut renders, (&mut term, &mut open, &mut reported, &mut passed)).await {
-                        waiting = Some(set);
+                        if inherit(&ctx, &mut last_pass, &set, (&mut open, &mut reported)).await {
+                            // The newest render passed: the check of an older one, running or
+                            // waiting, would only report on a set nobody deploys any more.
+                            checking = None;
+                            waiting = None;
+                        } else {
+                            waiting = Some(set);
+                        }
                     }
                 }
             }
         }
     }
+}
+
+/// Gives `set` the verdict of `last_pass` when it differs from it only in what passes as it
+/// did ([`passes_as`], read off the async threads): a pass, with no `haproxy -c`. Returns
+/// whether it did; `set` is then the last pass.
+async fn inherit(
+    ctx: &LeaderContext<ControllerEvent>,
+    last_pass: &mut Option<Arc<RenderedSet>>,
+    set: &Arc<RenderedSet>,
+    (open, reported): (&mut bool, &mut Option<String>),
+) -> bool {
+    let Some(passed) = last_pass.clone() else {
+        return false;
+    };
+    let compared = set.clone();
+    let inherits = tokio::task::spawn_blocking(move || passes_as(&passed.files, &compared.files))
+        .await
+        .unwrap_or(false);
+    if inherits {
+        set.span.in_scope(|| debug!(checksum = %set.checksum, "differs from the last set haproxy -c passed only in server slots and map entries; passes as it did"));
+        verdict(ctx, set, None, open, reported);
+        *last_pass = Some(set.clone());
+    }
+    inherits
+}
+
+/// Whether `set` differs from `passed` (a set `haproxy -c` passed) only in what an agent
+/// changes through HAProxy's runtime API with no check ([`haptic_agent_client::hitless`]),
+/// none of which can make HAProxy refuse the files: in `haproxy.cfg`, `server` lines of
+/// backends whose address (an IP and port), weight or state alone changed, each within
+/// HAProxy's word limit; other files, maps that `haproxy.cfg` reads only through `map`,
+/// `map_str` or `map_beg` (a string key, a string value: every line loads) and no crt-list
+/// names. The same paths in both. Such a set passes as `passed` did: in a stream of new
+/// routes on spare backends and endpoint changes at 10,000 Ingresses, `haproxy -c` (seconds
+/// of a core with 2,500 certificates) otherwise ran beside every change.
+pub fn passes_as(passed: &FileSet, set: &FileSet) -> bool {
+    use haptic_agent_client::{hitless, policy, protocol::MAIN_CONFIG};
+    if passed.len() != set.len() {
+        return false;
+    }
+    let Some(config) = set
+        .get(MAIN_CONFIG)
+        .and_then(|config| std::str::from_utf8(config).ok())
+    else {
+        return false;
+    };
+    // The crt-lists `haproxy.cfg` names (`crt-list <path>`, on its `bind` lines).
+    let crt_lists: Vec<&[u8]> = config
+        .lines()
+        .filter(|line| line.contains("crt-list"))
+        .flat_map(|line| {
+            let words: Vec<&str> = line.split_ascii_whitespace().collect();
+            words
+                .windows(2)
+                .filter(|pair| pair[0] == "crt-list")
+                .map(|pair| pair[1])
+                .collect::<Vec<_>>()
+        })
+        .filter_map(|path| set.get(path))
+        .collect();
+    set.iter().all(|(path, content)| {
+        let Some(before) = passed.get(path) else {
+            return false;
+        };
+        if before == content {
+            return true;
+        }
+        if path == MAIN_CONFIG {
+            let Ok(old) = std::str::from_utf8(before) else {
+                return false;
+            };
+            let hunks = line_hunks(old, config);
+            return hitless::config_changes_from_hunks(old, config, &hunks).is_ok()
+                && hunks
+                    .iter()
+                    .flat_map(|hunk| &hunk.insert)
+                    .all(|line| policy::long_lines(line).is_empty());
+        }
+        std::str::from_utf8(content).is_ok()
+            && hitless::order_free(config, path)
+            && !crt_lists.iter().any(|list| {
+                list.windows(path.len())
+                    .any(|window| window == path.as_bytes())
+            })
+    })
 }
 
 /// A check in progress: HAProxy's refusal, or none.

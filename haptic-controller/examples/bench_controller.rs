@@ -264,6 +264,35 @@ async fn quiesce(agents: &[Agent]) -> Duration {
     quiet.elapsed()
 }
 
+/// Waits (at most 120 s) until the leader's render gate gave its first verdict of the term
+/// (`haptic_validation_total{stage="render"}`): its first `haproxy -c` of the whole set (seconds
+/// of a core at 10,000 Ingresses with 2,500 certificates, longer while the first deployment
+/// runs beside it) then no longer runs beside the changes, which measure the steady state.
+/// Returns how long it waited.
+async fn gate_settled(replica: &Controller) -> Duration {
+    let waited = Instant::now();
+    loop {
+        let verdicts = replica.metrics().await.map(|page| {
+            page.lines()
+                .filter(|line| {
+                    line.starts_with("haptic_validation_total{")
+                        && line.contains("stage=\"render\"")
+                })
+                .filter_map(|line| line.split_whitespace().last()?.parse::<f64>().ok())
+                .sum::<f64>()
+        });
+        if verdicts.is_some_and(|verdicts| verdicts >= 1.0) {
+            break;
+        }
+        if waited.elapsed() > Duration::from_secs(120) {
+            eprintln!("the render gate gave no verdict within 120 s");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    waited.elapsed()
+}
+
 async fn all_reloads(agents: &[Agent]) -> u64 {
     let mut total = 0;
     for agent in agents {
@@ -747,6 +776,15 @@ async fn main() {
         // No apply in flight when the leader's histograms are read: one that started with the
         // first deployment (a whole set, seconds) would count among the changes' applies.
         quiesce(&fleet).await;
+        let gate_wait = gate_settled(&replicas[lead_at]).await;
+        eprintln!(
+            "  the render gate's first verdict {} ms after the fleet was quiet",
+            gate_wait.as_millis()
+        );
+        json.insert(
+            format!("gate_settled_wait_{n}_ms"),
+            json!(gate_wait.as_millis() as u64),
+        );
         let spans_before = leader_spans(&replicas[lead_at]).await;
         let cpu_before = cpu_by_kind(lead_pid, follow_pid);
         let run = changes(

@@ -2,7 +2,9 @@
 //! [STORE] [RUNS]` loads `fixtures::generate(INGRESSES)`, renders once (the views built), then
 //! RUNS times changes STORE's middle resource (`ingresses`, `services`, `endpointslices` or
 //! `secrets`: a label, and for an EndpointSlice its first endpoint's readiness, as the
-//! `render_event` bench changes them), back and forth, and renders. It prints the median wall
+//! `render_event` bench changes them), back and forth, and renders; STORE `new` adds a new
+//! Service, its EndpointSlice and an Ingress routing a new host to it each round (HAPTIC's
+//! protocol: the render that takes a spare backend of the pool). It prints the median wall
 //! clock, this thread's CPU time, the views' refresh and the checksum's part (hashed on from
 //! where the set differs from the last, as the controller renders), and the checksum of the
 //! last changed set (a change that should give the same bytes must print the same one).
@@ -52,6 +54,38 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut last = renderer.render(&stores)?;
     println!("checksum {}", last.checksum_hex());
     let half = n / 2;
+    if store == "new" {
+        let (mut wall, mut cpu, mut refresh, mut checksum) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for round in 0..runs.max(1) {
+            for (store, resource) in new_route(&format!("new-{round}")) {
+                stores
+                    .get_mut(store)
+                    .ok_or_else(|| format!("no store {store}"))?
+                    .apply(&resource)?;
+            }
+            let (started, on_cpu) = (Instant::now(), thread_cpu());
+            last = changed_render(&renderer, &stores, &last)?;
+            wall.push(started.elapsed());
+            if let (Some(before), Some(after)) = (on_cpu, thread_cpu()) {
+                cpu.push(after.saturating_sub(before));
+            }
+            let timings = renderer.last_timings();
+            refresh.push(timings.refresh);
+            checksum.push(timings.checksum);
+        }
+        println!("checksum after the last change {}", last.checksum_hex());
+        let ms = |times: Vec<Duration>| middle(times).as_secs_f64() * 1e3;
+        println!(
+            "{n} Ingresses, a new Service, EndpointSlice and Ingress a round, median of {}: {:.1} ms wall, {:.1} ms on this thread's CPU, refresh {:.1} ms, checksum {:.1} ms",
+            wall.len(),
+            ms(wall),
+            ms(cpu),
+            ms(refresh),
+            ms(checksum)
+        );
+        return Ok(());
+    }
     let resource = match store.as_str() {
         "ingresses" => fixture.ingresses.get(half),
         "services" => fixture.services.get(half),
@@ -89,4 +123,43 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ms(checksum)
     );
     Ok(())
+}
+
+/// A new Service `name` (created after every fixture one), its EndpointSlice with one ready
+/// endpoint, and an Ingress routing `<name>.example` to it.
+fn new_route(name: &str) -> [(&'static str, serde_json::Value); 3] {
+    let namespace = "fresh";
+    [
+        (
+            "services",
+            serde_json::json!({
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": {"namespace": namespace, "name": name,
+                             "creationTimestamp": "2030-01-01T00:00:00Z"},
+                "spec": {"ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}]},
+            }),
+        ),
+        (
+            "endpointslices",
+            serde_json::json!({
+                "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"namespace": namespace, "name": format!("{name}-1"),
+                             "labels": {"kubernetes.io/service-name": name}},
+                "addressType": "IPv4",
+                "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+                "endpoints": [{"addresses": ["10.250.0.1"], "conditions": {"ready": true}}],
+            }),
+        ),
+        (
+            "ingresses",
+            serde_json::json!({
+                "apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
+                "metadata": {"namespace": namespace, "name": name},
+                "spec": {"ingressClassName": fixtures::FIXTURE_CLASS, "rules": [{"host": format!("{name}.example"), "http": {"paths": [
+                    {"path": "/", "pathType": "Prefix",
+                     "backend": {"service": {"name": name, "port": {"number": 80}}}},
+                ]}}]},
+            }),
+        ),
+    ]
 }

@@ -18,7 +18,7 @@
 //!     .with("haproxy.cfg", "global\ndefaults\n  mode http\n")?
 //!     .with("maps/hosts.map", "example.com be_example\n")?;
 //! let request = ApplyRequest::new(7, "haptic-0", 1, files)?;
-//! assert_eq!(request.checksum.len(), 64);
+//! assert!(request.checksum.starts_with("v2-"));
 //!
 //! let client = AgentClient::new(ClientConfig::new("secret-token"))?;
 //! let prepared = client.prepare(&request); // encoded once, sent to every pod
@@ -35,4 +35,4 @@ pub mod tls;
 
 pub use client::{AgentClient, ApplyReport, ClientConfig, Error, Outcome, PodResult, Target};
 pub use policy::{Policy, PolicyError, Roles, Violation};
-pub use protocol::{AgentState, ApplyRequest, ApplyResponse, DeltaRequest, FileSet, Timing};
+pub use protocol::{AgentState, ApplyRequest, ApplyResponse, DeltaRequest, FileSet, Form, Timing};

@@ -24,6 +24,7 @@ use std::{collections::BTreeMap, fmt};
 
 use base64::Engine as _;
 use bytes::Bytes;
+pub use haptic_checksum::Form;
 use serde::{Deserialize, Serialize};
 
 /// Path of the apply endpoint.
@@ -198,10 +199,18 @@ pub fn validate_leader(leader: &str) -> Result<()> {
 #[derive(Clone, Default)]
 pub struct FileSet {
     files: BTreeMap<String, Bytes>,
-    /// The checksum once computed, with the hasher's states along its stream (a set made
-    /// from this one by a delta hashes only from where it differs: [`FileSet::checksum_following`]);
-    /// emptied by every change of the files.
-    hashed: std::sync::OnceLock<haptic_checksum::Hashed>,
+    /// The checksum in each form ([`Form::V2`] first) once computed, with what it keeps to
+    /// hash a later set from (a set made from this one by a delta hashes only what differs:
+    /// [`FileSet::checksum_following`]); emptied by every change of the files.
+    hashed: [std::sync::OnceLock<haptic_checksum::Hashed>; 2],
+}
+
+/// Where [`FileSet`] keeps its checksum in `form`.
+fn slot(form: Form) -> usize {
+    match form {
+        Form::V2 => 0,
+        Form::V1 => 1,
+    }
 }
 
 impl PartialEq for FileSet {
@@ -235,7 +244,7 @@ impl FileSet {
         if self.files.contains_key(&path) || self.conflicts(&path) {
             return Err(Error::Conflict { path });
         }
-        self.hashed.take();
+        self.forget_checksums();
         self.files.insert(path, content.into());
         Ok(())
     }
@@ -261,8 +270,10 @@ impl FileSet {
         let path = path.into();
         match self.files.get_mut(&path) {
             Some(existing) => {
-                self.hashed.take();
                 *existing = content.into();
+                self.hashed
+                    .iter_mut()
+                    .for_each(|hashed| drop(hashed.take()));
                 Ok(())
             }
             None => self.insert(path, content),
@@ -271,7 +282,7 @@ impl FileSet {
 
     /// Removes the file at `path`; whether the set held it.
     pub fn remove(&mut self, path: &str) -> bool {
-        self.hashed.take();
+        self.forget_checksums();
         self.files.remove(path).is_some()
     }
 
@@ -323,22 +334,35 @@ impl FileSet {
         self.files.values().map(Bytes::len).sum()
     }
 
-    /// The set's checksum; see [`checksum`]. Computed once (kept until the files change).
-    pub fn checksum(&self) -> String {
+    fn forget_checksums(&mut self) {
         self.hashed
-            .get_or_init(|| haptic_checksum::hash(self.pairs()))
+            .iter_mut()
+            .for_each(|hashed| drop(hashed.take()));
+    }
+
+    /// The set's checksum in the current form; see [`checksum`]. Computed once (kept until
+    /// the files change).
+    pub fn checksum(&self) -> String {
+        self.checksum_as(Form::V2)
+    }
+
+    /// The set's checksum in `form` (the form a request's checksum is in:
+    /// [`Form::of`]). Computed once (kept until the files change).
+    pub fn checksum_as(&self, form: Form) -> String {
+        self.hashed[slot(form)]
+            .get_or_init(|| haptic_checksum::hash_as(form, self.pairs()))
             .hex()
     }
 
-    /// The set's checksum, as [`FileSet::checksum`] gives it, hashed only from about where
-    /// this set first differs from `base` when `base` knows its own
+    /// The set's checksum in `form`, as [`FileSet::checksum_as`] gives it, hashed only from
+    /// what differs from `base` when `base` knows its own in that form
     /// ([`haptic_checksum::hash_following`]; unchanged files that share `base`'s bytes are not
     /// even read): an agent's set after a delta that changed a few lines of a map.
-    pub fn checksum_following(&self, base: &FileSet) -> String {
-        self.hashed
-            .get_or_init(|| match base.hashed.get() {
+    pub fn checksum_following(&self, form: Form, base: &FileSet) -> String {
+        self.hashed[slot(form)]
+            .get_or_init(|| match base.hashed[slot(form)].get() {
                 Some(hashed) => haptic_checksum::hash_following(self.pairs(), base.pairs(), hashed),
-                None => haptic_checksum::hash(self.pairs()),
+                None => haptic_checksum::hash_as(form, self.pairs()),
             })
             .hex()
     }
@@ -350,14 +374,19 @@ impl FileSet {
     }
 }
 
-/// The checksum of a file set: lowercase hex SHA-256 over, for each file in byte order of its
-/// path, the path's length as a big-endian u64, the path's UTF-8 bytes, the content length
-/// as a big-endian u64, and the content. It is the framing of `haptic-render`'s `FileSet`
-/// checksum, so a rendered set's `checksum_hex()` can be sent as is. `files` must come in
-/// path order (a [`FileSet`] iterates that way); the agent recomputes it from disk the same
-/// way.
+/// The checksum of a file set in the current form ([`Form::V2`]: `v2-` and 64 lowercase hex
+/// digits; the forms are [`haptic_checksum`]'s). It is `haptic-render`'s `FileSet` checksum,
+/// so a rendered set's `checksum_hex()` can be sent as is. `files` must come in path order (a
+/// [`FileSet`] iterates that way); the agent recomputes it from disk the same way.
 pub fn checksum<'a>(files: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> String {
     haptic_checksum::hash(files).hex()
+}
+
+/// The checksum of a file set in `form` ([`checksum`] in the current form). An agent checks
+/// and records a set's checksum in the form it was sent in: a controller older than the
+/// second form sends and expects [`Form::V1`].
+pub fn checksum_as<'a>(form: Form, files: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> String {
+    haptic_checksum::hash_as(form, files).hex()
 }
 
 /// One apply: who sends it, under which fencing epoch, and the whole set.
@@ -515,7 +544,7 @@ impl WireApply {
             files.insert(path, content)?;
         }
         files.validate()?;
-        let actual = files.checksum();
+        let actual = files.checksum_as(Form::of(&self.checksum).unwrap_or(Form::V2));
         if actual != self.checksum {
             return Err(Error::Checksum {
                 claimed: self.checksum,
@@ -803,7 +832,8 @@ impl DeltaRequest {
             files.put(path.clone(), apply_hunks(path, base_content, hunks)?)?;
         }
         files.validate()?;
-        let actual = files.checksum_following(base);
+        let form = Form::of(&self.checksum).unwrap_or(Form::V2);
+        let actual = files.checksum_following(form, base);
         if actual != self.checksum {
             return Err(Error::Checksum {
                 claimed: self.checksum.clone(),
@@ -859,12 +889,10 @@ pub struct WirePatch {
     pub hunks: Vec<Hunk>,
 }
 
-/// Whether `checksum` is a set checksum as [`checksum`] writes it: 64 lowercase hex digits.
+/// Whether `checksum` is a set checksum in either form ([`checksum_as`]): 64 lowercase hex
+/// digits, after `v2-` in the second form.
 pub fn is_checksum(checksum: &str) -> bool {
-    checksum.len() == 64
-        && checksum
-            .bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    Form::of(checksum).is_some()
 }
 
 /// The JSON body of `POST /v1/apply-delta`.
@@ -901,7 +929,9 @@ impl WireDelta {
             if !is_checksum(claimed) {
                 return Err(Error::Checksum {
                     claimed: claimed.chars().take(80).collect(),
-                    actual: "not 64 lowercase hex digits".to_owned(),
+                    actual:
+                        "not a checksum (64 lowercase hex digits, after `v2-` in the second form)"
+                            .to_owned(),
                 });
             }
         }
@@ -1554,12 +1584,36 @@ mod tests {
             .and_then(|s| s.with("haproxy.cfg", "global\n"))
             .expect("set");
         assert_eq!(
-            files.checksum(),
+            files.checksum_as(Form::V1),
             "dc1031d2a755ad712a8a84e8c4e6b31de9900376d7136e510cffbc73cdcb2031"
         );
         assert_eq!(
-            FileSet::new().checksum(),
+            FileSet::new().checksum_as(Form::V1),
             "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+        );
+        // The second form: sha256 of u64be(len) path u64be(len) sha256(bytes), in path order
+        // (files this small are one chunk).
+        let mut stream = Vec::new();
+        for (path, content) in [
+            ("haproxy.cfg", "global\n"),
+            ("maps/hosts.map", "a.example be_a\n"),
+        ] {
+            stream.extend((path.len() as u64).to_be_bytes());
+            stream.extend(path.as_bytes());
+            stream.extend((content.len() as u64).to_be_bytes());
+            stream.extend(<sha2::Sha256 as sha2::Digest>::digest(content.as_bytes()));
+        }
+        let want = format!(
+            "v2-{}",
+            hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&stream))
+        );
+        assert_eq!(files.checksum(), want);
+        assert_eq!(checksum(files.iter().map(|(p, c)| (p, c.as_ref()))), want);
+        // Each form of a set is kept apart.
+        assert_eq!(files.checksum_as(Form::V2), want);
+        assert_eq!(
+            files.checksum_as(Form::V1),
+            "dc1031d2a755ad712a8a84e8c4e6b31de9900376d7136e510cffbc73cdcb2031"
         );
     }
 
@@ -1568,7 +1622,13 @@ mod tests {
         let a = checksum([("ab", b"c".as_slice())]);
         let b = checksum([("a", b"bc".as_slice())]);
         assert_ne!(a, b);
+        assert_eq!(a.len(), 67);
+        assert!(is_checksum(&a));
+        let a = checksum_as(Form::V1, [("ab", b"c".as_slice())]);
+        let b = checksum_as(Form::V1, [("a", b"bc".as_slice())]);
+        assert_ne!(a, b);
         assert_eq!(a.len(), 64);
+        assert!(is_checksum(&a));
     }
 
     #[test]

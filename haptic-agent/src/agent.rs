@@ -8,7 +8,7 @@ use std::{
 };
 
 use haptic_agent_client::{
-    AgentState, ApplyRequest, ApplyResponse, DeltaRequest, FileSet, Roles, Timing,
+    AgentState, ApplyRequest, ApplyResponse, DeltaRequest, FileSet, Form, Roles, Timing,
     protocol::{MAIN_CONFIG, MAX_FENCE_STEP, MAX_VIOLATIONS, ReloadRecord},
 };
 use tokio::{sync::Mutex, time::Instant};
@@ -45,7 +45,7 @@ pub enum Error {
     /// A blocking task panicked or was cancelled.
     #[error("internal task failed: {0}")]
     Task(String),
-    /// The request is malformed (its checksum is not 64 lowercase hex digits, or does not
+    /// The request is malformed (its checksum is in neither form, or does not
     /// match its files); nothing was written.
     #[error("bad request: {0}")]
     BadRequest(String),
@@ -180,24 +180,19 @@ async fn blocking<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) 
 ///
 /// [`FileSet::checksum`]: haptic_agent_client::FileSet::checksum
 fn check_request(request: ApplyRequest) -> Result<ApplyRequest> {
-    let well_formed = request.checksum.len() == 64
-        && request
-            .checksum
-            .bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-    if !well_formed {
+    let Some(form) = Form::of(&request.checksum) else {
         return Err(Error::BadRequest(format!(
-            "checksum {:?} is not 64 lowercase hex digits",
+            "checksum {:?} is not 64 lowercase hex digits (after `v2-` in the second form)",
             request.checksum.chars().take(80).collect::<String>()
         )));
-    }
+    };
     request
         .files
         .validate()
         .map_err(|error| Error::BadRequest(error.to_string()))?;
     haptic_agent_client::protocol::validate_leader(&request.leader)
         .map_err(|error| Error::BadRequest(error.to_string()))?;
-    let actual = request.files.checksum();
+    let actual = request.files.checksum_as(form);
     if actual != request.checksum {
         return Err(Error::BadRequest(format!(
             "checksum mismatch: request says {}, files hash to {actual}",
@@ -413,7 +408,7 @@ impl Agent {
         self.shared.metrics.count_live_set_read();
         let set = blocking(move || -> Result<HeldSet> {
             let (files, stamps) = store.read_set_stamped(&read_name)?;
-            let checksum = files.checksum();
+            let checksum = files.checksum_as(store.checksum_form(&read_name));
             let recorded = store.meta(&read_name).map(|meta| meta.checksum);
             if recorded.as_deref() != Some(checksum.as_str()) {
                 warn!(set = %read_name, ?recorded, on_disk = %checksum, "the live set's files do not hash to the checksum recorded for it");
@@ -472,7 +467,7 @@ impl Agent {
     /// Applies a whole set. Runs to completion even when the caller stops waiting (the work
     /// happens in its own task), so a dropped connection never leaves a half-done swap.
     ///
-    /// The request's checksum must be 64 lowercase hex digits and match its files (as the
+    /// The request's checksum must be in either form and match its files (as the
     /// HTTP API checks; a library caller is held to the same rule): otherwise
     /// [`Error::BadRequest`] and nothing is written.
     pub async fn apply(&self, request: ApplyRequest) -> Result<ApplyResponse> {
@@ -849,14 +844,22 @@ impl Agent {
         let shared = &self.shared;
         let phase = Instant::now();
         let (old, new) = (live.clone(), request.files.clone());
-        let planned = blocking(move || match changed {
-            Some((live_checksum, changed)) => {
-                runtime::plan_changed(&old, &live_checksum, &new, &changed)
-            }
-            None => runtime::plan(&old, &new),
+        let planned = blocking(move || {
+            let plan = match changed {
+                Some((live_checksum, changed)) => {
+                    runtime::plan_changed(&old, &live_checksum, &new, &changed)
+                }
+                None => runtime::plan(&old, &new),
+            };
+            // The very files under the checksum's other form (a controller of the other
+            // form now leads): nothing for HAProxy, the set recorded under its new name.
+            plan.map(|plan| {
+                let same_files = plan.is_empty() && old == new;
+                (plan, same_files)
+            })
         });
         let plan = match planned.await? {
-            Ok(plan) if !plan.is_empty() => plan,
+            Ok((plan, same_files)) if !plan.is_empty() || same_files => plan,
             Ok(_) => return Ok(Runtime::Skipped),
             Err(error) => {
                 info!(%error, "not a runtime change");
@@ -992,7 +995,10 @@ impl Agent {
             Err(error) => {
                 // HAProxy runs what the disk does not hold: load the live set again.
                 warn!(%error, "writing the set after its runtime change failed; reloading the live set");
-                let live_checksum = live.checksum();
+                let live_checksum = match self.held(live_name) {
+                    Some(held) => held.checksum.clone(),
+                    None => live.checksum_as(self.shared.store.checksum_form(live_name)),
+                };
                 let _ = self.load_settled(&live_checksum).await;
                 return Err(error);
             }

@@ -23,7 +23,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use haptic_agent_client::FileSet;
+use haptic_agent_client::{FileSet, Form};
 use serde::{Deserialize, Serialize};
 
 /// Errors of this module.
@@ -473,12 +473,24 @@ impl SetStore {
 
     /// The checksum of set `name`, recomputed from the files on disk: those its metadata
     /// lists (what HAProxy writes beside them does not count), or every regular file of its
-    /// directory for a set whose metadata lists none.
+    /// directory for a set whose metadata lists none; in the form of the checksum recorded
+    /// for it ([`Store::checksum_form`]).
     pub fn checksum_on_disk(&self, name: &str) -> Result<String> {
         let files = self.read_files(name)?;
-        Ok(haptic_agent_client::protocol::checksum(files.iter().map(
-            |(path, content)| (path.as_str(), content.as_slice()),
-        )))
+        Ok(haptic_agent_client::protocol::checksum_as(
+            self.checksum_form(name),
+            files
+                .iter()
+                .map(|(path, content)| (path.as_str(), content.as_slice())),
+        ))
+    }
+
+    /// The form of the checksum recorded for set `name` (a set applied by a controller older
+    /// than the second form has one in the first); the current form when none is recorded.
+    pub fn checksum_form(&self, name: &str) -> Form {
+        self.meta(name)
+            .and_then(|meta| Form::of(&meta.checksum))
+            .unwrap_or(Form::V2)
     }
 
     /// The files of set `name` as they are on disk (those its metadata lists, or every

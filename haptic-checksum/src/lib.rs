@@ -1,37 +1,95 @@
 //! The checksum of a HAPTIC file set, in one place for the renderer (`haptic-render`'s
-//! `FileSet`) and the agent protocol (`haptic-agent-client`'s): SHA-256 over, for each file in
-//! byte order of its path, the path's length as a big-endian u64, the path's UTF-8 bytes, the
-//! content's length as a big-endian u64 and the content.
+//! `FileSet`) and the agent protocol (`haptic-agent-client`'s). It has two forms, told apart
+//! by their text ([`Form::of`]):
 //!
-//! SHA-256 is one stream: nothing of it can be kept for the files that did not change. What
-//! can be kept is the hasher's state every [`CHECKPOINT`] bytes of the stream ([`Hashed`]): a
-//! set that starts with the same bytes as the one before ([`hash_following`]) is hashed from
-//! the last state before its first difference, and gets the very checksum a hash of the whole
-//! set gives. At 10,000 Ingresses the set is about 12 MB, 6-8 ms of SHA-256 on this
-//! project's 2-vCPU machine; a render after an Ingress event differs from the set before
-//! near the end of its maps, and hashes about 1 MB of it.
+//! - [`Form::V2`] (what [`hash`] gives; `v2-` and 64 lowercase hex digits): SHA-256 over one
+//!   record per file, in byte order of its path, of the path's length as a big-endian u64, the
+//!   path's UTF-8 bytes, the content's length as a big-endian u64 and the content's digest,
+//!   itself built from chunks cut at line ends chosen by their bytes (module [`v2`]'s
+//!   documentation has the rules). An edit hashes again the chunks it touches and the
+//!   records: a new server line in the 7 MB `haproxy.cfg` of a 10,000-Ingress set is 16-64 KiB
+//!   of SHA-256 and a 200 KB record stream.
+//! - [`Form::V1`] (64 lowercase hex digits), which agents and controllers before the second
+//!   form send and record: SHA-256 over, for each file in byte order of its path, the path's
+//!   length as a big-endian u64, the path's UTF-8 bytes, the content's length as a big-endian
+//!   u64 and the content. One stream: what can be kept of it is the hasher's state every
+//!   [`CHECKPOINT`] bytes, so a set that starts with the same bytes as the one before is hashed
+//!   from the last state before its first difference; but a file whose length changed is
+//!   hashed from its start, with every file after it (at 10,000 Ingresses: 9 MB, 6-8 ms on
+//!   this project's 2-vCPU machine, for a new server line in `haproxy.cfg`).
+//!
+//! Both forms of a set are the same whether hashed whole or from the set before
+//! ([`hash_following`]).
 
 use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
-/// How often the hasher's state is kept: every 64 KiB of the stream (about 190 states, 21 KB,
-/// for a 12 MB set).
+pub mod v2;
+
+/// How often the first form keeps the hasher's state: every 64 KiB of the stream (about 190
+/// states, 21 KB, for a 12 MB set).
 pub const CHECKPOINT: u64 = 64 * 1024;
 
-/// A set's checksum and the hasher's state at every [`CHECKPOINT`] of its stream
-/// (`states[i]`: after the first `(i + 1) * CHECKPOINT` bytes). Cheap to clone.
+/// What the second form's text starts with.
+pub const V2_PREFIX: &str = "v2-";
+
+/// The form of a checksum.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Form {
+    /// One SHA-256 stream over the length-framed paths and contents: 64 lowercase hex digits.
+    V1,
+    /// SHA-256 over the paths and each file's chunked digest: [`V2_PREFIX`] and 64 lowercase
+    /// hex digits.
+    V2,
+}
+
+impl Form {
+    /// The form a checksum's text is in; `None` when it is in neither.
+    pub fn of(checksum: &str) -> Option<Form> {
+        let hex64 = |s: &str| {
+            s.len() == 64
+                && s.bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        };
+        match checksum.strip_prefix(V2_PREFIX) {
+            Some(rest) if hex64(rest) => Some(Form::V2),
+            Some(_) => None,
+            None => hex64(checksum).then_some(Form::V1),
+        }
+    }
+
+    /// The form's name (`v1`, `v2`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Form::V1 => "v1",
+            Form::V2 => "v2",
+        }
+    }
+}
+
+/// What a checksum keeps to hash a later set from.
+#[derive(Clone)]
+enum Kept {
+    /// [`Form::V1`]: the hasher's state at every [`CHECKPOINT`] of the stream (`states[i]`:
+    /// after the first `(i + 1) * CHECKPOINT` bytes).
+    Stream(Arc<Vec<Sha256>>),
+    /// [`Form::V2`]: each file's digest and chunks, in path order.
+    Files(Arc<Vec<Arc<v2::FileHash>>>),
+}
+
+/// A set's checksum and what it keeps to hash a later set from. Cheap to clone.
 #[derive(Clone)]
 pub struct Hashed {
     digest: [u8; 32],
-    states: Arc<Vec<Sha256>>,
+    kept: Kept,
 }
 
 impl std::fmt::Debug for Hashed {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Hashed")
-            .field("digest", &self.hex())
-            .field("checkpoints", &self.states.len())
+            .field("checksum", &self.hex())
+            .field("checkpoints", &self.checkpoints())
             .finish()
     }
 }
@@ -42,42 +100,91 @@ impl Hashed {
         &self.digest
     }
 
-    /// The digest as 64 lowercase hex digits (the form the protocol sends).
-    pub fn hex(&self) -> String {
-        hex::encode(self.digest)
+    /// The checksum's form.
+    pub fn form(&self) -> Form {
+        match self.kept {
+            Kept::Stream(_) => Form::V1,
+            Kept::Files(_) => Form::V2,
+        }
     }
 
-    /// How many states are kept.
+    /// The checksum as the protocol sends it: 64 lowercase hex digits, after [`V2_PREFIX`] in
+    /// the second form.
+    pub fn hex(&self) -> String {
+        match self.kept {
+            Kept::Stream(_) => hex::encode(self.digest),
+            Kept::Files(_) => format!("{V2_PREFIX}{}", hex::encode(self.digest)),
+        }
+    }
+
+    /// How many states (first form) or file digests (second form) are kept.
     pub fn checkpoints(&self) -> usize {
-        self.states.len()
+        match &self.kept {
+            Kept::Stream(states) => states.len(),
+            Kept::Files(files) => files.len(),
+        }
     }
 }
 
-/// The checksum of `files` (in path order), hashed whole.
+impl From<v2::Files> for Hashed {
+    fn from(files: v2::Files) -> Self {
+        Hashed {
+            digest: files.digest,
+            kept: Kept::Files(files.files),
+        }
+    }
+}
+
+/// The checksum of `files` (in path order), in the second form, hashed whole.
 pub fn hash<'a>(files: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> Hashed {
+    v2::hash(files).into()
+}
+
+/// The checksum of `files` (in path order) in `form`, hashed whole.
+pub fn hash_as<'a>(form: Form, files: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> Hashed {
+    match form {
+        Form::V1 => hash_v1(files),
+        Form::V2 => hash(files),
+    }
+}
+
+/// The checksum of `files` (in path order), in the first form, hashed whole.
+pub fn hash_v1<'a>(files: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> Hashed {
     Feeder::new(Sha256::new(), 0, Vec::new()).all(files)
 }
 
-/// The checksum of `files` (in path order), as [`hash`] gives it, hashed only from about where
-/// its stream first differs from that of `previous` (in path order), whose checksum is
-/// `hashed`: from the last state `hashed` kept before that point. Contents are compared in
-/// 4 KiB blocks (two slices at the same address, such as shared `Bytes`, without reading
-/// them). `hashed` must be the checksum of `previous` (a wrong one gives a wrong checksum).
+/// The checksum of `files` (in path order) in the form of `hashed`, as [`hash_as`] gives it,
+/// hashed from `previous` (in path order), whose checksum `hashed` is: in the second form,
+/// each file from the one under its path before (not read at all when both share their
+/// bytes' address, such as shared `Bytes`; else only the chunks an edit touched); in the
+/// first, from the last state `hashed` kept before the stream's first difference (contents
+/// compared in 4 KiB blocks). `hashed` must be the checksum of `previous` (a wrong one gives
+/// a wrong checksum).
 pub fn hash_following<'a, 'b>(
     files: impl IntoIterator<Item = (&'a str, &'a [u8])> + Clone,
     previous: impl IntoIterator<Item = (&'b str, &'b [u8])>,
     hashed: &Hashed,
 ) -> Hashed {
+    let states = match &hashed.kept {
+        Kept::Files(kept) => {
+            let before = v2::Files {
+                digest: hashed.digest,
+                files: kept.clone(),
+            };
+            return v2::hash_following(files, previous, &before).into();
+        }
+        Kept::Stream(states) => states,
+    };
     let same = same_start(files.clone(), previous);
     let kept = usize::try_from(same / CHECKPOINT)
         .unwrap_or(usize::MAX)
-        .min(hashed.states.len());
-    let Some(state) = kept.checked_sub(1).and_then(|at| hashed.states.get(at)) else {
-        return hash(files);
+        .min(states.len());
+    let Some(state) = kept.checked_sub(1).and_then(|at| states.get(at)) else {
+        return hash_v1(files);
     };
-    let mut states = Vec::with_capacity(hashed.states.len() + 1);
-    states.extend(hashed.states.iter().take(kept).cloned());
-    Feeder::new(state.clone(), kept as u64 * CHECKPOINT, states).all(files)
+    let mut resumed = Vec::with_capacity(states.len() + 1);
+    resumed.extend(states.iter().take(kept).cloned());
+    Feeder::new(state.clone(), kept as u64 * CHECKPOINT, resumed).all(files)
 }
 
 /// How many leading bytes of the checksum's stream two sets surely share: at most the true
@@ -142,7 +249,7 @@ impl Feeder {
         }
         Hashed {
             digest: self.hasher.finalize().into(),
-            states: Arc::new(self.states),
+            kept: Kept::Stream(Arc::new(self.states)),
         }
     }
 
@@ -213,11 +320,35 @@ mod tests {
             stream.extend(content);
         }
         let want = hex::encode(Sha256::digest(&stream));
-        assert_eq!(hash([("a", &b"bc"[..]), ("d/e", b"")]).hex(), want);
+        assert_eq!(hash_v1([("a", &b"bc"[..]), ("d/e", b"")]).hex(), want);
         assert_eq!(
-            hash([]).hex(),
+            hash_v1([]).hex(),
             "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
         );
+    }
+
+    #[test]
+    fn the_second_form_is_the_documented_one() {
+        // Computed independently: sha256 of u64be(len) path u64be(len) sha256(bytes), in path
+        // order, for files of one chunk.
+        let mut stream = Vec::new();
+        for (path, content) in [("a", &b"bc"[..]), ("d/e", b"")] {
+            stream.extend((path.len() as u64).to_be_bytes());
+            stream.extend(path.as_bytes());
+            stream.extend((content.len() as u64).to_be_bytes());
+            stream.extend(Sha256::digest(content));
+        }
+        let want = format!("v2-{}", hex::encode(Sha256::digest(&stream)));
+        let got = hash([("a", &b"bc"[..]), ("d/e", b"")]);
+        assert_eq!(got.hex(), want);
+        assert_eq!(got.form(), Form::V2);
+        assert_eq!(Form::of(&want), Some(Form::V2));
+        assert_eq!(Form::of(&want[3..]), Some(Form::V1));
+        assert_eq!(Form::of(&want[..66]), None);
+        assert_eq!(Form::of(&want.to_uppercase()), None);
+        assert_eq!(Form::of(&format!("v3-{}", &want[3..])), None);
+        // The two forms of one set differ.
+        assert_ne!(hash_v1([("a", &b"bc"[..])]).digest(), got.digest());
     }
 
     proptest::proptest! {
@@ -228,12 +359,14 @@ mod tests {
         /// removed anywhere, a file added or removed; and so on over a chain of sets.
         #[test]
         fn a_checksum_resumed_is_the_checksum_of_the_whole(
+            second in proptest::bool::ANY,
             files in 1usize..6,
             size in 0usize..200_000,
             edits in proptest::collection::vec((0usize..8, 0usize..400_000, 0u8..4), 1..6),
         ) {
+            let form = if second { Form::V2 } else { Form::V1 };
             let mut current = generated(files, size, 1);
-            let mut previous = (current.clone(), hash(pairs(&current)));
+            let mut previous = (current.clone(), hash_as(form, pairs(&current)));
             for (file, at, kind) in edits {
                 let key = format!("f{:03}", file % (files + 1));
                 match kind {
@@ -251,7 +384,7 @@ mod tests {
                         }
                     }
                 }
-                let whole = hash(pairs(&current));
+                let whole = hash_as(form, pairs(&current));
                 let resumed = hash_following(pairs(&current), pairs(&previous.0), &previous.1);
                 proptest::prop_assert_eq!(resumed.hex(), whole.hex());
                 proptest::prop_assert_eq!(resumed.checkpoints(), whole.checkpoints());
@@ -263,14 +396,14 @@ mod tests {
     #[test]
     fn a_set_that_changed_late_is_hashed_from_late() {
         let files = generated(3, 300_000, 7);
-        let before = hash(pairs(&files));
+        let before = hash_v1(pairs(&files));
         let mut after = files.clone();
         let last = after.get_mut("f002").unwrap();
         let end = last.len() - 10;
         last[end] ^= 1;
         // The stream is the same up to the last file's end: all 13 states are shared.
         let resumed = hash_following(pairs(&after), pairs(&files), &before);
-        assert_eq!(resumed.hex(), hash(pairs(&after)).hex());
+        assert_eq!(resumed.hex(), hash_v1(pairs(&after)).hex());
         assert_ne!(resumed.hex(), before.hex());
         assert_eq!(before.checkpoints(), 13);
         assert_eq!(same_start(pairs(&after), pairs(&files)) / CHECKPOINT, 13);

@@ -38,7 +38,8 @@ use std::{
 };
 
 use haptic_agent_client::{
-    AgentClient, ApplyRequest, ClientConfig, DeltaRequest, Error as ClientError, FileSet, Target,
+    AgentClient, ApplyRequest, ClientConfig, DeltaRequest, Error as ClientError, FileSet, Form,
+    Target,
     client::{ApplyReport, PreparedApply, PreparedDelta},
 };
 use haptic_eventbus::Filter;
@@ -113,6 +114,9 @@ struct Prepared {
     whole: Option<Arc<PreparedApply>>,
     /// Deltas by base checksum, encoded when a pod first needs one.
     deltas: BTreeMap<String, Arc<PreparedDelta>>,
+    /// The whole set with its checksum in the first form, and that checksum, encoded when a
+    /// pod whose agent is older than the second form first needs it.
+    whole_v1: Option<(Arc<PreparedApply>, String)>,
 }
 
 /// What one apply sends.
@@ -158,6 +162,9 @@ struct Scheduler {
     whole_next: BTreeSet<String>,
     /// Pods whose agent does not take deltas (older than them), with the URL it answered at.
     no_deltas: BTreeMap<String, String>,
+    /// Pods whose agent refused the second form of the checksum (older than it), with the URL
+    /// it answered at: they get whole sets with the first form's.
+    v1_only: BTreeMap<String, String>,
     /// What a pod's agent said it holds when it refused a delta's base (`base_mismatch`): the
     /// next delta's base, when this leader holds that set.
     found: BTreeMap<String, String>,
@@ -186,6 +193,7 @@ impl Scheduler {
             held: Vec::new(),
             whole_next: BTreeSet::new(),
             no_deltas: BTreeMap::new(),
+            v1_only: BTreeMap::new(),
             found: BTreeMap::new(),
         }
     }
@@ -241,6 +249,8 @@ impl Scheduler {
                 self.found.retain(|name, _| pods.pods.contains_key(name));
                 // A pod at a new address is a new agent: it may take deltas.
                 self.no_deltas
+                    .retain(|name, url| pods.pods.get(name).is_some_and(|pod| pod.url == *url));
+                self.v1_only
                     .retain(|name, url| pods.pods.get(name).is_some_and(|pod| pod.url == *url));
                 self.report();
             }
@@ -311,6 +321,19 @@ impl Scheduler {
     fn body_for(&mut self, pod: &str) -> Option<Body> {
         self.prepared()?;
         let client = self.client.clone()?;
+        if self.v1_only.contains_key(pod) {
+            let prepared = self.prepared.as_mut()?;
+            let (whole, _) = prepared.whole_v1.get_or_insert_with(|| {
+                let request = &prepared.request;
+                let checksum = request.files.checksum_as(Form::V1);
+                let v1 = ApplyRequest {
+                    checksum: checksum.clone(),
+                    ..ApplyRequest::clone(request)
+                };
+                (Arc::new(client.prepare(&v1)), checksum)
+            });
+            return Some(Body::Whole(whole.clone()));
+        }
         let takes_deltas = !self.whole_next.contains(pod) && !self.no_deltas.contains_key(pod);
         let known = self.live.get(pod).or_else(|| self.found.get(pod)).cloned();
         let prepared = self.prepared.as_mut()?;
@@ -416,8 +439,21 @@ impl Scheduler {
             request: request.clone(),
             whole: None,
             deltas: BTreeMap::new(),
+            whole_v1: None,
         });
         Some(request)
+    }
+
+    /// Whether `pod`'s live set, as its agent last answered, is `desired`: its checksum, or
+    /// (an agent older than the second form) the first form of it that was sent there.
+    fn runs(&self, pod: &str, desired: &RenderedSet) -> bool {
+        self.live.get(pod).is_some_and(|live| {
+            *live == desired.checksum
+                || self.prepared.as_ref().is_some_and(|prepared| {
+                    prepared.checksum == desired.checksum
+                        && prepared.whole_v1.as_ref().is_some_and(|(_, v1)| v1 == live)
+                })
+        })
     }
 
     fn target(&mut self, pod: &str) -> Option<Target> {
@@ -456,7 +492,7 @@ impl Scheduler {
             if settings.max_parallel > 0 && self.in_flight.len() >= settings.max_parallel {
                 break;
             }
-            if self.in_flight.contains(&pod) || self.live.get(&pod) == Some(&desired.checksum) {
+            if self.in_flight.contains(&pod) || self.runs(&pod, &desired) {
                 continue;
             }
             if let Some(f) = self.failed.get(&pod)
@@ -526,9 +562,7 @@ impl Scheduler {
         self.pods
             .pods
             .keys()
-            .filter(|p| {
-                !self.in_flight.contains(*p) && self.live.get(*p) != Some(&desired.checksum)
-            })
+            .filter(|p| !self.in_flight.contains(*p) && !self.runs(p, desired))
             .filter_map(|p| {
                 let interval = self.pacing.next(p, settings.min_deployment_interval);
                 let backoff = match self.failed.get(p) {
@@ -578,6 +612,24 @@ impl Scheduler {
                     self.found.remove(&pod);
                     self.whole_next.insert(pod.clone());
                 }
+                return true;
+            }
+            ClientError::Rejected {
+                status: 400,
+                message,
+            } if Form::of(&checksum) == Some(Form::V2)
+                && message.contains("checksum")
+                && !self.v1_only.contains_key(&pod) =>
+            {
+                // What an agent older than the second form says of one: whole sets with the
+                // first form's checksum, at once, until the pod's address changes.
+                info!(%pod, %message, "the agent refused a second-form checksum (an older agent): whole sets with first-form checksums from now on");
+                if let Some(url) = self.pods.pods.get(&pod).map(|p| p.url.clone()) {
+                    self.v1_only.insert(pod.clone(), url);
+                }
+                self.live.remove(&pod);
+                self.found.remove(&pod);
+                self.pacing.forget(&pod);
                 return true;
             }
             ClientError::DeltasUnsupported { status } => {
@@ -674,7 +726,7 @@ impl Scheduler {
             .pods
             .keys()
             .map(|p| {
-                let outcome = if self.live.get(p) == Some(&desired.checksum) {
+                let outcome = if self.runs(p, desired) {
                     PodOutcome::Live
                 } else if let Some(f) = self
                     .failed

@@ -27,14 +27,14 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// A rendered file set: `haproxy.cfg`, `maps/...`, general files and `ssl/...`.
 ///
-/// The checksum covers every path and its bytes, framed by their lengths, in path order: two
-/// sets have the same checksum exactly when they hold the same files with the same bytes
-/// ([`haptic_checksum`]).
+/// The checksum (in [`haptic_checksum`]'s second form) covers every path, its length and its
+/// bytes' digest, in path order: two sets have the same checksum exactly when they hold the
+/// same files with the same bytes.
 #[derive(Debug, Clone)]
 pub struct FileSet {
     files: BTreeMap<String, Vec<u8>>,
-    /// The checksum, and the hasher's states along its stream: a set that starts with the
-    /// same bytes ([`FileSet::following`]) hashes only from where it differs.
+    /// The checksum, and each file's chunked digest: a set made after this one
+    /// ([`FileSet::following`]) hashes only the chunks that differ.
     hashed: Hashed,
 }
 
@@ -57,10 +57,10 @@ impl FileSet {
         Self { files, hashed }
     }
 
-    /// The same set as [`FileSet::new`] gives, checksum included, hashing only from about
-    /// where its checksum's stream first differs from `previous`'s
-    /// ([`haptic_checksum::hash_following`]): a render that changed a line of the last map
-    /// hashes the end of the set, not all of it.
+    /// The same set as [`FileSet::new`] gives, checksum included, hashing only the chunks
+    /// of each file that differ from `previous`'s ([`haptic_checksum::hash_following`]): a
+    /// render that added a server line to `haproxy.cfg` hashes a chunk or two of it, not the
+    /// whole set.
     pub fn following(files: BTreeMap<String, Vec<u8>>, previous: &FileSet) -> Self {
         let hashed = haptic_checksum::hash_following(
             pairs(&files),
@@ -167,11 +167,13 @@ mod tests {
         assert_ne!(a.checksum(), set(&[("ab", "c")]).checksum());
         assert_ne!(a.checksum(), set(&[("a", "bd")]).checksum());
         assert_ne!(a.checksum(), set(&[("a", "bc"), ("b", "")]).checksum());
-        assert_eq!(a.checksum_hex().len(), 64);
+        // The second form: `v2-` and 64 hex digits.
+        assert_eq!(a.checksum_hex().len(), 67);
+        assert!(a.checksum_hex().starts_with("v2-"));
         // sha256 of the empty input: an empty set hashes nothing.
         assert_eq!(
             set(&[]).checksum_hex(),
-            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+            "v2-e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
         );
     }
 

@@ -27,7 +27,7 @@
 //! let files = renderer.render(&stores)?;
 //! assert_eq!(files.text("haproxy.cfg"), Some("backend shop_web_80\n"));
 //! assert_eq!(files.len(), 2);
-//! assert_eq!(files.checksum_hex().len(), 64);
+//! assert_eq!(files.checksum_hex().len(), 67); // `v2-` and 64 hex digits
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!

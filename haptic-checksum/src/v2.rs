@@ -1,0 +1,450 @@
+//! The second form of the set checksum: SHA-256 over one record per file, in byte order of
+//! its path, of the path's length as a big-endian u64, the path's UTF-8 bytes, the content's
+//! length as a big-endian u64 and the content's 32-byte digest ([`file_digest`]).
+//!
+//! A file's digest is built from chunks whose ends depend only on the bytes around them
+//! (line ends chosen by a hash of their line, [`chunk_end`]), so an edit anywhere in a file,
+//! one that changes its length included, changes only the chunks it touches: the chunks
+//! before it are kept, and those after it are found again by their starts, shifted by what
+//! the edit added or removed. A new server line in a 7 MB `haproxy.cfg` is a chunk or two
+//! (16-64 KiB) hashed again and a 200 KB record stream, where the first form hashes every
+//! byte from the start of `haproxy.cfg` to the end of the set.
+
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+
+/// A chunk is at least this long, unless the file ends first.
+pub const MIN_CHUNK: usize = 16 * 1024;
+/// A chunk is at most this long: cut here when no line end was chosen before.
+pub const MAX_CHUNK: usize = 64 * 1024;
+/// A line end at least [`MIN_CHUNK`] past the chunk's start ends the chunk when the hash of
+/// its line ([`line_hash`]) has these bits clear (one line in 32).
+const CUT_MASK: u64 = 31;
+/// Starts the digest of a file of more than one chunk: its chunks' digests follow.
+const CHUNKS_PREFIX: &[u8] = b"HAPTIC file chunks\n";
+
+/// One chunk of a file: where it ends (exclusive) and the SHA-256 of its bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Chunk {
+    end: usize,
+    digest: [u8; 32],
+}
+
+/// A file's digest and its chunks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct FileHash {
+    digest: [u8; 32],
+    chunks: Vec<Chunk>,
+}
+
+/// FNV-1a (64-bit) of a line: chooses which line ends end a chunk.
+fn line_hash(line: &[u8]) -> u64 {
+    line.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// Where the chunk of `bytes` that starts at `from` ends: the first line end (just past a
+/// `\n`) at least [`MIN_CHUNK`] after `from` whose line (from its start, or from `from`)
+/// hashes with [`CUT_MASK`]'s bits clear; else [`MAX_CHUNK`] after `from`; and never past the
+/// file's end. It reads only `bytes[from..]`, so two files whose bytes from their own `from`
+/// on are the same cut there alike.
+pub(crate) fn chunk_end(bytes: &[u8], from: usize) -> usize {
+    let len = bytes.len();
+    let max = from.saturating_add(MAX_CHUNK).min(len);
+    let first = from.saturating_add(MIN_CHUNK);
+    if first >= len {
+        return len;
+    }
+    // The line that holds byte `first - 1` starts after the last `\n` before it.
+    let window = bytes.get(from..first - 1).unwrap_or_default();
+    let mut line_start = memchr::memrchr(b'\n', window).map_or(from, |at| from + at + 1);
+    let mut search = first - 1;
+    while search < max {
+        let Some(found) = bytes
+            .get(search..max)
+            .and_then(|rest| memchr::memchr(b'\n', rest))
+        else {
+            break;
+        };
+        let end = search + found + 1;
+        if line_hash(bytes.get(line_start..end).unwrap_or_default()) & CUT_MASK == 0 {
+            return end;
+        }
+        line_start = end;
+        search = end;
+    }
+    max
+}
+
+fn sha(bytes: &[u8]) -> [u8; 32] {
+    Sha256::digest(bytes).into()
+}
+
+/// The digest of a file made of `chunks`: that of its only chunk (the SHA-256 of its bytes);
+/// of an empty file, the SHA-256 of nothing; else the SHA-256 of [`CHUNKS_PREFIX`] and its
+/// chunks' digests in order.
+fn digest_of(chunks: &[Chunk]) -> [u8; 32] {
+    match chunks {
+        [] => sha(b""),
+        [only] => only.digest,
+        many => {
+            let mut hasher = Sha256::new();
+            hasher.update(CHUNKS_PREFIX);
+            for chunk in many {
+                hasher.update(chunk.digest);
+            }
+            hasher.finalize().into()
+        }
+    }
+}
+
+/// Chunks `bytes` from `at` (a chunk's start) to its end, appending to `chunks`; stops early
+/// when `resume` finds, at a chunk start, the chunks that follow from there (already shifted
+/// to this file's offsets).
+fn chunk_from(
+    bytes: &[u8],
+    mut at: usize,
+    chunks: &mut Vec<Chunk>,
+    mut resume: impl FnMut(usize, &mut Vec<Chunk>) -> bool,
+) {
+    while at < bytes.len() {
+        if resume(at, chunks) {
+            return;
+        }
+        let end = chunk_end(bytes, at);
+        chunks.push(Chunk {
+            end,
+            digest: sha(bytes.get(at..end).unwrap_or_default()),
+        });
+        at = end;
+    }
+}
+
+/// The digest of a file, hashed whole.
+pub(crate) fn file_hash(bytes: &[u8]) -> FileHash {
+    let mut chunks = Vec::new();
+    chunk_from(bytes, 0, &mut chunks, |_, _| false);
+    FileHash {
+        digest: digest_of(&chunks),
+        chunks,
+    }
+}
+
+/// The digest of a file, as [`file_hash`] gives it, from `old` (the file before, whose
+/// digest is `hashed`): the chunks before the first byte that differs are kept, the chunks
+/// after the last one are found again where they start (shifted by the change of length),
+/// and only those in between are hashed.
+pub(crate) fn file_hash_following(bytes: &[u8], old: &[u8], hashed: &FileHash) -> FileHash {
+    if std::ptr::eq(bytes, old) || bytes == old {
+        return hashed.clone();
+    }
+    let prefix = same_prefix(bytes, old);
+    let suffix = same_suffix(bytes, old).min(bytes.len().min(old.len()) - prefix);
+    // A chunk that ends within the shared prefix, the file's last excepted (its end may be
+    // the file's), is cut the same in both.
+    let kept = hashed
+        .chunks
+        .partition_point(|chunk| chunk.end <= prefix && chunk.end < old.len());
+    let mut chunks: Vec<Chunk> = hashed.chunks.get(..kept).unwrap_or_default().to_vec();
+    let at = chunks.last().map_or(0, |chunk| chunk.end);
+    // From where the shared suffix starts on, a chunk start that was one in the old file
+    // (shifted) starts the very chunks that followed it there.
+    let changed_end = bytes.len() - suffix;
+    let grown = bytes.len() as i128 - old.len() as i128;
+    chunk_from(bytes, at, &mut chunks, |at, chunks| {
+        if at < changed_end {
+            return false;
+        }
+        let Ok(old_at) = usize::try_from(at as i128 - grown) else {
+            return false;
+        };
+        let next = if old_at == 0 {
+            0
+        } else {
+            match hashed
+                .chunks
+                .binary_search_by_key(&old_at, |chunk| chunk.end)
+            {
+                Ok(index) => index + 1,
+                Err(_) => return false,
+            }
+        };
+        let shift = |end: usize| usize::try_from(end as i128 + grown).unwrap_or(end);
+        chunks.extend(hashed.chunks.iter().skip(next).map(|chunk| Chunk {
+            end: shift(chunk.end),
+            digest: chunk.digest,
+        }));
+        true
+    });
+    FileHash {
+        digest: digest_of(&chunks),
+        chunks,
+    }
+}
+
+/// How many leading bytes `a` and `b` share (compared in 4 KiB blocks, then bytes).
+fn same_prefix(a: &[u8], b: &[u8]) -> usize {
+    const BLOCK: usize = 4096;
+    let blocks = a
+        .chunks(BLOCK)
+        .zip(b.chunks(BLOCK))
+        .take_while(|(x, y)| x == y)
+        .count()
+        * BLOCK;
+    let rest = a
+        .get(blocks..)
+        .unwrap_or_default()
+        .iter()
+        .zip(b.get(blocks..).unwrap_or_default())
+        .take_while(|(x, y)| x == y)
+        .count();
+    (blocks + rest).min(a.len()).min(b.len())
+}
+
+/// How many trailing bytes `a` and `b` share.
+fn same_suffix(a: &[u8], b: &[u8]) -> usize {
+    const BLOCK: usize = 4096;
+    let blocks = a
+        .rchunks(BLOCK)
+        .zip(b.rchunks(BLOCK))
+        .take_while(|(x, y)| x == y)
+        .count()
+        * BLOCK;
+    let blocks = blocks.min(a.len()).min(b.len());
+    let rest = a
+        .get(..a.len() - blocks)
+        .unwrap_or_default()
+        .iter()
+        .rev()
+        .zip(b.get(..b.len() - blocks).unwrap_or_default().iter().rev())
+        .take_while(|(x, y)| x == y)
+        .count();
+    blocks + rest
+}
+
+/// The set's files' digests, in path order: what a later set hashes from.
+#[derive(Clone, Debug)]
+pub(crate) struct Files {
+    pub(crate) digest: [u8; 32],
+    pub(crate) files: Arc<Vec<Arc<FileHash>>>,
+}
+
+/// The checksum of `files` (in path order) from each file's digest.
+pub(crate) fn hash<'a>(files: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> Files {
+    let mut hashes = Vec::new();
+    let mut set = Sha256::new();
+    for (path, content) in files {
+        let file = Arc::new(file_hash(content));
+        record(&mut set, path, content, &file);
+        hashes.push(file);
+    }
+    Files {
+        digest: set.finalize().into(),
+        files: Arc::new(hashes),
+    }
+}
+
+/// The checksum of `files` (in path order), as [`hash`] gives it, from `previous` (in path
+/// order) and its digests `hashed`: a file under the same path is hashed from the one before
+/// ([`file_hash_following`]; not read at all when it shares its bytes' address).
+pub(crate) fn hash_following<'a, 'b>(
+    files: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+    previous: impl IntoIterator<Item = (&'b str, &'b [u8])>,
+    hashed: &Files,
+) -> Files {
+    let mut before = previous.into_iter().zip(hashed.files.iter()).peekable();
+    let mut hashes = Vec::new();
+    let mut set = Sha256::new();
+    for (path, content) in files {
+        while before
+            .peek()
+            .is_some_and(|((old_path, _), _)| *old_path < path)
+        {
+            before.next();
+        }
+        let file = match before.peek() {
+            Some(((old_path, old), old_hash)) if *old_path == path => {
+                if std::ptr::eq(*old, content) {
+                    Arc::clone(old_hash)
+                } else {
+                    Arc::new(file_hash_following(content, old, old_hash))
+                }
+            }
+            _ => Arc::new(file_hash(content)),
+        };
+        record(&mut set, path, content, &file);
+        hashes.push(file);
+    }
+    Files {
+        digest: set.finalize().into(),
+        files: Arc::new(hashes),
+    }
+}
+
+fn record(set: &mut Sha256, path: &str, content: &[u8], file: &FileHash) {
+    set.update((path.len() as u64).to_be_bytes());
+    set.update(path.as_bytes());
+    set.update((content.len() as u64).to_be_bytes());
+    set.update(file.digest);
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
+mod tests {
+    use super::*;
+
+    /// About `size` bytes of config-like lines.
+    fn lines(size: usize, seed: u64) -> Vec<u8> {
+        let mut bytes = Vec::with_capacity(size + 64);
+        let mut n = seed;
+        while bytes.len() < size {
+            n = n
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            bytes.extend_from_slice(
+                format!(
+                    "    server s{} 10.0.{}.{}:80\n",
+                    n % 7,
+                    (n >> 8) % 256,
+                    n >> 56
+                )
+                .as_bytes(),
+            );
+        }
+        bytes
+    }
+
+    /// Chunks of `bytes` computed the slow way: every rule of [`chunk_end`] checked byte by
+    /// byte.
+    fn chunks_by_rule(bytes: &[u8]) -> Vec<usize> {
+        let mut ends = Vec::new();
+        let mut from = 0;
+        while from < bytes.len() {
+            let mut end = (from + MAX_CHUNK).min(bytes.len());
+            let mut line_start = from;
+            for i in from..end {
+                if bytes[i] == b'\n' {
+                    let line_end = i + 1;
+                    if line_end - from >= MIN_CHUNK
+                        && line_hash(&bytes[line_start..line_end]) & CUT_MASK == 0
+                    {
+                        end = line_end;
+                        break;
+                    }
+                    line_start = line_end;
+                }
+            }
+            if from + MIN_CHUNK >= bytes.len() {
+                end = bytes.len();
+            }
+            ends.push(end);
+            from = end;
+        }
+        ends
+    }
+
+    #[test]
+    fn chunks_end_where_the_rules_say() {
+        for (size, seed) in [
+            (0, 1),
+            (100, 2),
+            (MIN_CHUNK, 3),
+            (300_000, 4),
+            (1_000_000, 5),
+        ] {
+            let bytes = lines(size, seed);
+            let ends: Vec<usize> = file_hash(&bytes).chunks.iter().map(|c| c.end).collect();
+            assert_eq!(ends, chunks_by_rule(&bytes), "size {size}");
+        }
+        // No line end at all: cut every MAX_CHUNK.
+        let flat = vec![b'x'; 3 * MAX_CHUNK + 5];
+        let ends: Vec<usize> = file_hash(&flat).chunks.iter().map(|c| c.end).collect();
+        assert_eq!(
+            ends,
+            vec![MAX_CHUNK, 2 * MAX_CHUNK, 3 * MAX_CHUNK, 3 * MAX_CHUNK + 5]
+        );
+        assert_eq!(ends, chunks_by_rule(&flat));
+    }
+
+    #[test]
+    fn a_file_digest_is_the_documented_one() {
+        // One chunk: the SHA-256 of the bytes; none: of nothing.
+        assert_eq!(file_hash(b"abc\n").digest, sha(b"abc\n"));
+        assert_eq!(file_hash(b"").digest, sha(b""));
+        // More: of the prefix and the chunks' digests.
+        let bytes = lines(200_000, 9);
+        let ends = chunks_by_rule(&bytes);
+        assert!(ends.len() > 3);
+        let mut stream = CHUNKS_PREFIX.to_vec();
+        let mut from = 0;
+        for end in ends {
+            stream.extend(sha(&bytes[from..end]));
+            from = end;
+        }
+        assert_eq!(file_hash(&bytes).digest, sha(&stream));
+    }
+
+    #[test]
+    fn a_line_grown_in_a_large_file_hashes_a_chunk_or_two() {
+        let bytes = lines(4_000_000, 11);
+        let before = file_hash(&bytes);
+        let mut after = bytes.clone();
+        let at = after.len() / 2;
+        let at = at + after[at..].iter().position(|b| *b == b'\n').unwrap();
+        after.splice(at..at, b" weight 2".iter().copied());
+        let whole = file_hash(&after);
+        let resumed = file_hash_following(&after, &bytes, &before);
+        assert_eq!(resumed, whole);
+        let fresh = whole
+            .chunks
+            .iter()
+            .filter(|c| !before.chunks.iter().any(|b| b.digest == c.digest))
+            .count();
+        assert!(fresh <= 2, "{fresh} chunks differ");
+        assert!(whole.chunks.len() > 60);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(128))]
+
+        /// A file hashed from the one before has the digest and chunks of the file hashed
+        /// whole, after any chain of edits: bytes inserted, removed or changed anywhere,
+        /// lines or runs without line ends, at the start, the middle or the end.
+        #[test]
+        fn a_file_hashed_from_the_one_before_is_hashed_as_whole(
+            size in 0usize..400_000,
+            seed in 0u64..1000,
+            edits in proptest::collection::vec(
+                (0usize..500_000, 0usize..3, 0usize..5, 0usize..2_000), 1..6),
+        ) {
+            let mut current = lines(size, seed);
+            let mut hashed = file_hash(&current);
+            for (at, kind, what, len) in edits {
+                let mut next = current.clone();
+                let at = at.min(next.len());
+                let text: Vec<u8> = match what {
+                    0 => b"\n".to_vec(),
+                    1 => vec![b'z'; len],
+                    2 => lines(len, seed + at as u64),
+                    3 => vec![b'\n'; len % 40],
+                    _ => b" weight 1".to_vec(),
+                };
+                match kind {
+                    0 => { next.splice(at..at, text); }
+                    1 => { let end = (at + len).min(next.len()); next.drain(at..end); }
+                    _ => {
+                        let end = (at + text.len()).min(next.len());
+                        next.splice(at..end, text);
+                    }
+                }
+                let whole = file_hash(&next);
+                let resumed = file_hash_following(&next, &current, &hashed);
+                proptest::prop_assert_eq!(&resumed, &whole);
+                current = next;
+                hashed = resumed;
+            }
+        }
+    }
+}

@@ -614,15 +614,12 @@ impl Scheduler {
                 }
                 return true;
             }
-            ClientError::Rejected {
-                status: 400,
-                message,
-            } if Form::of(&checksum) == Some(Form::V2)
-                && message.contains("checksum")
-                && !self.v1_only.contains_key(&pod) =>
+            ClientError::Rejected { message, .. }
+                if refuses_the_second_form(&checksum, &error)
+                    && !self.v1_only.contains_key(&pod) =>
             {
-                // What an agent older than the second form says of one: whole sets with the
-                // first form's checksum, at once, until the pod's address changes.
+                // Whole sets with the first form's checksum, at once, until the pod's address
+                // changes (a new pod: the upgraded agent).
                 info!(%pod, %message, "the agent refused a second-form checksum (an older agent): whole sets with first-form checksums from now on");
                 if let Some(url) = self.pods.pods.get(&pod).map(|p| p.url.clone()) {
                     self.v1_only.insert(pod.clone(), url);
@@ -751,6 +748,16 @@ impl Scheduler {
     }
 }
 
+/// Whether `error` is what an agent older than the checksum's second form answers an apply
+/// whose checksum (`sent`) is in it: 400 naming the checksum (a whole set: "checksum
+/// mismatch: request says v2-..., files hash to <first form>"; a delta: "... files hash to not
+/// 64 lowercase hex digits"). An agent of the second form says so only of a checksum that is
+/// not its files', which a first-form retry then settles the same way.
+fn refuses_the_second_form(sent: &str, error: &ClientError) -> bool {
+    matches!(error, ClientError::Rejected { status: 400, message } if message.contains("checksum"))
+        && Form::of(sent) == Some(Form::V2)
+}
+
 /// When each pod may get its next apply. `minDeploymentInterval` exists to space HAProxy's
 /// reloads (each one starts a worker, and the old one lingers while it drains its
 /// connections), so it counts from the start of an apply that reloaded, or whose answer is
@@ -803,7 +810,7 @@ mod tests {
 
     use tokio::time::Instant;
 
-    use super::{Pacing, is_drift};
+    use super::{ClientError, Pacing, is_drift, refuses_the_second_form};
 
     #[test]
     fn only_a_reload_or_an_unanswered_or_failed_apply_paces_the_next() {
@@ -843,6 +850,40 @@ mod tests {
     }
 
     /// The scheduler sends a render's own checksum as the protocol's: they must be one.
+    #[test]
+    fn an_older_agents_refusal_of_the_second_form_is_told_from_others() {
+        let sent = format!("v2-{}", "a".repeat(64));
+        let rejected = |status, message: &str| ClientError::Rejected {
+            status,
+            message: message.to_owned(),
+        };
+        // What an agent before the second form answered, word for word (its `WireApply` and
+        // `WireDelta` decoding, through its server's `bad_request`).
+        let whole = rejected(
+            400,
+            &format!(
+                "checksum mismatch: request says {sent}, files hash to {}",
+                "b".repeat(64)
+            ),
+        );
+        let delta = rejected(
+            400,
+            &format!(
+                "checksum mismatch: request says {sent}, files hash to not 64 lowercase hex digits"
+            ),
+        );
+        assert!(refuses_the_second_form(&sent, &whole));
+        assert!(refuses_the_second_form(&sent, &delta));
+        // A first-form apply refused, another refusal, another status: no fallback.
+        assert!(!refuses_the_second_form(&"a".repeat(64), &whole));
+        assert!(!refuses_the_second_form(
+            &sent,
+            &rejected(400, "path \"../x\" refused")
+        ));
+        assert!(!refuses_the_second_form(&sent, &rejected(422, "checksum")));
+        assert!(!refuses_the_second_form(&sent, &ClientError::Unauthorized));
+    }
+
     #[test]
     fn a_rendered_sets_checksum_is_the_protocols() {
         let files: std::collections::BTreeMap<String, Vec<u8>> = [

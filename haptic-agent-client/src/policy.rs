@@ -639,17 +639,17 @@ fn changed_lines(
     old: &str,
     hunks: &[crate::protocol::Hunk],
 ) -> Option<Vec<std::ops::Range<usize>>> {
-    let old_lines: Vec<&str> = old.split_inclusive('\n').collect();
+    let mut cursor = Lines::new(old);
     let mut ranges = Vec::with_capacity(hunks.len());
     let mut shift: isize = 0;
     for hunk in hunks {
-        let removed = old_lines.get(hunk.at..hunk.at.checked_add(hunk.remove)?)?;
-        if removed
-            .iter()
-            .copied()
-            .chain(hunk.insert.iter().map(String::as_str))
-            .any(structural)
-        {
+        cursor.seek(hunk.at)?;
+        for _ in 0..hunk.remove {
+            if structural(cursor.next_line()?) {
+                return None;
+            }
+        }
+        if hunk.insert.iter().map(String::as_str).any(structural) {
             return None;
         }
         let start = hunk.at.checked_add_signed(shift)?;
@@ -657,6 +657,63 @@ fn changed_lines(
         shift += hunk.insert.len() as isize - hunk.remove as isize;
     }
     Some(ranges)
+}
+
+/// Reads a text's lines (as `str::split_inclusive('\n')` cuts them) forward from any line,
+/// skipping to a line by counting line ends with memchr, not by splitting every line before
+/// it: a 7 MB `haproxy.cfg` is 200,000 lines.
+struct Lines<'a> {
+    text: &'a str,
+    /// The line `offset` starts.
+    line: usize,
+    offset: usize,
+}
+
+impl<'a> Lines<'a> {
+    fn new(text: &'a str) -> Self {
+        Self {
+            text,
+            line: 0,
+            offset: 0,
+        }
+    }
+
+    /// Moves to the start of line `target` (0-based; the line after the last one is its
+    /// end): `None` when it is behind or the text has fewer lines.
+    fn seek(&mut self, target: usize) -> Option<()> {
+        let skip = target.checked_sub(self.line)?;
+        if skip == 0 {
+            return Some(());
+        }
+        let rest = self.text.as_bytes().get(self.offset..)?;
+        match memchr::memchr_iter(b'\n', rest).nth(skip - 1) {
+            Some(end) => self.offset += end + 1,
+            None => {
+                // Fewer line ends than lines to skip: only a last line without one is left.
+                let ends = memchr::memchr_iter(b'\n', rest).count();
+                let unterminated = !rest.is_empty() && rest.last() != Some(&b'\n');
+                if !(unterminated && ends + 1 == skip) {
+                    return None;
+                }
+                self.offset = self.text.len();
+            }
+        }
+        self.line = target;
+        Some(())
+    }
+
+    /// The line at the cursor, with its line end, and moves past it; `None` at the end.
+    fn next_line(&mut self) -> Option<&'a str> {
+        let rest = self
+            .text
+            .get(self.offset..)
+            .filter(|rest| !rest.is_empty())?;
+        let len = memchr::memchr(b'\n', rest.as_bytes()).map_or(rest.len(), |end| end + 1);
+        let line = rest.get(..len)?;
+        self.offset += len;
+        self.line += 1;
+        Some(line)
+    }
 }
 
 /// Whether a configuration line can change more than itself: a section header, or a line
@@ -852,23 +909,31 @@ impl Checker<'_> {
     fn config_lines(&mut self, text: &str, changed: &[std::ops::Range<usize>]) {
         // Each run of changed lines is checked in the section the nearest header above it
         // opens, found by reading back from the run (a few lines in a generated config),
-        // not by reading every line of a 7 MB `haproxy.cfg` from its top for its headers.
-        let mut lines = text.lines().enumerate().peekable();
+        // not by reading every line of a 7 MB `haproxy.cfg` from its top for its headers;
+        // and the run itself is found by counting line ends.
+        let mut lines = Lines::new(text);
         for range in changed {
             // Lines of a run that overlaps the one before were checked with it.
-            while lines.next_if(|(index, _)| *index < range.start).is_some() {}
-            let Some(&(_, first)) = lines.peek() else {
+            if lines.seek(range.start.max(lines.line)).is_none() {
                 return;
-            };
-            let offset = first.as_ptr() as usize - text.as_ptr() as usize;
+            }
             let mut section = text
-                .get(..offset)
+                .get(..lines.offset)
                 .unwrap_or_default()
                 .lines()
                 .rev()
                 .find_map(section_header)
                 .unwrap_or(Section::Other);
-            while let Some((index, line)) = lines.next_if(|(index, _)| *index < range.end) {
+            while lines.line < range.end {
+                let index = lines.line;
+                let Some(line) = lines.next_line() else {
+                    return;
+                };
+                // As `str::lines` gives it: without its line end.
+                let line = match line.strip_suffix('\n') {
+                    Some(line) => line.strip_suffix('\r').unwrap_or(line),
+                    None => line,
+                };
                 self.line = index + 1;
                 self.config_line(line, &mut section);
             }
@@ -1165,6 +1230,71 @@ fn calls(text: &str) -> Vec<(String, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// [`changed_lines`] as it was, over every line split first.
+    fn changed_lines_by_split(
+        old: &str,
+        hunks: &[crate::protocol::Hunk],
+    ) -> Option<Vec<std::ops::Range<usize>>> {
+        let old_lines: Vec<&str> = old.split_inclusive('\n').collect();
+        let mut ranges = Vec::new();
+        let mut shift: isize = 0;
+        for hunk in hunks {
+            let removed = old_lines.get(hunk.at..hunk.at.checked_add(hunk.remove)?)?;
+            if removed
+                .iter()
+                .copied()
+                .chain(hunk.insert.iter().map(String::as_str))
+                .any(structural)
+            {
+                return None;
+            }
+            let start = hunk.at.checked_add_signed(shift)?;
+            ranges.push(start..start + hunk.insert.len());
+            shift += hunk.insert.len() as isize - hunk.remove as isize;
+        }
+        Some(ranges)
+    }
+
+    proptest::proptest! {
+        /// The line cursor reads the lines `split_inclusive` cuts, from any line on, and
+        /// refuses a line the text lacks; the hunks' ranges come out as from every line split.
+        #[test]
+        fn lines_are_read_as_split_and_hunks_found_alike(
+            words in proptest::collection::vec(
+                proptest::sample::select(vec!["a", "b c", "\n", "\r\n", "backend x\n", "crt-list l\n", ""]),
+                0..40,
+            ),
+            targets in proptest::collection::vec((0usize..30, 0usize..4, 0usize..3), 0..5),
+        ) {
+            let text: String = words.concat();
+            let split: Vec<&str> = text.split_inclusive('\n').collect();
+            for start in 0..split.len() + 2 {
+                let mut cursor = Lines::new(&text);
+                let sought = cursor.seek(start);
+                proptest::prop_assert_eq!(sought.is_some(), start <= split.len());
+                if sought.is_some() {
+                    let rest: Vec<&str> = std::iter::from_fn(|| cursor.next_line()).collect();
+                    proptest::prop_assert_eq!(rest, split[start..].to_vec());
+                }
+            }
+            let mut at = 0;
+            let hunks: Vec<crate::protocol::Hunk> = targets
+                .into_iter()
+                .map(|(skip, remove, insert)| {
+                    at += skip;
+                    let hunk = crate::protocol::Hunk {
+                        at,
+                        remove,
+                        insert: (0..insert).map(|i| format!("server s{i} 10.0.0.{i}:80\n")).collect(),
+                    };
+                    at += remove;
+                    hunk
+                })
+                .collect();
+            proptest::prop_assert_eq!(changed_lines(&text, &hunks), changed_lines_by_split(&text, &hunks));
+        }
+    }
 
     fn set(config: &str) -> FileSet {
         FileSet::new()

@@ -761,7 +761,9 @@ impl DeltaRequest {
                 files.insert(path.to_owned(), content.clone());
                 continue;
             };
-            if old == content {
+            // The same `Bytes` (a render shares the files it rendered the same) is not read.
+            let shared = old.len() == content.len() && std::ptr::eq(old.as_ptr(), content.as_ptr());
+            if shared || old == content {
                 continue;
             }
             let texts = std::str::from_utf8(old)

@@ -117,6 +117,15 @@ impl Hashed {
         }
     }
 
+    /// Each file's digest, in path order (second form; none for the first, which keeps no
+    /// per-file digest). Two files with the same digest have the same bytes.
+    pub fn file_digests(&self) -> Option<impl ExactSizeIterator<Item = &[u8; 32]>> {
+        match &self.kept {
+            Kept::Stream(_) => None,
+            Kept::Files(files) => Some(files.iter().map(|file| file.digest())),
+        }
+    }
+
     /// How many states (first form) or file digests (second form) are kept.
     pub fn checkpoints(&self) -> usize {
         match &self.kept {

@@ -38,6 +38,13 @@ pub(crate) struct FileHash {
     chunks: Vec<Chunk>,
 }
 
+impl FileHash {
+    /// The file's digest.
+    pub(crate) fn digest(&self) -> &[u8; 32] {
+        &self.digest
+    }
+}
+
 /// FNV-1a (64-bit) of a line: chooses which line ends end a chunk.
 fn line_hash(line: &[u8]) -> u64 {
     line.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {

@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use bytes::Bytes;
 use haptic_checksum::Hashed;
 
 /// Writing a file set to disk failed.
@@ -32,7 +33,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// same files with the same bytes.
 #[derive(Debug, Clone)]
 pub struct FileSet {
-    files: BTreeMap<String, Vec<u8>>,
+    /// A file with the same bytes as in the set this one followed ([`FileSet::following`])
+    /// shares that set's `Bytes`: whoever holds both (the render gate's base, the scheduler's
+    /// delta bases) tells them apart by address, without reading them.
+    files: BTreeMap<String, Bytes>,
     /// The checksum, and each file's chunked digest: a set made after this one
     /// ([`FileSet::following`]) hashes only the chunks that differ.
     hashed: Hashed,
@@ -46,14 +50,20 @@ impl PartialEq for FileSet {
 
 impl Eq for FileSet {}
 
-fn pairs(files: &BTreeMap<String, Vec<u8>>) -> impl Iterator<Item = (&str, &[u8])> + Clone {
-    files.iter().map(|(p, b)| (p.as_str(), b.as_slice()))
+fn pairs<B: AsRef<[u8]>>(
+    files: &BTreeMap<String, B>,
+) -> impl Iterator<Item = (&str, &[u8])> + Clone {
+    files.iter().map(|(p, b)| (p.as_str(), b.as_ref()))
 }
 
 impl FileSet {
     /// A file set from its files; computes the checksum.
     pub fn new(files: BTreeMap<String, Vec<u8>>) -> Self {
         let hashed = haptic_checksum::hash(pairs(&files));
+        let files = files
+            .into_iter()
+            .map(|(path, bytes)| (path, Bytes::from(bytes)))
+            .collect();
         Self { files, hashed }
     }
 
@@ -67,12 +77,37 @@ impl FileSet {
             pairs(&previous.files),
             &previous.hashed,
         );
+        // A file whose digest is the one it had before takes the bytes it had before.
+        let mut before = previous
+            .files
+            .iter()
+            .zip(previous.hashed.file_digests().into_iter().flatten())
+            .peekable();
+        let digests = hashed.file_digests().into_iter().flatten();
+        let files = files
+            .into_iter()
+            .zip(digests.map(Some).chain(std::iter::repeat(None)))
+            .map(|((path, bytes), digest)| {
+                while before.peek().is_some_and(|((old, _), _)| **old < path) {
+                    before.next();
+                }
+                let kept = match (before.peek(), digest) {
+                    (Some(((old, content), old_digest)), Some(digest))
+                        if **old == path && *old_digest == digest =>
+                    {
+                        Some((*content).clone())
+                    }
+                    _ => None,
+                };
+                (path, kept.unwrap_or_else(|| Bytes::from(bytes)))
+            })
+            .collect();
         Self { files, hashed }
     }
 
     /// The bytes of the file at `path`.
     pub fn get(&self, path: &str) -> Option<&[u8]> {
-        self.files.get(path).map(Vec::as_slice)
+        self.files.get(path).map(Bytes::as_ref)
     }
 
     /// The file at `path` as text, if it exists and is UTF-8.
@@ -82,11 +117,17 @@ impl FileSet {
 
     /// Paths and bytes, in path order.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &[u8])> {
-        self.files.iter().map(|(p, b)| (p.as_str(), b.as_slice()))
+        self.files.iter().map(|(p, b)| (p.as_str(), b.as_ref()))
+    }
+
+    /// Paths and bytes, in path order, as shared `Bytes`: a file unchanged since the set this
+    /// one followed is the very `Bytes` that set holds.
+    pub fn iter_shared(&self) -> impl Iterator<Item = (&str, &Bytes)> {
+        self.files.iter().map(|(p, b)| (p.as_str(), b))
     }
 
     /// The files, in path order.
-    pub fn files(&self) -> &BTreeMap<String, Vec<u8>> {
+    pub fn files(&self) -> &BTreeMap<String, Bytes> {
         &self.files
     }
 
@@ -102,7 +143,7 @@ impl FileSet {
 
     /// Sum of the files' sizes in bytes.
     pub fn total_bytes(&self) -> usize {
-        self.files.values().map(Vec::len).sum()
+        self.files.values().map(Bytes::len).sum()
     }
 
     /// The sha256 checksum of the set.
@@ -181,9 +222,19 @@ mod tests {
     fn a_set_following_another_has_the_checksum_of_the_whole() {
         let a = set(&[("a", "bc"), ("b", "de")]);
         let b = set(&[("a", "bc"), ("b", "dx")]);
-        let following = FileSet::following(b.files.clone(), &a);
+        let owned = |set: &FileSet| {
+            set.iter()
+                .map(|(path, bytes)| (path.to_owned(), bytes.to_vec()))
+                .collect::<BTreeMap<_, _>>()
+        };
+        let following = FileSet::following(owned(&b), &a);
         assert_eq!(following.checksum(), b.checksum());
         assert_eq!(following, b);
+        // The file that did not change shares the bytes of the set before; the other not.
+        let shared =
+            |path: &str| std::ptr::eq(following.files()[path].as_ptr(), a.files()[path].as_ptr());
+        assert!(shared("a"));
+        assert!(!shared("b"));
     }
 
     #[test]

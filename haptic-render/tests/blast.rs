@@ -131,7 +131,10 @@ fn refused(files: &FileSet) -> Option<String> {
 
 /// The set with one file's text changed.
 fn edited(files: &FileSet, path: &str, edit: impl Fn(&str) -> String) -> FileSet {
-    let mut all = files.files().clone();
+    let mut all: std::collections::BTreeMap<String, Vec<u8>> = files
+        .iter()
+        .map(|(path, bytes)| (path.to_owned(), bytes.to_vec()))
+        .collect();
     let text = files.text(path).unwrap();
     all.insert(path.to_owned(), edit(text).into_bytes());
     FileSet::new(all)

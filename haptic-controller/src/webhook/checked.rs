@@ -78,7 +78,10 @@ impl Checked {
     /// left out.
     pub(crate) fn reduce(&self, files: &FileSet) -> Option<FileSet> {
         let cfg = files.text("haproxy.cfg")?;
-        let mut out: BTreeMap<String, Vec<u8>> = files.files().clone();
+        let mut out: BTreeMap<String, Vec<u8>> = files
+            .iter()
+            .map(|(path, bytes)| (path.to_owned(), bytes.to_vec()))
+            .collect();
         let (mut dropped, mut kept): (HashSet<String>, HashSet<String>) = Default::default();
         let mut changed = false;
         for list in crt_lists(cfg) {

@@ -30,6 +30,14 @@
 //! agents have (a few hundred bytes instead of the whole ~10 MB set at 10,000 Ingresses); one
 //! that does not answers `base_mismatch` naming what it holds, which costs one round trip. The
 //! fence rules are the same as for any apply: the agent records the epoch before it answers.
+//!
+//! Checksums: every set goes out with its checksum in `haptic-checksum`'s second form (`v2-`
+//! and 64 hex digits: per-file chunked digests, which the render, and an agent rebuilding a
+//! set from a delta, hash in proportion to the change). An agent older than that form refuses
+//! it (400 naming the checksum, `refuses_the_second_form`); that pod gets whole sets with the
+//! first form's checksum from then on, at once and with no backoff, until its address changes
+//! (a new pod: the upgraded agent), and is up to date when it runs the first form of the
+//! desired set.
 
 use std::{
     collections::{BTreeMap, BTreeSet},

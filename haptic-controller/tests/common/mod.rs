@@ -414,6 +414,31 @@ impl Agent {
         http_port: u16,
         env: &[(&str, &str)],
     ) -> Self {
+        let agent = Self::spawn(cluster, index, agent_port, http_port, env, false).await;
+        agent.register(cluster).await;
+        agent
+    }
+
+    /// An agent serving plain HTTP (`--insecure-plain-http`), its HAProxy bound to its own
+    /// address, and no Pod object: a test registers one ([`register_pod`]) at the address of
+    /// whatever stands in front of it.
+    pub async fn start_plain_unregistered(
+        cluster: &Cluster,
+        index: u8,
+        agent_port: u16,
+        http_port: u16,
+    ) -> Self {
+        Self::spawn(cluster, index, agent_port, http_port, &[], true).await
+    }
+
+    async fn spawn(
+        cluster: &Cluster,
+        index: u8,
+        agent_port: u16,
+        http_port: u16,
+        env: &[(&str, &str)],
+        plain: bool,
+    ) -> Self {
         let name = format!("haproxy-{index}");
         let ip = format!("127.0.0.{}", index + 1);
         let dir = cluster.dir.path().join(&name);
@@ -434,7 +459,11 @@ impl Agent {
             .arg("--supervise")
             .arg("--drain-seconds")
             .arg("1")
-            .args(cluster.pki.agent_args())
+            .args(if plain {
+                vec!["--insecure-plain-http".into()]
+            } else {
+                cluster.pki.agent_args()
+            })
             .env("POD_IP", &ip)
             .env("RUST_LOG", "info")
             .envs(env.iter().copied())
@@ -466,7 +495,6 @@ impl Agent {
             },
         )
         .await;
-        agent.register(cluster).await;
         agent
     }
 
@@ -480,26 +508,7 @@ impl Agent {
 
     /// The Pod object, Running and ready, with this agent's address.
     async fn register(&self, cluster: &Cluster) {
-        let pod: Pod = serde_json::from_value(json!({
-            "metadata": {"name": self.name, "namespace": NS, "labels": {"app": "haproxy"}},
-            "spec": {"containers": [{"name": "haproxy", "image": "haproxy"}, {"name": "haptic-agent", "image": "haptic-agent"}]},
-        }))
-        .expect("pod");
-        let api = cluster.api::<Pod>();
-        api.create(&PostParams::default(), &pod)
-            .await
-            .expect("pod created");
-        let status = json!({"status": {
-            "phase": "Running",
-            "podIP": self.ip,
-            "containerStatuses": [
-                {"name": "haproxy", "ready": true, "restartCount": 0, "image": "haproxy", "imageID": ""},
-                {"name": "haptic-agent", "ready": true, "restartCount": 0, "image": "haptic-agent", "imageID": ""},
-            ],
-        }});
-        api.patch_status(&self.name, &PatchParams::default(), &Patch::Merge(&status))
-            .await
-            .expect("pod status");
+        register_pod(cluster, &self.name, &self.ip).await;
     }
 
     /// The agent's base URL (https: the channel is mutual TLS).
@@ -626,6 +635,18 @@ impl Controller {
         Self::spawn(cluster, name, env, args, true).await
     }
 
+    /// Reaching the agents over plain HTTP (`HAPTIC_AGENT_INSECURE_PLAIN_HTTP`).
+    pub async fn start_plain(cluster: &Cluster, name: &str) -> Self {
+        Self::spawn(
+            cluster,
+            name,
+            &[("HAPTIC_AGENT_INSECURE_PLAIN_HTTP", "true")],
+            &[],
+            false,
+        )
+        .await
+    }
+
     /// Started with no agent channel flags: the controller's own CA (`agent_ca`).
     pub async fn start_with_own_ca(cluster: &Cluster, name: &str) -> Self {
         Self::spawn(cluster, name, &[], &[], false).await
@@ -742,4 +763,28 @@ impl Controller {
             .await
             .map(|(s, _)| s)
     }
+}
+
+/// A Pod object `name`, Running and ready, at `ip`, with the HAProxy pods' labels.
+pub async fn register_pod(cluster: &Cluster, name: &str, ip: &str) {
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": NS, "labels": {"app": "haproxy"}},
+            "spec": {"containers": [{"name": "haproxy", "image": "haproxy"}, {"name": "haptic-agent", "image": "haptic-agent"}]},
+        }))
+        .expect("pod");
+    let api = cluster.api::<Pod>();
+    api.create(&PostParams::default(), &pod)
+        .await
+        .expect("pod created");
+    let status = json!({"status": {
+        "phase": "Running",
+        "podIP": ip,
+        "containerStatuses": [
+            {"name": "haproxy", "ready": true, "restartCount": 0, "image": "haproxy", "imageID": ""},
+            {"name": "haptic-agent", "ready": true, "restartCount": 0, "image": "haptic-agent", "imageID": ""},
+        ],
+    }});
+    api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .expect("pod status");
 }

@@ -587,17 +587,13 @@ pub async fn apply(haproxy: &Haproxy, plan: &Plan, limit: Duration) -> (u64, Res
 }
 
 async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
-    let table = worker
-        .haproxy
-        .show_proc(worker.deadline.saturating_duration_since(Instant::now()))
-        .await?;
-    let pid = table
-        .workers
-        .iter()
-        .min_by_key(|w| w.reloads)
-        .map(|w| w.pid)
-        .ok_or_else(|| Error::NeedsReload("HAProxy runs no worker".to_owned()))?;
-    worker.prefix = format!("@!{pid}");
+    // The current worker, by its relative number: `@1` is the worker of the newest
+    // generation (HAProxy 2.6, checked with an old worker still draining), the one a runtime
+    // apply changes, with no `show proc` asked first (one master-CLI connection fewer on every
+    // runtime apply). Applies and reloads never overlap (the apply lock), so the worker is the
+    // one that loaded the live set; an HAProxy that runs none answers the first command with
+    // an error, and the reload path follows.
+    worker.prefix = "@1".to_owned();
 
     // Classify and check every file before changing anything.
     let (mut maps, mut certs, mut lists) = (Vec::new(), Vec::new(), Vec::new());

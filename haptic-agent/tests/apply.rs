@@ -808,3 +808,50 @@ async fn haproxys_check_output_is_capped_and_keeps_the_verdict() {
     );
     serving.agent.stop().await;
 }
+
+/// A runtime change reaches the worker that serves new connections, the newest generation's,
+/// while the worker before a reload still drains a connection: the runtime commands address
+/// the current worker (`@1`), never one of the old.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runtime_change_after_a_reload_reaches_the_new_worker_while_an_old_one_drains() {
+    let serving = Serving::start(1).await;
+    let b = Backend::start("b").await;
+    let (client, url, port) = (&serving.client, &serving.agent.url, serving.port);
+    // A request begun and never finished keeps the first worker draining after the reload.
+    let mut held = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    tokio::io::AsyncWriteExt::write_all(&mut held, b"GET / HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .expect("a partial request");
+    let first = client.state(url).await.expect("state").worker_pids;
+
+    // A new backend: a reload, and a new worker beside the draining one.
+    let backends = [("a", serving.backend.addr), ("b", b.addr)];
+    let reloaded = request(1, "leader-0", 2, config(port, "a", &backends));
+    let report = client.apply(url, &reloaded).await.expect("reload");
+    assert!(report.reload, "{report:?}");
+    let workers = client.state(url).await.expect("state").worker_pids;
+    let table = serving
+        .agent
+        .agent
+        .haproxy()
+        .command("show proc", Duration::from_secs(5))
+        .await
+        .expect("show proc");
+    let old = table.split("# old workers").nth(1).unwrap_or_default();
+    assert!(
+        workers.iter().all(|pid| !first.contains(pid))
+            && first.iter().all(|pid| old.contains(&pid.to_string())),
+        "the old worker drains beside the new one: {first:?} then {workers:?}, {table}"
+    );
+
+    // Backend a's server moves to b's address: a runtime change, served by the new worker.
+    let moved = [("a", b.addr), ("b", b.addr)];
+    let runtime = request(1, "leader-0", 3, config(port, "a", &moved));
+    let report = client.apply(url, &runtime).await.expect("runtime change");
+    assert!(!report.reload && report.runtime_ops > 0, "{report:?}");
+    assert_eq!(await_body(port, "backend b").await, "backend b");
+    drop(held);
+    serving.agent.stop().await;
+}

@@ -474,7 +474,7 @@ impl SetStore {
     /// The checksum of set `name`, recomputed from the files on disk: those its metadata
     /// lists (what HAProxy writes beside them does not count), or every regular file of its
     /// directory for a set whose metadata lists none; in the form of the checksum recorded
-    /// for it ([`Store::checksum_form`]).
+    /// for it ([`SetStore::checksum_form`]).
     pub fn checksum_on_disk(&self, name: &str) -> Result<String> {
         let files = self.read_files(name)?;
         Ok(haptic_agent_client::protocol::checksum_as(

@@ -267,7 +267,7 @@ pub fn passes_as(passed: &FileSet, set: &FileSet) -> bool {
         let Some(before) = passed.get(path) else {
             return false;
         };
-        if before == content {
+        if shares(before, content) || before == content {
             return true;
         }
         if path == MAIN_CONFIG {
@@ -476,8 +476,8 @@ pub fn policy_check_since(
     Err(format!("config policy: {}", lines.join("; ")))
 }
 
-/// Whether two `Bytes` are the same bytes in memory (one render's file shared by the next).
-pub(crate) fn shares(a: &bytes::Bytes, b: &bytes::Bytes) -> bool {
+/// Whether two files are the same bytes in memory (one render's file shared by the next).
+pub(crate) fn shares(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && std::ptr::eq(a.as_ptr(), b.as_ptr())
 }
 

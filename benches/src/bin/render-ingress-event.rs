@@ -58,7 +58,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let (mut wall, mut cpu, mut refresh, mut checksum) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for round in 0..runs.max(1) {
-            for (store, resource) in new_route(&format!("new-{round}")) {
+            // Zero-padded: each round's Service is the newest by name too (`new-10` sorts
+            // before `new-9`), as a stream of new Services created one after another is.
+            for (store, resource) in new_route(&format!("new-{round:05}")) {
                 stores
                     .get_mut(store)
                     .ok_or_else(|| format!("no store {store}"))?

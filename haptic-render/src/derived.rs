@@ -3011,7 +3011,11 @@ impl DerivedView {
                                 )
                                 .map(Arc::new);
                             }
-                            state.routes.as_ref().map(|kept| kept.value())
+                            // Unshared after a patch or a build: it keeps the list it gives.
+                            state.routes.as_mut().map(|kept| match Arc::get_mut(kept) {
+                                Some(kept) => kept.value_following(),
+                                None => kept.value(),
+                            })
                         }
                         _ => None,
                     };

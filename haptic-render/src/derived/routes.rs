@@ -82,6 +82,18 @@ pub(super) struct KeptRows {
     /// (namespace, Service or Secret) -> the names of our Ingresses there that name it,
     /// sorted, each once (a list: mostly one name, where a set cost a B-tree node).
     users: HashMap<(String, String), Vec<String>>,
+    /// The list [`Self::value_following`] gave last, and what changed since.
+    last: Option<LastList>,
+}
+
+/// The view's list as it was last given, and the row count then of each Ingress whose rows
+/// changed since (0: it was not in the view): the next list is this one with those Ingresses'
+/// rows put in again, so that after one event the list is copied, not gathered from 10,000
+/// parts again (the walk over the parts' map was ~1 ms of a render at 10,000 Ingresses).
+#[derive(Debug, Clone)]
+struct LastList {
+    list: Value,
+    before: BTreeMap<(String, String), usize>,
 }
 
 /// One of our Ingresses in the view.
@@ -122,6 +134,7 @@ impl KeptRows {
             claims: HashMap::default(),
             contested: 0,
             users: HashMap::default(),
+            last: None,
         };
         for ((namespace, name), value, extracts) in ingresses.source().entries() {
             let ingress = extracts.ingress(value);
@@ -229,6 +242,73 @@ impl KeptRows {
         true
     }
 
+    /// Notes that the rows of Ingress `key` are about to change, with how many it has now
+    /// (the first time since the last list).
+    fn note(&mut self, key: &(String, String)) {
+        if let Some(last) = &mut self.last
+            && !last.before.contains_key(key)
+        {
+            let count = self.parts.get(key).map_or(0, |part| part.rows.len());
+            last.before.insert(key.clone(), count);
+        }
+    }
+
+    /// The view, as [`Self::value`] gives it, from the list given last when few Ingresses'
+    /// rows changed since: the rows of the others are taken from that list as runs, in order.
+    pub(super) fn value_following(&mut self) -> Value {
+        let value = match self.last.take() {
+            // No Ingress's rows changed (a Service no Ingress of ours names): the very list,
+            // which the renders then reuse whole.
+            Some(last) if last.before.is_empty() => last.list,
+            Some(last) if last.before.len() <= PATCH_LEN => {
+                self.patched(&last).unwrap_or_else(|| self.value())
+            }
+            _ => self.value(),
+        };
+        self.last = Some(LastList {
+            list: value.clone(),
+            before: BTreeMap::new(),
+        });
+        value
+    }
+
+    /// The list given last with the changed Ingresses' rows put in again; none when the
+    /// counts do not add up (then it is gathered whole).
+    fn patched(&self, last: &LastList) -> Option<Value> {
+        let old = last.list.as_array()?;
+        let grown: isize = last
+            .before
+            .iter()
+            .map(|(key, before)| {
+                self.parts.get(key).map_or(0, |part| part.rows.len()) as isize - *before as isize
+            })
+            .sum();
+        let len = usize::try_from(old.len() as isize + grown).ok()?;
+        let mut rows = Vec::with_capacity(len);
+        // Where the next run starts in the old list (its length counted over the parts in
+        // between, whose rows did not change).
+        let mut old_at = 0usize;
+        let mut from: Option<&(String, String)> = None;
+        for (key, before) in &last.before {
+            let between = match from {
+                None => self.parts.range(..key.clone()),
+                Some(from) => self.parts.range((
+                    std::ops::Bound::Excluded(from.clone()),
+                    std::ops::Bound::Excluded(key.clone()),
+                )),
+            };
+            let run: usize = between.map(|(_, part)| part.rows.len()).sum();
+            rows.extend_from_slice(old.get(old_at..old_at + run)?);
+            old_at += run + before;
+            if let Some(part) = self.parts.get(key) {
+                rows.extend_from_slice(&part.rows);
+            }
+            from = Some(key);
+        }
+        rows.extend_from_slice(old.get(old_at..)?);
+        (rows.len() == len).then(|| Value::from(rows))
+    }
+
     /// The view: every Ingress's rows, in (namespace, name) order.
     pub(super) fn value(&self) -> Value {
         // Sized first: collected from the parts' rows, the list grew (and was copied) a dozen
@@ -324,6 +404,7 @@ impl KeptRows {
             }
         }
         let key = (ing.namespace.to_owned(), ing.name.to_owned());
+        self.note(&key);
         let part = Part {
             age,
             keys,
@@ -341,6 +422,7 @@ impl KeptRows {
 
     /// Takes an Ingress out of the view, with its claims and its names of Services.
     fn remove(&mut self, key: &(String, String)) -> Option<Part> {
+        self.note(key);
         let part = self.parts.remove(key)?;
         for route in &part.keys {
             if let Some(claimants) = self.claims.get_mut(route) {
@@ -438,6 +520,7 @@ impl KeptRows {
                 }
                 Kind::Ingresses => ingress_row(slot, &ing, &mut rows),
             }
+            self.note(&key);
             if let Some(part) = self.parts.get_mut(&key) {
                 part.rows = rows;
             }

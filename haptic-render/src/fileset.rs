@@ -59,11 +59,17 @@ fn pairs<B: AsRef<[u8]>>(
 impl FileSet {
     /// A file set from its files; computes the checksum.
     pub fn new(files: BTreeMap<String, Vec<u8>>) -> Self {
+        Self::of_shared(
+            files
+                .into_iter()
+                .map(|(path, bytes)| (path, Bytes::from(bytes)))
+                .collect(),
+        )
+    }
+
+    /// A file set from files held as `Bytes` (kept, not copied); computes the checksum.
+    pub fn of_shared(files: BTreeMap<String, Bytes>) -> Self {
         let hashed = haptic_checksum::hash(pairs(&files));
-        let files = files
-            .into_iter()
-            .map(|(path, bytes)| (path, Bytes::from(bytes)))
-            .collect();
         Self { files, hashed }
     }
 
@@ -71,7 +77,14 @@ impl FileSet {
     /// of each file that differ from `previous`'s ([`haptic_checksum::hash_following`]): a
     /// render that added a server line to `haproxy.cfg` hashes a chunk or two of it, not the
     /// whole set.
-    pub fn following(files: BTreeMap<String, Vec<u8>>, previous: &FileSet) -> Self {
+    ///
+    /// Files given as `Bytes` keep them: a file the render took from an earlier one (a
+    /// per-item output reused) is the very `Bytes` the previous set holds, hashed and kept
+    /// without being read.
+    pub fn following<B: AsRef<[u8]> + Into<Bytes>>(
+        files: BTreeMap<String, B>,
+        previous: &FileSet,
+    ) -> Self {
         let hashed = haptic_checksum::hash_following(
             pairs(&files),
             pairs(&previous.files),
@@ -99,7 +112,7 @@ impl FileSet {
                     }
                     _ => None,
                 };
-                (path, kept.unwrap_or_else(|| Bytes::from(bytes)))
+                (path, kept.unwrap_or_else(|| bytes.into()))
             })
             .collect();
         Self { files, hashed }

@@ -1241,8 +1241,8 @@ pub(crate) struct ItemOutput {
     item: Value,
     /// The values the template can read (see [`template_reads`]), as they were.
     inputs: Vec<Value>,
-    /// The bytes (blank: no file).
-    pub(crate) bytes: Vec<u8>,
+    /// The bytes (blank: no file), shared with the file sets made of them.
+    pub(crate) bytes: bytes::Bytes,
     /// Where they go, and the item's namespace and name; none when they are blank (taken
     /// from the item once, not again on every render that reuses them).
     pub(crate) file: Option<ItemFile>,
@@ -1305,7 +1305,7 @@ impl Items {
         index: usize,
         item: &Value,
         inputs: Vec<Value>,
-        (bytes, file): (Vec<u8>, Option<ItemFile>),
+        (bytes, file): (bytes::Bytes, Option<ItemFile>),
         requests: Requests,
         (reads, refused): (Vec<Read>, bool),
         epoch: u64,

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use bytes::Bytes;
 use tera::{Context, ErrorKind, Tera, Value};
 use tracing::instrument;
 
@@ -698,7 +699,7 @@ impl Renderer {
             return Err(Error::DuplicatePath(pair[0].0.clone()));
         }
         let mut traced = Vec::with_capacity(entries.len());
-        let files: BTreeMap<String, Vec<u8>> = entries
+        let files: BTreeMap<String, Bytes> = entries
             .into_iter()
             .map(|(path, bytes, origin)| {
                 traced.push((path.clone(), origin));
@@ -719,7 +720,7 @@ impl Renderer {
         let started = Instant::now();
         let files = match previous {
             Some(previous) => FileSet::following(files, previous),
-            None => FileSet::new(files),
+            None => FileSet::of_shared(files),
         };
         timings.checksum = started.elapsed();
         if let Ok(mut last) = self.timings.lock() {
@@ -815,7 +816,11 @@ impl Renderer {
                     size.store(bytes.len(), Ordering::Relaxed);
                 }
                 Ok((
-                    vec![(output.path.clone(), bytes, Origin::Marks(marks))],
+                    vec![(
+                        output.path.clone(),
+                        Bytes::from(bytes),
+                        Origin::Marks(marks),
+                    )],
                     asked,
                 ))
             }
@@ -873,7 +878,9 @@ impl Renderer {
                                     &mut marks,
                                 )
                             });
-                            let bytes = bytes?;
+                            // Shared with what is kept: the set made of it holds the very
+                            // bytes a later render reuses, and tells them by address.
+                            let bytes = Bytes::from(bytes?);
                             // A blank output writes no file.
                             let blank = std::str::from_utf8(&bytes)
                                 .is_ok_and(|text| text.trim().is_empty());
@@ -922,14 +929,10 @@ impl Renderer {
 
 /// What one job produced: paths, bytes and where they came from, and what its templates
 /// asked for.
-type Produced = (Vec<(String, Vec<u8>, Origin)>, Requests);
+type Produced = (Vec<(String, Bytes, Origin)>, Requests);
 
 /// What one job produced, and how long it took.
-type Rendered = (
-    Vec<(String, Vec<u8>, Origin)>,
-    Requests,
-    std::time::Duration,
-);
+type Rendered = (Vec<(String, Bytes, Origin)>, Requests, std::time::Duration);
 
 /// Where one rendered file came from.
 enum Origin {

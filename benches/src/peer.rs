@@ -457,6 +457,7 @@ fn register(env: &mut Environment<'static>) {
     env.add_function("backend_pool", |kwargs: Kwargs| -> Result<Value> {
         let rows: Vec<Value> = kwargs.get("rows")?;
         let step: Option<usize> = kwargs.get("step")?;
+        let only: Option<Vec<String>> = kwargs.get("names")?;
         kwargs.assert_all_used()?;
         let step = step.unwrap_or(haptic_render::pool::DEFAULT_STEP);
         let field = |row: &Value, name: &str| row.get_attr(name).ok().filter(|v| !v.is_undefined());
@@ -487,7 +488,9 @@ fn register(env: &mut Environment<'static>) {
         {
             let pool_name = haptic_render::pool::backend_name(*slot);
             map.push_str(&format!("{name} {pool_name}\n"));
-            names.insert(name.clone(), Value::from(pool_name.clone()));
+            if only.as_ref().is_none_or(|only| only.contains(name)) {
+                names.insert(name.clone(), Value::from(pool_name.clone()));
+            }
             if let Some(place) = pool.get_mut(*slot).filter(|place| place.is_none()) {
                 let mut fields: BTreeMap<String, Value> = BTreeMap::new();
                 if let Ok(keys) = row.try_iter() {

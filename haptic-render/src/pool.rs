@@ -170,9 +170,17 @@ struct Memo {
     size: usize,
     /// Spare rows, by pool index.
     spares: HashMap<usize, Value>,
-    names: Value,
+    /// Each member's name to its pool backend (a name listed twice: its last row's, as
+    /// `names` has it), for the names a call asks for and to tell a name already taken.
+    by_name: HashMap<Arc<str>, usize>,
+    /// `names` of every member, made when a call asks for all of them and kept until the
+    /// members change: a map of 10,000 names rebuilt on every new route was ~0.7 ms of a
+    /// render (the engine builds a map by hashing each key again).
+    all_names: Option<Value>,
     map: Value,
-    output: Value,
+    /// The output's `rows`, as the list value every call gives (the same list while nothing
+    /// changed, which a `render_each` over it reuses whole).
+    rows_value: Value,
     /// The output's rows (the value's own list), to patch a few of.
     rows: Vec<Value>,
     /// Per row of the input, in order: its place in `rows`, if it has one (a pooled row's
@@ -207,9 +215,10 @@ impl Default for Memo {
             slots: Vec::new(),
             size: 0,
             spares: HashMap::new(),
-            names: Value::from(Map::new()),
+            by_name: HashMap::new(),
+            all_names: None,
             map: Value::from(""),
-            output: Value::none(),
+            rows_value: Value::from(Vec::<Value>::new()),
             rows: Vec::new(),
             places: Vec::new(),
             inserted: 0,
@@ -218,7 +227,18 @@ impl Default for Memo {
 }
 
 impl Memo {
-    fn pool(&mut self, rows: &Value, step: usize) -> tera::TeraResult<Value> {
+    fn pool(
+        &mut self,
+        rows: &Value,
+        step: usize,
+        only: Option<&[String]>,
+    ) -> tera::TeraResult<Value> {
+        self.rows_for(rows, step)?;
+        Ok(self.answer(only))
+    }
+
+    /// Brings the output's rows and the assignment up to date with `rows`.
+    fn rows_for(&mut self, rows: &Value, step: usize) -> tera::TeraResult<()> {
         let list = rows.as_array().ok_or_else(|| {
             tera::Error::message(format!(
                 "backend_pool: `rows` must be a list of backend rows, got {}",
@@ -229,13 +249,12 @@ impl Memo {
         // The same rows (a view recomputed to the same rows, or the same list): the last answer.
         if self.input.is_some() && self.step == step && ids == self.ids {
             self.input = Some(rows.clone());
-            return Ok(self.output.clone());
+            return Ok(());
         }
-        if let Some(output) = self.patch(rows, list, &ids, step) {
-            return Ok(output);
-        }
-        if let Some(output) = self.insert(rows, list, &ids, step) {
-            return Ok(output);
+        if self.patch(rows, list, &ids, step).is_some()
+            || self.insert(rows, list, &ids, step).is_some()
+        {
+            return Ok(());
         }
         let mut known: HashMap<usize, Known> = HashMap::with_capacity(list.len());
         for (row, &id) in list.iter().zip(&ids) {
@@ -280,21 +299,22 @@ impl Memo {
                 .map(|(_, name, created)| Member { name, created })
                 .collect();
             let (size, slots) = assign(&assigned, step);
-            let mut names = Map::with_capacity(assigned.len());
+            let mut by_name = HashMap::with_capacity(assigned.len());
             let mut map = String::with_capacity(assigned.len() * 40);
-            for (member, slot) in assigned.iter().zip(&slots) {
+            for ((_, name, _), slot) in members.iter().zip(&slots) {
                 let pool = backend_name(*slot);
-                map.push_str(member.name);
+                map.push_str(name);
                 map.push(' ');
                 map.push_str(&pool);
                 map.push('\n');
-                names.insert(Key::String(Arc::from(member.name)), Value::from(pool));
+                by_name.insert(Arc::clone(name), *slot);
             }
             if size != self.size {
                 self.spares.clear();
             }
             (self.size, self.slots) = (size, slots);
-            self.names = Value::from(names);
+            self.by_name = by_name;
+            self.all_names = None;
             self.map = Value::from(map);
         }
         self.members = members;
@@ -379,15 +399,45 @@ impl Memo {
         self.step = step;
         self.places = places;
         self.rows = out;
-        self.output = self.answer();
-        Ok(self.output.clone())
+        self.rows_value = Value::from(self.rows.clone());
+        Ok(())
     }
 
-    /// The answer for `self.rows` and the assignment.
-    fn answer(&self) -> Value {
+    /// The answer for `self.rows` and the assignment, with `names` of the members `only`
+    /// names (those of them that are members), or of every member.
+    fn answer(&mut self, only: Option<&[String]>) -> Value {
+        let names = match only {
+            Some(only) => {
+                let mut names = Map::with_capacity(only.len());
+                for name in only {
+                    if let Some(slot) = self.by_name.get(name.as_str()) {
+                        names.insert(
+                            Key::String(Arc::from(name.as_str())),
+                            Value::from(backend_name(*slot)),
+                        );
+                    }
+                }
+                Value::from(names)
+            }
+            None => self
+                .all_names
+                .get_or_insert_with(|| {
+                    // In member order, a name listed twice at its first place with its last
+                    // row's backend, as a map built member by member has it.
+                    let mut names = Map::with_capacity(self.members.len());
+                    for ((_, name, _), slot) in self.members.iter().zip(&self.slots) {
+                        names.insert(
+                            Key::String(Arc::clone(name)),
+                            Value::from(backend_name(*slot)),
+                        );
+                    }
+                    Value::from(names)
+                })
+                .clone(),
+        };
         map_value([
-            ("rows", Value::from(self.rows.clone())),
-            ("names", self.names.clone()),
+            ("rows", self.rows_value.clone()),
+            ("names", names),
             ("map", self.map.clone()),
             ("size", Value::from(self.size)),
             ("used", Value::from(self.members.len())),
@@ -401,7 +451,7 @@ impl Memo {
     /// the map stay, and each changed row replaces its predecessor's output row. Recomputing
     /// the whole answer (maps and lists of every row's identity) was a sixth of such a render.
     /// `None` when that does not hold.
-    fn patch(&mut self, rows: &Value, list: &[Value], ids: &[usize], step: usize) -> Option<Value> {
+    fn patch(&mut self, rows: &Value, list: &[Value], ids: &[usize], step: usize) -> Option<()> {
         if self.input.is_none()
             || self.step != step
             || ids.len() != self.ids.len()
@@ -463,8 +513,8 @@ impl Memo {
             self.ids[at] = now;
         }
         self.input = Some(rows.clone());
-        self.output = self.answer();
-        Some(self.output.clone())
+        self.rows_value = Value::from(self.rows.clone());
+        Some(())
     }
 }
 
@@ -476,13 +526,7 @@ impl Memo {
     /// backend and the new one takes the first free from its home (what [`assign`] gives).
     /// HAPTIC's protocol (a new Service, routed) is such a change; computing the answer afresh
     /// was ~5 ms a render at 10,000 Services. `None` when that does not hold.
-    fn insert(
-        &mut self,
-        rows: &Value,
-        list: &[Value],
-        ids: &[usize],
-        step: usize,
-    ) -> Option<Value> {
+    fn insert(&mut self, rows: &Value, list: &[Value], ids: &[usize], step: usize) -> Option<()> {
         if self.input.is_none()
             || step == 0
             || self.step != step
@@ -502,14 +546,13 @@ impl Memo {
         }
         let (id, row) = (ids[at], &list[at]);
         let (name, created) = (text(row, "name"), text(row, "created"));
-        let names = self.names.as_map()?;
-        // A name listed twice has one entry in `names` and a line per row in the map: the
+        // A name listed twice has one entry in `by_name` and a line per row in the map: the
         // places below count on neither.
         if id == 0
-            || names.len() != self.members.len()
+            || self.by_name.len() != self.members.len()
             || self.known.contains_key(&id)
             || !plain(row)
-            || names.contains_key(&Key::String(Arc::from(name)))
+            || self.by_name.contains_key(name)
             || self
                 .members
                 .iter()
@@ -533,12 +576,6 @@ impl Memo {
             .filter(|(_, member)| member.is_some())
             .count();
         let pool = backend_name(slot);
-        let mut names = names.clone();
-        names.shift_insert(
-            member,
-            Key::String(Arc::from(name)),
-            Value::from(pool.as_str()),
-        );
         // The map's lines are the members', in order: the new one goes after `member` of them.
         let map = self.map.as_str()?;
         let line_at = match member.checked_sub(1) {
@@ -563,6 +600,7 @@ impl Memo {
         }
         self.places.insert(at, (Some(place), Some(member)));
         let (name, created): (Arc<str>, Arc<str>) = (Arc::from(name), Arc::from(created));
+        self.by_name.insert(Arc::clone(&name), slot);
         self.members
             .insert(member, (id, Arc::clone(&name), Arc::clone(&created)));
         self.slots.insert(member, slot);
@@ -575,13 +613,13 @@ impl Memo {
                 placed: Some((slot, value)),
             },
         );
-        self.names = Value::from(names);
+        self.all_names = None;
         self.map = Value::from(text_map);
         self.ids = ids.to_vec();
         self.input = Some(rows.clone());
-        self.output = self.answer();
+        self.rows_value = Value::from(self.rows.clone());
         self.inserted += 1;
-        Some(self.output.clone())
+        Some(())
     }
 }
 
@@ -620,7 +658,8 @@ fn spare(index: usize) -> Value {
 /// Registers `backend_pool(rows=<backend rows>, step=<n>)`: a map with `rows` (the backends to
 /// write: the rows the pool does not take as they are, then the pool's `size` backends in
 /// order, a taken one as its row named `pool_<n>` with `service_backend` its own name, a
-/// spare one without endpoints), `names` (each pooled backend's name to its pool backend's),
+/// spare one without endpoints), `names` (each pooled backend's name to its pool backend's;
+/// with `names=[<name>, ...]`, only those of the names given that are pooled),
 /// `map` (the text of `maps/pool.map`: `<name> pool_<n>` lines), `size` and `used`. With `step`
 /// 0 (or none given: [`DEFAULT_STEP`]), nothing is pooled. Each renderer keeps its last answer
 /// and reuses it while `rows` is the same value.
@@ -643,7 +682,10 @@ pub(crate) fn register(tera: &mut Tera) {
                 *memo = Memo::default();
                 memo
             });
-            memo.pool(&rows, step)
+            // `names=[...]`: only those names in `names` (a template that looks up one name
+            // need not have a map of every member built on each change).
+            let only: Option<Vec<String>> = kwargs.get("names")?;
+            memo.pool(&rows, step, only.as_deref())
         },
     );
 }
@@ -685,7 +727,7 @@ mod tests {
                 .map(|&(n, created, h2)| row(&name(n), created, h2, 0))
                 .collect();
             let mut memo = Memo::default();
-            memo.pool(&Value::from(list.clone()), step).expect("pools");
+            memo.pool(&Value::from(list.clone()), step, None).expect("pools");
             for (round, batch) in edits.into_iter().enumerate() {
                 for (at, what, n, created, h2) in batch {
                     let endpoints = u8::try_from(round % 200).unwrap_or(0) + 1;
@@ -709,10 +751,28 @@ mod tests {
                     }
                 }
                 let rows = Value::from(list.clone());
-                let kept = memo.pool(&rows, step).expect("pools");
-                let fresh = Memo::default().pool(&rows, step).expect("pools");
+                let kept = memo.pool(&rows, step, None).expect("pools");
+                let fresh = Memo::default().pool(&rows, step, None).expect("pools");
                 proptest::prop_assert_eq!(&kept, &fresh);
                 proptest::prop_assert_eq!(in_order(&kept), in_order(&fresh));
+                // A few names asked for: those of them pooled, as every name's map has them,
+                // and the very same rows list.
+                let only = [name(0), name(3), "absent".to_owned()];
+                let some = memo.pool(&rows, step, Some(&only)).expect("pools");
+                let part = |answer: &Value, key: &'static str| {
+                    answer.as_map().and_then(|m| m.get(&Key::Str(key))).cloned()
+                };
+                let all = part(&fresh, "names").and_then(|n| n.into_map()).unwrap_or_default();
+                let expected: Map = all
+                    .into_iter()
+                    .filter(|(key, _)| only.iter().any(|o| key.as_str() == Some(o.as_str())))
+                    .collect();
+                proptest::prop_assert_eq!(part(&some, "names"), Some(Value::from(expected)));
+                let same_rows = match (part(&some, "rows"), part(&kept, "rows")) {
+                    (Some(a), Some(b)) => identity(&a) == identity(&b),
+                    _ => false,
+                };
+                proptest::prop_assert!(same_rows, "the rows list is shared between calls");
             }
         }
     }
@@ -762,7 +822,7 @@ mod tests {
                 .map(|i| row_at(&format!("ns_svc-{i}_80"), u32::try_from(i).unwrap_or(0), i % 7 == 3))
                 .collect();
             let mut memo = Memo::default();
-            memo.pool(&Value::from(list.clone()), step).expect("pools");
+            memo.pool(&Value::from(list.clone()), step, None).expect("pools");
             let mut second = u32::try_from(first).unwrap_or(0);
             for (k, (at, what)) in adds.into_iter().enumerate() {
                 let at = at % (list.len() + 1);
@@ -782,8 +842,8 @@ mod tests {
                     }
                 }
                 let rows = Value::from(list.clone());
-                let kept = memo.pool(&rows, step).expect("pools");
-                let fresh = Memo::default().pool(&rows, step).expect("pools");
+                let kept = memo.pool(&rows, step, None).expect("pools");
+                let fresh = Memo::default().pool(&rows, step, None).expect("pools");
                 proptest::prop_assert_eq!(&kept, &fresh);
                 proptest::prop_assert_eq!(in_order(&kept), in_order(&fresh));
             }
@@ -796,24 +856,31 @@ mod tests {
             .map(|i| row_at(&format!("ns_svc-{i:02}_80"), i, i % 9 == 0))
             .collect();
         let mut memo = Memo::default();
-        memo.pool(&Value::from(list.clone()), 32).expect("pools");
+        memo.pool(&Value::from(list.clone()), 32, None)
+            .expect("pools");
         list.insert(17, row_at("ns_fresh_80", 40, false));
-        let kept = memo.pool(&Value::from(list.clone()), 32).expect("pools");
+        let kept = memo
+            .pool(&Value::from(list.clone()), 32, None)
+            .expect("pools");
         assert_eq!(memo.inserted, 1, "the insertion patch answered");
         assert_eq!(
             kept,
             Memo::default()
-                .pool(&Value::from(list.clone()), 32)
+                .pool(&Value::from(list.clone()), 32, None)
                 .expect("pools")
         );
         // Created in the same second as an older member, with a name before its: the order
         // of the assignment changes, and the answer is computed again.
         list.insert(3, row_at("ns_early_80", 39, false));
-        let kept = memo.pool(&Value::from(list.clone()), 32).expect("pools");
+        let kept = memo
+            .pool(&Value::from(list.clone()), 32, None)
+            .expect("pools");
         assert_eq!(memo.inserted, 1, "computed again");
         assert_eq!(
             kept,
-            Memo::default().pool(&Value::from(list), 32).expect("pools")
+            Memo::default()
+                .pool(&Value::from(list), 32, None)
+                .expect("pools")
         );
     }
 
@@ -823,14 +890,18 @@ mod tests {
             .map(|i| row(&format!("ns_svc-{i}_80"), 1, i % 9 == 0, 0))
             .collect();
         let mut memo = Memo::default();
-        let before = memo.pool(&Value::from(list.clone()), 32).expect("pools");
+        let before = memo
+            .pool(&Value::from(list.clone()), 32, None)
+            .expect("pools");
         let mut changed = list.clone();
         changed[7] = row("ns_svc-7_80", 1, false, 5);
-        let after = memo.pool(&Value::from(changed.clone()), 32).expect("pools");
+        let after = memo
+            .pool(&Value::from(changed.clone()), 32, None)
+            .expect("pools");
         assert_eq!(
             after,
             Memo::default()
-                .pool(&Value::from(changed), 32)
+                .pool(&Value::from(changed), 32, None)
                 .expect("pools")
         );
         let rows = |answer: &Value| {

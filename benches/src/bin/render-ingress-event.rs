@@ -57,6 +57,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if store == "new" {
         let (mut wall, mut cpu, mut refresh, mut checksum) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut phases = Vec::new();
         for round in 0..runs.max(1) {
             // Zero-padded: each round's Service is the newest by name too (`new-10` sorts
             // before `new-9`), as a stream of new Services created one after another is.
@@ -75,8 +76,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let timings = renderer.last_timings();
             refresh.push(timings.refresh);
             checksum.push(timings.checksum);
+            phases.push(timings);
         }
         println!("checksum after the last change {}", last.checksum_hex());
+        print_phases(&phases);
         let ms = |times: Vec<Duration>| middle(times).as_secs_f64() * 1e3;
         println!(
             "{n} Ingresses, a new Service, EndpointSlice and Ingress a round, median of {}: {:.1} ms wall, {:.1} ms on this thread's CPU, refresh {:.1} ms, checksum {:.1} ms",
@@ -99,6 +102,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let versions = [changed(&store, resource), resource.clone()];
     let (mut wall, mut cpu, mut refresh, mut checksum) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut phases = Vec::new();
     for round in 0..runs.max(1) {
         stores
             .get_mut(&store)
@@ -113,8 +117,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let timings = renderer.last_timings();
         refresh.push(timings.refresh);
         checksum.push(timings.checksum);
+        phases.push(timings);
     }
     println!("checksum after the last change {}", last.checksum_hex());
+    print_phases(&phases);
     let ms = |times: Vec<Duration>| middle(times).as_secs_f64() * 1e3;
     println!(
         "{n} Ingresses, one of {store} changed, median of {}: {:.1} ms wall, {:.1} ms on this thread's CPU, refresh {:.1} ms, checksum {:.1} ms",
@@ -125,6 +131,32 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ms(checksum)
     );
     Ok(())
+}
+
+/// With `RENDER_EVENT_PHASES=1`: the median of each phase of the renders and of each output's
+/// template run (outputs that took under 0.1 ms left out), in milliseconds.
+fn print_phases(phases: &[haptic_render::Timings]) {
+    if std::env::var_os("RENDER_EVENT_PHASES").is_none() {
+        return;
+    }
+    let ms = |pick: &dyn Fn(&haptic_render::Timings) -> Duration| {
+        middle(phases.iter().map(pick).collect()).as_secs_f64() * 1e3
+    };
+    println!(
+        "phases (median ms): refresh {:.2}, context {:.2}, templates {:.2}, assemble {:.2}, checksum {:.2}",
+        ms(&|t| t.refresh),
+        ms(&|t| t.context),
+        ms(&|t| t.templates),
+        ms(&|t| t.assemble),
+        ms(&|t| t.checksum)
+    );
+    let Some(first) = phases.first() else { return };
+    for (i, (path, _)) in first.outputs.iter().enumerate() {
+        let took = ms(&|t| t.outputs.get(i).map_or(Duration::ZERO, |(_, d)| *d));
+        if took >= 0.1 {
+            println!("  {path}: {took:.2}");
+        }
+    }
 }
 
 /// A new Service `name` (created after every fixture one), its EndpointSlice with one ready

@@ -75,6 +75,16 @@ impl std::hash::Hasher for AddressHasher {
     }
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Rows a call site's index put in on this thread, one by one (the tests count them).
+    pub(crate) static INDEXED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// How wide a call site's slack may grow ([`CallSite::slack`]) before its index is made
+/// afresh: each lookup of a row not found in order probes this many places at most.
+const MAX_SLACK: i64 = 16;
+
 /// Row identities to places, hashed by [`AddressHasher`].
 type IdentityMap = HashMap<usize, u32, std::hash::BuildHasherDefault<AddressHasher>>;
 
@@ -138,11 +148,16 @@ struct CallSite {
     rows: Value,
     /// The identity of the rows list itself (the whole call is reused when it is the same).
     list: Option<usize>,
-    /// Row identity -> its place in `rows` (rows without an identity are not indexed). The
-    /// previous call's index, copied, with the rows that are not where they were put in (a
-    /// list that kept its order changes a few entries, not every one), so it may also name
-    /// rows this call no longer has: [`CallSite::place_of`] checks the row found.
+    /// Row identity -> its place in `rows`, give or take [`CallSite::slack`] (rows without an
+    /// identity are not indexed). The previous call's index, copied, with the rows put in
+    /// that it does not find within the slack (a list that kept its order, a few rows added
+    /// or taken out, changes a few entries, not every one after the change), so it may also
+    /// name rows this call no longer has: [`CallSite::place_of`] checks the row found.
     index: IdentityMap,
+    /// How far a row may be from its place in `index`: at least `slack.0` and at most
+    /// `slack.1` places after it (a row added before others moves them one place on, and
+    /// their entries are left as they were).
+    slack: (i64, i64),
     /// Every row's bytes, one after the other, as the text value the call returned (the
     /// engine writes text, and each row's ends where a write ended, so the value is made
     /// without validating it again). The very value is returned again when the whole call is
@@ -166,10 +181,13 @@ struct CallSite {
 impl CallSite {
     /// The place of the row whose identity is `id`.
     fn place_of(&self, id: usize) -> Option<u32> {
-        let place = *self.index.get(&id)?;
-        let row = self.rows.as_array()?.get(place as usize)?;
-        // The call holds its rows, so an identity among them is that row's alone.
-        (identity(row) == Some(id)).then_some(place)
+        let indexed = i64::from(*self.index.get(&id)?);
+        let rows = self.rows.as_array()?;
+        (self.slack.0..=self.slack.1).find_map(|shift| {
+            let place = u32::try_from(indexed + shift).ok()?;
+            // The call holds its rows, so an identity among them is that row's alone.
+            (identity(rows.get(place as usize)?) == Some(id)).then_some(place)
+        })
     }
 
     /// Every row's bytes, one after the other.
@@ -653,7 +671,7 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
     // over and over).
     let copied = previous
         .as_deref()
-        .filter(|p| p.index.len() <= 2 * rows.len());
+        .filter(|p| p.index.len() <= 2 * rows.len() && p.slack.1 - p.slack.0 <= MAX_SLACK);
     let mut bytes = String::with_capacity(
         previous
             .as_ref()
@@ -666,6 +684,7 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
             || IdentityMap::with_capacity_and_hasher(rows.len(), Default::default()),
             |p| p.index.clone(),
         ),
+        slack: copied.map_or((0, 0), |p| p.slack),
         text: Value::none(),
         ends: Vec::with_capacity(rows.len()),
         // As many as last time: a view's rows mark their objects, one or more a row.
@@ -715,21 +734,40 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
         if let Some((_, j)) = from_previous {
             next_previous = j + 1;
         }
-        // A copied index has the rows the previous call had at the same place (the very same
-        // row: not one found equal; a row twice in a list may keep the other place, still its
-        // own, as `place_of` checks).
-        let same_place = same_row.is_some_and(|(p, j)| {
-            j == place && previous.as_deref().is_some_and(|q| std::ptr::eq(p, q))
-        });
-        if let Some(id) = id
-            && (copied.is_none() || !same_place)
-        {
-            site.index.insert(id, place);
+        // A copied index finds the rows the previous call found (the very same row: not one
+        // found equal; a row twice in a list may keep the other place, still its own, as
+        // `place_of` checks), moved by as many places as each moved since: the slack widens
+        // to take them in, and only the other rows are put in.
+        let moved = same_row
+            .filter(|(p, _)| copied.is_some_and(|q| std::ptr::eq(*p, q)))
+            .map(|(_, j)| i64::from(place) - i64::from(j));
+        match (id, moved, copied) {
+            (Some(_), Some(moved), Some(q)) => {
+                site.slack.0 = site.slack.0.min(q.slack.0 + moved);
+                site.slack.1 = site.slack.1.max(q.slack.1 + moved);
+            }
+            (Some(id), _, _) => {
+                #[cfg(test)]
+                INDEXED.with(|indexed| indexed.set(indexed.get() + 1));
+                site.index.insert(id, place);
+            }
+            (None, _, _) => {}
         }
         if before.is_none() {
             missing.push(row.clone());
         }
         plan.push(before);
+    }
+    // A slack grown too wide (rows moved by many places, unevenly) would make each lookup a
+    // long probe: the index is made afresh.
+    if site.slack.1 - site.slack.0 > MAX_SLACK {
+        site.index.clear();
+        for (place, row) in (0u32..).zip(rows.iter()) {
+            if let Some(id) = identity(row) {
+                site.index.insert(id, place);
+            }
+        }
+        site.slack = (0, 0);
     }
     // No row reused (a first render, or reuse off): the run's bytes are the call's, as they
     // are; they are not copied row by row.

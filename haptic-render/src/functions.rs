@@ -320,18 +320,25 @@ struct WhereAny {
     selected: Value,
     /// Each row's verdict, in the rows' order.
     verdicts: Vec<bool>,
-    /// Rows' places by their address ([`crate::fragments::identity`]): the answer's on the
-    /// same list before, copied, with the rows not at the same place put in (a list rebuilt in
-    /// the same order changes a few), so it may name rows gone: [`WhereAny::verdict_of`]
-    /// checks the row there.
+    /// Rows' places by their address ([`crate::fragments::identity`]), give or take `slack`:
+    /// the answer's on the same list before, copied, with the rows put in that it does not
+    /// find within the slack (a list rebuilt in the same order, a few rows added or taken
+    /// out, changes a few), so it may name rows gone: [`WhereAny::verdict_of`] checks the
+    /// row there.
     places: Places,
+    /// How far a row may be from its place in `places`: at least `slack.0` and at most
+    /// `slack.1` places after it.
+    slack: (i64, i64),
 }
 
 impl WhereAny {
     /// The verdict on the row whose identity is `id`, and its place.
     fn verdict_of(&self, id: usize) -> Option<(usize, bool)> {
-        let place = *self.places.get(&id)?;
-        Some((place, self.verdict_at(place, id)?))
+        let indexed = i64::try_from(*self.places.get(&id)?).ok()?;
+        (self.slack.0..=self.slack.1).find_map(|shift| {
+            let place = usize::try_from(indexed + shift).ok()?;
+            Some((place, self.verdict_at(place, id)?))
+        })
     }
 
     /// The verdict on the row at `place`, when the row there is `id` (the answer holds its
@@ -355,8 +362,20 @@ type Places = std::collections::HashMap<
 /// The last answers of `where_any` (the reference set asks two per render).
 static WHERE_ANY: std::sync::Mutex<Vec<WhereAny>> = std::sync::Mutex::new(Vec::new());
 
+#[cfg(test)]
+thread_local! {
+    /// Rows `where_any` read on this thread (the tests count them).
+    static WHERE_ANY_READS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// Rows' places `where_any` wrote on this thread.
+    static WHERE_ANY_PLACED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 /// How many answers of `where_any` are kept.
 const WHERE_ANY_KEPT: usize = 8;
+
+/// How wide an answer's slack may grow ([`WhereAny::slack`]) before its places are made
+/// afresh: each lookup of a row not found in order probes this many places at most.
+const WHERE_ANY_SLACK: i64 = 16;
 
 fn tera_error(e: impl std::fmt::Display) -> tera::Error {
     tera::Error::message(e.to_string())
@@ -593,30 +612,36 @@ pub(crate) fn register(tera: &mut Tera) {
                 .filter(|k| k.truthy == truthy && k.falsy == falsy)
                 .collect();
             // The answer on this list before (the same arguments are asked of several lists):
-            // the one that has one of the first rows at its place. It is read in order (the
-            // next row is usually the one after the last found there) and its places copied
-            // (unless they name many rows gone), with those of the rows elsewhere put in.
-            let base = items.iter().take(4).enumerate().find_map(|(place, item)| {
+            // the one that has one of the first rows (wherever: a row added before them moves
+            // them). It is read in order (the next row is usually the one after the last
+            // found there) and its places copied (unless they name many rows gone, or its
+            // slack grew wide), with those of the rows it does not find put in.
+            let base = items.iter().take(4).find_map(|item| {
                 let id = crate::fragments::identity(item)?;
                 earlier
                     .iter()
                     .copied()
-                    .find(|answer| answer.verdict_at(place, id).is_some())
+                    .find(|answer| answer.verdict_of(id).is_some())
             });
-            let copied = base.filter(|base| base.places.len() <= 2 * items.len());
+            let copied = base.filter(|base| {
+                base.places.len() <= 2 * items.len()
+                    && base.slack.1 - base.slack.0 <= WHERE_ANY_SLACK
+            });
             let mut places = copied.map_or_else(
                 || Places::with_capacity_and_hasher(items.len(), Default::default()),
                 |base| base.places.clone(),
             );
+            let mut slack = copied.map_or((0, 0), |base| base.slack);
             let mut next = 0;
             let mut verdicts = Vec::with_capacity(items.len());
             let mut selected = Vec::new();
             for (place, item) in items.iter().enumerate() {
                 let id = crate::fragments::identity(item);
-                let mut in_order = None;
+                // Where the base has this very row, when it does.
+                let mut in_base = None;
                 let known = id.and_then(|id| {
                     if let Some(verdict) = base.and_then(|base| base.verdict_at(next, id)) {
-                        in_order = Some(next);
+                        in_base = Some(next);
                         next += 1;
                         return Some(verdict);
                     }
@@ -624,18 +649,31 @@ pub(crate) fn register(tera: &mut Tera) {
                         let (at, verdict) = answer.verdict_of(id)?;
                         if base.is_some_and(|base| std::ptr::eq(base, *answer)) {
                             next = at + 1;
+                            in_base = Some(at);
                         }
                         Some(verdict)
                     })
                 });
-                if let Some(id) = id
-                    && (copied.is_none() || in_order != Some(place))
-                {
-                    places.insert(id, place);
+                // A row the copied places find, moved since: the slack takes it in.
+                match (id, in_base, copied) {
+                    (Some(_), Some(at), Some(copied)) => {
+                        let moved = i64::try_from(place).unwrap_or(i64::MAX)
+                            - i64::try_from(at).unwrap_or(i64::MAX);
+                        slack.0 = slack.0.min(copied.slack.0 + moved);
+                        slack.1 = slack.1.max(copied.slack.1 + moved);
+                    }
+                    (Some(id), _, _) => {
+                        #[cfg(test)]
+                        WHERE_ANY_PLACED.with(|placed| placed.set(placed.get() + 1));
+                        places.insert(id, place);
+                    }
+                    (None, _, _) => {}
                 }
                 let verdict = match (known, item.as_map()) {
                     (Some(verdict), _) => verdict,
                     (None, Some(map)) => {
+                        #[cfg(test)]
+                        WHERE_ANY_READS.with(|reads| reads.set(reads.get() + 1));
                         truthy.iter().any(|k| field(map, k)) || falsy.iter().any(|k| !field(map, k))
                     }
                     (None, None) => {
@@ -650,6 +688,16 @@ pub(crate) fn register(tera: &mut Tera) {
                     selected.push(item.clone());
                 }
             }
+            // A slack grown too wide (rows moved by many places, unevenly): made afresh.
+            if slack.1 - slack.0 > WHERE_ANY_SLACK {
+                places.clear();
+                for (place, item) in items.iter().enumerate() {
+                    if let Some(id) = crate::fragments::identity(item) {
+                        places.insert(id, place);
+                    }
+                }
+                slack = (0, 0);
+            }
             let selected = Value::from(selected);
             kept.insert(
                 0,
@@ -660,6 +708,7 @@ pub(crate) fn register(tera: &mut Tera) {
                     selected: selected.clone(),
                     verdicts,
                     places,
+                    slack,
                 },
             );
             kept.truncate(WHERE_ANY_KEPT);
@@ -834,6 +883,52 @@ mod tests {
         assert_eq!(render(&[b.clone(), row("e", false), a.clone()]), "b ");
         assert_eq!(render(&[p, row("r", true), q]), "r q ");
         assert_eq!(render(&[a, b]), "b ");
+    }
+
+    /// Rows added at the front and in the middle of a list, one a render, past the slack's
+    /// limit: each answer reads the new row alone, and is right.
+    #[test]
+    fn where_any_reads_only_the_rows_added_wherever_they_go() {
+        let mut tera = Tera::new();
+        register(&mut tera);
+        let row =
+            |name: String, x: bool| map_value([("n", Value::from(name)), ("x", Value::from(x))]);
+        let mut rows: Vec<Value> = (0..8).map(|i| row(format!("r{i}"), i % 2 == 0)).collect();
+        let render = |rows: &[Value]| {
+            let mut context = tera::Context::new();
+            context.insert_value("rows", Value::from(rows.to_vec()));
+            let before = WHERE_ANY_READS.with(std::cell::Cell::get);
+            let out = tera
+                .render_str(
+                    "{% for r in rows | where_any(truthy=[\"x\", \"y\"]) %}{{ r.n }} {% endfor %}",
+                    &context,
+                    false,
+                )
+                .unwrap();
+            (out, WHERE_ANY_READS.with(std::cell::Cell::get) - before)
+        };
+        let expected = |rows: &[Value]| -> String {
+            rows.iter()
+                .filter(|r| r.get_from_path("x").is_some_and(Value::is_truthy))
+                .map(|r| format!("{} ", r.get_from_path("n").and_then(Value::as_str).unwrap()))
+                .collect()
+        };
+        assert_eq!(render(&rows), (expected(&rows), 8));
+        // Each answer puts in the new row's place alone, but when its slack grew too wide
+        // (every 17 rows added in the middle): then all of them (about 40 each time). Every
+        // row after the new one, as before, would be ~600 over the 40 answers.
+        let placed = WHERE_ANY_PLACED.with(std::cell::Cell::get);
+        for i in 0..40 {
+            let at = if i % 3 == 0 { 0 } else { rows.len() / 2 };
+            rows.insert(at, row(format!("new{i}"), i % 2 == 1));
+            assert_eq!(render(&rows), (expected(&rows), 1), "after {i}");
+        }
+        let placed = WHERE_ANY_PLACED.with(std::cell::Cell::get) - placed;
+        assert!(placed < 40 + 2 * 48, "{placed} places written");
+        // Rows taken out: nothing to read.
+        rows.remove(3);
+        rows.remove(20);
+        assert_eq!(render(&rows), (expected(&rows), 0));
     }
 
     #[test]

@@ -1365,6 +1365,48 @@ mod tests {
         );
     }
 
+    /// Services added one a render, before all the others and in the middle: each render
+    /// renders the new row alone, gives a fresh render's bytes, and its call site's index puts
+    /// in the new row's place (all of them only when its slack grew too wide), not the place
+    /// of every row after it.
+    #[test]
+    fn render_each_after_rows_added_anywhere_renders_and_indexes_them_alone() {
+        let mut set = TemplateSet {
+            haproxy_config: Template::new(
+                "{{ render_each(rows=resources.services, template=\"row\") }}",
+            ),
+            ..TemplateSet::default()
+        };
+        set.template_snippets.insert(
+            "row".into(),
+            Template::new("{{ row.metadata.namespace }}/{{ row.metadata.name }}\n"),
+        );
+        let renderer = Renderer::compile(&set).unwrap().with_threads(1);
+        let mut stores = stores();
+        renderer.render(&stores).unwrap();
+        let mut indexed = 0;
+        for i in 0..40 {
+            let (namespace, name) = if i % 3 == 0 {
+                ("0", format!("front-{i:02}"))
+            } else {
+                ("a", format!("middle-{i:02}"))
+            };
+            stores
+                .get_mut("services")
+                .unwrap()
+                .apply(&json!({"metadata": {"namespace": namespace, "name": name}}))
+                .unwrap();
+            let before = fragments::INDEXED.with(std::cell::Cell::get);
+            let files = renderer.render(&stores).unwrap();
+            indexed += fragments::INDEXED.with(std::cell::Cell::get) - before;
+            assert_eq!(renderer.last_timings().fragments_rendered, 1, "after {i}");
+            let fresh = Renderer::compile(&set).unwrap().render(&stores).unwrap();
+            assert_eq!(files.text("haproxy.cfg"), fresh.text("haproxy.cfg"));
+        }
+        // Every row after the new one put in again would be ~400 over the 40 renders.
+        assert!(indexed < 40 + 2 * 48, "{indexed} places indexed");
+    }
+
     /// A row never sees what another row set, whether the runner's loop holds the snippet's
     /// source (inlined) or includes it (a snippet with `set_global`).
     #[test]

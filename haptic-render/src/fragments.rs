@@ -200,6 +200,24 @@ impl CallSite {
         start..self.ends[i]
     }
 
+    /// Where the entries of the rows `rows` are in `list` (sorted by row): from where the
+    /// run's first row's start ([`Self::row_range`], looked for first at `hint`) to the first
+    /// entry of a row after the run.
+    fn run_range<T>(
+        list: &[T],
+        row: impl Fn(&T) -> u32 + Copy,
+        rows: &std::ops::Range<u32>,
+        hint: usize,
+    ) -> std::ops::Range<usize> {
+        let from = Self::row_range(list, row, rows.start, hint).start;
+        let to = from
+            + list
+                .get(from..)
+                .unwrap_or_default()
+                .partition_point(|e| row(e) < rows.end);
+        from..to
+    }
+
     /// Where row `i`'s entries are in `list` (sorted by row), looked for first at `hint`:
     /// where the previous row's ended, when the rows are walked in order (a list that kept its
     /// order reuses its rows one after the other), so that most rows need no search. Any hint
@@ -781,40 +799,72 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
         (batch, outs.into_iter())
     };
     let mut batch_start = 0;
-    // The call reused from last, and where its last reused row's marks, requests and reads
-    // ended: the next row's start there when it is the next row of that call.
+    // The call reused from last, and where its last reused run's marks, requests and reads
+    // ended: the next run's start there when it follows in that call.
     let mut hints: (*const CallSite, usize, usize, usize) = (std::ptr::null(), 0, 0, 0);
-    for (i, before) in plan.into_iter().enumerate() {
+    let mut i = 0;
+    while let Some(before) = plan.get(i).copied() {
         let place = u32::try_from(i).map_err(|_| error("render_each: too many rows"))?;
         match before {
             Some((p, j)) => {
-                reused += 1;
+                // A run of rows kept from one call, one after the other there (a list that
+                // kept its order reuses thousands in a row): copied as a run, bytes and all.
+                let mut n = 1u32;
+                while plan
+                    .get(i + n as usize)
+                    .copied()
+                    .flatten()
+                    .is_some_and(|(q, k)| std::ptr::eq(q, p) && Some(k) == j.checked_add(n))
+                {
+                    n += 1;
+                }
+                let rows = j..j + n;
+                reused += u64::from(n);
+                let from = p.span(j as usize).start;
+                let to = p.span((j + n - 1) as usize).end;
                 let kept = p
                     .bytes()
-                    .get(p.span(j as usize))
+                    .get(from..to)
                     .ok_or_else(|| error("render_each: a kept row's output is out of bounds"))?;
+                let at_bytes = bytes.len();
                 bytes.push_str(kept);
+                let ends = p
+                    .ends
+                    .get(rows.start as usize..rows.end as usize)
+                    .ok_or_else(|| error("render_each: a kept row's output is out of bounds"))?;
+                site.ends
+                    .extend(ends.iter().map(|end| at_bytes + (end - from)));
                 if !std::ptr::eq(hints.0, p) {
                     hints = (p, 0, 0, 0);
                 }
-                let marks = CallSite::row_range(&p.marks, |m| m.0, j, hints.1);
+                // A row of the run, moved to its place here.
+                let moved = |row: u32| row - j + place;
+                let marks = CallSite::run_range(&p.marks, |m| m.0, &rows, hints.1);
                 hints.1 = marks.end;
-                for (_, offset, value) in &p.marks[marks] {
-                    site.marks.push((place, *offset, value.clone()));
-                }
-                let requests = CallSite::row_range(&p.requests, |r| r.0, j, hints.2);
+                site.marks.extend(
+                    p.marks[marks]
+                        .iter()
+                        .map(|(row, offset, value)| (moved(*row), *offset, value.clone())),
+                );
+                let requests = CallSite::run_range(&p.requests, |r| r.0, &rows, hints.2);
                 hints.2 = requests.end;
-                for (_, requests) in &p.requests[requests] {
-                    site.requests.push((place, requests.clone()));
-                }
-                let reads = CallSite::row_range(&p.reads, |r| r.0, j, hints.3);
+                site.requests.extend(
+                    p.requests[requests]
+                        .iter()
+                        .map(|(row, requests)| (moved(*row), requests.clone())),
+                );
+                let reads = CallSite::run_range(&p.reads, |r| r.0, &rows, hints.3);
                 hints.3 = reads.end;
-                for (_, read) in &p.reads[reads] {
-                    site.reads.push((place, read.clone()));
-                }
-                if p.refused.binary_search(&j).is_ok() {
-                    site.refused.push(place);
-                }
+                site.reads.extend(
+                    p.reads[reads]
+                        .iter()
+                        .map(|(row, read)| (moved(*row), read.clone())),
+                );
+                let refused = p.refused.partition_point(|r| *r < rows.start)
+                    ..p.refused.partition_point(|r| *r < rows.end);
+                site.refused
+                    .extend(p.refused[refused].iter().map(|row| moved(*row)));
+                i += n as usize;
             }
             None => {
                 rendered += 1;
@@ -840,10 +890,11 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
                 if out.refused {
                     site.refused.push(place);
                 }
+                site.ends
+                    .push(if all_fresh { batch_start } else { bytes.len() });
+                i += 1;
             }
         }
-        site.ends
-            .push(if all_fresh { batch_start } else { bytes.len() });
     }
     if all_fresh {
         bytes = std::mem::take(&mut batch);

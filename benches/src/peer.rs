@@ -638,6 +638,21 @@ fn register(env: &mut Environment<'static>) {
             found
         })
     });
+    // haptic-render's `derived_get`: an entry of a derived view (no reuse to track here).
+    env.add_function(
+        "derived_get",
+        |state: &State, kwargs: Kwargs| -> Result<Value> {
+            let view: String = kwargs.get("view")?;
+            let key: String = kwargs.get("key")?;
+            kwargs.assert_all_used()?;
+            let found = state
+                .lookup("derived")
+                .and_then(|derived| derived.get_attr(&view).ok())
+                .and_then(|entries| entries.get_item(&Value::from(key)).ok())
+                .filter(|found| !found.is_undefined());
+            Ok(found.unwrap_or_else(|| Value::from(())))
+        },
+    );
 }
 
 /// The `endpoint` and `ready` (ready unless it says false) of endpoint rows, as

@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex};
 
 use tera::{Context, Kwargs, State, Tera, Value};
 
-use crate::functions::{GET_VAR, INDEX_VAR, REVIEW_VAR};
+use crate::functions::{DERIVED_VAR, GET_VAR, INDEX_VAR, REVIEW_VAR};
 use crate::provenance;
 use crate::requests::{self, KeyedStatus, Requests};
 
@@ -546,7 +546,7 @@ pub(crate) fn record_refuse() {
 }
 
 /// Whether `reads` find the same things in the render's stores (`stores`: the `GET_VAR` and
-/// `INDEX_VAR` maps of this render).
+/// `INDEX_VAR` maps of this render, and for a per-item output its `DERIVED_VAR` views).
 fn still_valid(reads: &[Read], stores: &[(&'static str, Option<Value>)]) -> bool {
     reads.iter().all(|read| {
         let now = stores
@@ -555,7 +555,13 @@ fn still_valid(reads: &[Read], stores: &[(&'static str, Option<Value>)]) -> bool
             .and_then(|(_, v)| v.as_ref())
             .and_then(Value::as_map)
             .and_then(|m| m.get(&tera::value::Key::Str(&read.store)))
-            .and_then(|m| crate::store::find_in(m, read.var == GET_VAR, &read.key));
+            .and_then(|m| {
+                if read.var == DERIVED_VAR {
+                    m.as_map()?.get(&tera::value::Key::Str(&read.key)).cloned()
+                } else {
+                    crate::store::find_in(m, read.var == GET_VAR, &read.key)
+                }
+            });
         same(now.as_ref(), read.found.as_ref())
     })
 }
@@ -1353,12 +1359,30 @@ pub(crate) struct ItemFile {
 #[derive(Debug, Default)]
 pub(crate) struct Items {
     entries: Mutex<HashMap<(usize, usize), Arc<ItemOutput>>>,
+    /// Items rendered and reused since the last [`Items::take_counts`].
+    rendered: AtomicU64,
+    reused: AtomicU64,
 }
 
 impl Items {
+    /// Counts an item rendered (`false`) or reused (`true`).
+    pub(crate) fn count(&self, reused: bool) {
+        let counter = if reused { &self.reused } else { &self.rendered };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Items rendered and reused since the last call.
+    pub(crate) fn take_counts(&self) -> (u64, u64) {
+        (
+            self.rendered.swap(0, Ordering::Relaxed),
+            self.reused.swap(0, Ordering::Relaxed),
+        )
+    }
+
     /// What output `index` gave for `item` last time, if it still holds: the same item, the
-    /// same `inputs`, the same results of its get/lookup reads (`stores`: this render's
-    /// `GET_VAR` and `INDEX_VAR` maps), and no `refuse()` in an overlay render.
+    /// same `inputs`, the same results of its get/lookup/derived_get reads (`stores`: this
+    /// render's `GET_VAR`, `INDEX_VAR` and `DERIVED_VAR` maps), and no `refuse()` in an
+    /// overlay render.
     pub(crate) fn reuse(
         &self,
         index: usize,

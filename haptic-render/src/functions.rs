@@ -842,6 +842,47 @@ pub(crate) fn register(tera: &mut Tera) {
                 .unwrap_or_else(|| Value::from(Vec::<Value>::new())))
         },
     );
+    tera.register_function(
+        "derived_get",
+        |kwargs: Kwargs, state: &State| -> tera::TeraResult<Value> {
+            let view: &str = kwargs.must_get("view")?;
+            let key = lookup_key(&kwargs.must_get::<Value>("key")?)?;
+            Ok(derived_lookup(state, view, &key)?.unwrap_or_else(Value::none))
+        },
+    );
+}
+
+/// `derived_get(view=<name>, key=<key>)`: the entry `key` of the derived view `view` (a map,
+/// such as `certificates`), none when it has none. What `derived.<view>[key]` gives, but the
+/// read is recorded: a per-item output (a certificate's PEM) that read one entry is reused
+/// while that entry is the same value, where one that reads `derived.<view>` is rendered again
+/// whenever any entry changed (every one of 2,500 certificates after one Secret event).
+fn derived_lookup(state: &State, view: &str, key: &str) -> tera::TeraResult<Option<Value>> {
+    let derived: Value = state.get(DERIVED_VAR)?.ok_or_else(|| {
+        tera_error(
+            "derived_get: no derived views here (a snippet of render_each has none: pass \
+             what it needs in `args`)",
+        )
+    })?;
+    let views = derived
+        .as_map()
+        .ok_or_else(|| tera_error("the render context's derived views are not a map"))?;
+    let Some(entries) = views.get(&Key::Str(view)) else {
+        let known: Vec<String> = views.keys().map(|k| k.to_string()).collect();
+        return Err(tera_error(format!(
+            "derived_get: unknown view `{view}` (known: {})",
+            known.join(", ")
+        )));
+    };
+    let Some(entries) = entries.as_map() else {
+        return Err(tera_error(format!(
+            "derived_get: the view `{view}` is a {}, not a map",
+            entries.name()
+        )));
+    };
+    let found = entries.get(&Key::Str(key)).cloned();
+    crate::fragments::record_read(DERIVED_VAR, view, key, found.as_ref());
+    Ok(found)
 }
 
 #[cfg(test)]

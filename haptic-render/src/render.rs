@@ -263,6 +263,10 @@ pub struct Timings {
     pub fragments_rendered: u64,
     /// Fragments of `render_each` reused from an earlier render.
     pub fragments_reused: u64,
+    /// Items of per-item outputs (`forEach`) rendered by the engine.
+    pub items_rendered: u64,
+    /// Items of per-item outputs reused from an earlier render.
+    pub items_reused: u64,
 }
 
 impl Renderer {
@@ -666,6 +670,7 @@ impl Renderer {
             self.items.end(active.epoch);
         }
         (timings.fragments_rendered, timings.fragments_reused) = self.fragments.take_counts();
+        (timings.items_rendered, timings.items_reused) = self.items.take_counts();
         timings.templates = started.elapsed();
         let started = Instant::now();
         // Back in output order, so that the error reported is the same whatever the job order.
@@ -839,9 +844,12 @@ impl Renderer {
                 let mut item_context = context.clone();
                 let size = self.sizes.get(*index);
                 let review = context.get(REVIEW_VAR).is_some();
+                // What reads are checked against: the stores, and the derived views (an item
+                // reads one entry of a view with `derived_get`).
                 let stores = [
                     (GET_VAR, context.get(GET_VAR).cloned()),
                     (INDEX_VAR, context.get(INDEX_VAR).cloned()),
+                    (DERIVED_VAR, context.get(DERIVED_VAR).cloned()),
                 ];
                 for item in *items {
                     // The same item, reading the same views and stores: what it gave last time.
@@ -849,6 +857,7 @@ impl Renderer {
                         self.items
                             .reuse(*index, item, inputs, &stores, review, active.epoch)
                     });
+                    self.items.count(kept.is_some());
                     let (bytes, file) = match kept {
                         Some(kept) => {
                             asked.extend(kept.requests.clone());

@@ -262,3 +262,85 @@ proptest! {
         same("status", &kept.render_traced(&stores).unwrap(), &fresh(&stores))?;
     }
 }
+
+/// A Secret event renders that Secret's certificate file again, not every certificate's: each
+/// reads its own entry of the `certificates` view (`derived_get`), which another Secret's event
+/// leaves the very same value. The files are a fresh render's.
+#[test]
+fn a_secret_event_renders_that_secrets_certificate_alone() {
+    let fixtures = fixtures::generate(40);
+    let mut stores = reference::stores().unwrap();
+    fixtures.load(&mut stores).unwrap();
+    let kept = Renderer::compile(&template_set()).unwrap();
+    kept.render(&stores).unwrap();
+    let first = kept.last_timings();
+    let items = first.items_rendered + first.items_reused;
+    assert!(items > 2, "{items} items");
+    let secret = &fixtures.secrets[1];
+    for v in 0..3 {
+        let changed = variant("secrets", secret, v, &fixtures);
+        stores.get_mut("secrets").unwrap().apply(&changed).unwrap();
+        let files = kept.render(&stores).unwrap();
+        let timings = kept.last_timings();
+        assert_eq!(
+            (timings.items_rendered, timings.items_reused),
+            (1, items - 1),
+            "variant {v}"
+        );
+        assert_eq!(files.checksum(), fresh(&stores).0.checksum(), "variant {v}");
+    }
+}
+
+/// A per-item output that reads an entry of a derived view with `derived_get` is rendered
+/// again when that entry changes though its own item did not (a Service's file that shows
+/// the certificate of the Secret of its name), and reused while the entry is the same.
+#[test]
+fn an_item_is_rendered_again_when_the_entry_it_read_changed() {
+    let mut set = haptic_render::TemplateSet::default();
+    set.ssl_certificates.insert(
+        "services".into(),
+        haptic_render::CertificateTemplate {
+            template: "{% set c = derived_get(view=\"certificates\", key=item.metadata.namespace ~ \"/\" ~ item.metadata.name) %}\
+                       {{ item.metadata.name }} {% if c %}{{ c.usable }} {{ c.reason }}{% else %}none{% endif %}"
+                .into(),
+            for_each: Some("services".into()),
+        },
+    );
+    let service = |name: &str| {
+        json!({"apiVersion": "v1", "kind": "Service",
+        "metadata": {"namespace": "a", "name": name}, "spec": {"ports": [{"port": 80}]}})
+    };
+    let mut stores = reference::stores().unwrap();
+    for name in ["web", "api"] {
+        stores
+            .get_mut("services")
+            .unwrap()
+            .apply(&service(name))
+            .unwrap();
+    }
+    stores
+        .get_mut("secrets")
+        .unwrap()
+        .apply(&fixtures::tls_secret("a", "web"))
+        .unwrap();
+    let kept = Renderer::compile(&set).unwrap();
+    let files = kept.render(&stores).unwrap();
+    assert_eq!(files.text("ssl/a_web.pem"), Some("web true "));
+    assert_eq!(files.text("ssl/a_api.pem"), Some("api none"));
+    // The Secret's key no longer matches: the entry changes, the Service does not.
+    let mut broken = fixtures::tls_secret("a", "web");
+    broken["data"]["tls.key"] = json!("bm90IGEga2V5");
+    stores.get_mut("secrets").unwrap().apply(&broken).unwrap();
+    let files = kept.render(&stores).unwrap();
+    let fresh = Renderer::compile(&set).unwrap().render(&stores).unwrap();
+    assert_eq!(files.text("ssl/a_web.pem"), fresh.text("ssl/a_web.pem"));
+    assert!(
+        files
+            .text("ssl/a_web.pem")
+            .is_some_and(|t| t.starts_with("web false ")),
+        "{:?}",
+        files.text("ssl/a_web.pem")
+    );
+    let timings = kept.last_timings();
+    assert_eq!((timings.items_rendered, timings.items_reused), (1, 1));
+}

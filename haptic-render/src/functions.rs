@@ -631,7 +631,8 @@ pub(crate) fn register(tera: &mut Tera) {
                 || Places::with_capacity_and_hasher(items.len(), Default::default()),
                 |base| base.places.clone(),
             );
-            let mut slack = copied.map_or((0, 0), |base| base.slack);
+            // The rows put in are where their places say; the others widen it as they come.
+            let mut slack: (i64, i64) = (0, 0);
             let mut next = 0;
             let mut verdicts = Vec::with_capacity(items.len());
             let mut selected = Vec::new();
@@ -867,7 +868,7 @@ fn derived_lookup(state: &State, view: &str, key: &str) -> tera::TeraResult<Opti
     let views = derived
         .as_map()
         .ok_or_else(|| tera_error("the render context's derived views are not a map"))?;
-    let Some(entries) = views.get(&Key::Str(view)) else {
+    let Some((view_at, _, entries)) = views.get_full(&Key::Str(view)) else {
         let known: Vec<String> = views.keys().map(|k| k.to_string()).collect();
         return Err(tera_error(format!(
             "derived_get: unknown view `{view}` (known: {})",
@@ -880,8 +881,11 @@ fn derived_lookup(state: &State, view: &str, key: &str) -> tera::TeraResult<Opti
             entries.name()
         )));
     };
-    let found = entries.get(&Key::Str(key)).cloned();
-    crate::fragments::record_read(DERIVED_VAR, view, key, found.as_ref());
+    let (found, places) = match entries.get_full(&Key::Str(key)) {
+        Some((at, _, entry)) => (Some(entry.clone()), Some((view_at, at))),
+        None => (None, None),
+    };
+    crate::fragments::record_read_at(DERIVED_VAR, view, key, found.as_ref(), places);
     Ok(found)
 }
 

@@ -343,4 +343,15 @@ fn an_item_is_rendered_again_when_the_entry_it_read_changed() {
     );
     let timings = kept.last_timings();
     assert_eq!((timings.items_rendered, timings.items_reused), (1, 1));
+    // A Secret that sorts before it moves its entry in the view, not its value: both files
+    // are reused (the read finds the entry by its key where its place no longer holds it).
+    stores
+        .get_mut("secrets")
+        .unwrap()
+        .apply(&fixtures::tls_secret("a", "aaa"))
+        .unwrap();
+    let again = kept.render(&stores).unwrap();
+    let timings = kept.last_timings();
+    assert_eq!((timings.items_rendered, timings.items_reused), (0, 2));
+    assert_eq!(again.text("ssl/a_web.pem"), files.text("ssl/a_web.pem"));
 }

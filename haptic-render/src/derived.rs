@@ -126,6 +126,7 @@ type HashSet<T> = std::collections::HashSet<T, ahash::RandomState>;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 pub mod gateway;
+mod last;
 mod pcre;
 mod routes;
 mod sparse;
@@ -2713,6 +2714,8 @@ struct Backends {
     slice_service: HashMap<(String, String), String>,
     /// `(namespace, service)` -> the names of its slices.
     service_slices: HashMap<(String, String), BTreeSet<String>>,
+    /// The list [`Self::value_following`] gave last, and the Services whose rows changed since.
+    last: Option<last::LastList>,
 }
 
 impl Backends {
@@ -2804,7 +2807,11 @@ impl Backends {
         dirty.extend(changed_services.into_iter().cloned());
         for key in dirty {
             let Some((svc, extracts)) = services.get_entry(&key.0, &key.1) else {
-                self.rows.remove(&key);
+                if let Some(gone) = self.rows.get(&key) {
+                    let count = gone.len();
+                    last::LastList::note(&mut self.last, &key, || count);
+                    self.rows.remove(&key);
+                }
                 continue;
             };
             let joined: Vec<&Arc<Extracts>> = self
@@ -2827,14 +2834,25 @@ impl Backends {
                 routed,
                 &mut rows,
             );
-            self.rows.insert(key, rows);
+            // Rows equal to those it had (a label, a slice that is not its) stay the very
+            // values: the list, and the renders of it, are then reused whole.
+            match self.rows.get(&key) {
+                Some(had) if crate::value::all_identical(had, &rows) => {}
+                had => {
+                    let count = had.map_or(0, Vec::len);
+                    last::LastList::note(&mut self.last, &key, || count);
+                    self.rows.insert(key, rows);
+                }
+            }
         }
         self.built_from = (services.generation(), slices.generation());
         true
     }
 
-    fn value(&self) -> Value {
-        Value::from(self.rows.values().flatten().cloned().collect::<Vec<_>>())
+    /// Every Service's rows, in (namespace, name) order: the list given last when no
+    /// Service's rows changed since, else that list patched ([`last::LastList::follow`]).
+    fn value_following(&mut self) -> Value {
+        last::LastList::follow(&mut self.last, &self.rows, Vec::as_slice)
     }
 }
 
@@ -2982,7 +3000,9 @@ impl DerivedView {
                     if !patched {
                         *backends = Some(Backends::build(slot, store, slice_store, routed));
                     }
-                    backends.as_ref().map_or_else(Value::none, Backends::value)
+                    backends
+                        .as_mut()
+                        .map_or_else(Value::none, Backends::value_following)
                 }
                 ((derivation, _, classes), _) if routes::kind_of(derivation).is_some() => {
                     let ours = Ours::new(derivation.classes(), classes);
@@ -3070,7 +3090,11 @@ impl DerivedView {
                 }
                 _ => compute(&self.derivation, slot, &inputs),
             };
-            state.value = value;
+            // Rows computed again the same (a label of an Ingress a view shows) stay the
+            // very list: the renders of it are then reused whole.
+            if !crate::value::identical(&state.value, &value) {
+                state.value = value;
+            }
             state.built_from = Some(generations);
         }
         state.value.clone()

@@ -275,6 +275,8 @@ pub(crate) struct Fragments {
     /// Fragments rendered and reused since the last [`Fragments::take_counts`].
     rendered: AtomicU64,
     reused: AtomicU64,
+    /// Calls reused whole (the very rows list of a kept call) since then.
+    calls_reused: AtomicU64,
     /// `set_status` values as JSON, by the identity of the template value (held, so that the
     /// identity stays its own), with the last render that used each: a status a view keeps
     /// from render to render (the Gateway API's, one per route) is converted once.
@@ -322,10 +324,12 @@ impl Fragments {
     }
 
     /// How many fragments were rendered and reused since the last call.
-    pub(crate) fn take_counts(&self) -> (u64, u64) {
+    /// Fragments rendered, reused, and calls reused whole, since the last time.
+    pub(crate) fn take_counts(&self) -> (u64, u64, u64) {
         (
             self.rendered.swap(0, Ordering::Relaxed),
             self.reused.swap(0, Ordering::Relaxed),
+            self.calls_reused.swap(0, Ordering::Relaxed),
         )
     }
 
@@ -708,6 +712,10 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
             .fragments
             .reused
             .fetch_add(rows.len() as u64, Ordering::Relaxed);
+        active
+            .fragments
+            .calls_reused
+            .fetch_add(1, Ordering::Relaxed);
         note_enclosing(site.reads.iter().map(|(_, r)| r), !site.refused.is_empty());
         replay(site, at);
         return Ok(site.text.clone());

@@ -263,6 +263,9 @@ pub struct Timings {
     pub fragments_rendered: u64,
     /// Fragments of `render_each` reused from an earlier render.
     pub fragments_reused: u64,
+    /// Calls of `render_each` reused whole: given the very rows list of a call of an earlier
+    /// render (a derived view no event changed), they gave its very output.
+    pub calls_reused: u64,
     /// Items of per-item outputs (`forEach`) rendered by the engine.
     pub items_rendered: u64,
     /// Items of per-item outputs reused from an earlier render.
@@ -669,7 +672,11 @@ impl Renderer {
             self.fragments.end(active.epoch);
             self.items.end(active.epoch);
         }
-        (timings.fragments_rendered, timings.fragments_reused) = self.fragments.take_counts();
+        (
+            timings.fragments_rendered,
+            timings.fragments_reused,
+            timings.calls_reused,
+        ) = self.fragments.take_counts();
         (timings.items_rendered, timings.items_reused) = self.items.take_counts();
         timings.templates = started.elapsed();
         let started = Instant::now();

@@ -238,6 +238,38 @@ pub(crate) fn map_with_room(value: &Value, more: usize) -> Map {
     map
 }
 
+/// Whether two values are the same to a template: equal, and of the same kinds all the way
+/// down (tera calls an integer equal to the float of its value, and two maps equal whatever
+/// the order of their keys, which a loop over them shows), strings of the same safety.
+pub(crate) fn identical(a: &Value, b: &Value) -> bool {
+    if a.kind() != b.kind() {
+        return false;
+    }
+    match a.kind() {
+        ValueKind::Array => match (a.as_array(), b.as_array()) {
+            (Some(x), Some(y)) => std::ptr::eq(x, y) || all_identical(x, y),
+            _ => false,
+        },
+        ValueKind::Map => match (a.as_map(), b.as_map()) {
+            (Some(x), Some(y)) => {
+                std::ptr::eq(x, y)
+                    || (x.len() == y.len()
+                        && x.iter()
+                            .zip(y)
+                            .all(|((k, v), (l, w))| k == l && identical(v, w)))
+            }
+            _ => false,
+        },
+        ValueKind::String => a.as_str() == b.as_str() && a.is_safe() == b.is_safe(),
+        _ => a == b,
+    }
+}
+
+/// Whether two lists hold [`identical`] values, in the same order.
+pub(crate) fn all_identical(a: &[Value], b: &[Value]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| identical(x, y))
+}
+
 /// Builds a tera map value from entries that are already in the wanted order.
 pub(crate) fn map_value<I, K>(entries: I) -> Value
 where
@@ -275,6 +307,34 @@ mod tests {
 
     fn tera(json: &Json) -> Value {
         to_tera(json, &mut Interner::default(), &[])
+    }
+
+    #[test]
+    fn identical_values_are_equal_of_the_same_kinds_and_order() {
+        let a = tera(&json!({"a": 1, "b": [1, {"c": "x"}]}));
+        assert!(identical(&a, &tera(&json!({"a": 1, "b": [1, {"c": "x"}]}))));
+        // tera's equality holds for each of these; a template tells them apart.
+        let fields = a.as_map().unwrap();
+        let reordered = map_value(
+            fields
+                .iter()
+                .rev()
+                .map(|(k, v)| (k.as_str().unwrap().to_owned(), v.clone())),
+        );
+        for other in [
+            tera(&json!({"a": 1.0, "b": [1, {"c": "x"}]})),
+            reordered,
+            tera(&json!({"a": 1, "b": [1.0, {"c": "x"}]})),
+        ] {
+            assert!(a == other, "tera calls them equal");
+            assert!(!identical(&a, &other), "{other:?}");
+        }
+        assert!(!identical(
+            &a,
+            &tera(&json!({"a": 1, "b": [1, {"c": "y"}]}))
+        ));
+        let text = Value::from("some text that is long enough");
+        assert!(!identical(&text, &text.clone().mark_safe()));
     }
 
     #[test]

@@ -355,3 +355,57 @@ fn an_item_is_rendered_again_when_the_entry_it_read_changed() {
     assert_eq!((timings.items_rendered, timings.items_reused), (0, 2));
     assert_eq!(again.text("ssl/a_web.pem"), files.text("ssl/a_web.pem"));
 }
+
+/// An Ingress or Service event that changes no row of any view (a label) leaves every view
+/// the very list it was: every `render_each` call is reused whole, as after no event at all,
+/// and no fragment is rendered. One that changes a row renders that row's fragments again.
+/// The files are a fresh render's either way.
+#[test]
+fn an_event_that_changes_no_row_reuses_every_call_whole() {
+    let fixtures = fixtures::generate(40);
+    let mut stores = reference::stores().unwrap();
+    fixtures.load(&mut stores).unwrap();
+    let kept = Renderer::compile(&template_set()).unwrap();
+    kept.render(&stores).unwrap();
+    kept.render(&stores).unwrap();
+    let calls = kept.last_timings().calls_reused;
+    assert!(calls > 3, "{calls} calls reused after no change");
+    for (store, resource) in [
+        ("ingresses", &fixtures.ingresses[5]),
+        ("services", &fixtures.services[5]),
+    ] {
+        for v in 0..2 {
+            let mut labelled = resource.clone();
+            labelled["metadata"]["labels"] = json!({"team": format!("t{v}")});
+            stores.get_mut(store).unwrap().apply(&labelled).unwrap();
+            let files = kept.render(&stores).unwrap();
+            assert_eq!(files.checksum(), fresh(&stores).0.checksum(), "{store} {v}");
+            let timings = kept.last_timings();
+            assert_eq!(
+                (timings.fragments_rendered, timings.calls_reused),
+                (0, calls),
+                "{store} {v}"
+            );
+        }
+    }
+    // A Service whose port changes number: its backend's row, and its fragment, change.
+    let mut moved = fixtures.services[5].clone();
+    moved["spec"]["ports"][0]["port"] = json!(8081);
+    stores.get_mut("services").unwrap().apply(&moved).unwrap();
+    let files = kept.render(&stores).unwrap();
+    assert_eq!(files.checksum(), fresh(&stores).0.checksum());
+    let timings = kept.last_timings();
+    assert!(timings.fragments_rendered > 0 && timings.calls_reused < calls);
+    // An Ingress routed elsewhere: its route rows change.
+    let mut rerouted = fixtures.ingresses[5].clone();
+    rerouted["spec"]["rules"][0]["http"]["paths"][0]["path"] = json!("/elsewhere");
+    stores
+        .get_mut("ingresses")
+        .unwrap()
+        .apply(&rerouted)
+        .unwrap();
+    let files = kept.render(&stores).unwrap();
+    assert_eq!(files.checksum(), fresh(&stores).0.checksum());
+    let timings = kept.last_timings();
+    assert!(timings.fragments_rendered > 0 && timings.calls_reused < calls);
+}

@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use tera::Value;
 
+use super::last::{self, LastList};
 use super::{
     HashMap, OurIngress, Ours, PathExtract, Slot, ingress_row, route_key, route_kind, route_rows,
     tls_rows,
@@ -86,16 +87,6 @@ pub(super) struct KeptRows {
     last: Option<LastList>,
 }
 
-/// The view's list as it was last given, and the row count then of each Ingress whose rows
-/// changed since (0: it was not in the view): the next list is this one with those Ingresses'
-/// rows put in again, so that after one event the list is copied, not gathered from 10,000
-/// parts again (the walk over the parts' map was ~1 ms of a render at 10,000 Ingresses).
-#[derive(Debug, Clone)]
-struct LastList {
-    list: Value,
-    before: BTreeMap<(String, String), usize>,
-}
-
 /// One of our Ingresses in the view.
 #[derive(Debug, Clone)]
 struct Part {
@@ -150,7 +141,7 @@ impl KeptRows {
             }
         }
         let all: Vec<(String, String)> = state.parts.keys().cloned().collect();
-        state.rows_again(slot, store, (ingresses, joined), all);
+        state.rows_again(slot, store, (ingresses, joined), all, BTreeMap::new());
         Some(state)
     }
 
@@ -204,9 +195,13 @@ impl KeptRows {
         }
         let mut again: BTreeSet<(String, String)> = BTreeSet::new();
         let mut touched: BTreeSet<RouteKey> = BTreeSet::new();
+        // The rows of the changed Ingresses before: rows computed again that are equal stay
+        // the very values, and the list is not patched for them.
+        let mut had: BTreeMap<(String, String), Vec<Value>> = BTreeMap::new();
         for key in changed {
             if let Some(before) = self.remove(key) {
                 touched.extend(before.keys);
+                had.insert(key.clone(), before.rows);
             }
             let now = ingresses
                 .get_entry(&key.0, &key.1)
@@ -237,89 +232,26 @@ impl KeptRows {
                 again.insert((age.2.clone(), age.3.clone()));
             }
         }
-        self.rows_again(slot, store, (ingresses, joined), again);
+        // Those no longer in the view.
+        for (key, rows) in &had {
+            if !self.parts.contains_key(key) {
+                LastList::note(&mut self.last, key, || rows.len());
+            }
+        }
+        self.rows_again(slot, store, (ingresses, joined), again, had);
         self.built_from = from;
         true
     }
 
-    /// Notes that the rows of Ingress `key` are about to change, with how many it has now
-    /// (the first time since the last list).
-    fn note(&mut self, key: &(String, String)) {
-        if let Some(last) = &mut self.last
-            && !last.before.contains_key(key)
-        {
-            let count = self.parts.get(key).map_or(0, |part| part.rows.len());
-            last.before.insert(key.clone(), count);
-        }
-    }
-
     /// The view, as [`Self::value`] gives it, from the list given last when few Ingresses'
-    /// rows changed since: the rows of the others are taken from that list as runs, in order.
+    /// rows changed since ([`LastList::follow`]).
     pub(super) fn value_following(&mut self) -> Value {
-        let value = match self.last.take() {
-            // No Ingress's rows changed (a Service no Ingress of ours names): the very list,
-            // which the renders then reuse whole.
-            Some(last) if last.before.is_empty() => last.list,
-            Some(last) if last.before.len() <= PATCH_LEN => {
-                self.patched(&last).unwrap_or_else(|| self.value())
-            }
-            _ => self.value(),
-        };
-        self.last = Some(LastList {
-            list: value.clone(),
-            before: BTreeMap::new(),
-        });
-        value
-    }
-
-    /// The list given last with the changed Ingresses' rows put in again; none when the
-    /// counts do not add up (then it is gathered whole).
-    fn patched(&self, last: &LastList) -> Option<Value> {
-        let old = last.list.as_array()?;
-        let grown: isize = last
-            .before
-            .iter()
-            .map(|(key, before)| {
-                self.parts.get(key).map_or(0, |part| part.rows.len()) as isize - *before as isize
-            })
-            .sum();
-        let len = usize::try_from(old.len() as isize + grown).ok()?;
-        let mut rows = Vec::with_capacity(len);
-        // Where the next run starts in the old list (its length counted over the parts in
-        // between, whose rows did not change).
-        let mut old_at = 0usize;
-        let mut from: Option<&(String, String)> = None;
-        for (key, before) in &last.before {
-            let between = match from {
-                None => self.parts.range(..key.clone()),
-                Some(from) => self.parts.range((
-                    std::ops::Bound::Excluded(from.clone()),
-                    std::ops::Bound::Excluded(key.clone()),
-                )),
-            };
-            let run: usize = between.map(|(_, part)| part.rows.len()).sum();
-            rows.extend_from_slice(old.get(old_at..old_at + run)?);
-            old_at += run + before;
-            if let Some(part) = self.parts.get(key) {
-                rows.extend_from_slice(&part.rows);
-            }
-            from = Some(key);
-        }
-        rows.extend_from_slice(old.get(old_at..)?);
-        (rows.len() == len).then(|| Value::from(rows))
+        LastList::follow(&mut self.last, &self.parts, |part| &part.rows)
     }
 
     /// The view: every Ingress's rows, in (namespace, name) order.
     pub(super) fn value(&self) -> Value {
-        // Sized first: collected from the parts' rows, the list grew (and was copied) a dozen
-        // times over at 20,000 rows.
-        let mut rows = Vec::with_capacity(self.parts.values().map(|part| part.rows.len()).sum());
-        rows.extend(
-            self.parts
-                .values()
-                .flat_map(|part| part.rows.iter().cloned()),
-        );
-        Value::from(rows)
+        last::gathered(&self.parts, |part| &part.rows)
     }
 
     /// Adds one of our Ingresses (not in the view): its claims and what it names of the
@@ -404,7 +336,6 @@ impl KeptRows {
             }
         }
         let key = (ing.namespace.to_owned(), ing.name.to_owned());
-        self.note(&key);
         let part = Part {
             age,
             keys,
@@ -422,7 +353,6 @@ impl KeptRows {
 
     /// Takes an Ingress out of the view, with its claims and its names of Services.
     fn remove(&mut self, key: &(String, String)) -> Option<Part> {
-        self.note(key);
         let part = self.parts.remove(key)?;
         for route in &part.keys {
             if let Some(claimants) = self.claims.get_mut(route) {
@@ -455,13 +385,16 @@ impl KeptRows {
             .then(|| format!("{}/{}", best.2, best.3))
     }
 
-    /// Computes the rows of the Ingresses `keys` (those still in the view) again.
+    /// Computes the rows of the Ingresses `keys` (those still in the view) again. Rows equal
+    /// to those the Ingress had (in `had`, else in the view) stay the very values; others
+    /// are noted as changed for [`Self::value_following`].
     fn rows_again(
         &mut self,
         slot: Slot,
         store: &str,
         (ingresses, joined): (&Store, Option<&Store>),
         keys: impl IntoIterator<Item = (String, String)>,
+        mut had: BTreeMap<(String, String), Vec<Value>>,
     ) {
         let lookup = |namespace: &str, service: &str| {
             joined?
@@ -520,9 +453,16 @@ impl KeptRows {
                 }
                 Kind::Ingresses => ingress_row(slot, &ing, &mut rows),
             }
-            self.note(&key);
             if let Some(part) = self.parts.get_mut(&key) {
-                part.rows = rows;
+                let before = had
+                    .remove(&key)
+                    .unwrap_or_else(|| std::mem::take(&mut part.rows));
+                if crate::value::all_identical(&before, &rows) {
+                    part.rows = before;
+                } else {
+                    LastList::note(&mut self.last, &key, || before.len());
+                    part.rows = rows;
+                }
             }
         }
     }

@@ -172,6 +172,9 @@ struct CallSite {
     ends: Vec<usize>,
     /// Provenance marks (offset from the row's start), with the row each belongs to, in order.
     marks: Vec<(u32, usize, Value)>,
+    /// The marks at their offsets in the call's output, made when first replayed and shared
+    /// by every output that reuses the call whole.
+    replayed: std::sync::OnceLock<Arc<[(usize, Value)]>>,
     /// What rows asked for (few rows ask anything), by row, in order.
     requests: Vec<(u32, Requests)>,
     /// What rows read with `get` / `lookup`, by row, in order.
@@ -625,14 +628,13 @@ fn describe(e: &tera::Error, template: &str) -> String {
 /// row at a time through the thread's own index (`requests::replay`): merging them into one
 /// `Requests` first rebuilt an index of everything so far per row, quadratic in rows with a status.
 fn replay(site: &CallSite, at: usize) {
-    provenance::replay(
+    let marks = site.replayed.get_or_init(|| {
         site.marks
             .iter()
-            .map(|(row, offset, value)| {
-                (at + site.span(*row as usize).start + offset, value.clone())
-            })
-            .collect(),
-    );
+            .map(|(row, offset, value)| (site.span(*row as usize).start + offset, value.clone()))
+            .collect()
+    });
+    provenance::replay(at, Arc::clone(marks));
     for (_, requests) in &site.requests {
         requests::replay(requests);
     }
@@ -759,6 +761,7 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
         ends: Vec::with_capacity(rows.len()),
         // As many as last time: a view's rows mark their objects, one or more a row.
         marks: Vec::with_capacity(previous.as_ref().map_or(0, |p| p.marks.len())),
+        replayed: std::sync::OnceLock::new(),
         requests: Vec::new(),
         reads: Vec::new(),
         refused: Vec::new(),
@@ -1175,7 +1178,7 @@ fn render_rows_unmarked(
             outs.push(RowOut {
                 end: bytes.len(),
                 first: None,
-                marks,
+                marks: marks.into_flat(),
                 requests,
                 reads: frame.reads,
                 refused: frame.refused,

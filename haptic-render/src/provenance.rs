@@ -19,6 +19,7 @@
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::io::Write;
+use std::sync::Arc;
 
 use tera::{Kwargs, State, Tera, Value};
 
@@ -53,7 +54,98 @@ pub(crate) enum Origin {
     /// A single output: byte offsets where a run of one object's content (or of none)
     /// begins, with the mark's value as the template gave it (converted when asked: a render
     /// makes tens of thousands of marks and is asked about them only when HAProxy refuses it).
-    Marks(Vec<(usize, Value)>),
+    Marks(Marks),
+}
+
+/// The marks of one output, in output order, as pieces: the marks its templates made, and
+/// the marks of each `render_each` call it reused whole, shared with the kept call rather
+/// than copied mark by mark (the pool's backends in `haproxy.cfg` are 10,000 marks at 10,000
+/// Services, copied and dropped on every render before).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Marks {
+    /// Never an empty piece.
+    pieces: Vec<Piece>,
+}
+
+#[derive(Debug, Clone)]
+enum Piece {
+    /// Marks at their offsets.
+    Own(Vec<(usize, Value)>),
+    /// Marks at their offsets plus the first field.
+    Shared(usize, Arc<[(usize, Value)]>),
+}
+
+impl Piece {
+    /// Where its first mark is.
+    fn first(&self) -> Option<usize> {
+        match self {
+            Piece::Own(marks) => marks.first().map(|(at, _)| *at),
+            Piece::Shared(at, marks) => marks.first().map(|(offset, _)| at + offset),
+        }
+    }
+}
+
+impl Marks {
+    /// Adds a mark at `at`.
+    pub(crate) fn push(&mut self, at: usize, value: Value) {
+        match self.pieces.last_mut() {
+            Some(Piece::Own(marks)) => marks.push((at, value)),
+            _ => self.pieces.push(Piece::Own(vec![(at, value)])),
+        }
+    }
+
+    /// Adds marks made elsewhere, each at its offset plus `at`, shared.
+    pub(crate) fn extend_shared(&mut self, at: usize, marks: Arc<[(usize, Value)]>) {
+        if !marks.is_empty() {
+            self.pieces.push(Piece::Shared(at, marks));
+        }
+    }
+
+    /// Whether there is no mark.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.pieces.is_empty()
+    }
+
+    /// Every mark, at its offset, in order.
+    pub(crate) fn into_flat(self) -> Vec<(usize, Value)> {
+        let mut pieces = self.pieces.into_iter();
+        let mut flat = match pieces.next() {
+            Some(Piece::Own(marks)) => marks,
+            Some(Piece::Shared(at, marks)) => shifted(at, &marks).collect(),
+            None => return Vec::new(),
+        };
+        for piece in pieces {
+            match piece {
+                Piece::Own(marks) => flat.extend(marks),
+                Piece::Shared(at, marks) => flat.extend(shifted(at, &marks)),
+            }
+        }
+        flat
+    }
+
+    /// The value of the last mark before `end` (the marks are in output order).
+    fn last_before(&self, end: usize) -> Option<&Value> {
+        let piece = self
+            .pieces
+            .partition_point(|piece| piece.first().is_some_and(|first| first < end));
+        match self.pieces.get(piece.checked_sub(1)?)? {
+            Piece::Own(marks) => {
+                let i = marks.partition_point(|(offset, _)| *offset < end);
+                marks.get(i.checked_sub(1)?).map(|(_, value)| value)
+            }
+            Piece::Shared(at, marks) => {
+                let i = marks.partition_point(|(offset, _)| at + offset < end);
+                marks.get(i.checked_sub(1)?).map(|(_, value)| value)
+            }
+        }
+    }
+}
+
+/// Shared marks at their offsets plus `at`.
+fn shifted(at: usize, marks: &[(usize, Value)]) -> impl Iterator<Item = (usize, Value)> + '_ {
+    marks
+        .iter()
+        .map(move |(offset, value)| (at + offset, value.clone()))
 }
 
 /// Which object produced which file or line of a render.
@@ -89,8 +181,7 @@ impl Provenance {
                 // The mark that begins the run this line's text belongs to: the last one
                 // before the line's last byte (a mark placed just before the newline that
                 // starts the line counts).
-                let at = marks.partition_point(|(offset, _)| *offset < end);
-                mark_object(&marks.get(at.checked_sub(1)?)?.1)
+                mark_object(marks.last_before(end)?)
             }
         }
     }
@@ -171,7 +262,7 @@ thread_local! {
     /// How many bytes the output rendering on this thread has written so far.
     static WRITTEN: Cell<usize> = const { Cell::new(0) };
     /// The marks the output rendering on this thread made so far.
-    static MARKS: RefCell<Vec<(usize, Value)>> = const { RefCell::new(Vec::new()) };
+    static MARKS: RefCell<Marks> = const { RefCell::new(Marks { pieces: Vec::new() }) };
 }
 
 /// A writer that tells the `from` filter where the output is.
@@ -198,12 +289,12 @@ impl Write for Counting<'_> {
 ///
 /// Nests: a render inside a render (a fragment of `render_each`) collects its own marks, and
 /// the enclosing render's are as they were when it returns.
-pub(crate) fn collect<T>(f: impl FnOnce() -> T) -> (T, Vec<(usize, Value)>) {
+pub(crate) fn collect<T>(f: impl FnOnce() -> T) -> (T, Marks) {
     collect_from(0, f)
 }
 
 /// As [`collect`], for a render into a writer that holds `start` bytes already.
-pub(crate) fn collect_from<T>(start: usize, f: impl FnOnce() -> T) -> (T, Vec<(usize, Value)>) {
+pub(crate) fn collect_from<T>(start: usize, f: impl FnOnce() -> T) -> (T, Marks) {
     let written = WRITTEN.with(|w| w.replace(start));
     let outer = MARKS.with(|m| std::mem::take(&mut *m.borrow_mut()));
     let out = f();
@@ -214,7 +305,9 @@ pub(crate) fn collect_from<T>(start: usize, f: impl FnOnce() -> T) -> (T, Vec<(u
 
 /// Takes the marks made so far on this thread (a row of a run of rows is done).
 pub(crate) fn take_marks() -> Vec<(usize, Value)> {
-    MARKS.with(|m| std::mem::take(&mut *m.borrow_mut()))
+    MARKS
+        .with(|m| std::mem::take(&mut *m.borrow_mut()))
+        .into_flat()
 }
 
 /// How many bytes the output rendering on this thread has written so far.
@@ -222,11 +315,9 @@ pub(crate) fn written() -> usize {
     WRITTEN.with(Cell::get)
 }
 
-/// Adds marks made elsewhere (a reused fragment's, at their offsets in this output).
-pub(crate) fn replay(marks: Vec<(usize, Value)>) {
-    if !marks.is_empty() {
-        MARKS.with(|m| m.borrow_mut().extend(marks));
-    }
+/// Adds marks made elsewhere (a reused call's, at their offsets from `at`), shared.
+pub(crate) fn replay(at: usize, marks: Arc<[(usize, Value)]>) {
+    MARKS.with(|m| m.borrow_mut().extend_shared(at, marks));
 }
 
 /// The object a mark names: `[store, namespace, name]` (or `[store, name]`); none for `[]`.
@@ -254,7 +345,7 @@ pub(crate) fn register(tera: &mut Tera) {
         "from",
         |value: &Value, _: Kwargs, _: &State| -> tera::TeraResult<String> {
             let at = WRITTEN.with(Cell::get);
-            MARKS.with(|m| m.borrow_mut().push((at, value.clone())));
+            MARKS.with(|m| m.borrow_mut().push(at, value.clone()));
             Ok(String::new())
         },
     );
@@ -297,14 +388,20 @@ mod tests {
                 Value::from(o.name.as_str()),
             ])
         };
-        let p = Provenance::from_sorted(std::iter::once((
-            "f".to_owned(),
-            Origin::Marks(vec![
-                (4, mark(&a)),
-                (7, mark(&b)),
-                (10, Value::from(Vec::<Value>::new())),
-            ]),
-        )));
+        // B's mark comes from a reused call (shared, at 6 + 1), between marks of the output's own.
+        let mut marks = Marks::default();
+        marks.push(4, mark(&a));
+        marks.extend_shared(6, Arc::from(vec![(1, mark(&b))]));
+        marks.push(10, Value::from(Vec::<Value>::new()));
+        let flat: Vec<usize> = marks
+            .clone()
+            .into_flat()
+            .iter()
+            .map(|(at, _)| *at)
+            .collect();
+        assert_eq!(flat, [4, 7, 10]);
+        let marks = Origin::Marks(marks);
+        let p = Provenance::from_sorted(std::iter::once(("f".to_owned(), marks)));
         let mut files = BTreeMap::new();
         files.insert("f".to_owned(), text.as_bytes().to_vec());
         let files = FileSet::new(files);

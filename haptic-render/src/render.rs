@@ -471,7 +471,7 @@ impl Renderer {
         output: impl FnOnce() -> String,
         capacity: usize,
         asked_for: &mut Requests,
-        marks: &mut Vec<(usize, Value)>,
+        marks: &mut provenance::Marks,
     ) -> Result<Vec<u8>> {
         let mut bytes = Vec::with_capacity(capacity);
         let ((rendered, asked), marked) = provenance::collect(|| {
@@ -810,7 +810,7 @@ impl Renderer {
                 let size = self.sizes.get(*index);
                 let capacity = size.map_or(0, |s| s.load(Ordering::Relaxed));
                 let mut asked = Requests::default();
-                let mut marks = Vec::new();
+                let mut marks = provenance::Marks::default();
                 let bytes = self.render_one(
                     active,
                     &output.template,
@@ -845,7 +845,7 @@ impl Renderer {
             } => {
                 let mut files = Vec::new();
                 let mut asked = Requests::default();
-                let mut marks = Vec::new();
+                let mut marks = provenance::Marks::default();
                 let store = output.for_each.as_deref().unwrap_or_default();
                 // One context per run of items; `item` is replaced for each.
                 let mut item_context = context.clone();
@@ -953,7 +953,7 @@ type Rendered = (Vec<(String, Bytes, Origin)>, Requests, std::time::Duration);
 /// Where one rendered file came from.
 enum Origin {
     /// A single output, with the marks its templates made (`from`).
-    Marks(Vec<(usize, Value)>),
+    Marks(provenance::Marks),
     /// A per-item output: its item.
     Item(ObjectRef),
 }

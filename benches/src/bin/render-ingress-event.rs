@@ -2,7 +2,9 @@
 //! [STORE] [RUNS]` loads `fixtures::generate(INGRESSES)`, renders once (the views built), then
 //! RUNS times changes STORE's middle resource (`ingresses`, `services`, `endpointslices` or
 //! `secrets`: a label, and for an EndpointSlice its first endpoint's readiness, as the
-//! `render_event` bench changes them), back and forth, and renders; STORE `new` adds a new
+//! `render_event` bench changes them; `ingress-path`: an Ingress's first path, `/` to `/v2`;
+//! `service-protocol`: a Service's first port's appProtocol, to h2c), back and forth, and
+//! renders; STORE `new` adds a new
 //! Service, its EndpointSlice and an Ingress routing a new host to it each round (HAPTIC's
 //! protocol: the render that takes a spare backend of the pool). It prints the median wall
 //! clock, this thread's CPU time, the views' refresh and the checksum's part (hashed on from
@@ -91,6 +93,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
         return Ok(());
     }
+    // `ingress-path` and `service-protocol` change what routes: the Ingress's first path
+    // (`/` becomes `/v2`: a route map's entry), the Service's first port's appProtocol (h2c:
+    // its backend leaves the pool for a section of its own); a label alone changes no row.
+    let (store, routing) = match store.as_str() {
+        "ingress-path" => ("ingresses".to_owned(), true),
+        "service-protocol" => ("services".to_owned(), true),
+        _ => (store, false),
+    };
     let resource = match store.as_str() {
         "ingresses" => fixture.ingresses.get(half),
         "services" => fixture.services.get(half),
@@ -99,7 +109,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         other => return Err(format!("no such store: {other}").into()),
     }
     .ok_or("the fixture has no such resource")?;
-    let versions = [changed(&store, resource), resource.clone()];
+    let mut other = changed(&store, resource);
+    if routing && store == "ingresses" {
+        other["spec"]["rules"][0]["http"]["paths"][0]["path"] = "/v2".into();
+    } else if routing {
+        other["spec"]["ports"][0]["appProtocol"] = "kubernetes.io/h2c".into();
+    }
+    let versions = [other, resource.clone()];
     let (mut wall, mut cpu, mut refresh, mut checksum) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut phases = Vec::new();
@@ -123,7 +139,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     print_phases(&phases);
     let ms = |times: Vec<Duration>| middle(times).as_secs_f64() * 1e3;
     println!(
-        "{n} Ingresses, one of {store} changed, median of {}: {:.1} ms wall, {:.1} ms on this thread's CPU, refresh {:.1} ms, checksum {:.1} ms",
+        "{n} Ingresses, one of {store} changed{}, median of {}: {:.1} ms wall, {:.1} ms on this thread's CPU, refresh {:.1} ms, checksum {:.1} ms",
+        match (routing, store.as_str()) {
+            (true, _) => " (routing)",
+            (_, "endpointslices") => " (an endpoint's readiness)",
+            _ => " (a label)",
+        },
         wall.len(),
         ms(wall),
         ms(cpu),

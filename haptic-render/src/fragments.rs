@@ -146,7 +146,7 @@ fn same(a: Option<&Value>, b: Option<&Value>) -> bool {
 /// out flat so that reusing a run of rows copies contiguous bytes: what the next call with the
 /// same template and args reuses.
 #[derive(Debug)]
-struct CallSite {
+pub(crate) struct CallSite {
     /// The rows list, kept (with every row in it) so that the identities of the list and of
     /// its rows are not reused by other values while this lives.
     rows: Value,
@@ -278,7 +278,8 @@ pub(crate) struct Fragments {
     /// Fragments rendered and reused since the last [`Fragments::take_counts`].
     rendered: AtomicU64,
     reused: AtomicU64,
-    /// Calls reused whole (the very rows list of a kept call) since then.
+    /// Calls made, and reused whole (the very rows list of a kept call), since then.
+    calls: AtomicU64,
     calls_reused: AtomicU64,
     /// `set_status` values as JSON, by the identity of the template value (held, so that the
     /// identity stays its own), with the last render that used each: a status a view keeps
@@ -327,11 +328,12 @@ impl Fragments {
     }
 
     /// How many fragments were rendered and reused since the last call.
-    /// Fragments rendered, reused, and calls reused whole, since the last time.
-    pub(crate) fn take_counts(&self) -> (u64, u64, u64) {
+    /// Fragments rendered, reused, calls made and calls reused whole, since the last time.
+    pub(crate) fn take_counts(&self) -> (u64, u64, u64, u64) {
         (
             self.rendered.swap(0, Ordering::Relaxed),
             self.reused.swap(0, Ordering::Relaxed),
+            self.calls.swap(0, Ordering::Relaxed),
             self.calls_reused.swap(0, Ordering::Relaxed),
         )
     }
@@ -654,6 +656,7 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
     if rows_value.is_undefined() || rows_value.is_none() {
         return Ok(Value::from(""));
     }
+    active.fragments.calls.fetch_add(1, Ordering::Relaxed);
     let Some(rows) = rows_value.as_array() else {
         return Err(error(format!(
             "render_each: `rows` must be a list, got {}",
@@ -710,6 +713,9 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
             .all(|(_, read)| still_valid(std::slice::from_ref(read), &stores))
     {
         site.used.store(active.epoch, Ordering::Relaxed);
+        if let Some(site) = &previous {
+            note_site(site);
+        }
         active
             .fragments
             .reused
@@ -975,11 +981,27 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
         if let Some(i) = replaced {
             calls.remove(i);
         }
-        calls.insert(0, Arc::new(site));
+        let site = Arc::new(site);
+        note_site(&site);
+        calls.insert(0, site);
         calls.truncate(MAX_CALLS_PER_KEY);
     }
 
     Ok(text)
+}
+
+thread_local! {
+    /// The calls the single output rendering on this thread made, when it is kept.
+    static SITES: RefCell<Option<Vec<Arc<CallSite>>>> = const { RefCell::new(None) };
+}
+
+/// Notes a call kept (made or reused whole) for the single output rendering, if any.
+fn note_site(site: &Arc<CallSite>) {
+    SITES.with(|sites| {
+        if let Some(sites) = sites.borrow_mut().as_mut() {
+            sites.push(Arc::clone(site));
+        }
+    });
 }
 
 /// The call's output as the template value it returns and keeps: one copy of its bytes (a
@@ -1330,6 +1352,21 @@ pub(crate) fn template_reads(
                     let rest = &literal[1..];
                     pending.push(rest[..rest.find(quote)?].to_owned());
                 }
+                // `render_each(..., template="<snippet>")`: the snippet's reads are the
+                // caller's; a snippet named by anything but a literal could read anything.
+                "template" => {
+                    let Some(value) = after
+                        .trim_start()
+                        .strip_prefix('=')
+                        .filter(|v| !v.starts_with('='))
+                    else {
+                        continue;
+                    };
+                    let literal = value.trim_start();
+                    let quote = literal.chars().next().filter(|c| *c == '"' || *c == '\'')?;
+                    let rest = &literal[1..];
+                    pending.push(rest[..rest.find(quote)?].to_owned());
+                }
                 "extends" | "__tera_context" => return None,
                 w if w.starts_with("__haptic") => return None,
                 _ => {}
@@ -1498,6 +1535,112 @@ impl Items {
     }
 }
 
+/// What a single output rendered, and what it depended on: as an [`ItemOutput`], without an
+/// item, and with its provenance and the `render_each` calls it made.
+#[derive(Debug)]
+pub(crate) struct SingleOutput {
+    /// The values the template can read (see [`template_reads`]), as they were.
+    inputs: Vec<Value>,
+    /// The bytes, shared with the file sets made of them.
+    pub(crate) bytes: bytes::Bytes,
+    pub(crate) marks: crate::provenance::Marks,
+    pub(crate) requests: Requests,
+    reads: Vec<Read>,
+    refused: bool,
+    /// The calls it made, kept (from aging out) as long as the output is reused: the next
+    /// render of it reuses their rows.
+    sites: Vec<Arc<CallSite>>,
+}
+
+/// The single outputs (not per item) of the last render, by output, with what they read.
+#[derive(Debug, Default)]
+pub(crate) struct Singles {
+    entries: Mutex<HashMap<usize, Arc<SingleOutput>>>,
+    /// Outputs reused since the last [`Singles::take_count`].
+    reused: AtomicU64,
+}
+
+impl Singles {
+    /// What output `index` gave last time, if it still holds: the same `inputs`, the same
+    /// results of its reads (`stores`: this render's `GET_VAR`, `INDEX_VAR` and
+    /// `DERIVED_VAR` maps), and no `refuse()` in an overlay render.
+    pub(crate) fn reuse(
+        &self,
+        index: usize,
+        inputs: &[Value],
+        stores: &[(&'static str, Option<Value>)],
+        review: bool,
+        epoch: u64,
+    ) -> Option<Arc<SingleOutput>> {
+        let entries = self.entries.lock().ok()?;
+        let entry = entries.get(&index)?;
+        let usable = entry.inputs.len() == inputs.len()
+            && entry
+                .inputs
+                .iter()
+                .zip(inputs)
+                .all(|(a, b)| same(Some(a), Some(b)))
+            && (!review || !entry.refused)
+            && still_valid(&entry.reads, stores);
+        usable.then(|| {
+            for site in &entry.sites {
+                site.used.store(epoch, Ordering::Relaxed);
+            }
+            self.reused.fetch_add(1, Ordering::Relaxed);
+            Arc::clone(entry)
+        })
+    }
+
+    /// Keeps what output `index` gave.
+    pub(crate) fn keep(
+        &self,
+        index: usize,
+        inputs: Vec<Value>,
+        (bytes, marks, requests): (bytes::Bytes, crate::provenance::Marks, Requests),
+        ((reads, refused), sites): Tracked,
+    ) {
+        if let Ok(mut entries) = self.entries.lock() {
+            entries.insert(
+                index,
+                Arc::new(SingleOutput {
+                    inputs,
+                    bytes,
+                    marks,
+                    requests,
+                    reads,
+                    refused,
+                    sites,
+                }),
+            );
+        }
+    }
+
+    /// Forgets what output `index` gave (rendered again and not kept).
+    pub(crate) fn forget(&self, index: usize) {
+        if let Ok(mut entries) = self.entries.lock() {
+            entries.remove(&index);
+        }
+    }
+
+    /// Outputs reused since the last call.
+    pub(crate) fn take_count(&self) -> u64 {
+        self.reused.swap(0, Ordering::Relaxed)
+    }
+}
+
+/// What a single output read with get/lookup/derived_get, whether it called `refuse()`, and
+/// the `render_each` calls it made.
+pub(crate) type Tracked = ((Vec<Read>, bool), Vec<Arc<CallSite>>);
+
+/// Runs `f` (a single output's render) recording what [`tracking`] records and the
+/// `render_each` calls it made.
+pub(crate) fn tracking_calls<T>(f: impl FnOnce() -> T) -> (T, Tracked) {
+    let outer = SITES.with(|sites| sites.replace(Some(Vec::new())));
+    let (out, reads) = tracking(f);
+    let sites = SITES.with(|sites| sites.replace(outer)).unwrap_or_default();
+    (out, (reads, sites))
+}
+
 /// Runs `f` (one item's render) recording what it reads with get/lookup and whether it calls
 /// `refuse()`.
 pub(crate) fn tracking<T>(f: impl FnOnce() -> T) -> (T, (Vec<Read>, bool)) {
@@ -1516,6 +1659,45 @@ mod tests {
     use tera::Value;
 
     use super::CallSite;
+
+    /// What a template can read includes what the snippets it renders rows with read; a
+    /// snippet named by a variable could read anything.
+    #[test]
+    fn a_templates_reads_follow_the_snippets_it_renders_rows_with() {
+        let sources = |main: &str| {
+            vec![
+                ("main".to_owned(), main.to_owned()),
+                (
+                    "snip".to_owned(),
+                    "{{ derived.y | length }}{% include \"inc\" %}".to_owned(),
+                ),
+                ("inc".to_owned(), "{{ resources.z }}".to_owned()),
+            ]
+        };
+        let reads = |main: &str| {
+            let owned = sources(main);
+            let borrowed: Vec<(String, &str)> =
+                owned.iter().map(|(n, s)| (n.clone(), s.as_str())).collect();
+            super::template_reads("main", &borrowed).map(|r| {
+                r.into_iter()
+                    .map(|(k, v)| format!("{k}.{v}"))
+                    .collect::<Vec<_>>()
+            })
+        };
+        assert_eq!(
+            reads("{{ render_each(rows=derived.x, template=\"snip\") }} server-template s 1-3"),
+            Some(vec![
+                "derived.x".into(),
+                "derived.y".into(),
+                "resources.z".into()
+            ])
+        );
+        assert_eq!(
+            reads("{% set t = \"snip\" %}{{ render_each(rows=derived.x, template=t) }}"),
+            None
+        );
+        assert_eq!(reads("{% if template == \"x\" %}{% endif %}"), Some(vec![]));
+    }
 
     /// A row's entries are found at any hint, right or wrong, as a search finds them.
     #[test]

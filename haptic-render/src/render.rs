@@ -11,7 +11,7 @@ use tera::{Context, ErrorKind, Tera, Value};
 use tracing::instrument;
 
 use crate::fileset::FileSet;
-use crate::fragments::{self, Active, Fragments, ItemFile, Items};
+use crate::fragments::{self, Active, Fragments, ItemFile, Items, Singles};
 use crate::functions::{self, DERIVED_VAR, GET_VAR, INDEX_VAR, REVIEW_VAR};
 use crate::provenance::{self, Counting, ObjectRef, Provenance};
 use crate::requests::{self, Requests};
@@ -170,10 +170,11 @@ pub struct Renderer {
     extra: Arc<Vec<(String, Value)>>,
     /// The per-row fragments of `render_each`, kept from one render to the next.
     fragments: Arc<Fragments>,
-    /// What each per-item output (by index in `outputs`) can read of the context beyond its
-    /// item (`None`: not known), and what it gave each item last time.
+    /// What each output (by index in `outputs`) can read of the context (a per-item output:
+    /// beyond its item; `None`: not known), and what it gave (each item) last time.
     item_reads: Vec<Option<Vec<(&'static str, String)>>>,
     items: Items,
+    singles: Singles,
     /// The templates that have a runner for `render_each`.
     runners: Arc<std::collections::HashSet<String>>,
     /// Whether renders reuse fragments and per-item outputs ([`Renderer::with_reuse`]).
@@ -263,9 +264,14 @@ pub struct Timings {
     pub fragments_rendered: u64,
     /// Fragments of `render_each` reused from an earlier render.
     pub fragments_reused: u64,
+    /// Calls of `render_each` made.
+    pub calls: u64,
     /// Calls of `render_each` reused whole: given the very rows list of a call of an earlier
     /// render (a derived view no event changed), they gave its very output.
     pub calls_reused: u64,
+    /// Single outputs (not per item) reused whole: none of the views and stores they read
+    /// changed since they were rendered.
+    pub outputs_reused: u64,
     /// Items of per-item outputs (`forEach`) rendered by the engine.
     pub items_rendered: u64,
     /// Items of per-item outputs reused from an earlier render.
@@ -343,7 +349,6 @@ impl Renderer {
         let item_reads = outputs
             .iter()
             .map(|output| {
-                output.for_each.as_ref()?;
                 fragments::template_reads(&output.template, &sources)
                     .map(|reads| reads.into_iter().collect())
             })
@@ -363,6 +368,7 @@ impl Renderer {
             extra: Arc::new(extra),
             fragments: Arc::default(),
             item_reads,
+            singles: Singles::default(),
             runners: Arc::new(runners.into_iter().map(|(name, _, _)| name).collect()),
             items: Items::default(),
             reuse: true,
@@ -607,11 +613,8 @@ impl Renderer {
                     .map_or(0, |c| c.load(Ordering::Relaxed)),
             )
         });
-        let mut jobs: Vec<Job<'_>> = singles
-            .into_iter()
-            .map(|(index, output)| Job::Single { index, output })
-            .collect();
-        // What each per-item output can read beyond its item, as it is in this render.
+        // What each output can read (a per-item output: beyond its item), as it is in this
+        // render.
         let item_inputs: Vec<Option<Vec<Value>>> = self
             .item_reads
             .iter()
@@ -632,6 +635,20 @@ impl Renderer {
                 )
             })
             .collect();
+        let inputs_of = |index: usize| {
+            item_inputs
+                .get(index)
+                .and_then(Option::as_deref)
+                .filter(|_| self.reuse)
+        };
+        let mut jobs: Vec<Job<'_>> = singles
+            .into_iter()
+            .map(|(index, output)| Job::Single {
+                index,
+                output,
+                inputs: inputs_of(index),
+            })
+            .collect();
         for (index, output, view) in &views {
             let items = view
                 .list
@@ -644,10 +661,7 @@ impl Renderer {
                     .enumerate()
                     .map(|(chunk, items)| Job::Items {
                         index: *index,
-                        inputs: item_inputs
-                            .get(*index)
-                            .and_then(Option::as_deref)
-                            .filter(|_| self.reuse),
+                        inputs: inputs_of(*index),
                         chunk,
                         output,
                         items,
@@ -675,9 +689,11 @@ impl Renderer {
         (
             timings.fragments_rendered,
             timings.fragments_reused,
+            timings.calls,
             timings.calls_reused,
         ) = self.fragments.take_counts();
         (timings.items_rendered, timings.items_reused) = self.items.take_counts();
+        timings.outputs_reused = self.singles.take_count();
         timings.templates = started.elapsed();
         let started = Instant::now();
         // Back in output order, so that the error reported is the same whatever the job order.
@@ -805,21 +821,78 @@ impl Renderer {
         active: &Active,
     ) -> Result<Produced> {
         match job {
-            Job::Single { index, output } => {
+            Job::Single {
+                index,
+                output,
+                inputs,
+            } => {
                 let started = Instant::now();
+                // What reads are checked against: the stores and the derived views.
+                let stores = || {
+                    [
+                        (GET_VAR, context.get(GET_VAR).cloned()),
+                        (INDEX_VAR, context.get(INDEX_VAR).cloned()),
+                        (DERIVED_VAR, context.get(DERIVED_VAR).cloned()),
+                    ]
+                };
+                let review = context.get(REVIEW_VAR).is_some();
+                // The same views and stores read: what it gave last time (an event that
+                // changed none of them, or only the views another output reads).
+                if let Some(kept) = inputs.and_then(|inputs| {
+                    self.singles
+                        .reuse(*index, inputs, &stores(), review, active.epoch)
+                }) {
+                    return Ok((
+                        vec![(
+                            output.path.clone(),
+                            kept.bytes.clone(),
+                            Origin::Marks(kept.marks.clone()),
+                        )],
+                        kept.requests.clone(),
+                    ));
+                }
                 let size = self.sizes.get(*index);
                 let capacity = size.map_or(0, |s| s.load(Ordering::Relaxed));
                 let mut asked = Requests::default();
                 let mut marks = provenance::Marks::default();
-                let bytes = self.render_one(
-                    active,
-                    &output.template,
-                    context,
-                    || output.path.clone(),
-                    capacity + capacity / 8,
-                    &mut asked,
-                    &mut marks,
-                )?;
+                let keep = inputs.filter(|_| active.keep);
+                let (bytes, tracked) = if keep.is_some() {
+                    let (bytes, tracked) = fragments::tracking_calls(|| {
+                        self.render_one(
+                            active,
+                            &output.template,
+                            context,
+                            || output.path.clone(),
+                            capacity + capacity / 8,
+                            &mut asked,
+                            &mut marks,
+                        )
+                    });
+                    (bytes, Some(tracked))
+                } else {
+                    let bytes = self.render_one(
+                        active,
+                        &output.template,
+                        context,
+                        || output.path.clone(),
+                        capacity + capacity / 8,
+                        &mut asked,
+                        &mut marks,
+                    );
+                    (bytes, None)
+                };
+                let bytes = Bytes::from(bytes?);
+                match (keep, tracked) {
+                    (Some(inputs), Some(tracked)) => self.singles.keep(
+                        *index,
+                        inputs.to_vec(),
+                        (bytes.clone(), marks.clone(), asked.clone()),
+                        tracked,
+                    ),
+                    // Kept outputs are of the stores as they are: an overlay render's are not.
+                    _ if active.keep => self.singles.forget(*index),
+                    _ => {}
+                }
                 if let Some(cost) = self.costs.get(*index) {
                     let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
                     cost.store(nanos.max(1), Ordering::Relaxed);
@@ -828,11 +901,7 @@ impl Renderer {
                     size.store(bytes.len(), Ordering::Relaxed);
                 }
                 Ok((
-                    vec![(
-                        output.path.clone(),
-                        Bytes::from(bytes),
-                        Origin::Marks(marks),
-                    )],
+                    vec![(output.path.clone(), bytes, Origin::Marks(marks))],
                     asked,
                 ))
             }
@@ -964,7 +1033,12 @@ const ITEMS_PER_JOB: usize = 128;
 /// A unit of render work.
 enum Job<'a> {
     /// One output rendered once; `index` is its place in the renderer's outputs.
-    Single { index: usize, output: &'a Output },
+    Single {
+        index: usize,
+        output: &'a Output,
+        /// What the output can read, as it is in this render (none: unknown).
+        inputs: Option<&'a [Value]>,
+    },
     /// A per-item output rendered for a run of its store's items.
     Items {
         /// The output's place in the renderer's outputs.

@@ -281,6 +281,8 @@ pub(crate) struct Fragments {
     /// Calls made, and reused whole (the very rows list of a kept call), since then.
     calls: AtomicU64,
     calls_reused: AtomicU64,
+    /// Calls and outputs replaced, dropped after the render.
+    pub(crate) graveyard: crate::graveyard::Graveyard,
     /// `set_status` values as JSON, by the identity of the template value (held, so that the
     /// identity stays its own), with the last render that used each: a status a view keeps
     /// from render to render (the Gateway API's, one per route) is converted once.
@@ -398,15 +400,31 @@ impl Fragments {
             cache.retain(|_, (_, _, used)| *used >= epoch);
         }
         if let Ok(mut sites) = self.sites.lock() {
+            let mut gone = Vec::new();
             for calls in sites.values_mut() {
                 let used = |site: &Arc<CallSite>| site.used.load(Ordering::Relaxed) >= epoch;
-                if calls.iter().any(used) {
-                    calls.retain(used);
+                let keep = if calls.iter().any(used) {
+                    calls.iter().map(used).collect::<Vec<_>>()
                 } else {
-                    calls.retain(|site| site.used.load(Ordering::Relaxed) + 8 > epoch);
+                    calls
+                        .iter()
+                        .map(|site| site.used.load(Ordering::Relaxed) + 8 > epoch)
+                        .collect()
+                };
+                if keep.iter().all(|k| *k) {
+                    continue;
                 }
+                let (kept, dropped): (Vec<_>, Vec<_>) = std::mem::take(calls)
+                    .into_iter()
+                    .zip(keep)
+                    .partition(|(_, keep)| *keep);
+                *calls = kept.into_iter().map(|(site, _)| site).collect();
+                gone.extend(dropped.into_iter().map(|(site, _)| site));
             }
             sites.retain(|_, calls| !calls.is_empty());
+            if !gone.is_empty() {
+                self.graveyard.bury(gone);
+            }
         }
     }
 }
@@ -979,13 +997,18 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
             .iter()
             .position(|c| c.list.is_some() && c.list == site.list);
         if let Some(i) = replaced {
-            calls.remove(i);
+            // The call replaced (its rows list, marks and text): dropped after the render.
+            active.fragments.graveyard.bury(calls.remove(i));
         }
         let site = Arc::new(site);
         note_site(&site);
         calls.insert(0, site);
-        calls.truncate(MAX_CALLS_PER_KEY);
+        let aged = calls.split_off(calls.len().min(MAX_CALLS_PER_KEY));
+        if !aged.is_empty() {
+            active.fragments.graveyard.bury(aged);
+        }
     }
+    active.fragments.graveyard.bury((candidates, previous));
 
     Ok(text)
 }
@@ -1591,35 +1614,31 @@ impl Singles {
         })
     }
 
-    /// Keeps what output `index` gave.
+    /// Keeps what output `index` gave; returns what it gave before.
     pub(crate) fn keep(
         &self,
         index: usize,
         inputs: Vec<Value>,
         (bytes, marks, requests): (bytes::Bytes, crate::provenance::Marks, Requests),
         ((reads, refused), sites): Tracked,
-    ) {
-        if let Ok(mut entries) = self.entries.lock() {
-            entries.insert(
-                index,
-                Arc::new(SingleOutput {
-                    inputs,
-                    bytes,
-                    marks,
-                    requests,
-                    reads,
-                    refused,
-                    sites,
-                }),
-            );
-        }
+    ) -> Option<Arc<SingleOutput>> {
+        self.entries.lock().ok()?.insert(
+            index,
+            Arc::new(SingleOutput {
+                inputs,
+                bytes,
+                marks,
+                requests,
+                reads,
+                refused,
+                sites,
+            }),
+        )
     }
 
-    /// Forgets what output `index` gave (rendered again and not kept).
-    pub(crate) fn forget(&self, index: usize) {
-        if let Ok(mut entries) = self.entries.lock() {
-            entries.remove(&index);
-        }
+    /// Forgets what output `index` gave (rendered again and not kept); returns it.
+    pub(crate) fn forget(&self, index: usize) -> Option<Arc<SingleOutput>> {
+        self.entries.lock().ok()?.remove(&index)
     }
 
     /// Outputs reused since the last call.

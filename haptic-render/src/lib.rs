@@ -47,6 +47,7 @@ pub mod fixtures;
 mod fragments;
 pub mod functions;
 pub mod gateway_action;
+mod graveyard;
 pub mod nginx;
 pub mod nginx_rules;
 pub mod pool;

@@ -751,6 +751,8 @@ impl Renderer {
             None => FileSet::of_shared(files),
         };
         timings.checksum = started.elapsed();
+        // What the render replaced goes now, on the renderer's dropper thread.
+        self.fragments.graveyard.flush();
         if let Ok(mut last) = self.timings.lock() {
             *last = timings;
         }
@@ -882,7 +884,7 @@ impl Renderer {
                     (bytes, None)
                 };
                 let bytes = Bytes::from(bytes?);
-                match (keep, tracked) {
+                let replaced = match (keep, tracked) {
                     (Some(inputs), Some(tracked)) => self.singles.keep(
                         *index,
                         inputs.to_vec(),
@@ -891,7 +893,10 @@ impl Renderer {
                     ),
                     // Kept outputs are of the stores as they are: an overlay render's are not.
                     _ if active.keep => self.singles.forget(*index),
-                    _ => {}
+                    _ => None,
+                };
+                if let Some(replaced) = replaced {
+                    self.fragments.graveyard.bury(replaced);
                 }
                 if let Some(cost) = self.costs.get(*index) {
                     let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);

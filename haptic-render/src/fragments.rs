@@ -329,8 +329,7 @@ impl Fragments {
         }
     }
 
-    /// How many fragments were rendered and reused since the last call.
-    /// Fragments rendered, reused, calls made and calls reused whole, since the last time.
+    /// Fragments rendered, reused, calls made and calls reused whole, since the last call.
     pub(crate) fn take_counts(&self) -> (u64, u64, u64, u64) {
         (
             self.rendered.swap(0, Ordering::Relaxed),
@@ -1369,26 +1368,17 @@ pub(crate) fn template_reads(
                     }
                     reads.insert((kind, field[..end].to_owned()));
                 }
-                "include" | "import" => {
-                    let literal = after.trim_start();
-                    let quote = literal.chars().next().filter(|c| *c == '"' || *c == '\'')?;
-                    let rest = &literal[1..];
-                    pending.push(rest[..rest.find(quote)?].to_owned());
-                }
+                "include" | "import" => pending.push(literal(after)?.to_owned()),
                 // `render_each(..., template="<snippet>")`: the snippet's reads are the
                 // caller's; a snippet named by anything but a literal could read anything.
                 "template" => {
-                    let Some(value) = after
+                    if let Some(value) = after
                         .trim_start()
                         .strip_prefix('=')
                         .filter(|v| !v.starts_with('='))
-                    else {
-                        continue;
-                    };
-                    let literal = value.trim_start();
-                    let quote = literal.chars().next().filter(|c| *c == '"' || *c == '\'')?;
-                    let rest = &literal[1..];
-                    pending.push(rest[..rest.find(quote)?].to_owned());
+                    {
+                        pending.push(literal(value)?.to_owned());
+                    }
                 }
                 "extends" | "__tera_context" => return None,
                 w if w.starts_with("__haptic") => return None,
@@ -1398,6 +1388,14 @@ pub(crate) fn template_reads(
         }
     }
     Some(reads)
+}
+
+/// The quoted text `text` starts with (after blanks); none when it starts with no quote.
+fn literal(text: &str) -> Option<&str> {
+    let text = text.trim_start();
+    let quote = text.chars().next().filter(|c| *c == '"' || *c == '\'')?;
+    let rest = &text[1..];
+    Some(&rest[..rest.find(quote)?])
 }
 
 /// `source` without `{# ... #}` comments.

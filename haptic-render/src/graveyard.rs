@@ -69,10 +69,22 @@ impl Graveyard {
                 *dropper = Some(Dropper { queue, thread });
             }
         }
-        match dropper.as_ref().map(|d| d.queue.try_send(batch)) {
-            None | Some(Ok(())) => {}
-            Some(Err(TrySendError::Full(batch) | TrySendError::Disconnected(batch))) => {
+        let Some(running) = dropper.as_ref() else {
+            drop(batch);
+            return;
+        };
+        match running.queue.try_send(batch) {
+            Ok(()) => {}
+            // Behind by a few renders: this one's go here.
+            Err(TrySendError::Full(batch)) => drop(batch),
+            // The thread is gone (a drop panicked): said, and started again next time.
+            Err(TrySendError::Disconnected(batch)) => {
                 drop(batch);
+                if let Some(Dropper { thread, .. }) = dropper.take()
+                    && thread.join().is_err()
+                {
+                    tracing::error!("the renderer's dropper thread panicked while dropping values");
+                }
             }
         }
     }
@@ -123,5 +135,29 @@ mod tests {
         graveyard.bury(Counted(Arc::clone(&dropped)));
         drop(graveyard);
         assert_eq!(dropped.load(Ordering::SeqCst), 61);
+    }
+
+    struct Panics;
+
+    impl Drop for Panics {
+        fn drop(&mut self) {
+            panic!("a drop that panics");
+        }
+    }
+
+    /// A drop that panics ends the thread; what was buried after it is still dropped once
+    /// (by a thread started again, or where it is), whenever the thread went.
+    #[test]
+    fn a_panicking_drop_loses_nothing_buried_after_it() {
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let graveyard = Graveyard::default();
+        graveyard.bury(Panics);
+        graveyard.flush();
+        for _ in 0..10 {
+            graveyard.bury(Counted(Arc::clone(&dropped)));
+            graveyard.flush();
+        }
+        drop(graveyard);
+        assert_eq!(dropped.load(Ordering::SeqCst), 10);
     }
 }

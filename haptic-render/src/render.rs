@@ -858,21 +858,8 @@ impl Renderer {
                 let mut asked = Requests::default();
                 let mut marks = provenance::Marks::default();
                 let keep = inputs.filter(|_| active.keep);
-                let (bytes, tracked) = if keep.is_some() {
-                    let (bytes, tracked) = fragments::tracking_calls(|| {
-                        self.render_one(
-                            active,
-                            &output.template,
-                            context,
-                            || output.path.clone(),
-                            capacity + capacity / 8,
-                            &mut asked,
-                            &mut marks,
-                        )
-                    });
-                    (bytes, Some(tracked))
-                } else {
-                    let bytes = self.render_one(
+                let (bytes, tracked) = fragments::tracking_calls(|| {
+                    self.render_one(
                         active,
                         &output.template,
                         context,
@@ -880,20 +867,19 @@ impl Renderer {
                         capacity + capacity / 8,
                         &mut asked,
                         &mut marks,
-                    );
-                    (bytes, None)
-                };
+                    )
+                });
                 let bytes = Bytes::from(bytes?);
-                let replaced = match (keep, tracked) {
-                    (Some(inputs), Some(tracked)) => self.singles.keep(
+                let replaced = match keep {
+                    Some(inputs) => self.singles.keep(
                         *index,
                         inputs.to_vec(),
                         (bytes.clone(), marks.clone(), asked.clone()),
                         tracked,
                     ),
                     // Kept outputs are of the stores as they are: an overlay render's are not.
-                    _ if active.keep => self.singles.forget(*index),
-                    _ => None,
+                    None if active.keep => self.singles.forget(*index),
+                    None => None,
                 };
                 if let Some(replaced) = replaced {
                     self.fragments.graveyard.bury(replaced);

@@ -781,19 +781,23 @@ impl Renderer {
         let next = AtomicUsize::new(0);
         let slots: Vec<Mutex<Option<Result<Rendered>>>> =
             jobs.iter().map(|_| Mutex::new(None)).collect();
-        std::thread::scope(|scope| {
-            for _ in 0..threads {
-                scope.spawn(|| {
-                    loop {
-                        let index = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(job) = jobs.get(index) else { break };
-                        let result = self.run_job(job, context, active);
-                        if let Ok(mut slot) = slots[index].lock() {
-                            *slot = Some(result);
-                        }
-                    }
-                });
+        let work = || {
+            loop {
+                let index = next.fetch_add(1, Ordering::Relaxed);
+                let Some(job) = jobs.get(index) else { break };
+                let result = self.run_job(job, context, active);
+                if let Ok(mut slot) = slots[index].lock() {
+                    *slot = Some(result);
+                }
             }
+        };
+        // The calling thread works too (as the views' refresh does): the longest job, taken
+        // first, runs where the last render's buffers are.
+        std::thread::scope(|scope| {
+            for _ in 1..threads {
+                scope.spawn(work);
+            }
+            work();
         });
         slots
             .into_iter()

@@ -1,10 +1,10 @@
-//! What one watch event costs at scale, on one thread: `render-ingress-event [INGRESSES]
-//! [STORE] [RUNS]` loads `fixtures::generate(INGRESSES)`, renders once (the views built), then
-//! RUNS times changes STORE's middle resource (`ingresses`, `services`, `endpointslices` or
-//! `secrets`: a label, and for an EndpointSlice its first endpoint's readiness, as the
-//! `render_event` bench changes them; `ingress-path`: an Ingress's first path, `/` to `/v2`;
-//! `service-protocol`: a Service's first port's appProtocol, to h2c), back and forth, and
-//! renders; STORE `new` adds a new
+//! What one watch event costs at scale, on one thread (`RENDER_EVENT_THREADS=N`: N, as the
+//! controller renders on N cores): `render-ingress-event [INGRESSES] [STORE] [RUNS]` loads
+//! `fixtures::generate(INGRESSES)`, renders once (the views built), then RUNS times changes
+//! STORE's middle resource (`ingresses`, `services`, `endpointslices` or `secrets`: a label,
+//! and for an EndpointSlice its first endpoint's readiness, as the `render_event` bench changes
+//! them; `ingress-path`: an Ingress's first path, `/` to `/v2`; `service-protocol`: a Service's
+//! first port's appProtocol, to h2c), back and forth, and renders; STORE `new` adds a new
 //! Service, its EndpointSlice and an Ingress routing a new host to it each round (HAPTIC's
 //! protocol: the render that takes a spare backend of the pool). It prints the median wall
 //! clock, this thread's CPU time, the views' refresh and the checksum's part (hashed on from
@@ -49,7 +49,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Some(arg) => arg.parse()?,
         None => 5,
     };
-    let renderer = Renderer::compile(&reference::template_set())?.with_threads(1);
+    // `RENDER_EVENT_THREADS=2`: as the controller renders on a 2-core node.
+    let threads = std::env::var("RENDER_EVENT_THREADS")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(1);
+    let renderer = Renderer::compile(&reference::template_set())?.with_threads(threads);
     let fixture = fixtures::generate(n);
     let mut stores = reference::stores()?;
     fixture.load(&mut stores)?;

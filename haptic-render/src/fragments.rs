@@ -1466,9 +1466,12 @@ pub(crate) struct ItemFile {
 #[derive(Debug, Default)]
 pub(crate) struct Items {
     entries: Mutex<HashMap<(usize, usize), Arc<ItemOutput>>>,
+    /// The chunks of the last render, by output and chunk (see [`ItemsChunk`]).
+    chunks: Mutex<HashMap<(usize, usize), Arc<ItemsChunk>>>,
     /// Items rendered and reused since the last [`Items::take_counts`].
     rendered: AtomicU64,
     reused: AtomicU64,
+    chunks_reused: AtomicU64,
 }
 
 impl Items {
@@ -1478,11 +1481,12 @@ impl Items {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Items rendered and reused since the last call.
-    pub(crate) fn take_counts(&self) -> (u64, u64) {
+    /// Items rendered and reused, and chunks reused whole, since the last call.
+    pub(crate) fn take_counts(&self) -> (u64, u64, u64) {
         (
             self.rendered.swap(0, Ordering::Relaxed),
             self.reused.swap(0, Ordering::Relaxed),
+            self.chunks_reused.swap(0, Ordering::Relaxed),
         )
     }
 
@@ -1518,7 +1522,8 @@ impl Items {
         })
     }
 
-    /// Keeps what output `index` gave for `item`.
+    /// Keeps what output `index` gave for `item`, and returns it (none: an item without an
+    /// identity, which is not kept).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn keep(
         &self,
@@ -1529,22 +1534,103 @@ impl Items {
         requests: Requests,
         (reads, refused): (Vec<Read>, bool),
         epoch: u64,
+    ) -> Option<Arc<ItemOutput>> {
+        let id = identity(item)?;
+        let output = Arc::new(ItemOutput {
+            item: item.clone(),
+            inputs,
+            bytes,
+            file,
+            requests,
+            reads,
+            refused,
+            used: AtomicU64::new(epoch),
+        });
+        let mut entries = self.entries.lock().ok()?;
+        entries.insert((index, id), Arc::clone(&output));
+        Some(output)
+    }
+
+    /// What chunk `chunk` of output `index` gave last time, whole, if every item of it still
+    /// would give the same: the very items in the same order, the same `inputs`, and each
+    /// store or view any of them read the very value it was (so that every read finds what
+    /// it found). An event that changed nothing those items read (an EndpointSlice's, for the
+    /// certificates of 2,500 Secrets) then costs a comparison of addresses per item, not a
+    /// check of each item's reads.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn reuse_chunk(
+        &self,
+        index: usize,
+        chunk: usize,
+        items: &[Value],
+        inputs: &[Value],
+        stores: &[(&'static str, Option<Value>)],
+        review: bool,
+        epoch: u64,
+    ) -> Option<Arc<ItemsChunk>> {
+        let kept = Arc::clone(self.chunks.lock().ok()?.get(&(index, chunk))?);
+        let usable = kept.items.len() == items.len()
+            && kept
+                .items
+                .iter()
+                .zip(items)
+                .all(|(a, b)| same(Some(a), Some(b)))
+            && kept.inputs.len() == inputs.len()
+            && kept
+                .inputs
+                .iter()
+                .zip(inputs)
+                .all(|(a, b)| same(Some(a), Some(b)))
+            && (!review || !kept.refused)
+            && kept
+                .sources
+                .iter()
+                .all(|(var, name, was)| same(source(stores, var, name).as_ref(), was.as_ref()));
+        if !usable {
+            return None;
+        }
+        kept.used.store(epoch, Ordering::Relaxed);
+        for output in &kept.outputs {
+            output.used.store(epoch, Ordering::Relaxed);
+        }
+        self.reused
+            .fetch_add(kept.outputs.len() as u64, Ordering::Relaxed);
+        self.chunks_reused.fetch_add(1, Ordering::Relaxed);
+        Some(kept)
+    }
+
+    /// Keeps chunk `chunk` of output `index` whole: `outputs`, one per item of `items` in
+    /// order, each reused or kept by this render.
+    pub(crate) fn keep_chunk(
+        &self,
+        (index, chunk): (usize, usize),
+        items: &[Value],
+        inputs: &[Value],
+        outputs: Vec<Arc<ItemOutput>>,
+        stores: &[(&'static str, Option<Value>)],
+        epoch: u64,
     ) {
-        let Some(id) = identity(item) else { return };
-        if let Ok(mut entries) = self.entries.lock() {
-            entries.insert(
-                (index, id),
-                Arc::new(ItemOutput {
-                    item: item.clone(),
-                    inputs,
-                    bytes,
-                    file,
-                    requests,
-                    reads,
-                    refused,
-                    used: AtomicU64::new(epoch),
-                }),
-            );
+        let mut read: Vec<(&'static str, &str)> = outputs
+            .iter()
+            .flat_map(|output| output.reads.iter())
+            .map(|read| (read.var, read.store.as_str()))
+            .collect();
+        read.sort_unstable();
+        read.dedup();
+        let sources = read
+            .into_iter()
+            .map(|(var, name)| (var, name.to_owned(), source(stores, var, name)))
+            .collect();
+        let kept = Arc::new(ItemsChunk {
+            items: items.to_vec(),
+            inputs: inputs.to_vec(),
+            sources,
+            refused: outputs.iter().any(|output| output.refused),
+            outputs,
+            used: AtomicU64::new(epoch),
+        });
+        if let Ok(mut chunks) = self.chunks.lock() {
+            chunks.insert((index, chunk), kept);
         }
     }
 
@@ -1553,7 +1639,39 @@ impl Items {
         if let Ok(mut entries) = self.entries.lock() {
             entries.retain(|_, e| e.used.load(Ordering::Relaxed) >= epoch);
         }
+        if let Ok(mut chunks) = self.chunks.lock() {
+            chunks.retain(|_, c| c.used.load(Ordering::Relaxed) >= epoch);
+        }
     }
+}
+
+/// A run of items of a per-item output (a render job's), as the last render gave it: reused
+/// whole by [`Items::reuse_chunk`].
+#[derive(Debug)]
+pub(crate) struct ItemsChunk {
+    /// The items, kept so that their identities are not reused while this lives.
+    items: Vec<Value>,
+    inputs: Vec<Value>,
+    /// Each store (`GET_VAR`, `INDEX_VAR`: a store's map) or view (`DERIVED_VAR`) that an
+    /// item's read looked in, as it was: kept, so that its identity stays its own.
+    sources: Vec<(&'static str, String, Option<Value>)>,
+    /// Whether an item's render called `refuse()`.
+    refused: bool,
+    /// Each item's output, in the items' order.
+    pub(crate) outputs: Vec<Arc<ItemOutput>>,
+    used: AtomicU64,
+}
+
+/// The store or view that a read of `var` (`GET_VAR`, `INDEX_VAR` or `DERIVED_VAR`) in
+/// `name` looks in, in this render's `stores`.
+fn source(stores: &[(&'static str, Option<Value>)], var: &str, name: &str) -> Option<Value> {
+    stores
+        .iter()
+        .find(|(v, _)| *v == var)
+        .and_then(|(_, maps)| maps.as_ref())
+        .and_then(Value::as_map)
+        .and_then(|maps| maps.get(&tera::value::Key::Str(name)))
+        .cloned()
 }
 
 /// What a single output rendered, and what it depended on: as an [`ItemOutput`], without an

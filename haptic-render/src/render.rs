@@ -276,6 +276,9 @@ pub struct Timings {
     pub items_rendered: u64,
     /// Items of per-item outputs reused from an earlier render.
     pub items_reused: u64,
+    /// Runs of items (a job's, up to 128) of per-item outputs reused whole: the very items,
+    /// and none of the stores and views they read changed (their items count as reused too).
+    pub item_chunks_reused: u64,
 }
 
 impl Renderer {
@@ -692,7 +695,11 @@ impl Renderer {
             timings.calls,
             timings.calls_reused,
         ) = self.fragments.take_counts();
-        (timings.items_rendered, timings.items_reused) = self.items.take_counts();
+        (
+            timings.items_rendered,
+            timings.items_reused,
+            timings.item_chunks_reused,
+        ) = self.items.take_counts();
         timings.outputs_reused = self.singles.take_count();
         timings.templates = started.elapsed();
         let started = Instant::now();
@@ -905,14 +912,12 @@ impl Renderer {
                 inputs,
                 output,
                 items,
-                ..
+                chunk,
             } => {
                 let mut files = Vec::new();
                 let mut asked = Requests::default();
                 let mut marks = provenance::Marks::default();
                 let store = output.for_each.as_deref().unwrap_or_default();
-                // One context per run of items; `item` is replaced for each.
-                let mut item_context = context.clone();
                 let size = self.sizes.get(*index);
                 let review = context.get(REVIEW_VAR).is_some();
                 // What reads are checked against: the stores, and the derived views (an item
@@ -922,6 +927,42 @@ impl Renderer {
                     (INDEX_VAR, context.get(INDEX_VAR).cloned()),
                     (DERIVED_VAR, context.get(DERIVED_VAR).cloned()),
                 ];
+                let object = |file: &ItemFile| ObjectRef {
+                    store: store.to_owned(),
+                    namespace: file.namespace.clone(),
+                    name: file.name.clone(),
+                };
+                // The very items, reading stores and views none of which changed: the whole
+                // chunk as it was.
+                if let Some(whole) = inputs.and_then(|inputs| {
+                    self.items.reuse_chunk(
+                        *index,
+                        *chunk,
+                        items,
+                        inputs,
+                        &stores,
+                        review,
+                        active.epoch,
+                    )
+                }) {
+                    for kept in &whole.outputs {
+                        asked.extend(kept.requests.clone());
+                        if let Some(file) = &kept.file {
+                            files.push((
+                                file.path.clone(),
+                                kept.bytes.clone(),
+                                Origin::Item(object(file)),
+                            ));
+                        }
+                    }
+                    return Ok((files, asked));
+                }
+                // One context per run of items; `item` is replaced for each.
+                let mut item_context = context.clone();
+                // Each item's output as kept (none once an item's is not: the chunk is not
+                // kept whole).
+                let mut outputs = Some(Vec::with_capacity(items.len()))
+                    .filter(|_| active.keep && inputs.is_some());
                 for item in *items {
                     // The same item, reading the same views and stores: what it gave last time.
                     let kept = inputs.and_then(|inputs| {
@@ -932,7 +973,11 @@ impl Renderer {
                     let (bytes, file) = match kept {
                         Some(kept) => {
                             asked.extend(kept.requests.clone());
-                            (kept.bytes.clone(), kept.file.clone())
+                            let reused = (kept.bytes.clone(), kept.file.clone());
+                            if let Some(outputs) = &mut outputs {
+                                outputs.push(kept);
+                            }
+                            reused
                         }
                         None => {
                             let text_of = |path: &str| {
@@ -969,7 +1014,7 @@ impl Renderer {
                                 namespace,
                                 name,
                             });
-                            if let Some(inputs) = inputs.filter(|_| active.keep) {
+                            let kept = inputs.filter(|_| active.keep).and_then(|inputs| {
                                 self.items.keep(
                                     *index,
                                     item,
@@ -978,28 +1023,37 @@ impl Renderer {
                                     asked_here.clone(),
                                     tracked,
                                     active.epoch,
-                                );
+                                )
+                            });
+                            match kept {
+                                Some(kept) => {
+                                    if let Some(outputs) = &mut outputs {
+                                        outputs.push(kept);
+                                    }
+                                }
+                                None => outputs = None,
                             }
                             asked.extend(asked_here);
                             (bytes, file)
                         }
                     };
-                    if let Some(ItemFile {
-                        path,
-                        namespace,
-                        name,
-                    }) = file
-                    {
+                    if let Some(file) = file {
                         if let Some(size) = size {
                             size.store(bytes.len(), Ordering::Relaxed);
                         }
-                        let object = ObjectRef {
-                            store: store.to_owned(),
-                            namespace,
-                            name,
-                        };
-                        files.push((path, bytes, Origin::Item(object)));
+                        let object = object(&file);
+                        files.push((file.path, bytes, Origin::Item(object)));
                     }
+                }
+                if let (Some(outputs), Some(inputs)) = (outputs, inputs) {
+                    self.items.keep_chunk(
+                        (*index, *chunk),
+                        items,
+                        inputs,
+                        outputs,
+                        &stores,
+                        active.epoch,
+                    );
                 }
                 Ok((files, asked))
             }

@@ -291,6 +291,65 @@ fn a_secret_event_renders_that_secrets_certificate_alone() {
     }
 }
 
+/// An event that changes nothing a per-item output reads (an endpoint's readiness, for the
+/// certificates of the Secrets) reuses its runs of items whole, with every item counted as
+/// reused, the very bytes, and a fresh render's files; a Secret's event then renders that
+/// Secret's certificate and reuses the other items one by one.
+#[test]
+fn an_event_no_item_reads_reuses_the_items_whole() {
+    // More Secrets than one run of items (a job's 128), so that several runs are reused.
+    let fixtures = fixtures::generate(1_200);
+    let mut stores = reference::stores().unwrap();
+    fixtures.load(&mut stores).unwrap();
+    let kept = Renderer::compile(&template_set()).unwrap();
+    let mut last = kept.render(&stores).unwrap();
+    let first = kept.last_timings();
+    let items = first.items_rendered + first.items_reused;
+    assert!(items > 256, "{items} items");
+    assert_eq!(first.item_chunks_reused, 0);
+    let slice = &fixtures.endpoint_slices[7];
+    for v in [1, 0, 1] {
+        let changed = variant("endpointslices", slice, v, &fixtures);
+        stores
+            .get_mut("endpointslices")
+            .unwrap()
+            .apply(&changed)
+            .unwrap();
+        let files = kept.render(&stores).unwrap();
+        let timings = kept.last_timings();
+        assert_eq!(
+            (timings.items_rendered, timings.items_reused),
+            (0, items),
+            "variant {v}"
+        );
+        assert!(timings.item_chunks_reused > 1, "{timings:?}");
+        let fresh = fresh(&stores).0;
+        assert_eq!(files.checksum(), fresh.checksum(), "variant {v}");
+        for (path, bytes) in files.iter().filter(|(p, _)| p.starts_with("ssl/")) {
+            let before = last.get(path).unwrap();
+            assert_eq!(
+                bytes.as_ptr(),
+                before.as_ptr(),
+                "{path}: not the very bytes"
+            );
+        }
+        last = files;
+    }
+    let secret = &fixtures.secrets[3];
+    stores
+        .get_mut("secrets")
+        .unwrap()
+        .apply(&variant("secrets", secret, 1, &fixtures))
+        .unwrap();
+    let files = kept.render(&stores).unwrap();
+    let timings = kept.last_timings();
+    assert_eq!(
+        (timings.items_rendered, timings.items_reused),
+        (1, items - 1)
+    );
+    assert_eq!(files.checksum(), fresh(&stores).0.checksum());
+}
+
 /// A per-item output that reads an entry of a derived view with `derived_get` is rendered
 /// again when that entry changes though its own item did not (a Service's file that shows
 /// the certificate of the Secret of its name), and reused while the entry is the same.

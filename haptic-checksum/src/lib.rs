@@ -27,6 +27,8 @@ use sha2::{Digest, Sha256};
 
 pub mod v2;
 
+pub use v2::{Known, Same};
+
 /// How often the first form keeps the hasher's state: every 64 KiB of the stream (about 190
 /// states, 21 KB, for a 12 MB set).
 pub const CHECKPOINT: u64 = 64 * 1024;
@@ -174,13 +176,27 @@ pub fn hash_following<'a, 'b>(
     previous: impl IntoIterator<Item = (&'b str, &'b [u8])>,
     hashed: &Hashed,
 ) -> Hashed {
+    hash_following_known(files, previous, hashed, &|_, _, _| Same::default())
+}
+
+/// As [`hash_following`], told by `known(path, bytes, old)` how many leading and trailing
+/// bytes a file shares with the same path's bytes before, as far as its maker knows (a
+/// renderer that copied a run of 7 MB from its last output): those are not compared again.
+/// Each count must be at most the true one (debug builds check it); more would give a wrong
+/// checksum.
+pub fn hash_following_known<'a, 'b>(
+    files: impl IntoIterator<Item = (&'a str, &'a [u8])> + Clone,
+    previous: impl IntoIterator<Item = (&'b str, &'b [u8])>,
+    hashed: &Hashed,
+    known: &Known<'_>,
+) -> Hashed {
     let states = match &hashed.kept {
         Kept::Files(kept) => {
             let before = v2::Files {
                 digest: hashed.digest,
                 files: kept.clone(),
             };
-            return v2::hash_following(files, previous, &before).into();
+            return v2::hash_following(files, previous, &before, known).into();
         }
         Kept::Stream(states) => states,
     };

@@ -143,17 +143,53 @@ pub(crate) fn file_hash(bytes: &[u8]) -> FileHash {
 /// digest is `hashed`): the chunks before the first byte that differs are kept, the chunks
 /// after the last one are found again where they start (shifted by the change of length),
 /// and only those in between are hashed.
+#[cfg(test)]
 pub(crate) fn file_hash_following(bytes: &[u8], old: &[u8], hashed: &FileHash) -> FileHash {
+    file_hash_known(bytes, old, hashed, Same::default())
+}
+
+/// As [`file_hash_following`], with `known`: how many leading and trailing bytes `bytes`
+/// and `old` are known to share (their writer knows; at most the true counts). They are not
+/// read again: the comparison goes on from there.
+pub(crate) fn file_hash_known(
+    bytes: &[u8],
+    old: &[u8],
+    hashed: &FileHash,
+    known: Same,
+) -> FileHash {
     if std::ptr::eq(bytes, old) {
         return hashed.clone();
     }
+    let shorter = bytes.len().min(old.len());
+    let head = known.prefix.min(shorter);
+    debug_assert_eq!(
+        bytes.get(..head),
+        old.get(..head),
+        "a known prefix that differs"
+    );
     // One pass over the shared prefix: it is the whole file when nothing differs (a full
     // comparison first, then the prefix's, read a 7 MB file's unchanged start twice).
-    let prefix = same_prefix(bytes, old);
+    let prefix = head
+        + same_prefix(
+            bytes.get(head..).unwrap_or_default(),
+            old.get(head..).unwrap_or_default(),
+        );
     if prefix == bytes.len() && prefix == old.len() {
         return hashed.clone();
     }
-    let suffix = same_suffix(bytes, old).min(bytes.len().min(old.len()) - prefix);
+    let room = shorter - prefix;
+    let tail = known.suffix.min(room);
+    debug_assert_eq!(
+        bytes.get(bytes.len() - tail..),
+        old.get(old.len() - tail..),
+        "a known suffix that differs"
+    );
+    let suffix = (tail
+        + same_suffix(
+            bytes.get(..bytes.len() - tail).unwrap_or_default(),
+            old.get(..old.len() - tail).unwrap_or_default(),
+        ))
+    .min(room);
     // A chunk that ends within the shared prefix, the file's last excepted (its end may be
     // the file's), is cut the same in both.
     let kept = hashed
@@ -194,6 +230,19 @@ pub(crate) fn file_hash_following(bytes: &[u8], old: &[u8], hashed: &FileHash) -
         digest: digest_of(&chunks),
         chunks,
     }
+}
+
+/// What a file (path, bytes, the bytes before) is known to share with the same file before.
+pub type Known<'a> = dyn Fn(&str, &[u8], &[u8]) -> Same + 'a;
+
+/// How many leading and trailing bytes a file and the same file before share, as far as the
+/// one who made it knows (at most the true counts; none known by default).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Same {
+    /// Leading bytes known the same.
+    pub prefix: usize,
+    /// Trailing bytes known the same.
+    pub suffix: usize,
 }
 
 /// How many leading bytes `a` and `b` share (compared in 4 KiB blocks, then bytes).
@@ -265,6 +314,7 @@ pub(crate) fn hash_following<'a, 'b>(
     files: impl IntoIterator<Item = (&'a str, &'a [u8])>,
     previous: impl IntoIterator<Item = (&'b str, &'b [u8])>,
     hashed: &Files,
+    known: &Known<'_>,
 ) -> Files {
     let mut before = previous.into_iter().zip(hashed.files.iter()).peekable();
     let mut hashes = Vec::new();
@@ -281,7 +331,12 @@ pub(crate) fn hash_following<'a, 'b>(
                 if std::ptr::eq(*old, content) {
                     Arc::clone(old_hash)
                 } else {
-                    Arc::new(file_hash_following(content, old, old_hash))
+                    Arc::new(file_hash_known(
+                        content,
+                        old,
+                        old_hash,
+                        known(path, content, old),
+                    ))
                 }
             }
             _ => Arc::new(file_hash(content)),
@@ -454,6 +509,18 @@ mod tests {
                 let whole = file_hash(&next);
                 let resumed = file_hash_following(&next, &current, &hashed);
                 proptest::prop_assert_eq!(&resumed, &whole);
+                // Told part or all of what the two share (at most the truth), the same.
+                let prefix = same_prefix(&next, &current);
+                let shorter = next.len().min(current.len());
+                let suffix = same_suffix(&next, &current).min(shorter - prefix);
+                for known in [
+                    Same { prefix, suffix },
+                    Same { prefix: prefix / 2, suffix: suffix / 3 },
+                    Same { prefix: 0, suffix },
+                ] {
+                    let told = file_hash_known(&next, &current, &hashed, known);
+                    proptest::prop_assert_eq!(&told, &whole, "{:?}", known);
+                }
                 current = next;
                 hashed = resumed;
             }

@@ -85,10 +85,22 @@ impl FileSet {
         files: BTreeMap<String, B>,
         previous: &FileSet,
     ) -> Self {
-        let hashed = haptic_checksum::hash_following(
+        Self::following_known(files, previous, &|_, _, _| haptic_checksum::Same::default())
+    }
+
+    /// As [`FileSet::following`], told by `known(path, bytes, old)` how many leading and
+    /// trailing bytes a file is known to share with the previous set's file at that path (see
+    /// [`haptic_checksum::hash_following_known`]: at most the true counts).
+    pub(crate) fn following_known<B: AsRef<[u8]> + Into<Bytes>>(
+        files: BTreeMap<String, B>,
+        previous: &FileSet,
+        known: &haptic_checksum::Known<'_>,
+    ) -> Self {
+        let hashed = haptic_checksum::hash_following_known(
             pairs(&files),
             pairs(&previous.files),
             &previous.hashed,
+            known,
         );
         // A file whose digest is the one it had before takes the bytes it had before.
         let mut before = previous

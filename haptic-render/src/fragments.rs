@@ -743,6 +743,9 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
             .fetch_add(1, Ordering::Relaxed);
         note_enclosing(site.reads.iter().map(|(_, r)| r), !site.refused.is_empty());
         replay(site, at);
+        let whole = site.bytes().len();
+        let id = std::ptr::from_ref(site) as usize;
+        note_text(&site.text, id, Some((id, whole)), Some((id, whole)));
         return Ok(site.text.clone());
     }
 
@@ -877,6 +880,9 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
         (batch, outs.into_iter())
     };
     let mut batch_start = 0;
+    // The call whose first rows this one starts with, and how many bytes they are (the
+    // bytes both start with); the call whose last rows it ends with, and theirs.
+    let (mut head, mut tail): (Option<Shared>, Option<Shared>) = (None, None);
     // The call reused from last, and where its last reused run's marks, requests and reads
     // ended: the next run's start there when it follows in that call.
     let mut hints: (*const CallSite, usize, usize, usize) = (std::ptr::null(), 0, 0, 0);
@@ -906,6 +912,12 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
                     .ok_or_else(|| error("render_each: a kept row's output is out of bounds"))?;
                 let at_bytes = bytes.len();
                 bytes.push_str(kept);
+                let p_id = std::ptr::from_ref(p) as usize;
+                if i == 0 && j == 0 {
+                    head = Some((p_id, to));
+                }
+                tail = (i + n as usize == plan.len() && (j + n) as usize == p.ends.len())
+                    .then(|| (p_id, to - from));
                 let ends = p
                     .ends
                     .get(rows.start as usize..rows.end as usize)
@@ -946,6 +958,7 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
             }
             None => {
                 rendered += 1;
+                tail = None;
                 let out = fresh
                     .next()
                     .ok_or_else(|| error("render_each: a row was not rendered"))?;
@@ -1001,6 +1014,7 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
         }
         let site = Arc::new(site);
         note_site(&site);
+        note_text(&text, Arc::as_ptr(&site) as usize, head, tail);
         calls.insert(0, site);
         let aged = calls.split_off(calls.len().min(MAX_CALLS_PER_KEY));
         if !aged.is_empty() {
@@ -1015,6 +1029,144 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
 thread_local! {
     /// The calls the single output rendering on this thread made, when it is kept.
     static SITES: RefCell<Option<Vec<Arc<CallSite>>>> = const { RefCell::new(None) };
+    /// The large texts `render_each` returned on this thread while a [`Spanning`] writer
+    /// renders, with what each is known to share with the calls it reused.
+    static TEXTS: RefCell<Option<Vec<CallText>>> = const { RefCell::new(None) };
+}
+
+/// Texts shorter than this are not followed into the file (a comparison of them costs less
+/// than following them).
+const MIN_SPAN: usize = 4096;
+
+/// A text `render_each` returned (its address and length), the call that keeps it (its
+/// address: alive as long as a kept output holds it), and the calls it starts and ends as:
+/// `(call, bytes)`: its first (last) `bytes` are that call's first (last) `bytes`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CallText {
+    at: usize,
+    len: usize,
+    call: usize,
+    head: Option<Shared>,
+    tail: Option<Shared>,
+}
+
+/// A call (its address), and how many bytes another call's text shares with its text.
+type Shared = (usize, usize);
+
+/// Where a call's text went in a file: at `offset`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Span {
+    offset: usize,
+    text: CallText,
+}
+
+/// Notes a call's text, when a [`Spanning`] writer renders on this thread and it is large.
+fn note_text(
+    text: &Value,
+    call: usize,
+    head: Option<(usize, usize)>,
+    tail: Option<(usize, usize)>,
+) {
+    let Some(bytes) = text.as_str().filter(|t| t.len() >= MIN_SPAN) else {
+        return;
+    };
+    TEXTS.with(|texts| {
+        if let Some(texts) = texts.borrow_mut().as_mut() {
+            texts.push(CallText {
+                at: bytes.as_ptr() as usize,
+                len: bytes.len(),
+                call,
+                head,
+                tail,
+            });
+        }
+    });
+}
+
+/// A writer for a single output's render: as [`provenance::Counting`], and notes where the
+/// texts of `render_each` calls (the very values, by address) are written, so that what the
+/// file shares with the last render of it is known without comparing it.
+pub(crate) struct Spanning<'a> {
+    pub(crate) bytes: &'a mut Vec<u8>,
+    pub(crate) spans: &'a mut Vec<Span>,
+}
+
+impl std::io::Write for Spanning<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if buf.len() >= MIN_SPAN {
+            let found = TEXTS.with(|texts| {
+                texts.borrow().as_ref().and_then(|texts| {
+                    texts
+                        .iter()
+                        .find(|t| t.at == buf.as_ptr() as usize && t.len == buf.len())
+                        .copied()
+                })
+            });
+            if let Some(text) = found {
+                self.spans.push(Span {
+                    offset: self.bytes.len(),
+                    text,
+                });
+            }
+        }
+        provenance::Counting(self.bytes).write(buf)
+    }
+
+    fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        self.write(buf).map(|_| ())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// How many leading and trailing bytes `bytes` (written with `spans`) is known to share with
+/// `old` (written with `old_spans`, by the last render of the same output): the bytes before
+/// the first call's text (compared: a few KB), then that text's first bytes when it starts as
+/// the call written at the same place in `old`; and from the end, the same. At most the true
+/// counts.
+pub(crate) fn known_same(
+    bytes: &[u8],
+    spans: &[Span],
+    old: &[u8],
+    old_spans: &[Span],
+) -> haptic_checksum::Same {
+    let find = |call: usize| old_spans.iter().find(|s| s.text.call == call);
+    let mut prefix = 0;
+    for span in spans {
+        let Some((call, head)) = span.text.head else {
+            break;
+        };
+        let Some(was) = find(call) else { break };
+        let before = span.offset;
+        if was.offset != before || bytes.get(prefix..before) != old.get(prefix..before) {
+            break;
+        }
+        prefix = before + head;
+        if head < span.text.len || head < was.text.len {
+            break;
+        }
+    }
+    let mut suffix = 0;
+    for span in spans.iter().rev() {
+        let Some((call, tail)) = span.text.tail else {
+            break;
+        };
+        let Some(was) = find(call) else { break };
+        let (end, old_end) = (span.offset + span.text.len, was.offset + was.text.len);
+        let after = bytes.len().saturating_sub(end);
+        if old.len().saturating_sub(old_end) != after
+            || bytes.get(end..bytes.len() - suffix) != old.get(old_end..old.len() - suffix)
+        {
+            break;
+        }
+        suffix = after + tail;
+        if tail < span.text.len || tail < was.text.len {
+            break;
+        }
+    }
+    haptic_checksum::Same { prefix, suffix }
 }
 
 /// Notes a call kept (made or reused whole) for the single output rendering, if any.
@@ -1689,6 +1841,8 @@ pub(crate) struct SingleOutput {
     /// The calls it made, kept (from aging out) as long as the output is reused: the next
     /// render of it reuses their rows.
     sites: Vec<Arc<CallSite>>,
+    /// Where the large texts of those calls are in `bytes`.
+    pub(crate) spans: Vec<Span>,
 }
 
 /// The single outputs (not per item) of the last render, by output, with what they read.
@@ -1737,6 +1891,7 @@ impl Singles {
         inputs: Vec<Value>,
         (bytes, marks, requests): (bytes::Bytes, crate::provenance::Marks, Requests),
         ((reads, refused), sites): Tracked,
+        spans: Vec<Span>,
     ) -> Option<Arc<SingleOutput>> {
         self.entries.lock().ok()?.insert(
             index,
@@ -1748,6 +1903,7 @@ impl Singles {
                 reads,
                 refused,
                 sites,
+                spans,
             }),
         )
     }
@@ -1769,9 +1925,14 @@ pub(crate) type Tracked = ((Vec<Read>, bool), Vec<Arc<CallSite>>);
 
 /// Runs `f` (a single output's render) recording what [`tracking`] records and the
 /// `render_each` calls it made.
+///
+/// The texts of the calls are followed into the output too (a [`Spanning`] writer finds
+/// them).
 pub(crate) fn tracking_calls<T>(f: impl FnOnce() -> T) -> (T, Tracked) {
     let outer = SITES.with(|sites| sites.replace(Some(Vec::new())));
+    let outer_texts = TEXTS.with(|texts| texts.replace(Some(Vec::new())));
     let (out, reads) = tracking(f);
+    TEXTS.with(|texts| texts.replace(outer_texts));
     let sites = SITES.with(|sites| sites.replace(outer)).unwrap_or_default();
     (out, (reads, sites))
 }

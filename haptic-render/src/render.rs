@@ -174,6 +174,9 @@ pub struct Renderer {
     /// beyond its item; `None`: not known), and what it gave (each item) last time.
     item_reads: Vec<Option<Vec<(&'static str, String)>>>,
     items: Items,
+    /// What each single output rendered by this render shares with its last render (its
+    /// path, its bytes, the bytes before, the counts), for the checksum.
+    known: Mutex<Vec<(String, Bytes, Bytes, haptic_checksum::Same)>>,
     singles: Singles,
     /// The templates that have a runner for `render_each`.
     runners: Arc<std::collections::HashSet<String>>,
@@ -260,6 +263,9 @@ pub struct Timings {
     pub assemble: std::time::Duration,
     /// The sha256 checksum of the set.
     pub checksum: std::time::Duration,
+    /// Bytes the checksum did not compare with the previous set's: the render knew them the
+    /// same (a call's text that starts or ends with the rows of the last one, where it was).
+    pub checksum_known: u64,
     /// Fragments of `render_each` rendered by the engine.
     pub fragments_rendered: u64,
     /// Fragments of `render_each` reused from an earlier render.
@@ -374,6 +380,7 @@ impl Renderer {
             singles: Singles::default(),
             runners: Arc::new(runners.into_iter().map(|(name, _, _)| name).collect()),
             items: Items::default(),
+            known: Mutex::default(),
             reuse: true,
             threads,
             split_rows: DEFAULT_SPLIT_ROWS,
@@ -481,13 +488,22 @@ impl Renderer {
         capacity: usize,
         asked_for: &mut Requests,
         marks: &mut provenance::Marks,
+        spans: Option<&mut Vec<fragments::Span>>,
     ) -> Result<Vec<u8>> {
         let mut bytes = Vec::with_capacity(capacity);
         let ((rendered, asked), marked) = provenance::collect(|| {
             requests::collect(|| {
                 catch_unwind(AssertUnwindSafe(|| {
-                    fragments::with_active(active.clone(), || {
-                        self.tera.render_to(template, context, Counting(&mut bytes))
+                    fragments::with_active(active.clone(), || match spans {
+                        Some(spans) => self.tera.render_to(
+                            template,
+                            context,
+                            fragments::Spanning {
+                                bytes: &mut bytes,
+                                spans,
+                            },
+                        ),
+                        None => self.tera.render_to(template, context, Counting(&mut bytes)),
                     })
                 }))
             })
@@ -671,6 +687,10 @@ impl Renderer {
                     }),
             );
         }
+        // What a render that failed left.
+        if let Ok(mut known) = self.known.lock() {
+            known.clear();
+        }
         let started = Instant::now();
         let active = Active {
             tera: Arc::clone(&self.tera),
@@ -753,11 +773,33 @@ impl Renderer {
             );
         timings.assemble = started.elapsed();
         let started = Instant::now();
+        let known = self
+            .known
+            .lock()
+            .map(|mut known| std::mem::take(&mut *known))
+            .unwrap_or_default();
+        let told_bytes = std::sync::atomic::AtomicU64::new(0);
+        // A file's bytes and the previous set's at its path, as the render compared them.
+        let told = |path: &str, bytes: &[u8], old: &[u8]| {
+            known
+                .iter()
+                .find(|(p, new, was, _)| {
+                    p == path
+                        && std::ptr::eq(new.as_ref(), bytes)
+                        && std::ptr::eq(was.as_ref(), old)
+                })
+                .map(|(_, _, _, same)| {
+                    told_bytes.fetch_add((same.prefix + same.suffix) as u64, Ordering::Relaxed);
+                    *same
+                })
+                .unwrap_or_default()
+        };
         let files = match previous {
-            Some(previous) => FileSet::following(files, previous),
+            Some(previous) => FileSet::following_known(files, previous, &told),
             None => FileSet::of_shared(files),
         };
         timings.checksum = started.elapsed();
+        timings.checksum_known = told_bytes.into_inner();
         // What the render replaced goes now, on the renderer's dropper thread.
         self.fragments.graveyard.flush();
         if let Ok(mut last) = self.timings.lock() {
@@ -869,6 +911,7 @@ impl Renderer {
                 let mut asked = Requests::default();
                 let mut marks = provenance::Marks::default();
                 let keep = inputs.filter(|_| active.keep);
+                let mut spans = Vec::new();
                 let (bytes, tracked) = fragments::tracking_calls(|| {
                     self.render_one(
                         active,
@@ -878,6 +921,7 @@ impl Renderer {
                         capacity + capacity / 8,
                         &mut asked,
                         &mut marks,
+                        Some(&mut spans),
                     )
                 });
                 let bytes = Bytes::from(bytes?);
@@ -887,12 +931,27 @@ impl Renderer {
                         inputs.to_vec(),
                         (bytes.clone(), marks.clone(), asked.clone()),
                         tracked,
+                        spans.clone(),
                     ),
                     // Kept outputs are of the stores as they are: an overlay render's are not.
                     None if active.keep => self.singles.forget(*index),
                     None => None,
                 };
                 if let Some(replaced) = replaced {
+                    // What the file shares with its last render, as its calls' texts say:
+                    // the checksum does not compare those bytes again.
+                    let same =
+                        fragments::known_same(&bytes, &spans, &replaced.bytes, &replaced.spans);
+                    if same != haptic_checksum::Same::default()
+                        && let Ok(mut known) = self.known.lock()
+                    {
+                        known.push((
+                            output.path.clone(),
+                            bytes.clone(),
+                            replaced.bytes.clone(),
+                            same,
+                        ));
+                    }
                     self.fragments.graveyard.bury(replaced);
                 }
                 if let Some(cost) = self.costs.get(*index) {
@@ -1001,6 +1060,7 @@ impl Renderer {
                                     capacity,
                                     &mut asked_here,
                                     &mut marks,
+                                    None,
                                 )
                             });
                             // Shared with what is kept: the set made of it holds the very

@@ -350,6 +350,50 @@ fn an_event_no_item_reads_reuses_the_items_whole() {
     assert_eq!(files.checksum(), fresh(&stores).0.checksum());
 }
 
+/// After an event that changes one backend's servers, the render tells the checksum how much
+/// of `haproxy.cfg` it knows the same as its last render (the pool's text copied from the last
+/// call, where it was): most of the file is not compared again, and the checksum is a fresh
+/// render's. Against a set it did not render (another renderer's), it tells nothing.
+#[test]
+fn the_checksum_is_told_what_the_render_knows_the_same() {
+    let fixtures = fixtures::generate(1_000);
+    let mut stores = reference::stores().unwrap();
+    fixtures.load(&mut stores).unwrap();
+    let kept = Renderer::compile(&template_set()).unwrap();
+    let mut last = kept.render(&stores).unwrap();
+    let config = last.get("haproxy.cfg").unwrap().len() as u64;
+    // An endpoint of three slices made not ready one after the other, then ready again.
+    for (n, v) in [(500, 1), (501, 1), (502, 1), (500, 0)] {
+        let slice = &fixtures.endpoint_slices[n];
+        let changed = variant("endpointslices", slice, v, &fixtures);
+        stores
+            .get_mut("endpointslices")
+            .unwrap()
+            .apply(&changed)
+            .unwrap();
+        let (files, _, _) = kept.render_traced_following(&stores, &last).unwrap();
+        let timings = kept.last_timings();
+        assert!(
+            timings.checksum_known > config / 2,
+            "{} of {config} bytes known",
+            timings.checksum_known
+        );
+        assert_eq!(files.checksum(), fresh(&stores).0.checksum(), "variant {v}");
+        last = files;
+    }
+    let other = fresh(&stores).0;
+    let slice = &fixtures.endpoint_slices[900];
+    let changed = variant("endpointslices", slice, 1, &fixtures);
+    stores
+        .get_mut("endpointslices")
+        .unwrap()
+        .apply(&changed)
+        .unwrap();
+    let (files, _, _) = kept.render_traced_following(&stores, &other).unwrap();
+    assert_eq!(kept.last_timings().checksum_known, 0);
+    assert_eq!(files.checksum(), fresh(&stores).0.checksum());
+}
+
 /// A per-item output that reads an entry of a derived view with `derived_get` is rendered
 /// again when that entry changes though its own item did not (a Service's file that shows
 /// the certificate of the Secret of its name), and reused while the entry is the same.

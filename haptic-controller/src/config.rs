@@ -372,6 +372,11 @@ pub fn template_set(spec: &HAProxyTemplateConfigSpec) -> TemplateSet {
                 )
             })
             .collect(),
+        status_templates: spec
+            .status_templates
+            .iter()
+            .map(|(k, v)| (k.clone(), Template::new(v.template.clone())))
+            .collect(),
         template_snippets: spec
             .template_snippets
             .iter()

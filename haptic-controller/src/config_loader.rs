@@ -84,6 +84,7 @@ fn election_settings(htc: &HAProxyTemplateConfig) -> Result<ElectionSettings, Ve
     spec.maps.clear();
     spec.files.clear();
     spec.ssl_certificates.clear();
+    spec.status_templates.clear();
     spec.validation_tests.clear();
     spec.haproxy_config.template = String::new();
     spec.templating_settings = Default::default();

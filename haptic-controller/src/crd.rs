@@ -70,6 +70,12 @@ pub struct HAProxyTemplateConfigSpec {
     /// Certificates by name, rendered to `ssl/<name>.pem`, or one per resource of `forEach`.
     #[serde(default)]
     pub ssl_certificates: BTreeMap<String, CertificateSource>,
+    /// Templates that write no file, by name: they ask the cluster to show Events and status
+    /// (`record_event`, `set_status`) and refuse changes at admission (`refuse`); the text they
+    /// render is dropped. Kept apart from `haproxyConfig`, they render again only when what
+    /// they read changes, and a change only they read leaves `haproxy.cfg` as it was.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub status_templates: BTreeMap<String, TemplateSource>,
     /// Tests of the templates by name: fixtures (resources per store) rendered with this
     /// config, and assertions on the result. Run by `haptic-controller validate` and by the
     /// webhook, which denies a config whose tests fail.

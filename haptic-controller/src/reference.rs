@@ -121,6 +121,11 @@ pub fn spec() -> HAProxyTemplateConfigSpec {
                 )
             })
             .collect(),
+        status_templates: set
+            .status_templates
+            .iter()
+            .map(|(k, v)| (k.clone(), source(v)))
+            .collect(),
         validation_tests: tests(),
     }
 }

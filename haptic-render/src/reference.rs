@@ -224,9 +224,10 @@ fn template(source: &str) -> Template {
 /// `"namespace/name"` of a `kubernetes.io/tls` Secret served to clients whose SNI matches no
 /// host or who send none; without a usable one, such clients are refused: `strict-sni`).
 ///
-/// The templates also ask the cluster to show (snippet `cluster-view`, [`crate::requests`]): a
-/// Warning Event `BackendNotFound` on an Ingress path whose Service or port does not exist, and
-/// the Ingress status above.
+/// The templates also ask the cluster to show (the status template `cluster-view`, which
+/// includes the snippet of that name and writes no file; [`crate::requests`]): a Warning Event
+/// `BackendNotFound` on an Ingress path whose Service or port does not exist, and the Ingress
+/// status above.
 pub fn template_set() -> TemplateSet {
     let mut set = TemplateSet {
         haproxy_config: template(include_str!("../templates/haproxy.cfg.tera")),
@@ -362,6 +363,12 @@ pub fn template_set() -> TemplateSet {
         set.template_snippets
             .insert(name.to_owned(), template(source));
     }
+    // Apart from haproxy.cfg: an Ingress event that changes no route (a label, the status
+    // the controller wrote) renders the cluster view again, not the 7 MB of haproxy.cfg.
+    set.status_templates.insert(
+        "cluster-view".to_owned(),
+        template("{% include \"cluster-view\" %}"),
+    );
     set.ssl_certificates.insert(
         "ingress-tls".to_owned(),
         CertificateTemplate {

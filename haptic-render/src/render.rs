@@ -897,14 +897,19 @@ impl Renderer {
                     self.singles
                         .reuse(*index, inputs, &stores(), review, active.epoch)
                 }) {
-                    return Ok((
-                        vec![(
-                            output.path.clone(),
-                            kept.bytes.clone(),
-                            Origin::Marks(kept.marks.clone()),
-                        )],
-                        kept.requests.clone(),
-                    ));
+                    // A status template writes no file: what it asked for is what it gives.
+                    let files = output
+                        .writes
+                        .then(|| {
+                            (
+                                output.path.clone(),
+                                kept.bytes.clone(),
+                                Origin::Marks(kept.marks.clone()),
+                            )
+                        })
+                        .into_iter()
+                        .collect();
+                    return Ok((files, kept.requests.clone()));
                 }
                 let size = self.sizes.get(*index);
                 let capacity = size.map_or(0, |s| s.load(Ordering::Relaxed));
@@ -961,10 +966,12 @@ impl Renderer {
                 if let Some(size) = size {
                     size.store(bytes.len(), Ordering::Relaxed);
                 }
-                Ok((
-                    vec![(output.path.clone(), bytes, Origin::Marks(marks))],
-                    asked,
-                ))
+                let files = output
+                    .writes
+                    .then(|| (output.path.clone(), bytes, Origin::Marks(marks)))
+                    .into_iter()
+                    .collect();
+                Ok((files, asked))
             }
             Job::Items {
                 index,

@@ -564,6 +564,57 @@ mod tests {
         assert!(!files.text("haproxy.cfg").unwrap().contains("192.0.2.10"));
     }
 
+    /// A status template asks what it asks and writes no file (its text is dropped); it is
+    /// rendered again when what it reads changes, and a change only it reads leaves
+    /// `haproxy.cfg` the very bytes it was.
+    #[test]
+    fn a_status_template_asks_and_writes_nothing() {
+        let set = crate::TemplateSet {
+            haproxy_config: crate::Template::new(
+                "{% for s in resources.services %}backend {{ s.metadata.name }}\n{% endfor %}",
+            ),
+            status_templates: [(
+                "events".to_owned(),
+                crate::Template::new(
+                    "dropped text {% for i in resources.ingresses %}{{ record_event(object=i, type=\"Normal\", reason=\"Seen\", message=\"seen\") }}{% endfor %}",
+                ),
+            )]
+            .into(),
+            ..crate::TemplateSet::default()
+        };
+        let mut stores = reference::stores().unwrap();
+        stores
+            .get_mut("services")
+            .unwrap()
+            .apply(&json!({"apiVersion": "v1", "kind": "Service",
+                "metadata": {"namespace": "shop", "name": "web"},
+                "spec": {"ports": [{"port": 80}]}}))
+            .unwrap();
+        stores
+            .get_mut("ingresses")
+            .unwrap()
+            .apply(&ingress("one", "web"))
+            .unwrap();
+        let renderer = Renderer::compile(&set).unwrap();
+        let (files, asked) = renderer.render_all(&stores).unwrap();
+        let paths: Vec<&str> = files.iter().map(|(p, _)| p).collect();
+        assert_eq!(paths, ["haproxy.cfg"]);
+        assert_eq!(files.text("haproxy.cfg"), Some("backend web\n"));
+        assert_eq!(asked.events.len(), 1, "{asked:?}");
+        stores
+            .get_mut("ingresses")
+            .unwrap()
+            .apply(&ingress("two", "web"))
+            .unwrap();
+        let (again, asked) = renderer.render_all(&stores).unwrap();
+        assert_eq!(asked.events.len(), 2, "{asked:?}");
+        assert_eq!(
+            again.get("haproxy.cfg").unwrap().as_ptr(),
+            files.get("haproxy.cfg").unwrap().as_ptr()
+        );
+        assert_eq!(renderer.last_timings().outputs_reused, 1);
+    }
+
     #[test]
     fn set_statuses_asks_what_a_set_status_per_row_asks() {
         let requests = |main: &str| {

@@ -39,7 +39,7 @@ pub enum Error {
     DuplicatePath(String),
     /// A snippet is empty-named or takes a name reserved for the set's own templates.
     #[error(
-        "templateSnippets.{0}: the name is empty or reserved (haproxyConfig, maps.*, files.*, sslCertificates.*)"
+        "templateSnippets.{0}: the name is empty or reserved (haproxyConfig, maps.*, files.*, sslCertificates.*, statusTemplates.*)"
     )]
     ReservedSnippetName(String),
     /// An `extraContext` key is not an identifier or is reserved.
@@ -47,6 +47,9 @@ pub enum Error {
         "extraContext.{0}: the key must be an identifier other than `resources`, `derived`, `item` and `__haptic_*`"
     )]
     InvalidContextKey(String),
+    /// A status template's name is not a file name (letters, digits, `-`, `_`, `.`).
+    #[error("statusTemplates.{0}: the name must be a file name")]
+    InvalidStatusName(String),
 }
 
 /// A `Result` with this module's [`Error`].
@@ -111,6 +114,13 @@ pub struct TemplateSet {
     /// Certificates by entry name.
     #[serde(default)]
     pub ssl_certificates: BTreeMap<String, CertificateTemplate>,
+    /// Templates that write no file, by name: what they ask the cluster to show
+    /// (`record_event`, `set_status`) and what they refuse (`refuse`) is all they do; the text
+    /// they render is dropped. Apart from `haproxy.cfg`, they render again only when what
+    /// they read changed, and a change they alone read (an Ingress's status after an
+    /// Ingress event that routes nothing new) leaves `haproxy.cfg` as it was.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub status_templates: BTreeMap<String, Template>,
     /// Snippets any template can `{% include "<name>" %}`. They write nothing by themselves.
     #[serde(default)]
     pub template_snippets: BTreeMap<String, Template>,
@@ -128,6 +138,8 @@ pub(crate) struct Output {
     pub(crate) path: String,
     /// Store to render once per resource of.
     pub(crate) for_each: Option<String>,
+    /// Whether it writes a file (a status template writes none).
+    pub(crate) writes: bool,
 }
 
 /// The engine's name of the main template.
@@ -174,6 +186,11 @@ impl TemplateSet {
                 .map(|(k, v)| (format!("sslCertificates.{k}"), v.template.as_str())),
         );
         out.extend(
+            self.status_templates
+                .iter()
+                .map(|(k, v)| (format!("statusTemplates.{k}"), v.template.as_str())),
+        );
+        out.extend(
             self.template_snippets
                 .iter()
                 .map(|(k, v)| (k.clone(), v.template.as_str())),
@@ -185,7 +202,7 @@ impl TemplateSet {
     pub(crate) fn outputs(&self) -> Result<Vec<Output>> {
         for name in self.template_snippets.keys() {
             let reserved = name == HAPROXY_CONFIG
-                || ["maps.", "files.", "sslCertificates."]
+                || ["maps.", "files.", "sslCertificates.", "statusTemplates."]
                     .iter()
                     .any(|p| name.starts_with(p));
             if name.is_empty() || reserved {
@@ -208,6 +225,7 @@ impl TemplateSet {
             template: HAPROXY_CONFIG.to_owned(),
             path: "haproxy.cfg".to_owned(),
             for_each: None,
+            writes: true,
         }];
         for name in self.maps.keys() {
             if !is_file_name(name) {
@@ -217,6 +235,7 @@ impl TemplateSet {
                 template: format!("maps.{name}"),
                 path: format!("maps/{name}"),
                 for_each: None,
+                writes: true,
             });
         }
         for (name, file) in &self.files {
@@ -230,6 +249,7 @@ impl TemplateSet {
                 template: format!("files.{name}"),
                 path: file.path.clone(),
                 for_each: None,
+                writes: true,
             });
         }
         for (name, cert) in &self.ssl_certificates {
@@ -251,10 +271,23 @@ impl TemplateSet {
                     None => format!("ssl/{name}.pem"),
                 },
                 for_each: cert.for_each.clone(),
+                writes: true,
+            });
+        }
+        for name in self.status_templates.keys() {
+            if !is_file_name(name) {
+                return Err(Error::InvalidStatusName(name.clone()));
+            }
+            // Named, in errors and timings, as what it is: no path of the set.
+            outputs.push(Output {
+                template: format!("statusTemplates.{name}"),
+                path: format!("statusTemplates.{name}"),
+                for_each: None,
+                writes: false,
             });
         }
         let mut seen = BTreeSet::new();
-        for output in outputs.iter().filter(|o| o.for_each.is_none()) {
+        for output in outputs.iter().filter(|o| o.for_each.is_none() && o.writes) {
             if !seen.insert(output.path.as_str()) {
                 return Err(Error::DuplicatePath(output.path.clone()));
             }
@@ -295,6 +328,33 @@ mod tests {
             set.ssl_certificates["tls"].for_each.as_deref(),
             Some("secrets")
         );
+    }
+
+    #[test]
+    fn a_status_template_writes_no_path() {
+        let set: TemplateSet = serde_json::from_value(serde_json::json!({
+            "haproxyConfig": {"template": "global"},
+            "files": {"view": {"path": "view", "template": "x"}},
+            "statusTemplates": {"view": {"template": "{{ 1 }}"}}
+        }))
+        .unwrap();
+        let outputs = set.outputs().unwrap();
+        let status: Vec<_> = outputs.iter().filter(|o| !o.writes).collect();
+        assert_eq!(status.len(), 1);
+        assert_eq!(status[0].template, "statusTemplates.view");
+        // A file of the same name is no clash: the status template has no path.
+        assert!(outputs.iter().any(|o| o.writes && o.path == "view"));
+        let mut bad = set.clone();
+        bad.status_templates.insert("a/b".into(), Template::new(""));
+        assert!(matches!(bad.outputs(), Err(Error::InvalidStatusName(_))));
+        let mut reserved = set;
+        reserved
+            .template_snippets
+            .insert("statusTemplates.x".into(), Template::new(""));
+        assert!(matches!(
+            reserved.outputs(),
+            Err(Error::ReservedSnippetName(_))
+        ));
     }
 
     #[test]

@@ -170,11 +170,10 @@ pub(crate) struct CallSite {
     text: Value,
     /// Row `i`'s bytes are `bytes[ends[i - 1]..ends[i]]`.
     ends: Vec<usize>,
-    /// Provenance marks (offset from the row's start), with the row each belongs to, in order.
-    marks: Vec<(u32, usize, Value)>,
-    /// The marks at their offsets in the call's output, made when first replayed and shared
-    /// by every output that reuses the call whole.
-    replayed: std::sync::OnceLock<Arc<[(usize, Value)]>>,
+    /// Provenance marks (offset in the call's output), with the row each belongs to, in
+    /// order: shared as they are with every output that renders or reuses the call (10,000
+    /// marks at 10,000 Services were copied into a second form per call before).
+    marks: Arc<[(u32, usize, Value)]>,
     /// What rows asked for (few rows ask anything), by row, in order.
     requests: Vec<(u32, Requests)>,
     /// What rows read with `get` / `lookup`, by row, in order.
@@ -647,13 +646,7 @@ fn describe(e: &tera::Error, template: &str) -> String {
 /// row at a time through the thread's own index (`requests::replay`): merging them into one
 /// `Requests` first rebuilt an index of everything so far per row, quadratic in rows with a status.
 fn replay(site: &CallSite, at: usize) {
-    let marks = site.replayed.get_or_init(|| {
-        site.marks
-            .iter()
-            .map(|(row, offset, value)| (site.span(*row as usize).start + offset, value.clone()))
-            .collect()
-    });
-    provenance::replay(at, Arc::clone(marks));
+    provenance::replay(at, Arc::clone(&site.marks));
     for (_, requests) in &site.requests {
         requests::replay(requests);
     }
@@ -786,13 +779,15 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
         text: Value::none(),
         ends: Vec::with_capacity(rows.len()),
         // As many as last time: a view's rows mark their objects, one or more a row.
-        marks: Vec::with_capacity(previous.as_ref().map_or(0, |p| p.marks.len())),
-        replayed: std::sync::OnceLock::new(),
+        marks: Arc::from(Vec::new()),
         requests: Vec::new(),
         reads: Vec::new(),
         refused: Vec::new(),
         used: AtomicU64::new(active.epoch),
     };
+    // As many as last time: a view's rows mark their objects, one or more a row.
+    let mut marks: Vec<(u32, usize, Value)> =
+        Vec::with_capacity(previous.as_ref().map_or(0, |p| p.marks.len()));
     let (mut rendered, mut reused) = (0u64, 0u64);
     // Where the next row would be in the previous call, if the lists line up.
     let mut next_previous: u32 = 0;
@@ -929,13 +924,12 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
                 }
                 // A row of the run, moved to its place here.
                 let moved = |row: u32| row - j + place;
-                let marks = CallSite::run_range(&p.marks, |m| m.0, &rows, hints.1);
-                hints.1 = marks.end;
-                site.marks.extend(
-                    p.marks[marks]
-                        .iter()
-                        .map(|(row, offset, value)| (moved(*row), *offset, value.clone())),
-                );
+                let run = CallSite::run_range(&p.marks, |m| m.0, &rows, hints.1);
+                hints.1 = run.end;
+                // Its bytes moved from `from` there to `at_bytes` here.
+                marks.extend(p.marks[run].iter().map(|(row, offset, value)| {
+                    (moved(*row), at_bytes + (offset - from), value.clone())
+                }));
                 let requests = CallSite::run_range(&p.requests, |r| r.0, &rows, hints.2);
                 hints.2 = requests.end;
                 site.requests.extend(
@@ -965,12 +959,13 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
                 let row = batch
                     .get(batch_start..out.end)
                     .ok_or_else(|| error("render_each: a row's output is out of bounds"))?;
+                // Where the row starts in the call's output.
+                let row_at = if all_fresh { batch_start } else { bytes.len() };
                 if !all_fresh {
                     bytes.push_str(row);
                 }
                 for (offset, value) in out.first.into_iter().chain(out.marks) {
-                    site.marks
-                        .push((place, offset.saturating_sub(batch_start), value));
+                    marks.push((place, row_at + offset.saturating_sub(batch_start), value));
                 }
                 batch_start = out.end;
                 if !out.requests.is_empty() {
@@ -991,6 +986,7 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
         bytes = std::mem::take(&mut batch);
     }
     site.text = text_of(bytes);
+    site.marks = Arc::from(marks);
     active.fragments.reused.fetch_add(reused, Ordering::Relaxed);
     active
         .fragments

@@ -399,7 +399,7 @@ impl Memo {
         self.step = step;
         self.places = places;
         self.rows = out;
-        self.rows_value = Value::from(self.rows.clone());
+        self.rows_value = Value::from(self.rows.as_slice());
         Ok(())
     }
 
@@ -513,7 +513,7 @@ impl Memo {
             self.ids[at] = now;
         }
         self.input = Some(rows.clone());
-        self.rows_value = Value::from(self.rows.clone());
+        self.rows_value = Value::from(self.rows.as_slice());
         Some(())
     }
 }
@@ -617,7 +617,7 @@ impl Memo {
         self.map = Value::from(text_map);
         self.ids = ids.to_vec();
         self.input = Some(rows.clone());
-        self.rows_value = Value::from(self.rows.clone());
+        self.rows_value = Value::from(self.rows.as_slice());
         self.inserted += 1;
         Some(())
     }

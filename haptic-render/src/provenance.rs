@@ -71,8 +71,9 @@ pub(crate) struct Marks {
 enum Piece {
     /// Marks at their offsets.
     Own(Vec<(usize, Value)>),
-    /// Marks at their offsets plus the first field.
-    Shared(usize, Arc<[(usize, Value)]>),
+    /// Marks at their offsets plus the first field (a `render_each` call's: the row each
+    /// belongs to, its offset in the call's text, its value).
+    Shared(usize, Arc<[(u32, usize, Value)]>),
 }
 
 impl Piece {
@@ -80,7 +81,7 @@ impl Piece {
     fn first(&self) -> Option<usize> {
         match self {
             Piece::Own(marks) => marks.first().map(|(at, _)| *at),
-            Piece::Shared(at, marks) => marks.first().map(|(offset, _)| at + offset),
+            Piece::Shared(at, marks) => marks.first().map(|(_, offset, _)| at + offset),
         }
     }
 }
@@ -95,7 +96,7 @@ impl Marks {
     }
 
     /// Adds marks made elsewhere, each at its offset plus `at`, shared.
-    pub(crate) fn extend_shared(&mut self, at: usize, marks: Arc<[(usize, Value)]>) {
+    pub(crate) fn extend_shared(&mut self, at: usize, marks: Arc<[(u32, usize, Value)]>) {
         if !marks.is_empty() {
             self.pieces.push(Piece::Shared(at, marks));
         }
@@ -134,18 +135,18 @@ impl Marks {
                 marks.get(i.checked_sub(1)?).map(|(_, value)| value)
             }
             Piece::Shared(at, marks) => {
-                let i = marks.partition_point(|(offset, _)| at + offset < end);
-                marks.get(i.checked_sub(1)?).map(|(_, value)| value)
+                let i = marks.partition_point(|(_, offset, _)| at + offset < end);
+                marks.get(i.checked_sub(1)?).map(|(_, _, value)| value)
             }
         }
     }
 }
 
 /// Shared marks at their offsets plus `at`.
-fn shifted(at: usize, marks: &[(usize, Value)]) -> impl Iterator<Item = (usize, Value)> + '_ {
+fn shifted(at: usize, marks: &[(u32, usize, Value)]) -> impl Iterator<Item = (usize, Value)> + '_ {
     marks
         .iter()
-        .map(move |(offset, value)| (at + offset, value.clone()))
+        .map(move |(_, offset, value)| (at + offset, value.clone()))
 }
 
 /// Which object produced which file or line of a render.
@@ -316,7 +317,7 @@ pub(crate) fn written() -> usize {
 }
 
 /// Adds marks made elsewhere (a reused call's, at their offsets from `at`), shared.
-pub(crate) fn replay(at: usize, marks: Arc<[(usize, Value)]>) {
+pub(crate) fn replay(at: usize, marks: Arc<[(u32, usize, Value)]>) {
     MARKS.with(|m| m.borrow_mut().extend_shared(at, marks));
 }
 
@@ -391,7 +392,7 @@ mod tests {
         // B's mark comes from a reused call (shared, at 6 + 1), between marks of the output's own.
         let mut marks = Marks::default();
         marks.push(4, mark(&a));
-        marks.extend_shared(6, Arc::from(vec![(1, mark(&b))]));
+        marks.extend_shared(6, Arc::from(vec![(0, 1, mark(&b))]));
         marks.push(10, Value::from(Vec::<Value>::new()));
         let flat: Vec<usize> = marks
             .clone()

@@ -319,7 +319,8 @@ fn main() -> ExitCode {
 /// `madvise` mode): the leader's RSS 473-480 MiB with them, 380-421 without (the follower's
 /// 357 and 300-310), the change to live no slower (p50 296-323 ms with, 250-270 without).
 /// `MIMALLOC_PURGE_DELAY=0` (mimalloc's own, read at start) takes it lower still, 328-343 MiB,
-/// for a little more CPU per change (pages handed back at once, faulted in again).
+/// for a little more CPU per change (pages handed back at once, faulted in again); the
+/// Deployment in deploy/ sets it (2026-12-06: 316-317 MiB against 351-362 at 10,000).
 fn no_transparent_huge_pages() {
     #[cfg(target_os = "linux")]
     if let Err(error) = rustix::thread::disable_transparent_huge_pages(true) {

@@ -356,6 +356,10 @@ pub fn template_set() -> TemplateSet {
             include_str!("../templates/snippets/nginx-frontend.tera"),
         ),
         (
+            "nginx-frontend-row",
+            include_str!("../templates/snippets/nginx-frontend-row.tera"),
+        ),
+        (
             "passthrough",
             include_str!("../templates/snippets/passthrough.tera"),
         ),

@@ -1057,12 +1057,7 @@ pub(crate) struct Span {
 }
 
 /// Notes a call's text, when a [`Spanning`] writer renders on this thread and it is large.
-fn note_text(
-    text: &Value,
-    call: usize,
-    head: Option<(usize, usize)>,
-    tail: Option<(usize, usize)>,
-) {
+fn note_text(text: &Value, call: usize, head: Option<Shared>, tail: Option<Shared>) {
     let Some(bytes) = text.as_str().filter(|t| t.len() >= MIN_SPAN) else {
         return;
     };

@@ -1601,8 +1601,8 @@ pub(crate) struct ItemOutput {
 #[derive(Debug, Clone)]
 pub(crate) struct ItemFile {
     pub(crate) path: String,
-    pub(crate) namespace: String,
-    pub(crate) name: String,
+    /// The item (its store, namespace and name), as the file's provenance names it.
+    pub(crate) object: Arc<crate::provenance::ObjectRef>,
 }
 
 /// The outputs of per-item templates, by output and item identity, kept between renders.

@@ -49,8 +49,9 @@ impl std::fmt::Display for ObjectRef {
 /// Where the content of one output came from.
 #[derive(Debug, Clone)]
 pub(crate) enum Origin {
-    /// A per-item file: all of it is this object's.
-    Item(ObjectRef),
+    /// A per-item file: all of it is this object's (shared with the kept output: 2,500
+    /// certificates' files were three strings each to copy on every render).
+    Item(Arc<ObjectRef>),
     /// A single output: byte offsets where a run of one object's content (or of none)
     /// begins, with the mark's value as the template gave it (converted when asked: a render
     /// makes tens of thousands of marks and is asked about them only when HAProxy refuses it).
@@ -175,7 +176,7 @@ impl Provenance {
     /// object for a per-item output, else the last mark before the line's end.
     pub fn object_at(&self, files: &FileSet, path: &str, line: usize) -> Option<ObjectRef> {
         match self.origins.get(path)? {
-            Origin::Item(object) => Some(object.clone()),
+            Origin::Item(object) => Some(ObjectRef::clone(object)),
             Origin::Marks(marks) => {
                 let bytes = files.files().get(path)?;
                 let end = line_end(bytes, line)?;

@@ -993,11 +993,6 @@ impl Renderer {
                     (INDEX_VAR, context.get(INDEX_VAR).cloned()),
                     (DERIVED_VAR, context.get(DERIVED_VAR).cloned()),
                 ];
-                let object = |file: &ItemFile| ObjectRef {
-                    store: store.to_owned(),
-                    namespace: file.namespace.clone(),
-                    name: file.name.clone(),
-                };
                 // The very items, reading stores and views none of which changed: the whole
                 // chunk as it was.
                 if let Some(whole) = inputs.and_then(|inputs| {
@@ -1017,7 +1012,7 @@ impl Renderer {
                             files.push((
                                 file.path.clone(),
                                 kept.bytes.clone(),
-                                Origin::Item(object(file)),
+                                Origin::Item(Arc::clone(&file.object)),
                             ));
                         }
                     }
@@ -1078,8 +1073,11 @@ impl Renderer {
                                 .is_ok_and(|text| text.trim().is_empty());
                             let file = (!blank).then(|| ItemFile {
                                 path: functions::ssl_file(&namespace, &name),
-                                namespace,
-                                name,
+                                object: Arc::new(ObjectRef {
+                                    store: store.to_owned(),
+                                    namespace,
+                                    name,
+                                }),
                             });
                             let kept = inputs.filter(|_| active.keep).and_then(|inputs| {
                                 self.items.keep(
@@ -1108,8 +1106,7 @@ impl Renderer {
                         if let Some(size) = size {
                             size.store(bytes.len(), Ordering::Relaxed);
                         }
-                        let object = object(&file);
-                        files.push((file.path, bytes, Origin::Item(object)));
+                        files.push((file.path, bytes, Origin::Item(file.object)));
                     }
                 }
                 if let (Some(outputs), Some(inputs)) = (outputs, inputs) {
@@ -1140,7 +1137,7 @@ enum Origin {
     /// A single output, with the marks its templates made (`from`).
     Marks(provenance::Marks),
     /// A per-item output: its item.
-    Item(ObjectRef),
+    Item(Arc<ObjectRef>),
 }
 
 /// Per-item outputs are rendered in chunks of this many items per job.

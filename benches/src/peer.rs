@@ -157,6 +157,8 @@ pub struct PeerRenderer {
     env: Environment<'static>,
     outputs: Vec<(String, String)>,
     per_secret: Vec<(String, String)>,
+    /// The status templates (`statusTemplates.<name>`), which write no file.
+    status: Vec<String>,
 }
 
 impl PeerRenderer {
@@ -192,10 +194,18 @@ impl PeerRenderer {
         for (name, t) in &set.template_snippets {
             env.add_template_owned(name.clone(), t.template.clone())?;
         }
+        // Rendered as the renderer renders them, their text dropped: they write no file.
+        let mut status = Vec::new();
+        for (name, t) in &set.status_templates {
+            let template = format!("statusTemplates.{name}");
+            env.add_template_owned(template.clone(), t.template.clone())?;
+            status.push(template);
+        }
         Ok(Self {
             env,
             outputs,
             per_secret,
+            status,
         })
     }
 
@@ -205,6 +215,9 @@ impl PeerRenderer {
         for (template, path) in &self.outputs {
             let text = self.env.get_template(template)?.render(&context.base)?;
             files.insert(path.clone(), text.into_bytes());
+        }
+        for template in &self.status {
+            self.env.get_template(template)?.render(&context.base)?;
         }
         for (template, store) in &self.per_secret {
             let template = self.env.get_template(template)?;
@@ -481,6 +494,7 @@ fn register(env: &mut Environment<'static>) {
             .collect();
         let (size, slots) = haptic_render::pool::assign(&members, step);
         let mut out: Vec<Value> = rows.iter().filter(|row| !plain(row)).cloned().collect();
+        let before = out.len();
         let mut pool: Vec<Option<Value>> = vec![None; size];
         let mut names = BTreeMap::new();
         let mut map = String::new();
@@ -521,8 +535,16 @@ fn register(env: &mut Environment<'static>) {
                 }
             }));
         }
+        // `rows` in runs of at most pool::GROUP, the rows before the pool apart.
+        let (unpooled, pooled) = out.split_at(before);
+        let groups: Vec<Value> = unpooled
+            .chunks(haptic_render::pool::GROUP)
+            .chain(pooled.chunks(haptic_render::pool::GROUP))
+            .map(|run| Value::from(run.to_vec()))
+            .collect();
         Ok(context! {
             rows => out,
+            groups => groups,
             names => names,
             map => map,
             size => size,

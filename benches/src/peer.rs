@@ -537,10 +537,19 @@ fn register(env: &mut Environment<'static>) {
         }
         // `rows` in runs of at most pool::GROUP, the rows before the pool apart.
         let (unpooled, pooled) = out.split_at(before);
+        let group = |(k, run): (usize, &[Value]), part: &str| {
+            context! { id => format!("{part}{k}"), rows => run.to_vec() }
+        };
         let groups: Vec<Value> = unpooled
             .chunks(haptic_render::pool::GROUP)
-            .chain(pooled.chunks(haptic_render::pool::GROUP))
-            .map(|run| Value::from(run.to_vec()))
+            .enumerate()
+            .map(|g| group(g, "b"))
+            .chain(
+                pooled
+                    .chunks(haptic_render::pool::GROUP)
+                    .enumerate()
+                    .map(|g| group(g, "p")),
+            )
             .collect();
         Ok(context! {
             rows => out,

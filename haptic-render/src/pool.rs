@@ -53,6 +53,8 @@ use tera::value::{Key, Map};
 use tera::{Kwargs, State, Tera, Value};
 
 use crate::fragments::{AddressHasher, identity};
+use crate::slots::fnv1a;
+use crate::value::map_value;
 
 /// Maps keyed by a row's identity (an address, not chosen by anyone): one multiplication a
 /// key, where the standard map's SipHash cost ~0.5 ms of a render that assigns 10,000
@@ -61,8 +63,6 @@ type ByAddress<V> = HashMap<usize, V, BuildHasherDefault<AddressHasher>>;
 
 /// Maps keyed by names the cluster chooses: ahash's keyed hasher (as the derived views').
 type ByName<K, V> = HashMap<K, V, ahash::RandomState>;
-use crate::slots::fnv1a;
-use crate::value::map_value;
 
 /// The pool's step when the template does not say (`extraContext.haproxy.backend_pool_step`).
 pub const DEFAULT_STEP: usize = 32;
@@ -196,8 +196,9 @@ struct Memo {
     /// The output's rows (the value's own list), to patch a few of.
     rows: Vec<Value>,
     /// The output's `groups`: `rows` in runs of at most [`GROUP`] (the rows before the pool,
-    /// then the pool's), each the very list it was while its rows are the same rows.
-    groups: Vec<Value>,
+    /// `b<k>`, then the pool's, `p<k>`), each with its id and the very list it was while its
+    /// rows are the same rows.
+    groups: Vec<(String, Value)>,
     /// The list of `groups`.
     groups_value: Value,
     /// Per row of the input, in order: its place in `rows`, if it has one (a pooled row's
@@ -258,7 +259,19 @@ impl Memo {
         self.rows_value = Value::from(self.rows.as_slice());
         let pooled_from = self.rows.len().saturating_sub(self.size);
         let (before, pooled) = self.rows.split_at(pooled_from);
-        let runs: Vec<&[Value]> = before.chunks(GROUP).chain(pooled.chunks(GROUP)).collect();
+        // Ids apart for the two parts: a pool group keeps its id (and so its call site in a
+        // template that renders each group with a call of its own, `args=g.id`) however many
+        // groups the rows before the pool take.
+        let runs = before
+            .chunks(GROUP)
+            .enumerate()
+            .map(|(k, run)| (format!("b{k}"), run))
+            .chain(
+                pooled
+                    .chunks(GROUP)
+                    .enumerate()
+                    .map(|(k, run)| (format!("p{k}"), run)),
+            );
         let same = |group: &Value, run: &[Value]| {
             group.as_array().is_some_and(|rows| {
                 rows.len() == run.len()
@@ -268,15 +281,25 @@ impl Memo {
                         .all(|(a, b)| identity(a).is_some() && identity(a) == identity(b))
             })
         };
-        let groups: Vec<Value> = runs
+        let last: HashMap<&str, &Value> = self
+            .groups
             .iter()
-            .enumerate()
-            .map(|(i, run)| match self.groups.get(i) {
-                Some(group) if same(group, run) => group.clone(),
-                _ => Value::from(*run),
+            .map(|(id, rows)| (id.as_str(), rows))
+            .collect();
+        let groups: Vec<(String, Value)> = runs
+            .map(|(id, run)| {
+                let rows = match last.get(id.as_str()) {
+                    Some(rows) if same(rows, run) => Value::clone(rows),
+                    _ => Value::from(run),
+                };
+                (id, rows)
             })
             .collect();
-        self.groups_value = Value::from(groups.as_slice());
+        let listed: Vec<Value> = groups
+            .iter()
+            .map(|(id, rows)| map_value([("id", Value::from(id.as_str())), ("rows", rows.clone())]))
+            .collect();
+        self.groups_value = Value::from(listed);
         self.groups = groups;
     }
 
@@ -860,39 +883,70 @@ mod tests {
                 .cloned()
                 .unwrap()
         };
+        // Each group's id and rows.
+        let groups_of = |answer: &Value| -> Vec<(String, Value)> {
+            part(answer, "groups")
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|g| (part(g, "id").as_str().unwrap().to_owned(), part(g, "rows")))
+                .collect()
+        };
         let first = memo.pool(&Value::from(list.clone()), 32, None).unwrap();
-        let groups = part(&first, "groups");
-        let groups = groups.as_array().unwrap();
-        let rows = part(&first, "rows");
+        let groups = groups_of(&first);
         let flat: Vec<Value> = groups
             .iter()
-            .flat_map(|g| g.as_array().unwrap().to_vec())
+            .flat_map(|(_, rows)| rows.as_array().unwrap().to_vec())
             .collect();
-        assert_eq!(flat.as_slice(), rows.as_array().unwrap());
+        assert_eq!(flat.as_slice(), part(&first, "rows").as_array().unwrap());
         assert!(groups.len() > 3, "{} groups", groups.len());
-        assert!(groups.iter().all(|g| g.as_array().unwrap().len() <= GROUP));
+        assert!(
+            groups
+                .iter()
+                .all(|(_, rows)| rows.as_array().unwrap().len() <= GROUP)
+        );
         // The three rows that are not plain are before the pool, in a group of their own.
-        assert_eq!(groups[0].as_array().unwrap().len(), 3);
-        // One backend's endpoints change.
+        assert_eq!(groups[0].0, "b0");
+        assert_eq!(groups[0].1.as_array().unwrap().len(), 3);
+        assert_eq!(groups[1].0, "p0");
+        // One backend's endpoints change: one group is a new list, the others the very ones.
         let at = 900;
         let mut changed = list[at].as_map().unwrap().clone();
         changed.insert(Key::Str("endpoints"), Value::from(2));
         list[at] = Value::from(changed);
         let second = memo.pool(&Value::from(list.clone()), 32, None).unwrap();
-        let again = part(&second, "groups");
-        let again = again.as_array().unwrap();
+        let again = groups_of(&second);
         assert_eq!(again.len(), groups.len());
-        let new: Vec<usize> = (0..groups.len())
-            .filter(|&i| identity(&groups[i]) != identity(&again[i]))
+        let new: Vec<&str> = groups
+            .iter()
+            .zip(&again)
+            .filter(|((_, a), (_, b))| identity(a) != identity(b))
+            .map(|((id, _), _)| id.as_str())
             .collect();
         assert_eq!(new.len(), 1, "groups made again: {new:?}");
-        assert_eq!(
-            part(&second, "groups"),
-            part(
-                &Memo::default().pool(&Value::from(list), 32, None).unwrap(),
-                "groups"
-            )
-        );
+        let fresh = Memo::default()
+            .pool(&Value::from(list.clone()), 32, None)
+            .unwrap();
+        assert_eq!(part(&second, "groups"), part(&fresh, "groups"));
+        // The rows before the pool all become plain: their group goes, and every pool group
+        // keeps its id and its very rows.
+        for row in &mut list {
+            if !plain(row) {
+                *row = row_at(text(row, "name"), 1, false);
+            }
+        }
+        let third = memo.pool(&Value::from(list), 32, None).unwrap();
+        let third = groups_of(&third);
+        assert!(third.iter().all(|(id, _)| id.starts_with('p')));
+        let kept = third
+            .iter()
+            .filter(|(id, rows)| {
+                again
+                    .iter()
+                    .any(|(was, old)| was == id && identity(old) == identity(rows))
+            })
+            .count();
+        assert!(kept > 0, "no pool group kept its rows");
     }
 
     /// A plain backend row whose Service was created `second` seconds into 2026.

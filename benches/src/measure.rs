@@ -31,6 +31,15 @@ pub fn thread_cpu() -> Option<Duration> {
     Some(Duration::from_nanos(nanos))
 }
 
+/// This process's resident memory now (`VmRSS` of `/proc/self/status`), in MiB, where Linux
+/// says it.
+pub fn rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024.0)
+}
+
 /// The other version of `resource` of store `store`, as the event benches change it: a label
 /// added (a change every view sees as a new version, though no rendered line depends on it),
 /// and an EndpointSlice's first endpoint's readiness flipped (a change that is rendered).

@@ -206,6 +206,10 @@ struct Memo {
     places: Vec<(Option<usize>, Option<usize>)>,
     /// Answers [`Memo::insert`] gave (the tests check that it is taken).
     inserted: u64,
+    /// Answers [`Memo::splice`] gave (the tests check that it is taken), and the rounds it
+    /// started over with another cluster.
+    spliced: u64,
+    spliced_wider: u64,
 }
 
 /// At most this many rows changed (the others the same values, in the same order) are
@@ -247,6 +251,8 @@ impl Default for Memo {
             groups_value: Value::from(Vec::<Value>::new()),
             places: Vec::new(),
             inserted: 0,
+            spliced: 0,
+            spliced_wider: 0,
         }
     }
 }
@@ -329,6 +335,7 @@ impl Memo {
         }
         if self.patch(rows, list, &ids, step).is_some()
             || self.insert(rows, list, &ids, step).is_some()
+            || self.splice(rows, list, &ids, step).is_some()
         {
             return Ok(());
         }
@@ -702,6 +709,410 @@ impl Memo {
     }
 }
 
+/// Who a slot of the pool is taken by while [`Memo::splice`] places members again.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Taken {
+    Free,
+    /// A member that keeps its backend (its index in the last `members`).
+    Kept(usize),
+    /// A member placed again in this round.
+    Placed,
+}
+
+/// What [`Memo::splice`] found: the run of rows changed (`before..old_end` of the last rows,
+/// `before..new_end` of the new), the members that leave (`first_gone`, `gone` of them),
+/// how many there are now, the run's new rows and which of them join, and each member placed
+/// again with its backend.
+struct Splice {
+    before: usize,
+    old_end: usize,
+    new_end: usize,
+    first_gone: usize,
+    gone: usize,
+    count: usize,
+    fresh: Vec<(usize, Known)>,
+    joining: Vec<usize>,
+    placed: Vec<(Again, usize)>,
+}
+
+/// A member [`Memo::splice`] places again: one of the last members, or one of the new rows.
+#[derive(Clone, Copy)]
+enum Again {
+    Old(usize),
+    New(usize),
+}
+
+impl Memo {
+    /// The last answer with one run of rows replaced, added or dropped (at most
+    /// [`PATCH_MAX`], each a row the last call did not have), when the pool keeps its size and
+    /// no name is listed twice: a Service port whose `appProtocol` or policy changed leaves the
+    /// pool or joins it again, a Service older than the newest comes or goes. Computing the
+    /// answer afresh (each row's identity kept in a map of 10,000, every member assigned again)
+    /// was ~5 ms of such a render at 10,000 Services.
+    ///
+    /// The members the change can move are placed again, the others keep their backends, and
+    /// the result is [`assign`]'s: a member's probe from its home to its backend runs over
+    /// backends taken before it, all in one cluster (a run of taken backends between free
+    /// ones) of the last assignment. So members outside the clusters that hold a member that
+    /// left, or the home of one that joined, probe over what they did and keep their backends;
+    /// the members of those clusters and the new ones are placed again oldest first among the
+    /// others' backends. Should one of them probe past its cluster's free end onto a backend
+    /// another cluster keeps, that cluster is placed again too, and the round starts over.
+    /// `None` when that does not hold.
+    fn splice(&mut self, rows: &Value, list: &[Value], ids: &[usize], step: usize) -> Option<()> {
+        if self.input.is_none()
+            || step == 0
+            || self.step != step
+            || self.places.len() != self.ids.len()
+            || self.by_name.len() != self.members.len()
+            || self.members.len() != self.slots.len()
+        {
+            return None;
+        }
+        // The run that differs: rows before and after it are the last call's, in order.
+        let before = ids
+            .iter()
+            .zip(&self.ids)
+            .take_while(|(now, was)| now == was)
+            .count();
+        let after = ids[before..]
+            .iter()
+            .rev()
+            .zip(self.ids[before..].iter().rev())
+            .take_while(|(now, was)| now == was)
+            .count();
+        let (old_end, new_end) = (self.ids.len() - after, ids.len() - after);
+        if (old_end - before) + (new_end - before) > PATCH_MAX {
+            return None;
+        }
+        let mut fresh: Vec<(usize, Known)> = Vec::with_capacity(new_end - before);
+        for (row, &id) in list[before..new_end].iter().zip(&ids[before..new_end]) {
+            // A row the last call had elsewhere (rows reordered): computed afresh.
+            if id == 0 || self.known.contains_key(&id) {
+                return None;
+            }
+            fresh.push((
+                id,
+                Known {
+                    plain: plain(row),
+                    name: Arc::from(text(row, "name")),
+                    created: Arc::from(text(row, "created")),
+                    placed: None,
+                },
+            ));
+        }
+        // The last members: those before the run, in it (they leave), after it.
+        let first_gone = self.places[..before]
+            .iter()
+            .filter(|(_, member)| member.is_some())
+            .count();
+        let gone = self.places[before..old_end]
+            .iter()
+            .filter(|(_, member)| member.is_some())
+            .count();
+        let joining: Vec<usize> = (0..fresh.len()).filter(|&k| fresh[k].1.plain).collect();
+        let count = self.members.len() - gone + joining.len();
+        if size(count, step) != self.size || count >= self.size {
+            return None;
+        }
+        let size = self.size;
+        let leaving = first_gone..first_gone + gone;
+        // A name listed twice (with a member that stays, or among the new rows): computed
+        // afresh, as `assign` gives such a name one backend.
+        let mut names: ByName<&str, ()> = ByName::default();
+        for &k in &joining {
+            let name = &*fresh[k].1.name;
+            let taken_by_stayer = self
+                .by_name
+                .get(name)
+                .is_some_and(|_| !self.members[leaving.clone()].iter().any(|m| &*m.1 == name));
+            if taken_by_stayer || names.insert(name, ()).is_some() {
+                return None;
+            }
+        }
+        let mut owner: Vec<Taken> = vec![Taken::Free; size];
+        for (m, &slot) in self.slots.iter().enumerate() {
+            *owner.get_mut(slot)? = Taken::Kept(m);
+        }
+        #[allow(clippy::cast_possible_truncation)]
+        let home = |name: &str| (fnv1a(name) % size as u64) as usize;
+        // The members placed again: those of the clusters touched, from the backend touched
+        // on (a member before it in its cluster probed over backends before its own only).
+        let mut again = vec![false; self.members.len()];
+        let cluster = |owner: &[Taken], again: &mut [bool], slot: usize| {
+            if owner[slot] == Taken::Free {
+                return;
+            }
+            for k in 0..size {
+                match owner[(slot + k) % size] {
+                    Taken::Kept(m) => again[m] = true,
+                    _ => break,
+                }
+            }
+        };
+        for m in leaving.clone() {
+            cluster(&owner, &mut again, self.slots[m]);
+        }
+        for &k in &joining {
+            cluster(&owner, &mut again, home(&fresh[k].1.name));
+        }
+        let placed: Vec<(Again, usize)> = loop {
+            let mut order: Vec<Again> = (0..self.members.len())
+                .filter(|m| again[*m] && !leaving.contains(m))
+                .map(Again::Old)
+                .chain(joining.iter().map(|&k| Again::New(k)))
+                .collect();
+            let key = |who: &Again| -> (&str, &str) {
+                match *who {
+                    Again::Old(m) => (&self.members[m].2, &self.members[m].1),
+                    Again::New(k) => (&fresh[k].1.created, &fresh[k].1.name),
+                }
+            };
+            order.sort_unstable_by(|a, b| key(a).cmp(&key(b)));
+            let mut round = owner.clone();
+            for (m, slot) in self.slots.iter().enumerate() {
+                if again[m] || leaving.contains(&m) {
+                    round[*slot] = Taken::Free;
+                }
+            }
+            let mut placed = Vec::with_capacity(order.len());
+            let mut past = None;
+            'members: for who in order {
+                let start = home(key(&who).1);
+                for k in 0..size {
+                    let slot = (start + k) % size;
+                    match round[slot] {
+                        Taken::Free => {
+                            round[slot] = Taken::Placed;
+                            placed.push((who, slot));
+                            continue 'members;
+                        }
+                        Taken::Placed => {}
+                        Taken::Kept(_) => {
+                            past = Some(slot);
+                            break 'members;
+                        }
+                    }
+                }
+                return None;
+            }
+            match past {
+                None => break placed,
+                Some(slot) => {
+                    self.spliced_wider += 1;
+                    cluster(&owner, &mut again, slot);
+                }
+            }
+        };
+        let change = Splice {
+            before,
+            old_end,
+            new_end,
+            first_gone,
+            gone,
+            count,
+            fresh,
+            joining,
+            placed,
+        };
+        if self.apply_splice(rows, list, ids, change).is_none() {
+            // Left half-written (nothing known leads here): the answer is computed afresh.
+            *self = Self {
+                inserted: self.inserted,
+                spliced: self.spliced,
+                spliced_wider: self.spliced_wider,
+                ..Self::default()
+            };
+            return None;
+        }
+        self.spliced += 1;
+        Some(())
+    }
+
+    /// [`Memo::splice`]'s change applied: the members and their backends, the output's rows,
+    /// the map, the names. `None` (when something is not as the change says) leaves the memo
+    /// half-written.
+    fn apply_splice(
+        &mut self,
+        rows: &Value,
+        list: &[Value],
+        ids: &[usize],
+        change: Splice,
+    ) -> Option<()> {
+        let Splice {
+            before,
+            old_end,
+            new_end,
+            first_gone,
+            gone,
+            count,
+            mut fresh,
+            joining,
+            placed,
+        } = change;
+        let size = self.size;
+        let leaving = first_gone..first_gone + gone;
+        // The new members and backends, in row order.
+        let mut new_slot: Vec<Option<usize>> = vec![None; fresh.len()];
+        let mut moved: ByAddress<usize> = ByAddress::default();
+        for &(who, slot) in &placed {
+            match who {
+                Again::Old(m) => {
+                    if self.slots[m] != slot {
+                        moved.insert(m, slot);
+                    }
+                }
+                Again::New(k) => new_slot[k] = Some(slot),
+            }
+        }
+        let old_members = std::mem::take(&mut self.members);
+        let old_slots = std::mem::take(&mut self.slots);
+        let mut members = Vec::with_capacity(count);
+        let mut slots = Vec::with_capacity(count);
+        for m in 0..first_gone {
+            members.push(old_members[m].clone());
+            slots.push(moved.get(&m).copied().unwrap_or(old_slots[m]));
+        }
+        for &k in &joining {
+            let (id, known) = &fresh[k];
+            members.push((*id, Arc::clone(&known.name), Arc::clone(&known.created)));
+            slots.push(new_slot[k]?);
+        }
+        for m in first_gone + gone..old_members.len() {
+            members.push(old_members[m].clone());
+            slots.push(moved.get(&m).copied().unwrap_or(old_slots[m]));
+        }
+        // The output's rows: the others' as they are, then the pool's by backend.
+        let old_pooled_from = self.rows.len() - size;
+        let mut out: Vec<Value> = Vec::with_capacity(list.len() + size);
+        let mut places: Vec<(Option<usize>, Option<usize>)> = Vec::with_capacity(list.len());
+        let mut member = 0;
+        for (at, row) in list.iter().enumerate() {
+            let plain_row = if at < before || at >= new_end {
+                let was = if at < before {
+                    at
+                } else {
+                    at - new_end + old_end
+                };
+                self.places[was].1.is_some()
+            } else {
+                fresh[at - before].1.plain
+            };
+            if plain_row {
+                places.push((None, Some(member)));
+                member += 1;
+            } else {
+                places.push((Some(out.len()), None));
+                out.push(row.clone());
+            }
+        }
+        let pooled_from = out.len();
+        let mut pool: Vec<Value> = self.rows.split_off(old_pooled_from);
+        // Vacated backends are spares, unless taken again below.
+        for m in leaving.clone() {
+            pool[old_slots[m]] = self
+                .spares
+                .entry(old_slots[m])
+                .or_insert_with(|| spare(old_slots[m]))
+                .clone();
+        }
+        for &m in moved.keys() {
+            pool[old_slots[m]] = self
+                .spares
+                .entry(old_slots[m])
+                .or_insert_with(|| spare(old_slots[m]))
+                .clone();
+        }
+        for place in &mut places {
+            if let Some(m) = place.1 {
+                place.0 = Some(pooled_from + slots[m]);
+            }
+        }
+        // Each member's new backend row: those that moved and those that joined.
+        let member_rows: Vec<usize> = places
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, member))| member.is_some())
+            .map(|(at, _)| at)
+            .collect();
+        for (&old, &slot) in &moved {
+            let new = if old < first_gone {
+                old
+            } else {
+                old - gone + joining.len()
+            };
+            let at = *member_rows.get(new)?;
+            let value = pooled(&list[at], slot);
+            if let Some(known) = self.known.get_mut(&ids[at]) {
+                known.placed = Some((slot, value.clone()));
+            }
+            pool[slot] = value;
+        }
+        for (k, (_, known)) in fresh.iter_mut().enumerate() {
+            if let Some(slot) = new_slot[k] {
+                let value = pooled(&list[before + k], slot);
+                known.placed = Some((slot, value.clone()));
+                pool[slot] = value;
+            }
+        }
+        out.extend(pool);
+        for &id in &self.ids[before..old_end] {
+            self.known.remove(&id);
+        }
+        // The map's lines are the members', in row order: the last text's, but for the
+        // members that moved, left or joined.
+        let text = self.map.as_str()?;
+        let mut map = String::with_capacity(text.len() + 64 * joining.len());
+        let line = |map: &mut String, name: &str, slot: usize| {
+            use std::fmt::Write as _;
+            let _ = writeln!(map, "{name} pool_{slot}");
+        };
+        let mut lines = text.split_inclusive('\n');
+        for m in 0..=old_members.len() {
+            if m == first_gone {
+                for &k in &joining {
+                    line(&mut map, &fresh[k].1.name, new_slot[k]?);
+                }
+            }
+            if m == old_members.len() {
+                break;
+            }
+            let was = lines.next()?;
+            if leaving.contains(&m) {
+                continue;
+            }
+            match moved.get(&m) {
+                Some(&slot) => line(&mut map, &old_members[m].1, slot),
+                None => map.push_str(was),
+            }
+        }
+        let mut by_name = std::mem::take(&mut self.by_name);
+        for (_, name, _) in &old_members[leaving] {
+            by_name.remove(&**name);
+        }
+        for (&m, &slot) in &moved {
+            by_name.insert(Arc::clone(&old_members[m].1), slot);
+        }
+        for &k in &joining {
+            by_name.insert(Arc::clone(&fresh[k].1.name), new_slot[k]?);
+        }
+        for (id, known) in fresh {
+            self.known.insert(id, known);
+        }
+        self.by_name = by_name;
+        self.map = Value::from(map);
+        self.all_names = None;
+        self.members = members;
+        self.slots = slots;
+        self.places = places;
+        self.rows = out;
+        self.ids = ids.to_vec();
+        self.input = Some(rows.clone());
+        self.rows_changed();
+        Some(())
+    }
+}
+
 /// A pooled row: `row` named `pool_<slot>`, with `service_backend` its own name.
 fn pooled(row: &Value, slot: usize) -> Value {
     let mut map = crate::value::map_with_room(row, 1);
@@ -1043,6 +1454,180 @@ mod tests {
                 .pool(&Value::from(list), 32, None)
                 .expect("pools")
         );
+    }
+
+    /// A Service port leaving the pool (its appProtocol set) and joining it again, at 2,000
+    /// backends: each answer is a fresh memo's, comes from the splice (not a whole
+    /// assignment), and makes new lists of few groups (a `render_each` per group renders
+    /// those alone).
+    #[test]
+    fn a_backend_leaving_and_joining_the_pool_moves_only_its_cluster() {
+        let mut list: Vec<Value> = (0..2_000u32)
+            .map(|i| row_at(&format!("ns_svc-{i}_80"), i, i % 97 == 5))
+            .collect();
+        let mut memo = Memo::default();
+        let part = |answer: &Value, key: &'static str| {
+            answer
+                .as_map()
+                .and_then(|m| m.get(&Key::Str(key)))
+                .cloned()
+                .unwrap()
+        };
+        let groups = |answer: &Value| -> Vec<usize> {
+            part(answer, "groups")
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|g| identity(&part(g, "rows")).unwrap())
+                .collect()
+        };
+        let mut last = memo.pool(&Value::from(list.clone()), 32, None).unwrap();
+        for (round, at) in [1_000usize, 1_000, 3, 1_999, 3, 1_999, 640]
+            .into_iter()
+            .enumerate()
+        {
+            let was = list[at].clone();
+            list[at] = row_at(text(&was, "name"), u32::try_from(at).unwrap(), plain(&was));
+            let kept = memo.pool(&Value::from(list.clone()), 32, None).unwrap();
+            let fresh = Memo::default()
+                .pool(&Value::from(list.clone()), 32, None)
+                .unwrap();
+            assert_eq!(kept, fresh, "round {round}");
+            assert_eq!(in_order(&kept), in_order(&fresh), "round {round}");
+            assert_eq!(memo.spliced, round as u64 + 1, "round {round}: spliced");
+            let (before, now) = (groups(&last), groups(&kept));
+            let new = now.iter().filter(|g| !before.contains(g)).count();
+            // The rows before the pool (the backend that left, or none), and the pool groups
+            // of its cluster.
+            assert!(
+                new <= 3,
+                "round {round}: {new} of {} groups are new lists",
+                now.len()
+            );
+            last = kept;
+        }
+        // A Service older than every other goes, and comes back.
+        let oldest = list.remove(0);
+        let kept = memo.pool(&Value::from(list.clone()), 32, None).unwrap();
+        assert_eq!(
+            kept,
+            Memo::default()
+                .pool(&Value::from(list.clone()), 32, None)
+                .unwrap()
+        );
+        list.insert(0, oldest);
+        let kept = memo.pool(&Value::from(list.clone()), 32, None).unwrap();
+        assert_eq!(
+            kept,
+            Memo::default().pool(&Value::from(list), 32, None).unwrap()
+        );
+        assert_eq!(memo.spliced, 9);
+    }
+
+    /// Several backends joining a crowded pool at once, older than members they probe past:
+    /// members of the next cluster are placed again too, and the answer is still a fresh
+    /// memo's (the rounds that start over are taken: `spliced_wider`).
+    #[test]
+    fn backends_joining_together_place_the_next_cluster_again_when_they_reach_it() {
+        let mut memo = Memo::default();
+        let mut list: Vec<Value> = Vec::new();
+        let mut next = 0u32;
+        for round in 0..400u32 {
+            // A pool of 208 backends, 186 to 189 of them taken (as full as it gets before
+            // its next step).
+            if round % 40 == 0 {
+                list = (0..186u32)
+                    .map(|i| row_at(&format!("ns_svc-{round}-{i}_80"), 100 + i, false))
+                    .collect();
+            }
+            // Three old Services come back at once (older than most members), next to each
+            // other in the rows (one run of rows changed).
+            let at = (next as usize * 7919) % (list.len() + 1);
+            for k in 0..3 {
+                next += 1;
+                list.insert(
+                    at + k,
+                    row_at(&format!("ns_back-{next}-{k}_80"), next % 50, false),
+                );
+            }
+            let rows = Value::from(list.clone());
+            let kept = memo.pool(&rows, 8, None).unwrap();
+            let fresh = Memo::default().pool(&rows, 8, None).unwrap();
+            assert_eq!(kept, fresh, "round {round}");
+            assert_eq!(in_order(&kept), in_order(&fresh), "round {round}");
+            // Three leave again.
+            let at = (next as usize * 104_729) % (list.len() - 3);
+            list.drain(at..at + 3);
+            next += 1;
+            let rows = Value::from(list.clone());
+            let kept = memo.pool(&rows, 8, None).unwrap();
+            assert_eq!(
+                kept,
+                Memo::default().pool(&rows, 8, None).unwrap(),
+                "round {round}"
+            );
+        }
+        assert!(memo.spliced > 100, "spliced {}", memo.spliced);
+        assert!(
+            memo.spliced_wider > 0,
+            "no round started over with the next cluster"
+        );
+    }
+
+    proptest::proptest! {
+        /// Backends leaving the pool and joining it again, going and coming back, anywhere
+        /// in the age order, a few at a time, in pools small enough to be crowded: the kept
+        /// answer is a fresh memo's.
+        #[test]
+        fn backends_leaving_and_joining_a_crowded_pool_are_placed_as_afresh(
+            first in 20usize..200,
+            edits in proptest::collection::vec(
+                proptest::collection::vec((0usize..400, 0u8..3, 0u32..400), 1..4),
+                1..10,
+            ),
+            step in 1usize..16,
+        ) {
+            let mut list: Vec<Value> = (0..first)
+                .map(|i| {
+                    let i = u32::try_from(i).unwrap_or(0);
+                    row_at(&format!("ns_svc-{i}_80"), i / 3, i % 11 == 4)
+                })
+                .collect();
+            let mut memo = Memo::default();
+            memo.pool(&Value::from(list.clone()), step, None).expect("pools");
+            let mut made = 0u32;
+            for batch in edits {
+                for (at, what, second) in batch {
+                    if list.is_empty() {
+                        break;
+                    }
+                    let at = at % list.len();
+                    match what {
+                        // Leaves the pool or joins it again.
+                        0 => {
+                            let was = list[at].clone();
+                            let second = text(&was, "created");
+                            let second = second[11..13].parse::<u32>().unwrap_or(0) * 3600
+                                + second[14..16].parse::<u32>().unwrap_or(0) * 60
+                                + second[17..19].parse::<u32>().unwrap_or(0);
+                            list[at] = row_at(text(&was, "name"), second, plain(&was));
+                        }
+                        1 => {
+                            list.remove(at);
+                        }
+                        _ => {
+                            made += 1;
+                            list.insert(at, row_at(&format!("ns_made-{made}_80"), second, second % 5 == 0));
+                        }
+                    }
+                }
+                let rows = Value::from(list.clone());
+                let kept = memo.pool(&rows, step, None).expect("pools");
+                let fresh = Memo::default().pool(&rows, step, None).expect("pools");
+                proptest::prop_assert_eq!(&kept, &fresh);
+                proptest::prop_assert_eq!(in_order(&kept), in_order(&fresh));
+            }
+        }
     }
 
     #[test]

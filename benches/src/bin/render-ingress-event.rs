@@ -17,7 +17,7 @@
 
 use std::time::{Duration, Instant};
 
-use haptic_benches::measure::{changed, middle, thread_cpu};
+use haptic_benches::measure::{changed, middle, rss_mib, thread_cpu};
 use haptic_render::{FileSet, Renderer, Stores, fixtures, reference};
 
 /// The controller's allocator (its `main.rs` says why): the render measured as it runs there.
@@ -60,6 +60,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     fixture.load(&mut stores)?;
     let mut last = renderer.render(&stores)?;
     println!("checksum {}", last.checksum_hex());
+    let rss_first = rss_mib();
     let half = n / 2;
     if store == "new" {
         let (mut wall, mut cpu, mut refresh, mut checksum) =
@@ -87,6 +88,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         println!("checksum after the last change {}", last.checksum_hex());
         print_phases(&phases);
+        print_rss(rss_first);
         let ms = |times: Vec<Duration>| middle(times).as_secs_f64() * 1e3;
         println!(
             "{n} Ingresses, a new Service, EndpointSlice and Ingress a round, median of {}: {:.1} ms wall, {:.1} ms on this thread's CPU, refresh {:.1} ms, checksum {:.1} ms",
@@ -142,6 +144,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     println!("checksum after the last change {}", last.checksum_hex());
     print_phases(&phases);
+    print_rss(rss_first);
     let ms = |times: Vec<Duration>| middle(times).as_secs_f64() * 1e3;
     println!(
         "{n} Ingresses, one of {store} changed{}, median of {}: {:.1} ms wall, {:.1} ms on this thread's CPU, refresh {:.1} ms, checksum {:.1} ms",
@@ -157,6 +160,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ms(checksum)
     );
     Ok(())
+}
+
+/// The process's resident memory after the first render and now, after the events (the
+/// stores, the views, the renderer's kept fragments and the last set, and what the allocator
+/// keeps of the renders in between).
+fn print_rss(after_first: Option<f64>) {
+    if let (Some(first), Some(now)) = (after_first, rss_mib()) {
+        println!("rss after the first render {first:.0} MiB, after the events {now:.0} MiB");
+    }
 }
 
 /// With `RENDER_EVENT_PHASES=1`: the median of each phase of the renders and of each output's

@@ -107,20 +107,41 @@ fn digest_of(chunks: &[Chunk]) -> [u8; 32] {
     }
 }
 
-/// Chunks `bytes` from `at` (a chunk's start) to its end, appending to `chunks`; stops early
-/// when `resume` finds, at a chunk start, the chunks that follow from there (already shifted
-/// to this file's offsets).
+/// What [`chunk_from`]'s `resume` found at a chunk's start.
+enum Found {
+    /// Nothing: the chunk is cut and hashed.
+    Nothing,
+    /// The chunks that follow from there to the file's end (appended): done.
+    Rest,
+    /// A chunk or more (appended): on from the last one's end.
+    Some,
+}
+
+/// Chunks `bytes` from `at` (a chunk's start) to its end, appending to `chunks`; at each
+/// chunk start, `resume` may append chunks it knows (the rest of the file's, or some).
 fn chunk_from(
     bytes: &[u8],
     mut at: usize,
     chunks: &mut Vec<Chunk>,
-    mut resume: impl FnMut(usize, &mut Vec<Chunk>) -> bool,
+    mut resume: impl FnMut(usize, &mut Vec<Chunk>) -> Found,
 ) {
     while at < bytes.len() {
-        if resume(at, chunks) {
-            return;
+        match resume(at, chunks) {
+            Found::Rest => return,
+            Found::Some => {
+                let Some(last) = chunks.last() else { return };
+                if last.end <= at {
+                    // Nothing past `at`: never taken, but no endless loop either.
+                    return;
+                }
+                at = last.end;
+                continue;
+            }
+            Found::Nothing => {}
         }
         let end = chunk_end(bytes, at);
+        #[cfg(test)]
+        tests::HASHED.with(|hashed| hashed.set(hashed.get() + (end - at)));
         chunks.push(Chunk {
             end,
             digest: sha(bytes.get(at..end).unwrap_or_default()),
@@ -129,10 +150,73 @@ fn chunk_from(
     }
 }
 
+/// How many leading bytes of a chunk find the old chunks that may be the same
+/// ([`OldChunks`]).
+const PROBE: usize = 64;
+
+/// The old file's chunks by the hash of their first [`PROBE`] bytes: a chunk of the new file
+/// that starts as one of them does, and has its bytes, is that chunk (its ends depend only on
+/// its own bytes, [`chunk_end`]), wherever the edits before it moved it to. So a file edited
+/// in two places (a backend that leaves the pool's section for the others' in `haproxy.cfg`)
+/// hashes what changed, and compares what moved, instead of hashing everything between.
+struct OldChunks<'a> {
+    old: &'a [u8],
+    chunks: &'a [Chunk],
+    by_start: std::collections::HashMap<u64, Vec<usize>>,
+}
+
+impl<'a> OldChunks<'a> {
+    fn new(old: &'a [u8], chunks: &'a [Chunk]) -> Self {
+        let mut by_start: std::collections::HashMap<u64, Vec<usize>> =
+            std::collections::HashMap::with_capacity(chunks.len());
+        for index in 0..chunks.len() {
+            let start = Self::start(chunks, index);
+            let head = old
+                .get(start..(start + PROBE).min(old.len()))
+                .unwrap_or_default();
+            by_start.entry(line_hash(head)).or_default().push(index);
+        }
+        Self {
+            old,
+            chunks,
+            by_start,
+        }
+    }
+
+    fn start(chunks: &[Chunk], index: usize) -> usize {
+        index
+            .checked_sub(1)
+            .and_then(|before| chunks.get(before))
+            .map_or(0, |chunk| chunk.end)
+    }
+
+    /// The old chunk that `bytes` has at `at`, shifted there.
+    fn find(&self, bytes: &[u8], at: usize) -> Option<Chunk> {
+        let head = bytes.get(at..(at + PROBE).min(bytes.len()))?;
+        self.by_start
+            .get(&line_hash(head))?
+            .iter()
+            .find_map(|&index| {
+                let chunk = self.chunks.get(index)?;
+                let start = Self::start(self.chunks, index);
+                let len = chunk.end.checked_sub(start)?;
+                let end = at.checked_add(len)?;
+                // A chunk cut by its file's end is the same only where this one ends too.
+                if chunk.end == self.old.len() && end != bytes.len() {
+                    return None;
+                }
+                (bytes.get(at..end)? == self.old.get(start..chunk.end)?).then_some(Chunk {
+                    end,
+                    digest: chunk.digest,
+                })
+            })
+    }
+}
+
 /// The digest of a file, hashed whole.
 pub(crate) fn file_hash(bytes: &[u8]) -> FileHash {
     let mut chunks = Vec::new();
-    chunk_from(bytes, 0, &mut chunks, |_, _| false);
+    chunk_from(bytes, 0, &mut chunks, |_, _| Found::Nothing);
     FileHash {
         digest: digest_of(&chunks),
         chunks,
@@ -201,12 +285,21 @@ pub(crate) fn file_hash_known(
     // (shifted) starts the very chunks that followed it there.
     let changed_end = bytes.len() - suffix;
     let grown = bytes.len() as i128 - old.len() as i128;
+    // Between the shared prefix and suffix: chunks the old file has too, moved.
+    let mut moved: Option<OldChunks<'_>> = None;
     chunk_from(bytes, at, &mut chunks, |at, chunks| {
         if at < changed_end {
-            return false;
+            let old_chunks = moved.get_or_insert_with(|| OldChunks::new(old, &hashed.chunks));
+            return match old_chunks.find(bytes, at) {
+                Some(chunk) => {
+                    chunks.push(chunk);
+                    Found::Some
+                }
+                None => Found::Nothing,
+            };
         }
         let Ok(old_at) = usize::try_from(at as i128 - grown) else {
-            return false;
+            return Found::Nothing;
         };
         let next = if old_at == 0 {
             0
@@ -216,7 +309,7 @@ pub(crate) fn file_hash_known(
                 .binary_search_by_key(&old_at, |chunk| chunk.end)
             {
                 Ok(index) => index + 1,
-                Err(_) => return false,
+                Err(_) => return Found::Nothing,
             }
         };
         let shift = |end: usize| usize::try_from(end as i128 + grown).unwrap_or(end);
@@ -224,7 +317,7 @@ pub(crate) fn file_hash_known(
             end: shift(chunk.end),
             digest: chunk.digest,
         }));
-        true
+        Found::Rest
     });
     FileHash {
         digest: digest_of(&chunks),
@@ -453,6 +546,35 @@ mod tests {
         assert_eq!(file_hash(&bytes).digest, sha(&stream));
     }
 
+    thread_local! {
+        /// Bytes [`chunk_from`] hashed on this thread.
+        pub(super) static HASHED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+
+    /// A large file edited in two places far apart (a line grown near its start, another
+    /// near its end): the chunks between, moved by the first edit, are found and compared,
+    /// not hashed again.
+    #[test]
+    fn a_file_edited_in_two_places_hashes_the_chunks_of_the_edits() {
+        let bytes = lines(4_000_000, 5);
+        let before = file_hash(&bytes);
+        let mut after = bytes.clone();
+        for at in [after.len() * 3 / 4, after.len() / 4] {
+            let at = at + after[at..].iter().position(|b| *b == b'\n').unwrap();
+            after.splice(at..at, b" weight 2 backup".iter().copied());
+        }
+        let whole = file_hash(&after);
+        HASHED.with(|hashed| hashed.set(0));
+        let resumed = file_hash_following(&after, &bytes, &before);
+        assert_eq!(resumed, whole);
+        let hashed = HASHED.with(std::cell::Cell::get);
+        assert!(
+            hashed <= 4 * MAX_CHUNK,
+            "{hashed} bytes hashed again of {}",
+            after.len()
+        );
+    }
+
     #[test]
     fn a_line_grown_in_a_large_file_hashes_a_chunk_or_two() {
         let bytes = lines(4_000_000, 11);
@@ -485,11 +607,17 @@ mod tests {
             seed in 0u64..1000,
             edits in proptest::collection::vec(
                 (0usize..500_000, 0usize..3, 0usize..5, 0usize..2_000), 1..6),
+            second in proptest::collection::vec(proptest::option::of(0usize..500_000), 6),
         ) {
             let mut current = lines(size, seed);
             let mut hashed = file_hash(&current);
-            for (at, kind, what, len) in edits {
+            for (step, (at, kind, what, len)) in edits.into_iter().enumerate() {
                 let mut next = current.clone();
+                // Sometimes a second place edited at once (a line grown there).
+                if let Some(other) = second.get(step).copied().flatten() {
+                    let other = other.min(next.len());
+                    next.splice(other..other, b" weight 3".iter().copied());
+                }
                 let at = at.min(next.len());
                 let text: Vec<u8> = match what {
                     0 => b"\n".to_vec(),

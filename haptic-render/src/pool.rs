@@ -236,7 +236,7 @@ fn before_runs(rows: &[Value]) -> Vec<(String, &[Value])> {
     for (at, row) in rows.iter().enumerate() {
         let len = at + 1 - start;
         #[allow(clippy::cast_possible_truncation)]
-        let cut = (fnv1a(text(row, "name")) % GROUP as u64) == 0 || len >= 2 * GROUP;
+        let cut = fnv1a(text(row, "name")).is_multiple_of(GROUP as u64) || len >= 2 * GROUP;
         if cut || at + 1 == rows.len() {
             let run = &rows[start..=at];
             let mut id = format!("b:{}", text(&run[0], "name"));

@@ -471,6 +471,9 @@ fn register(env: &mut Environment<'static>) {
         let rows: Vec<Value> = kwargs.get("rows")?;
         let step: Option<usize> = kwargs.get("step")?;
         let only: Option<Vec<String>> = kwargs.get("names")?;
+        // `flat=false`: no `rows` in the answer (the renderer's memo then makes no flat list;
+        // this peer makes it anyway, unread).
+        let _flat: Option<bool> = kwargs.get("flat")?;
         kwargs.assert_all_used()?;
         let step = step.unwrap_or(haptic_render::pool::DEFAULT_STEP);
         let field = |row: &Value, name: &str| row.get_attr(name).ok().filter(|v| !v.is_undefined());

@@ -15,7 +15,8 @@
 //!   served on all 3 agents; the graceful handoff (SIGTERM to the leader -> every agent answered
 //!   the new leader's first apply), from the SIGTERM and from the moment the new leader claimed
 //!   its epoch; a crash (kill -9) after the Lease expired;
-//! - RSS of the leader and a follower; the render after one event (in this process).
+//! - RSS of the leader and a follower (the replicas run with `MIMALLOC_PURGE_DELAY=0`, as the
+//!   Deployment in deploy/ sets it); the render after one event (in this process).
 //!
 //! Arguments: base sizes (default `1000 10000`), `--changes N` (default 100), `--reload-changes
 //! M` (default 10), `--endpoint-changes E` (default 20), `--tls-every K` (default 0: every K-th

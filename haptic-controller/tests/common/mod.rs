@@ -690,6 +690,9 @@ impl Controller {
             // No default certificate unless a test asks for one (`tenants`): its Secret would
             // be one more TLS Secret in the stores and the published set.
             .env("HAPTIC_DEFAULT_CERTIFICATE_SECRET", "none")
+            // The allocator as the Deployment runs it (deploy/controller.yaml): what
+            // `bench_controller` reports as the replicas' RSS is then production's.
+            .env("MIMALLOC_PURGE_DELAY", "0")
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(file.try_clone().expect("log"))

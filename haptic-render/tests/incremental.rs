@@ -113,6 +113,11 @@ fn variant(store: &str, resource: &Json, v: u8, fixtures: &fixtures::Fixtures) -
             r["metadata"]["namespace"] = first["namespace"].clone();
             r["metadata"]["labels"]["kubernetes.io/service-name"] = first["name"].clone();
         }
+        ("services", 4) => {
+            // HTTP/2 to the endpoints: the port's backend leaves the pool for the named ones
+            // (and joins it again when a later step puts the Service back).
+            r["spec"]["ports"][0]["appProtocol"] = json!("kubernetes.io/h2c");
+        }
         ("services", 3) => {
             r["spec"]["ports"]
                 .as_array_mut()

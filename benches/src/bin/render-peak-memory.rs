@@ -5,7 +5,9 @@
 //! `stores_bytes` (heap held by the loaded stores), `views_bytes` (what the first render
 //! added to them and keeps: sorted lists, indexes, derived views), `tera_render_peak_bytes` and
 //! `minijinja_render_peak_bytes` (the most heap each render held at once above what was
-//! allocated before it started, output included).
+//! allocated before it started, output included); then per store of the fixtures
+//! `<store>_json_bytes` (its resources as compact JSON) and `<store>_store_bytes` (the heap a
+//! store of them alone holds: what keeping them as template values costs against the JSON).
 
 use haptic_benches::peer::{PeerContext, PeerRenderer};
 use haptic_render::{Renderer, fixtures, reference};
@@ -54,5 +56,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("views_bytes={views_bytes}");
     println!("tera_render_peak_bytes={tera_peak}");
     println!("minijinja_render_peak_bytes={mini_peak}");
+    for (name, resources) in [
+        ("ingresses", &fixtures.ingresses),
+        ("services", &fixtures.services),
+        ("endpointslices", &fixtures.endpoint_slices),
+        ("secrets", &fixtures.secrets),
+    ] {
+        let json: usize = resources
+            .iter()
+            .map(|resource| serde_json::to_vec(resource).map_or(0, |bytes| bytes.len()))
+            .sum();
+        let mut alone = reference::stores()?;
+        let before = HEAP.current_usage();
+        if let Some(store) = alone.get_mut(name) {
+            for resource in resources {
+                store.apply(resource)?;
+            }
+        }
+        let held = HEAP.current_usage().saturating_sub(before);
+        println!("{name}_json_bytes={json}");
+        println!("{name}_store_bytes={held}");
+    }
     Ok(())
 }

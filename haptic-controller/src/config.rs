@@ -129,6 +129,7 @@ impl ValidatedConfig {
         for (name, derivation) in &self.derivations {
             let _ = stores.derive(name.clone(), derivation.clone());
         }
+        self.renderer.compact_unread_stores(&mut stores);
         stores
     }
 }

@@ -114,6 +114,10 @@ async fn install(
         for (name, derivation) in &config.derivations {
             let _ = rebuilt.derive(name.clone(), derivation.clone());
         }
+        // The stores whose resources the templates only read through derived views and
+        // `get()` keep them as JSON (a Service or EndpointSlice: a fifth of the heap).
+        let compact = config.renderer.compact_unread_stores(&mut rebuilt);
+        debug!(stores = ?compact, "stores kept compact");
         state.stores = rebuilt;
         state.unsynced = config
             .stores

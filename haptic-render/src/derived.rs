@@ -137,7 +137,7 @@ use tera::value::{Key, Map};
 
 use crate::certificate::{Verdict, check_secret, now_unix};
 use crate::functions::{self, backend_name, sanitize, ssl_file};
-use crate::store::{Source, Store};
+use crate::store::{Source, Store, Stored};
 
 /// The controller name the reference configuration claims IngressClasses with
 /// (`spec.controller`), unless an [`IngressClassFilter`] names another.
@@ -406,6 +406,16 @@ fn default_gateway_controller() -> String {
 }
 
 impl Derivation {
+    /// The store whose resources this view's rows hold whole (the `Ingresses` view's
+    /// `object`): a store better kept as template values than compact
+    /// ([`crate::Store::set_compact`]), which would make each row's a copy.
+    pub fn keeps_whole(&self) -> Option<&str> {
+        match self {
+            Self::Ingresses { ingresses, .. } => Some(ingresses),
+            _ => None,
+        }
+    }
+
     /// The stores this view reads, in a fixed order (the IngressClasses of `classes` last).
     pub fn inputs(&self) -> Vec<&str> {
         let mut inputs: Vec<&str> = match self {
@@ -616,6 +626,8 @@ struct ServiceExtract {
     external_name: bool,
     /// `spec.clusterIP`, when it is an IP address (not `None`: headless).
     cluster_ip: Option<String>,
+    /// `metadata.creationTimestamp` (its rows' `created`).
+    created: Value,
 }
 
 /// A Service port: name, number, backend name and `appProtocol` (`""` when absent).
@@ -786,8 +798,9 @@ fn boxed<T>(cell: &OnceLock<Box<T>>, make: impl FnOnce() -> T) -> &T {
 }
 
 impl Extracts {
-    fn service(&self, namespace: &str, name: &str, svc: &Value) -> &ServiceExtract {
+    fn service(&self, namespace: &str, name: &str, svc: &Stored) -> &ServiceExtract {
         boxed(&self.service, || {
+            let svc = &*svc.get();
             let external_name = text(svc, &["spec", "type"]) == "ExternalName";
             let ports = if external_name {
                 Vec::new()
@@ -816,22 +829,27 @@ impl Extracts {
                 cluster_ip: Some(text(svc, &["spec", "clusterIP"]))
                     .filter(|ip| crate::functions::is_ip_address(ip))
                     .map(str::to_owned),
+                created: Value::from(text(svc, &["metadata", "creationTimestamp"])),
             }
         })
     }
 
-    fn ingress_class(&self, class: &Value) -> &IngressClassExtract {
-        boxed(&self.class, || IngressClassExtract {
-            controller: text(class, &["spec", "controller"]).to_owned(),
-            default: text(
-                class,
-                &["metadata", "annotations", DEFAULT_CLASS_ANNOTATION],
-            ) == "true",
+    fn ingress_class(&self, class: &Stored) -> &IngressClassExtract {
+        boxed(&self.class, || {
+            let class = &*class.get();
+            IngressClassExtract {
+                controller: text(class, &["spec", "controller"]).to_owned(),
+                default: text(
+                    class,
+                    &["metadata", "annotations", DEFAULT_CLASS_ANNOTATION],
+                ) == "true",
+            }
         })
     }
 
-    fn slice(&self, slice: &Value) -> &SliceExtract {
+    fn slice(&self, slice: &Stored) -> &SliceExtract {
         boxed(&self.slice, || {
+            let slice = &*slice.get();
             let address_type = text(slice, &["addressType"]);
             let slice_name = text(slice, &["metadata", "name"]);
             let slice_id = sanitize(slice_name);
@@ -858,9 +876,9 @@ impl Extracts {
         })
     }
 
-    fn tls(&self, ing: &Value) -> &[TlsExtract] {
+    fn tls(&self, ing: &Stored) -> &[TlsExtract] {
         self.tls.get_or_init(|| {
-            list(ing, &["spec", "tls"])
+            list(&ing.get(), &["spec", "tls"])
                 .iter()
                 .map(|tls| TlsExtract {
                     secret: text(tls, &["secretName"]).to_owned(),
@@ -875,12 +893,15 @@ impl Extracts {
 
     /// The verdict on a Secret's certificate ([`crate::certificate::check_secret`]), once
     /// per version of the Secret.
-    fn certificate(&self, secret: &Value) -> &Verdict {
-        boxed(&self.certificate, || check_secret(secret, now_unix()))
+    fn certificate(&self, secret: &Stored) -> &Verdict {
+        boxed(&self.certificate, || {
+            check_secret(&secret.get(), now_unix())
+        })
     }
 
-    fn ingress(&self, ing: &Value) -> &IngressExtract {
+    fn ingress(&self, ing: &Stored) -> &IngressExtract {
         boxed(&self.ingress, || {
+            let ing = &*ing.get();
             let mut paths = Vec::new();
             for rule in list(ing, &["spec", "rules"]) {
                 // A rule without a host matches every host; one whose host is not a string
@@ -1263,7 +1284,7 @@ impl<'a> Ours<'a> {
 struct OurIngress<'a> {
     namespace: &'a str,
     name: &'a str,
-    value: &'a Value,
+    value: &'a Stored,
     extracts: &'a Arc<Extracts>,
     ingress: &'a IngressExtract,
 }
@@ -1966,7 +1987,7 @@ fn service_backends(
 fn service_rows(
     slot: Slot,
     (store, namespace, service): (&str, &str, &str),
-    (svc, extracts): (&Value, &Arc<Extracts>),
+    (svc, extracts): (&Stored, &Arc<Extracts>),
     slices: &[&Arc<Extracts>],
     routed: Option<&Routed>,
     rows: &mut Vec<Value>,
@@ -1988,7 +2009,7 @@ fn service_rows(
         rows,
         || {
             let origin = origin(store, namespace, service);
-            let created = Value::from(text(svc, &["metadata", "creationTimestamp"]));
+            let created = extract.created.clone();
             ports
                 .iter()
                 .map(|port| {
@@ -2312,7 +2333,7 @@ fn tls_rows(
     ing.extracts.rows_into(slot, joined, rows, || {
         let origin = origin(store, namespace, ingress);
         // ingress-nginx's auth-tls-secret: the Secret whose CA verifies clients, or "".
-        let client_ca = Value::from(functions::nginx_client_ca(ing.value));
+        let client_ca = Value::from(functions::nginx_client_ca(&ing.value.get()));
         entries
             .iter()
             .zip(&found)
@@ -2506,7 +2527,7 @@ fn ingress_row(slot: Slot, ing: &OurIngress<'_>, rows: &mut Vec<Value>) {
         vec![row([
             ("namespace", Value::from(ing.namespace)),
             ("name", Value::from(ing.name)),
-            ("object", ing.value.clone()),
+            ("object", ing.value.get().into_owned()),
         ])]
     });
 }
@@ -2647,7 +2668,9 @@ fn tls_certificates(slot: Slot, secrets: Source<'_>) -> Value {
     let mut map = Map::new();
     let mut rows = Vec::with_capacity(1);
     for ((namespace, name), secret, extracts) in secrets.entries() {
-        if text(secret, &["type"]) != "kubernetes.io/tls" {
+        // (The certificates' Secrets are listed by a per-item output: not a compact store,
+        // so this reads the value the store holds.)
+        if text(&secret.get(), &["type"]) != "kubernetes.io/tls" {
             continue;
         }
         rows.clear();

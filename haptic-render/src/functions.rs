@@ -432,10 +432,12 @@ fn store_lookup(
         )));
     };
     let found = crate::store::find_in(entries, var == GET_VAR, key);
-    // A fragment of `render_each` that read this is reused only while it finds the same.
+    // A fragment of `render_each` that read this is reused only while it finds the same
+    // (what the store holds: a compact store's JSON is the same allocation until the resource
+    // changes).
     let var = if var == GET_VAR { GET_VAR } else { INDEX_VAR };
     crate::fragments::record_read(var, store, key, found.as_ref());
-    Ok(found)
+    Ok(found.map(|found| crate::value::expand(&found).into_owned()))
 }
 
 /// The `key` argument of `lookup`: a string, or a list of parts joined with `/`.

@@ -1,6 +1,6 @@
 //! The compiled renderer: a template set compiled once, rendered against stores many times.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -398,6 +398,30 @@ impl Renderer {
             list: reads.lists || reads.items.iter().any(|s| s == store),
             index: reads.indexes,
         }
+    }
+
+    /// Makes compact ([`Store::set_compact`](crate::Store::set_compact)) each store of
+    /// `stores` whose resources this template set never lists, looks up by index or renders
+    /// a file for (`resources.<store>`, `lookup()`, `forEach`), and no derived view keeps
+    /// whole ([`Derivation::keeps_whole`](crate::Derivation::keeps_whole)); the others are
+    /// kept as template values. What is read of a compact store (a derived view's extract,
+    /// once per version of a resource; `get()`, one resource) is made into a template value
+    /// when read: the bytes rendered are the same. Returns the stores made compact.
+    pub fn compact_unread_stores(&self, stores: &mut Stores) -> Vec<String> {
+        let kept: BTreeSet<String> = stores.kept_whole().into_iter().map(str::to_owned).collect();
+        let names: Vec<String> = stores.iter().map(|(name, _)| name.to_owned()).collect();
+        let mut compact = Vec::new();
+        for name in names {
+            let wants = self.wants(&name);
+            let on = !wants.list && !wants.index && !kept.contains(&name);
+            if let Some(store) = stores.get_mut(&name) {
+                store.set_compact(on);
+                if on {
+                    compact.push(name);
+                }
+            }
+        }
+        compact
     }
 
     /// Whether renders reuse what earlier renders gave for the same inputs (default: yes):
@@ -1244,6 +1268,108 @@ mod tests {
         // A set that calls it builds the indexes.
         let looking = compile("{{ lookup(store=\"services\", key=\"ns\") | length }}").unwrap();
         assert!(looking.store_reads.indexes);
+    }
+
+    /// The reference set keeps compact the stores it reads only through derived views and
+    /// `get()`: not the Ingresses (the `ingresses` view's rows hold them whole) nor the
+    /// Secrets (a per-item output lists them).
+    #[test]
+    fn the_reference_set_compacts_the_stores_it_only_derives_from() {
+        let renderer = Renderer::compile(&crate::reference::template_set()).unwrap();
+        let mut stores = crate::reference::stores().unwrap();
+        let compact = renderer.compact_unread_stores(&mut stores);
+        for name in ["services", "endpointslices", "ingressclasses", "httproutes"] {
+            assert!(compact.iter().any(|c| c == name), "{name}: {compact:?}");
+        }
+        for name in ["ingresses", "secrets"] {
+            assert!(!compact.iter().any(|c| c == name), "{name}: {compact:?}");
+            assert!(!stores.get(name).unwrap().is_compact(), "{name}");
+        }
+        // A set that lists the Services keeps them as template values.
+        let listing = compile("{% for s in resources.services %}{{ s }}{% endfor %}").unwrap();
+        listing.compact_unread_stores(&mut stores);
+        assert!(!stores.get("services").unwrap().is_compact());
+    }
+
+    /// What a template reads of a compact store is what it reads of the same store kept as
+    /// template values: `get()` (a missing resource too), a list and an index built for a
+    /// renderer that wants them (a second set on the same stores), numbers of their kinds.
+    #[test]
+    fn a_compact_store_reads_as_template_values() {
+        let main = r#"{% set s = get(store="services", namespace="a", name="web") %}{{ s.metadata.name }} {{ s.spec.ports[0].port }} {{ s.spec.ports[0].port / 2 }} {{ s.spec.ratio }} {{ s.spec.none is none }} {{ get(store="services", namespace="a", name="gone") is none }}
+{% for s in resources.services %}{{ s.metadata.namespace }}/{{ s.metadata.name }} {% endfor %}
+{% for s in lookup(store="services", key=["a", "api"]) %}{{ s.metadata.name }}{% endfor %}"#;
+        let renderer = compile(main).unwrap();
+        let mut plain = stores();
+        plain
+            .get_mut("services")
+            .unwrap()
+            .apply(&json!({"metadata": {"namespace": "a", "name": "web"}, "spec": {"ports": [{"port": 80}], "ratio": 1.5, "none": null}}))
+            .unwrap();
+        let mut compact = plain.clone();
+        compact.get_mut("services").unwrap().set_compact(true);
+        assert!(compact.get("services").unwrap().is_compact());
+        let want = renderer.render(&plain).unwrap();
+        let got = renderer.render(&compact).unwrap();
+        let text = got.text("haproxy.cfg").unwrap();
+        assert!(
+            text.starts_with("web 80 40.0 1.5 true true\na/api a/web b/web \napi"),
+            "{text}"
+        );
+        assert_eq!(text, want.text("haproxy.cfg").unwrap());
+        // Back to template values: the same again.
+        compact.get_mut("services").unwrap().set_compact(false);
+        assert_eq!(
+            renderer.render(&compact).unwrap().checksum(),
+            want.checksum()
+        );
+        // Outside templates too.
+        let mut compacted = plain.clone();
+        compacted.get_mut("services").unwrap().set_compact(true);
+        let (p, c) = (
+            plain.get("services").unwrap(),
+            compacted.get("services").unwrap(),
+        );
+        assert_eq!(c.json(), p.json());
+        assert_eq!(
+            c.value_at("a", "web", "spec.ports"),
+            Some(json!([{"port": 80}]))
+        );
+    }
+
+    /// An event on a compact store makes template values of the resource it changed, not of
+    /// every resource: the derived views read an extract of each resource once per version.
+    #[test]
+    fn an_event_on_a_compact_store_expands_the_resource_it_changed() {
+        let fixtures = crate::fixtures::generate(200);
+        let renderer = Renderer::compile(&crate::reference::template_set())
+            .unwrap()
+            .with_threads(1);
+        let mut stores = crate::reference::stores().unwrap();
+        renderer.compact_unread_stores(&mut stores);
+        fixtures.load(&mut stores).unwrap();
+        let expanded = || crate::value::EXPANDED.with(std::cell::Cell::get);
+        let before = expanded();
+        renderer.render(&stores).unwrap();
+        let first = expanded() - before;
+        // Every Service and EndpointSlice once (their extracts), and no more than twice.
+        let resources = fixtures.services.len() + fixtures.endpoint_slices.len();
+        assert!(
+            first >= resources && first <= 2 * resources,
+            "{first} for {resources}"
+        );
+        for (store, resource) in [
+            ("services", &fixtures.services[7]),
+            ("endpointslices", &fixtures.endpoint_slices[9]),
+        ] {
+            let mut changed = resource.clone();
+            changed["metadata"]["labels"] = json!({"changed": "yes"});
+            stores.get_mut(store).unwrap().apply(&changed).unwrap();
+            let before = expanded();
+            renderer.render(&stores).unwrap();
+            let again = expanded() - before;
+            assert!((1..=2).contains(&again), "{store}: {again} values made");
+        }
     }
 
     fn stores() -> Stores {

@@ -1,6 +1,7 @@
 //! Stores of watched resources: a sorted list, lookup by namespace and name, and lookup by
 //! configured index fields, all independent of the order in which watch events arrived.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, btree_map};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -12,7 +13,7 @@ use tera::Value;
 use tera::value::{Key, Map};
 
 use crate::derived::{Derivation, DerivedView, Extracts};
-use crate::value::{Interner, map_value, to_tera};
+use crate::value::{Interner, compact, map_value, to_tera};
 
 /// What can go wrong while configuring a store or putting a resource into it.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -204,10 +205,38 @@ fn index_part(value: &Json) -> Option<String> {
     }
 }
 
+/// A resource's value as a store keeps it: the template value, converted once when it
+/// arrives, or in a compact store ([`Store::set_compact`]) its JSON, made into a template
+/// value each time it is read ([`Stored::get`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Stored(Value);
+
+impl Stored {
+    /// The template value of the resource.
+    pub(crate) fn get(&self) -> Cow<'_, Value> {
+        crate::value::expand(&self.0)
+    }
+
+    /// The resource as JSON (parsed from what a compact store holds).
+    pub(crate) fn json(&self) -> Json {
+        match self.0.as_bytes() {
+            Some(bytes) => serde_json::from_slice(bytes).unwrap_or(Json::Null),
+            None => serde_json::to_value(&self.0).unwrap_or(Json::Null),
+        }
+    }
+
+    /// What the store holds: the template value, or (compact) its JSON as bytes, which
+    /// `get()` in a template expands ([`crate::value::expand`]). The same allocation until
+    /// the resource changes: what a fragment's recorded read compares.
+    pub(crate) fn raw(&self) -> &Value {
+        &self.0
+    }
+}
+
 /// A resource as a store keeps it: converted once, when it arrives.
 #[derive(Debug, Clone)]
 pub(crate) struct Entry {
-    value: Value,
+    value: Stored,
     index_key: Option<String>,
     /// What derived views take from this resource, on first use.
     extracts: Arc<Extracts>,
@@ -222,7 +251,8 @@ pub(crate) struct StoreView {
     /// All resources, sorted by namespace then name (`resources.<store>`, and the items of a
     /// per-item output); none when not wanted.
     pub(crate) list: Option<Value>,
-    /// namespace -> name -> resource (what `get` finds): after an event only the maps of
+    /// namespace -> name -> resource (what `get` finds; in a compact store the resource's
+    /// JSON as bytes, which `get` expands): after an event only the maps of
     /// the outer map and of the namespace changed are copied, not every resource's entry.
     pub(crate) by_name: Value,
     /// index key -> resources with that key, sorted by namespace then name (what `lookup`
@@ -287,6 +317,8 @@ pub struct Store {
     /// The last view built and the generation it is of, when a change since made it stale:
     /// the next view is this one patched ([`Store::patched_view`]).
     stale: Option<(u64, Arc<StoreView>)>,
+    /// Resources are kept as JSON ([`Store::set_compact`]).
+    compact: bool,
 }
 
 /// One change a store remembers: the generation it left, the key it changed, and the index
@@ -333,7 +365,39 @@ impl Store {
             generation: next_generation(),
             log: std::collections::VecDeque::new(),
             stale: None,
+            compact: false,
         })
+    }
+
+    /// Keeps each resource as its JSON (compact), made into a template value when read,
+    /// rather than as a template value: for a store whose resources no template lists or
+    /// looks up by index and no derived view keeps whole, which only derived views (once per
+    /// version of a resource) and `get()` (one resource) read. A template value costs ~100
+    /// bytes a map and ~80 an entry (tera's maps are hash maps): a Service or EndpointSlice
+    /// as the API server gives it, 2-4 KB, is 0.5-1 KB of JSON. What templates and views see
+    /// is the same either way. Switching converts what the store holds.
+    pub fn set_compact(&mut self, compact: bool) {
+        if self.compact == compact {
+            return;
+        }
+        self.compact = compact;
+        for entry in self.items.values_mut() {
+            let value = entry.value.get().into_owned();
+            entry.value = Stored(if compact {
+                self::compact(&value)
+            } else {
+                value
+            });
+        }
+        // The views hold what the entries held.
+        self.view = OnceLock::new();
+        self.stale = None;
+        self.interner = Interner::default();
+    }
+
+    /// Whether resources are kept as JSON ([`Store::set_compact`]).
+    pub fn is_compact(&self) -> bool {
+        self.compact
     }
 
     /// The configuration this store was made with.
@@ -382,8 +446,14 @@ impl Store {
             .map(|path| path.resolve(resource).and_then(index_part))
             .collect::<Option<Vec<_>>>()
             .map(|parts| parts.join("/"));
+        let value = if self.compact {
+            // Shared subtrees would stay in the interner for nothing: the JSON is what stays.
+            compact(&to_tera(resource, &mut Interner::default(), &self.ignore))
+        } else {
+            to_tera(resource, interner, &self.ignore)
+        };
         let entry = Entry {
-            value: to_tera(resource, interner, &self.ignore),
+            value: Stored(value),
             index_key,
             extracts: Arc::default(),
         };
@@ -423,7 +493,11 @@ impl Store {
     /// The resources as JSON, sorted by namespace then name, as templates see them (ignored
     /// fields dropped): for callers outside templates, such as a test's JSONPath.
     pub fn json(&self) -> Json {
-        let list: Vec<Value> = self.items.values().map(|e| e.value.clone()).collect();
+        let list: Vec<Value> = self
+            .items
+            .values()
+            .map(|e| e.value.get().into_owned())
+            .collect();
         serde_json::to_value(Value::from(list)).unwrap_or(Json::Null)
     }
 
@@ -437,7 +511,8 @@ impl Store {
     /// path is not there.
     pub fn value_at(&self, namespace: &str, name: &str, path: &str) -> Option<Json> {
         let entry = self.items.get(&(namespace.to_owned(), name.to_owned()))?;
-        let value = entry.value.get_from_path(path)?;
+        let whole = entry.value.get();
+        let value = whole.get_from_path(path)?;
         if value.is_undefined() || value.is_none() {
             return None;
         }
@@ -487,7 +562,7 @@ impl Store {
         &self,
         namespace: &str,
         name: &str,
-    ) -> Option<(&Value, &Arc<Extracts>)> {
+    ) -> Option<(&Stored, &Arc<Extracts>)> {
         self.items
             .get(&(namespace.to_owned(), name.to_owned()))
             .map(|e| (&e.value, &e.extracts))
@@ -551,11 +626,11 @@ impl Store {
                     (None, Err(_)) => {}
                     (Some(entry), Ok(i)) => {
                         if let Some((_, value)) = inner.get_index_mut(i) {
-                            *value = entry.value.clone();
+                            *value = entry.value.raw().clone();
                         }
                     }
                     (Some(entry), Err(i)) => {
-                        inner.shift_insert(i, name.to_owned().into(), entry.value.clone());
+                        inner.shift_insert(i, name.to_owned().into(), entry.value.raw().clone());
                     }
                 }
             }
@@ -579,7 +654,11 @@ impl Store {
             _ => None,
         };
         let list = wants.list.then(|| {
-            let list: Vec<Value> = self.items.values().map(|e| e.value.clone()).collect();
+            let list: Vec<Value> = self
+                .items
+                .values()
+                .map(|e| e.value.get().into_owned())
+                .collect();
             Value::from(list)
         });
         Some(StoreView {
@@ -605,7 +684,10 @@ impl Store {
             if let Some(index) = entry.index_key.as_deref()
                 && touched.contains(index)
             {
-                lists.entry(index).or_default().push(entry.value.clone());
+                lists
+                    .entry(index)
+                    .or_default()
+                    .push(entry.value.get().into_owned());
             }
         }
         for index in touched {
@@ -644,7 +726,7 @@ where
     I: Iterator<Item = (&'a (String, String), &'a Entry)>,
 {
     let list = wants.list.then(|| {
-        let list: Vec<Value> = entries().map(|(_, e)| e.value.clone()).collect();
+        let list: Vec<Value> = entries().map(|(_, e)| e.value.get().into_owned()).collect();
         Value::from(list)
     });
     let mut by_name = Map::new();
@@ -652,14 +734,14 @@ where
     for ((ns, name), e) in entries() {
         match &mut namespace {
             Some((current, inner)) if *current == ns.as_str() => {
-                inner.insert(name.clone().into(), e.value.clone());
+                inner.insert(name.clone().into(), e.value.raw().clone());
             }
             _ => {
                 if let Some((done, inner)) = namespace.take() {
                     by_name.insert(done.to_owned().into(), Value::from(inner));
                 }
                 let mut inner = Map::new();
-                inner.insert(name.clone().into(), e.value.clone());
+                inner.insert(name.clone().into(), e.value.raw().clone());
                 namespace = Some((ns, inner));
             }
         }
@@ -671,7 +753,10 @@ where
         let mut index: BTreeMap<&str, Vec<Value>> = BTreeMap::new();
         for (_, entry) in entries() {
             if let Some(key) = &entry.index_key {
-                index.entry(key).or_default().push(entry.value.clone());
+                index
+                    .entry(key)
+                    .or_default()
+                    .push(entry.value.get().into_owned());
             }
         }
         map_value(index.into_iter().map(|(k, v)| (k, Value::from(v))))
@@ -722,7 +807,7 @@ pub(crate) struct Source<'a> {
 }
 
 /// An entry as a [`Source`] lists it.
-pub(crate) type EntryRef<'a> = (&'a (String, String), &'a Value, &'a Arc<Extracts>);
+pub(crate) type EntryRef<'a> = (&'a (String, String), &'a Stored, &'a Arc<Extracts>);
 
 impl<'a> Source<'a> {
     /// The `(key, entry)` pairs in (namespace, name) order, the overlay's change included.
@@ -755,7 +840,7 @@ impl<'a> Source<'a> {
         self,
         namespace: &str,
         name: &str,
-    ) -> Option<(&'a Value, &'a Arc<Extracts>)> {
+    ) -> Option<(&'a Stored, &'a Arc<Extracts>)> {
         if let Some(over) = self.over
             && over.key.0 == namespace
             && over.key.1 == name
@@ -850,6 +935,15 @@ impl Stores {
     /// The store with this name, to apply watch events to.
     pub fn get_mut(&mut self, name: &str) -> Option<&mut Store> {
         self.stores.get_mut(name)
+    }
+
+    /// The stores whose resources a derived view's rows hold whole
+    /// ([`Derivation::keeps_whole`]).
+    pub fn kept_whole(&self) -> BTreeSet<&str> {
+        self.derived
+            .values()
+            .filter_map(|view| view.derivation().keeps_whole())
+            .collect()
     }
 
     /// Lays `change` over the store `store` without copying anything: the resource is

@@ -35,6 +35,8 @@ pub(crate) struct Interner {
     seen: HashSet<u64>,
     /// Subtrees seen more than once, by digest: the value the next equal one shares.
     shared: HashMap<u64, Value>,
+    /// Shares keys only, no subtrees ([`Interner::keys_only`]).
+    keys_only: bool,
 }
 
 impl Interner {
@@ -46,6 +48,15 @@ impl Interner {
     /// The largest subtree (in JSON nodes) considered: larger ones are seldom equal, and
     /// comparing them costs more.
     const SUBTREE_NODES: usize = 64;
+
+    /// An interner that shares keys but no subtrees: for values made when read, whose
+    /// subtrees would stay in it after the values are gone.
+    pub(crate) fn keys_only() -> Self {
+        Self {
+            keys_only: true,
+            ..Self::default()
+        }
+    }
 
     fn key(&mut self, key: &str) -> Key<'static> {
         if let Some(shared) = self.keys.get(key) {
@@ -61,6 +72,9 @@ impl Interner {
     /// The value to keep for `json`, just converted to `value` (digest `digest`): an equal
     /// one kept before, or `value` itself.
     fn share(&mut self, json: &Json, value: Value, digest: u64) -> Value {
+        if self.keys_only {
+            return value;
+        }
         if let Some(kept) = self.shared.get(&digest) {
             if same(kept, json) {
                 return kept.clone();
@@ -224,6 +238,46 @@ fn convert(json: &Json, interner: &mut Interner, active: &[&[String]], root: boo
         digest,
         nodes,
     }
+}
+
+/// A template value as a compact store keeps it: its JSON, as bytes (no value converted from
+/// JSON is bytes, so bytes are always this).
+pub(crate) fn compact(value: &Value) -> Value {
+    match serde_json::to_vec(value) {
+        Ok(json) => Value::bytes(json),
+        // A value made from JSON always serializes; should one not, it is kept as it is.
+        Err(_) => value.clone(),
+    }
+}
+
+thread_local! {
+    /// The keys of the values [`expand`] makes on this thread, shared (what templates
+    /// compare attribute names with; [`Interner`]).
+    static EXPANDED_KEYS: std::cell::RefCell<Interner> =
+        std::cell::RefCell::new(Interner::keys_only());
+}
+
+/// The template value a store holds as `value`: itself, or, when it is a compact store's
+/// JSON ([`compact`]), the value that JSON converts to (the value [`to_tera`] made before it
+/// was compacted: keys sorted, numbers of the same kinds).
+pub(crate) fn expand(value: &Value) -> std::borrow::Cow<'_, Value> {
+    let Some(bytes) = value.as_bytes() else {
+        return std::borrow::Cow::Borrowed(value);
+    };
+    #[cfg(test)]
+    EXPANDED.with(|n| n.set(n.get() + 1));
+    let json: Json = serde_json::from_slice(bytes).unwrap_or(Json::Null);
+    let expanded = EXPANDED_KEYS.with(|interner| match interner.try_borrow_mut() {
+        Ok(mut interner) => to_tera(&json, &mut interner, &[]),
+        Err(_) => to_tera(&json, &mut Interner::keys_only(), &[]),
+    });
+    std::borrow::Cow::Owned(expanded)
+}
+
+#[cfg(test)]
+thread_local! {
+    /// How many compact values [`expand`] converted on this thread (tests count them).
+    pub(crate) static EXPANDED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// A copy of `value`'s map (empty when it is none) with room for `more` entries: a clone

@@ -175,10 +175,16 @@ fn lines(files: &FileSet, provenance: &Provenance) -> Vec<String> {
     out
 }
 
+/// A fresh renderer's render of `stores`, each store kept as template values (none compact).
 fn fresh(stores: &Stores) -> (FileSet, Requests, Provenance) {
+    let mut plain = stores.clone();
+    let names: Vec<String> = plain.iter().map(|(name, _)| name.to_owned()).collect();
+    for name in names {
+        plain.get_mut(&name).unwrap().set_compact(false);
+    }
     Renderer::compile(&template_set())
         .unwrap()
-        .render_traced(stores)
+        .render_traced(&plain)
         .unwrap()
 }
 
@@ -217,6 +223,14 @@ proptest! {
         fixtures.load(&mut stores).unwrap();
         stores.get_mut("services").unwrap().apply(&haproxy_service("192.0.2.1")).unwrap();
         let kept = Renderer::compile(&template_set()).unwrap();
+        // The kept renderer reads the stores no template lists and no view keeps whole
+        // (Services, EndpointSlices, the Gateway API's) as JSON; the fresh ones read them as
+        // template values ([`fresh`]).
+        prop_assert_eq!(
+            kept.compact_unread_stores(&mut stores),
+            ["endpointslices", "gatewayclasses", "gateways", "haproxy_pods", "httproutes",
+                "ingressclasses", "namespaces", "referencegrants", "services"]
+        );
         same("first render", &kept.render_traced(&stores).unwrap(), &fresh(&stores))?;
         // Unchanged stores: every output is reused, with the Events and status it asked for
         // (the comparisons below are not of two full renders).
@@ -277,6 +291,7 @@ fn a_secret_event_renders_that_secrets_certificate_alone() {
     let mut stores = reference::stores().unwrap();
     fixtures.load(&mut stores).unwrap();
     let kept = Renderer::compile(&template_set()).unwrap();
+    kept.compact_unread_stores(&mut stores);
     kept.render(&stores).unwrap();
     let first = kept.last_timings();
     let items = first.items_rendered + first.items_reused;
@@ -307,6 +322,7 @@ fn an_event_no_item_reads_reuses_the_items_whole() {
     let mut stores = reference::stores().unwrap();
     fixtures.load(&mut stores).unwrap();
     let kept = Renderer::compile(&template_set()).unwrap();
+    kept.compact_unread_stores(&mut stores);
     let mut last = kept.render(&stores).unwrap();
     let first = kept.last_timings();
     let items = first.items_rendered + first.items_reused;
@@ -365,6 +381,7 @@ fn the_checksum_is_told_what_the_render_knows_the_same() {
     let mut stores = reference::stores().unwrap();
     fixtures.load(&mut stores).unwrap();
     let kept = Renderer::compile(&template_set()).unwrap();
+    kept.compact_unread_stores(&mut stores);
     let mut last = kept.render(&stores).unwrap();
     let config = last.get("haproxy.cfg").unwrap().len() as u64;
     // An endpoint of three slices made not ready one after the other, then ready again.
@@ -477,6 +494,7 @@ fn an_event_that_changes_no_row_renders_nothing_again() {
     let mut stores = reference::stores().unwrap();
     fixtures.load(&mut stores).unwrap();
     let kept = Renderer::compile(&template_set()).unwrap();
+    kept.compact_unread_stores(&mut stores);
     kept.render(&stores).unwrap();
     let mut last = kept.render(&stores).unwrap();
     let singles = kept.last_timings().outputs_reused;

@@ -6,8 +6,11 @@
 //! added to them and keeps: sorted lists, indexes, derived views), `tera_render_peak_bytes` and
 //! `minijinja_render_peak_bytes` (the most heap each render held at once above what was
 //! allocated before it started, output included); then per store of the fixtures
-//! `<store>_json_bytes` (its resources as compact JSON) and `<store>_store_bytes` (the heap a
-//! store of them alone holds: what keeping them as template values costs against the JSON).
+//! `<store>_json_bytes` (its resources as compact JSON), `<store>_store_bytes` (the heap a
+//! store of them alone holds as template values) and `<store>_compact_bytes` (the same store
+//! compact, `Store::set_compact`). The stores of the render are made compact as the controller
+//! makes them (`Renderer::compact_unread_stores`: the reference's Services and EndpointSlices);
+//! `compact_stores` names them.
 
 use haptic_benches::peer::{PeerContext, PeerRenderer};
 use haptic_render::{Renderer, fixtures, reference};
@@ -28,6 +31,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let before_stores = HEAP.current_usage();
     let mut stores = reference::stores()?;
+    let compact = renderer.compact_unread_stores(&mut stores);
     fixtures.load(&mut stores)?;
     let stores_bytes = HEAP.current_usage().saturating_sub(before_stores);
     // Build the store views (sorted lists, indexes) and the derived views outside the measured
@@ -51,6 +55,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     drop(files);
 
     println!("ingresses={n}");
+    println!("compact_stores={}", compact.join(","));
     println!("output_bytes={output_bytes}");
     println!("stores_bytes={stores_bytes}");
     println!("views_bytes={views_bytes}");
@@ -66,16 +71,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .iter()
             .map(|resource| serde_json::to_vec(resource).map_or(0, |bytes| bytes.len()))
             .sum();
-        let mut alone = reference::stores()?;
-        let before = HEAP.current_usage();
-        if let Some(store) = alone.get_mut(name) {
-            for resource in resources {
-                store.apply(resource)?;
-            }
-        }
-        let held = HEAP.current_usage().saturating_sub(before);
         println!("{name}_json_bytes={json}");
-        println!("{name}_store_bytes={held}");
+        for (kind, compact) in [("store", false), ("compact", true)] {
+            let mut alone = reference::stores()?;
+            let before = HEAP.current_usage();
+            if let Some(store) = alone.get_mut(name) {
+                store.set_compact(compact);
+                for resource in resources {
+                    store.apply(resource)?;
+                }
+            }
+            let held = HEAP.current_usage().saturating_sub(before);
+            println!("{name}_{kind}_bytes={held}");
+        }
     }
     Ok(())
 }

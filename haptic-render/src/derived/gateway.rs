@@ -50,7 +50,7 @@ use tera::Value;
 
 use super::{Extracts, Slot, origin, pcre, sanitize};
 use crate::functions::{backend_name, is_config_token, is_hostname, is_wildcard_host, ssl_file};
-use crate::store::Source;
+use crate::store::{Source, Stored};
 
 /// The `controllerName` of the GatewayClasses this view takes, unless the derivation names
 /// another.
@@ -734,7 +734,7 @@ pub(super) fn resolve(
     // them from JSON on every change cost more than the rest of the statuses).
     let mut statuses: Vec<Value> = Vec::new();
     for ((_, name), class, _) in inputs.classes.entries() {
-        let class = js(class);
+        let class = class.json();
         if s(&class, "/spec/controllerName") != controller {
             continue;
         }
@@ -746,12 +746,12 @@ pub(super) fn resolve(
             "value": [condition(previous, "Accepted", true, "Accepted", "accepted by haptic", generation(&class))],
         })));
     }
-    let grants: Vec<Json> = inputs.grants.entries().map(|(_, g, _)| js(g)).collect();
+    let grants: Vec<Json> = inputs.grants.entries().map(|(_, g, _)| g.json()).collect();
     let namespace_labels: HashMap<String, Json> = inputs
         .namespaces
         .entries()
         .map(|((_, name), ns, _)| {
-            let ns = js(ns);
+            let ns = ns.json();
             let mut labels = ns
                 .pointer("/metadata/labels")
                 .cloned()
@@ -768,7 +768,7 @@ pub(super) fn resolve(
         .pods
         .entries()
         .filter_map(|((_, name), pod, _)| {
-            let pod = js(pod);
+            let pod = pod.json();
             let ip = s(&pod, "/status/podIP");
             (!ip.is_empty()
                 && s(&pod, "/status/phase") == "Running"
@@ -787,7 +787,7 @@ pub(super) fn resolve(
     let (gateway_store, route_store) = (inputs.gateways.0, inputs.routes.0);
     let mut gateways: Vec<Gateway> = Vec::new();
     for ((namespace, name), gw, _) in inputs.gateways.1.entries() {
-        let gw = js(gw);
+        let gw = gw.json();
         if !classes.contains(s(&gw, "/spec/gatewayClassName")) {
             continue;
         }
@@ -1498,7 +1498,7 @@ struct RouteReads<'a> {
 
 /// One HTTPRoute resolved against the Gateways' listeners: its refusals, backends, status,
 /// attachments, and its matches and actions as frontend rows.
-fn route_out(reads: &RouteReads<'_>, key: &(String, String), route: &Value) -> RouteOut {
+fn route_out(reads: &RouteReads<'_>, key: &(String, String), route: &Stored) -> RouteOut {
     let (namespace, name) = (&key.0, &key.1);
     let controller = reads.controller;
     let mut out = RouteOut {
@@ -1515,7 +1515,7 @@ fn route_out(reads: &RouteReads<'_>, key: &(String, String), route: &Value) -> R
     };
     let mut matches: Vec<(i64, MatchRow)> = Vec::new();
     let mut actions: Vec<(i64, Action)> = Vec::new();
-    let route = js(route);
+    let route = route.json();
     let route_generation = generation(&route);
     let previous_parents = arr(&route, "/status/parents");
     let given_hosts = arr(&route, "/spec/hostnames");
@@ -2620,7 +2620,7 @@ pub(crate) fn owns(
         !class.is_empty()
             && classes
                 .get_entry("", class)
-                .is_some_and(|(c, _)| s(&js(c), "/spec/controllerName") == controller)
+                .is_some_and(|(c, _)| s(&c.json(), "/spec/controllerName") == controller)
     };
     if store == gateway_store {
         return Some(ours_class(s(object, "/spec/gatewayClassName")));
@@ -2640,7 +2640,7 @@ pub(crate) fn owns(
             && kind == "Gateway"
             && gateways
                 .get_entry(gw_ns, s(p, "/name"))
-                .is_some_and(|(g, _)| ours_class(s(&js(g), "/spec/gatewayClassName")))
+                .is_some_and(|(g, _)| ours_class(s(&g.json(), "/spec/gatewayClassName")))
     }))
 }
 

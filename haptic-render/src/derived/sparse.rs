@@ -45,7 +45,7 @@ pub(super) fn applies(derivation: &Derivation) -> bool {
 fn membership(
     derivation: &Derivation,
     namespace: &str,
-    value: &tera::Value,
+    value: &crate::store::Stored,
     extracts: &Arc<super::Extracts>,
 ) -> Option<(bool, Vec<(String, String)>)> {
     let ingress = extracts.ingress(value);

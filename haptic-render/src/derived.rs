@@ -89,7 +89,10 @@
 //! unchanged is served until the Secret changes or the controller restarts.
 //!
 //! [`Derivation::Ingresses`]: a row per Ingress (sorted by namespace and name): `namespace`,
-//! `name`, `object` (the resource).
+//! `name`, `ref` (what `set_status(object=)` and `record_event(object=)` read of it:
+//! `apiVersion`, `kind`, `metadata.namespace`, `metadata.name`, `metadata.uid`) and, unless
+//! `whole: false`, `object` (the resource). Without `object` no view keeps the Ingresses
+//! whole, and their store can be compact ([`crate::Store::set_compact`]).
 //!
 //! [`Derivation::IngressAnnotations`]: a row per Ingress that carries
 //! `nginx.ingress.kubernetes.io/*` annotations (sorted by namespace and name), judged by the
@@ -267,13 +270,19 @@ pub enum Derivation {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         classes: Option<IngressClassFilter>,
     },
-    /// A row per Ingress (of our classes, when `classes` is set), with the resource itself.
+    /// A row per Ingress (of our classes, when `classes` is set), with a reference to it
+    /// and (`whole`) the resource itself.
     Ingresses {
         /// The store of networking.k8s.io/v1 Ingresses.
         ingresses: String,
         /// When set, only the Ingresses of our classes.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         classes: Option<IngressClassFilter>,
+        /// Whether each row holds the whole Ingress as `object` (default: yes). Off, a row has
+        /// its `ref` alone (enough for `set_status` and `record_event`), and the Ingresses'
+        /// store can be kept compact: at 10,000 Ingresses ~30 MB less heap.
+        #[serde(default = "default_whole", skip_serializing_if = "is_true")]
+        whole: bool,
     },
     /// A row per Ingress with a `spec.defaultBackend`, the winner first: the oldest Ingress
     /// whose default backend is a Service; then the other Service backends, oldest first,
@@ -401,6 +410,15 @@ const fn default_https_port() -> u16 {
     443
 }
 
+fn default_whole() -> bool {
+    true
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if passes a reference
+fn is_true(value: &bool) -> bool {
+    *value
+}
+
 fn default_gateway_controller() -> String {
     gateway::DEFAULT_GATEWAY_CONTROLLER.to_owned()
 }
@@ -411,7 +429,11 @@ impl Derivation {
     /// ([`crate::Store::set_compact`]), which would make each row's a copy.
     pub fn keeps_whole(&self) -> Option<&str> {
         match self {
-            Self::Ingresses { ingresses, .. } => Some(ingresses),
+            Self::Ingresses {
+                ingresses,
+                whole: true,
+                ..
+            } => Some(ingresses),
             _ => None,
         }
     }
@@ -2512,24 +2534,56 @@ fn passthrough_rows(
     Value::from(rows)
 }
 
-fn ingress_rows(slot: Slot, ingresses: Source<'_>, ours: &Ours<'_>) -> Value {
+fn ingress_rows(slot: Slot, ingresses: Source<'_>, ours: &Ours<'_>, whole: bool) -> Value {
     let ours = ours.of(ingresses);
     let mut rows = Vec::with_capacity(ours.len());
     for ing in &ours {
-        ingress_row(slot, ing, &mut rows);
+        ingress_row(slot, ing, whole, &mut rows);
     }
     Value::from(rows)
 }
 
-/// Appends the row of one of our Ingresses to the `Ingresses` view.
-fn ingress_row(slot: Slot, ing: &OurIngress<'_>, rows: &mut Vec<Value>) {
+/// Appends the row of one of our Ingresses to the `Ingresses` view (with the whole Ingress
+/// when `whole`).
+fn ingress_row(slot: Slot, ing: &OurIngress<'_>, whole: bool, rows: &mut Vec<Value>) {
     ing.extracts.rows_into(slot, std::iter::empty(), rows, || {
-        vec![row([
-            ("namespace", Value::from(ing.namespace)),
-            ("name", Value::from(ing.name)),
-            ("object", ing.value.get().into_owned()),
-        ])]
+        let value = ing.value.get();
+        let reference = object_ref(&value);
+        let row = if whole {
+            row([
+                ("namespace", Value::from(ing.namespace)),
+                ("name", Value::from(ing.name)),
+                ("ref", reference),
+                ("object", value.into_owned()),
+            ])
+        } else {
+            row([
+                ("namespace", Value::from(ing.namespace)),
+                ("name", Value::from(ing.name)),
+                ("ref", reference),
+            ])
+        };
+        vec![row]
     });
+}
+
+/// What `set_status(object=)` and `record_event(object=)` read of a resource: `apiVersion`,
+/// `kind` and `metadata`'s `namespace`, `name` and `uid` (those it has).
+fn object_ref(object: &Value) -> Value {
+    let mut metadata = Map::with_capacity(3);
+    for key in ["namespace", "name", "uid"] {
+        if let Some(value) = path(object, &["metadata", key]).filter(|v| !v.is_none()) {
+            metadata.insert(Key::Str(key), value.clone());
+        }
+    }
+    let mut map = Map::with_capacity(3);
+    for key in ["apiVersion", "kind"] {
+        if let Some(value) = attr(object, key).filter(|v| !v.is_none()) {
+            map.insert(Key::Str(key), value.clone());
+        }
+    }
+    map.insert(Key::Str("metadata"), Value::from(metadata));
+    Value::from(map)
 }
 
 /// A row per Ingress that carries ingress-nginx annotations: what is not applied of them.
@@ -3218,7 +3272,9 @@ fn compute(derivation: &Derivation, slot: Slot, inputs: &[Source<'_>]) -> Value 
         (Derivation::IngressTls { .. }, [ingresses, secrets]) => {
             ingress_tls(slot, (store_of(derivation), *ingresses), *secrets, &ours)
         }
-        (Derivation::Ingresses { .. }, [ingresses]) => ingress_rows(slot, *ingresses, &ours),
+        (Derivation::Ingresses { whole, .. }, [ingresses]) => {
+            ingress_rows(slot, *ingresses, &ours, *whole)
+        }
         (Derivation::IngressAnnotations { .. }, [ingresses]) => {
             annotation_rows(slot, (store_of(derivation), *ingresses), &ours)
         }
@@ -4158,6 +4214,7 @@ mod tests {
                 Derivation::Ingresses {
                     ingresses: "ingresses".into(),
                     classes: Some(classes.clone()),
+                    whole: true,
                 },
             )
             .unwrap();
@@ -4352,7 +4409,7 @@ mod tests {
                          "classes": classes},
             "default_backends": {"kind": "ingressDefaultBackends", "ingresses": "ingresses",
                                  "services": "services", "classes": classes},
-            "ingresses": {"kind": "ingresses", "ingresses": "ingresses", "classes": classes},
+            "ingresses": {"kind": "ingresses", "ingresses": "ingresses", "classes": classes, "whole": false},
             "nginx_annotations": {"kind": "ingressAnnotations", "ingresses": "ingresses",
                                   "classes": classes},
             "passthrough": {"kind": "ingressPassthrough", "ingresses": "ingresses",
@@ -4379,6 +4436,8 @@ mod tests {
             "ingresses": "ingresses", "classes": {"ingressClasses": "ingressclasses"}}))
         .unwrap();
         assert_eq!(short.classes(), Some(&crate::reference::classes()));
+        // Rows hold the whole Ingress unless told not to.
+        assert_eq!(short.keeps_whole(), Some("ingresses"));
         for (name, derivation) in crate::reference::derivations() {
             let parsed: Derivation = serde_json::from_value(config[name].clone()).unwrap();
             assert_eq!(parsed, derivation, "{name}");

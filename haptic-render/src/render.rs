@@ -1271,20 +1271,33 @@ mod tests {
     }
 
     /// The reference set keeps compact the stores it reads only through derived views and
-    /// `get()`: not the Ingresses (the `ingresses` view's rows hold them whole) nor the
-    /// Secrets (a per-item output lists them).
+    /// `get()` (its `ingresses` view holds no Ingress whole): all but the Secrets, which a
+    /// per-item output lists. A view that holds the Ingresses whole keeps their store as
+    /// template values.
     #[test]
     fn the_reference_set_compacts_the_stores_it_only_derives_from() {
         let renderer = Renderer::compile(&crate::reference::template_set()).unwrap();
         let mut stores = crate::reference::stores().unwrap();
         let compact = renderer.compact_unread_stores(&mut stores);
-        for name in ["services", "endpointslices", "ingressclasses", "httproutes"] {
+        for name in [
+            "ingresses",
+            "services",
+            "endpointslices",
+            "ingressclasses",
+            "httproutes",
+        ] {
             assert!(compact.iter().any(|c| c == name), "{name}: {compact:?}");
         }
-        for name in ["ingresses", "secrets"] {
-            assert!(!compact.iter().any(|c| c == name), "{name}: {compact:?}");
-            assert!(!stores.get(name).unwrap().is_compact(), "{name}");
-        }
+        assert!(!compact.iter().any(|c| c == "secrets"), "{compact:?}");
+        assert!(!stores.get("secrets").unwrap().is_compact());
+        let whole = crate::Derivation::Ingresses {
+            ingresses: "ingresses".into(),
+            classes: None,
+            whole: true,
+        };
+        stores.derive("whole", whole).unwrap();
+        renderer.compact_unread_stores(&mut stores);
+        assert!(!stores.get("ingresses").unwrap().is_compact());
         // A set that lists the Services keeps them as template values.
         let listing = compile("{% for s in resources.services %}{{ s }}{% endfor %}").unwrap();
         listing.compact_unread_stores(&mut stores);
@@ -1352,15 +1365,18 @@ mod tests {
         let before = expanded();
         renderer.render(&stores).unwrap();
         let first = expanded() - before;
-        // Every Service and EndpointSlice once (their extracts), and no more than twice.
-        let resources = fixtures.services.len() + fixtures.endpoint_slices.len();
+        // Every Ingress, Service and EndpointSlice at least once (their extracts), an
+        // Ingress for each of its extracts and rows (paths, TLS, its `ingresses` row).
+        let resources =
+            fixtures.ingresses.len() + fixtures.services.len() + fixtures.endpoint_slices.len();
         assert!(
-            first >= resources && first <= 2 * resources,
+            first >= resources && first <= 3 * resources,
             "{first} for {resources}"
         );
         for (store, resource) in [
             ("services", &fixtures.services[7]),
             ("endpointslices", &fixtures.endpoint_slices[9]),
+            ("ingresses", &fixtures.ingresses[11]),
         ] {
             let mut changed = resource.clone();
             changed["metadata"]["labels"] = json!({"changed": "yes"});
@@ -1368,7 +1384,7 @@ mod tests {
             let before = expanded();
             renderer.render(&stores).unwrap();
             let again = expanded() - before;
-            assert!((1..=2).contains(&again), "{store}: {again} values made");
+            assert!((1..=5).contains(&again), "{store}: {again} values made");
         }
     }
 

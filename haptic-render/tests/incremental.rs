@@ -224,12 +224,12 @@ proptest! {
         stores.get_mut("services").unwrap().apply(&haproxy_service("192.0.2.1")).unwrap();
         let kept = Renderer::compile(&template_set()).unwrap();
         // The kept renderer reads the stores no template lists and no view keeps whole
-        // (Services, EndpointSlices, the Gateway API's) as JSON; the fresh ones read them as
+        // (all but the Secrets) as JSON; the fresh ones read them as
         // template values ([`fresh`]).
         prop_assert_eq!(
             kept.compact_unread_stores(&mut stores),
             ["endpointslices", "gatewayclasses", "gateways", "haproxy_pods", "httproutes",
-                "ingressclasses", "namespaces", "referencegrants", "services"]
+                "ingressclasses", "ingresses", "namespaces", "referencegrants", "services"]
         );
         same("first render", &kept.render_traced(&stores).unwrap(), &fresh(&stores))?;
         // Unchanged stores: every output is reused, with the Events and status it asked for
@@ -482,10 +482,9 @@ fn an_item_is_rendered_again_when_the_entry_it_read_changed() {
 }
 
 /// An event that changes no row of any view (a label) leaves every view the very list it was:
-/// a Service's label renders nothing again (every single output is reused whole, as after no
-/// event at all); an Ingress's label renders again only the output that asks each Ingress's
-/// status (the view of the Ingresses shows the Ingress itself), and there every `render_each`
-/// call is reused whole (an annotated Ingress's: the view of annotated Ingresses, computed
+/// a Service's label or an Ingress's renders nothing again (every single output is reused
+/// whole, as after no event at all: the view of the Ingresses shows each one's `ref`, which a
+/// label leaves as it was; an annotated Ingress's: the view of annotated Ingresses, computed
 /// again, is the very list). One that changes a row renders the outputs that read its view
 /// again, and that row's fragments. The files are a fresh render's each time.
 #[test]
@@ -499,12 +498,11 @@ fn an_event_that_changes_no_row_renders_nothing_again() {
     let mut last = kept.render(&stores).unwrap();
     let singles = kept.last_timings().outputs_reused;
     assert!(singles > 5, "{singles} outputs reused after no change");
-    // Ingress 5 has ingress-nginx annotations, 4 has none. An Ingress's label renders the
-    // cluster view again (the Ingresses view shows the Ingress), which writes no file:
-    // haproxy.cfg is the very bytes it was, and what is asked of the cluster a fresh render's.
+    // Ingress 5 has ingress-nginx annotations, 4 has none: haproxy.cfg is the very bytes it
+    // was, and what is asked of the cluster a fresh render's.
     for (store, resource, rendered) in [
-        ("ingresses", &fixtures.ingresses[4], 1),
-        ("ingresses", &fixtures.ingresses[5], 1),
+        ("ingresses", &fixtures.ingresses[4], 0),
+        ("ingresses", &fixtures.ingresses[5], 0),
         ("services", &fixtures.services[5], 0),
     ] {
         for v in 0..2 {

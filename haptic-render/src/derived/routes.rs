@@ -31,7 +31,8 @@ use crate::store::Store;
 pub(super) enum Kind {
     Routes(Option<bool>),
     Tls,
-    Ingresses,
+    /// Whether the rows hold the whole Ingress (`object`).
+    Ingresses(bool),
 }
 
 /// The kind of a view kept per Ingress, if `derivation` is one.
@@ -39,7 +40,7 @@ pub(super) fn kind_of(derivation: &super::Derivation) -> Option<Kind> {
     match derivation {
         super::Derivation::IngressRoutes { exact, .. } => Some(Kind::Routes(*exact)),
         super::Derivation::IngressTls { .. } => Some(Kind::Tls),
-        super::Derivation::Ingresses { .. } => Some(Kind::Ingresses),
+        super::Derivation::Ingresses { whole, .. } => Some(Kind::Ingresses(*whole)),
         _ => None,
     }
 }
@@ -49,7 +50,7 @@ impl Kind {
     /// store it joins (Services, Secrets).
     pub(super) fn own(self) -> usize {
         match self {
-            Self::Ingresses => 1,
+            Self::Ingresses(_) => 1,
             Self::Routes(_) | Self::Tls => 2,
         }
     }
@@ -264,7 +265,7 @@ impl KeptRows {
         let empty = match self.kind {
             Kind::Routes(exact) => !ing.ingress.paths.iter().any(|p| route_kind(exact, p)),
             Kind::Tls => ing.extracts.tls(ing.value).is_empty(),
-            Kind::Ingresses => false,
+            Kind::Ingresses(_) => false,
         };
         if empty {
             return &[];
@@ -312,7 +313,7 @@ impl KeptRows {
                     .collect();
                 (keys, secrets)
             }
-            Kind::Ingresses => (Vec::new(), Vec::new()),
+            Kind::Ingresses(_) => (Vec::new(), Vec::new()),
         };
         keys.sort_unstable();
         keys.dedup();
@@ -451,7 +452,7 @@ impl KeptRows {
                         );
                     }
                 }
-                Kind::Ingresses => ingress_row(slot, &ing, &mut rows),
+                Kind::Ingresses(whole) => ingress_row(slot, &ing, whole, &mut rows),
             }
             if let Some(part) = self.parts.get_mut(&key) {
                 let before = had

@@ -1344,10 +1344,25 @@ mod tests {
             compacted.get("services").unwrap(),
         );
         assert_eq!(c.json(), p.json());
+        for path in [
+            "spec.ports",
+            "spec.ports.0.port",
+            "spec.ratio",
+            "spec.none",
+            "spec.gone",
+            "metadata.name",
+        ] {
+            assert_eq!(
+                c.value_at("a", "web", path),
+                p.value_at("a", "web", path),
+                "{path}"
+            );
+        }
         assert_eq!(
             c.value_at("a", "web", "spec.ports"),
             Some(json!([{"port": 80}]))
         );
+        assert_eq!(c.value_at("a", "web", "spec.none"), None);
     }
 
     /// An event on a compact store makes template values of the resource it changed, not of

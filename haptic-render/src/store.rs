@@ -511,6 +511,15 @@ impl Store {
     /// path is not there.
     pub fn value_at(&self, namespace: &str, name: &str, path: &str) -> Option<Json> {
         let entry = self.items.get(&(namespace.to_owned(), name.to_owned()))?;
+        if let Some(bytes) = entry.value.raw().as_bytes() {
+            // A compact store's JSON, read as JSON (no template value made of it).
+            let json: Json = serde_json::from_slice(bytes).ok()?;
+            let found = path.split('.').try_fold(&json, |at, part| match at {
+                Json::Array(items) => items.get(part.parse::<usize>().ok()?),
+                _ => at.get(part),
+            })?;
+            return (!found.is_null()).then(|| found.clone());
+        }
         let whole = entry.value.get();
         let value = whole.get_from_path(path)?;
         if value.is_undefined() || value.is_none() {

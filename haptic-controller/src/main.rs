@@ -20,6 +20,13 @@ use tracing::{error, info, warn};
 /// output and short-lived buffers; glibc handed them back to the kernel after each render (its
 /// mmap and trim thresholds) and faulted them in again on the next: an eighth of a render on
 /// one thread, more on two (haptic-render's README, "The allocator").
+///
+/// Built without mimalloc's "large" pages (`MI_ENABLE_LARGE_PAGES=0`, set for every build in
+/// `.cargo/config.toml`): with them, blocks of 64-512 KiB share 4 MiB pages, one per size and
+/// thread, and the leader's renders (a view's row list, a run's text, the set's file list,
+/// made anew on whichever thread renders) left ~40 MiB of such pages resident but mostly
+/// free after 30 changes at 10,000 Ingresses, where the follower, which renders little, had
+/// none (haptic-controller/README.md, "Twenty-fifth session").
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;

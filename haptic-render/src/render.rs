@@ -764,7 +764,14 @@ impl Renderer {
             .map(|(o, t)| (o.path.clone(), t))
             .collect();
         let mut asked = Requests::default();
-        let mut entries = Vec::new();
+        // Sized once: grown by doubling, the list of 12,500 files at 10,000 Ingresses was
+        // copied four times a render, each copy a fresh 128 KiB-1 MiB block.
+        let mut entries = Vec::with_capacity(
+            results
+                .iter()
+                .map(|(_, result)| result.as_ref().map_or(0, |(files, _, _)| files.len()))
+                .sum(),
+        );
         for (_, result) in results {
             let (rendered, asked_here, _) = result?;
             asked.extend(asked_here);

@@ -8,7 +8,9 @@
 //! Service, its EndpointSlice and an Ingress routing a new host to it each round (HAPTIC's
 //! protocol: the render that takes a spare backend of the pool). It prints the median wall
 //! clock, this thread's CPU time, the views' refresh and the checksum's part (hashed on from
-//! where the set differs from the last, as the controller renders), and the checksum of the
+//! where the set differs from the last, as the controller renders), the page faults (memory
+//! the render touched afresh: with `MIMALLOC_PURGE_DELAY=0`, as deployed, the allocator gives
+//! freed pages back at once and the next render faults them in again), and the checksum of the
 //! last changed set (a change that should give the same bytes must print the same one).
 //! The stores the templates only read through derived views are kept compact, as the
 //! controller keeps them (`RENDER_EVENT_COMPACT=0`: none).
@@ -19,7 +21,7 @@
 
 use std::time::{Duration, Instant};
 
-use haptic_benches::measure::{changed, middle, rss_mib, thread_cpu};
+use haptic_benches::measure::{changed, middle, minor_faults, rss_mib, thread_cpu};
 use haptic_render::{FileSet, Renderer, Stores, fixtures, reference};
 
 /// The controller's allocator (its `main.rs` says why): the render measured as it runs there.
@@ -69,8 +71,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let rss_first = rss_mib();
     let half = n / 2;
     if store == "new" {
-        let (mut wall, mut cpu, mut refresh, mut checksum) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut wall, mut cpu, mut refresh, mut checksum, mut faults) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut phases = Vec::new();
         for round in 0..runs.max(1) {
             // Zero-padded: each round's Service is the newest by name too (`new-10` sorts
@@ -81,11 +83,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     .ok_or_else(|| format!("no store {store}"))?
                     .apply(&resource)?;
             }
-            let (started, on_cpu) = (Instant::now(), thread_cpu());
+            let (started, on_cpu, faulted) = (Instant::now(), thread_cpu(), minor_faults());
             last = changed_render(&renderer, &stores, &last)?;
             wall.push(started.elapsed());
             if let (Some(before), Some(after)) = (on_cpu, thread_cpu()) {
                 cpu.push(after.saturating_sub(before));
+            }
+            if let (Some(before), Some(after)) = (faulted, minor_faults()) {
+                faults.push(after.saturating_sub(before));
             }
             let timings = renderer.last_timings();
             refresh.push(timings.refresh);
@@ -97,12 +102,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         print_rss(rss_first);
         let ms = |times: Vec<Duration>| middle(times).as_secs_f64() * 1e3;
         println!(
-            "{n} Ingresses, a new Service, EndpointSlice and Ingress a round, median of {}: {:.1} ms wall, {:.1} ms on this thread's CPU, refresh {:.1} ms, checksum {:.1} ms",
+            "{n} Ingresses, a new Service, EndpointSlice and Ingress a round, median of {}: {:.1} ms wall, {:.1} ms on this thread's CPU, refresh {:.1} ms, checksum {:.1} ms, {} page faults",
             wall.len(),
             ms(wall),
             ms(cpu),
             ms(refresh),
-            ms(checksum)
+            ms(checksum),
+            median_count(faults)
         );
         return Ok(());
     }
@@ -129,19 +135,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         other["spec"]["ports"][0]["appProtocol"] = "kubernetes.io/h2c".into();
     }
     let versions = [other, resource.clone()];
-    let (mut wall, mut cpu, mut refresh, mut checksum) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut wall, mut cpu, mut refresh, mut checksum, mut faults) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut phases = Vec::new();
     for round in 0..runs.max(1) {
         stores
             .get_mut(&store)
             .ok_or_else(|| format!("no store {store}"))?
             .apply(&versions[round % 2])?;
-        let (started, on_cpu) = (Instant::now(), thread_cpu());
+        let (started, on_cpu, faulted) = (Instant::now(), thread_cpu(), minor_faults());
         last = changed_render(&renderer, &stores, &last)?;
         wall.push(started.elapsed());
         if let (Some(before), Some(after)) = (on_cpu, thread_cpu()) {
             cpu.push(after.saturating_sub(before));
+        }
+        if let (Some(before), Some(after)) = (faulted, minor_faults()) {
+            faults.push(after.saturating_sub(before));
         }
         let timings = renderer.last_timings();
         refresh.push(timings.refresh);
@@ -153,7 +162,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     print_rss(rss_first);
     let ms = |times: Vec<Duration>| middle(times).as_secs_f64() * 1e3;
     println!(
-        "{n} Ingresses, one of {store} changed{}, median of {}: {:.1} ms wall, {:.1} ms on this thread's CPU, refresh {:.1} ms, checksum {:.1} ms",
+        "{n} Ingresses, one of {store} changed{}, median of {}: {:.1} ms wall, {:.1} ms on this thread's CPU, refresh {:.1} ms, checksum {:.1} ms, {} page faults",
         match (routing, store.as_str()) {
             (true, _) => " (routing)",
             (_, "endpointslices") => " (an endpoint's readiness)",
@@ -163,9 +172,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ms(wall),
         ms(cpu),
         ms(refresh),
-        ms(checksum)
+        ms(checksum),
+        median_count(faults)
     );
     Ok(())
+}
+
+/// The median of counts (each render's page faults), 0 when there are none.
+fn median_count(mut counts: Vec<u64>) -> u64 {
+    counts.sort_unstable();
+    counts.get(counts.len() / 2).copied().unwrap_or(0)
 }
 
 /// The process's resident memory after the first render and now, after the events (the

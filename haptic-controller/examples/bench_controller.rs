@@ -15,8 +15,9 @@
 //!   served on all 3 agents; the graceful handoff (SIGTERM to the leader -> every agent answered
 //!   the new leader's first apply), from the SIGTERM and from the moment the new leader claimed
 //!   its epoch; a crash (kill -9) after the Lease expired;
-//! - RSS of the leader and a follower (the replicas run with `MIMALLOC_PURGE_DELAY=0`, as the
-//!   Deployment in deploy/ sets it); the render after one event (in this process).
+//! - RSS of the leader and a follower after the changes, and before them (the replicas run
+//!   with `MIMALLOC_PURGE_DELAY=0`, as the Deployment in deploy/ sets it); the render after one
+//!   event (in this process).
 //!
 //! Arguments: base sizes (default `1000 10000`), `--changes N` (default 100), `--reload-changes
 //! M` (default 10), `--endpoint-changes E` (default 20), `--tls-every K` (default 0: every K-th
@@ -794,6 +795,9 @@ async fn main() {
             json!(gate_wait.as_millis() as u64),
         );
         let spans_before = leader_spans(&replicas[lead_at]).await;
+        // What the replicas hold before the changes: the RSS line below says what the changes
+        // added (the leader renders and deploys them, the follower only follows the stores).
+        let rss_before = (rss_mib(lead_pid), rss_mib(follow_pid));
         let cpu_before = cpu_by_kind(lead_pid, follow_pid);
         let run = changes(
             &cluster,
@@ -915,12 +919,20 @@ async fn main() {
         push(
             &mut rows,
             format!(
-                "| RSS leader / follower on {n} (+ {} new) | {rss_lead:.0} / {rss_follow:.0} MiB | <= 256 MiB at 10,000 |",
-                args.changes
+                "| RSS leader / follower on {n} (+ {} new) | {rss_lead:.0} / {rss_follow:.0} MiB ({:.0} / {:.0} before the changes) | <= 256 MiB at 10,000 |",
+                args.changes, rss_before.0, rss_before.1
             ),
         );
         json.insert(format!("rss_leader_{n}_mib"), json!(rss_lead));
         json.insert(format!("rss_follower_{n}_mib"), json!(rss_follow));
+        json.insert(
+            format!("rss_leader_{n}_before_changes_mib"),
+            json!(rss_before.0),
+        );
+        json.insert(
+            format!("rss_follower_{n}_before_changes_mib"),
+            json!(rss_before.1),
+        );
 
         if n == largest {
             let (samples, reloads) = endpoint_changes(

@@ -71,9 +71,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let rss_first = rss_mib();
     let half = n / 2;
     if store == "new" {
-        let (mut wall, mut cpu, mut refresh, mut checksum, mut faults) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut phases = Vec::new();
+        let mut samples = Samples::default();
         for round in 0..runs.max(1) {
             // Zero-padded: each round's Service is the newest by name too (`new-10` sorts
             // before `new-9`), as a stream of new Services created one after another is.
@@ -83,32 +81,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     .ok_or_else(|| format!("no store {store}"))?
                     .apply(&resource)?;
             }
-            let (started, on_cpu, faulted) = (Instant::now(), thread_cpu(), minor_faults());
-            last = changed_render(&renderer, &stores, &last)?;
-            wall.push(started.elapsed());
-            if let (Some(before), Some(after)) = (on_cpu, thread_cpu()) {
-                cpu.push(after.saturating_sub(before));
-            }
-            if let (Some(before), Some(after)) = (faulted, minor_faults()) {
-                faults.push(after.saturating_sub(before));
-            }
-            let timings = renderer.last_timings();
-            refresh.push(timings.refresh);
-            checksum.push(timings.checksum);
-            phases.push(timings);
+            last = samples.render(&renderer, &stores, &last)?;
         }
         println!("checksum after the last change {}", last.checksum_hex());
-        print_phases(&phases);
+        print_phases(&samples.phases);
         print_rss(rss_first);
-        let ms = |times: Vec<Duration>| middle(times).as_secs_f64() * 1e3;
         println!(
-            "{n} Ingresses, a new Service, EndpointSlice and Ingress a round, median of {}: {:.1} ms wall, {:.1} ms on this thread's CPU, refresh {:.1} ms, checksum {:.1} ms, {} page faults",
-            wall.len(),
-            ms(wall),
-            ms(cpu),
-            ms(refresh),
-            ms(checksum),
-            median_count(faults)
+            "{n} Ingresses, a new Service, EndpointSlice and Ingress a round, {}",
+            samples.summary()
         );
         return Ok(());
     }
@@ -135,53 +115,76 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         other["spec"]["ports"][0]["appProtocol"] = "kubernetes.io/h2c".into();
     }
     let versions = [other, resource.clone()];
-    let (mut wall, mut cpu, mut refresh, mut checksum, mut faults) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let mut phases = Vec::new();
+    let mut samples = Samples::default();
     for round in 0..runs.max(1) {
         stores
             .get_mut(&store)
             .ok_or_else(|| format!("no store {store}"))?
             .apply(&versions[round % 2])?;
-        let (started, on_cpu, faulted) = (Instant::now(), thread_cpu(), minor_faults());
-        last = changed_render(&renderer, &stores, &last)?;
-        wall.push(started.elapsed());
-        if let (Some(before), Some(after)) = (on_cpu, thread_cpu()) {
-            cpu.push(after.saturating_sub(before));
-        }
-        if let (Some(before), Some(after)) = (faulted, minor_faults()) {
-            faults.push(after.saturating_sub(before));
-        }
-        let timings = renderer.last_timings();
-        refresh.push(timings.refresh);
-        checksum.push(timings.checksum);
-        phases.push(timings);
+        last = samples.render(&renderer, &stores, &last)?;
     }
     println!("checksum after the last change {}", last.checksum_hex());
-    print_phases(&phases);
+    print_phases(&samples.phases);
     print_rss(rss_first);
-    let ms = |times: Vec<Duration>| middle(times).as_secs_f64() * 1e3;
     println!(
-        "{n} Ingresses, one of {store} changed{}, median of {}: {:.1} ms wall, {:.1} ms on this thread's CPU, refresh {:.1} ms, checksum {:.1} ms, {} page faults",
+        "{n} Ingresses, one of {store} changed{}, {}",
         match (routing, store.as_str()) {
             (true, _) => " (routing)",
             (_, "endpointslices") => " (an endpoint's readiness)",
             _ => " (a label)",
         },
-        wall.len(),
-        ms(wall),
-        ms(cpu),
-        ms(refresh),
-        ms(checksum),
-        median_count(faults)
+        samples.summary()
     );
     Ok(())
 }
 
-/// The median of counts (each render's page faults), 0 when there are none.
-fn median_count(mut counts: Vec<u64>) -> u64 {
-    counts.sort_unstable();
-    counts.get(counts.len() / 2).copied().unwrap_or(0)
+/// What each changed render took, in the order rendered.
+#[derive(Default)]
+struct Samples {
+    wall: Vec<Duration>,
+    cpu: Vec<Duration>,
+    faults: Vec<u64>,
+    phases: Vec<haptic_render::Timings>,
+}
+
+impl Samples {
+    /// Renders after a change (`changed_render`) and notes what that took.
+    fn render(
+        &mut self,
+        renderer: &Renderer,
+        stores: &Stores,
+        last: &FileSet,
+    ) -> Result<FileSet, Box<dyn std::error::Error>> {
+        let (started, on_cpu, faulted) = (Instant::now(), thread_cpu(), minor_faults());
+        let set = changed_render(renderer, stores, last)?;
+        self.wall.push(started.elapsed());
+        if let (Some(before), Some(after)) = (on_cpu, thread_cpu()) {
+            self.cpu.push(after.saturating_sub(before));
+        }
+        if let (Some(before), Some(after)) = (faulted, minor_faults()) {
+            self.faults.push(after.saturating_sub(before));
+        }
+        self.phases.push(renderer.last_timings());
+        Ok(set)
+    }
+
+    /// The medians, as the last line prints them.
+    fn summary(&self) -> String {
+        let ms = |pick: &dyn Fn(&haptic_render::Timings) -> Duration| {
+            middle(self.phases.iter().map(pick).collect()).as_secs_f64() * 1e3
+        };
+        let mut faults = self.faults.clone();
+        faults.sort_unstable();
+        format!(
+            "median of {}: {:.1} ms wall, {:.1} ms on this thread's CPU, refresh {:.1} ms, checksum {:.1} ms, {} page faults",
+            self.wall.len(),
+            middle(self.wall.clone()).as_secs_f64() * 1e3,
+            middle(self.cpu.clone()).as_secs_f64() * 1e3,
+            ms(&|t| t.refresh),
+            ms(&|t| t.checksum),
+            faults.get(faults.len() / 2).copied().unwrap_or(0)
+        )
+    }
 }
 
 /// The process's resident memory after the first render and now, after the events (the

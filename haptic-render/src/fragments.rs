@@ -762,7 +762,12 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
     let copied = previous
         .as_deref()
         .filter(|p| p.index.len() <= 2 * rows.len() && p.slack.1 - p.slack.0 <= MAX_SLACK);
-    let mut bytes = String::with_capacity(
+    // Built in this thread's kept buffer: the text is copied into the call's value below, so
+    // the buffer is free again at once, and kept it is not faulted in afresh by every render
+    // (the Deployment's `MIMALLOC_PURGE_DELAY=0` hands a freed one back to the kernel).
+    let mut bytes = TEXT_BUFFER.with(|buffer| std::mem::take(&mut *buffer.borrow_mut()));
+    bytes.clear();
+    bytes.reserve(
         previous
             .as_ref()
             .map_or(0, |p| p.bytes().len() + p.bytes().len() / 8),
@@ -982,10 +987,12 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
             }
         }
     }
-    if all_fresh {
-        bytes = std::mem::take(&mut batch);
-    }
-    site.text = text_of(bytes);
+    site.text = if all_fresh {
+        text_of(std::mem::take(&mut batch))
+    } else {
+        Value::from(bytes.as_str())
+    };
+    TEXT_BUFFER.with(|buffer| *buffer.borrow_mut() = bytes);
     site.marks = Arc::from(marks);
     active.fragments.reused.fetch_add(reused, Ordering::Relaxed);
     active
@@ -1023,6 +1030,8 @@ fn render_each(kwargs: Kwargs, state: &State) -> tera::TeraResult<Value> {
 }
 
 thread_local! {
+    /// The buffer `render_each` builds a call's text in on this thread, kept between calls.
+    static TEXT_BUFFER: RefCell<String> = const { RefCell::new(String::new()) };
     /// The calls the single output rendering on this thread made, when it is kept.
     static SITES: RefCell<Option<Vec<Arc<CallSite>>>> = const { RefCell::new(None) };
     /// The large texts `render_each` returned on this thread while a [`Spanning`] writer

@@ -9,6 +9,7 @@
 //! `RENDER_TIMINGS_FIXTURE=gateway` renders `fixtures::gateway_api(n)` (n HTTPRoutes) instead;
 //! `RENDER_TIMINGS_DUMP=<dir>` writes the rendered files there (to compare two builds).
 
+use haptic_benches::measure::thread_cpu;
 use haptic_render::{Renderer, fixtures, reference};
 
 use std::collections::BTreeMap;
@@ -154,11 +155,4 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     Ok(())
-}
-
-/// Time this thread has run on a CPU (Linux: /proc/thread-self/schedstat), if readable.
-fn thread_cpu() -> Option<Duration> {
-    let text = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
-    let nanos: u64 = text.split_whitespace().next()?.parse().ok()?;
-    Some(Duration::from_nanos(nanos))
 }

@@ -52,6 +52,7 @@ pub mod nginx;
 pub mod nginx_rules;
 pub mod pool;
 pub mod provenance;
+mod recycle;
 pub mod reference;
 pub mod render;
 pub mod requests;

@@ -193,6 +193,8 @@ pub struct Renderer {
     sizes: Vec<AtomicUsize>,
     /// Where the last render's time went.
     timings: Mutex<Timings>,
+    /// The buffers of single outputs' files that sets let go, for their next render.
+    recycler: Arc<crate::recycle::Recycler>,
     /// Which parts of the store views the templates read.
     store_reads: StoreReads,
 }
@@ -387,6 +389,7 @@ impl Renderer {
             costs,
             sizes,
             timings: Mutex::new(Timings::default()),
+            recycler: Arc::default(),
             store_reads,
         })
     }
@@ -509,12 +512,11 @@ impl Renderer {
         template: &str,
         context: &Context,
         output: impl FnOnce() -> String,
-        capacity: usize,
+        mut bytes: Vec<u8>,
         asked_for: &mut Requests,
         marks: &mut provenance::Marks,
         spans: Option<&mut Vec<fragments::Span>>,
     ) -> Result<Vec<u8>> {
-        let mut bytes = Vec::with_capacity(capacity);
         let ((rendered, asked), marked) = provenance::collect(|| {
             requests::collect(|| {
                 catch_unwind(AssertUnwindSafe(|| {
@@ -948,19 +950,21 @@ impl Renderer {
                 let mut marks = provenance::Marks::default();
                 let keep = inputs.filter(|_| active.keep);
                 let mut spans = Vec::new();
+                // Written in the buffer this output's file had in a set now gone, if any.
+                let buffer = self.recycler.take(*index, capacity + capacity / 8);
                 let (bytes, tracked) = fragments::tracking_calls(|| {
                     self.render_one(
                         active,
                         &output.template,
                         context,
                         || output.path.clone(),
-                        capacity + capacity / 8,
+                        buffer,
                         &mut asked,
                         &mut marks,
                         Some(&mut spans),
                     )
                 });
-                let bytes = Bytes::from(bytes?);
+                let bytes = self.recycler.wrap(*index, bytes?);
                 let replaced = match keep {
                     Some(inputs) => self.singles.keep(
                         *index,
@@ -1090,7 +1094,7 @@ impl Renderer {
                                     &output.template,
                                     &item_context,
                                     label,
-                                    capacity,
+                                    Vec::with_capacity(capacity),
                                     &mut asked_here,
                                     &mut marks,
                                     None,
@@ -1408,6 +1412,54 @@ mod tests {
             let again = expanded() - before;
             assert!((1..=5).contains(&again), "{store}: {again} values made");
         }
+    }
+
+    /// A single output's file is written in the buffer its file had in a set that was let go
+    /// (`recycle.rs`), and gives the bytes a fresh render of the same stores gives.
+    #[test]
+    fn a_file_is_written_again_in_the_buffer_of_a_set_let_go() {
+        let fixtures = crate::fixtures::generate(200);
+        // Without reuse the renderer keeps no output of its own: a set's files are held by
+        // the set alone, and come back when it is dropped.
+        let renderer = Renderer::compile(&crate::reference::template_set())
+            .unwrap()
+            .with_threads(1)
+            .with_reuse(false);
+        let mut stores = crate::reference::stores().unwrap();
+        fixtures.load(&mut stores).unwrap();
+        let config = |set: &FileSet| set.get("haproxy.cfg").unwrap().as_ptr();
+        let first = renderer.render(&stores).unwrap();
+        assert!(
+            first.get("haproxy.cfg").unwrap().len() >= crate::recycle::MIN_RECYCLED,
+            "haproxy.cfg at 200 Ingresses is large enough to be recycled"
+        );
+        let mut ready = true;
+        let mut change = |stores: &mut Stores| {
+            ready = !ready;
+            let mut slice = fixtures.endpoint_slices[9].clone();
+            slice["endpoints"][0]["conditions"]["ready"] = json!(ready);
+            stores
+                .get_mut("endpointslices")
+                .unwrap()
+                .apply(&slice)
+                .unwrap();
+        };
+        change(&mut stores);
+        // The first set is still held: its buffer is not the second's.
+        let second = renderer.render(&stores).unwrap();
+        assert_ne!(config(&second), config(&first));
+        let first_buffer = config(&first);
+        drop(first);
+        change(&mut stores);
+        let third = renderer.render(&stores).unwrap();
+        assert_eq!(config(&third), first_buffer);
+        let fresh = Renderer::compile(&crate::reference::template_set())
+            .unwrap()
+            .render(&stores)
+            .unwrap();
+        assert_eq!(third.get("haproxy.cfg"), fresh.get("haproxy.cfg"));
+        assert_ne!(third.get("haproxy.cfg"), second.get("haproxy.cfg"));
+        assert_eq!(third.checksum_hex(), fresh.checksum_hex());
     }
 
     fn stores() -> Stores {

@@ -353,11 +353,7 @@ impl WhereAny {
 }
 
 /// Rows' places by their address ([`crate::fragments::identity`]).
-type Places = std::collections::HashMap<
-    usize,
-    usize,
-    std::hash::BuildHasherDefault<crate::fragments::AddressHasher>,
->;
+type Places = crate::fragments::Places<usize>;
 
 /// The last answers of `where_any` (the reference set asks two per render).
 static WHERE_ANY: std::sync::Mutex<Vec<WhereAny>> = std::sync::Mutex::new(Vec::new());
@@ -630,7 +626,7 @@ pub(crate) fn register(tera: &mut Tera) {
                     && base.slack.1 - base.slack.0 <= WHERE_ANY_SLACK
             });
             let mut places = copied.map_or_else(
-                || Places::with_capacity_and_hasher(items.len(), Default::default()),
+                || Places::with_capacity(items.len()),
                 |base| base.places.clone(),
             );
             // The rows put in are where their places say; the others widen it as they come.
@@ -701,6 +697,7 @@ pub(crate) fn register(tera: &mut Tera) {
                 }
                 slack = (0, 0);
             }
+            places.seal();
             let selected = Value::from(selected);
             kept.insert(
                 0,

@@ -487,9 +487,27 @@ async fn endpoint_changes(
             .expect("slice patched");
         all_route(agents, &format!("h{k}.example"), to.1).await;
         samples.push(start.elapsed());
+        // When each change was made (UTC), to find a slow one in the daemons' logs.
+        eprintln!(
+            "endpoint change {i} (svc-{k}-1) made at {}: served on 3 agents after {:.1} ms",
+            clock(SystemTime::now() - start.elapsed()),
+            ms(start.elapsed())
+        );
         tokio::time::sleep(Duration::from_millis(120)).await;
     }
     (samples, all_reloads(agents).await - reloads_before)
+}
+
+/// `time` as the time of day, UTC, to the millisecond (as the daemons' logs print it).
+fn clock(time: SystemTime) -> String {
+    let since = time.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let (secs, millis) = (since.as_secs() % 86_400, since.subsec_millis());
+    format!(
+        "{:02}:{:02}:{:02}.{millis:03}",
+        secs / 3600,
+        secs / 60 % 60,
+        secs % 60
+    )
 }
 
 /// Render of the reference config over `haptic_render::fixtures` of `n` Ingresses: the first,
@@ -970,15 +988,20 @@ async fn main() {
             let (from_signal, from_claim, outcomes) =
                 handoff(&cluster, &fleet, &mut leaving, epoch).await;
             leaving.exited(Duration::from_secs(25)).await;
-            // The new leader's log, kept to say where the handoff's time went.
-            if let Some(new) = replicas.first() {
-                let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench");
-                let kept = dir.join(format!("handoff-{n}-new-leader.log"));
-                if std::fs::create_dir_all(&dir)
-                    .and_then(|()| std::fs::copy(&new.log, &kept))
-                    .is_ok()
+            // The leaders' logs, kept to say where the handoff's time went (the new one's)
+            // and where a slow change's went (the old one's: the whole run up to the handoff).
+            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench");
+            for (who, log) in [
+                ("new", replicas.first().map(|new| &new.log)),
+                ("old", Some(&leaving.log)),
+            ] {
+                let kept = dir.join(format!("handoff-{n}-{who}-leader.log"));
+                if let Some(log) = log
+                    && std::fs::create_dir_all(&dir)
+                        .and_then(|()| std::fs::copy(log, &kept))
+                        .is_ok()
                 {
-                    eprintln!("the new leader's log: {}", kept.display());
+                    eprintln!("the {who} leader's log: {}", kept.display());
                 }
             }
             // The new leader's renders so far (the first, and any since).

@@ -21,8 +21,10 @@
 //!
 //! Nothing is written when nothing changed: each object is compared by checksum with what this
 //! term wrote, and on a new term with what the cluster holds. Of several sets in a row only
-//! the newest is published, and a publication rests three times as long as the last one took
-//! before the next (`REST_FACTOR`): the published objects follow the fleet, not each set.
+//! the newest is published, once no newer set came for half a second (`QUIET`; ten seconds
+//! after the first at the latest, `LATEST`), and a publication rests three times as long as
+//! the last one took before the next (`REST_FACTOR`): the published objects follow the fleet,
+//! not each set, and are not built and written in the middle of a stream of changes.
 //! Writes are server-side applies with field manager [`FIELD_MANAGER`]; only a leader whose
 //! Lease is fresh writes; a failed write is retried with backoff; an object too large for the
 //! API even compressed is skipped with a warning.
@@ -59,6 +61,16 @@ pub const FIELD_MANAGER: &str = "haptic";
 /// ~100 ms of a core (a 7 MB `haproxy.cfg` compressed), and during a stream of changes it ran
 /// for every set, beside the changes. The newest set is the one published.
 const REST_FACTOR: u32 = 3;
+/// A set is published once no newer one came for this long (a stream of changes is
+/// published when it pauses), and [`LATEST`] after it came at the latest. Building and
+/// writing a 7 MB `haproxy.cfg` is a burst of work on both sides: the controller compresses
+/// it, the API server decodes, applies and stores a megabyte; published in the middle of a
+/// stream of changes (a quarter of the time, by [`REST_FACTOR`] alone), it delayed the
+/// change that came meanwhile by 40-90 ms on a 2-core node (one change in five of a stream
+/// of endpoint changes at 10,000 Ingresses, `bench_controller`).
+const QUIET: Duration = Duration::from_millis(500);
+/// The longest a set waits to be published while newer ones keep coming.
+const LATEST: Duration = Duration::from_secs(10);
 /// Content larger than this is published zstd-compressed and base64-encoded.
 pub const COMPRESS_ABOVE: usize = 1024 * 1024;
 /// An object whose content is still larger than this once compressed is not published (the
@@ -558,8 +570,10 @@ pub fn component(
         let mut state = Publisher::default();
         let mut retry_at: Option<tokio::time::Instant> = None;
         let mut backoff = Duration::from_millis(500);
-        // The newest set not yet published, and when the next publication may start.
+        // The newest set not yet published, when the first set not yet published came and
+        // when the newest did, and when the next publication may start.
         let mut pending: Option<std::sync::Arc<RenderedSet>> = None;
+        let mut waiting: Option<(tokio::time::Instant, tokio::time::Instant)> = None;
         let mut rest_until = tokio::time::Instant::now();
         loop {
             let retry = crate::tasks::until(retry_at);
@@ -573,7 +587,11 @@ pub fn component(
                         }
                         // Built when it is published: of several sets in a row only the
                         // last is.
-                        ControllerEvent::Deployable(set) => pending = Some(set.clone()),
+                        ControllerEvent::Deployable(set) => {
+                            pending = Some(set.clone());
+                            let now = tokio::time::Instant::now();
+                            waiting = Some((waiting.map_or(now, |(first, _)| first), now));
+                        }
                         ControllerEvent::Deployed(report) => state.observe(report),
                         _ => continue,
                     }
@@ -581,14 +599,16 @@ pub fn component(
                 () = retry => {}
             }
             retry_at = None;
-            // A stream of changes publishes at most a quarter of the time (`REST_FACTOR`), the
-            // newest set then.
-            if tokio::time::Instant::now() < rest_until {
-                retry_at = Some(rest_until);
+            // A stream of changes publishes when it pauses (`QUIET`, `LATEST` at the latest)
+            // and at most a quarter of the time (`REST_FACTOR`), the newest set then.
+            let due = publish_at(pending.is_some().then_some(waiting).flatten(), rest_until);
+            if tokio::time::Instant::now() < due {
+                retry_at = Some(due);
                 continue;
             }
             let started = tokio::time::Instant::now();
             if let Some(set) = pending.take() {
+                waiting = None;
                 // Checksums and compression of a multi-megabyte set (~100 ms of a core at
                 // 10,000 Ingresses): off the runtime, and nicer than the renders and deltas
                 // of the changes it follows.
@@ -643,6 +663,19 @@ pub fn component(
                 }
             }
         }
+    }
+}
+
+/// When the next publication may start: at the end of the rest after the last one, and, with
+/// a set waiting (when the first set not yet published came, and when the newest did), not
+/// before the sets paused for [`QUIET`], unless the first has waited [`LATEST`].
+fn publish_at(
+    waiting: Option<(tokio::time::Instant, tokio::time::Instant)>,
+    rest_until: tokio::time::Instant,
+) -> tokio::time::Instant {
+    match waiting {
+        Some((first, newest)) => rest_until.max((newest + QUIET).min(first + LATEST)),
+        None => rest_until,
     }
 }
 
@@ -880,6 +913,24 @@ mod tests {
             big.len()
         );
         assert_eq!(decode(&text, true).expect("decodes"), big);
+    }
+
+    /// A stream of sets is published when it pauses, or once its first set has waited
+    /// `LATEST`; never during the rest after a publication.
+    #[test]
+    fn a_stream_of_sets_is_published_when_it_pauses() {
+        let start = tokio::time::Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        // Nothing waiting: the rest alone.
+        assert_eq!(publish_at(None, at(300)), at(300));
+        // One set: half a second after it.
+        assert_eq!(publish_at(Some((at(0), at(0))), start), at(500));
+        // Sets every 150 ms since 0: half a second after the newest.
+        assert_eq!(publish_at(Some((at(0), at(4_950))), start), at(5_450));
+        // ...but ten seconds after the first at the latest.
+        assert_eq!(publish_at(Some((at(0), at(9_900))), start), at(10_000));
+        // A rest longer than that still holds.
+        assert_eq!(publish_at(Some((at(0), at(0))), at(800)), at(800));
     }
 
     #[test]

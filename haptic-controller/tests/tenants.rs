@@ -14,9 +14,7 @@ use k8s_openapi::api::{
     networking::v1::Ingress,
 };
 use kube::{Api, api::PostParams};
-use rustls::pki_types::{CertificateDer, ServerName};
 use serde_json::json;
-use std::sync::Arc;
 
 const A: &str = "tenant-a";
 const B: &str = "tenant-b";
@@ -161,80 +159,9 @@ fn spec_with_crt_options(
     spec
 }
 
-/// Accepts any server certificate: the test looks at which one it was.
-#[derive(Debug)]
-struct AnyCertificate(Arc<rustls::crypto::CryptoProvider>);
-
-impl rustls::client::danger::ServerCertVerifier for AnyCertificate {
-    fn verify_server_cert(
-        &self,
-        _: &CertificateDer<'_>,
-        _: &[CertificateDer<'_>],
-        _: &ServerName<'_>,
-        _: &[u8],
-        _: rustls::pki_types::UnixTime,
-    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
-        Ok(rustls::client::danger::ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
-    }
-}
-
-/// A TLS handshake with `addr`, sending `sni` (none: no SNI), and the subject and names of
-/// the certificate the server presented; none when the handshake fails.
+/// The subject and names of the certificate `addr` serves for `sni` (none: no SNI).
 async fn served_subject(addr: &str, sni: Option<&str>) -> Option<String> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider.clone())
-        .with_safe_default_protocol_versions()
-        .ok()?
-        .dangerous()
-        .with_custom_certificate_verifier(Arc::new(AnyCertificate(provider)))
-        .with_no_client_auth();
-    let ip: std::net::IpAddr = addr.split(':').next()?.parse().ok()?;
-    // rustls sends no SNI when the server name is an IP address.
-    let name = match sni {
-        Some(host) => ServerName::try_from(host.to_owned()).ok()?,
-        None => ServerName::IpAddress(ip.into()),
-    };
-    let tcp = tokio::net::TcpStream::connect(addr).await.ok()?;
-    let tls = tokio::time::timeout(
-        Duration::from_secs(5),
-        tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, tcp),
-    )
-    .await
-    .ok()?
-    .ok()?;
-    let der = tls.get_ref().1.peer_certificates()?.first()?.clone();
+    let der = served_certificate(addr, sni).await?;
     let (_, cert) = x509_parser::parse_x509_certificate(&der).ok()?;
     let subject = cert.subject().to_string();
     let sans = cert

@@ -506,6 +506,11 @@ impl Agent {
         format!("{}:{}", self.ip, self.http_port)
     }
 
+    /// Where HAProxy serves TLS (`haproxy.https_port`: the HTTP port + 1, as the tests set it).
+    pub fn https_addr(&self) -> String {
+        format!("{}:{}", self.ip, self.http_port + 1)
+    }
+
     /// The Pod object, Running and ready, with this agent's address.
     async fn register(&self, cluster: &Cluster) {
         register_pod(cluster, &self.name, &self.ip).await;
@@ -790,4 +795,92 @@ pub async fn register_pod(cluster: &Cluster, name: &str, ip: &str) {
     api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
         .await
         .expect("pod status");
+}
+
+/// Accepts any server certificate: the test looks at which one it was.
+#[derive(Debug)]
+struct AnyCertificate(std::sync::Arc<rustls::crypto::CryptoProvider>);
+
+impl rustls::client::danger::ServerCertVerifier for AnyCertificate {
+    fn verify_server_cert(
+        &self,
+        _: &rustls::pki_types::CertificateDer<'_>,
+        _: &[rustls::pki_types::CertificateDer<'_>],
+        _: &rustls::pki_types::ServerName<'_>,
+        _: &[u8],
+        _: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// The certificate (DER) `addr` serves over TLS for `sni` (none: no SNI), any certificate
+/// accepted: the caller looks at which one it is. `None` when no handshake completes in 5 s.
+pub async fn served_certificate(
+    addr: &str,
+    sni: Option<&str>,
+) -> Option<rustls::pki_types::CertificateDer<'static>> {
+    use rustls::pki_types::ServerName;
+    use std::sync::Arc;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .ok()?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(AnyCertificate(provider)))
+        .with_no_client_auth();
+    let ip: std::net::IpAddr = addr.split(':').next()?.parse().ok()?;
+    // rustls sends no SNI when the server name is an IP address.
+    let name = match sni {
+        Some(host) => ServerName::try_from(host.to_owned()).ok()?,
+        None => ServerName::IpAddress(ip.into()),
+    };
+    let tcp = tokio::net::TcpStream::connect(addr).await.ok()?;
+    let tls = tokio::time::timeout(
+        Duration::from_secs(5),
+        tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, tcp),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    Some(
+        tls.get_ref()
+            .1
+            .peer_certificates()?
+            .first()?
+            .clone()
+            .into_owned(),
+    )
 }

@@ -209,6 +209,11 @@ struct Memo {
     /// Per row of the input, in order: its place in `rows`, if it has one (a pooled row's
     /// name listed before takes none), and its place in `members`, if it is one.
     places: Vec<(Option<usize>, Option<usize>)>,
+    /// Emptied lists a splice builds the next `rows`, `places` and pool rows in
+    /// ([`Memo::splice`]): the last splice's, kept with their room.
+    spare_rows: Vec<Value>,
+    spare_places: Vec<(Option<usize>, Option<usize>)>,
+    spare_pool: Vec<Value>,
     /// Answers [`Memo::insert`] gave (the tests check that it is taken).
     inserted: u64,
     /// Answers [`Memo::splice`] gave (the tests check that it is taken), and the rounds it
@@ -330,6 +335,9 @@ impl Default for Memo {
             groups_value: Value::from(Vec::<Value>::new()),
             cuts: Cuts::default(),
             places: Vec::new(),
+            spare_rows: Vec::new(),
+            spare_places: Vec::new(),
+            spare_pool: Vec::new(),
             inserted: 0,
             spliced: 0,
             spliced_wider: 0,
@@ -1095,8 +1103,15 @@ impl Memo {
         }
         // The output's rows: the others' as they are, then the pool's by backend.
         let old_pooled_from = self.rows.len() - size;
-        let mut out: Vec<Value> = Vec::with_capacity(list.len() + size);
-        let mut places: Vec<(Option<usize>, Option<usize>)> = Vec::with_capacity(list.len());
+        // Built in the lists the splice before let go (`spare_*`): at 10,000 rows each a
+        // fresh block of 100-600 KiB otherwise, faulted in anew by every such render under
+        // the Deployment's `MIMALLOC_PURGE_DELAY=0`.
+        let mut out = std::mem::take(&mut self.spare_rows);
+        out.clear();
+        out.reserve(list.len() + size);
+        let mut places = std::mem::take(&mut self.spare_places);
+        places.clear();
+        places.reserve(list.len());
         let mut member = 0;
         for (at, row) in list.iter().enumerate() {
             let plain_row = if at < before || at >= new_end {
@@ -1118,7 +1133,9 @@ impl Memo {
             }
         }
         let pooled_from = out.len();
-        let mut pool: Vec<Value> = self.rows.split_off(old_pooled_from);
+        let mut pool = std::mem::take(&mut self.spare_pool);
+        pool.clear();
+        pool.extend(self.rows.drain(old_pooled_from..));
         // Vacated backends are spares, unless taken again below.
         for m in leaving.clone() {
             pool[old_slots[m]] = self
@@ -1140,12 +1157,14 @@ impl Memo {
             }
         }
         // Each member's new backend row: those that moved and those that joined.
-        let member_rows: Vec<usize> = places
-            .iter()
-            .enumerate()
-            .filter(|(_, (_, member))| member.is_some())
-            .map(|(at, _)| at)
-            .collect();
+        let mut member_rows: Vec<usize> = Vec::with_capacity(count);
+        member_rows.extend(
+            places
+                .iter()
+                .enumerate()
+                .filter(|(_, (_, member))| member.is_some())
+                .map(|(at, _)| at),
+        );
         for (&old, &slot) in &moved {
             let new = if old < first_gone {
                 old
@@ -1166,7 +1185,8 @@ impl Memo {
                 pool[slot] = value;
             }
         }
-        out.extend(pool);
+        out.append(&mut pool);
+        self.spare_pool = pool;
         for &id in &self.ids[before..old_end] {
             self.known.remove(&id);
         }
@@ -1213,9 +1233,12 @@ impl Memo {
         self.by_name = by_name;
         self.map = Value::from(map);
         self.all_names = None;
-        self.places = places;
-        self.rows = out;
-        self.ids = ids.to_vec();
+        self.spare_places = std::mem::replace(&mut self.places, places);
+        let mut old_rows = std::mem::replace(&mut self.rows, out);
+        old_rows.clear();
+        self.spare_rows = old_rows;
+        self.ids.clear();
+        self.ids.extend_from_slice(ids);
         self.input = Some(rows.clone());
         self.rows_changed();
         Some(())

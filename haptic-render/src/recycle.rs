@@ -26,20 +26,21 @@ pub(crate) struct Recycler {
 }
 
 impl Recycler {
-    /// A cleared buffer of at least `capacity` bytes for output `index`: its spare when there
-    /// is one that large, else a new one.
-    pub(crate) fn take(&self, index: usize, capacity: usize) -> Vec<u8> {
+    /// A cleared buffer for output `index`, whose last file was `size` bytes: its spare when
+    /// that holds `size` bytes (a file that grew a little more grows it), else a new one of
+    /// `size` and an eighth.
+    pub(crate) fn take(&self, index: usize, size: usize) -> Vec<u8> {
         let spare = self
             .spares
             .lock()
             .ok()
             .and_then(|mut spares| spares.get_mut(index).and_then(Option::take));
         match spare {
-            Some(mut buffer) if buffer.capacity() >= capacity => {
+            Some(mut buffer) if buffer.capacity() >= size => {
                 buffer.clear();
                 buffer
             }
-            _ => Vec::with_capacity(capacity),
+            _ => Vec::with_capacity(size + size / 8),
         }
     }
 
@@ -130,7 +131,9 @@ mod tests {
     fn a_spare_too_small_is_not_used_and_small_files_are_not_kept() {
         let recycler = Arc::new(Recycler::default());
         drop(recycler.wrap(0, Vec::with_capacity(MIN_RECYCLED)));
-        assert!(recycler.take(0, 2 * MIN_RECYCLED).capacity() >= 2 * MIN_RECYCLED);
+        assert!(
+            recycler.take(0, 2 * MIN_RECYCLED).capacity() >= 2 * MIN_RECYCLED + MIN_RECYCLED / 4
+        );
         assert_eq!(recycler.spare_bytes(), 0, "the small spare was dropped");
         drop(recycler.wrap(1, b"small".to_vec()));
         assert_eq!(recycler.spare_bytes(), 0);

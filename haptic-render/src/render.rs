@@ -951,7 +951,7 @@ impl Renderer {
                 let keep = inputs.filter(|_| active.keep);
                 let mut spans = Vec::new();
                 // Written in the buffer this output's file had in a set now gone, if any.
-                let buffer = self.recycler.take(*index, capacity + capacity / 8);
+                let buffer = self.recycler.take(*index, capacity);
                 let (bytes, tracked) = fragments::tracking_calls(|| {
                     self.render_one(
                         active,
@@ -992,7 +992,16 @@ impl Renderer {
                             same,
                         ));
                     }
-                    self.fragments.graveyard.bury(replaced);
+                    // Its bytes are let go here, the rest (marks, calls) on the dropper thread:
+                    // a recycled buffer then comes back as soon as the sets holding it are
+                    // dropped, not when that thread gets to it.
+                    match Arc::try_unwrap(replaced) {
+                        Ok(mut output) => {
+                            drop(std::mem::take(&mut output.bytes));
+                            self.fragments.graveyard.bury(output);
+                        }
+                        Err(shared) => self.fragments.graveyard.bury(shared),
+                    }
                 }
                 if let Some(cost) = self.costs.get(*index) {
                     let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -1418,13 +1427,19 @@ mod tests {
     /// (`recycle.rs`), and gives the bytes a fresh render of the same stores gives.
     #[test]
     fn a_file_is_written_again_in_the_buffer_of_a_set_let_go() {
+        // With reuse (as the controller renders) the renderer keeps each output's last bytes
+        // and lets go of the ones replaced during the next render; without it, it keeps none.
+        for reuse in [true, false] {
+            file_written_again_in_a_buffer_let_go(reuse);
+        }
+    }
+
+    fn file_written_again_in_a_buffer_let_go(reuse: bool) {
         let fixtures = crate::fixtures::generate(200);
-        // Without reuse the renderer keeps no output of its own: a set's files are held by
-        // the set alone, and come back when it is dropped.
         let renderer = Renderer::compile(&crate::reference::template_set())
             .unwrap()
             .with_threads(1)
-            .with_reuse(false);
+            .with_reuse(reuse);
         let mut stores = crate::reference::stores().unwrap();
         fixtures.load(&mut stores).unwrap();
         let config = |set: &FileSet| set.get("haproxy.cfg").unwrap().as_ptr();
@@ -1452,7 +1467,7 @@ mod tests {
         drop(first);
         change(&mut stores);
         let third = renderer.render(&stores).unwrap();
-        assert_eq!(config(&third), first_buffer);
+        assert_eq!(config(&third), first_buffer, "reuse: {reuse}");
         let fresh = Renderer::compile(&crate::reference::template_set())
             .unwrap()
             .render(&stores)

@@ -83,7 +83,9 @@ const HELP: &str = "usage: cargo xtask <task>
   demo [--smoke] [--real]
                      the whole system on this machine (API server, 2 controllers, 2 agents with HAProxy, a demo app); --smoke checks
                      it and exits; --real uses a real kube-apiserver + etcd (envtest assets, root for network namespaces)
-  bench [NAME...]    run benchmarks: election, agent, render, eventbus, controller, webhook (default: all)
+  bench [NAME...] [-- ARGS]
+                     run benchmarks: election, agent, render, eventbus, controller, webhook (default: all); ARGS go to the
+                     one bench named (`bench controller -- 10000 --changes 3000`: HAPTIC's protocol at N = 3,000)
   e2e [ARGS]         acceptance scenarios on a kind cluster (needs docker, kind, kubectl; --keep, --skip-build)
   e2e --local [--keep]
                      the same scenarios on a fresh local cluster (below; root, kubectl), taken down at the end and on
@@ -296,7 +298,16 @@ fn build_process_bins(release: bool) -> Result<()> {
     cargo(&args, &[])
 }
 
-fn bench(names: &[String]) -> Result<()> {
+/// `names` are benches to run, then, after `--`, arguments for the one bench named (the
+/// controller's base sizes and counts: `cargo xtask bench controller -- 10000 --changes 3000`).
+fn bench(args: &[String]) -> Result<()> {
+    let (names, extra) = match args.iter().position(|arg| arg == "--") {
+        Some(at) => (&args[..at], &args[at + 1..]),
+        None => (args, &args[args.len()..]),
+    };
+    if !extra.is_empty() && names.len() != 1 {
+        bail!("arguments after `--` go to one bench: name exactly one before them");
+    }
     let all = [
         "eventbus",
         "render",
@@ -313,7 +324,11 @@ fn bench(names: &[String]) -> Result<()> {
     for name in selected {
         match name {
             "eventbus" | "render" => {
-                cargo(&["bench", "-p", "haptic-benches", "--bench", name], &[])?
+                let mut args = vec!["bench", "-p", "haptic-benches", "--bench", name];
+                if !extra.is_empty() {
+                    args.push("--");
+                }
+                cargo(&args, extra)?
             }
             // The election and agent benches are harness-less programs that drive real
             // processes; each lives as an example of the crate it measures.
@@ -326,8 +341,9 @@ fn bench(names: &[String]) -> Result<()> {
                     &format!("haptic-{name}"),
                     "--example",
                     &format!("bench_{name}"),
+                    "--",
                 ],
-                &[],
+                extra,
             )?,
             // Real processes: the agent and controller binaries must be built in release first.
             "controller" | "webhook" => {
@@ -344,7 +360,7 @@ fn bench(names: &[String]) -> Result<()> {
                         &example,
                         "--",
                     ],
-                    &[],
+                    extra,
                 )?
             }
             other => bail!("unknown bench `{other}` (known: {})", all.join(", ")),

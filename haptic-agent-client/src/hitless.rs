@@ -168,12 +168,15 @@ pub fn config_changes_from_hunks(
     for hunk in hunks {
         for (i, inserted) in hunk.insert.iter().enumerate() {
             let number = hunk.at + i;
-            while index < number {
-                let Some(newline) = live[offset..].find('\n') else {
+            if let Some(skip) = number.checked_sub(index).and_then(|n| n.checked_sub(1)) {
+                // The end of the line before `number`: the `skip`-th newline from here.
+                let Some(newline) =
+                    memchr::memchr_iter(b'\n', &live.as_bytes()[offset..]).nth(skip)
+                else {
                     return Err("a hunk beyond the live haproxy.cfg".to_owned());
                 };
                 offset += newline + 1;
-                index += 1;
+                index = number;
             }
             let old = live[offset..].split('\n').next().unwrap_or_default();
             let new = inserted.strip_suffix('\n').unwrap_or(inserted);
@@ -237,14 +240,18 @@ fn server_change(
 /// lookup finds, as long as no key is listed twice; a `map_reg` (first match in file order),
 /// an ACL's `-f` or any other use makes the order matter.
 pub fn order_free(config: &str, path: &str) -> bool {
+    if path.is_empty() {
+        return false;
+    }
     let mut uses = 0;
     // Every mention of `path`, found in the whole text at once (a 7 MB haproxy.cfg at 10,000
-    // Ingresses), then read in its line; comment lines name no map HAProxy uses.
-    for (at, _) in config.match_indices(path) {
-        let start = config[..at].rfind('\n').map_or(0, |newline| newline + 1);
-        let end = config[at..]
-            .find('\n')
-            .map_or(config.len(), |newline| at + newline);
+    // Ingresses; memmem's search, several times the standard library's for such a needle),
+    // then read in its line; comment lines name no map HAProxy uses. A match of a whole UTF-8
+    // needle begins on a character boundary.
+    let bytes = config.as_bytes();
+    for at in memchr::memmem::find_iter(bytes, path.as_bytes()) {
+        let start = memchr::memrchr(b'\n', &bytes[..at]).map_or(0, |newline| newline + 1);
+        let end = memchr::memchr(b'\n', &bytes[at..]).map_or(bytes.len(), |newline| at + newline);
         let line = config[start..end]
             .strip_suffix('\r')
             .unwrap_or(&config[start..end]);
@@ -291,4 +298,63 @@ pub fn map_entries(text: &str) -> Vec<(&str, &str)> {
             Some((key, value.trim_matches([' ', '\t'])))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::line_hunks;
+
+    /// `backends` backends of `servers` server lines each, with line `(b, s)` as `server`
+    /// gives it, and the first backend's `balance` as `balance` says.
+    fn config(
+        backends: usize,
+        servers: usize,
+        balance: &str,
+        server: impl Fn(usize, usize) -> String,
+    ) -> String {
+        let mut text = String::from("global\n    maxconn 10\n\nfrontend f\n    bind :80\n");
+        for b in 0..backends {
+            let balance = if b == 0 { balance } else { "roundrobin" };
+            text.push_str(&format!("\nbackend be_{b}\n    balance {balance}\n"));
+            for s in 0..servers {
+                text.push_str(&format!("    {}\n", server(b, s)));
+            }
+        }
+        text
+    }
+
+    proptest::proptest! {
+        /// The changes read at the lines a delta's hunks replace are the changes of the whole
+        /// texts compared line by line, or both are refused.
+        #[test]
+        fn changes_read_from_the_hunks_are_the_changes_of_the_whole_texts(
+            backends in 1usize..40,
+            servers in 1usize..4,
+            edits in proptest::collection::vec((0usize..40, 0usize..4, 0u8..4), 0..6),
+            balance in proptest::sample::select(vec!["roundrobin", "roundrobin", "leastconn"]),
+        ) {
+            let line = |b: usize, s: usize, edit: Option<u8>| match edit {
+                None => format!("server s{s} 10.0.{b}.{s}:80 weight 1 disabled"),
+                Some(0) => format!("server s{s} 10.9.{b}.{s}:8080 weight 1 disabled"),
+                Some(1) => format!("server s{s} 10.0.{b}.{s}:80 weight 7 disabled"),
+                Some(2) => format!("server s{s} 10.0.{b}.{s}:80 weight 1"),
+                Some(_) => format!("server s{s} 10.0.{b}.{s}:80 weight 1 disabled check"),
+            };
+            let edit_of = |b: usize, s: usize| {
+                edits
+                    .iter()
+                    .rev()
+                    .find(|(eb, es, _)| *eb == b && *es == s)
+                    .map(|(_, _, kind)| *kind)
+            };
+            let live = config(backends, servers, "roundrobin", |b, s| line(b, s, None));
+            let new = config(backends, servers, balance, |b, s| line(b, s, edit_of(b, s)));
+            let hunks = line_hunks(&live, &new);
+            proptest::prop_assert_eq!(
+                config_changes_from_hunks(&live, &new, &hunks),
+                config_changes(&live, &new)
+            );
+        }
+    }
 }

@@ -350,6 +350,11 @@ enum Step<'a> {
         path: &'a str,
         entries: Vec<(&'a str, &'a str)>,
     },
+    /// Change these entries of a map one by one, then verify them.
+    Entries {
+        path: &'a str,
+        delta: Vec<EntryChange<'a>>,
+    },
 }
 
 /// The backends whose servers change and that a live entry of a changed map names (by
@@ -618,6 +623,8 @@ async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
     // Classify and check every file before changing anything.
     let (mut maps, mut certs, mut lists) = (Vec::new(), Vec::new(), Vec::new());
     let (mut new_certs, mut gone_certs, mut inert_files) = (Vec::new(), Vec::new(), Vec::new());
+    // Changed maps as texts (path, live, new): parsed whole only when a step needs them whole.
+    let mut map_texts: Vec<(&str, &str, &str)> = Vec::new();
     let loaded_answer;
     if !plan.files.is_empty() || !plan.added.is_empty() || !plan.removed.is_empty() {
         if plan.live_files.len() != plan.files.len() {
@@ -664,20 +671,9 @@ async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
             let text = std::str::from_utf8(content)
                 .map_err(|_| Error::NeedsReload(format!("{path} is not text")))?;
             if listed.contains(&path.as_str()) {
-                let entries = map_entries(text);
-                if unsendable(&entries) {
-                    return Err(Error::NeedsReload(format!(
-                        "map {path} has an entry without a value or with characters the \
-                         runtime API would not carry as they are"
-                    )));
-                }
                 let live = std::str::from_utf8(live)
                     .map_err(|_| Error::NeedsReload(format!("the live {path} is not text")))?;
-                maps.push(MapChange {
-                    path,
-                    old: map_entries(live),
-                    new: entries,
-                });
+                map_texts.push((path, live, text));
             } else if loaded.contains(&path.as_str()) {
                 certs.push(cert_change(path, text)?);
             } else if crt_lists.contains(&path.as_str()) {
@@ -775,10 +771,64 @@ async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
         }
     }
 
+    // A new route changes an entry or two of maps of thousands (two maps of 13,000 lines at
+    // 10,000 Ingresses): reading them whole, four times over, was 6-8 ms of a new route's
+    // runtime apply on a busy machine. An order-free map goes in entry by entry from the
+    // lines that differ (`map_delta_of_texts`) when no backend is held (then its step is
+    // its new version, after the servers); else, and for any other map, both versions are
+    // read whole.
+    let held = backends_named(&plan.servers, &map_texts);
+    let mut by_entries = BTreeMap::new();
+    for &(path, live, new) in &map_texts {
+        if held.is_empty()
+            && plan.order_free.contains(path)
+            && let Some(delta) = map_delta_of_texts(live, new)
+        {
+            by_entries.insert(path, delta);
+            continue;
+        }
+        let entries = map_entries(new);
+        if unsendable(&entries) {
+            return Err(Error::NeedsReload(format!(
+                "map {path} has an entry without a value or with characters the runtime API \
+                 would not carry as they are"
+            )));
+        }
+        maps.push(MapChange {
+            path,
+            old: map_entries(live),
+            new: entries,
+        });
+    }
     // What HAProxy holds of each changed map, as the steps change it.
     let mut held_maps: BTreeMap<&str, Vec<(&str, &str)>> =
         maps.iter().map(|map| (map.path, map.old.clone())).collect();
-    let steps = schedule(&plan.servers, maps);
+    let steps = if by_entries.is_empty() {
+        schedule(&plan.servers, maps)
+    } else {
+        // No backend held: the servers, then each map once, in the plan's order (as
+        // `schedule` orders them then).
+        let mut whole = maps.into_iter();
+        let mut steps = Vec::with_capacity(map_texts.len() + 1);
+        if !plan.servers.is_empty() {
+            steps.push(Step::Servers(plan.servers.iter().collect()));
+        }
+        for &(path, _, _) in &map_texts {
+            match by_entries.remove(path) {
+                Some(delta) => steps.push(Step::Entries { path, delta }),
+                None => {
+                    let map = whole
+                        .next()
+                        .ok_or_else(|| Error::NeedsReload(format!("map {path} was not read")))?;
+                    steps.push(Step::Map {
+                        path: map.path,
+                        entries: map.new,
+                    });
+                }
+            }
+        }
+        steps
+    };
     // An intermediate version (a map's step before its last) may keep a live entry the new
     // one drops; the new versions were checked above.
     let intermediate = |at: usize, path: &str| {
@@ -843,6 +893,7 @@ async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
                 debug!(commands = commands.len(), "server commands sent");
                 verify_servers(&answers, changes)?;
             }
+            Step::Entries { path, delta } => update_map_entries(worker, path, delta).await?,
             Step::Map { path, entries } => {
                 let from = held_maps.remove(path).unwrap_or_default();
                 let delta = plan
@@ -1124,6 +1175,183 @@ fn map_delta<'a>(
     added.sort_by_key(|change| change.key());
     changes.append(&mut added);
     Some(changes)
+}
+
+/// Most lines outside the changed window that a key of the window may be found in (as a
+/// substring) before [`map_delta_of_texts`] gives up and the maps are read whole.
+const MAX_KEY_MENTIONS: usize = 64;
+
+/// [`map_delta`] of two versions of a map read from their texts, parsing only the lines
+/// between the bytes both begin with and the bytes both end with, cut at line ends: a new
+/// route is a line or two of maps of thousands. The window's keys are looked for in the rest
+/// of the live text: a key listed there too needs a new version (as a key listed twice does
+/// in [`map_delta`]); a key listed twice outside the window is left as HAProxy holds it,
+/// which [`map_delta`] would not (its lookups stay as they were: `del map` and `set map`
+/// name only the window's keys, `add map` only keys the map lacks). `None` as for
+/// [`map_delta`], when a change could not be sent as it is ([`unsafe_text`], no value), or
+/// when a key of the window is a substring of over [`MAX_KEY_MENTIONS`] other lines.
+fn map_delta_of_texts<'a>(live: &'a str, new: &'a str) -> Option<Vec<EntryChange<'a>>> {
+    let (old_bytes, new_bytes) = (live.as_bytes(), new.as_bytes());
+    // The common prefix, back to the start of its last line (the bytes before are whole
+    // lines in both texts).
+    let prefix = common_prefix(old_bytes, new_bytes);
+    let start = memchr::memrchr(b'\n', &old_bytes[..prefix]).map_or(0, |newline| newline + 1);
+    // The common suffix of what follows, on to a line start in both texts.
+    let suffix = common_suffix(&old_bytes[start..], &new_bytes[start..]);
+    let (mut old_end, mut new_end) = (old_bytes.len() - suffix, new_bytes.len() - suffix);
+    let line_start = |bytes: &[u8], at: usize| at == start || bytes[at - 1] == b'\n';
+    if !(line_start(old_bytes, old_end) && line_start(new_bytes, new_end)) {
+        let skip =
+            memchr::memchr(b'\n', &old_bytes[old_end..]).map_or(suffix, |newline| newline + 1);
+        old_end += skip;
+        new_end += skip;
+    }
+    let (old, new_entries) = (
+        map_entries(&live[start..old_end]),
+        map_entries(&new[start..new_end]),
+    );
+    let mut index: HashMap<&str, &str> = HashMap::with_capacity(old.len());
+    for &(key, value) in &old {
+        if index.insert(key, value).is_some() {
+            return None;
+        }
+    }
+    let mut wanted: HashMap<&str, &str> = HashMap::with_capacity(new_entries.len());
+    for &(key, value) in &new_entries {
+        if wanted.insert(key, value).is_some() {
+            return None;
+        }
+    }
+    let outside = [&live[..start], &live[old_end..]];
+    for key in index.keys().chain(wanted.keys()) {
+        if outside
+            .iter()
+            .map(|text| keyed_in(text, key))
+            .any(|found| found != Some(false))
+        {
+            return None;
+        }
+    }
+    let mut changes = Vec::new();
+    for &(key, value) in &old {
+        match wanted.get(key) {
+            None => changes.push(EntryChange::Del(key)),
+            Some(&now) if now != value => changes.push(EntryChange::Set(key, now)),
+            Some(_) => {}
+        }
+    }
+    let mut added: Vec<EntryChange<'a>> = new_entries
+        .iter()
+        .filter(|(key, _)| !index.contains_key(key))
+        .map(|&(key, value)| EntryChange::Add(key, value))
+        .collect();
+    if changes.len() + added.len() > MAX_MAP_DELTA {
+        return None;
+    }
+    // `add map` and `set map` take the value as one word; what is sent must go as it is.
+    if changes.iter().chain(&added).any(|change| match change {
+        EntryChange::Add(key, value) | EntryChange::Set(key, value) => {
+            value.is_empty()
+                || value.contains(char::is_whitespace)
+                || unsafe_text(key)
+                || unsafe_text(value)
+        }
+        EntryChange::Del(key) => unsafe_text(key),
+    }) {
+        return None;
+    }
+    changes.sort_by_key(|change| change.key());
+    added.sort_by_key(|change| change.key());
+    changes.append(&mut added);
+    Some(changes)
+}
+
+/// How many leading bytes `a` and `b` share (compared a block at a time).
+fn common_prefix(a: &[u8], b: &[u8]) -> usize {
+    const BLOCK: usize = 64;
+    let blocks = a
+        .chunks_exact(BLOCK)
+        .zip(b.chunks_exact(BLOCK))
+        .take_while(|(x, y)| x == y)
+        .count();
+    let at = blocks * BLOCK;
+    at + a[at..]
+        .iter()
+        .zip(&b[at..])
+        .take_while(|(x, y)| x == y)
+        .count()
+}
+
+/// How many trailing bytes `a` and `b` share.
+fn common_suffix(a: &[u8], b: &[u8]) -> usize {
+    const BLOCK: usize = 64;
+    let blocks = a
+        .rchunks_exact(BLOCK)
+        .zip(b.rchunks_exact(BLOCK))
+        .take_while(|(x, y)| x == y)
+        .count();
+    let at = blocks * BLOCK;
+    at + a[..a.len() - at]
+        .iter()
+        .rev()
+        .zip(b[..b.len() - at].iter().rev())
+        .take_while(|(x, y)| x == y)
+        .count()
+}
+
+/// The lines of `text` (whole lines) in which `needle` occurs, each once, or `None` past
+/// `limit` of them.
+fn lines_with<'a>(text: &'a str, needle: &str, limit: usize) -> Option<Vec<&'a str>> {
+    let bytes = text.as_bytes();
+    let mut lines: Vec<&str> = Vec::new();
+    let mut last_start = None;
+    for at in memchr::memmem::find_iter(bytes, needle.as_bytes()) {
+        let start = memchr::memrchr(b'\n', &bytes[..at]).map_or(0, |newline| newline + 1);
+        if last_start == Some(start) {
+            continue;
+        }
+        last_start = Some(start);
+        if lines.len() == limit {
+            return None;
+        }
+        let end = memchr::memchr(b'\n', &bytes[at..]).map_or(bytes.len(), |newline| at + newline);
+        lines.push(&text[start..end]);
+    }
+    Some(lines)
+}
+
+/// Whether a map's text (whole lines) has an entry keyed `key` (`None`: too many lines
+/// mention it to tell).
+fn keyed_in(text: &str, key: &str) -> Option<bool> {
+    let lines = lines_with(text, key, MAX_KEY_MENTIONS)?;
+    Some(
+        lines
+            .iter()
+            .any(|line| map_entries(line).iter().any(|&(k, _)| k == key)),
+    )
+}
+
+/// [`held_backends`] from the maps' texts (path, live, new): the backends whose servers
+/// change that an entry of a changed map's live text names, found by searching for each.
+fn backends_named<'a>(
+    servers: &'a [ServerChange],
+    maps: &[(&str, &str, &str)],
+) -> BTreeSet<&'a str> {
+    servers
+        .iter()
+        .map(|change| change.backend.as_str())
+        .filter(|backend| {
+            // An empty name is found everywhere: held, so the maps are read whole.
+            backend.is_empty()
+                || maps.iter().any(|(_, live, _)| {
+                    lines_with(live, backend, usize::MAX).is_some_and(|lines| {
+                        lines
+                            .iter()
+                            .any(|line| map_entries(line).iter().any(|&(_, v)| v == *backend))
+                    })
+                })
+        })
+        .collect()
 }
 
 impl<'a> EntryChange<'a> {
@@ -1705,6 +1933,159 @@ mod tests {
         assert!(some > 10_000, "{some} deltas");
     }
 
+    /// What HAProxy's lookups of an order-free map find: the first value of each key.
+    fn lookups<'a>(entries: &[(&'a str, &'a str)]) -> BTreeMap<&'a str, &'a str> {
+        let mut found = BTreeMap::new();
+        for &(key, value) in entries {
+            found.entry(key).or_insert(value);
+        }
+        found
+    }
+
+    #[test]
+    fn a_map_delta_read_from_the_texts_is_the_delta_of_the_whole_maps() {
+        use rand::{Rng as _, SeedableRng as _};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(28);
+        let keys: Vec<String> = (0..12).map(|i| format!("k{i}/")).collect();
+        let values = ["a", "b", "c", "d e", "", "a;b"];
+        // A line as a map file may hold it: blanks around and between, a comment, a blank
+        // line, a key without a value.
+        let line = |rng: &mut rand::rngs::StdRng| -> String {
+            let key = &keys[rng.random_range(0..keys.len())];
+            let value = values[rng.random_range(0..values.len())];
+            match rng.random_range(0..10) {
+                0 => "# a comment".to_owned(),
+                1 => String::new(),
+                2 => format!("  {key}\t{value}  "),
+                3 => format!("{key} {value}\r"),
+                _ => format!("{key} {value}"),
+            }
+        };
+        let (mut same, mut some, mut more) = (0, 0, 0);
+        for _ in 0..40_000 {
+            let mut from: Vec<String> = (0..rng.random_range(0..14))
+                .map(|_| line(&mut rng))
+                .collect();
+            let mut to = from.clone();
+            for _ in 0..rng.random_range(0..4) {
+                let at = rng.random_range(0..=to.len());
+                match rng.random_range(0..4) {
+                    0 if at < to.len() => {
+                        to.remove(at);
+                    }
+                    1 if at < to.len() => to[at].push('x'),
+                    2 if at < to.len() => {
+                        let moved = to.remove(at);
+                        let to_at = rng.random_range(0..=to.len());
+                        to.insert(to_at, moved);
+                    }
+                    _ => to.insert(at, line(&mut rng)),
+                }
+            }
+            if rng.random_bool(0.5) {
+                from.push(String::new());
+                to.push(String::new());
+            }
+            let (live, new) = (from.join("\n"), to.join("\n"));
+            let (old_entries, new_entries) = (map_entries(&live), map_entries(&new));
+            let sendable = |delta: &[EntryChange<'_>]| {
+                delta.iter().all(|change| match change {
+                    EntryChange::Add(key, value) | EntryChange::Set(key, value) => {
+                        !value.is_empty() && !unsafe_text(key) && !unsafe_text(value)
+                    }
+                    EntryChange::Del(key) => !unsafe_text(key),
+                })
+            };
+            let whole = map_delta(&old_entries, &new_entries).filter(|delta| sendable(delta));
+            let texts = map_delta_of_texts(&live, &new);
+            // Where the whole maps give a delta that can be sent, the texts give the same.
+            if let Some(whole) = &whole {
+                assert_eq!(texts.as_ref(), Some(whole), "{live:?} -> {new:?}");
+                same += 1;
+            }
+            // Whatever the texts give, HAProxy's map after it looks up as the new text.
+            if let Some(delta) = &texts {
+                assert!(sendable(delta), "{live:?} -> {new:?}: {delta:?}");
+                let mut held = old_entries.clone();
+                for change in delta {
+                    match *change {
+                        EntryChange::Del(key) => held.retain(|&(k, _)| k != key),
+                        EntryChange::Set(key, value) => held
+                            .iter_mut()
+                            .filter(|(k, _)| *k == key)
+                            .for_each(|entry| entry.1 = value),
+                        EntryChange::Add(key, value) => held.push((key, value)),
+                    }
+                }
+                assert_eq!(
+                    lookups(&held),
+                    lookups(&new_entries),
+                    "{live:?} -> {new:?}: {delta:?}"
+                );
+                some += 1;
+                more += usize::from(whole.is_none());
+            }
+        }
+        // Not only refusals, and the texts take some the whole maps refuse (a key listed
+        // twice outside what changed).
+        assert!(
+            same > 10_000 && some > same && more > 100,
+            "{same} {some} {more}"
+        );
+    }
+
+    #[test]
+    fn backends_found_in_the_texts_are_the_backends_the_live_entries_name() {
+        use rand::{Rng as _, SeedableRng as _};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(29);
+        let names = [
+            "pool_1", "pool_12", "pool_120", "be_1", "pool_1 x", "#pool_1",
+        ];
+        let mut held_some = 0;
+        for _ in 0..5_000 {
+            let text = |rng: &mut rand::rngs::StdRng| -> String {
+                (0..rng.random_range(0..8))
+                    .map(|_| {
+                        let value = names[rng.random_range(0..names.len())];
+                        match rng.random_range(0..6) {
+                            0 => format!("# k {value}"),
+                            1 => format!("{value} k"),
+                            2 => format!("  k{}\t{value} \r", rng.random_range(0..3)),
+                            _ => format!("k{} {value}", rng.random_range(0..3)),
+                        }
+                    })
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            };
+            let (a, b) = (text(&mut rng), text(&mut rng));
+            let servers: Vec<ServerChange> = names[..4]
+                .iter()
+                .filter(|_| rng.random_bool(0.5))
+                .map(|backend| slot(backend, "s1", None, Some("10.0.0.1:80")))
+                .collect();
+            let texts = [
+                ("maps/a.map", a.as_str(), ""),
+                ("maps/b.map", b.as_str(), ""),
+            ];
+            let maps = [
+                MapChange {
+                    path: "maps/a.map",
+                    old: map_entries(&a),
+                    new: Vec::new(),
+                },
+                MapChange {
+                    path: "maps/b.map",
+                    old: map_entries(&b),
+                    new: Vec::new(),
+                },
+            ];
+            let held = held_backends(&servers, &maps);
+            held_some += usize::from(!held.is_empty());
+            assert_eq!(backends_named(&servers, &texts), held, "{a:?} {b:?}");
+        }
+        assert!(held_some > 500, "{held_some}");
+    }
+
     #[test]
     fn get_map_answers_are_read_as_haproxy_2_6_writes_them() {
         let found = "type=beg, case=sensitive, found=yes, idx=tree, key=\"a.example/\", value=\"svc_a\", type=\"str\"";
@@ -1879,6 +2260,9 @@ mod tests {
                 }
                 Step::Map { path, entries } => {
                     live.insert(path, entries.clone());
+                }
+                Step::Entries { .. } => {
+                    return Err(format!("step {n}: `schedule` reads maps whole"));
                 }
             }
             let serving = |backend: &str| -> Vec<&str> {

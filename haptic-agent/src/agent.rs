@@ -76,6 +76,8 @@ struct Shared {
     /// Checksum of the set HAProxy was last confirmed to have loaded (by this process: none
     /// after a restart until a load is confirmed). `unchanged` needs it to match.
     loaded: StdMutex<Option<String>>,
+    /// What HAProxy's current worker loaded, as runtime applies listed it.
+    listings: runtime::Listings,
     /// The live set and the one before it, in memory (newest first, at most [`HELD_SETS`]):
     /// an apply compares with and builds on the live set without reading it from disk.
     held: StdMutex<Vec<Arc<HeldSet>>>,
@@ -285,6 +287,7 @@ impl Agent {
                 }),
                 unsettled: StdMutex::new(None),
                 loaded: StdMutex::new(None),
+                listings: runtime::Listings::default(),
                 held: StdMutex::new(Vec::new()),
                 cleanup: StdMutex::new(None),
                 ready: Mutex::new(None),
@@ -907,8 +910,13 @@ impl Agent {
             })
         };
         let commands = async {
-            let applied =
-                runtime::apply(&shared.haproxy, &plan, shared.config.runtime_timeout).await;
+            let applied = runtime::apply(
+                &shared.haproxy,
+                &plan,
+                shared.config.runtime_timeout,
+                &shared.listings,
+            )
+            .await;
             (applied, phase.elapsed())
         };
         let (((ops, applied), took), staged) = tokio::join!(commands, staging);

@@ -261,6 +261,8 @@ struct Slots {
     other: Semaphore,
     /// Connections made, for the metrics and tests.
     connections: AtomicU64,
+    /// Reloads sent and masters started: each may bring a new worker.
+    workers: AtomicU64,
 }
 
 /// Paths to the HAProxy binary and its master socket, the user it runs as, and the bounded
@@ -296,8 +298,23 @@ impl Haproxy {
                 apply: Semaphore::new(1),
                 other: Semaphore::new(1),
                 connections: AtomicU64::new(0),
+                workers: AtomicU64::new(0),
             }),
         }
+    }
+
+    /// How many times a new worker may have started since this handle was made (reloads
+    /// sent, masters started): a runtime apply keeps what a worker loaded only while this
+    /// stays the same. A reload or restart by someone else is not counted (an HAProxy the
+    /// agent does not supervise); a listing it made stale fails the next runtime apply,
+    /// whose reload then counts.
+    pub fn worker_changes(&self) -> u64 {
+        self.slots.workers.load(Ordering::Relaxed)
+    }
+
+    /// Notes that a new worker may start (a reload is about to be sent, a master started).
+    pub fn new_worker(&self) {
+        self.slots.workers.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Connections made to the master CLI so far.
@@ -480,6 +497,7 @@ impl Haproxy {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
+        self.new_worker();
         // The master re-executes itself on `reload`; HAProxy 2.7+ answers `Success=0|1`,
         // 2.6 closes the connection. Either way the table below is the judge. A reload that
         // never reached the master (connect or write failed) is sent again.

@@ -539,6 +539,56 @@ impl Worker<'_> {
     }
 }
 
+/// What the current worker loaded, as its listings said, kept from one runtime apply to the
+/// next: a worker's maps, crt-lists, CA and CRL files are those of its configuration, and its
+/// certificates change only by the commands an apply sends (`new ssl cert`, `del ssl cert`).
+/// So each listing is asked once per worker ([`Haproxy::worker_changes`] tells a new one)
+/// rather than on every apply: a connection through the master CLI each, 1-7 ms on a busy
+/// machine (`show ssl cert` lists every certificate, 2,500 here). Kept only by an apply that
+/// succeeded: after any failure the next one asks again.
+#[derive(Debug, Default)]
+pub struct Listings(std::sync::Mutex<Option<Listed>>);
+
+impl Listings {
+    /// The listings kept for worker `worker` (none kept, or kept for another: nothing known).
+    fn take(&self, worker: u64) -> Listed {
+        let kept = self.0.lock().ok().and_then(|mut kept| kept.take());
+        match kept {
+            Some(kept) if kept.worker == worker => kept,
+            _ => Listed {
+                worker,
+                ..Listed::default()
+            },
+        }
+    }
+
+    /// Keeps `listed` for the next apply.
+    fn keep(&self, listed: Listed) {
+        if let Ok(mut kept) = self.0.lock() {
+            *kept = Some(listed);
+        }
+    }
+}
+
+/// The listings of one worker, as far as they were asked.
+#[derive(Debug, Default)]
+struct Listed {
+    /// [`Haproxy::worker_changes`] when they were asked.
+    worker: u64,
+    /// `show map`: the map files.
+    maps: Option<BTreeSet<String>>,
+    /// The TLS listings.
+    ssl: Option<SslListed>,
+}
+
+/// `show ssl cert`, `show ssl crt-list`, `show ssl ca-file` and `show ssl crl-file`.
+#[derive(Debug, Default)]
+struct SslListed {
+    certs: BTreeSet<String>,
+    crt_lists: BTreeSet<String>,
+    others: BTreeSet<String>,
+}
+
 /// The names listed by `show map` (`<id> (<name>) ...`) or `show ssl cert` (one a line).
 fn listed_maps(answer: &str) -> Vec<&str> {
     answer
@@ -596,7 +646,12 @@ const ADMIN_FORCED_MAINT: u32 = 0x01;
 
 /// Applies `plan` to HAProxy's current worker and verifies it, within `limit`. Returns the
 /// number of changing commands sent; on an error, that number is in `ops`.
-pub async fn apply(haproxy: &Haproxy, plan: &Plan, limit: Duration) -> (u64, Result<()>) {
+pub async fn apply(
+    haproxy: &Haproxy,
+    plan: &Plan,
+    limit: Duration,
+    listings: &Listings,
+) -> (u64, Result<()>) {
     let deadline = Instant::now() + limit;
     let mut worker = Worker {
         haproxy,
@@ -605,13 +660,13 @@ pub async fn apply(haproxy: &Haproxy, plan: &Plan, limit: Duration) -> (u64, Res
         limit,
         ops: 0,
     };
-    let result = tokio::time::timeout_at(deadline, run(&mut worker, plan))
+    let result = tokio::time::timeout_at(deadline, run(&mut worker, plan, listings))
         .await
         .unwrap_or(Err(Error::Timeout(limit)));
     (worker.ops, result)
 }
 
-async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
+async fn run(worker: &mut Worker<'_>, plan: &Plan, listings: &Listings) -> Result<()> {
     // The current worker, by its relative number: `@1` is the worker of the newest
     // generation (HAProxy 2.6, checked with an old worker still draining), the one a runtime
     // apply changes, with no `show proc` asked first (one master-CLI connection fewer on every
@@ -625,15 +680,26 @@ async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
     let (mut new_certs, mut gone_certs, mut inert_files) = (Vec::new(), Vec::new(), Vec::new());
     // Changed maps as texts (path, live, new): parsed whole only when a step needs them whole.
     let mut map_texts: Vec<(&str, &str, &str)> = Vec::new();
-    let loaded_answer;
+    // What the worker loaded: from the listings kept since an earlier apply to the same
+    // worker, else asked now (and kept if this apply succeeds).
+    let mut known = listings.take(worker.haproxy.worker_changes());
+    let no_ssl = SslListed::default();
     if !plan.files.is_empty() || !plan.added.is_empty() || !plan.removed.is_empty() {
         if plan.live_files.len() != plan.files.len() {
             return Err(Error::NeedsReload(
                 "the plan lacks the live contents of its files".to_owned(),
             ));
         }
-        let listed = worker.ask("show map").await?;
-        let listed = listed_maps(&listed);
+        let listed = match known.maps.take() {
+            Some(listed) => listed,
+            None => {
+                let answer = worker.ask("show map").await?;
+                listed_maps(&answer)
+                    .into_iter()
+                    .map(str::to_owned)
+                    .collect()
+            }
+        };
         // HAProxy loads maps from its configuration alone: a plan that changes only maps it
         // loaded needs no other listing (four connections to the master CLI fewer, a third of
         // a new route's runtime apply on a busy machine).
@@ -642,41 +708,45 @@ async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
             && plan
                 .files
                 .iter()
-                .all(|(path, _)| listed.contains(&path.as_str()));
-        let (crt_lists, others) = if maps_only {
-            loaded_answer = String::new();
-            (String::new(), String::new())
-        } else {
-            loaded_answer = worker.ask("show ssl cert").await?;
-            (
-                worker.ask("show ssl crt-list").await?,
-                format!(
-                    "{}\n{}",
-                    worker.ask("show ssl ca-file").await?,
-                    worker.ask("show ssl crl-file").await?
+                .all(|(path, _)| listed.contains(path.as_str()));
+        if !maps_only && known.ssl.is_none() {
+            let certs = worker.ask("show ssl cert").await?;
+            let crt_lists = worker.ask("show ssl crt-list").await?;
+            let others = format!(
+                "{}\n{}",
+                worker.ask("show ssl ca-file").await?,
+                worker.ask("show ssl crl-file").await?
+            );
+            let owned = |names: Vec<&str>| names.into_iter().map(str::to_owned).collect();
+            known.ssl = Some(SslListed {
+                certs: owned(listed_certs(&certs)),
+                crt_lists: owned(listed_certs(&crt_lists)),
+                // CA and CRL files HAProxy loaded (`<file> - <n> certificate(s)`).
+                others: owned(
+                    listed_certs(&others)
+                        .into_iter()
+                        .filter_map(|line| line.split_ascii_whitespace().next())
+                        .collect(),
                 ),
-            )
+            });
+        }
+        let ssl = match &known.ssl {
+            Some(ssl) if !maps_only => ssl,
+            _ => &no_ssl,
         };
-        let loaded = listed_certs(&loaded_answer);
-        let crt_lists = listed_certs(&crt_lists);
-        // CA and CRL files HAProxy loaded (`<file> - <n> certificate(s)`).
-        let others: Vec<&str> = listed_certs(&others)
-            .into_iter()
-            .filter_map(|line| line.split_ascii_whitespace().next())
-            .collect();
-        let inert = |path: &String| {
-            plan.unnamed.contains(path.as_str()) && !others.contains(&path.as_str())
-        };
+        let (loaded, crt_lists, others) = (&ssl.certs, &ssl.crt_lists, &ssl.others);
+        let inert =
+            |path: &String| plan.unnamed.contains(path.as_str()) && !others.contains(path.as_str());
         for ((path, content), live) in plan.files.iter().zip(&plan.live_files) {
             let text = std::str::from_utf8(content)
                 .map_err(|_| Error::NeedsReload(format!("{path} is not text")))?;
-            if listed.contains(&path.as_str()) {
+            if listed.contains(path.as_str()) {
                 let live = std::str::from_utf8(live)
                     .map_err(|_| Error::NeedsReload(format!("the live {path} is not text")))?;
                 map_texts.push((path, live, text));
-            } else if loaded.contains(&path.as_str()) {
+            } else if loaded.contains(path.as_str()) {
                 certs.push(cert_change(path, text)?);
-            } else if crt_lists.contains(&path.as_str()) {
+            } else if crt_lists.contains(path.as_str()) {
                 let live = std::str::from_utf8(live)
                     .map_err(|_| Error::NeedsReload(format!("the live {path} is not text")))?;
                 lists.push(crt_list_change(path, live, text)?);
@@ -690,6 +760,7 @@ async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
                 )));
             }
         }
+        known.maps = Some(listed);
         // Files added or removed: certificates that the crt-lists' new or dropped lines name.
         let named: BTreeSet<&str> = lists
             .iter()
@@ -724,7 +795,7 @@ async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
                 // Nothing HAProxy reads names it: written on disk only.
                 continue;
             }
-            if !named.contains(path.as_str()) || loaded.contains(&path.as_str()) {
+            if !named.contains(path.as_str()) || loaded.contains(path.as_str()) {
                 return Err(Error::NeedsReload(format!(
                     "{path} was added, and no new crt-list line names it as its certificate"
                 )));
@@ -735,7 +806,7 @@ async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
         // came, before a line named it) is loaded as a new one.
         for cert in named
             .iter()
-            .filter(|cert| !loaded.contains(cert) && !added.contains(*cert))
+            .filter(|cert| !loaded.contains(**cert) && !added.contains(*cert))
         {
             let text = plan
                 .new_set
@@ -751,7 +822,7 @@ async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
         for path in &plan.removed {
             if !dropped.contains(path.as_str())
                 && !kept.contains(path.as_str())
-                && !loaded.contains(&path.as_str())
+                && !loaded.contains(path.as_str())
                 && inert(path)
                 && !in_lists(path)
             {
@@ -760,7 +831,7 @@ async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
             }
             if !dropped.contains(path.as_str())
                 || kept.contains(path.as_str())
-                || !loaded.contains(&path.as_str())
+                || !loaded.contains(path.as_str())
                 || unsafe_text(path)
             {
                 return Err(Error::NeedsReload(format!(
@@ -938,6 +1009,14 @@ async fn run(worker: &mut Worker<'_>, plan: &Plan) -> Result<()> {
             });
         }
     }
+    if let Some(ssl) = &mut known.ssl {
+        ssl.certs
+            .extend(new_certs.iter().map(|cert| cert.path.to_owned()));
+        for path in &gone_certs {
+            ssl.certs.remove(*path);
+        }
+    }
+    listings.keep(known);
     Ok(())
 }
 

@@ -245,6 +245,7 @@ impl Supervisor {
             bin: self.haproxy.bin.clone(),
             source,
         })?;
+        self.haproxy.new_worker();
         let pid = child.id().unwrap_or_default();
         info!(pid, "HAProxy master started");
         self.record_pid(pid);

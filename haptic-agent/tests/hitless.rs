@@ -404,6 +404,60 @@ async fn tls_hosts_come_and_go_with_no_reload() {
     );
 }
 
+/// A runtime apply keeps what the worker listed (maps, certificates, crt-lists) for the next
+/// one, and asks again after a reload: here the reload that gives HAProxy its first TLS bind
+/// and crt-list, after a runtime apply that listed none; the next TLS host is then a runtime
+/// change of that crt-list.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_makes_the_next_runtime_apply_list_the_new_worker_again() {
+    let (endpoint_port, _endpoints) = endpoints(3).await;
+    let (http_port, https_port) = (free_port(), free_port());
+    let mut cluster = Cluster::new(http_port, https_port, endpoint_port, 2);
+    cluster.ingress("web", "web.test", "web", None);
+    cluster.endpoints("web", &[("127.0.0.2", true)]);
+    cluster.endpoints("api", &[("127.0.0.3", true)]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let agent = TestAgent::start(dir.path()).await;
+    let client = client();
+    apply(&client, &agent.url, &cluster, 1)
+        .await
+        .expect("first");
+    await_get(http_port, "web.test", "backend 127.0.0.2")
+        .await
+        .expect("served");
+
+    // A Secret no Ingress uses: a runtime apply that lists the worker's certificates and
+    // crt-lists (none) and writes the file only.
+    let (web_ca, cert, key) = issue("web.test");
+    cluster.secret("web-tls", &cert, &key);
+    let report = apply(&client, &agent.url, &cluster, 2)
+        .await
+        .expect("a Secret");
+    assert!(!report.reload && report.runtime_ops == 0, "{report:?}");
+
+    // The first TLS host: an HTTPS bind and a crt-list, a reload.
+    cluster.ingress("web", "web.test", "web", Some("web-tls"));
+    let report = apply(&client, &agent.url, &cluster, 3)
+        .await
+        .expect("the first TLS host");
+    assert!(report.reload, "{report:?}");
+    handshake(https_port, "web.test", &web_ca)
+        .await
+        .expect("web.test over TLS");
+
+    // The next TLS host: a line of the crt-list the new worker loaded, at run time.
+    let (api_ca, cert, key) = issue("api.test");
+    cluster.secret("api-tls", &cert, &key);
+    cluster.ingress("api", "api.test", "api", Some("api-tls"));
+    let report = apply(&client, &agent.url, &cluster, 4)
+        .await
+        .expect("a second TLS host");
+    assert!(!report.reload && report.runtime_ops > 0, "{report:?}");
+    handshake(https_port, "api.test", &api_ca)
+        .await
+        .expect("api.test served with its own certificate");
+}
+
 /// The pool of spare backends (`haptic_render::pool`): a new Service takes a spare backend at
 /// run time; the one that would leave fewer than a step of spares grows the pool, with one
 /// reload; every route is served after each change.

@@ -621,11 +621,11 @@ pub fn line_hunks(old: &str, new: &str) -> Vec<Hunk> {
     // The lines wholly in the common prefix (ending with their `\n` there) are the head; the
     // line holding the first difference differs (or one text ends in it and the other not).
     let prefix = common_prefix(a, b);
-    let head_end = a[..prefix]
-        .iter()
-        .rposition(|&byte| byte == b'\n')
-        .map_or(0, |at| at + 1);
-    let head = a[..head_end].iter().filter(|&&byte| byte == b'\n').count();
+    let head_end = memchr::memrchr(b'\n', &a[..prefix]).map_or(0, |at| at + 1);
+    // Counted with memchr: byte by byte, the head of a 7 MB text was ~1 ms, and the leader
+    // makes the hunks of a changed `haproxy.cfg` three times a change (the gate's policy, its
+    // runtime-only check, the delta).
+    let head = memchr::memchr_iter(b'\n', &a[..head_end]).count();
     let (a_rest, b_rest) = (&a[head_end..], &b[head_end..]);
     // The tail: the lines of both rests that start in their common suffix, at a start of a
     // line in both (inside the suffix the byte before is the same in both; at its first
@@ -673,7 +673,7 @@ pub fn line_hunks(old: &str, new: &str) -> Vec<Hunk> {
 
 /// How many bytes `a` and `b` share from their start: whole blocks compared with memcmp,
 /// then the block that differs byte by byte.
-fn common_prefix(a: &[u8], b: &[u8]) -> usize {
+pub fn common_prefix(a: &[u8], b: &[u8]) -> usize {
     const BLOCK: usize = 1024;
     let len = a.len().min(b.len());
     let mut at = 0;
@@ -688,7 +688,7 @@ fn common_prefix(a: &[u8], b: &[u8]) -> usize {
 }
 
 /// How many bytes `a` and `b` share at their end ([`common_prefix`] from the end).
-fn common_suffix(a: &[u8], b: &[u8]) -> usize {
+pub fn common_suffix(a: &[u8], b: &[u8]) -> usize {
     const BLOCK: usize = 1024;
     let len = a.len().min(b.len());
     let (a, b) = (&a[a.len() - len..], &b[b.len() - len..]);

@@ -49,7 +49,7 @@ pub use haptic_agent_client::hitless::{ServerChange, ServerSpec, map_entries, or
 use haptic_agent_client::{
     FileSet,
     hitless::{self, unsafe_text},
-    protocol::MAIN_CONFIG,
+    protocol::{MAIN_CONFIG, common_prefix, common_suffix},
 };
 use rustls::pki_types::{CertificateDer, pem::PemObject as _};
 use sha1::{Digest as _, Sha1};
@@ -1343,39 +1343,6 @@ fn map_delta_of_texts<'a>(live: &'a str, new: &'a str) -> Option<Vec<EntryChange
     added.sort_by_key(|change| change.key());
     changes.append(&mut added);
     Some(changes)
-}
-
-/// How many leading bytes `a` and `b` share (compared a block at a time).
-fn common_prefix(a: &[u8], b: &[u8]) -> usize {
-    const BLOCK: usize = 64;
-    let blocks = a
-        .chunks_exact(BLOCK)
-        .zip(b.chunks_exact(BLOCK))
-        .take_while(|(x, y)| x == y)
-        .count();
-    let at = blocks * BLOCK;
-    at + a[at..]
-        .iter()
-        .zip(&b[at..])
-        .take_while(|(x, y)| x == y)
-        .count()
-}
-
-/// How many trailing bytes `a` and `b` share.
-fn common_suffix(a: &[u8], b: &[u8]) -> usize {
-    const BLOCK: usize = 64;
-    let blocks = a
-        .rchunks_exact(BLOCK)
-        .zip(b.rchunks_exact(BLOCK))
-        .take_while(|(x, y)| x == y)
-        .count();
-    let at = blocks * BLOCK;
-    at + a[..a.len() - at]
-        .iter()
-        .rev()
-        .zip(b[..b.len() - at].iter().rev())
-        .take_while(|(x, y)| x == y)
-        .count()
 }
 
 /// The lines of `text` (whole lines) in which `needle` occurs, each once, or `None` past

@@ -310,11 +310,34 @@ impl SetStore {
                 guard.1.push(path);
             }
         }
+        // The trees written afresh, with their base's directory: the unchanged files at their
+        // top are linked by name between the two opened directories (`linkat`), not by two
+        // whole paths each resolved through a set's link (2,500 certificates for one rotated).
+        let mut tree_dirs = std::collections::BTreeMap::new();
+        if let Some(base) = &base_dir {
+            for top in dirs.iter().filter(|top| !shared.contains(*top)) {
+                let opened = fs::File::open(dir.join(top))
+                    .and_then(|new| Ok((new, fs::File::open(base.join(top))?)));
+                if let Ok(pair) = opened {
+                    tree_dirs.insert(top.clone(), pair);
+                }
+            }
+        }
         for (path, content) in files.iter() {
             if path
                 .split_once('/')
                 .is_some_and(|(top, _)| shared.contains(top))
             {
+                continue;
+            }
+            if let Some((top, name)) = path.split_once('/')
+                && !name.contains('/')
+                && let Some((new, old)) = tree_dirs.get(top)
+                && unchanged(path)
+            {
+                rustix::fs::linkat(old, name, new, name, rustix::fs::AtFlags::empty())
+                    .map_err(std::io::Error::from)
+                    .map_err(io("linking", &dir.join(path)))?;
                 continue;
             }
             // Paths were validated by the protocol: relative, no `..`, no empty component.
@@ -780,9 +803,14 @@ mod tests {
             .expect("set");
         for i in 0..certs {
             let pem = if changed == Some(i) { "new" } else { "pem" };
-            files = files
-                .with(format!("certs/ns-{}/c{i}.pem", i % 3), format!("{pem} {i}"))
-                .expect("cert");
+            // Most at the tree's top (as the reference's `ssl/<namespace>_<secret>.pem`, linked
+            // by name between the trees' directories), some a directory deeper.
+            let path = if i % 4 == 1 {
+                format!("certs/ns-{}/c{i}.pem", i % 3)
+            } else {
+                format!("certs/c{i}.pem")
+            };
+            files = files.with(path, format!("{pem} {i}")).expect("cert");
         }
         files
     }
@@ -850,14 +878,27 @@ mod tests {
                 .expect("file")
                 .ino()
         };
-        assert_eq!(
-            inode(&two, "certs/ns-0/c0.pem"),
-            inode(&three, "certs/ns-0/c0.pem")
-        );
+        for unchanged in ["certs/c0.pem", "certs/ns-1/c1.pem", "certs/c6.pem"] {
+            assert_eq!(
+                inode(&two, unchanged),
+                inode(&three, unchanged),
+                "{unchanged}"
+            );
+        }
         assert_ne!(
             inode(&two, "certs/ns-2/c5.pem"),
             inode(&three, "certs/ns-2/c5.pem")
         );
+        // A file at the top that changes: written, not linked.
+        let fifth = set_with_certs(TREE_MIN_FILES, Some(6));
+        let five = write_reusing(&store, &fifth, Some((&three, &third)));
+        assert_ne!(inode(&three, "certs/c6.pem"), inode(&five, "certs/c6.pem"));
+        assert_eq!(inode(&three, "certs/c2.pem"), inode(&five, "certs/c2.pem"));
+        assert_eq!(
+            fs::read(store.set_dir(&five).join("certs/c6.pem")).expect("read"),
+            b"new 6"
+        );
+        store.retain(&[&two, &three]).expect("retain");
 
         // A certificate more (the same count would not do): a new tree too.
         let fourth = set_with_certs(TREE_MIN_FILES + 1, Some(5));
@@ -866,7 +907,7 @@ mod tests {
             tree_of(&store.set_dir(&four).join("certs")),
             Some(new_tree.clone())
         );
-        assert!(store.set_dir(&four).join("certs/ns-1/c64.pem").is_file());
+        assert!(store.set_dir(&four).join("certs/c64.pem").is_file());
 
         // A tree goes with the last set that links it.
         store.retain(&[&three, &four]).expect("retain");

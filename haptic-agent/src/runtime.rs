@@ -1242,10 +1242,14 @@ fn map_delta<'a>(
     if changes.len() + added.len() > MAX_MAP_DELTA {
         return None;
     }
-    // `add map` and `set map` take the value as one word.
-    if changes.iter().chain(&added).any(|change| {
-        matches!(change, EntryChange::Add(_, value) | EntryChange::Set(_, value)
-            if value.contains(char::is_whitespace))
+    // `add map` and `set map` take the value as one word; a dropped key goes on a command
+    // line too (`del map`, `get map`), where `;` would end the command and name another key
+    // (a live entry loaded from its file by a reload was never checked: the new version then).
+    if changes.iter().chain(&added).any(|change| match change {
+        EntryChange::Add(_, value) | EntryChange::Set(_, value) => {
+            value.contains(char::is_whitespace)
+        }
+        EntryChange::Del(key) => unsafe_text(key),
     }) {
         return None;
     }
@@ -1897,6 +1901,12 @@ mod tests {
         assert_eq!(map_delta(&from, &[("a/", "x"), ("a/", "y")]), None);
         // A value of two words (`<rank> <backend>`): a new version.
         assert_eq!(map_delta(&from, &[("a/", "1 x")]), None);
+        // A dropped key the CLI would cut (`;` ends a command): a new version, without it.
+        assert_eq!(
+            map_delta(&[("a/x;del", "x"), ("b/", "y")], &[("b/", "y")]),
+            None
+        );
+        assert_eq!(map_delta_of_texts("a/x;del x\nb/ y\n", "b/ y\n"), None);
         // Many changes: a new version.
         let keys: Vec<String> = (0..=MAX_MAP_DELTA).map(|i| format!("k{i}/")).collect();
         let many: Vec<(&str, &str)> = keys.iter().map(|k| (k.as_str(), "v")).collect();

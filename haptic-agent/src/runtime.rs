@@ -1226,38 +1226,7 @@ fn map_delta<'a>(
             return None;
         }
     }
-    let mut changes = Vec::new();
-    for &(key, value) in old {
-        match wanted.get(key) {
-            None => changes.push(EntryChange::Del(key)),
-            Some(&now) if now != value => changes.push(EntryChange::Set(key, now)),
-            Some(_) => {}
-        }
-    }
-    let mut added: Vec<EntryChange<'a>> = new
-        .iter()
-        .filter(|(key, _)| !index.contains_key(key))
-        .map(|&(key, value)| EntryChange::Add(key, value))
-        .collect();
-    if changes.len() + added.len() > MAX_MAP_DELTA {
-        return None;
-    }
-    // `add map` and `set map` take the value as one word; a dropped key goes on a command
-    // line too (`del map`, `get map`), where `;` would end the command and name another key
-    // (a live entry loaded from its file by a reload was never checked: the new version then).
-    if changes.iter().chain(&added).any(|change| match change {
-        EntryChange::Add(_, value) | EntryChange::Set(_, value) => {
-            value.contains(char::is_whitespace)
-        }
-        EntryChange::Del(key) => unsafe_text(key),
-    }) {
-        return None;
-    }
-    // Dropped and set keys first, then added ones, each in key order.
-    changes.sort_by_key(|change| change.key());
-    added.sort_by_key(|change| change.key());
-    changes.append(&mut added);
-    Some(changes)
+    window_changes(old, new, &wanted, |key| index.contains_key(key))
 }
 
 /// Most lines outside the changed window that a key of the window may be found in (as a
@@ -1315,23 +1284,37 @@ fn map_delta_of_texts<'a>(live: &'a str, new: &'a str) -> Option<Vec<EntryChange
             return None;
         }
     }
+    window_changes(&old, &new_entries, &wanted, |key| index.contains_key(key))
+}
+
+/// The entry changes that take a map's window from `old` to `new` (`wanted`: `new` by key;
+/// `listed`: whether the live map lists a key), each key of both once: dropped and set keys,
+/// then added ones, each in key order. `None` past [`MAX_MAP_DELTA`], or when a change cannot
+/// go as it is: `add map` and `set map` take the value as one word, and every key and value
+/// goes on a command line (`del map`, `get map` too), where `;` would end the command and name
+/// another key (a live entry that a reload loaded from its file was never checked).
+fn window_changes<'a>(
+    old: &[(&'a str, &'a str)],
+    new: &[(&'a str, &'a str)],
+    wanted: &HashMap<&'a str, &'a str>,
+    listed: impl Fn(&str) -> bool,
+) -> Option<Vec<EntryChange<'a>>> {
     let mut changes = Vec::new();
-    for &(key, value) in &old {
+    for &(key, value) in old {
         match wanted.get(key) {
             None => changes.push(EntryChange::Del(key)),
             Some(&now) if now != value => changes.push(EntryChange::Set(key, now)),
             Some(_) => {}
         }
     }
-    let mut added: Vec<EntryChange<'a>> = new_entries
+    let mut added: Vec<EntryChange<'a>> = new
         .iter()
-        .filter(|(key, _)| !index.contains_key(key))
+        .filter(|(key, _)| !listed(key))
         .map(|&(key, value)| EntryChange::Add(key, value))
         .collect();
     if changes.len() + added.len() > MAX_MAP_DELTA {
         return None;
     }
-    // `add map` and `set map` take the value as one word; what is sent must go as it is.
     if changes.iter().chain(&added).any(|change| match change {
         EntryChange::Add(key, value) | EntryChange::Set(key, value) => {
             value.is_empty()

@@ -1,6 +1,7 @@
 //! What a running HAProxy changes without a reload, read from the files alone: the `server`
-//! lines whose address, weight or state alone changed, and the maps `haproxy.cfg` looks up
-//! only by key or longest prefix. The agent plans its runtime applies with these rules
+//! lines whose address, weight or state alone changed, the `server` lines a backend gains or
+//! loses (HAProxy's dynamic servers: `add server`, `del server`), and the maps `haproxy.cfg`
+//! looks up only by key or longest prefix. The agent plans its runtime applies with these rules
 //! (`haptic-agent`'s `runtime` module), and the controller's render gate reads a set that
 //! differs from one `haproxy -c` passed only in such changes as passing too: the agent applies
 //! them with no check, and none of them can make HAProxy refuse the files.
@@ -8,7 +9,7 @@
 //! The reasons a change is not one of these are `String`s: the agent's plan turns them into
 //! "needs a reload".
 
-use std::net::SocketAddr;
+use std::{collections::HashMap, net::SocketAddr};
 
 use crate::protocol::Hunk;
 
@@ -23,6 +24,22 @@ pub struct ServerSpec {
     pub enabled: bool,
 }
 
+/// How a server slot changes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum SlotChange {
+    /// The line stays, its address, weight or state changed (`set server`).
+    #[default]
+    Set,
+    /// A new line, with these tokens after its address other than `weight` and the state
+    /// (all of them ones `add server` takes, [`ADDABLE`]): a backend's slots grew, or a spare
+    /// backend without servers took a Service. `from` is the new server as `add server`
+    /// makes it: in maintenance.
+    Add(Vec<String>),
+    /// The line is gone (`del server`, after `state maint`): a backend's slots shrank, or a
+    /// backend went back to the pool of spares. `to` is `from` in maintenance.
+    Delete,
+}
+
 /// One server slot to change.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerChange {
@@ -34,14 +51,76 @@ pub struct ServerChange {
     pub from: ServerSpec,
     /// As wanted.
     pub to: ServerSpec,
+    /// Whether the line stays, comes or goes.
+    pub change: SlotChange,
+}
+
+/// The tokens of a `server` line (after its address; `weight`, `disabled` and `enabled`
+/// apart) that a line added at run time may have, with the argument each takes, if any:
+/// those of the reference templates' backends without cookies, all of which HAProxy 2.6's
+/// `add server` takes. Any other token (`cookie`, which `add server` refuses; a file path)
+/// makes the new line need a reload.
+pub const ADDABLE: [(&str, Option<&[&str]>); 5] = [
+    ("check", None),
+    ("ssl", None),
+    ("verify", Some(&["none"])),
+    ("alpn", Some(&["h2", "http/1.1", "h2,http/1.1"])),
+    ("proto", Some(&["h2"])),
+];
+
+/// Whether `rest` (a `server` line's other tokens, in order) is all [`ADDABLE`].
+fn addable(rest: &[&str]) -> bool {
+    let mut tokens = rest.iter();
+    while let Some(token) = tokens.next() {
+        match ADDABLE.iter().find(|(name, _)| name == token) {
+            None => return false,
+            Some((_, None)) => {}
+            Some((_, Some(values))) => {
+                if !tokens.next().is_some_and(|value| values.contains(value)) {
+                    return false;
+                }
+            }
+        }
+    }
+    true
 }
 
 impl ServerChange {
     /// The commands that take the server from `from` to `to`: out of service first, in
     /// service last, so that it never takes traffic at a half-changed address.
+    ///
+    /// A new server is added in maintenance (as `add server` makes every one), its health
+    /// checks started (`enable health`: a dynamic server's are off until then) and then put
+    /// in service; a server that goes is put in maintenance, then deleted.
     pub fn commands(&self) -> Vec<String> {
         let name = format!("{}/{}", self.backend, self.server);
         let mut commands = Vec::new();
+        match &self.change {
+            SlotChange::Set => {}
+            SlotChange::Add(options) => {
+                let mut add = format!("add server {name} {}", self.to.address);
+                for option in options {
+                    add.push(' ');
+                    add.push_str(option);
+                }
+                if self.to.weight != 1 {
+                    add.push_str(&format!(" weight {}", self.to.weight));
+                }
+                commands.push(add);
+                if options.iter().any(|option| option == "check") {
+                    commands.push(format!("enable health {name}"));
+                }
+                if self.to.enabled {
+                    commands.push(format!("set server {name} state ready"));
+                }
+                return commands;
+            }
+            SlotChange::Delete => {
+                commands.push(format!("set server {name} state maint"));
+                commands.push(format!("del server {name}"));
+                return commands;
+            }
+        }
         if self.from.enabled && !self.to.enabled {
             commands.push(format!("set server {name} state maint"));
         }
@@ -123,16 +202,14 @@ pub fn parse_server(line: &str) -> Option<(&str, ServerSpec, Vec<&str>)> {
 pub fn config_changes(live: &str, new: &str) -> Result<Vec<ServerChange>, String> {
     let (live_lines, new_lines): (Vec<&str>, Vec<&str>) =
         (live.split('\n').collect(), new.split('\n').collect());
+    let hunks = || crate::protocol::line_hunks(live, new);
     if live_lines.len() != new_lines.len() {
-        return Err(format!(
-            "haproxy.cfg has {} lines, the live one {}",
-            new_lines.len(),
-            live_lines.len()
-        ));
+        // Lines came or went: read between the common head and tail.
+        return config_changes_from_hunks(live, new, &hunks());
     }
     let mut changes = Vec::new();
-    for (number, (old, new)) in live_lines.iter().zip(&new_lines).enumerate() {
-        if old == new {
+    for (number, (old, new_line)) in live_lines.iter().zip(&new_lines).enumerate() {
+        if old == new_line {
             continue;
         }
         // The section: the nearest header above the line, read back from it (a few lines in
@@ -140,7 +217,12 @@ pub fn config_changes(live: &str, new: &str) -> Result<Vec<ServerChange>, String
         // most of a plan at 10,000 Ingresses). Lines above a changed one are unchanged, or
         // changed server lines: a changed header stops the plan where it is.
         let section = section_above(live_lines[..number].iter().rev().copied());
-        changes.extend(server_change(number, old, new, section)?);
+        match server_change(number, old, new_line, section) {
+            Ok(change) => changes.extend(change),
+            // Lines renamed, or shifted by a line one backend gained and another lost: read
+            // by section.
+            Err(_) => return config_changes_from_hunks(live, new, &hunks()),
+        }
     }
     Ok(changes)
 }
@@ -148,43 +230,258 @@ pub fn config_changes(live: &str, new: &str) -> Result<Vec<ServerChange>, String
 /// [`config_changes`] from the hunks that made `new` of `live` (a delta's): only the lines
 /// they replace are read, and the live text is walked only up to the last of them. The
 /// caller vouches that the hunks make `new` of `live` (the delta's checksum was checked
-/// against its base, and `live` is that base).
+/// against its base, and `live` is that base). A hunk that replaces as many lines as it
+/// inserts is read line by line; any other one by [`window_changes`].
 pub fn config_changes_from_hunks(
     live: &str,
     new: &str,
     hunks: &[Hunk],
 ) -> Result<Vec<ServerChange>, String> {
-    if hunks.iter().any(|hunk| hunk.remove != hunk.insert.len()) {
-        let count = |text: &str| text.bytes().filter(|b| *b == b'\n').count() + 1;
-        return Err(format!(
-            "haproxy.cfg has {} lines, the live one {}",
-            count(new),
-            count(live)
-        ));
+    changes_of_hunks(live, new, hunks).or_else(|error| {
+        // Hunks cut where shifted lines happen to match (a backend gained a line and a later
+        // one lost one: the lines between compared one below the other) may split a section
+        // between two of them: the whole middle, read by section, once.
+        let middle = middle_hunk(live, new);
+        match hunks {
+            [only] if *only == middle => Err(error),
+            _ => changes_of_hunks(live, new, std::slice::from_ref(&middle)).map_err(|_| error),
+        }
+    })
+}
+
+/// The one hunk that makes `new` of `live`: the lines between their common head and tail.
+fn middle_hunk(live: &str, new: &str) -> Hunk {
+    let (a, b) = (live.as_bytes(), new.as_bytes());
+    let prefix = crate::protocol::common_prefix(a, b);
+    let head_end = memchr::memrchr(b'\n', &a[..prefix]).map_or(0, |at| at + 1);
+    let (a_rest, b_rest) = (&a[head_end..], &b[head_end..]);
+    let suffix = crate::protocol::common_suffix(a_rest, b_rest);
+    // The tail starts at a line start in both, inside the common suffix.
+    let starts_line = |text: &[u8], at: usize| at == 0 || text[at - 1] == b'\n';
+    let from = a_rest.len() - suffix;
+    let tail = (from..=a_rest.len())
+        .find(|&at| {
+            at == a_rest.len()
+                || (starts_line(a_rest, at)
+                    && starts_line(b_rest, at + b_rest.len() - a_rest.len()))
+        })
+        .map_or(0, |at| a_rest.len() - at);
+    let old_mid = &live[head_end..head_end + a_rest.len() - tail];
+    let new_mid = &new[head_end..head_end + b_rest.len() - tail];
+    Hunk {
+        at: memchr::memchr_iter(b'\n', &a[..head_end]).count(),
+        remove: old_mid.split_inclusive('\n').count(),
+        insert: new_mid.split_inclusive('\n').map(str::to_owned).collect(),
     }
+}
+
+fn changes_of_hunks(live: &str, new: &str, hunks: &[Hunk]) -> Result<Vec<ServerChange>, String> {
     let mut changes = Vec::new();
     // (index, byte offset) of the live line the walk is at.
     let (mut index, mut offset) = (0usize, 0usize);
+    let mut seek = |number: usize| -> Result<usize, String> {
+        if let Some(skip) = number.checked_sub(index).and_then(|n| n.checked_sub(1)) {
+            // The end of the line before `number`: the `skip`-th newline from here.
+            let Some(newline) = memchr::memchr_iter(b'\n', &live.as_bytes()[offset..]).nth(skip)
+            else {
+                return Err("a hunk beyond the live haproxy.cfg".to_owned());
+            };
+            offset += newline + 1;
+            index = number;
+        }
+        Ok(offset)
+    };
     for hunk in hunks {
+        let start = seek(hunk.at)?;
+        if hunk.remove != hunk.insert.len() {
+            changes.extend(hunk_by_section(live, new, hunk, start)?);
+            continue;
+        }
+        let mut in_place = Vec::new();
+        let mut whole = false;
         for (i, inserted) in hunk.insert.iter().enumerate() {
             let number = hunk.at + i;
-            if let Some(skip) = number.checked_sub(index).and_then(|n| n.checked_sub(1)) {
-                // The end of the line before `number`: the `skip`-th newline from here.
-                let Some(newline) =
-                    memchr::memchr_iter(b'\n', &live.as_bytes()[offset..]).nth(skip)
-                else {
-                    return Err("a hunk beyond the live haproxy.cfg".to_owned());
-                };
-                offset += newline + 1;
-                index = number;
-            }
-            let old = live[offset..].split('\n').next().unwrap_or_default();
+            let at = seek(number)?;
+            let old = live[at..].split('\n').next().unwrap_or_default();
             let new = inserted.strip_suffix('\n').unwrap_or(inserted);
             if old == new {
                 continue;
             }
-            let section = section_above(live[..offset].rsplit('\n').skip(1));
-            changes.extend(server_change(number, old, new, section)?);
+            let section = section_above(live[..at].rsplit('\n').skip(1));
+            match server_change(number, old, new, section) {
+                Ok(change) => in_place.extend(change),
+                Err(_) => {
+                    whole = true;
+                    break;
+                }
+            }
+        }
+        if !whole {
+            changes.append(&mut in_place);
+            continue;
+        }
+        // A line renamed, or lines shifted by one a backend gained and another lost: the
+        // hunk read by section.
+        changes.extend(hunk_by_section(live, new, hunk, start)?);
+    }
+    Ok(changes)
+}
+
+/// [`window_changes`] of `hunk`, whose first line starts at byte `at` of `live`.
+fn hunk_by_section(
+    live: &str,
+    new: &str,
+    hunk: &Hunk,
+    at: usize,
+) -> Result<Vec<ServerChange>, String> {
+    let old: Vec<&str> = live[at..].split('\n').take(hunk.remove).collect();
+    if old.len() < hunk.remove || (hunk.remove > 0 && at == live.len()) {
+        return Err("a hunk beyond the live haproxy.cfg".to_owned());
+    }
+    let inserted: Vec<&str> = hunk
+        .insert
+        .iter()
+        .map(|line| line.strip_suffix('\n').unwrap_or(line))
+        .collect();
+    let section = section_above(live[..at].rsplit('\n').skip(1));
+    window_changes(hunk.at, section, &old, &inserted, new)
+}
+
+/// The lines of a window of `haproxy.cfg` cut at its section headers: each part's header
+/// line (none for the first, which goes on with the section above the window), its `server`
+/// lines by name, and its other lines in order.
+#[derive(Debug, PartialEq, Eq)]
+struct Part<'a> {
+    header: Option<&'a str>,
+    servers: Vec<(&'a str, &'a str)>,
+    others: Vec<&'a str>,
+}
+
+fn parts<'a>(lines: &[&'a str]) -> Vec<Part<'a>> {
+    let mut parts = vec![Part {
+        header: None,
+        servers: Vec::new(),
+        others: Vec::new(),
+    }];
+    for &line in lines {
+        let mut tokens = line.split_ascii_whitespace();
+        let first = tokens.next();
+        if first.is_some_and(|first| SECTIONS.contains(&first)) {
+            parts.push(Part {
+                header: Some(line),
+                servers: Vec::new(),
+                others: Vec::new(),
+            });
+            continue;
+        }
+        let part = parts
+            .last_mut()
+            .unwrap_or_else(|| unreachable!("one part at least"));
+        match (first, tokens.next()) {
+            (Some("server"), Some(name)) => part.servers.push((name, line)),
+            _ => part.others.push(line),
+        }
+    }
+    parts
+}
+
+/// The server changes of `old`, lines of the live `haproxy.cfg` from line `number` (0-based)
+/// on, in `section`, replaced by the lines `new` (of the new config `config`), where their
+/// counts differ. Both are cut at their section headers, which must be the same and in the
+/// same order, as must each part's lines other than `server` lines; the `server` lines of a
+/// part are matched by name: in both, a slot changed in place ([`SlotChange::Set`]); only in
+/// `new`, a slot added ([`SlotChange::Add`]: its tokens [`ADDABLE`], and no `default-server`
+/// anywhere in `config`, whose settings `add server` would not apply); only in `old`, a slot
+/// deleted. A name twice in a part needs a reload.
+fn window_changes(
+    number: usize,
+    section: (&str, &str),
+    old: &[&str],
+    new: &[&str],
+    config: &str,
+) -> Result<Vec<ServerChange>, String> {
+    let differs = || {
+        format!(
+            "haproxy.cfg lines {}-{} changed beyond servers' addresses, weights and states and \
+             server lines added or removed",
+            number + 1,
+            number + old.len().max(1)
+        )
+    };
+    let (old_parts, new_parts) = (parts(old), parts(new));
+    if old_parts.len() != new_parts.len() {
+        return Err(differs());
+    }
+    let mut changes = Vec::new();
+    for (was, now) in old_parts.iter().zip(&new_parts) {
+        if was.header != now.header || was.others != now.others {
+            return Err(differs());
+        }
+        if was.servers == now.servers {
+            continue;
+        }
+        let section = match now.header {
+            None => section,
+            Some(header) => {
+                let mut tokens = header.split_ascii_whitespace();
+                (
+                    tokens.next().unwrap_or_default(),
+                    tokens.next().unwrap_or_default(),
+                )
+            }
+        };
+        if !matches!(section.0, "backend" | "listen") || unsafe_text(section.1) {
+            return Err(differs());
+        }
+        let live: HashMap<&str, &str> = was.servers.iter().copied().collect();
+        let wanted: HashMap<&str, &str> = now.servers.iter().copied().collect();
+        if live.len() != was.servers.len() || wanted.len() != now.servers.len() {
+            return Err(differs());
+        }
+        for &(name, line) in &now.servers {
+            match live.get(name) {
+                Some(&before) => {
+                    changes.extend(
+                        server_change(number, before, line, section).map_err(|_| differs())?,
+                    );
+                }
+                None => {
+                    let (_, to, rest) = parse_server(line).ok_or_else(differs)?;
+                    if !addable(&rest)
+                        || memchr::memmem::find(config.as_bytes(), b"default-server").is_some()
+                    {
+                        return Err(differs());
+                    }
+                    changes.push(ServerChange {
+                        backend: section.1.to_owned(),
+                        server: name.to_owned(),
+                        from: ServerSpec {
+                            enabled: false,
+                            ..to
+                        },
+                        to,
+                        change: SlotChange::Add(
+                            rest.iter().map(|token| (*token).to_owned()).collect(),
+                        ),
+                    });
+                }
+            }
+        }
+        for &(name, line) in &was.servers {
+            if wanted.contains_key(name) {
+                continue;
+            }
+            let (_, from, _) = parse_server(line).ok_or_else(differs)?;
+            changes.push(ServerChange {
+                backend: section.1.to_owned(),
+                server: name.to_owned(),
+                from,
+                to: ServerSpec {
+                    enabled: false,
+                    ..from
+                },
+                change: SlotChange::Delete,
+            });
         }
     }
     Ok(changes)
@@ -231,6 +528,7 @@ fn server_change(
         server: new_name.to_owned(),
         from,
         to,
+        change: SlotChange::Set,
     }))
 }
 
@@ -302,6 +600,8 @@ pub fn map_entries(text: &str) -> Vec<(&str, &str)> {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use super::*;
     use crate::protocol::line_hunks;
 
@@ -355,6 +655,103 @@ mod tests {
                 config_changes_from_hunks(&live, &new, &hunks),
                 config_changes(&live, &new)
             );
+        }
+
+        /// Backends that gain and lose `server` lines (slots grown or shrunk, a spare backend
+        /// without servers taking a Service and giving it back) beside lines changed in
+        /// place: the changes, applied to the live servers as HAProxy would hold them, give
+        /// the new config's servers (each added one with its options); both readings agree;
+        /// a new line `add server` would refuse (`cookie`) or a config with `default-server`
+        /// needs a reload; lines that changed in place alone never do.
+        #[test]
+        fn servers_added_and_removed_take_the_live_servers_to_the_new_ones(
+            counts in proptest::collection::vec((0usize..5, 0usize..5), 1..12),
+            edits in proptest::collection::vec((0usize..12, 0usize..5, 0u8..3), 0..8),
+            check in proptest::bool::ANY,
+            refused in proptest::sample::select(vec![None, None, None, Some("cookie"), Some("default")]),
+        ) {
+            let line = |b: usize, s: usize, edit: Option<u8>, extra: &str| {
+                let mut line = match edit {
+                    None => format!("server s{s} 10.0.{b}.{s}:80"),
+                    Some(0) => format!("server s{s} 10.9.{b}.{s}:8080"),
+                    Some(1) => format!("server s{s} 10.0.{b}.{s}:80 weight 7"),
+                    Some(_) => format!("server s{s} 10.0.{b}.{s}:80 disabled"),
+                };
+                if check {
+                    line.push_str(" check");
+                }
+                line.push_str(extra);
+                line
+            };
+            let edit_of = |b: usize, s: usize| {
+                edits.iter().rev().find(|(eb, es, _)| *eb == b && *es == s).map(|(_, _, k)| *k)
+            };
+            let text = |new: bool| {
+                let mut text = String::from("global\n    maxconn 10\n\nfrontend f\n    bind :80\n");
+                if refused == Some("default") {
+                    text.push_str("\ndefaults\n    default-server inter 3s\n");
+                }
+                for (b, &(before, after)) in counts.iter().enumerate() {
+                    text.push_str(&format!("\nbackend be_{b}\n    balance roundrobin\n"));
+                    let count = if new { after } else { before };
+                    for s in 0..count {
+                        let (edit, extra) = match new {
+                            false => (None, ""),
+                            // The refused option on the lines a backend gains.
+                            true if s >= before && refused == Some("cookie") => (edit_of(b, s), " cookie c"),
+                            true => (edit_of(b, s), ""),
+                        };
+                        text.push_str(&format!("    {}\n", line(b, s, edit, extra)));
+                    }
+                }
+                text
+            };
+            let (live, new) = (text(false), text(true));
+            let servers = |config: &str| -> BTreeMap<(String, String), (ServerSpec, Vec<String>)> {
+                let mut backend = String::new();
+                let mut servers = BTreeMap::new();
+                for line in config.lines() {
+                    if let Some(name) = line.strip_prefix("backend ") {
+                        backend = name.to_owned();
+                    }
+                    if let Some((name, spec, rest)) = parse_server(line.trim()) {
+                        let rest = rest.iter().map(|t| (*t).to_owned()).collect();
+                        servers.insert((backend.clone(), name.to_owned()), (spec, rest));
+                    }
+                }
+                servers
+            };
+            let full = config_changes(&live, &new);
+            let read = config_changes_from_hunks(&live, &new, &line_hunks(&live, &new));
+            proptest::prop_assert_eq!(&full, &read);
+            let gains = counts.iter().any(|(before, after)| after > before);
+            match full {
+                Ok(changes) => {
+                    proptest::prop_assert!(refused.is_none() || !gains);
+                    let mut held = servers(&live);
+                    for change in &changes {
+                        let key = (change.backend.clone(), change.server.clone());
+                        match &change.change {
+                            SlotChange::Set => {
+                                let slot = held.get_mut(&key).expect("a live server set");
+                                proptest::prop_assert_eq!(slot.0, change.from);
+                                slot.0 = change.to;
+                            }
+                            SlotChange::Add(options) => {
+                                proptest::prop_assert!(!change.from.enabled);
+                                let before = held.insert(key, (change.to, options.clone()));
+                                proptest::prop_assert!(before.is_none(), "{change:?} added twice");
+                            }
+                            SlotChange::Delete => {
+                                let gone = held.remove(&key).expect("a live server deleted");
+                                proptest::prop_assert_eq!(gone.0, change.from);
+                            }
+                        }
+                    }
+                    proptest::prop_assert_eq!(held, servers(&new));
+                }
+                Err(_) => proptest::prop_assert!(refused.is_some() && gains),
+            }
         }
     }
 }

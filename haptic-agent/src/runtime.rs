@@ -6,7 +6,10 @@
 //! - in `haproxy.cfg`, only `server` lines of `backend`/`listen` sections that keep their
 //!   name and every parameter but the address (`ip:port`), `weight` and `disabled`/`enabled`
 //!   (the server slots of `haptic-render`'s reference templates): `set server ... addr`,
-//!   `weight`, `state ready|maint`;
+//!   `weight`, `state ready|maint`; and `server` lines a section gains or loses, the rest of
+//!   it the same (a backend's slots grown or shrunk by a step): `add server` (a new line's
+//!   options all ones HAProxy's dynamic servers take, [`hitless::ADDABLE`]; then `enable
+//!   health` and `state ready`) and `del server` (after `state maint`);
 //! - files HAProxy loaded as maps (`show map` names them): the new entries replace the old
 //!   in one transaction (`prepare map`, `add map @<version>` with payloads, `commit map`), or,
 //!   for a map `haproxy.cfg` looks up only by key or longest prefix ([`order_free`]), a few
@@ -45,7 +48,9 @@ use std::{
     time::Duration,
 };
 
-pub use haptic_agent_client::hitless::{ServerChange, ServerSpec, map_entries, order_free};
+pub use haptic_agent_client::hitless::{
+    ServerChange, ServerSpec, SlotChange, map_entries, order_free,
+};
 use haptic_agent_client::{
     FileSet,
     hitless::{self, unsafe_text},
@@ -1154,10 +1159,20 @@ async fn verify_crt_list(worker: &Worker<'_>, list: &CrtListChange<'_>) -> Resul
     Ok(())
 }
 
-/// Checks each change against `answer`: what `show servers state` said of its backend.
+/// Checks each change against `answer`: what `show servers state` said of its backend (a
+/// deleted server: not listed).
 fn verify_servers(answer: &str, changes: &[&ServerChange]) -> Result<()> {
     let state = servers_state(answer);
     for change in changes {
+        if change.change == SlotChange::Delete {
+            if let Some(got) = state.get(&(change.backend.as_str(), change.server.as_str())) {
+                return Err(Error::Verify(format!(
+                    "server {}/{} is {got:?} after its deletion",
+                    change.backend, change.server,
+                )));
+            }
+            continue;
+        }
         let want = change.to;
         let ip = want.address.ip().to_string();
         let port = want.address.port().to_string();
@@ -1722,6 +1737,44 @@ mod tests {
                 "s2 127.0.0.1:1 disabled check",
                 "s2 [fd00::2]:81 weight 5 check",
             );
+        // A line gained (slots grown) is added in maintenance, checked, then put in service;
+        // a line lost (shrunk) put in maintenance and deleted.
+        let grown = format!("{LIVE}    server s3 [fd00::3]:80 weight 2 check\n");
+        let changes = config_changes(LIVE, &grown).expect("runtime");
+        assert_eq!(changes.len(), 1);
+        assert_eq!(
+            changes[0].commands(),
+            [
+                "add server be_a/s3 [fd00::3]:80 check weight 2",
+                "enable health be_a/s3",
+                "set server be_a/s3 state ready"
+            ]
+        );
+        let shrunk = LIVE.replace("    server s2 127.0.0.1:1 disabled check\n", "");
+        let changes = config_changes(LIVE, &shrunk).expect("runtime");
+        assert_eq!(
+            changes
+                .iter()
+                .map(ServerChange::commands)
+                .collect::<Vec<_>>(),
+            [["set server be_a/s2 state maint", "del server be_a/s2"]]
+        );
+        // A line renamed is one deleted and one added.
+        let renamed = LIVE.replace("s2 127.0.0.1:1", "s3 127.0.0.1:1");
+        let changes = config_changes(LIVE, &renamed).expect("runtime");
+        assert_eq!(
+            changes
+                .iter()
+                .map(ServerChange::commands)
+                .collect::<Vec<_>>(),
+            [
+                vec![
+                    "add server be_a/s3 127.0.0.1:1 check",
+                    "enable health be_a/s3"
+                ],
+                vec!["set server be_a/s2 state maint", "del server be_a/s2"]
+            ]
+        );
         let changes = config_changes(LIVE, &new).expect("runtime");
         assert_eq!(changes.len(), 2);
         assert_eq!(
@@ -1741,11 +1794,13 @@ mod tests {
         );
         for reload in [
             LIVE.replace("maxconn 10", "maxconn 11"),
-            LIVE.replace("s2 127.0.0.1:1", "s3 127.0.0.1:1"),
             LIVE.replace("s1 10.0.0.1:80 check", "s1 10.0.0.1:80"),
             LIVE.replace("s1 10.0.0.1:80", "s1 web.example:80"),
             LIVE.replace("s1 10.0.0.1:80 check", "s1 10.0.0.2:80 check # x"),
-            format!("{LIVE}    server s3 127.0.0.1:1 disabled check\n"),
+            // A new line with an option `add server` refuses.
+            format!("{LIVE}    server s3 127.0.0.1:1 disabled check cookie s3\n"),
+            // A server line outside a backend.
+            LIVE.replace("maxconn 10\n", "maxconn 10\n    server s9 10.0.0.9:80\n"),
         ] {
             assert!(
                 matches!(config_changes(LIVE, &reload), Err(Error::NeedsReload(_))),
@@ -2158,6 +2213,7 @@ mod tests {
             server: "s1".to_owned(),
             from: spec("127.0.0.1:1", false),
             to,
+            change: SlotChange::Set,
         };
         let moved = change("pool_1", spec("127.0.0.9:9090", false));
         let other = change("pool_2", spec("127.0.0.3:8081", true));
@@ -2253,6 +2309,7 @@ mod tests {
             server: server.to_owned(),
             from: spec(from),
             to: spec(to),
+            change: SlotChange::Set,
         }
     }
 

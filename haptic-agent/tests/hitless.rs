@@ -783,18 +783,69 @@ async fn changes_beyond_the_runtime_api_reload_and_a_failed_runtime_change_falls
         "a new backend reloaded"
     );
 
-    // A backend that outgrows its slots gets more, with a reload.
-    cluster.endpoints(
-        "web",
-        &[
-            ("127.0.0.2", true),
-            ("127.0.0.3", true),
-            ("127.0.0.4", true),
-        ],
-    );
+    // A backend that outgrows its slots gets more (two slots become four): the new `server`
+    // lines are added at run time (`add server`, health checks started), with no reload,
+    // and each endpoint is served.
+    let three = [
+        ("127.0.0.2", true),
+        ("127.0.0.3", true),
+        ("127.0.0.4", true),
+    ];
+    cluster.endpoints("web", &three);
     let report = apply(&client, &agent.url, &cluster, 3)
         .await
         .expect("growth");
+    assert!(!report.reload && report.runtime_ops > 0, "{report:?}");
+    assert_eq!(
+        worker_pids(&client, &agent.url).await,
+        workers,
+        "a growth reloaded"
+    );
+    let served = |wanted: &'static [&'static str]| {
+        let http = http.clone();
+        async move {
+            let mut seen = std::collections::BTreeSet::new();
+            // Round robin over the slots: every endpoint within a few rounds.
+            for _ in 0..12 {
+                seen.insert(get(&http, http_port, "web.test").await.expect("served"));
+            }
+            let wanted: std::collections::BTreeSet<String> =
+                wanted.iter().map(|ip| format!("backend {ip}")).collect();
+            assert_eq!(seen, wanted);
+        }
+    };
+    served(&["127.0.0.2", "127.0.0.3", "127.0.0.4"]).await;
+    // And shrinks back (one endpoint: two slots): the lines that go are deleted at run time.
+    cluster.endpoints("web", &[("127.0.0.3", true)]);
+    let report = apply(&client, &agent.url, &cluster, 4)
+        .await
+        .expect("shrink");
+    assert!(!report.reload && report.runtime_ops > 0, "{report:?}");
+    served(&["127.0.0.3"]).await;
+    cluster.endpoints("web", &three);
+    let report = apply(&client, &agent.url, &cluster, 5)
+        .await
+        .expect("growth again");
+    assert!(!report.reload, "{report:?}");
+    served(&["127.0.0.2", "127.0.0.3", "127.0.0.4"]).await;
+    assert_eq!(
+        worker_pids(&client, &agent.url).await,
+        workers,
+        "a slot change reloaded"
+    );
+
+    // A backend HAProxy cannot add at run time (not one of the pool's: its Service port speaks
+    // HTTP/2 in clear text) needs a reload.
+    cluster.apply(
+        "services",
+        json!({"metadata": {"namespace": NS, "name": "grpc"},
+            "spec": {"ports": [{"name": "http", "port": 80, "appProtocol": "kubernetes.io/h2c"}]}}),
+    );
+    cluster.endpoints("grpc", &[("127.0.0.5", true)]);
+    cluster.ingress("grpc", "grpc.test", "grpc", None);
+    let report = apply(&client, &agent.url, &cluster, 6)
+        .await
+        .expect("a new kind of backend");
     assert!(report.reload, "{report:?}");
     workers = {
         let now = worker_pids(&client, &agent.url).await;
@@ -815,7 +866,7 @@ async fn changes_beyond_the_runtime_api_reload_and_a_failed_runtime_change_falls
             ("127.0.0.5", true),
         ],
     );
-    let report = apply(&client, &agent.url, &cluster, 4).await;
+    let report = apply(&client, &agent.url, &cluster, 7).await;
     // Let the old worker run again and finish: it was told to stop by the reload.
     rustix::process::kill_process(stopped, rustix::process::Signal::CONT).expect("SIGCONT");
     let report = report.expect("fallback");
@@ -853,7 +904,7 @@ async fn changes_beyond_the_runtime_api_reload_and_a_failed_runtime_change_falls
     );
     let set = cluster.render_replacing(Some(("ssl/shop_web-tls.pem", &mismatched)));
     match client
-        .apply(&agent.url, &request(1, "leader-0", 5, set))
+        .apply(&agent.url, &request(1, "leader-0", 8, set))
         .await
     {
         Err(Error::Invalid { check_output }) => {

@@ -36,7 +36,10 @@ pub enum SlotChange {
     /// makes it: in maintenance.
     Add(Vec<String>),
     /// The line is gone (`del server`, after `state maint`): a backend's slots shrank, or a
-    /// backend went back to the pool of spares. `to` is `from` in maintenance.
+    /// backend went back to the pool of spares. `to` is `from` in maintenance. HAProxy
+    /// refuses to delete a server with connections still on it: it then stays, in
+    /// maintenance, until those end and the next reload, and a later [`SlotChange::Add`] of
+    /// its name sets its address and weight.
     Delete,
 }
 
@@ -107,6 +110,15 @@ impl ServerChange {
                     add.push_str(&format!(" weight {}", self.to.weight));
                 }
                 commands.push(add);
+                // A server whose `del server` was refused (it had connections: it stayed, in
+                // maintenance) is still there, and `add server` refuses its name: it is set
+                // to the new address and weight before it may take traffic.
+                commands.push(format!(
+                    "set server {name} addr {} port {}",
+                    self.to.address.ip(),
+                    self.to.address.port()
+                ));
+                commands.push(format!("set server {name} weight {}", self.to.weight));
                 if options.iter().any(|option| option == "check") {
                     commands.push(format!("enable health {name}"));
                 }

@@ -503,10 +503,13 @@ async fn new_services_take_spare_backends_and_an_outgrown_pool_reloads_once() {
             reloads += 1;
         } else {
             runtime += 1;
-            // The spare's slot gets the endpoint (`set server ... addr`, `... state ready`),
-            // maps/pool.map and maps/routes-prefix.map an entry each (`add map`): entry by
-            // entry, where a new version of each map would take three commands.
-            assert_eq!(report.runtime_ops, 4, "{report:?}");
+            // The spare, which has no servers, gets its two slots (`add server`, then its
+            // address and weight set, in case a server of that name stayed: HAProxy keeps one
+            // it would not delete; `enable health`), the one holding the endpoint put in
+            // service (`state ready`), and maps/pool.map and maps/routes-prefix.map an entry
+            // each (`add map`): entry by entry, where a new version of each map would take
+            // three commands.
+            assert_eq!(report.runtime_ops, 2 * 4 + 1 + 2, "{report:?}");
             assert_eq!(worker_pids(&client, &agent.url).await, workers);
         }
         for j in 0..=k {

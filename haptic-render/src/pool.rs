@@ -4,10 +4,13 @@
 //! HAProxy 2.6 (Debian's) cannot add a `backend` at run time. So the reference templates
 //! declare the plain backends (HTTP/1.1 in clear text, no ingress-nginx policy: most of them)
 //! as `pool_<n>` sections, all alike (`balance roundrobin` and the server slots), plus spare
-//! ones whose slots are all `disabled`; `maps/pool.map` sends each Service port's backend name
+//! ones without servers; `maps/pool.map` sends each Service port's backend name
 //! (`<namespace>_<service>_<port>`, what the route maps name) to its pool backend. A new
-//! Service port takes a spare: its slots get the endpoints and the map gets a line, both
-//! through the runtime API. A removed one leaves its pool backend spare again.
+//! Service port takes a spare: it gets its slots (HAProxy's dynamic servers, `add server`)
+//! holding the endpoints, and the map gets a line, both through the runtime API. A removed
+//! one leaves its pool backend spare again (`del server`). A spare without servers costs
+//! HAProxy ~10 KB, one with the 10 default slots ~67 KB (`haproxy` 2.6.12's RSS with 4,000
+//! backends of each kind).
 //!
 //! The assignment is a pure function of the backends (their names and their Services'
 //! `creationTimestamp`), so every replica and a new leader compute the same, with nothing

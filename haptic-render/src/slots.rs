@@ -18,7 +18,8 @@
 //! collision and the endpoint it collided with goes away (or a new endpoint collides ahead
 //! of it); it then moves within the backend, which is still a runtime change. When a
 //! backend outgrows its slots, the slot count grows by a step and the slots are assigned
-//! afresh (a new `server` line needs a reload anyway).
+//! afresh: the new `server` lines are HAProxy's dynamic servers (`add server`), the others
+//! change what they hold, all at run time (and the lines of a shrink are deleted).
 //!
 //! ```
 //! use haptic_render::slots::{assign, Endpoint};

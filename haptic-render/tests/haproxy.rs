@@ -26,10 +26,21 @@ fn ten_ingresses_render_a_config_haproxy_accepts() {
     assert!(pool.contains("team-03_app-00003_9090 pool_"), "{pool}");
     assert_eq!(cfg.matches("\nbackend pool_").count(), 64, "{cfg}");
     assert_eq!(cfg.matches("\nbackend ").count(), 64 + 4 + 1, "{cfg}");
-    // Every backend has 10 server slots (the default `server_slots`). Three endpoints per
-    // slice, the third not ready in every 5th slice (0 and 5): the ready ones are the enabled
-    // servers; the rest of the slots, and every slot of a spare, are disabled.
-    assert_eq!(cfg.matches("    server ").count(), (64 + 4) * 10, "{cfg}");
+    // Every backend of a Service has 10 server slots (the default `server_slots`); a spare
+    // has none (a Service that takes one gets its slots by `add server`). Three endpoints
+    // per slice, the third not ready in every 5th slice (0 and 5): the ready ones are the
+    // enabled servers; the rest of the slots are disabled.
+    assert_eq!(cfg.matches("    server ").count(), (10 + 4) * 10, "{cfg}");
+    let spare = cfg
+        .split("\nbackend ")
+        .filter(|section| section.starts_with("pool_"))
+        .find(|section| !pool.contains(&format!(" {}\n", section.lines().next().unwrap_or(""))))
+        .expect("a spare");
+    assert_eq!(
+        spare.lines().count(),
+        2,
+        "a spare is its header and balance: {spare}"
+    );
     let enabled = cfg
         .lines()
         .filter(|l| l.starts_with("    server ") && !l.contains(" disabled"))

@@ -740,6 +740,172 @@ async fn endpoint_map_and_certificate_changes_apply_with_no_reload_and_survive_a
     agent.stop().await;
 }
 
+/// `show stat` of the agent's HAProxy worker, through its master socket.
+async fn show_stat(data: &std::path::Path) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    // The default place (the agent runs HAProxy as its own user here).
+    let mut socket = tokio::net::UnixStream::connect(data.join("master.sock"))
+        .await
+        .expect("master socket");
+    socket.write_all(b"@1 show stat\n").await.expect("ask");
+    // The master CLI answers once it sees the end of the request.
+    socket.shutdown().await.expect("end of the request");
+    let mut answer = String::new();
+    tokio::time::timeout(Duration::from_secs(5), socket.read_to_string(&mut answer))
+        .await
+        .expect("answered in time")
+        .expect("answer");
+    answer
+}
+
+/// The CSV fields of the server slots (`s<n>`) in a `show stat` answer.
+fn slot_stats(stat: &str) -> impl Iterator<Item = Vec<&str>> {
+    stat.lines()
+        .map(|line| line.split(',').collect::<Vec<_>>())
+        .filter(|fields| {
+            fields.get(1).is_some_and(|name| {
+                name.strip_prefix('s')
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            })
+        })
+}
+
+/// HAProxy refuses to delete a server with a request on it: the server the shrink takes away
+/// stays, in maintenance (serving that request to its end, and no other), with no reload; a
+/// growth that adds its name again sets the lingering server to the new endpoint before it
+/// serves, again with no reload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_deleted_with_a_request_on_it_stays_until_its_slot_comes_back() {
+    let port = free_port();
+    let release = Arc::new(tokio::sync::Notify::new());
+    let mut running = Vec::new();
+    for n in 2..=4 {
+        let ip = format!("127.0.0.{n}");
+        let listener = TcpListener::bind((ip.as_str(), port)).await.expect("bind");
+        let body = format!("backend {ip}");
+        let release = release.clone();
+        let app = axum::Router::new()
+            .route(
+                "/hold",
+                axum::routing::get(move || {
+                    let release = release.clone();
+                    async move {
+                        release.notified().await;
+                        "released"
+                    }
+                }),
+            )
+            .fallback(move || {
+                let body = body.clone();
+                async move { body }
+            });
+        running.push(tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        }));
+    }
+    let (http_port, https_port) = (free_port(), free_port());
+    let mut cluster = Cluster::new(http_port, https_port, port, 2);
+    cluster.ingress("web", "web.test", "web", None);
+    let three = [
+        ("127.0.0.2", true),
+        ("127.0.0.3", true),
+        ("127.0.0.4", true),
+    ];
+    cluster.endpoints("web", &three);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let agent = TestAgent::start(dir.path()).await;
+    let client = client();
+    apply(&client, &agent.url, &cluster, 1)
+        .await
+        .expect("first");
+    await_get(http_port, "web.test", "backend 127.0.0.2")
+        .await
+        .expect("served");
+    let workers = worker_pids(&client, &agent.url).await;
+
+    // A request held on every server (round robin: each of the three gets two).
+    let held: Vec<JoinHandle<Result<String, String>>> = (0..6)
+        .map(|_| {
+            tokio::spawn(async move {
+                let http = reqwest::Client::builder()
+                    .pool_max_idle_per_host(0)
+                    .timeout(Duration::from_secs(30))
+                    .build()
+                    .map_err(|e| e.to_string())?;
+                let response = http
+                    .get(format!("http://127.0.0.1:{http_port}/hold"))
+                    .header("host", "web.test")
+                    .send()
+                    .await
+                    .map_err(|e| e.to_string())?;
+                response.text().await.map_err(|e| e.to_string())
+            })
+        })
+        .collect();
+    // Every server holds one before the shrink (HAProxy's count of current sessions).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let busy = |stat: &str| {
+        slot_stats(stat)
+            .filter(|fields| fields.get(4).is_some_and(|scur| *scur != "0"))
+            .count()
+    };
+    loop {
+        let stat = show_stat(dir.path()).await;
+        if busy(&stat) >= 3 || tokio::time::Instant::now() > deadline {
+            assert_eq!(busy(&stat), 3, "{stat}");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // The shrink (one endpoint: two slots) deletes two servers that have a request on them.
+    cluster.endpoints("web", &[("127.0.0.3", true)]);
+    let report = apply(&client, &agent.url, &cluster, 2)
+        .await
+        .expect("shrink");
+    assert!(!report.reload, "{report:?}");
+    let http = traffic_client();
+    for _ in 0..6 {
+        assert_eq!(
+            get(&http, http_port, "web.test").await,
+            Ok("backend 127.0.0.3".to_owned())
+        );
+    }
+    let stat = show_stat(dir.path()).await;
+    // The config has two slots now; the servers of slots 3 and 4 that stayed are in
+    // maintenance.
+    let lingering: Vec<&str> = slot_stats(&stat)
+        .filter(|fields| matches!(fields[1], "s3" | "s4"))
+        .map(|fields| fields.get(17).copied().unwrap_or_default())
+        .collect();
+    assert!(!lingering.is_empty(), "no server stayed: {stat}");
+    assert!(
+        lingering.iter().all(|status| status.starts_with("MAINT")),
+        "{stat}"
+    );
+
+    // The growth adds their names again, at other endpoints than they held.
+    cluster.endpoints("web", &three);
+    let report = apply(&client, &agent.url, &cluster, 3)
+        .await
+        .expect("growth");
+    assert!(!report.reload, "{report:?}");
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..12 {
+        seen.insert(get(&http, http_port, "web.test").await.expect("served"));
+    }
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    assert_eq!(worker_pids(&client, &agent.url).await, workers);
+    release.notify_waiters();
+    for request in held {
+        assert_eq!(request.await.expect("held"), Ok("released".to_owned()));
+    }
+    agent.stop().await;
+    for task in running {
+        task.abort();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn changes_beyond_the_runtime_api_reload_and_a_failed_runtime_change_falls_back() {
     let (endpoint_port, _endpoints) = endpoints(6).await;

@@ -1008,6 +1008,37 @@ async fn main() {
         );
         json.insert(format!("rss_leader_{n}_mib"), json!(rss_lead));
         json.insert(format!("rss_follower_{n}_mib"), json!(rss_follow));
+        // What each agent's HAProxy worker holds (its spare backends among it).
+        let mut workers = Vec::new();
+        for agent in &fleet {
+            let pids = agent
+                .state()
+                .await
+                .map(|s| s.worker_pids)
+                .unwrap_or_default();
+            let rss = pids
+                .iter()
+                .filter_map(|pid| i32::try_from(*pid).ok())
+                .map(rss_mib)
+                .fold(0.0, f64::max);
+            workers.push(rss);
+        }
+        push(
+            &mut rows,
+            format!(
+                "| RSS of each agent's HAProxy worker on {n} (+ {} new) | {} MiB | |",
+                args.changes,
+                workers
+                    .iter()
+                    .map(|rss| format!("{rss:.0}"))
+                    .collect::<Vec<_>>()
+                    .join(" / ")
+            ),
+        );
+        json.insert(
+            format!("rss_haproxy_worker_{n}_mib"),
+            json!(workers.iter().copied().fold(0.0, f64::max)),
+        );
         json.insert(
             format!("rss_leader_{n}_before_changes_mib"),
             json!(rss_before.0),

@@ -359,6 +359,33 @@ fn hunk_by_section(
     window_changes(hunk.at, section, &old, &inserted, new)
 }
 
+/// The algorithm of `section`'s own `balance` line in `config`, if it has one. A server is
+/// added at run time only to a `roundrobin` backend: the algorithm the reference templates'
+/// plain backends and slots use, and the one whose dynamic servers HAProxy 2.6 balances
+/// without known faults (releases up to 3.0 had some with `leastconn` and `random`, the
+/// haproxy/haproxy issues 2497 and 3413).
+fn balance<'a>(config: &'a str, section: (&str, &str)) -> Option<&'a str> {
+    let header = format!("{} {}", section.0, section.1);
+    let bytes = config.as_bytes();
+    let start = memchr::memmem::find_iter(bytes, header.as_bytes()).find(|&at| {
+        (at == 0 || bytes[at - 1] == b'\n')
+            && config[at + header.len()..]
+                .split('\n')
+                .next()
+                .is_some_and(|rest| rest.trim().is_empty())
+    })?;
+    config[start..]
+        .split('\n')
+        .skip(1)
+        .map_while(|line| {
+            let mut tokens = line.split_ascii_whitespace();
+            let first = tokens.next();
+            (!first.is_some_and(|first| SECTIONS.contains(&first)))
+                .then_some((first, tokens.next()))
+        })
+        .find_map(|(first, second)| (first == Some("balance")).then_some(second).flatten())
+}
+
 /// The lines of a window of `haproxy.cfg` cut at its section headers: each part's header
 /// line (none for the first, which goes on with the section above the window), its `server`
 /// lines by name, and its other lines in order.
@@ -461,6 +488,7 @@ fn window_changes(
                     let (_, to, rest) = parse_server(line).ok_or_else(differs)?;
                     if !addable(&rest)
                         || memchr::memmem::find(config.as_bytes(), b"default-server").is_some()
+                        || balance(config, section) != Some("roundrobin")
                     {
                         return Err(differs());
                     }
@@ -680,7 +708,9 @@ mod tests {
             counts in proptest::collection::vec((0usize..5, 0usize..5), 1..12),
             edits in proptest::collection::vec((0usize..12, 0usize..5, 0u8..3), 0..8),
             check in proptest::bool::ANY,
-            refused in proptest::sample::select(vec![None, None, None, Some("cookie"), Some("default")]),
+            refused in proptest::sample::select(
+                vec![None, None, None, Some("cookie"), Some("default"), Some("leastconn")],
+            ),
         ) {
             let line = |b: usize, s: usize, edit: Option<u8>, extra: &str| {
                 let mut line = match edit {
@@ -704,7 +734,9 @@ mod tests {
                     text.push_str("\ndefaults\n    default-server inter 3s\n");
                 }
                 for (b, &(before, after)) in counts.iter().enumerate() {
-                    text.push_str(&format!("\nbackend be_{b}\n    balance roundrobin\n"));
+                    // With `leastconn` refused, every backend balances so.
+                    let balance = if refused == Some("leastconn") { "leastconn" } else { "roundrobin" };
+                    text.push_str(&format!("\nbackend be_{b}\n    balance {balance}\n"));
                     let count = if new { after } else { before };
                     for s in 0..count {
                         let (edit, extra) = match new {

@@ -355,35 +355,18 @@ fn hunk_by_section(
         .iter()
         .map(|line| line.strip_suffix('\n').unwrap_or(line))
         .collect();
-    let section = section_above(live[..at].rsplit('\n').skip(1));
-    window_changes(hunk.at, section, &old, &inserted, new)
-}
-
-/// The algorithm of `section`'s own `balance` line in `config`, if it has one. A server is
-/// added at run time only to a `roundrobin` backend: the algorithm the reference templates'
-/// plain backends and slots use, and the one whose dynamic servers HAProxy 2.6 balances
-/// without known faults (releases up to 3.0 had some with `leastconn` and `random`, the
-/// haproxy/haproxy issues 2497 and 3413).
-fn balance<'a>(config: &'a str, section: (&str, &str)) -> Option<&'a str> {
-    let header = format!("{} {}", section.0, section.1);
-    let bytes = config.as_bytes();
-    let start = memchr::memmem::find_iter(bytes, header.as_bytes()).find(|&at| {
-        (at == 0 || bytes[at - 1] == b'\n')
-            && config[at + header.len()..]
-                .split('\n')
-                .next()
-                .is_some_and(|rest| rest.trim().is_empty())
-    })?;
-    config[start..]
-        .split('\n')
-        .skip(1)
+    let above = || live[..at].rsplit('\n').skip(1);
+    let section = section_above(above());
+    // The section's `balance` line above the window, if any (the lines up to its header).
+    let balance = above()
         .map_while(|line| {
             let mut tokens = line.split_ascii_whitespace();
             let first = tokens.next();
             (!first.is_some_and(|first| SECTIONS.contains(&first)))
                 .then_some((first, tokens.next()))
         })
-        .find_map(|(first, second)| (first == Some("balance")).then_some(second).flatten())
+        .find_map(|(first, second)| (first == Some("balance")).then_some(second).flatten());
+    window_changes(hunk.at, (section, balance), &old, &inserted, new)
 }
 
 /// The lines of a window of `haproxy.cfg` cut at its section headers: each part's header
@@ -429,12 +412,16 @@ fn parts<'a>(lines: &[&'a str]) -> Vec<Part<'a>> {
 /// counts differ. Both are cut at their section headers, which must be the same and in the
 /// same order, as must each part's lines other than `server` lines; the `server` lines of a
 /// part are matched by name: in both, a slot changed in place ([`SlotChange::Set`]); only in
-/// `new`, a slot added ([`SlotChange::Add`]: its tokens [`ADDABLE`], and no `default-server`
-/// anywhere in `config`, whose settings `add server` would not apply); only in `old`, a slot
-/// deleted. A name twice in a part needs a reload.
+/// `new`, a slot added ([`SlotChange::Add`]: its tokens [`ADDABLE`], no `default-server`
+/// anywhere in `config`, whose settings `add server` would not apply, and the section's
+/// `balance` line, above the window (`balance_above`) or in it, `roundrobin`: the algorithm
+/// of the reference templates' plain backends and slots, and the one whose dynamic servers
+/// HAProxy 2.6 balances without known faults; releases up to 3.0 had some with `leastconn`
+/// and `random`, haproxy/haproxy issues 2497 and 3413); only in `old`, a slot deleted. A
+/// name twice in a part needs a reload.
 fn window_changes(
     number: usize,
-    section: (&str, &str),
+    (section, balance_above): ((&str, &str), Option<&str>),
     old: &[&str],
     new: &[&str],
     config: &str,
@@ -452,6 +439,7 @@ fn window_changes(
         return Err(differs());
     }
     let mut changes = Vec::new();
+    let mut default_server: Option<bool> = None;
     for (was, now) in old_parts.iter().zip(&new_parts) {
         if was.header != now.header || was.others != now.others {
             return Err(differs());
@@ -472,6 +460,7 @@ fn window_changes(
         if !matches!(section.0, "backend" | "listen") || unsafe_text(section.1) {
             return Err(differs());
         }
+        let mut roundrobin: Option<bool> = None;
         let live: HashMap<&str, &str> = was.servers.iter().copied().collect();
         let wanted: HashMap<&str, &str> = now.servers.iter().copied().collect();
         if live.len() != was.servers.len() || wanted.len() != now.servers.len() {
@@ -486,10 +475,24 @@ fn window_changes(
                 }
                 None => {
                     let (_, to, rest) = parse_server(line).ok_or_else(differs)?;
-                    if !addable(&rest)
-                        || memchr::memmem::find(config.as_bytes(), b"default-server").is_some()
-                        || balance(config, section) != Some("roundrobin")
-                    {
+                    // The whole config is searched once a window, the section once a part.
+                    let default_server = *default_server.get_or_insert_with(|| {
+                        memchr::memmem::find(config.as_bytes(), b"default-server").is_some()
+                    });
+                    let roundrobin = *roundrobin.get_or_insert_with(|| {
+                        let own = now.others.iter().find_map(|line| {
+                            let mut tokens = line.split_ascii_whitespace();
+                            (tokens.next() == Some("balance"))
+                                .then(|| tokens.next())
+                                .flatten()
+                        });
+                        own.or(if now.header.is_none() {
+                            balance_above
+                        } else {
+                            None
+                        }) == Some("roundrobin")
+                    });
+                    if !addable(&rest) || default_server || !roundrobin {
                         return Err(differs());
                     }
                     changes.push(ServerChange {

@@ -340,8 +340,8 @@ fn changes_of_hunks(live: &str, new: &str, hunks: &[Hunk]) -> Result<Vec<ServerC
 }
 
 /// [`window_changes`] of `hunk`, whose first line starts at byte `at` of `live`.
-fn hunk_by_section(
-    live: &str,
+fn hunk_by_section<'a>(
+    live: &'a str,
     new: &str,
     hunk: &Hunk,
     at: usize,
@@ -357,16 +357,40 @@ fn hunk_by_section(
         .collect();
     let above = || live[..at].rsplit('\n').skip(1);
     let section = section_above(above());
-    // The section's `balance` line above the window, if any (the lines up to its header).
-    let balance = above()
-        .map_while(|line| {
-            let mut tokens = line.split_ascii_whitespace();
-            let first = tokens.next();
-            (!first.is_some_and(|first| SECTIONS.contains(&first)))
-                .then_some((first, tokens.next()))
-        })
-        .find_map(|(first, second)| (first == Some("balance")).then_some(second).flatten());
-    window_changes(hunk.at, (section, balance), &old, &inserted, new)
+    // The section's lines above the window (up to its header) and below it (up to the next
+    // header): the same in both configs. Their first two tokens.
+    fn own<'a>(lines: impl Iterator<Item = &'a str>) -> Vec<(Option<&'a str>, Option<&'a str>)> {
+        lines
+            .map_while(|line| {
+                let mut tokens = line.split_ascii_whitespace();
+                let first = tokens.next();
+                (!first.is_some_and(|first| SECTIONS.contains(&first)))
+                    .then_some((first, tokens.next()))
+            })
+            .collect()
+    }
+    let (up, down) = (own(above()), own(live[at..].split('\n').skip(hunk.remove)));
+    let named = |lines: &[(Option<&'a str>, Option<&'a str>)], keyword: &str| -> Vec<&'a str> {
+        lines
+            .iter()
+            .filter(|(first, _)| *first == Some(keyword))
+            .filter_map(|(_, second)| *second)
+            .collect()
+    };
+    let around = Around {
+        balance: named(&up, "balance").first().copied(),
+        above: named(&up, "server"),
+        below: named(&down, "server"),
+    };
+    window_changes(hunk.at, section, &around, &old, &inserted, new)
+}
+
+/// What a window's section has outside it: the `balance` line's algorithm above it, and the
+/// names of the `server` lines above and below it.
+struct Around<'a> {
+    balance: Option<&'a str>,
+    above: Vec<&'a str>,
+    below: Vec<&'a str>,
 }
 
 /// The lines of a window of `haproxy.cfg` cut at its section headers: each part's header
@@ -414,14 +438,16 @@ fn parts<'a>(lines: &[&'a str]) -> Vec<Part<'a>> {
 /// part are matched by name: in both, a slot changed in place ([`SlotChange::Set`]); only in
 /// `new`, a slot added ([`SlotChange::Add`]: its tokens [`ADDABLE`], no `default-server`
 /// anywhere in `config`, whose settings `add server` would not apply, and the section's
-/// `balance` line, above the window (`balance_above`) or in it, `roundrobin`: the algorithm
+/// `balance` line, above the window or in it, `roundrobin`: the algorithm
 /// of the reference templates' plain backends and slots, and the one whose dynamic servers
 /// HAProxy 2.6 balances without known faults; releases up to 3.0 had some with `leastconn`
 /// and `random`, haproxy/haproxy issues 2497 and 3413); only in `old`, a slot deleted. A
-/// name twice in a part needs a reload.
+/// name twice in a part, or added where the section has it outside the window, needs a
+/// reload.
 fn window_changes(
     number: usize,
-    (section, balance_above): ((&str, &str), Option<&str>),
+    section: (&str, &str),
+    around: &Around<'_>,
     old: &[&str],
     new: &[&str],
     config: &str,
@@ -440,7 +466,8 @@ fn window_changes(
     }
     let mut changes = Vec::new();
     let mut default_server: Option<bool> = None;
-    for (was, now) in old_parts.iter().zip(&new_parts) {
+    let last = new_parts.len() - 1;
+    for (index, (was, now)) in old_parts.iter().zip(&new_parts).enumerate() {
         if was.header != now.header || was.others != now.others {
             return Err(differs());
         }
@@ -486,13 +513,12 @@ fn window_changes(
                                 .then(|| tokens.next())
                                 .flatten()
                         });
-                        own.or(if now.header.is_none() {
-                            balance_above
-                        } else {
-                            None
-                        }) == Some("roundrobin")
+                        own.or(if index == 0 { around.balance } else { None }) == Some("roundrobin")
                     });
-                    if !addable(&rest) || default_server || !roundrobin {
+                    // A name the section has outside the window would be there twice.
+                    let elsewhere = (index == 0 && around.above.contains(&name))
+                        || (index == last && around.below.contains(&name));
+                    if !addable(&rest) || default_server || !roundrobin || elsewhere {
                         return Err(differs());
                     }
                     changes.push(ServerChange {

@@ -1807,7 +1807,10 @@ mod tests {
             // section keeps (there twice: `haproxy -c` refuses such a config).
             format!("{LIVE}    server s3 127.0.0.1:1 disabled check cookie s3\n"),
             format!("{LIVE}    server s1 10.0.0.5:80 check\n"),
-            LIVE.replace("    balance roundrobin\n", "    balance roundrobin\n    server s2 10.0.0.5:80 check\n"),
+            LIVE.replace(
+                "    balance roundrobin\n",
+                "    balance roundrobin\n    server s2 10.0.0.5:80 check\n",
+            ),
             // A server line outside a backend.
             LIVE.replace("maxconn 10\n", "maxconn 10\n    server s9 10.0.0.9:80\n"),
         ] {

@@ -20,7 +20,7 @@
 //! - the pool has [`size`] backends: the plain backends plus at least a [`granule`] of spares,
 //!   rounded up to a multiple of it; the granule is the step
 //!   (`extraContext.haproxy.backend_pool_step`, [`DEFAULT_STEP`]; 0 turns the pool off),
-//!   doubled while it stays at most an eighth of the backends (so growths get rarer at scale
+//!   doubled while it stays at most a quarter of the backends (so growths get rarer at scale
 //!   and probing stays short);
 //! - each backend prefers `pool_<fnv1a(name) mod size>` and takes the first free one from
 //!   there (linear probing), backends taken oldest Service first (`creationTimestamp`, then
@@ -94,13 +94,16 @@ pub fn size(used: usize, step: usize) -> usize {
     (used + granule).div_ceil(granule) * granule
 }
 
-/// The unit the pool grows by: `step`, doubled while it stays at most an eighth of `used`.
+/// The unit the pool grows by: `step`, doubled while it stays at most a quarter of `used`.
 /// So a growth (a reload) comes once per `step` new backends in a small cluster, and once per
-/// about an eighth more of them at scale (every 1,024 at 10,000), rather than every `step`,
-/// and probing stays short (the pool is at least an eighth larger than what it holds).
+/// about a quarter more of them at scale (every 2,048 at 10,000), rather than every `step`,
+/// and probing stays short (the pool is at least an eighth larger than what it holds). A
+/// spare has no servers (~10 KB of a HAProxy worker): 2,048 to 4,096 of them at 10,000 cost a
+/// worker less than the 1,024 to 2,048 spares of 10 slots each did before (~67 KB each), when
+/// the granule stopped at an eighth.
 pub fn granule(used: usize, step: usize) -> usize {
     let mut granule = step.max(1);
-    while granule.saturating_mul(2) <= used / 8 {
+    while granule.saturating_mul(2) <= used / 4 {
         granule *= 2;
     }
     granule
@@ -1840,26 +1843,27 @@ mod tests {
         assert_eq!(size(1, 32), 64);
         assert_eq!(size(32, 32), 64);
         assert_eq!(size(33, 32), 96);
-        assert_eq!(granule(10_000, 32), 1_024);
-        assert_eq!(size(10_000, 32), 11_264);
-        assert_eq!(size(10_001, 32), 11_264);
-        assert_eq!(size(10_240, 32), 11_264);
-        assert_eq!(size(10_241, 32), 12_288);
+        assert_eq!(granule(10_000, 32), 2_048);
+        assert_eq!(size(10_000, 32), 12_288);
+        assert_eq!(size(10_001, 32), 12_288);
+        assert_eq!(size(10_240, 32), 12_288);
+        assert_eq!(size(10_241, 32), 14_336);
         assert_eq!(size(10_000, 0), 0);
         let mut growths = 0;
         for used in 0..20_000 {
             let s = size(used, 32);
             assert!(
-                s >= used + 32.max(used / 16) && s.is_multiple_of(32),
+                s >= used + 32.max(used / 8) && s.is_multiple_of(32),
                 "{used}: {s}"
             );
             if used > 0 && s != size(used - 1, 32) {
                 growths += 1;
             }
         }
-        // Every 32 up to 511, then 8 per doubling of the granule (64 at 512, 128 at 1,024...),
-        // and one where it doubles: 64 in 20,000 where a fixed step would grow 625 times.
-        assert_eq!(growths, 64);
+        // Every 32 up to 256, then 4 per doubling of the granule (64 from 256, 128 from
+        // 512...) and one where it doubles: 40 in 20,000 where a fixed step would grow 625
+        // times (64 when the granule stopped at an eighth).
+        assert_eq!(growths, 40);
     }
 
     #[test]

@@ -740,6 +740,27 @@ async fn endpoint_map_and_certificate_changes_apply_with_no_reload_and_survive_a
     agent.stop().await;
 }
 
+/// GETs `web.test` until each endpoint of `wanted` has answered (at most 60 requests: round
+/// robin evens out within a few rounds after servers change state), every answer from one of
+/// them.
+async fn served_by(http: &reqwest::Client, port: u16, wanted: &[&str]) {
+    let wanted: std::collections::BTreeSet<String> =
+        wanted.iter().map(|ip| format!("backend {ip}")).collect();
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..60 {
+        let body = get(http, port, "web.test").await.expect("served");
+        assert!(
+            wanted.contains(&body),
+            "{body} answered, not one of {wanted:?}"
+        );
+        seen.insert(body);
+        if seen == wanted {
+            return;
+        }
+    }
+    panic!("only {seen:?} of {wanted:?} answered in 60 requests");
+}
+
 /// `show stat` of the agent's HAProxy worker, through its master socket.
 async fn show_stat(data: &std::path::Path) -> String {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -865,12 +886,7 @@ async fn a_server_deleted_with_a_request_on_it_stays_until_its_slot_comes_back()
         .expect("shrink");
     assert!(!report.reload, "{report:?}");
     let http = traffic_client();
-    for _ in 0..6 {
-        assert_eq!(
-            get(&http, http_port, "web.test").await,
-            Ok("backend 127.0.0.3".to_owned())
-        );
-    }
+    served_by(&http, http_port, &["127.0.0.3"]).await;
     let stat = show_stat(dir.path()).await;
     // The config has two slots now; the servers of slots 3 and 4 that stayed are in
     // maintenance.
@@ -890,11 +906,7 @@ async fn a_server_deleted_with_a_request_on_it_stays_until_its_slot_comes_back()
         .await
         .expect("growth");
     assert!(!report.reload, "{report:?}");
-    let mut seen = std::collections::BTreeSet::new();
-    for _ in 0..12 {
-        seen.insert(get(&http, http_port, "web.test").await.expect("served"));
-    }
-    assert_eq!(seen.len(), 3, "{seen:?}");
+    served_by(&http, http_port, &["127.0.0.2", "127.0.0.3", "127.0.0.4"]).await;
     assert_eq!(worker_pids(&client, &agent.url).await, workers);
     release.notify_waiters();
     for request in held {
@@ -970,33 +982,20 @@ async fn changes_beyond_the_runtime_api_reload_and_a_failed_runtime_change_falls
         workers,
         "a growth reloaded"
     );
-    let served = |wanted: &'static [&'static str]| {
-        let http = http.clone();
-        async move {
-            let mut seen = std::collections::BTreeSet::new();
-            // Round robin over the slots: every endpoint within a few rounds.
-            for _ in 0..12 {
-                seen.insert(get(&http, http_port, "web.test").await.expect("served"));
-            }
-            let wanted: std::collections::BTreeSet<String> =
-                wanted.iter().map(|ip| format!("backend {ip}")).collect();
-            assert_eq!(seen, wanted);
-        }
-    };
-    served(&["127.0.0.2", "127.0.0.3", "127.0.0.4"]).await;
+    served_by(&http, http_port, &["127.0.0.2", "127.0.0.3", "127.0.0.4"]).await;
     // And shrinks back (one endpoint: two slots): the lines that go are deleted at run time.
     cluster.endpoints("web", &[("127.0.0.3", true)]);
     let report = apply(&client, &agent.url, &cluster, 4)
         .await
         .expect("shrink");
     assert!(!report.reload && report.runtime_ops > 0, "{report:?}");
-    served(&["127.0.0.3"]).await;
+    served_by(&http, http_port, &["127.0.0.3"]).await;
     cluster.endpoints("web", &three);
     let report = apply(&client, &agent.url, &cluster, 5)
         .await
         .expect("growth again");
     assert!(!report.reload, "{report:?}");
-    served(&["127.0.0.2", "127.0.0.3", "127.0.0.4"]).await;
+    served_by(&http, http_port, &["127.0.0.2", "127.0.0.3", "127.0.0.4"]).await;
     assert_eq!(
         worker_pids(&client, &agent.url).await,
         workers,

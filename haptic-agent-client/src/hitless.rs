@@ -71,8 +71,13 @@ pub const ADDABLE: [(&str, Option<&[&str]>); 5] = [
     ("proto", Some(&["h2"])),
 ];
 
-/// Whether `rest` (a `server` line's other tokens, in order) is all [`ADDABLE`].
+/// Whether `rest` (a `server` line's other tokens, in order) is all [`ADDABLE`], with
+/// `verify` beside `ssl` (HAProxy verifies a server's certificate by default and refuses
+/// `ssl` without a CA file: the line would not pass `haproxy -c`).
 fn addable(rest: &[&str]) -> bool {
+    if rest.contains(&"ssl") && !rest.contains(&"verify") {
+        return false;
+    }
     let mut tokens = rest.iter();
     while let Some(token) = tokens.next() {
         match ADDABLE.iter().find(|(name, _)| name == token) {

@@ -1742,6 +1742,18 @@ mod tests {
         // A line gained (slots grown) is added in maintenance, checked, then put in service;
         // a line lost (shrunk) put in maintenance and deleted.
         let grown = format!("{LIVE}    server s3 [fd00::3]:80 weight 2 check\n");
+        let tls = format!("{LIVE}    server s3 10.0.0.3:443 check ssl verify none alpn h2\n");
+        assert_eq!(
+            config_changes(LIVE, &tls).expect("runtime")[0].change,
+            SlotChange::Add(vec![
+                "check".into(),
+                "ssl".into(),
+                "verify".into(),
+                "none".into(),
+                "alpn".into(),
+                "h2".into()
+            ])
+        );
         let changes = config_changes(LIVE, &grown).expect("runtime");
         assert_eq!(changes.len(), 1);
         assert_eq!(
@@ -1806,6 +1818,7 @@ mod tests {
             // A new line with an option `add server` refuses, or the name of a line the
             // section keeps (there twice: `haproxy -c` refuses such a config).
             format!("{LIVE}    server s3 127.0.0.1:1 disabled check cookie s3\n"),
+            format!("{LIVE}    server s3 127.0.0.1:1 disabled check ssl\n"),
             format!("{LIVE}    server s1 10.0.0.5:80 check\n"),
             LIVE.replace(
                 "    balance roundrobin\n",

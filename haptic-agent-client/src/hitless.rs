@@ -341,6 +341,18 @@ fn changes_of_hunks(live: &str, new: &str, hunks: &[Hunk]) -> Result<Vec<ServerC
         // hunk read by section.
         changes.extend(hunk_by_section(live, new, hunk, start)?);
     }
+    // Each hunk is read on its own: a server named in two of them (a line moved, or a name
+    // added twice, which `haproxy -c` would refuse) needs a reload.
+    let mut named = std::collections::HashSet::with_capacity(changes.len());
+    if let Some(twice) = changes
+        .iter()
+        .find(|change| !named.insert((change.backend.as_str(), change.server.as_str())))
+    {
+        return Err(format!(
+            "haproxy.cfg names server {}/{} in two changed places",
+            twice.backend, twice.server
+        ));
+    }
     Ok(changes)
 }
 
@@ -696,6 +708,28 @@ mod tests {
             }
         }
         text
+    }
+
+    /// A name added in two hunks of a delta (each read on its own, the other's line not yet
+    /// in the live text) is a duplicate `haproxy -c` would refuse: a reload.
+    #[test]
+    fn a_server_added_in_two_hunks_needs_a_reload() {
+        let live = "backend b\n    balance roundrobin\n    server s1 10.0.0.1:80\n    \
+            timeout server 1s\n    server s2 10.0.0.2:80\n";
+        let line = "    server s3 10.0.0.3:80\n".to_owned();
+        let once = live.replace("timeout", "server s3 10.0.0.3:80\n    timeout");
+        let hunk = |at| Hunk {
+            at,
+            remove: 0,
+            insert: vec![line.clone()],
+        };
+        assert_eq!(
+            config_changes_from_hunks(live, &once, &[hunk(3)]).map(|changes| changes.len()),
+            Ok(1)
+        );
+        let twice = format!("{once}{line}");
+        assert!(config_changes_from_hunks(live, &twice, &[hunk(3), hunk(5)]).is_err());
+        assert!(config_changes(live, &twice).is_err());
     }
 
     proptest::proptest! {

@@ -16,7 +16,7 @@ use crate::{
     coordinator, credentials, drift,
     events::{ControllerEvent, STICKY},
     health::{self, Probes},
-    pod_discovery, published, reconciler, recorder,
+    pod_discovery, pool_keeper, published, reconciler, recorder,
     render_gate::{self, GateSettings},
     scheduler,
     state::StateCache,
@@ -271,6 +271,13 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
                     compress_above: published::COMPRESS_ABOVE,
                 };
                 move |ctx| published::component(client.clone(), settings.clone(), ctx)
+            }),
+        )
+        .leader_only(
+            "pool-keeper",
+            faulty("pool-keeper", &panic_in, {
+                let client = client.clone();
+                move |ctx| pool_keeper::component(client.clone(), ctx)
             }),
         )
         .leader_only(

@@ -42,6 +42,7 @@ pub mod health;
 pub mod metrics;
 pub mod migrate;
 pub mod pod_discovery;
+pub mod pool_keeper;
 pub mod published;
 pub mod reconciler;
 pub mod recorder;

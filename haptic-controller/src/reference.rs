@@ -11,7 +11,7 @@ use crate::crd::{
 };
 
 /// The resource each reference store watches: (store, apiVersion, plural).
-const RESOURCES: [(&str, &str, &str); 12] = [
+const RESOURCES: [(&str, &str, &str); 13] = [
     ("ingresses", "networking.k8s.io/v1", "ingresses"),
     ("services", "v1", "services"),
     ("endpointslices", "discovery.k8s.io/v1", "endpointslices"),
@@ -32,6 +32,7 @@ const RESOURCES: [(&str, &str, &str); 12] = [
     ),
     ("namespaces", "v1", "namespaces"),
     ("haproxy_pods", "v1", "pods"),
+    ("backend_pool", "v1", "configmaps"),
 ];
 
 /// The label of the HAProxy pods in the reference spec (its `podSelector`).
@@ -59,8 +60,11 @@ pub fn spec() -> HAProxyTemplateConfigSpec {
                 // The htpasswd Secrets of ingress-nginx's auth-secret: only those labelled so,
                 // never the cluster's other Opaque Secrets (memory, and what a compromised
                 // controller would hold).
+                // The backend pool's reserve: the ConfigMap the leader keeps
+                // ([`crate::pool_keeper`]), in the controller's namespace (`spec_in`).
                 label_selector: match name {
                     "haproxy_pods" => Some(format!("{}={}", POD_LABEL.0, POD_LABEL.1)),
+                    "backend_pool" => Some(format!("{}=true", crate::pool_keeper::LABEL)),
                     "auth_secrets" => Some(format!(
                         "{}=true",
                         haptic_render::reference::AUTH_SECRET_LABEL
@@ -381,8 +385,10 @@ fn tests() -> BTreeMap<String, ValidationTest> {
 /// `<namespace>/haptic-default-certificate`).
 pub fn spec_in(namespace: &str) -> HAProxyTemplateConfigSpec {
     let mut spec = spec();
-    if let Some(pods) = spec.watched_resources.get_mut("haproxy_pods") {
-        pods.namespace = Some(namespace.to_owned());
+    for store in ["haproxy_pods", "backend_pool"] {
+        if let Some(watched) = spec.watched_resources.get_mut(store) {
+            watched.namespace = Some(namespace.to_owned());
+        }
     }
     if let Some(haproxy) = spec
         .templating_settings
@@ -396,6 +402,10 @@ pub fn spec_in(namespace: &str) -> HAProxyTemplateConfigSpec {
                 "{namespace}/{}",
                 crate::default_certificate::DEFAULT_SECRET
             )),
+        );
+        haproxy.insert(
+            "backend_pool_reserve".to_owned(),
+            serde_json::Value::from(format!("{namespace}/{}", crate::pool_keeper::DEFAULT_NAME)),
         );
     }
     spec

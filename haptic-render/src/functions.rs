@@ -408,7 +408,7 @@ pub fn gateway_certificates(frontends: &[Value], https_port: &Value, shared: boo
 }
 
 /// Looks `key` up in the per-store map held in the context variable `var`.
-fn store_lookup(
+pub(crate) fn store_lookup(
     state: &State,
     var: &str,
     store: &str,

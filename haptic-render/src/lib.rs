@@ -65,6 +65,6 @@ pub use derived::Derivation;
 pub use fileset::FileSet;
 pub use provenance::{ObjectRef, Provenance};
 pub use render::{Renderer, Timings};
-pub use requests::{EventRequest, Requests, StatusRequest};
+pub use requests::{EventRequest, PoolState, Requests, StatusRequest};
 pub use set::{CertificateTemplate, FileTemplate, Template, TemplateSet};
 pub use store::{Change, Overlay, OverlayError, Store, StoreConfig, Stores};

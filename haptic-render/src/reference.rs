@@ -24,7 +24,7 @@ use crate::store::{self, StoreConfig, Stores};
 /// | `referencegrants` | gateway.networking.k8s.io/v1beta1 ReferenceGrant | namespace, name |
 /// | `namespaces` | v1 Namespace (cluster-scoped) | name |
 /// | `haproxy_pods` | v1 Pod: the HAProxy pods | namespace, name |
-pub const STORES: [(&str, &[&str]); 12] = [
+pub const STORES: [(&str, &[&str]); 13] = [
     ("ingresses", &["metadata.namespace", "metadata.name"]),
     ("services", &["metadata.namespace", "metadata.name"]),
     (
@@ -43,6 +43,7 @@ pub const STORES: [(&str, &[&str]); 12] = [
     ("referencegrants", &["metadata.namespace", "metadata.name"]),
     ("namespaces", &["metadata.name"]),
     ("haproxy_pods", &["metadata.namespace", "metadata.name"]),
+    ("backend_pool", &["metadata.namespace", "metadata.name"]),
 ];
 
 /// The label that opts a Secret into the `auth_secrets` store (value `true`): the htpasswd
@@ -220,6 +221,9 @@ fn template(source: &str) -> Template {
 /// `server_slots` (10: `server` lines per backend, growing in steps of it; see
 /// [`crate::slots`]), `backend_pool_step` (32: the pool of spare backends grows in steps of
 /// it, so that a new Service is a runtime change; 0 turns the pool off: see [`crate::pool`]),
+/// `backend_pool_reserve` (none: `"namespace/name"` of the ConfigMap in the `backend_pool`
+/// store whose `data.size` sizes the pool, which the controller's leader writes in a pause so
+/// that a burst of new Services finds spares: see [`crate::pool`]),
 /// `health_checks` (true: `check` on every server slot; HAProxy reserves a
 /// file descriptor for each checked server, disabled or not),
 /// `service` (none: `"namespace/name"` of the HAProxy Service, whose load-balancer address

@@ -68,9 +68,29 @@ fn shared_json<S: serde::Serializer>(
     value.as_ref().serialize(serializer)
 }
 
+/// The state of the backend pool a render sized ([`crate::pool`]), told to the controller so
+/// that its leader keeps the pool's reserve in the cluster: in a pause, it writes `wanted` to
+/// `data.size` of the ConfigMap `at` when that is not what the render read.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PoolState {
+    /// Where the reserve is kept: `<namespace>/<name>` of a ConfigMap.
+    pub at: String,
+    /// The plain backends the pool holds.
+    pub used: usize,
+    /// Its size (backends declared).
+    pub size: usize,
+    /// The reserve the render read, if any (honoured or not).
+    pub reserve: Option<usize>,
+    /// The reserve the pool should have ([`crate::pool::Sizing::wanted`]).
+    pub wanted: usize,
+}
+
 /// Everything one render's templates asked for, in output order.
 #[derive(Clone, Default)]
 pub struct Requests {
+    /// The backend pool's state, when a template sized one with a reserve's place
+    /// (`backend_pool(..., reserve_at=)`): the last one sized.
+    pub pool: Option<PoolState>,
     /// Events, each once.
     pub events: Vec<EventRequest>,
     /// Status fields; a later request for the same object and field replaces an earlier one.
@@ -90,13 +110,14 @@ impl std::fmt::Debug for Requests {
         f.debug_struct("Requests")
             .field("events", &self.events)
             .field("statuses", &self.statuses)
+            .field("pool", &self.pool)
             .finish_non_exhaustive()
     }
 }
 
 impl PartialEq for Requests {
     fn eq(&self, other: &Self) -> bool {
-        self.events == other.events && self.statuses == other.statuses
+        self.events == other.events && self.statuses == other.statuses && self.pool == other.pool
     }
 }
 
@@ -107,6 +128,9 @@ impl Requests {
         if self.is_empty() {
             *self = other;
             return;
+        }
+        if other.pool.is_some() {
+            self.pool = other.pool.take();
         }
         // By a set, not by a scan per event: a render may ask for an Event per object.
         if !other.events.is_empty() {
@@ -133,7 +157,7 @@ impl Requests {
 
     /// True when nothing was asked for.
     pub fn is_empty(&self) -> bool {
-        self.events.is_empty() && self.statuses.is_empty()
+        self.events.is_empty() && self.statuses.is_empty() && self.pool.is_none()
     }
 
     /// Makes `hashes` those of `statuses` again if `statuses` was changed from outside.
@@ -306,6 +330,9 @@ pub(crate) fn replay(requests: &Requests) {
     }
     COLLECTED.with(|c| {
         let (collected, index, seen) = &mut *c.borrow_mut();
+        if requests.pool.is_some() {
+            collected.pool.clone_from(&requests.pool);
+        }
         // Through this thread's set and index: a replay per reused row must not rebuild them.
         for event in &requests.events {
             put_event(&mut collected.events, seen, event.clone());
@@ -314,6 +341,11 @@ pub(crate) fn replay(requests: &Requests) {
             collected.put_status(index, Arc::clone(status), hash);
         }
     });
+}
+
+/// Sets the pool's state in what this thread's template asked for (a later one replaces it).
+pub(crate) fn put_pool(state: PoolState) {
+    COLLECTED.with(|c| c.borrow_mut().0.pool = Some(state));
 }
 
 /// Adds `statuses` to what this thread's template asked for, in order.

@@ -22,8 +22,26 @@ fn template_set() -> haptic_render::TemplateSet {
         .as_object_mut()
         .unwrap()
         .insert("service".into(), json!("haptic-system/haproxy"));
+    // The pool sized by a reserve kept in a ConfigMap ([`reserve`]).
+    set.extra_context
+        .get_mut("haproxy")
+        .unwrap()
+        .as_object_mut()
+        .unwrap()
+        .insert(
+            "backend_pool_reserve".into(),
+            json!("haptic-system/haptic-backend-pool"),
+        );
     set
 }
+
+/// The backend pool's reserve, as the controller's leader keeps it.
+static RESERVE: std::sync::LazyLock<[Json; 1]> = std::sync::LazyLock::new(|| {
+    [json!({"apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"namespace": "haptic-system", "name": "haptic-backend-pool",
+            "labels": {"haproxy-haptic.org/backend-pool": "true"}},
+        "data": {"size": "64"}})]
+});
 
 fn haproxy_service(ip: &str) -> Json {
     json!({"apiVersion": "v1", "kind": "Service",
@@ -52,6 +70,7 @@ fn arb_step() -> impl Strategy<Value = Step> {
         Just("endpointslices"),
         Just("secrets"),
         Just("ingressclasses"),
+        Just("backend_pool"),
     ];
     (0..4u8, store, 0..N, 0..10u8).prop_map(|(kind, store, i, variant)| match kind {
         0 => Step::Remove(store, i),
@@ -134,6 +153,12 @@ fn variant(store: &str, resource: &Json, v: u8, fixtures: &fixtures::Fixtures) -
             // The key of another pair: a certificate whose key does not match.
             r["data"]["tls.key"] = json!("bm90IGEga2V5");
         }
+        ("backend_pool", v) => {
+            // Reserves honoured or not (below the backends, above four times what the pool
+            // would be grown to, not a number).
+            let sizes = ["64", "16", "40", "96", "1000", "x", "", "33", "48", "12"];
+            r["data"]["size"] = json!(sizes[usize::from(v) % sizes.len()]);
+        }
         ("ingressclasses", 1) => {
             r["metadata"]["annotations"] = json!({});
         }
@@ -151,6 +176,7 @@ fn resources<'a>(fixtures: &'a fixtures::Fixtures, store: &str) -> &'a [Json] {
         "endpointslices" => &fixtures.endpoint_slices,
         "secrets" => &fixtures.secrets,
         "ingressclasses" => &fixtures.ingress_classes,
+        "backend_pool" => &RESERVE[..],
         _ => &[],
     }
 }
@@ -228,7 +254,7 @@ proptest! {
         // template values ([`fresh`]).
         prop_assert_eq!(
             kept.compact_unread_stores(&mut stores),
-            ["endpointslices", "gatewayclasses", "gateways", "haproxy_pods", "httproutes",
+            ["backend_pool", "endpointslices", "gatewayclasses", "gateways", "haproxy_pods", "httproutes",
                 "ingressclasses", "ingresses", "namespaces", "referencegrants", "services"]
         );
         same("first render", &kept.render_traced(&stores).unwrap(), &fresh(&stores))?;
@@ -555,4 +581,60 @@ fn an_event_that_changes_no_row_renders_nothing_again() {
         t.fragments_rendered > 0 && t.outputs_reused < singles - 1,
         "{t:?}"
     );
+}
+
+/// The pool's size is the reserve kept in the ConfigMap the templates name while it is sane,
+/// the Services' own otherwise; each render tells the pool's state (what the controller's
+/// leader keeps the reserve by), and a change of the ConfigMap alone renders the pool again.
+#[test]
+fn a_reserve_kept_in_a_configmap_sizes_the_pool() {
+    let fixtures = fixtures::generate(N);
+    let mut stores = reference::stores().unwrap();
+    fixtures.load(&mut stores).unwrap();
+    let kept = Renderer::compile(&template_set()).unwrap();
+    kept.compact_unread_stores(&mut stores);
+    let pools = |files: &FileSet| {
+        files
+            .text("haproxy.cfg")
+            .unwrap()
+            .lines()
+            .filter(|l| l.starts_with("backend pool_"))
+            .count()
+    };
+    let (files, requests, _) = kept.render_traced(&stores).unwrap();
+    let state = requests.pool.clone().expect("the pool's state is told");
+    assert_eq!(state.at, "haptic-system/haptic-backend-pool");
+    assert!(state.used > 0);
+    assert_eq!(state.size, haptic_render::pool::size(state.used, 32));
+    assert_eq!(state.reserve, None);
+    assert_eq!(state.wanted, haptic_render::pool::ahead(state.used, 32));
+    assert_eq!(pools(&files), state.size);
+    for (size, honoured) in [("200", true), ("1", false), ("not a number", false)] {
+        let mut reserve = RESERVE[0].clone();
+        reserve["data"]["size"] = json!(size);
+        stores
+            .get_mut("backend_pool")
+            .unwrap()
+            .apply(&reserve)
+            .unwrap();
+        let got = kept.render_traced(&stores).unwrap();
+        let state = got.1.pool.clone().unwrap();
+        let want = if honoured {
+            200
+        } else {
+            haptic_render::pool::size(state.used, 32)
+        };
+        assert_eq!((state.size, pools(&got.0)), (want, want), "reserve {size}");
+        assert_eq!(state.reserve, size.parse().ok(), "reserve {size}");
+        assert_eq!(
+            got.0.text("maps/pool.map"),
+            fresh(&stores).0.text("maps/pool.map"),
+            "reserve {size}"
+        );
+        assert_eq!(
+            got.0.checksum(),
+            fresh(&stores).0.checksum(),
+            "reserve {size}"
+        );
+    }
 }

@@ -243,6 +243,36 @@ async fn reloads(agent: &Agent) -> u64 {
         .sum::<f64>() as u64
 }
 
+/// Waits (at most 180 s) until the leader kept the backend pool's reserve (`pool_keeper`, in
+/// the pause after the first deployment) and every agent runs a pool of that size: the
+/// changes then find the spares a quiet cluster has. The reserve and how long it took.
+async fn pool_reserved(cluster: &Cluster, agents: &[Agent]) -> Option<(usize, Duration)> {
+    let started = Instant::now();
+    let api = cluster.api::<k8s_openapi::api::core::v1::ConfigMap>();
+    while started.elapsed() < Duration::from_secs(180) {
+        let size = api
+            .get_opt(haptic_controller::pool_keeper::DEFAULT_NAME)
+            .await
+            .ok()
+            .flatten()
+            .and_then(|held| held.data?.get("size")?.parse::<usize>().ok());
+        if let Some(size) = size {
+            let live = |agent: &Agent| {
+                std::fs::read_to_string(agent.data.join("current/haproxy.cfg"))
+                    .unwrap_or_default()
+                    .lines()
+                    .filter(|l| l.starts_with("backend pool_"))
+                    .count()
+            };
+            if agents.iter().all(|agent| live(agent) == size) {
+                return Some((size, started.elapsed()));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    None
+}
+
 /// Waits until no agent has an apply in flight (`haptic_agent_applies_in_flight`), at most
 /// 60 s an agent: an agent serves a set before it has confirmed the reload that loaded it and
 /// counted it, and a count read meanwhile would give that reload to what follows.
@@ -839,6 +869,9 @@ async fn main() {
         {
             haproxy.insert("health_checks".into(), json!(false));
         }
+        // The backend pool sized by the reserve the leader keeps (as deploy/ runs it): grown
+        // ahead of need in the pause after the first deployment, before the changes.
+        with_pool_reserve(&mut config);
         cluster.apply_htc(&config).await;
         let a = Backend::start("a").await;
         let b = Backend::start("b").await;
@@ -855,6 +888,16 @@ async fn main() {
             setup.elapsed(),
             load_average()
         );
+
+        match pool_reserved(&cluster, &fleet).await {
+            Some((size, waited)) => eprintln!(
+                "  the backend pool's reserve ({size}) live on every agent {} ms after the first deployment",
+                waited.as_millis()
+            ),
+            None => {
+                eprintln!("  the backend pool's reserve was not live on every agent within 180 s")
+            }
+        }
 
         // HAPTIC's protocol, runtime updates on.
         let load = load_average();

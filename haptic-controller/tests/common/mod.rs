@@ -288,6 +288,28 @@ pub fn spec(agent_port: u16, http_port: u16) -> HAProxyTemplateConfigSpec {
     local(reference::spec(), agent_port, http_port)
 }
 
+/// Sizes the backend pool of `spec` by a reserve the leader keeps in the ConfigMap
+/// `<NS>/haptic-backend-pool` (`pool_keeper`), as `reference::spec_in` does.
+pub fn with_pool_reserve(spec: &mut HAProxyTemplateConfigSpec) {
+    if let Some(haproxy) = spec
+        .templating_settings
+        .extra_context
+        .get_mut("haproxy")
+        .and_then(|v| v.as_object_mut())
+    {
+        haproxy.insert(
+            "backend_pool_reserve".into(),
+            json!(format!(
+                "{NS}/{}",
+                haptic_controller::pool_keeper::DEFAULT_NAME
+            )),
+        );
+    }
+    if let Some(store) = spec.watched_resources.get_mut("backend_pool") {
+        store.namespace = Some(NS.to_owned());
+    }
+}
+
 /// `spec` made to run on this machine (see [`spec`]).
 pub fn local(
     mut spec: HAProxyTemplateConfigSpec,

@@ -190,7 +190,7 @@ fn the_cluster_role_covers_exactly_the_watched_resources() {
         .as_object()
         .expect("watchedResources")
         .values()
-        // A store watched in one namespace (the HAProxy pods) is the Role's.
+        // A store watched in one namespace (the HAProxy pods, the pool reserve) is the Role's.
         .filter(|w| w["namespace"].is_null())
         .map(|w| {
             let api_version = s(&w["apiVersion"]);
@@ -258,6 +258,12 @@ fn the_cluster_role_covers_exactly_the_watched_resources() {
         // the agent token (read), the default certificate and the agent channel's CA (created
         // once when absent)
         (("", "secrets"), &["get", "list", "watch", "create"]),
+        // the backend pool's reserve: the reference store `backend_pool` (watched here only)
+        // and the leader's server-side apply of it (`pool_keeper`)
+        (
+            ("", "configmaps"),
+            &["get", "list", "watch", "create", "patch"],
+        ),
         (
             ("haproxy-haptic.org", "haproxycfgs"),
             &["get", "list", "create", "patch", "delete"],

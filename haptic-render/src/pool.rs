@@ -13,15 +13,23 @@
 //! backends of each kind).
 //!
 //! The assignment is a pure function of the backends (their names and their Services'
-//! `creationTimestamp`), so every replica and a new leader compute the same, with nothing
-//! read back from HAProxy or kept from one render to the next (as [`crate::slots`] does for
-//! endpoints):
+//! `creationTimestamp`) and of one number kept in the cluster, the reserve, so every replica
+//! and a new leader compute the same, with nothing read back from HAProxy or kept from one
+//! render to the next (as [`crate::slots`] does for endpoints):
 //!
-//! - the pool has [`size`] backends: the plain backends plus at least a [`granule`] of spares,
-//!   rounded up to a multiple of it; the granule is the step
-//!   (`extraContext.haproxy.backend_pool_step`, [`DEFAULT_STEP`]; 0 turns the pool off),
-//!   doubled while it stays at most a quarter of the backends (so growths get rarer at scale
-//!   and probing stays short);
+//! - the pool has [`Sizing::size`] backends: the reserve (`data.size` of the ConfigMap
+//!   `reserve_at=` names, in the store `reserve_from=` names) while it is [`honoured`] (more
+//!   than the plain backends, at most four times [`ahead`]); otherwise [`size`]'s: the plain
+//!   backends plus at least a [`granule`] of spares, rounded up to a multiple of it; the
+//!   granule is the step (`extraContext.haproxy.backend_pool_step`, [`DEFAULT_STEP`]; 0 turns
+//!   the pool off), doubled while it stays at most a quarter of the backends (so growths get
+//!   rarer at scale and probing stays short);
+//! - the reserve is the controller's: each render tells it the pool's state
+//!   ([`crate::PoolState`]) and its leader writes [`Sizing::wanted`] when the rendered sets
+//!   pause (`haptic-controller`'s `pool_keeper`): [`ahead`] (two fifths more than the plain
+//!   backends) when the spares are fewer than three tenths of them or more than half again
+//!   [`ahead`]'s; a growth is then one reload made while nothing else changes, and a burst of
+//!   new Services takes spares the running HAProxy has;
 //! - each backend prefers `pool_<fnv1a(name) mod size>` and takes the first free one from
 //!   there (linear probing), backends taken oldest Service first (`creationTimestamp`, then
 //!   name).
@@ -29,9 +37,9 @@
 //! So a new Service, the newest, takes a free backend and moves nobody; removing one may move
 //! the backends that had probed past it (each still a runtime change: the agent sets a
 //! backend's servers before a map entry names it, and takes an entry away before its backend
-//! gets another Service's servers). When the plain backends cross a step, the pool's size
-//! changes, every backend is assigned afresh, and the set needs one reload, ahead of need:
-//! a step of spares is always left.
+//! gets another Service's servers). When the pool's size changes (the reserve written, or the
+//! plain backends crossing a step of [`size`] without one), every backend is assigned afresh
+//! and the set needs one reload.
 //!
 //! ```
 //! use haptic_render::pool::{assign, Member};
@@ -1366,7 +1374,9 @@ fn spare(index: usize) -> Value {
     ])
 }
 
-/// Registers `backend_pool(rows=<backend rows>, step=<n>)`: a map with `rows` (the backends to
+/// Registers `backend_pool(rows=<backend rows>, step=<n>, reserve_from=<store>,
+/// reserve_at=<namespace>/<name>)` (the reserve optional; `reserve=<n>` gives it directly): a
+/// map with `rows` (the backends to
 /// write: the rows the pool does not take as they are, then the pool's `size` backends in
 /// order, a taken one as its row named `pool_<n>` with `service_backend` its own name, a
 /// spare one without endpoints), `names` (each pooled backend's name to its pool backend's;

@@ -1666,12 +1666,16 @@ mod tests {
             first in 1usize..40,
             adds in proptest::collection::vec((0usize..64, 0u8..8), 1..40),
             step in 1usize..4,
+            reserve in proptest::option::of(0usize..96),
         ) {
             let mut list: Vec<Value> = (0..first)
                 .map(|i| row_at(&format!("ns_svc-{i}_80"), u32::try_from(i).unwrap_or(0), i % 7 == 3))
                 .collect();
             let mut memo = Memo::default();
-            memo.pool(&Value::from(list.clone()), step, None).expect("pools");
+            // A reserve kept in the cluster (honoured while above the members, not once they
+            // outgrow it), changed now and then.
+            let mut sizing = Sizing { step, reserve };
+            memo.pool_with(&Value::from(list.clone()), sizing, None, true).expect("pools");
             let mut second = u32::try_from(first).unwrap_or(0);
             for (k, (at, what)) in adds.into_iter().enumerate() {
                 let at = at % (list.len() + 1);
@@ -1684,6 +1688,8 @@ mod tests {
                     1 => list.insert(at, row_at(&format!("ns_h2-{k}_80"), second + 1, true)),
                     // Created in the same second as the newest (the name breaks the tie).
                     2 => list.insert(at, row_at(&format!("ns_new-{k}_80"), second, false)),
+                    // The leader writes another reserve.
+                    4 => sizing.reserve = Some(list.len() + at),
                     // The newest.
                     _ => {
                         second += 1;
@@ -1691,8 +1697,13 @@ mod tests {
                     }
                 }
                 let rows = Value::from(list.clone());
-                let kept = memo.pool(&rows, step, None).expect("pools");
-                let fresh = Memo::default().pool(&rows, step, None).expect("pools");
+                let kept = memo.pool_with(&rows, sizing, None, true).expect("pools");
+                let fresh = Memo::default().pool_with(&rows, sizing, None, true).expect("pools");
+                let plain = list.iter().filter(|row| plain(row)).count();
+                proptest::prop_assert_eq!(
+                    kept.as_map().and_then(|m| m.get(&Key::Str("size"))).and_then(Value::as_u64),
+                    u64::try_from(sizing.size(plain)).ok()
+                );
                 proptest::prop_assert_eq!(&kept, &fresh);
                 proptest::prop_assert_eq!(in_order(&kept), in_order(&fresh));
             }
@@ -1865,6 +1876,7 @@ mod tests {
                 1..10,
             ),
             step in 1usize..16,
+            slack in proptest::option::of(1usize..8),
         ) {
             let mut list: Vec<Value> = (0..first)
                 .map(|i| {
@@ -1873,7 +1885,9 @@ mod tests {
                 })
                 .collect();
             let mut memo = Memo::default();
-            memo.pool(&Value::from(list.clone()), step, None).expect("pools");
+            // A reserve a few backends above the members: a pool more crowded still.
+            let sizing = Sizing { step, reserve: slack.map(|slack| first + slack) };
+            memo.pool_with(&Value::from(list.clone()), sizing, None, true).expect("pools");
             let mut made = 0u32;
             for batch in edits {
                 for (at, what, second) in batch {
@@ -1901,8 +1915,8 @@ mod tests {
                     }
                 }
                 let rows = Value::from(list.clone());
-                let kept = memo.pool(&rows, step, None).expect("pools");
-                let fresh = Memo::default().pool(&rows, step, None).expect("pools");
+                let kept = memo.pool_with(&rows, sizing, None, true).expect("pools");
+                let fresh = Memo::default().pool_with(&rows, sizing, None, true).expect("pools");
                 proptest::prop_assert_eq!(&kept, &fresh);
                 proptest::prop_assert_eq!(in_order(&kept), in_order(&fresh));
             }

@@ -86,6 +86,19 @@ on_both_servers! {
         })
         .await;
 
+        // The backend pool's reserve: the leader writes its ConfigMap in the controller's
+        // namespace by server-side apply, under the Role, in the pause after the deployment.
+        let reserve = eventually("the backend pool's reserve kept", Duration::from_secs(30), || async {
+            let held = env
+                .api::<k8s_openapi::api::core::v1::ConfigMap>(&env.ns)
+                .get_opt(haptic_controller::pool_keeper::DEFAULT_NAME)
+                .await
+                .ok()??;
+            held.data?.get("size")?.parse::<usize>().ok()
+        })
+        .await;
+        assert!(reserve > 0);
+
         // Ingress status, by server-side apply with field manager `haptic`.
         let ingresses = env.api::<Ingress>(&env.apps);
         let shop = eventually("the Ingress status from the LB Service", Duration::from_secs(20), || async {

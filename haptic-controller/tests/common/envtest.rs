@@ -117,6 +117,26 @@ impl Env {
         if let Some(pods) = spec.watched_resources.get_mut("haproxy_pods") {
             pods.namespace = Some(self.ns.clone());
         }
+        // So does the store of the backend pool's reserve, which the leader writes there
+        // (`pool_keeper`, as `reference::spec_in` sets it).
+        if let Some(pool) = spec.watched_resources.get_mut("backend_pool") {
+            pool.namespace = Some(self.ns.clone());
+        }
+        if let Some(haproxy) = spec
+            .templating_settings
+            .extra_context
+            .get_mut("haproxy")
+            .and_then(|v| v.as_object_mut())
+        {
+            haproxy.insert(
+                "backend_pool_reserve".into(),
+                json!(format!(
+                    "{}/{}",
+                    self.ns,
+                    haptic_controller::pool_keeper::DEFAULT_NAME
+                )),
+            );
+        }
         let htc = HAProxyTemplateConfig::new(HTC, spec.clone());
         let api = self.api::<HAProxyTemplateConfig>(&self.ns);
         match api.get_opt(HTC).await.expect("get HTC") {

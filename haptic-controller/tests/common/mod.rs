@@ -322,6 +322,11 @@ pub fn local(
         pods.label_selector = Some("app=haproxy".to_owned());
         pods.namespace = Some(NS.to_owned());
     }
+    // The store of the backend pool's reserve too (read only where `with_pool_reserve` names
+    // the ConfigMap).
+    if let Some(pool) = spec.watched_resources.get_mut("backend_pool") {
+        pool.namespace = Some(NS.to_owned());
+    }
     let le = &mut spec.controller.leader_election;
     le.lease_duration = "3s".into();
     le.renew_deadline = "2s".into();

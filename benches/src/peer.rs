@@ -467,102 +467,130 @@ fn register(env: &mut Environment<'static>) {
         },
     );
     // The pool of spare backends (haptic_render::pool), computed afresh on every call.
-    env.add_function("backend_pool", |kwargs: Kwargs| -> Result<Value> {
-        let rows: Vec<Value> = kwargs.get("rows")?;
-        let step: Option<usize> = kwargs.get("step")?;
-        let only: Option<Vec<String>> = kwargs.get("names")?;
-        // `flat=false`: no `rows` in the answer (the renderer's memo then makes no flat list;
-        // this peer makes it anyway, unread).
-        let _flat: Option<bool> = kwargs.get("flat")?;
-        kwargs.assert_all_used()?;
-        let step = step.unwrap_or(haptic_render::pool::DEFAULT_STEP);
-        let field = |row: &Value, name: &str| row.get_attr(name).ok().filter(|v| !v.is_undefined());
-        let plain = |row: &Value| {
-            step > 0
-                && row.kind() == minijinja::value::ValueKind::Map
-                && !field(row, "policy").is_some_and(|v| v.is_true())
-                && !field(row, "app_protocol").is_some_and(|v| v.is_true())
-        };
-        let texts: Vec<(String, String)> = rows
-            .iter()
-            .filter(|row| plain(row))
-            .map(|row| {
-                let get = |name| field(row, name).map(|v| text(&v)).unwrap_or_default();
-                (get("name"), get("created"))
-            })
-            .collect();
-        let members: Vec<haptic_render::pool::Member<'_>> = texts
-            .iter()
-            .map(|(name, created)| haptic_render::pool::Member { name, created })
-            .collect();
-        let (size, slots) = haptic_render::pool::assign(&members, step);
-        let mut out: Vec<Value> = rows.iter().filter(|row| !plain(row)).cloned().collect();
-        let before = out.len();
-        let mut pool: Vec<Option<Value>> = vec![None; size];
-        let mut names = BTreeMap::new();
-        let mut map = String::new();
-        for ((row, (name, _)), slot) in rows.iter().filter(|row| plain(row)).zip(&texts).zip(&slots)
-        {
-            let pool_name = haptic_render::pool::backend_name(*slot);
-            map.push_str(&format!("{name} {pool_name}\n"));
-            if only.as_ref().is_none_or(|only| only.contains(name)) {
-                names.insert(name.clone(), Value::from(pool_name.clone()));
+    env.add_function(
+        "backend_pool",
+        |state: &State, kwargs: Kwargs| -> Result<Value> {
+            let rows: Vec<Value> = kwargs.get("rows")?;
+            let step: Option<usize> = kwargs.get("step")?;
+            let only: Option<Vec<String>> = kwargs.get("names")?;
+            // `flat=false`: no `rows` in the answer (the renderer's memo then makes no flat list;
+            // this peer makes it anyway, unread).
+            let _flat: Option<bool> = kwargs.get("flat")?;
+            // The reserve: `data.size` of the ConfigMap `reserve_at` in store `reserve_from`, or
+            // `reserve` given; a number or the text of one, anything else none.
+            let reserve_from: Option<String> = kwargs.get("reserve_from")?;
+            // A text, or (minijinja's `default(value=...)` of an undefined value gives the
+            // keyword arguments themselves) nothing.
+            let reserve_at: Option<Value> = kwargs.get("reserve_at")?;
+            let reserve_at = reserve_at.and_then(|v| v.as_str().map(str::to_owned));
+            let mut reserve: Option<Value> = kwargs.get("reserve")?;
+            kwargs.assert_all_used()?;
+            if let (Some(store), Some(at)) = (reserve_from, reserve_at.filter(|at| !at.is_empty()))
+            {
+                let held = store_lookup(state, "__haptic_get", &store, &at)?;
+                reserve = held
+                    .get_attr("data")
+                    .and_then(|data| data.get_attr("size"))
+                    .ok()
+                    .filter(|v| !v.is_undefined() && !v.is_none());
             }
-            if let Some(place) = pool.get_mut(*slot).filter(|place| place.is_none()) {
-                let mut fields: BTreeMap<String, Value> = BTreeMap::new();
-                if let Ok(keys) = row.try_iter() {
-                    for key in keys {
-                        let value = row.get_item(&key)?;
-                        fields.insert(text(&key), value);
+            let reserve = reserve.and_then(|v| {
+                v.as_usize()
+                    .or_else(|| v.as_str().and_then(|s| s.trim().parse().ok()))
+            });
+            let step = step.unwrap_or(haptic_render::pool::DEFAULT_STEP);
+            let sizing = haptic_render::pool::Sizing { step, reserve };
+            let field =
+                |row: &Value, name: &str| row.get_attr(name).ok().filter(|v| !v.is_undefined());
+            let plain = |row: &Value| {
+                step > 0
+                    && row.kind() == minijinja::value::ValueKind::Map
+                    && !field(row, "policy").is_some_and(|v| v.is_true())
+                    && !field(row, "app_protocol").is_some_and(|v| v.is_true())
+            };
+            let texts: Vec<(String, String)> = rows
+                .iter()
+                .filter(|row| plain(row))
+                .map(|row| {
+                    let get = |name| field(row, name).map(|v| text(&v)).unwrap_or_default();
+                    (get("name"), get("created"))
+                })
+                .collect();
+            let members: Vec<haptic_render::pool::Member<'_>> = texts
+                .iter()
+                .map(|(name, created)| haptic_render::pool::Member { name, created })
+                .collect();
+            let (size, slots) =
+                haptic_render::pool::assign_sized(&members, sizing.size(members.len()));
+            let mut out: Vec<Value> = rows.iter().filter(|row| !plain(row)).cloned().collect();
+            let before = out.len();
+            let mut pool: Vec<Option<Value>> = vec![None; size];
+            let mut names = BTreeMap::new();
+            let mut map = String::new();
+            for ((row, (name, _)), slot) in
+                rows.iter().filter(|row| plain(row)).zip(&texts).zip(&slots)
+            {
+                let pool_name = haptic_render::pool::backend_name(*slot);
+                map.push_str(&format!("{name} {pool_name}\n"));
+                if only.as_ref().is_none_or(|only| only.contains(name)) {
+                    names.insert(name.clone(), Value::from(pool_name.clone()));
+                }
+                if let Some(place) = pool.get_mut(*slot).filter(|place| place.is_none()) {
+                    let mut fields: BTreeMap<String, Value> = BTreeMap::new();
+                    if let Ok(keys) = row.try_iter() {
+                        for key in keys {
+                            let value = row.get_item(&key)?;
+                            fields.insert(text(&key), value);
+                        }
                     }
+                    fields.insert("service_backend".into(), Value::from(name.clone()));
+                    fields.insert("name".into(), Value::from(pool_name));
+                    *place = Some(Value::from(fields));
                 }
-                fields.insert("service_backend".into(), Value::from(name.clone()));
-                fields.insert("name".into(), Value::from(pool_name));
-                *place = Some(Value::from(fields));
             }
-        }
-        for (index, place) in pool.into_iter().enumerate() {
-            out.push(place.unwrap_or_else(|| {
-                context! {
-                    name => haptic_render::pool::backend_name(index),
-                    endpoints => Vec::<Value>::new(),
-                    app_protocol => "",
-                    namespace => "",
-                    service => "",
-                    port => 0,
-                    port_name => "",
-                    created => "",
-                    origin => Vec::<Value>::new(),
-                    policy => (),
-                    service_backend => "",
-                }
-            }));
-        }
-        // `rows` in runs of at most pool::GROUP, the rows before the pool apart.
-        let (unpooled, pooled) = out.split_at(before);
-        let group = |(k, run): (usize, &[Value]), part: &str| {
-            context! { id => format!("{part}{k}"), rows => run.to_vec() }
-        };
-        let groups: Vec<Value> = unpooled
-            .chunks(haptic_render::pool::GROUP)
-            .enumerate()
-            .map(|g| group(g, "b"))
-            .chain(
-                pooled
-                    .chunks(haptic_render::pool::GROUP)
-                    .enumerate()
-                    .map(|g| group(g, "p")),
-            )
-            .collect();
-        Ok(context! {
-            rows => out,
-            groups => groups,
-            names => names,
-            map => map,
-            size => size,
-            used => texts.len(),
-        })
-    });
+            for (index, place) in pool.into_iter().enumerate() {
+                out.push(place.unwrap_or_else(|| {
+                    context! {
+                        name => haptic_render::pool::backend_name(index),
+                        endpoints => Vec::<Value>::new(),
+                        app_protocol => "",
+                        namespace => "",
+                        service => "",
+                        port => 0,
+                        port_name => "",
+                        created => "",
+                        origin => Vec::<Value>::new(),
+                        policy => (),
+                        service_backend => "",
+                    }
+                }));
+            }
+            // `rows` in runs of at most pool::GROUP, the rows before the pool apart.
+            let (unpooled, pooled) = out.split_at(before);
+            let group = |(k, run): (usize, &[Value]), part: &str| {
+                context! { id => format!("{part}{k}"), rows => run.to_vec() }
+            };
+            let groups: Vec<Value> = unpooled
+                .chunks(haptic_render::pool::GROUP)
+                .enumerate()
+                .map(|g| group(g, "b"))
+                .chain(
+                    pooled
+                        .chunks(haptic_render::pool::GROUP)
+                        .enumerate()
+                        .map(|g| group(g, "p")),
+                )
+                .collect();
+            Ok(context! {
+                rows => out,
+                groups => groups,
+                names => names,
+                map => map,
+                size => size,
+                used => texts.len(),
+            })
+        },
+    );
     env.add_filter("backend_name", |parts: Vec<Value>| -> Result<String> {
         match parts.as_slice() {
             [namespace, service, port] => {

@@ -1066,6 +1066,8 @@ async fn main() {
                 .fold(0.0, f64::max);
             workers.push(rss);
         }
+        // 0: no worker of that agent could be read (its state did not answer, or its workers
+        // had exited): said so, never reported as a size.
         push(
             &mut rows,
             format!(
@@ -1073,15 +1075,19 @@ async fn main() {
                 args.changes,
                 workers
                     .iter()
-                    .map(|rss| format!("{rss:.0}"))
+                    .map(|rss| if *rss > 0.0 {
+                        format!("{rss:.0}")
+                    } else {
+                        "not read".to_owned()
+                    })
                     .collect::<Vec<_>>()
                     .join(" / ")
             ),
         );
-        json.insert(
-            format!("rss_haproxy_worker_{n}_mib"),
-            json!(workers.iter().copied().fold(0.0, f64::max)),
-        );
+        let largest_worker = workers.iter().copied().fold(0.0, f64::max);
+        if largest_worker > 0.0 {
+            json.insert(format!("rss_haproxy_worker_{n}_mib"), json!(largest_worker));
+        }
         json.insert(
             format!("rss_leader_{n}_before_changes_mib"),
             json!(rss_before.0),

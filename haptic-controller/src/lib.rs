@@ -8,7 +8,8 @@
 //! [`credentials`], [`watchers`] (resource watchers), [`reconciler`], [`pod_discovery`],
 //! [`state`] (state cache), [`health`], [`debug`] (the observer and `/debug/vars`),
 //! [`metrics`], [`standby`] (the warm standby: renders while not leading); leader only: [`coordinator`], [`render_gate`],
-//! [`scheduler`] (deployment scheduler and deployer), [`drift`], [`status`]. [`daemon`] wires
+//! [`scheduler`] (deployment scheduler and deployer), [`drift`], [`status`], [`pool_keeper`]
+//! (the backend pool's reserve). [`daemon`] wires
 //! them on a haptic-eventbus bus through haptic-leadership; [`crd`] is the custom resource.
 //!
 //! ```
@@ -18,9 +19,9 @@
 //! // The reference Ingress config passes every check the config loader makes.
 //! let valid = config::validate(&reference::spec(), 1, "1").expect("valid");
 //! // Ingresses, Services, EndpointSlices, TLS Secrets, labelled htpasswd Secrets,
-//! // IngressClasses, the HAProxy pods,
+//! // IngressClasses, the HAProxy pods, the backend pool's reserve (a ConfigMap),
 //! // Namespaces and the Gateway API kinds (optional: their CRDs are the user's).
-//! assert_eq!(valid.stores.len(), 12);
+//! assert_eq!(valid.stores.len(), 13);
 //! assert_eq!(HAProxyTemplateConfig::crd_name(), "haproxytemplateconfigs.haproxy-haptic.org");
 //! ```
 

@@ -299,6 +299,27 @@ async fn quiesce(agents: &[Agent]) -> Duration {
     quiet.elapsed()
 }
 
+/// Waits (at most 120 s) until the leader and its children (the render gate's `haproxy -c`)
+/// used under 50 ms of CPU over half a second; how long that took.
+async fn leader_idle(leader: i32, follower: i32) -> Duration {
+    let waited = Instant::now();
+    let busy = || {
+        let cpu = cpu_by_kind(leader, follower);
+        cpu.get("leader").copied().unwrap_or(0.0)
+            + cpu.get("leader_children").copied().unwrap_or(0.0)
+    };
+    let mut before = busy();
+    while waited.elapsed() < Duration::from_secs(120) {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = busy();
+        if now - before < 50.0 {
+            break;
+        }
+        before = now;
+    }
+    waited.elapsed()
+}
+
 /// Waits (at most 120 s) until the leader's render gate gave its first verdict of the term
 /// (`haptic_validation_total{stage="render"}`): its first `haproxy -c` of the whole set (seconds
 /// of a core at 10,000 Ingresses with 2,500 certificates, longer while the first deployment
@@ -911,6 +932,15 @@ async fn main() {
         // No apply in flight when the leader's histograms are read: one that started with the
         // first deployment (a whole set, seconds) would count among the changes' applies.
         quiesce(&fleet).await;
+        // The pool's growth (a new set of every backend assigned afresh) is followed by the
+        // render gate's check of the whole set (`haproxy -c`, seconds of a core at 10,000) and
+        // its publication: a quiet cluster's work, not the changes'. Measured from when the
+        // leader is idle again (nothing of it ran in the last half second).
+        let idle = leader_idle(lead_pid, follow_pid).await;
+        eprintln!(
+            "  the leader idle {} ms after the fleet was quiet",
+            idle.as_millis()
+        );
         let gate_wait = gate_settled(&replicas[lead_at]).await;
         eprintln!(
             "  the render gate's first verdict {} ms after the fleet was quiet",

@@ -21,7 +21,11 @@
 //! looked up by key or prefix: [`passes_as`]) passes as that one did, at once: no `haproxy -c`
 //! runs for it, and a check of an older render in progress is dropped. A stream of new routes
 //! on spare backends and endpoint changes then runs no check at all (at 10,000 Ingresses each
-//! check is seconds of a core).
+//! check is seconds of a core). A render that passes as a set waiting for a check (or in one)
+//! waits in its place, not compared with the last pass: what that set differs in from the last
+//! pass is still there (after the backend pool grew, the comparison with the set before the
+//! growth read every moved backend section and failed, ~100 ms of a core a render, until the
+//! grown set's check passed).
 //!
 //! A refusal is traced to the object that produced the refused line or file (the set's
 //! provenance: a per-Secret certificate file, a map or crt-list line of an Ingress, a
@@ -180,7 +184,19 @@ pub fn component(
                 event = renders.recv() => {
                     let Some(event) = event else { return };
                     if let Some(set) = admit(&ctx, &settings, event, &mut renders, (&mut term, &mut open, &mut reported, &mut passed)).await {
-                        if inherit(&ctx, &mut last_pass, &set, (&mut open, &mut reported)).await {
+                        // A set waiting for a check, or in one, did not pass as the last pass:
+                        // a render that passes as that set cannot either (what it differs in
+                        // from the last pass is still there), and takes its place with no
+                        // comparison with the last pass. After the backend pool grew (every
+                        // backend section moved), that comparison failed after ~100 ms of a
+                        // core, for every render until the grown set's check passed.
+                        let pending = waiting.clone().or_else(|| checking.as_ref().map(|(set, ..)| set.clone()));
+                        if let Some(pending) = pending
+                            && like(&pending, &set).await
+                        {
+                            set.span.in_scope(|| debug!(checksum = %set.checksum, like = %pending.checksum, "differs from a set waiting for haproxy -c only in what passes as it; waits in its place"));
+                            waiting = Some(set);
+                        } else if inherit(&ctx, &mut last_pass, &set, (&mut open, &mut reported)).await {
                             // The newest render passed: the check of an older one, running or
                             // waiting, would only report on a set nobody deploys any more.
                             checking = None;
@@ -193,6 +209,15 @@ pub fn component(
             }
         }
     }
+}
+
+/// Whether `set` differs from `pending` only in what passes as it ([`passes_as`], off the
+/// async threads).
+async fn like(pending: &Arc<RenderedSet>, set: &Arc<RenderedSet>) -> bool {
+    let (pending, set) = (pending.clone(), set.clone());
+    tokio::task::spawn_blocking(move || passes_as(&pending.files, &set.files))
+        .await
+        .unwrap_or(false)
 }
 
 /// Gives `set` the verdict of `last_pass` when it differs from it only in what passes as it

@@ -177,3 +177,61 @@ async fn sets_that_differ_in_server_slots_and_map_entries_pass_as_the_checked_on
     fewer.remove(&certificate);
     assert!(!passes_as(&checked, &FileSet::new(fewer)), "a file removed");
 }
+
+/// The premise of the gate's shortcut (`render_gate`: a render that passes as a set waiting
+/// for a check waits in its place, not compared with the last pass): a set that passes as one
+/// that did not pass as the checked set does not pass as it either. Here after the backend
+/// pool grew (its reserve raised: every pooled backend section moved), then a new route on a
+/// spare of the grown pool; HAProxy passes each.
+#[tokio::test]
+async fn a_set_like_one_that_needs_a_check_needs_one_too() {
+    let mut set = reference::template_set();
+    set.extra_context
+        .get_mut("haproxy")
+        .and_then(Json::as_object_mut)
+        .expect("the reference's haproxy context")
+        .insert(
+            "backend_pool_reserve".into(),
+            json!("haptic-system/haptic-backend-pool"),
+        );
+    let renderer = Renderer::compile(&set).expect("compiles");
+    let fixture = fixtures::generate(12);
+    let mut stores = reference::stores().expect("stores");
+    fixture.load(&mut stores).expect("fixtures load");
+    let reserve = |size: usize| {
+        json!({"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"namespace": "haptic-system", "name": "haptic-backend-pool",
+                "labels": {"haproxy-haptic.org/backend-pool": "true"}},
+            "data": {"size": size.to_string()}})
+    };
+    let backends = |files: &FileSet| {
+        files
+            .text("haproxy.cfg")
+            .expect("haproxy.cfg")
+            .lines()
+            .filter(|line| line.starts_with("backend pool_"))
+            .count()
+    };
+    apply(&mut stores, "backend_pool", &reserve(48));
+    let checked = render(&renderer, &stores);
+    assert_eq!(backends(&checked), 48, "the reserve sizes the pool");
+    haproxy_passes(&checked).await;
+
+    apply(&mut stores, "backend_pool", &reserve(96));
+    let grown = render(&renderer, &stores);
+    assert_eq!(backends(&grown), 96, "the pool grew");
+    assert!(!passes_as(&checked, &grown), "a grown pool needs a check");
+    haproxy_passes(&grown).await;
+
+    new_route(&mut stores, "fresh", "fresh.example", "10.200.0.8");
+    let routed = render(&renderer, &stores);
+    assert!(
+        passes_as(&grown, &routed),
+        "a new route on a spare of the grown pool"
+    );
+    assert!(
+        !passes_as(&checked, &routed),
+        "what the grown set differs in from the checked one is still there"
+    );
+    haproxy_passes(&routed).await;
+}

@@ -363,7 +363,8 @@ pub struct FileSource {
 pub struct CertificateSource {
     /// The template; it renders PEM (chain and key).
     pub template: String,
-    /// Render once per resource of this store (to `ssl/<namespace>_<name>.pem`); a blank
+    /// Render once per resource of this store (to `ssl/<bucket>/<namespace>_<name>.pem`, the
+    /// path `ssl_file()` gives: 64 buckets, `00` to `3f`, by a hash of the name); a blank
     /// output writes no file.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub for_each: Option<String>,

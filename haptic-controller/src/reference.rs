@@ -217,7 +217,7 @@ fn tests() -> BTreeMap<String, ValidationTest> {
                 {"type": "contains", "pattern": "(?m)^backend shop_secure_443_nginx_passthrough\n    mode tcp\n    balance roundrobin$"},
                 {"type": "match_count", "pattern": "(?m)^    server s\\d+ 10\\.0\\.2\\.1:8080 check$", "expected": 2,
                     "description": "the TCP backend has the Service port's server slots, as its HTTP backend (plain HTTP to the host)"},
-                {"type": "equals", "target": "map:certs.list", "expected": "ssl/shop_web-tls.pem shop.example.com"},
+                {"type": "equals", "target": "map:certs.list", "expected": "ssl/10/shop_web-tls.pem shop.example.com"},
             ],
         },
         "routing-by-host-and-path-type": {
@@ -278,7 +278,7 @@ fn tests() -> BTreeMap<String, ValidationTest> {
             "assertions": [
                 {"type": "haproxy_valid"},
                 {"type": "contains", "pattern": "ssl strict-sni crt-list maps/certs.list"},
-                {"type": "equals", "target": "map:certs.list", "expected": "ssl/shop_web-tls.pem shop.example.com"},
+                {"type": "equals", "target": "map:certs.list", "expected": "ssl/10/shop_web-tls.pem shop.example.com"},
                 {"type": "contains", "target": "cert:shop_web-tls", "pattern": "-----BEGIN CERTIFICATE-----"},
                 {"type": "not_contains", "target": "map:certs.list", "pattern": "missing-tls"},
             ],

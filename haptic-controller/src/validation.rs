@@ -355,7 +355,20 @@ fn target_path(spec: &HAProxyTemplateConfigSpec, target: &str) -> String {
             .get(name)
             .and_then(|f| f.path.clone())
             .unwrap_or_else(|| name.to_owned()),
-        Some(("cert", name)) => format!("ssl/{}.pem", name.trim_end_matches(".pem")),
+        Some(("cert", name)) => {
+            // A named certificate's file, or a per-resource one's (`<namespace>_<name>`, in
+            // its bucket: `haptic_render::functions::ssl_file`).
+            let name = name.trim_end_matches(".pem");
+            if spec
+                .ssl_certificates
+                .get(name)
+                .is_some_and(|cert| cert.for_each.is_none())
+            {
+                format!("ssl/{name}.pem")
+            } else {
+                haptic_render::functions::ssl_item_file(name)
+            }
+        }
         _ => target.to_owned(),
     }
 }

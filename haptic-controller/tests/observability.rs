@@ -11,6 +11,7 @@ use std::{
 };
 
 use common::*;
+use haptic_render::functions::ssl_file;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::PostParams;
 use prometheus_parse::{Scrape, Value};
@@ -137,8 +138,13 @@ async fn metrics_alerts_debug_state_and_json_logs_after_a_deploy() {
         .expect("a live set");
     // The key went out in the set (so the checks below that it shows nowhere else mean it).
     let mut key_body = secret_lines(&private_key);
-    let pem = std::fs::read_to_string(agent.data.join("current/ssl/default_shop-tls.pem"))
-        .expect("the certificate in the live set");
+    let pem = std::fs::read_to_string(
+        agent
+            .data
+            .join("current")
+            .join(ssl_file("default", "shop-tls")),
+    )
+    .expect("the certificate in the live set");
     assert!(key_body.iter().all(|line| pem.contains(line.as_str())));
     // And the key as the Secret's data holds it.
     key_body.push(base64(&private_key)[..48].to_owned());

@@ -6,6 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use haptic_render::functions::ssl_file;
 
 /// One cluster for the checks of the main path, in order: each check waits for its own state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -496,14 +497,14 @@ async fn published_configs(cluster: &Cluster, agents: &[Agent]) {
         "{aux:?}"
     );
     assert_eq!(aux.crt_list_files, [format!("{HTC}-certs.list")], "{aux:?}");
-    let pem =
-        std::fs::read(agents[0].data.join("current/ssl/default_tls-cert.pem")).expect("live pem");
+    let pem_path = ssl_file("default", "tls-cert");
+    let pem = std::fs::read(agents[0].data.join("current").join(&pem_path)).expect("live pem");
     assert_eq!(
         aux.ssl_certificates
             .iter()
             .map(|c| (c.path.as_str(), c.checksum.clone()))
             .collect::<Vec<_>>(),
-        [("ssl/default_tls-cert.pem", published::checksum(&pem))]
+        [(pem_path.as_str(), published::checksum(&pem))]
     );
     let maps = cluster.api::<HAProxyMapFile>();
     let prefix = maps
@@ -525,7 +526,7 @@ async fn published_configs(cluster: &Cluster, agents: &[Agent]) {
         .await
         .expect("crt-list");
     assert!(
-        list.spec.entries.contains("ssl/default_tls-cert.pem"),
+        list.spec.entries.contains(&pem_path),
         "{}",
         list.spec.entries
     );

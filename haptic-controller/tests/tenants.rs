@@ -7,6 +7,7 @@ mod common;
 use std::{net::SocketAddr, time::Duration};
 
 use common::*;
+use haptic_render::functions::ssl_file;
 use k8s_openapi::api::{
     core::v1::{Secret, Service},
     discovery::v1::EndpointSlice,
@@ -224,7 +225,7 @@ async fn one_tenants_bad_object_never_stops_another_tenants_change() {
         "{warning:?}"
     );
     let live = agent.data.join("current");
-    assert!(!live.join("ssl/tenant-a_a-tls.pem").exists());
+    assert!(!live.join(ssl_file(A, "a-tls")).exists());
 
     // An expired certificate is left out the same way.
     let (old_crt, old_key) = generated("old.example", (2020, 2021));
@@ -242,7 +243,7 @@ async fn one_tenants_bad_object_never_stops_another_tenants_change() {
         .await_route("old.example", "/", (200, "backend b"))
         .await;
     await_event_on(&cluster, B, "old", "TLSSecretUnusable", "expired at").await;
-    assert!(!live.join("ssl/tenant-b_old-tls.pem").exists());
+    assert!(!live.join(ssl_file(B, "old-tls")).exists());
 
     // Something templates cannot check: tenant A's Ingress carries a crt-list option HAProxy
     // refuses. The line is traced to that Ingress, which is left out and told why; tenant B's

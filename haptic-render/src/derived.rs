@@ -3721,7 +3721,7 @@ mod tests {
                 ("", false)
             ]
         );
-        assert_eq!(rows[0]["file"], "ssl/ns_good.pem");
+        assert_eq!(rows[0]["file"], "ssl/2a/ns_good.pem");
         assert_eq!(
             rows[0]["hosts"],
             json!(["a.example.com", "*.b.example.com"])

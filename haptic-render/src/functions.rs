@@ -29,7 +29,7 @@
 //! them), which adds up in loops over ten thousand resources: the filter forms of
 //! `backend_name`, `get` and `lookup` take their arguments as one list instead, and the
 //! reference templates use them in their inner loops.
-//! | `ssl_file` | function | `{{ ssl_file(namespace="shop", name="web-tls") }}` | `ssl/shop_web-tls.pem` |
+//! | `ssl_file` | function | `{{ ssl_file(namespace="shop", name="web-tls") }}` | `ssl/10/shop_web-tls.pem` (a bucket, then the Secret's file) |
 
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
@@ -173,14 +173,35 @@ pub fn nginx_client_ca(ingress: &Value) -> String {
     crate::nginx::client_ca(&namespace, &pairs)
 }
 
+/// How many directories the per-Secret certificates are spread over ([`ssl_file`]).
+pub const SSL_BUCKETS: u64 = 64;
+
 /// The path, inside a rendered file set, of the certificate rendered for the Secret
-/// `namespace/name` by a per-item `sslCertificates` entry (see [`crate::set::CertificateTemplate`]).
+/// `namespace/name` by a per-item `sslCertificates` entry (see [`crate::set::CertificateTemplate`]):
+/// `ssl/<bucket>/<namespace>_<name>.pem`, where the bucket (`00` to `3f`) is a hash of the
+/// file's name. An agent keeps a large directory of a set as a tree that sets share while it
+/// is unchanged; a certificate rotation among 2,500 in one directory made each agent link a
+/// new tree of 2,500 files, in [`SSL_BUCKETS`] directories one of ~40 (and 64 links to the
+/// trees of the others). A template names the file with `ssl_file()` (or a crt-list line);
+/// `crt ssl/` would load no certificate (HAProxy loads the files of that directory, not of
+/// its subdirectories).
 ///
 /// ```
-/// assert_eq!(haptic_render::functions::ssl_file("shop", "web-tls"), "ssl/shop_web-tls.pem");
+/// assert_eq!(haptic_render::functions::ssl_file("shop", "web-tls"), "ssl/10/shop_web-tls.pem");
 /// ```
 pub fn ssl_file(namespace: &str, name: &str) -> String {
-    format!("ssl/{}_{}.pem", sanitize(namespace), sanitize(name))
+    ssl_item_file(&format!("{}_{}", sanitize(namespace), sanitize(name)))
+}
+
+/// The path of a per-item certificate file whose name, without `.pem`, is `file`
+/// (`<namespace>_<name>`, sanitized): [`ssl_file`]'s bucket and name.
+///
+/// ```
+/// assert_eq!(haptic_render::functions::ssl_item_file("shop_web-tls"), "ssl/10/shop_web-tls.pem");
+/// ```
+pub fn ssl_item_file(file: &str) -> String {
+    let bucket = crate::slots::fnv1a(file) % SSL_BUCKETS;
+    format!("ssl/{bucket:02x}/{file}.pem")
 }
 
 /// Whether `path` is safe to use as an HTTP path in a map file or ACL: it starts with `/` and
@@ -1020,6 +1041,6 @@ mod tests {
 
     #[test]
     fn ssl_file_is_under_ssl() {
-        assert_eq!(ssl_file("a", "b"), "ssl/a_b.pem");
+        assert_eq!(ssl_file("a", "b"), "ssl/11/a_b.pem");
     }
 }

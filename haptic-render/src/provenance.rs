@@ -5,7 +5,7 @@
 //! Two sources:
 //!
 //! - a per-item output (`sslCertificates.<name>.forEach: <store>`) comes from its item: the
-//!   file `ssl/<namespace>_<name>.pem` is that object's, always;
+//!   file `ssl/<bucket>/<namespace>_<name>.pem` ([`crate::functions::ssl_file`]) is that object's, always;
 //! - a template marks where an object's lines begin with the `from` filter, which renders
 //!   nothing: `{{ ["ingresses", r.namespace, r.ingress] | from }}`. Everything written after a
 //!   mark, up to the next mark, is that object's; `{{ [] | from }}` ends a run (the lines that

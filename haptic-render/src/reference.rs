@@ -206,7 +206,7 @@ fn template(source: &str) -> Template {
 /// without conditions whose rule has no filter and one backend: `<port>/<listener
 /// hostname>/<host><path> <rank> <backend>`, see [`crate::derived::gateway`]);
 /// `maps/gw-certs.list` (the crt-list of the HTTPS Gateway listeners on ports of their own);
-/// `ssl/<namespace>_<secret>.pem` for every usable
+/// `ssl/<bucket>/<namespace>_<secret>.pem` (`ssl_file()`) for every usable
 /// TLS Secret, and for every labelled Secret with a `ca.crt` (ingress-nginx's auth-tls-secret).
 ///
 /// `extraContext.haproxy` holds the tunables: `maxconn` (50000), `bind_address` (empty: every

@@ -1611,7 +1611,7 @@ mod tests {
             ("[{{ \"%%%\" | b64decode(default=\"\") }}]", "[]"),
             (
                 "{{ ssl_file(namespace=\"shop\", name=\"web-tls\") }}",
-                "ssl/shop_web-tls.pem",
+                "ssl/10/shop_web-tls.pem",
             ),
             (
                 "{% for s in resources.services | sort_by(field=\"spec.priority\", reverse=true) %}{{ s.metadata.name }} {% endfor %}",
@@ -1720,8 +1720,11 @@ mod tests {
         );
         let files = Renderer::compile(&set).unwrap().render(&stores()).unwrap();
         let paths: Vec<&str> = files.iter().map(|(p, _)| p).collect();
-        assert_eq!(paths, ["haproxy.cfg", "ssl/a_web.pem", "ssl/b_web.pem"]);
-        assert_eq!(files.text("ssl/b_web.pem"), Some("PEM b"));
+        assert_eq!(
+            paths,
+            ["haproxy.cfg", "ssl/1d/a_web.pem", "ssl/28/b_web.pem"]
+        );
+        assert_eq!(files.text("ssl/28/b_web.pem"), Some("PEM b"));
 
         set.ssl_certificates.get_mut("services").unwrap().for_each = Some("secrets".into());
         let err = Renderer::compile(&set)
@@ -1748,7 +1751,7 @@ mod tests {
             .render(&stores())
             .unwrap_err();
         assert!(
-            matches!(&err, Error::DuplicatePath(path) if path == "ssl/a_api.pem"),
+            matches!(&err, Error::DuplicatePath(path) if path == "ssl/03/a_api.pem"),
             "{err}"
         );
     }

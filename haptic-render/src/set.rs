@@ -89,7 +89,7 @@ pub struct CertificateTemplate {
     /// Render once per resource of this store, with the resource bound to `item`.
     ///
     /// Without it the entry renders `ssl/<name>.pem`. With it, each resource renders
-    /// `ssl/<namespace>_<name>.pem` (what the `ssl_file` function returns), and a resource
+    /// `ssl/<bucket>/<namespace>_<name>.pem` (what the `ssl_file` function returns), and a resource
     /// whose output is blank writes no file: that is how a template skips Secrets that hold
     /// no usable certificate.
     #[serde(default, skip_serializing_if = "Option::is_none")]

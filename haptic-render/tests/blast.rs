@@ -9,7 +9,7 @@ mod common;
 use std::process::Command;
 
 use common::{haproxy, haproxy_check, reference_stores, section};
-use haptic_render::{FileSet, ObjectRef, Renderer, Stores, reference};
+use haptic_render::{FileSet, ObjectRef, Renderer, Stores, functions::ssl_file, reference};
 use serde_json::{Value as Json, json};
 
 fn b64(text: &str) -> String {
@@ -80,10 +80,11 @@ fn mismatched_and_expired_certificates_are_left_out_with_a_warning_on_the_ingres
         .map(|(p, _)| p)
         .filter(|p| p.starts_with("ssl/"))
         .collect();
-    assert_eq!(pems, ["ssl/a_good.pem"]);
+    let good = ssl_file("a", "good");
+    assert_eq!(pems, [good.as_str()]);
     assert_eq!(
         files.text("maps/certs.list"),
-        Some("\nssl/a_good.pem good.a.example\n")
+        Some(format!("\n{good} good.a.example\n").as_str())
     );
     let warnings: Vec<(&str, &str)> = requests
         .events
@@ -178,14 +179,14 @@ fn a_line_haproxy_refuses_is_traced_to_its_object_and_the_set_without_it_passes(
     );
     assert_eq!(provenance.object_at(&files, "haproxy.cfg", 1), None);
     assert_eq!(
-        provenance.file_object("ssl/team-04_app-00004-tls.pem"),
+        provenance.file_object(&ssl_file("team-04", "app-00004-tls")),
         Some(&object("secrets", "team-04", "app-00004-tls"))
     );
 
     // A certificate file HAProxy cannot load (what a key or chain the check accepts but
     // OpenSSL refuses would do): HAProxy names the file, the file names its Secret.
-    let pem = "ssl/team-04_app-00004-tls.pem";
-    let bad_pem = edited(&files, pem, |t| t.replace("MI", "xx"));
+    let pem = ssl_file("team-04", "app-00004-tls");
+    let bad_pem = edited(&files, &pem, |t| t.replace("MI", "xx"));
     let output = refused(&bad_pem).expect("haproxy refuses a corrupt certificate");
     let blamed = provenance.attribute(&bad_pem, &output);
     assert_eq!(
@@ -195,11 +196,7 @@ fn a_line_haproxy_refuses_is_traced_to_its_object_and_the_set_without_it_passes(
     );
     // A crt-list line HAProxy refuses: the Ingress that wrote it.
     let bad_list = edited(&files, "maps/certs.list", |t| {
-        t.replacen(
-            "ssl/team-04_app-00004-tls.pem",
-            "ssl/team-04_app-00004-tls.pem [no-such-option]",
-            1,
-        )
+        t.replacen(&pem, &format!("{pem} [no-such-option]"), 1)
     });
     let output = refused(&bad_list).expect("haproxy refuses an unknown crt-list option");
     let blamed = provenance.attribute(&bad_list, &output);
@@ -234,7 +231,7 @@ fn a_line_haproxy_refuses_is_traced_to_its_object_and_the_set_without_it_passes(
     ]);
     let (files_without, _, _) = renderer.render_traced(&without).unwrap();
     haproxy_check(&files_without);
-    assert!(files_without.text(pem).is_none());
+    assert!(files_without.text(&pem).is_none());
     let list = files_without.text("maps/certs.list").unwrap();
     assert!(!list.contains("team-04_app-00004-tls"), "{list}");
     assert!(list.contains("team-00_app-00000-tls"), "{list}");

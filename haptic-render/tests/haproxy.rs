@@ -6,6 +6,7 @@
 mod common;
 
 use common::{haproxy_check, reference_stores, render_reference, section};
+use haptic_render::functions::ssl_file;
 use serde_json::json;
 
 #[test]
@@ -78,10 +79,13 @@ fn ten_ingresses_render_a_config_haproxy_accepts() {
 
     let certs = files.text("maps/certs.list").expect("crt-list");
     assert_eq!(certs.trim().lines().count(), 3, "{certs}");
-    assert!(certs.contains("ssl/team-04_app-00004-tls.pem app-00004.team-04.example.com"));
+    assert!(certs.contains(&format!(
+        "{} app-00004.team-04.example.com",
+        ssl_file("team-04", "app-00004-tls")
+    )));
     for n in ["00000", "00004", "00008"] {
         let ns = &n[3..];
-        let path = format!("ssl/team-{ns}_app-{n}-tls.pem");
+        let path = ssl_file(&format!("team-{ns}"), &format!("app-{n}-tls"));
         let pem = files
             .text(&path)
             .unwrap_or_else(|| panic!("{path} missing"));
@@ -335,10 +339,10 @@ fn broken_ingresses_never_produce_an_invalid_config() {
         maps.contains("*.wild.example.com/ broken_web_80\n"),
         "{maps}"
     );
-    for absent in ["UPPER", "with space", "no-slash", "ssl/broken_"] {
+    for absent in ["UPPER", "with space", "no-slash", "/broken_"] {
         assert!(!maps.contains(absent), "`{absent}` reached a map:\n{maps}");
     }
-    assert!(!files.iter().any(|(p, _)| p.starts_with("ssl/broken_")));
+    assert!(!files.iter().any(|(p, _)| p.contains("/broken_")));
     let cfg = files.text("haproxy.cfg").unwrap();
     let web = cfg
         .split(&format!("backend {}\n", section(&files, "broken_web_80")))

@@ -7,7 +7,10 @@
 
 #![allow(clippy::unwrap_used)]
 
-use haptic_render::{Change, FileSet, Provenance, Renderer, Requests, Stores, fixtures, reference};
+use haptic_render::{
+    Change, FileSet, Provenance, Renderer, Requests, Stores, fixtures, functions::ssl_file,
+    reference,
+};
 use proptest::prelude::*;
 use serde_json::{Value as Json, json};
 
@@ -476,21 +479,24 @@ fn an_item_is_rendered_again_when_the_entry_it_read_changed() {
         .unwrap();
     let kept = Renderer::compile(&set).unwrap();
     let files = kept.render(&stores).unwrap();
-    assert_eq!(files.text("ssl/a_web.pem"), Some("web true "));
-    assert_eq!(files.text("ssl/a_api.pem"), Some("api none"));
+    assert_eq!(files.text(&ssl_file("a", "web")), Some("web true "));
+    assert_eq!(files.text(&ssl_file("a", "api")), Some("api none"));
     // The Secret's key no longer matches: the entry changes, the Service does not.
     let mut broken = fixtures::tls_secret("a", "web");
     broken["data"]["tls.key"] = json!("bm90IGEga2V5");
     stores.get_mut("secrets").unwrap().apply(&broken).unwrap();
     let files = kept.render(&stores).unwrap();
     let fresh = Renderer::compile(&set).unwrap().render(&stores).unwrap();
-    assert_eq!(files.text("ssl/a_web.pem"), fresh.text("ssl/a_web.pem"));
+    assert_eq!(
+        files.text(&ssl_file("a", "web")),
+        fresh.text(&ssl_file("a", "web"))
+    );
     assert!(
         files
-            .text("ssl/a_web.pem")
+            .text(&ssl_file("a", "web"))
             .is_some_and(|t| t.starts_with("web false ")),
         "{:?}",
-        files.text("ssl/a_web.pem")
+        files.text(&ssl_file("a", "web"))
     );
     let timings = kept.last_timings();
     assert_eq!((timings.items_rendered, timings.items_reused), (1, 1));
@@ -504,7 +510,10 @@ fn an_item_is_rendered_again_when_the_entry_it_read_changed() {
     let again = kept.render(&stores).unwrap();
     let timings = kept.last_timings();
     assert_eq!((timings.items_rendered, timings.items_reused), (0, 2));
-    assert_eq!(again.text("ssl/a_web.pem"), files.text("ssl/a_web.pem"));
+    assert_eq!(
+        again.text(&ssl_file("a", "web")),
+        files.text(&ssl_file("a", "web"))
+    );
 }
 
 /// An event that changes no row of any view (a label) leaves every view the very list it was:

@@ -11,7 +11,8 @@
 //! used to wait for the check of the deployed set); while the gate is open and the pods took
 //! the last deployment, only after a rest as long as the last check took: in a stream of
 //! changes at 10,000 the checks otherwise kept a core busy beside the changes. The check runs on a scratch copy laid out as the agent lays a set out (`-C` at
-//! the set's directory), so relative map and certificate paths resolve the same, and only after
+//! the set's directory), so relative map and certificate paths resolve the same, kept between
+//! checks and updated to each set by writing only the files that changed ([`Scratch`]), and only after
 //! the set passed the agents' own config policy ([`haptic_agent_client::policy`]: no Lua,
 //! programs, external checks or files outside the set unless allowed), so a set the policy
 //! refuses never runs `haproxy -c` here and never leaves the controller.
@@ -116,6 +117,8 @@ pub fn component(
         let mut urgent = false;
         // No check starts before this while the gate is open (`OPEN_REST_FACTOR`).
         let mut rest_until = tokio::time::Instant::now();
+        // The scratch copy the checks run on, kept between them ([`Scratch`]).
+        let scratch = Scratch::default();
         loop {
             let rested = !open || tokio::time::Instant::now() >= rest_until;
             if checking.is_none()
@@ -128,11 +131,13 @@ pub fn component(
                     Priority::Interactive
                 };
                 let future = {
-                    let (settings, set) = (settings.clone(), set.clone());
+                    let (settings, set, scratch) = (settings.clone(), set.clone(), scratch.clone());
                     let span = set.span.clone();
-                    Box::pin(
-                        async move { check_at(&settings, &set, priority).instrument(span).await },
-                    )
+                    Box::pin(async move {
+                        check_at(&settings, &set, priority, Some(&scratch))
+                            .instrument(span)
+                            .await
+                    })
                 };
                 checking = Some((set, future, tokio::time::Instant::now(), priority));
             }
@@ -509,21 +514,27 @@ pub(crate) fn shares(a: &[u8], b: &[u8]) -> bool {
 /// Runs the check; `None` when it passed (or cannot run), else HAProxy's output (or, for a
 /// line HAProxy would refuse for its length, [`long_lines`]'s, which reads as HAProxy's).
 pub async fn check(settings: &GateSettings, set: &RenderedSet) -> Option<String> {
-    check_at(settings, set, Priority::Interactive).await
+    check_at(settings, set, Priority::Interactive, None).await
 }
 
-/// [`check`], `haproxy -c` running at `priority`.
+/// [`check`], `haproxy -c` running at `priority`, in `scratch` when given (else in a
+/// directory of its own).
 async fn check_at(
     settings: &GateSettings,
     set: &RenderedSet,
     priority: Priority,
+    scratch: Option<&Scratch>,
 ) -> Option<String> {
     // Without a binary too: what the gate can see for itself it never lets through.
     if let Err(output) = long_lines(&set.files) {
         return Some(output);
     }
     let haproxy = settings.haproxy.as_ref()?;
-    match check_files_at(haproxy, &set.files, priority).await {
+    let checked = match scratch {
+        Some(scratch) => scratch.check(haproxy, &set.files, priority).await,
+        None => check_files_at(haproxy, &set.files, priority).await,
+    };
+    match checked {
         Ok(()) => None,
         Err(CheckError::Refused(output)) => Some(output),
         Err(CheckError::CannotRun(error)) => {
@@ -623,11 +634,16 @@ pub async fn check_files_at(
             )));
         }
     }
+    run_check(haproxy, &dir, priority).await
+}
+
+/// Runs `haproxy -c` on the set laid out in `dir` (`-C dir -f dir/haproxy.cfg`) at `priority`.
+async fn run_check(haproxy: &Path, dir: &Path, priority: Priority) -> Result<(), CheckError> {
     let mut command = Command::new(haproxy);
     command
         .arg("-c")
         .arg("-C")
-        .arg(&dir)
+        .arg(dir)
         .arg("-f")
         .arg(dir.join("haproxy.cfg"))
         .stdin(Stdio::null())
@@ -651,6 +667,131 @@ pub async fn check_files_at(
             Err(CheckError::Refused(tail(text.trim(), OUTPUT_CAP)))
         }
     }
+}
+
+/// The render gate's scratch copy, kept between its checks: a check writes only the files
+/// that differ from the copy the last one left, and removes those gone (at 10,000 Ingresses a
+/// whole copy, 2,500 certificates and the maps, was ~1.5 s of a core a check, most of it the
+/// file system creating files). A write that fails or never finished (its check dropped, a
+/// panic) leaves no record of the copy, and the next check writes a whole one. One write at a
+/// time: a write of a dropped check that still runs holds the copy until it ends.
+#[derive(Clone, Default)]
+pub struct Scratch(Arc<std::sync::Mutex<ScratchCopy>>);
+
+#[derive(Default)]
+struct ScratchCopy {
+    dir: Option<tempfile::TempDir>,
+    /// The set the copy holds, when it holds one whole.
+    written: Option<FileSet>,
+}
+
+impl Scratch {
+    /// `haproxy -c` on `files` at `priority`, in the kept copy updated to them.
+    pub async fn check(
+        &self,
+        haproxy: &Path,
+        files: &FileSet,
+        priority: Priority,
+    ) -> Result<(), CheckError> {
+        long_lines(files).map_err(CheckError::Refused)?;
+        let (scratch, files) = (self.clone(), files.clone());
+        // Writing is the controller's own CPU: for a background check, on a nicer thread too.
+        let write = move || scratch.update(&files);
+        let written = match priority {
+            Priority::Interactive => tokio::task::spawn_blocking(write)
+                .await
+                .map_err(|error| error.to_string()),
+            Priority::Background => crate::background::run("haptic-gate-copy", write)
+                .await
+                .map_err(|error| error.to_string()),
+        };
+        let dir = match written {
+            Ok(Ok(dir)) => dir,
+            Ok(Err(error)) => {
+                return Err(CheckError::Refused(format!(
+                    "writing the scratch copy failed: {error}"
+                )));
+            }
+            Err(error) => {
+                return Err(CheckError::CannotRun(format!(
+                    "writing the scratch copy panicked: {error}"
+                )));
+            }
+        };
+        run_check(haproxy, &dir, priority).await
+    }
+
+    /// Updates the copy to `files` (blocking) and returns its directory.
+    pub fn update(&self, files: &FileSet) -> Result<PathBuf, String> {
+        // A write that panicked left `written` empty: the next one starts over.
+        let mut copy = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if copy.dir.is_none() {
+            let dir = tempfile::Builder::new()
+                .prefix("haptic-gate-")
+                .tempdir()
+                .map_err(|error| format!("creating a scratch directory: {error}"))?;
+            copy.dir = Some(dir);
+        }
+        let dir = copy
+            .dir
+            .as_ref()
+            .map(|dir| dir.path().join("set"))
+            .ok_or("no scratch directory")?;
+        let updated = match copy.written.take() {
+            Some(before) => update_copy(&dir, &before, files),
+            None => Err(String::new()),
+        };
+        if updated.is_err() {
+            // A whole copy, in an empty directory.
+            match std::fs::remove_dir_all(&dir) {
+                Ok(()) => {}
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                Err(error) => return Err(format!("clearing {}: {error}", dir.display())),
+            }
+            files.write_to(&dir).map_err(|error| error.to_string())?;
+        }
+        copy.written = Some(files.clone());
+        Ok(dir)
+    }
+}
+
+/// Makes the copy of `before` in `dir` one of `files`: the files that differ written, those
+/// gone removed. An error leaves the copy in between.
+fn update_copy(dir: &Path, before: &FileSet, files: &FileSet) -> Result<(), String> {
+    let io = |path: &Path| {
+        let path = path.display().to_string();
+        move |error: std::io::Error| format!("{path}: {error}")
+    };
+    for (path, content) in files.iter() {
+        if before
+            .get(path)
+            .is_some_and(|old| shares(old, content) || old == content)
+        {
+            continue;
+        }
+        // The renderer's paths are relative, without `..` (`FileSet::write_to` refuses others).
+        if path.is_empty()
+            || Path::new(path).is_absolute()
+            || path.split('/').any(|part| part.is_empty() || part == "..")
+        {
+            return Err(format!("unsafe path {path:?}"));
+        }
+        let target = dir.join(path);
+        if let Some(parent) = target.parent() {
+            std::fs::create_dir_all(parent).map_err(io(parent))?;
+        }
+        std::fs::write(&target, content).map_err(io(&target))?;
+    }
+    for (path, _) in before.iter() {
+        if files.get(path).is_none() {
+            let target = dir.join(path);
+            std::fs::remove_file(&target).map_err(io(&target))?;
+        }
+    }
+    Ok(())
 }
 
 /// Refuses, before HAProxy sees it, a set whose `haproxy.cfg` has a line of more words than
@@ -780,6 +921,86 @@ mod tests {
             niceness_of_a_child_at(Priority::Background).await,
             (own + BACKGROUND_NICENESS).min(19)
         );
+    }
+
+    /// Every file under `dir`, by path relative to it.
+    fn read_copy(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+        fn walk(dir: &Path, prefix: &str, out: &mut BTreeMap<String, Vec<u8>>) {
+            for entry in std::fs::read_dir(dir).expect("list") {
+                let entry = entry.expect("entry");
+                let name = format!("{prefix}{}", entry.file_name().to_string_lossy());
+                if entry.file_type().expect("type").is_dir() {
+                    walk(&entry.path(), &format!("{name}/"), out);
+                } else {
+                    out.insert(name, std::fs::read(entry.path()).expect("read"));
+                }
+            }
+        }
+        let mut out = BTreeMap::new();
+        walk(dir, "", &mut out);
+        out
+    }
+
+    fn files_of(files: &[(&str, &str)]) -> FileSet {
+        FileSet::new(
+            files
+                .iter()
+                .map(|(path, content)| ((*path).to_owned(), content.as_bytes().to_vec()))
+                .collect::<BTreeMap<_, _>>(),
+        )
+    }
+
+    fn as_map(files: &FileSet) -> BTreeMap<String, Vec<u8>> {
+        files
+            .iter()
+            .map(|(path, content)| (path.to_owned(), content.to_vec()))
+            .collect()
+    }
+
+    #[test]
+    fn the_kept_scratch_copy_writes_what_changed_and_holds_each_set_exactly() {
+        let scratch = Scratch::default();
+        let first = files_of(&[
+            ("haproxy.cfg", "global\n"),
+            ("maps/hosts.map", "a web\n"),
+            ("ssl/00/a.pem", "A"),
+            ("ssl/01/b.pem", "B"),
+        ]);
+        let dir = scratch.update(&first).expect("a whole copy");
+        assert_eq!(read_copy(&dir), as_map(&first));
+        // Marked on disk: a file written again loses the mark.
+        std::fs::write(dir.join("ssl/00/a.pem"), "marked").expect("mark");
+
+        // One file changed, one gone, one in a new directory: only those are touched.
+        let second = files_of(&[
+            ("haproxy.cfg", "global\n    maxconn 10\n"),
+            ("maps/hosts.map", "a web\n"),
+            ("ssl/00/a.pem", "A"),
+            ("ssl/3f/c.pem", "C"),
+        ]);
+        assert_eq!(scratch.update(&second).expect("updated"), dir);
+        assert_eq!(
+            std::fs::read(dir.join("ssl/00/a.pem")).expect("read"),
+            b"marked",
+            "an unchanged file is not written again"
+        );
+        std::fs::write(dir.join("ssl/00/a.pem"), "A").expect("unmark");
+        assert_eq!(read_copy(&dir), as_map(&second));
+
+        // A copy that cannot be updated in place (a file where a directory was): a whole one.
+        let third = files_of(&[("haproxy.cfg", "global\n"), ("ssl", "a file now")]);
+        assert_eq!(scratch.update(&third).expect("a whole copy again"), dir);
+        assert_eq!(read_copy(&dir), as_map(&third));
+
+        // A failed write leaves no record of the copy: the next update writes a whole one.
+        let unsafe_set = files_of(&[("haproxy.cfg", "global\n"), ("../out", "x")]);
+        assert!(
+            scratch.update(&unsafe_set).is_err(),
+            "an unsafe path is refused"
+        );
+        assert!(!dir.join("../out").exists());
+        assert_eq!(scratch.update(&first).expect("a whole copy"), dir);
+        assert_eq!(read_copy(&dir), as_map(&first));
     }
 
     fn set(config: &str, crt_list: &str) -> RenderedSet {

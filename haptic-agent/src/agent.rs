@@ -893,7 +893,7 @@ impl Agent {
                 let mut phases = WritePhases::default();
                 let phase = Instant::now();
                 let linked = |path: &str| !changed.contains(path);
-                let (name, _) = store.write_staged_reusing(
+                let staged = store.write_staged_reusing(
                     &files,
                     &checksum,
                     Some((&base, &base_files)),
@@ -901,12 +901,12 @@ impl Agent {
                 )?;
                 phases.stage_us = micros(phase.elapsed());
                 let phase = Instant::now();
-                if let Err(error) = store.sync_staged_reusing(&name, linked) {
-                    let _ = store.discard_staged(&name);
+                if let Err(error) = store.sync_staged_reusing(&staged, linked) {
+                    let _ = store.discard_staged(&staged.name);
                     return Err(error.into());
                 }
                 phases.sync_us = micros(phase.elapsed());
-                Ok((name, phases))
+                Ok((staged.name, phases))
             })
         };
         let commands = async {

@@ -5,16 +5,32 @@
 //! <data>/fence                  the fence (see `fence`)
 //! <data>/staging/<name>/...     a set being written and checked; leftovers are removed at start
 //! <data>/sets/<name>/...        complete sets; <name>.json beside each holds its metadata
-//! <data>/trees/<id>/...         large directories of sets (>= TREE_MIN_FILES files, such as
-//!                               2,500 certificates), shared: a set's `certs` is then a symlink
-//!                               `../../trees/<id>`, and a set whose `certs` did not change
-//!                               links the same tree instead of hard-linking every file again
+//! <data>/trees/<id>/...         top-level leaf directories of sets (>= TREE_MIN_FILES files
+//!                               and no subdirectory: a flat `ssl` of 2,500 certificates),
+//!                               shared: the set's `ssl` is then a symlink `../../trees/<id>`,
+//!                               and a set whose `ssl` did not change links the same tree
+//!                               instead of hard-linking every file again
+//! <data>/subtrees/<id>/...      the same for deeper leaf directories (a bucket `ssl/<bb>` of
+//!                               ~40 certificates: `ssl/<bb> -> ../../../subtrees/<id>`)
 //! <data>/current -> sets/<name>            what HAProxy runs (`-C <data>/current`)
 //! <data>/last-known-good -> sets/<name>    the set live before it, restored when a load fails
 //! ```
+//!
+//! A tree's link at relative directory `a/b` of a set is `<set>/a/b -> ../../../subtrees/<id>`:
+//! one `..` per component of `a/b` plus one, which climbs from the link's directory
+//! (`<set>/a`) through `<name>` and `sets` (or `staging`) to `<data>`; the same target holds
+//! in `staging/` and in `sets/`, so [`SetStore::promote`] renames a set without touching its
+//! links. A top-level tree (`<set>/ssl -> ../../trees/<id>`) is the shape earlier agents made
+//! (theirs could hold subdirectories): such sets are read, used as a base and collected alike.
+//! Deeper trees are kept apart from `trees/` for those agents: one run again after a
+//! downgrade removes every tree of `trees/` that no set links at its top level, and would
+//! take the buckets of the live set with them; `subtrees/` it neither reads nor removes (it
+//! keeps what it held until this version runs again).
+//! The directories of a set that are not trees are real directories of it, holding its other
+//! files (written or hard-linked), their subdirectories, and the links to its trees.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     fs,
     io::Write as _,
     os::unix::fs::{
@@ -135,7 +151,7 @@ impl SetStore {
         if group.is_some() {
             store.restrict(root, true)?;
         }
-        for dir in ["sets", "staging", TREES] {
+        for dir in ["sets", "staging", TREES, SUBTREES] {
             let path = root.join(dir);
             fs::create_dir_all(&path).map_err(io("creating", &path))?;
             // Directories made by older agents were 0755.
@@ -248,6 +264,7 @@ impl SetStore {
     /// `haproxy -c` reads the files, since the check needs them in the page cache, not on disk.
     pub fn write_staged(&self, files: &FileSet, checksum: &str) -> Result<(String, PathBuf)> {
         self.write_staged_reusing(files, checksum, None, |_| false)
+            .map(|staged| (staged.name, staged.dir))
     }
 
     /// [`SetStore::write_staged`], except that every file for which `unchanged` holds is
@@ -256,18 +273,20 @@ impl SetStore {
     /// takes a fraction of writing and fsyncing them again. The caller vouches that those
     /// files are identical in `base`.
     ///
-    /// A top-level directory of at least [`TREE_MIN_FILES`] files is a tree (see the module
-    /// documentation): when `base` has it as a tree and every one of its files is unchanged,
-    /// the new set links the same tree (one symlink where there were 2,500 hard links, 35 ms
-    /// of system time at 10,000 Ingresses); otherwise a new tree is written (unchanged files
-    /// hard-linked from `base`).
+    /// A directory holding at least [`TREE_MIN_FILES`] files and no subdirectory, at any
+    /// depth, is a tree (see the module documentation): when `base` has the same directory as
+    /// a tree, of as many files, and every one of them is unchanged, the new set links the
+    /// same tree (one symlink where there were 40 or 2,500 hard links); otherwise a new tree
+    /// is written, its unchanged files hard-linked from `base` by name between the two
+    /// opened directories. A certificate rotation among 64 buckets of 40 is then 63 symlinks
+    /// and a tree of 40 files, where one tree of 2,500 was 2,500 hard links.
     pub fn write_staged_reusing(
         &self,
         files: &FileSet,
         checksum: &str,
         base: Option<(&str, &FileSet)>,
         unchanged: impl Fn(&str) -> bool,
-    ) -> Result<(String, PathBuf)> {
+    ) -> Result<Staged> {
         let base_dir = base.map(|(base, _)| self.set_dir(base));
         let name = format!(
             "{}-{:016x}",
@@ -278,61 +297,80 @@ impl SetStore {
         self.create_dir(&dir)?;
         // Any failure below removes the half-written directory (and the trees made for it).
         let mut guard = RemoveOnDrop(Some(dir.clone()), Vec::new());
-        let mut dirs = std::collections::BTreeSet::new();
-        let mut shared = std::collections::BTreeSet::new();
-        for (top, count) in top_dirs(files) {
-            if count < TREE_MIN_FILES {
-                continue;
-            }
-            dirs.insert(top.to_owned());
-            let link = dir.join(top);
-            let reused = base
-                .zip(base_dir.as_ref())
-                .and_then(|((_, base_files), base_dir)| {
-                    let tree = tree_of(&base_dir.join(top))?;
-                    let same = top_dirs(base_files).get(top) == Some(&count)
-                        && under(files, top).all(&unchanged);
-                    same.then_some(tree)
-                });
-            let tree = match reused {
-                Some(tree) => {
-                    shared.insert(top.to_owned());
-                    tree
+        // The directories of the set made so far, the trees' links among them.
+        let mut dirs = BTreeSet::new();
+        let trees = tree_dirs(files);
+        // The trees linked from `base` as they are, and those written afresh.
+        let mut shared = BTreeSet::new();
+        let mut fresh = Vec::new();
+        if !trees.is_empty() {
+            // The trees with a file that changed, and the number of files under each directory
+            // of `base` (a tree of an earlier agent could hold subdirectories).
+            let mut changed = BTreeSet::new();
+            let mut base_counts = BTreeMap::new();
+            if let Some((_, base_files)) = base {
+                for (path, _) in files.iter() {
+                    if let Some((parent, _)) = path.rsplit_once('/')
+                        && trees.contains_key(parent)
+                        && !changed.contains(parent)
+                        && !unchanged(path)
+                    {
+                        changed.insert(parent);
+                    }
                 }
-                None => format!("{:016x}", rand::random::<u64>()),
-            };
-            // The link first: a removal of unused trees never sees this one unused.
-            std::os::unix::fs::symlink(Path::new("../..").join(TREES).join(&tree), &link)
-                .map_err(io("creating link", &link))?;
-            if !shared.contains(top) {
-                let path = self.root.join(TREES).join(&tree);
-                self.create_dir(&path)?;
-                guard.1.push(path);
+                base_counts = file_counts(base_files);
+            }
+            for (&tree_dir, &count) in &trees {
+                self.create_parents(&dir, tree_dir, &mut dirs)?;
+                dirs.insert(tree_dir);
+                let link = dir.join(tree_dir);
+                let reused = base_dir
+                    .as_ref()
+                    .filter(|_| {
+                        base_counts.get(tree_dir) == Some(&count) && !changed.contains(tree_dir)
+                    })
+                    .and_then(|base_dir| tree_of(&base_dir.join(tree_dir), tree_dir));
+                let tree = match reused {
+                    Some(tree) => {
+                        shared.insert(tree_dir);
+                        tree
+                    }
+                    None => {
+                        fresh.push(tree_dir);
+                        format!("{:016x}", rand::random::<u64>())
+                    }
+                };
+                // The link first: a removal of unused trees never sees this one unused.
+                std::os::unix::fs::symlink(tree_target(tree_dir, &tree), &link)
+                    .map_err(io("creating link", &link))?;
+                if !shared.contains(tree_dir) {
+                    let path = self.root.join(trees_of(tree_dir)).join(&tree);
+                    self.create_dir(&path)?;
+                    guard.1.push(path);
+                }
             }
         }
-        // The trees written afresh, with their base's directory: the unchanged files at their
-        // top are linked by name between the two opened directories (`linkat`), not by two
-        // whole paths each resolved through a set's link (2,500 certificates for one rotated).
-        let mut tree_dirs = std::collections::BTreeMap::new();
+        // The trees written afresh, with their base's directory (opened through the base's
+        // links): their unchanged files are linked by name between the two opened directories
+        // (`linkat`), not by two whole paths each resolved through a set's link (2,500
+        // certificates for one rotated, when they were one tree).
+        let mut tree_pairs = BTreeMap::new();
         if let Some(base) = &base_dir {
-            for top in dirs.iter().filter(|top| !shared.contains(*top)) {
-                let opened = fs::File::open(dir.join(top))
-                    .and_then(|new| Ok((new, fs::File::open(base.join(top))?)));
+            for tree_dir in fresh {
+                let opened = fs::File::open(dir.join(tree_dir))
+                    .and_then(|new| Ok((new, fs::File::open(base.join(tree_dir))?)));
                 if let Ok(pair) = opened {
-                    tree_dirs.insert(top.clone(), pair);
+                    tree_pairs.insert(tree_dir, pair);
                 }
             }
         }
         for (path, content) in files.iter() {
-            if path
-                .split_once('/')
-                .is_some_and(|(top, _)| shared.contains(top))
-            {
+            let parent = path.rsplit_once('/');
+            if parent.is_some_and(|(parent, _)| shared.contains(parent)) {
                 continue;
             }
-            if let Some((top, name)) = path.split_once('/')
-                && !name.contains('/')
-                && let Some((new, old)) = tree_dirs.get(top)
+            if let Some((parent, name)) = parent
+                && let Some((new, old)) = tree_pairs.get(parent)
                 && unchanged(path)
             {
                 rustix::fs::linkat(old, name, new, name, rustix::fs::AtFlags::empty())
@@ -342,14 +380,7 @@ impl SetStore {
             }
             // Paths were validated by the protocol: relative, no `..`, no empty component.
             let target = dir.join(path);
-            for (i, _) in path.match_indices('/') {
-                if dirs.insert(path[..i].to_owned()) {
-                    let created = dir.join(&path[..i]);
-                    if !created.is_dir() {
-                        self.create_dir(&created)?;
-                    }
-                }
-            }
+            self.create_parents(&dir, path, &mut dirs)?;
             if let Some(base) = &base_dir
                 && unchanged(path)
             {
@@ -371,21 +402,67 @@ impl SetStore {
         }
         guard.0 = None;
         guard.1.clear();
-        Ok((name, dir))
+        let shared = shared.into_iter().map(str::to_owned).collect();
+        Ok(Staged { name, dir, shared })
+    }
+
+    /// Creates, in set directory `dir`, each directory above `path` (a file's or a tree's)
+    /// not in `dirs` yet, and adds them there.
+    fn create_parents<'a>(
+        &self,
+        dir: &Path,
+        path: &'a str,
+        dirs: &mut BTreeSet<&'a str>,
+    ) -> Result<()> {
+        for (i, _) in path.match_indices('/') {
+            if dirs.insert(&path[..i]) {
+                self.create_dir(&dir.join(&path[..i]))?;
+            }
+        }
+        Ok(())
     }
 
     /// Fsyncs every file and directory of staging set `name`, each directory after its
     /// entries, so that the set is durable before it is promoted and linked.
     pub fn sync_staged(&self, name: &str) -> Result<()> {
-        sync_tree(&self.root.join("staging").join(name), "", &|_| false)
+        self.sync_set(
+            &self.root.join("staging").join(name),
+            &|_| false,
+            &BTreeSet::new(),
+        )
     }
 
     /// [`SetStore::sync_staged`] for a set written by [`SetStore::write_staged_reusing`]:
     /// the files for which `linked` holds are hard links to files already durable, so only
     /// the directories that name them are fsynced, not the files again (an fsync each, on
-    /// 2,500 certificates, would be seconds of journal commits).
-    pub fn sync_staged_reusing(&self, name: &str, linked: impl Fn(&str) -> bool) -> Result<()> {
-        sync_tree(&self.root.join("staging").join(name), "", &linked)
+    /// 2,500 certificates, would be seconds of journal commits); nor are the trees it links
+    /// as the base did ([`Staged::shared`]: durable since a set before was synced; walking
+    /// and fsyncing 63 buckets' trees was ~4 ms of every apply).
+    pub fn sync_staged_reusing(
+        &self,
+        staged: &Staged,
+        linked: impl Fn(&str) -> bool,
+    ) -> Result<()> {
+        self.sync_set(&staged.dir, &linked, &staged.shared)
+    }
+
+    /// Fsyncs the set at `dir` (its trees through their links, at any depth; the files for
+    /// which `skip` holds are not), then `<data>/trees` once if the set links a tree: the
+    /// entries of the trees written for it.
+    fn sync_set(
+        &self,
+        dir: &Path,
+        skip: &dyn Fn(&str) -> bool,
+        shared: &BTreeSet<String>,
+    ) -> Result<()> {
+        let mut links_trees = false;
+        sync_tree(dir, "", (skip, shared), &mut links_trees)?;
+        if links_trees {
+            for trees in [TREES, SUBTREES] {
+                sync_dir(&self.root.join(trees))?;
+            }
+        }
+        Ok(())
     }
 
     /// Moves a checked staging directory into `sets/` and records its metadata beside it.
@@ -460,35 +537,29 @@ impl SetStore {
         self.remove_unused_trees()
     }
 
-    /// Removes the trees no set (complete or staging) links.
+    /// Removes the trees no set (complete or staging) links, at any depth.
     fn remove_unused_trees(&self) -> Result<()> {
-        let mut used = std::collections::BTreeSet::new();
+        let mut used = BTreeSet::new();
         for parent in ["sets", "staging"] {
             let parent = self.root.join(parent);
             for set in fs::read_dir(&parent).map_err(io("listing", &parent))? {
-                let set = set.map_err(io("listing", &parent))?.path();
-                if !set.is_dir() {
-                    continue;
-                }
-                for entry in fs::read_dir(&set).map_err(io("listing", &set))? {
-                    let entry = entry.map_err(io("listing", &set))?;
-                    if entry.file_type().is_ok_and(|kind| kind.is_symlink())
-                        && let Some(tree) = tree_of(&entry.path())
-                    {
-                        used.insert(tree);
-                    }
+                let set = set.map_err(io("listing", &parent))?;
+                if set.file_type().is_ok_and(|kind| kind.is_dir()) {
+                    tree_links(&set.path(), "", &mut used)?;
                 }
             }
         }
-        let trees = self.root.join(TREES);
-        for entry in fs::read_dir(&trees).map_err(io("listing", &trees))? {
-            let path = entry.map_err(io("listing", &trees))?.path();
-            let unused = path
-                .file_name()
-                .and_then(|name| name.to_str())
-                .is_none_or(|name| !used.contains(name));
-            if unused {
-                fs::remove_dir_all(&path).map_err(io("removing", &path))?;
+        for kind in [TREES, SUBTREES] {
+            let trees = self.root.join(kind);
+            for entry in fs::read_dir(&trees).map_err(io("listing", &trees))? {
+                let path = entry.map_err(io("listing", &trees))?.path();
+                let unused = path
+                    .file_name()
+                    .and_then(|name| name.to_str())
+                    .is_none_or(|name| !used.contains(&(kind, name.to_owned())));
+                if unused {
+                    fs::remove_dir_all(&path).map_err(io("removing", &path))?;
+                }
             }
         }
         Ok(())
@@ -612,8 +683,10 @@ impl SetStore {
     }
 }
 
-/// Reads every regular file under `dir` into `files`, keyed by its `/`-joined relative path;
-/// sockets and other special files (HAProxy's, made at run time) are not part of a set.
+/// Reads every regular file under `dir` (a set's directory, or one of its directories at
+/// relative path `prefix`) into `files`, keyed by its `/`-joined relative path, through the
+/// links to trees at any depth; sockets and other special files (HAProxy's, made at run time)
+/// and other symlinks are not part of a set.
 fn read_tree(
     dir: &Path,
     prefix: &str,
@@ -633,7 +706,7 @@ fn read_tree(
             format!("{prefix}/{name}")
         };
         let kind = entry.file_type().map_err(io("inspecting", &path))?;
-        if kind.is_dir() {
+        if kind.is_dir() || kind.is_symlink() && tree_of(&path, &relative).is_some() {
             read_tree(&path, &relative, files, stamps.as_deref_mut())?;
         } else if kind.is_file() {
             if let Some(stamps) = stamps.as_deref_mut() {
@@ -661,37 +734,87 @@ impl Drop for RemoveOnDrop {
     }
 }
 
-/// The directory under `<data>` holding the trees.
+/// A set written to staging by [`SetStore::write_staged_reusing`].
+#[derive(Debug, Clone)]
+pub struct Staged {
+    /// Its name.
+    pub name: String,
+    /// Its directory.
+    pub dir: PathBuf,
+    /// The directories (relative paths) that link the tree the base linked there.
+    pub shared: BTreeSet<String>,
+}
+
+/// The directory under `<data>` holding the top-level trees.
 const TREES: &str = "trees";
+/// The directory under `<data>` holding the deeper trees (see the module documentation).
+const SUBTREES: &str = "subtrees";
 
-/// A top-level directory of a set with at least this many files is a tree.
-pub const TREE_MIN_FILES: usize = 64;
+/// The directory under `<data>` holding the tree of a set's relative directory `dir`.
+fn trees_of(dir: &str) -> &'static str {
+    if dir.contains('/') { SUBTREES } else { TREES }
+}
 
-/// The number of files under each top-level directory of `files`.
-fn top_dirs(files: &FileSet) -> BTreeMap<&str, usize> {
-    let mut dirs = BTreeMap::new();
+/// A directory of a set holding at least this many files and no subdirectory is a tree.
+///
+/// The renderer puts its certificates in 64 hash buckets (`ssl/<bb>/`, ~40 files each at
+/// 2,500 certificates): each bucket must be a tree, so that a rotation rebuilds one bucket's
+/// tree of ~40 links (and links 63 others as they are) instead of one tree of 2,500 links.
+/// 16 leaves room for buckets well under the average (hashing spreads them) and for smaller
+/// clusters (1,024 certificates are 16 a bucket), and keeps the directories of a few files
+/// (maps) real: a tree costs a directory under `trees`, a symlink, and a link read by every
+/// walk of the set, which a handful of hard links does not repay.
+pub const TREE_MIN_FILES: usize = 16;
+
+/// The trees of `files`: the directories (at any depth, not the set's root) holding at least
+/// [`TREE_MIN_FILES`] files and no subdirectory, with their number of files.
+fn tree_dirs(files: &FileSet) -> BTreeMap<&str, usize> {
+    let mut direct = BTreeMap::new();
+    let mut with_subdirs = BTreeSet::new();
     for (path, _) in files.iter() {
-        if let Some((top, _)) = path.split_once('/') {
-            *dirs.entry(top).or_insert(0) += 1;
+        let Some((dir, _)) = path.rsplit_once('/') else {
+            continue;
+        };
+        *direct.entry(dir).or_insert(0) += 1;
+        for (i, _) in dir.match_indices('/') {
+            with_subdirs.insert(&dir[..i]);
         }
     }
-    dirs
+    direct.retain(|dir, count| *count >= TREE_MIN_FILES && !with_subdirs.contains(dir));
+    direct
 }
 
-/// The paths of `files` under top-level directory `top`.
-fn under<'a>(files: &'a FileSet, top: &'a str) -> impl Iterator<Item = &'a str> {
-    files
-        .iter()
-        .map(|(path, _)| path)
-        .filter(move |path| path.split_once('/').is_some_and(|(dir, _)| dir == top))
+/// The number of files under each directory of `files`, at any depth.
+fn file_counts(files: &FileSet) -> BTreeMap<&str, usize> {
+    let mut counts = BTreeMap::new();
+    for (path, _) in files.iter() {
+        for (i, _) in path.match_indices('/') {
+            *counts.entry(&path[..i]).or_insert(0) += 1;
+        }
+    }
+    counts
 }
 
-/// The tree `link` (a set's top-level entry) points to, if it is a symlink to one.
-fn tree_of(link: &Path) -> Option<String> {
+/// What the link to tree `tree` at relative directory `dir` of a set points to: one `..` per
+/// component of `dir` plus one (from the link's directory up through `<name>` and `sets` or
+/// `staging` to `<data>`), then `trees/<tree>`.
+fn tree_target(dir: &str, tree: &str) -> PathBuf {
+    let mut target = PathBuf::new();
+    for _ in 0..=dir.split('/').count() {
+        target.push("..");
+    }
+    target.join(trees_of(dir)).join(tree)
+}
+
+/// The tree `link` (a set's entry at relative directory `dir`) points to, if it is a symlink
+/// of exactly the shape [`tree_target`] makes for `dir`, with a hexadecimal id.
+fn tree_of(link: &Path, dir: &str) -> Option<String> {
     let target = fs::read_link(link).ok()?;
     let mut parts = target.components().map(|part| part.as_os_str().to_str());
-    let shape = [Some(".."), Some(".."), Some(TREES)];
-    if !shape.iter().all(|want| parts.next() == Some(*want)) {
+    let ups = dir.split('/').count() + 1;
+    if !(0..ups).all(|_| parts.next() == Some(Some("..")))
+        || parts.next() != Some(Some(trees_of(dir)))
+    {
         return None;
     }
     let id = parts.next()??;
@@ -699,25 +822,62 @@ fn tree_of(link: &Path) -> Option<String> {
         .then(|| id.to_owned())
 }
 
-/// Fsyncs every regular file under `dir`, then each directory once its entries are synced.
-fn sync_tree(dir: &Path, prefix: &str, skip: &dyn Fn(&str) -> bool) -> Result<()> {
+/// Adds to `used` the trees (where they are kept, their id) linked from `dir` (a set's directory, or one of its directories
+/// at relative path `prefix`) and from its real directories below, at any depth; no link is
+/// followed.
+fn tree_links(dir: &Path, prefix: &str, used: &mut BTreeSet<(&'static str, String)>) -> Result<()> {
+    for entry in fs::read_dir(dir).map_err(io("listing", dir))? {
+        let entry = entry.map_err(io("listing", dir))?;
+        // A name that is not UTF-8 is no path of a set.
+        let (Ok(kind), Ok(name)) = (entry.file_type(), entry.file_name().into_string()) else {
+            continue;
+        };
+        let relative = if prefix.is_empty() {
+            name
+        } else {
+            format!("{prefix}/{name}")
+        };
+        if kind.is_dir() {
+            tree_links(&entry.path(), &relative, used)?;
+        } else if kind.is_symlink()
+            && let Some(tree) = tree_of(&entry.path(), &relative)
+        {
+            used.insert((trees_of(&relative), tree));
+        }
+    }
+    Ok(())
+}
+
+/// What [`sync_tree`] leaves alone: the files for which the function holds, and the trees
+/// linked at these directories.
+type Unsynced<'a> = (&'a dyn Fn(&str) -> bool, &'a BTreeSet<String>);
+
+/// Fsyncs every regular file under `dir` (a set's directory, or one of its directories at
+/// relative path `prefix`, ending in `/`) but those for which `skip` holds, through the links
+/// to trees at any depth but those at the directories in `shared` (trees of a set before,
+/// durable), then each directory once its entries are synced. Sets `trees` when it met a link
+/// to a tree (whose entry in `<data>/trees` or `<data>/subtrees` the caller fsyncs).
+fn sync_tree(
+    dir: &Path,
+    prefix: &str,
+    (skip, shared): Unsynced<'_>,
+    trees: &mut bool,
+) -> Result<()> {
     for entry in fs::read_dir(dir).map_err(io("listing", dir))? {
         let entry = entry.map_err(io("listing", dir))?;
         let path = entry.path();
         let kind = entry.file_type().map_err(io("inspecting", &path))?;
         let relative = format!("{prefix}{}", entry.file_name().to_string_lossy());
         if kind.is_dir() {
-            sync_tree(&path, &format!("{relative}/"), skip)?;
-        } else if kind.is_symlink() && tree_of(&path).is_some() {
-            // A tree: its files (those not linked from another set), its directories, and
-            // its entry in `trees`.
-            sync_tree(&path, &format!("{relative}/"), skip)?;
-            if let Some(trees) = fs::canonicalize(&path)
-                .ok()
-                .and_then(|tree| tree.parent().map(Path::to_path_buf))
-            {
-                sync_dir(&trees)?;
-            }
+            sync_tree(&path, &format!("{relative}/"), (skip, shared), trees)?;
+        } else if kind.is_symlink()
+            && !shared.contains(&relative)
+            && tree_of(&path, &relative).is_some()
+        {
+            // A tree written for this set: its files (those not linked from another set) and
+            // its directories.
+            sync_tree(&path, &format!("{relative}/"), (skip, shared), trees)?;
+            *trees = true;
         } else if kind.is_file() && !skip(&relative) {
             fs::File::open(&path)
                 .and_then(|file| file.sync_all())
@@ -791,7 +951,8 @@ mod tests {
         assert!(store.sync_staged(&name).is_err(), "no longer in staging");
     }
 
-    /// A set of `certs` certificates (a tree when there are enough), a map and a config.
+    /// A set of `certs` certificates in one directory (a tree when there are enough), a map
+    /// and a config.
     fn set_with_certs(certs: usize, changed: Option<usize>) -> FileSet {
         set_with_config(certs, changed, "global\n")
     }
@@ -803,14 +964,11 @@ mod tests {
             .expect("set");
         for i in 0..certs {
             let pem = if changed == Some(i) { "new" } else { "pem" };
-            // Most at the tree's top (as the reference's `ssl/<namespace>_<secret>.pem`, linked
-            // by name between the trees' directories), some a directory deeper.
-            let path = if i % 4 == 1 {
-                format!("certs/ns-{}/c{i}.pem", i % 3)
-            } else {
-                format!("certs/c{i}.pem")
-            };
-            files = files.with(path, format!("{pem} {i}")).expect("cert");
+            // As the reference's flat `ssl/<namespace>_<secret>.pem`: a tree holds no
+            // subdirectory (a set of an earlier agent's layout is tested below).
+            files = files
+                .with(format!("certs/c{i}.pem"), format!("{pem} {i}"))
+                .expect("cert");
         }
         files
     }
@@ -821,10 +979,11 @@ mod tests {
         let checksum = files.checksum();
         let unchanged =
             |path: &str| base.is_some_and(|(_, base)| base.get(path) == files.get(path));
-        let (name, _) = store
+        let staged = store
             .write_staged_reusing(files, &checksum, base, unchanged)
             .expect("write");
-        store.sync_staged_reusing(&name, unchanged).expect("sync");
+        store.sync_staged_reusing(&staged, unchanged).expect("sync");
+        let name = staged.name;
         let mut meta = meta(&checksum);
         meta.files = files.iter().map(|(path, _)| path.to_owned()).collect();
         store.promote(&name, &meta).expect("promote");
@@ -832,9 +991,11 @@ mod tests {
         name
     }
 
+    /// The ids of the trees kept, top-level and deeper ones.
     fn trees(root: &Path) -> Vec<String> {
-        let mut trees: Vec<String> = fs::read_dir(root.join(TREES))
-            .expect("trees")
+        let mut trees: Vec<String> = [TREES, SUBTREES]
+            .iter()
+            .flat_map(|kind| fs::read_dir(root.join(kind)).expect("trees"))
             .map(|entry| {
                 entry
                     .expect("entry")
@@ -853,9 +1014,9 @@ mod tests {
         let store = SetStore::open(root.path()).expect("open");
         let first = set_with_certs(TREE_MIN_FILES, None);
         let one = write_reusing(&store, &first, None);
-        let tree = tree_of(&store.set_dir(&one).join("certs")).expect("certs is a tree");
+        let tree = tree_of(&store.set_dir(&one).join("certs"), "certs").expect("certs is a tree");
         assert!(
-            tree_of(&store.set_dir(&one).join("maps")).is_none(),
+            tree_of(&store.set_dir(&one).join("maps"), "maps").is_none(),
             "a small directory is not"
         );
 
@@ -863,7 +1024,7 @@ mod tests {
         let second = set_with_config(TREE_MIN_FILES, None, "global\n  maxconn 10\n");
         let two = write_reusing(&store, &second, Some((&one, &first)));
         assert_eq!(
-            tree_of(&store.set_dir(&two).join("certs")),
+            tree_of(&store.set_dir(&two).join("certs"), "certs"),
             Some(tree.clone())
         );
         assert_eq!(trees(root.path()), vec![tree.clone()]);
@@ -871,24 +1032,21 @@ mod tests {
         // One certificate changes: a tree of its own, the unchanged files hard-linked into it.
         let third = set_with_certs(TREE_MIN_FILES, Some(5));
         let three = write_reusing(&store, &third, Some((&two, &second)));
-        let new_tree = tree_of(&store.set_dir(&three).join("certs")).expect("a tree");
+        let new_tree = tree_of(&store.set_dir(&three).join("certs"), "certs").expect("a tree");
         assert_ne!(new_tree, tree);
         let inode = |set: &str, path: &str| {
             fs::metadata(store.set_dir(set).join(path))
                 .expect("file")
                 .ino()
         };
-        for unchanged in ["certs/c0.pem", "certs/ns-1/c1.pem", "certs/c6.pem"] {
+        for unchanged in ["certs/c0.pem", "certs/c1.pem", "certs/c6.pem"] {
             assert_eq!(
                 inode(&two, unchanged),
                 inode(&three, unchanged),
                 "{unchanged}"
             );
         }
-        assert_ne!(
-            inode(&two, "certs/ns-2/c5.pem"),
-            inode(&three, "certs/ns-2/c5.pem")
-        );
+        assert_ne!(inode(&two, "certs/c5.pem"), inode(&three, "certs/c5.pem"));
         // A file at the top that changes: written, not linked.
         let fifth = set_with_certs(TREE_MIN_FILES, Some(6));
         let five = write_reusing(&store, &fifth, Some((&three, &third)));
@@ -904,10 +1062,15 @@ mod tests {
         let fourth = set_with_certs(TREE_MIN_FILES + 1, Some(5));
         let four = write_reusing(&store, &fourth, Some((&three, &third)));
         assert_ne!(
-            tree_of(&store.set_dir(&four).join("certs")),
+            tree_of(&store.set_dir(&four).join("certs"), "certs"),
             Some(new_tree.clone())
         );
-        assert!(store.set_dir(&four).join("certs/c64.pem").is_file());
+        assert!(
+            store
+                .set_dir(&four)
+                .join(format!("certs/c{TREE_MIN_FILES}.pem"))
+                .is_file()
+        );
 
         // A tree goes with the last set that links it.
         store.retain(&[&three, &four]).expect("retain");
@@ -938,6 +1101,273 @@ mod tests {
         fs::create_dir_all(root.path().join(TREES).join("0123abcd")).expect("mkdir");
         SetStore::open(root.path()).expect("open");
         assert!(trees(root.path()).is_empty());
+    }
+
+    /// The renderer's bucketed layout: `buckets` buckets `ssl/<bb>/` of [`TREE_MIN_FILES`]
+    /// certificates each (the one at `changed`, bucket and index, is new), two maps (a
+    /// directory too small for a tree) and `config`.
+    fn bucketed(buckets: usize, changed: Option<(usize, usize)>, config: &'static str) -> FileSet {
+        let mut files = FileSet::new()
+            .with("haproxy.cfg", config)
+            .and_then(|s| s.with("maps/hosts.map", "a b\n"))
+            .and_then(|s| s.with("maps/paths.map", "/ b\n"))
+            .expect("set");
+        for bucket in 0..buckets {
+            for i in 0..TREE_MIN_FILES {
+                let pem = if changed == Some((bucket, i)) {
+                    "new"
+                } else {
+                    "pem"
+                };
+                files = files
+                    .with(
+                        format!("ssl/{bucket:02x}/ns_c{i}.pem"),
+                        format!("{pem} {bucket} {i}"),
+                    )
+                    .expect("cert");
+            }
+        }
+        files
+    }
+
+    /// Set `name` reads back as `files`: through its metadata, through a walk of its
+    /// directory (the path of a set whose metadata lists no files), and file by file.
+    fn assert_reads_back(store: &SetStore, name: &str, files: &FileSet) {
+        assert_eq!(&store.read_set(name).expect("read"), files);
+        let mut walked = BTreeMap::new();
+        read_tree(&store.set_dir(name), "", &mut walked, None).expect("walk");
+        let written: BTreeMap<String, Vec<u8>> = files
+            .iter()
+            .map(|(path, content)| (path.to_owned(), content.to_vec()))
+            .collect();
+        assert_eq!(walked, written);
+        for (path, content) in files.iter() {
+            let on_disk = fs::read(store.set_dir(name).join(path)).expect("read a file");
+            assert_eq!(on_disk, content.as_ref(), "{path}");
+        }
+    }
+
+    /// The tree of each bucket of set `name`, by bucket.
+    fn bucket_trees(store: &SetStore, name: &str, buckets: usize) -> Vec<String> {
+        (0..buckets)
+            .map(|bucket| {
+                let dir = format!("ssl/{bucket:02x}");
+                tree_of(&store.set_dir(name).join(&dir), &dir).expect("a bucket is a tree")
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_tree_link_climbs_one_level_per_component_of_its_directory_plus_one() {
+        assert_eq!(tree_target("ssl", "ab"), Path::new("../../trees/ab"));
+        assert_eq!(
+            tree_target("ssl/0a", "ab"),
+            Path::new("../../../subtrees/ab")
+        );
+        let root = tempfile::tempdir().expect("tempdir");
+        let link = |target: &str| {
+            let path = root
+                .path()
+                .join(format!("link-{}", target.replace('/', "_")));
+            std::os::unix::fs::symlink(target, &path).expect("symlink");
+            path
+        };
+        let deep = link("../../../subtrees/0123abcd");
+        assert_eq!(tree_of(&deep, "ssl/0a"), Some("0123abcd".to_owned()));
+        assert_eq!(tree_of(&deep, "ssl"), None, "one `..` too many");
+        assert_eq!(tree_of(&deep, "a/b/c"), None, "one `..` too few");
+        let top = link("../../trees/0123abcd");
+        assert_eq!(tree_of(&top, "ssl"), Some("0123abcd".to_owned()));
+        for wrong in [
+            "../../../trees/0123abcd",
+            "../../../subtrees/not-hex",
+            "../../../subtrees/",
+            "../../../subtrees/01/02",
+            "../../../other/0123",
+            "/data/trees/0123",
+        ] {
+            assert_eq!(tree_of(&link(wrong), "ssl/0a"), None, "{wrong}");
+        }
+        assert_eq!(tree_of(root.path(), "ssl"), None, "not a link");
+    }
+
+    #[test]
+    fn buckets_are_trees_that_sets_share_but_the_one_that_changed() {
+        const BUCKETS: usize = 8;
+        let root = tempfile::tempdir().expect("tempdir");
+        let store = SetStore::open(root.path()).expect("open");
+        let first = bucketed(BUCKETS, None, "global\n");
+        let one = write_reusing(&store, &first, None);
+        let set = store.set_dir(&one);
+        for bucket in 0..BUCKETS {
+            let link = set.join(format!("ssl/{bucket:02x}"));
+            let target = fs::read_link(&link).expect("a bucket is a symlink");
+            assert!(
+                target.starts_with("../../../subtrees"),
+                "{}",
+                target.display()
+            );
+        }
+        for real in ["ssl", "maps"] {
+            let kind = fs::symlink_metadata(set.join(real)).expect("dir");
+            assert!(kind.is_dir(), "{real} is a real directory");
+        }
+        let ones = bucket_trees(&store, &one, BUCKETS);
+        let mut sorted = ones.clone();
+        sorted.sort();
+        assert_eq!(trees(root.path()), sorted);
+        assert_reads_back(&store, &one, &first);
+
+        // The config changes: every bucket links the very same tree, the maps are hard links.
+        let second = bucketed(BUCKETS, None, "global\n  maxconn 10\n");
+        let two = write_reusing(&store, &second, Some((&one, &first)));
+        assert_eq!(bucket_trees(&store, &two, BUCKETS), ones);
+        assert_eq!(trees(root.path()), sorted);
+        let inode = |set: &str, path: &str| {
+            fs::metadata(store.set_dir(set).join(path))
+                .expect("file")
+                .ino()
+        };
+        assert_eq!(inode(&one, "maps/hosts.map"), inode(&two, "maps/hosts.map"));
+        assert_ne!(inode(&one, "haproxy.cfg"), inode(&two, "haproxy.cfg"));
+        assert_reads_back(&store, &two, &second);
+
+        // One certificate of bucket 3 rotates: that bucket only gets a tree of its own, the
+        // bucket's other files hard-linked into it from the tree before.
+        let third = bucketed(BUCKETS, Some((3, 5)), "global\n  maxconn 10\n");
+        let three = write_reusing(&store, &third, Some((&two, &second)));
+        let threes = bucket_trees(&store, &three, BUCKETS);
+        for bucket in 0..BUCKETS {
+            if bucket == 3 {
+                assert_ne!(threes[bucket], ones[bucket]);
+            } else {
+                assert_eq!(threes[bucket], ones[bucket], "bucket {bucket}");
+            }
+        }
+        for i in 0..TREE_MIN_FILES {
+            let path = format!("ssl/03/ns_c{i}.pem");
+            if i == 5 {
+                assert_ne!(inode(&two, &path), inode(&three, &path));
+            } else {
+                assert_eq!(inode(&two, &path), inode(&three, &path), "{path}");
+            }
+        }
+        assert_eq!(
+            fs::read(store.set_dir(&three).join("ssl/03/ns_c5.pem")).expect("read"),
+            b"new 3 5"
+        );
+        assert_eq!(trees(root.path()).len(), BUCKETS + 1);
+        assert_reads_back(&store, &three, &third);
+        assert_reads_back(&store, &two, &second);
+
+        // A write that fails half-way (its base is missing) leaves none of its trees.
+        let failed = store.write_staged_reusing(
+            &third,
+            &third.checksum(),
+            Some(("missing", &third)),
+            |path| path.starts_with("ssl/"),
+        );
+        assert!(failed.is_err());
+        assert_eq!(trees(root.path()).len(), BUCKETS + 1);
+
+        // The trees no kept set links go with the sets; the others stay.
+        store.retain(&[&two, &three]).expect("retain");
+        assert_eq!(trees(root.path()).len(), BUCKETS + 1);
+        store.retain(&[&three]).expect("retain");
+        let mut kept = threes.clone();
+        kept.sort();
+        assert_eq!(trees(root.path()), kept);
+        assert!(!trees(root.path()).contains(&ones[3]));
+        assert_reads_back(&store, &three, &third);
+
+        // At start: a staging leftover (its trees with it) and a stale tree go.
+        let (leftover, _) = store
+            .write_staged(&bucketed(BUCKETS, Some((0, 0)), "global\n"), "leftover")
+            .expect("write");
+        assert_eq!(trees(root.path()).len(), 2 * BUCKETS);
+        fs::create_dir_all(root.path().join(TREES).join("0123abcd")).expect("mkdir");
+        fs::create_dir_all(root.path().join(SUBTREES).join("4567cdef")).expect("mkdir");
+        let store = SetStore::open(root.path()).expect("open");
+        assert!(!root.path().join("staging").join(&leftover).exists());
+        assert_eq!(trees(root.path()), kept);
+        assert_reads_back(&store, &three, &third);
+    }
+
+    #[test]
+    fn a_set_of_an_earlier_agent_with_top_level_trees_is_read_reused_and_collected() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let store = SetStore::open(root.path()).expect("open");
+        // As an earlier agent wrote it: a top-level directory of 64 files or more was a
+        // tree, subdirectories and all (`certs`), or flat (`ssl`).
+        let mut files = FileSet::new()
+            .with("haproxy.cfg", "global\n")
+            .and_then(|s| s.with("maps/hosts.map", "a b\n"))
+            .expect("set");
+        for i in 0..64 {
+            let path = if i % 4 == 1 {
+                format!("certs/ns-{}/c{i}.pem", i % 3)
+            } else {
+                format!("certs/c{i}.pem")
+            };
+            files = files.with(path, format!("pem {i}")).expect("cert");
+            files = files
+                .with(format!("ssl/s{i}.pem"), format!("ssl {i}"))
+                .expect("cert");
+        }
+        let old = "0123456789abcdef-0000000000000000";
+        let set = store.set_dir(old);
+        let (certs_tree, ssl_tree) = ("00000000000000c0", "0000000000000550");
+        for (path, content) in files.iter() {
+            let full = match path.split_once('/') {
+                Some(("certs", rest)) => root.path().join(TREES).join(certs_tree).join(rest),
+                Some(("ssl", rest)) => root.path().join(TREES).join(ssl_tree).join(rest),
+                _ => set.join(path),
+            };
+            fs::create_dir_all(full.parent().expect("a parent")).expect("mkdir");
+            fs::write(&full, content).expect("write");
+        }
+        for (top, tree) in [("certs", certs_tree), ("ssl", ssl_tree)] {
+            std::os::unix::fs::symlink(format!("../../trees/{tree}"), set.join(top)).expect("link");
+        }
+        let mut old_meta = meta(&files.checksum());
+        old_meta.files = files.iter().map(|(path, _)| path.to_owned()).collect();
+        store.write_meta(old, &old_meta).expect("meta");
+        // Read (through its metadata, and walked as a set whose metadata lists no files),
+        // and its trees kept at start.
+        let store = SetStore::open(root.path()).expect("open");
+        assert_eq!(
+            trees(root.path()),
+            vec![certs_tree.to_owned(), ssl_tree.to_owned()]
+        );
+        assert_reads_back(&store, old, &files);
+        assert_eq!(store.checksum_on_disk(old).expect("sum"), files.checksum());
+
+        // Used as a base: the flat tree is linked as it is; `certs`, with subdirectories, is
+        // a real directory now, its files hard-linked from the earlier tree.
+        let mut next = files.clone();
+        next.put("haproxy.cfg", "global\n  maxconn 10\n")
+            .expect("put");
+        let new = write_reusing(&store, &next, Some((old, &files)));
+        assert_eq!(
+            tree_of(&store.set_dir(&new).join("ssl"), "ssl"),
+            Some(ssl_tree.to_owned())
+        );
+        let certs = fs::symlink_metadata(store.set_dir(&new).join("certs")).expect("certs");
+        assert!(certs.is_dir());
+        let inode = |set: &str, path: &str| {
+            fs::metadata(store.set_dir(set).join(path))
+                .expect("file")
+                .ino()
+        };
+        for path in ["certs/c0.pem", "certs/ns-1/c1.pem", "ssl/s3.pem"] {
+            assert_eq!(inode(old, path), inode(&new, path), "{path}");
+        }
+        assert_reads_back(&store, &new, &next);
+
+        // Collected with the earlier set: the tree the new set does not link goes.
+        store.retain(&[&new]).expect("retain");
+        assert_eq!(trees(root.path()), vec![ssl_tree.to_owned()]);
+        assert_reads_back(&store, &new, &next);
     }
 
     #[test]

@@ -18,7 +18,7 @@ use base64::Engine as _;
 use common::*;
 use haptic_agent::store::TREE_MIN_FILES;
 use haptic_agent_client::{AgentClient, Error, FileSet, Outcome};
-use haptic_render::{Renderer, Stores, reference};
+use haptic_render::{Renderer, Stores, functions::ssl_file, reference};
 use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
 use reqwest::Url;
 use rustls::pki_types::{CertificateDer, ServerName, pem::PemObject as _};
@@ -307,10 +307,21 @@ async fn tls_hosts_come_and_go_with_no_reload() {
     cluster.ingress("web", "web.test", "web", Some("web-tls"));
     cluster.endpoints("web", &[("127.0.0.2", true)]);
     cluster.endpoints("api", &[("127.0.0.3", true)]);
-    // Enough TLS Secrets for their directory to be a tree of the agent's store (shared by
-    // the sets whose certificates did not change): HAProxy reads web.test's through it.
-    for i in 0..TREE_MIN_FILES {
-        cluster.secret(&format!("spare-{i}"), &cert, &key);
+    // Enough TLS Secrets in the bucket of api.test's (`ssl/<bucket>/`, added below) for that
+    // directory to be a tree of the agent's store (shared by the sets whose certificates in it
+    // did not change).
+    let bucket = |name: &str| {
+        let path = ssl_file(NS, name);
+        path.rsplit_once('/').expect("in a bucket").0.to_owned()
+    };
+    let cert_dir = bucket("api-tls");
+    let spares: Vec<String> = (0..)
+        .map(|i| format!("spare-{i}"))
+        .filter(|name| bucket(name) == cert_dir)
+        .take(TREE_MIN_FILES)
+        .collect();
+    for spare in &spares {
+        cluster.secret(spare, &cert, &key);
     }
     let dir = tempfile::tempdir().expect("tempdir");
     let agent = TestAgent::start(dir.path()).await;
@@ -324,15 +335,7 @@ async fn tls_hosts_come_and_go_with_no_reload() {
     handshake(https_port, "web.test", &web_ca)
         .await
         .expect("web.test over TLS");
-    // The live set's certificate directory, a tree: where its link points.
-    let cert_dir = {
-        let files = cluster.render();
-        let (path, _) = files
-            .iter()
-            .find(|(path, _)| path.contains("spare-0"))
-            .expect("a spare Secret's file");
-        path.split_once('/').expect("in a directory").0.to_owned()
-    };
+    // The live set's bucket of spare certificates, a tree: where its link points.
     let tree = || {
         std::fs::read_link(agent.data.join("current").join(&cert_dir))
             .expect("the certificates are a tree")
@@ -1070,7 +1073,7 @@ async fn changes_beyond_the_runtime_api_reload_and_a_failed_runtime_change_falls
             ("127.0.0.6", true),
         ],
     );
-    let set = cluster.render_replacing(Some(("ssl/shop_web-tls.pem", &mismatched)));
+    let set = cluster.render_replacing(Some((&ssl_file(NS, "web-tls"), &mismatched)));
     match client
         .apply(&agent.url, &request(1, "leader-0", 8, set))
         .await
@@ -1413,7 +1416,7 @@ async fn gateway_listener_certificates_rotate_with_no_reload() {
     let files = cluster.render();
     let list = String::from_utf8_lossy(files.get("maps/gw-certs.list").expect("crt-list"));
     assert!(
-        list.contains("ssl/shop_gw-a.pem") && list.contains("ssl/shop_gw-b.pem"),
+        list.contains(&ssl_file(NS, "gw-a")) && list.contains(&ssl_file(NS, "gw-b")),
         "{list}"
     );
 

@@ -320,6 +320,8 @@ impl SetStore {
                 }
                 base_counts = file_counts(base_files);
             }
+            // The parent directories of the trees' links, opened in the new set and in `base`.
+            let mut parents: BTreeMap<&str, Option<(fs::File, fs::File)>> = BTreeMap::new();
             for (&tree_dir, &count) in &trees {
                 self.create_parents(&dir, tree_dir, &mut dirs)?;
                 dirs.insert(tree_dir);
@@ -345,9 +347,23 @@ impl SetStore {
                 // name, no new inode: creating 63 symlinks an apply, inodes each, was most of
                 // the agents' CPU on ext4 here); the target is the same at the same depth.
                 let same_link = shared.contains(tree_dir)
-                    && base_dir
-                        .as_ref()
-                        .is_some_and(|base| fs::hard_link(base.join(tree_dir), &link).is_ok());
+                    && base_dir.as_ref().is_some_and(|base| {
+                        // By name between the two opened parent directories (64 buckets: 64
+                        // pairs of whole paths resolved otherwise).
+                        let (parent, name) = tree_dir.rsplit_once('/').unwrap_or(("", tree_dir));
+                        let pair = match parents.entry(parent) {
+                            std::collections::btree_map::Entry::Occupied(entry) => entry.into_mut(),
+                            std::collections::btree_map::Entry::Vacant(entry) => entry.insert(
+                                fs::File::open(dir.join(parent))
+                                    .and_then(|new| Ok((new, fs::File::open(base.join(parent))?)))
+                                    .ok(),
+                            ),
+                        };
+                        pair.as_ref().is_some_and(|(new, old)| {
+                            rustix::fs::linkat(old, name, new, name, rustix::fs::AtFlags::empty())
+                                .is_ok()
+                        })
+                    });
                 if !same_link {
                     std::os::unix::fs::symlink(tree_target(tree_dir, &tree), &link)
                         .map_err(io("creating link", &link))?;

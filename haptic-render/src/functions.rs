@@ -181,10 +181,10 @@ pub const SSL_BUCKETS: u64 = 64;
 /// `ssl/<bucket>/<namespace>_<name>.pem`, where the bucket (`00` to `3f`) is a hash of the
 /// file's name. An agent keeps a large directory of a set as a tree that sets share while it
 /// is unchanged; a certificate rotation among 2,500 in one directory made each agent link a
-/// new tree of 2,500 files, in [`SSL_BUCKETS`] directories one of ~40 (and 64 links to the
-/// trees of the others). A template names the file with `ssl_file()` (or a crt-list line);
-/// `crt ssl/` would load no certificate (HAProxy loads the files of that directory, not of
-/// its subdirectories).
+/// new tree of 2,500 files, and in [`SSL_BUCKETS`] directories it links a new tree of ~40
+/// (the 63 others linked as they were). A template names the file with `ssl_file()` (or a
+/// crt-list line); `crt ssl/` would load no certificate (HAProxy loads the files of that
+/// directory, not of its subdirectories).
 ///
 /// ```
 /// assert_eq!(haptic_render::functions::ssl_file("shop", "web-tls"), "ssl/10/shop_web-tls.pem");

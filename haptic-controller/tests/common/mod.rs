@@ -427,6 +427,9 @@ pub struct Agent {
     pub http_port: u16,
     pub data: PathBuf,
     child: Option<Child>,
+    /// The client [`Agent::fetch`] keeps (its connections with it): a client made per call was a
+    /// TLS handshake per call, three per change in `bench_controller`, paid by the agents too.
+    kept: std::sync::OnceLock<AgentClient>,
 }
 
 impl Agent {
@@ -510,6 +513,7 @@ impl Agent {
             http_port,
             data,
             child: Some(child),
+            kept: std::sync::OnceLock::new(),
         };
         eventually(
             "the agent answers /healthz",
@@ -592,7 +596,8 @@ impl Agent {
     /// An authorized GET of `path` on the agent's API: the body of a 200.
     pub async fn fetch(&self, path: &str) -> Option<String> {
         let target = Target::new(&self.name, &self.url()).ok()?;
-        let body = self.client().get_raw(&target.url, path).await.ok()?;
+        let client = self.kept.get_or_init(|| self.client());
+        let body = client.get_raw(&target.url, path).await.ok()?;
         Some(String::from_utf8_lossy(&body).into_owned())
     }
 

@@ -81,6 +81,38 @@ pub struct JournalView {
     pub unreadable: u64,
 }
 
+/// Which entries `GET /v1/journal` answers with: the query parameters `after_seq` (entries
+/// whose `seq` is greater) and `since_ms` (entries answered at or after this Unix time in ms),
+/// both optional; with neither, every entry kept. A reader that polls (a dashboard, a bench
+/// after every change) asks for what it has not seen, not the whole journal each time.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Since {
+    /// Only entries with a greater `seq`.
+    pub after_seq: Option<u64>,
+    /// Only entries with `at_ms` at or after this.
+    pub since_ms: Option<u64>,
+}
+
+impl Since {
+    /// Reads a URL query (`after_seq=12&since_ms=1765000000000`); an unknown parameter is
+    /// ignored, a value that is not a whole number is an error naming the parameter.
+    pub fn from_query(query: &str) -> Result<Self, String> {
+        let mut since = Self::default();
+        for (key, value) in form_urlencoded::parse(query.as_bytes()) {
+            let slot = match &*key {
+                "after_seq" => &mut since.after_seq,
+                "since_ms" => &mut since.since_ms,
+                _ => continue,
+            };
+            *slot =
+                Some(value.parse().map_err(|_| {
+                    format!("query parameter {key}: {value:?} is not a whole number")
+                })?);
+        }
+        Ok(since)
+    }
+}
+
 /// The request fields an entry needs, taken before the request is consumed.
 #[derive(Debug, Clone)]
 pub struct Pending {
@@ -256,9 +288,30 @@ impl Journal {
 
     /// The entries kept, oldest first, and the counters.
     pub fn view(&self) -> JournalView {
+        self.view_of(&Since::default())
+    }
+
+    /// The entries `since` selects (all of them for `Since::default()`), with the counters.
+    pub fn view_of(&self, since: &Since) -> JournalView {
         let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        // Entries are kept in `seq` order: those after `after_seq` are a suffix.
+        let after = since.after_seq.map_or(0, |after| {
+            inner.entries.len()
+                - inner
+                    .entries
+                    .iter()
+                    .rev()
+                    .take_while(|e| e.seq > after)
+                    .count()
+        });
         JournalView {
-            entries: inner.entries.iter().cloned().collect(),
+            entries: inner
+                .entries
+                .iter()
+                .skip(after)
+                .filter(|e| since.since_ms.is_none_or(|ms| e.at_ms >= ms))
+                .cloned()
+                .collect(),
             unpersisted: inner.unpersisted,
             unreadable: inner.unreadable,
         }

@@ -12,7 +12,7 @@ use std::{sync::Arc, time::Duration};
 use axum::{
     Router,
     body::Bytes,
-    extract::{DefaultBodyLimit, Request, State},
+    extract::{DefaultBodyLimit, RawQuery, Request, State},
     http::{HeaderMap, StatusCode, header},
     middleware::{self, Next},
     response::{IntoResponse, Response},
@@ -335,8 +335,11 @@ async fn state(State(agent): State<Agent>) -> Response {
     json(StatusCode::OK, &agent.state().await)
 }
 
-async fn journal(State(agent): State<Agent>) -> Response {
-    json(StatusCode::OK, &agent.journal().view())
+async fn journal(State(agent): State<Agent>, RawQuery(query): RawQuery) -> Response {
+    match crate::journal::Since::from_query(query.as_deref().unwrap_or_default()) {
+        Ok(since) => json(StatusCode::OK, &agent.journal().view_of(&since)),
+        Err(message) => error(StatusCode::BAD_REQUEST, "bad_query", message),
+    }
 }
 
 async fn readyz(State(agent): State<Agent>) -> Response {

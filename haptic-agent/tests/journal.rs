@@ -16,6 +16,23 @@ async fn fetch(url: &reqwest::Url, token: Option<&str>) -> reqwest::Response {
     request.send().await.expect("journal answered")
 }
 
+async fn query(url: &reqwest::Url, query: &str) -> reqwest::Response {
+    let mut url = url.join(JOURNAL_PATH).expect("journal url");
+    url.set_query(Some(query));
+    traffic_client()
+        .get(url)
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .expect("journal answered")
+}
+
+async fn journal_query(url: &reqwest::Url, with: &str) -> JournalView {
+    let response = query(url, with).await;
+    assert_eq!(response.status(), 200);
+    serde_json::from_slice(&response.bytes().await.expect("journal body")).expect("a JournalView")
+}
+
 async fn journal(url: &reqwest::Url) -> JournalView {
     let response = fetch(url, Some(TOKEN)).await;
     assert_eq!(response.status(), 200);
@@ -83,6 +100,41 @@ async fn every_answered_apply_is_journaled_and_survives_a_restart() {
     assert_eq!(view.entries[3].checksum, broken.checksum());
     assert!(view.entries.windows(2).all(|w| w[0].seq < w[1].seq));
     assert!(view.entries.windows(2).all(|w| w[0].at_ms <= w[1].at_ms));
+
+    // A reader that polls asks for what it has not seen: entries after a seq, or answered at
+    // or after a time; a value that is not a number is refused, naming the parameter.
+    let seqs = |view: JournalView| view.entries.iter().map(|e| e.seq).collect::<Vec<_>>();
+    let all = seqs(view.clone());
+    assert_eq!(seqs(journal_query(&agent.url, "after_seq=0").await), all);
+    assert_eq!(
+        seqs(journal_query(&agent.url, &format!("after_seq={}", all[1])).await),
+        all[2..]
+    );
+    assert_eq!(
+        seqs(journal_query(&agent.url, &format!("after_seq={}", all[3])).await),
+        [] as [u64; 0]
+    );
+    let third_at = view.entries[2].at_ms;
+    let since = journal_query(&agent.url, &format!("since_ms={third_at}")).await;
+    assert!(since.entries.iter().all(|e| e.at_ms >= third_at));
+    assert_eq!(
+        seqs(since),
+        view.entries
+            .iter()
+            .filter(|e| e.at_ms >= third_at)
+            .map(|e| e.seq)
+            .collect::<Vec<_>>()
+    );
+    let both = journal_query(
+        &agent.url,
+        &format!("since_ms={}&after_seq={}", view.entries[0].at_ms, all[2]),
+    )
+    .await;
+    assert_eq!(seqs(both), all[3..]);
+    let refused = query(&agent.url, "after_seq=last").await;
+    assert_eq!(refused.status(), 400);
+    let body = refused.text().await.expect("error body");
+    assert!(body.contains("after_seq"), "{body}");
     agent.stop().await;
 
     // The same data directory after a restart: the record is still there and goes on.

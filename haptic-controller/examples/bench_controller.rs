@@ -357,9 +357,14 @@ async fn all_reloads(agents: &[Agent]) -> u64 {
     total
 }
 
-/// The agent's journal entries (JSON).
-async fn journal(agent: &Agent) -> Vec<Value> {
-    let Some(body) = agent.fetch("/v1/journal").await else {
+/// The agent's journal entries answered at or after `since_ms` (JSON): what the bench reads
+/// after every change, so asked for, not the whole journal (up to 4,096 entries, ~1 MB, which
+/// each agent serialized and the bench parsed three times a change once it was full).
+async fn journal(agent: &Agent, since_ms: u64) -> Vec<Value> {
+    let Some(body) = agent
+        .fetch(&format!("/v1/journal?since_ms={since_ms}"))
+        .await
+    else {
         return Vec::new();
     };
     serde_json::from_str::<Value>(&body)
@@ -487,7 +492,7 @@ async fn changes(
         out.samples.push(took);
         let mut journals = Vec::new();
         for agent in agents {
-            journals.push(journal(agent).await);
+            journals.push(journal(agent, start_ms).await);
         }
         if let Some((sent, apply, answered)) =
             agent_times(&journals, start_ms, start_ms + took.as_millis() as u64)
@@ -734,7 +739,7 @@ async fn handoff(
     let mut last_answer = 0;
     let mut outcomes = Vec::new();
     for agent in agents {
-        let entries = journal(agent).await;
+        let entries = journal(agent, start_ms).await;
         if let Some(first) = entries
             .iter()
             .find(|e| e["epoch"].as_u64().is_some_and(|e| e > epoch))

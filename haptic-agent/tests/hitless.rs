@@ -405,6 +405,80 @@ async fn tls_hosts_come_and_go_with_no_reload() {
         state.live_checksum.as_deref(),
         Some(cluster.render().checksum().as_str())
     );
+
+    // A change that needs a reload (a backend HAProxy cannot add at run time) links what the
+    // live set holds as it is: the bucket's tree is the live set's, the other certificate
+    // file the live set's very file (one inode), and every certificate still served.
+    let web_file = agent.data.join("current").join(ssl_file(NS, "web-tls"));
+    let inode = |path: &std::path::Path| {
+        use std::os::unix::fs::MetadataExt as _;
+        std::fs::metadata(path).expect("the certificate file").ino()
+    };
+    let web_inode = inode(&web_file);
+    let shared_tree = tree();
+    let h2c_service = |cluster: &mut Cluster, name: &str| {
+        cluster.apply(
+            "services",
+            json!({"metadata": {"namespace": NS, "name": name},
+                "spec": {"ports": [{"name": "http", "port": 80, "appProtocol": "kubernetes.io/h2c"}]}}),
+        );
+        cluster.endpoints(name, &[("127.0.0.2", true)]);
+        cluster.ingress(name, &format!("{name}.test"), name, None);
+    };
+    h2c_service(&mut cluster, "grpc");
+    let report = apply(&client, &agent.url, &cluster, 5)
+        .await
+        .expect("a new kind of backend");
+    assert!(report.reload, "{report:?}");
+    assert_ne!(worker_pids(&client, &agent.url).await, workers);
+    assert_eq!(
+        tree(),
+        shared_tree,
+        "the reload wrote the unchanged bucket again"
+    );
+    assert_eq!(
+        inode(&web_file),
+        web_inode,
+        "the reload wrote web.test's certificate again"
+    );
+    handshake(https_port, "web.test", &web_ca)
+        .await
+        .expect("web.test after the reload");
+    let state = client.state(&agent.url).await.expect("state");
+    assert_eq!(
+        state.live_checksum.as_deref(),
+        Some(cluster.render().checksum().as_str())
+    );
+
+    // A live set changed on disk behind the agent's back (a file replaced) is no base to link
+    // from: the next reload writes the set whole, the file as the request has it.
+    let rendered = cluster.render();
+    let want = rendered
+        .get(&ssl_file(NS, "web-tls"))
+        .expect("web.test's certificate")
+        .clone();
+    let replaced = web_file.with_extension("drift");
+    std::fs::write(&replaced, b"drifted").expect("a replacement");
+    std::fs::rename(&replaced, &web_file).expect("replaced");
+    h2c_service(&mut cluster, "grpc2");
+    let report = apply(&client, &agent.url, &cluster, 6)
+        .await
+        .expect("another new kind of backend");
+    assert!(report.reload, "{report:?}");
+    assert_eq!(
+        std::fs::read(&web_file).expect("the certificate file"),
+        want.to_vec(),
+        "a drifted file was linked into the new set"
+    );
+    assert_ne!(inode(&web_file), web_inode);
+    handshake(https_port, "web.test", &web_ca)
+        .await
+        .expect("web.test after the drift");
+    let state = client.state(&agent.url).await.expect("state");
+    assert_eq!(
+        state.live_checksum.as_deref(),
+        Some(cluster.render().checksum().as_str())
+    );
 }
 
 /// A runtime apply keeps what the worker listed (maps, certificates, crt-lists) for the next

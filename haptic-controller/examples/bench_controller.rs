@@ -248,15 +248,8 @@ async fn reloads(agent: &Agent) -> u64 {
 /// changes then find the spares a quiet cluster has. The reserve and how long it took.
 async fn pool_reserved(cluster: &Cluster, agents: &[Agent]) -> Option<(usize, Duration)> {
     let started = Instant::now();
-    let api = cluster.api::<k8s_openapi::api::core::v1::ConfigMap>();
     while started.elapsed() < Duration::from_secs(180) {
-        let size = api
-            .get_opt(haptic_controller::pool_keeper::DEFAULT_NAME)
-            .await
-            .ok()
-            .flatten()
-            .and_then(|held| held.data?.get("size")?.parse::<usize>().ok());
-        if let Some(size) = size {
+        if let Some(size) = reserve(cluster).await {
             let live = |agent: &Agent| {
                 std::fs::read_to_string(agent.data.join("current/haproxy.cfg"))
                     .unwrap_or_default()
@@ -271,6 +264,66 @@ async fn pool_reserved(cluster: &Cluster, agents: &[Agent]) -> Option<(usize, Du
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     None
+}
+
+/// The backend pool's reserve the leader keeps (its ConfigMap's `data.size`), if any.
+async fn reserve(cluster: &Cluster) -> Option<usize> {
+    cluster
+        .api::<k8s_openapi::api::core::v1::ConfigMap>()
+        .get_opt(haptic_controller::pool_keeper::DEFAULT_NAME)
+        .await
+        .ok()
+        .flatten()
+        .and_then(|held| held.data?.get("size")?.parse::<usize>().ok())
+}
+
+/// The keeper's growth after a burst. A burst leaves the pool's spares below what the next
+/// one needs, and the leader grows the pool in the first pause of the rendered sets
+/// (`pool_keeper::PAUSE`): a reload, which a change made meanwhile waits for. Waits (up to the
+/// pause and 10 s) for the reserve to move from `before`; when it does, moves `svc-2`'s
+/// endpoints to `to` at once and times it to served on every agent (the growth's reload on its
+/// path: the worst a change meets in that pause), then waits until the grown pool is live on
+/// every agent and the fleet quiet, so that what follows measures the steady state. The new
+/// reserve, that change's time and the agents' reloads meanwhile; none when the pool did not
+/// grow.
+async fn growth_after_burst(
+    cluster: &Cluster,
+    agents: &[Agent],
+    before: Option<usize>,
+    to: (std::net::SocketAddr, &str),
+) -> Option<(usize, Duration, u64)> {
+    let waited = Instant::now();
+    let reloads_before = all_reloads(agents).await;
+    let grown = loop {
+        match reserve(cluster).await {
+            Some(size) if Some(size) != before => break size,
+            _ if waited.elapsed()
+                > haptic_controller::pool_keeper::PAUSE + Duration::from_secs(10) =>
+            {
+                return None;
+            }
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    };
+    let patch = json!({"ports": [{"name": "http", "port": to.0.port(), "protocol": "TCP"}]});
+    let start = Instant::now();
+    cluster
+        .api::<EndpointSlice>()
+        .patch("svc-2-1", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .expect("slice patched");
+    all_route(agents, "h2.example", to.1).await;
+    let took = start.elapsed();
+    eprintln!(
+        "  the keeper grew the pool's reserve to {grown} {} ms after the burst; an endpoint change made then: {:.0} ms",
+        (start - waited).as_millis(),
+        ms(took)
+    );
+    if pool_reserved(cluster, agents).await.is_none() {
+        eprintln!("  the grown pool was not live on every agent within 180 s");
+    }
+    quiesce(agents).await;
+    Some((grown, took, all_reloads(agents).await - reloads_before))
 }
 
 /// Waits until no agent has an apply in flight (`haptic_agent_applies_in_flight`), at most
@@ -915,15 +968,19 @@ async fn main() {
             load_average()
         );
 
-        match pool_reserved(&cluster, &fleet).await {
-            Some((size, waited)) => eprintln!(
-                "  the backend pool's reserve ({size}) live on every agent {} ms after the first deployment",
-                waited.as_millis()
-            ),
-            None => {
-                eprintln!("  the backend pool's reserve was not live on every agent within 180 s")
+        let reserve_before = match pool_reserved(&cluster, &fleet).await {
+            Some((size, waited)) => {
+                eprintln!(
+                    "  the backend pool's reserve ({size}) live on every agent {} ms after the first deployment",
+                    waited.as_millis()
+                );
+                Some(size)
             }
-        }
+            None => {
+                eprintln!("  the backend pool's reserve was not live on every agent within 180 s");
+                None
+            }
+        };
 
         // HAPTIC's protocol, runtime updates on.
         let load = load_average();
@@ -1069,6 +1126,25 @@ async fn main() {
             );
             json.insert(format!("leader_mean_render_{n}_ms"), json!(render));
             json.insert(format!("leader_mean_apply_{n}_ms"), json!(apply));
+        }
+
+        // The pool's growth that the burst asks for, in the pause after it: a change made as
+        // it starts, then its end waited for (the steady state after a burst has the grown
+        // pool, and what follows measures that, not a reload under way).
+        match growth_after_burst(&cluster, &fleet, reserve_before, (b.addr, "backend b")).await {
+            Some((grown, took, reloads)) => {
+                push(
+                    &mut rows,
+                    format!(
+                        "| the backend pool's growth after the burst on {n} (the reserve {} -> {grown}, in the first pause): an endpoint change made as it starts, to served on 3 agents; reloads | {:.0} ms; {reloads} | a reload: once a burst |",
+                        reserve_before.map_or("none".to_owned(), |size| size.to_string()),
+                        ms(took)
+                    ),
+                );
+                json.insert(format!("growth_after_burst_{n}_change_ms"), json!(ms(took)));
+                json.insert(format!("growth_after_burst_{n}_reserve"), json!(grown));
+            }
+            None => eprintln!("  no growth of the backend pool after the burst"),
         }
 
         // Steady state: RSS.

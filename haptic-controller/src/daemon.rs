@@ -277,7 +277,8 @@ pub async fn run(client: Client, options: Options, token: CancellationToken) -> 
             "pool-keeper",
             faulty("pool-keeper", &panic_in, {
                 let client = client.clone();
-                move |ctx| pool_keeper::component(client.clone(), ctx)
+                let owner = format!("{}/{}", options.config.namespace, options.config.name);
+                move |ctx| pool_keeper::component(client.clone(), owner.clone(), ctx)
             }),
         )
         .leader_only(

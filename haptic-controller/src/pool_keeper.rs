@@ -21,7 +21,9 @@
 //! an input users write: a value edited by hand is honoured while it is sane
 //! ([`haptic_render::pool::honoured`]) and replaced in the next pause if it is not what the
 //! pool should have; deleting it makes the pool the Services' size again (a reload), and the
-//! leader writes it again in the next pause.
+//! leader writes it again in the next pause. The leader writes its config's
+//! `<namespace>/<name>` on it ([`OWNER_ANNOTATION`]) and leaves a ConfigMap that another config
+//! keeps alone, with a warning naming both and the field to change.
 
 use std::time::Duration;
 
@@ -46,6 +48,24 @@ pub const LABEL: &str = "haproxy-haptic.org/backend-pool";
 pub const DEFAULT_NAME: &str = "haptic-backend-pool";
 /// The field manager of the writes.
 pub const FIELD_MANAGER: &str = "haptic-backend-pool";
+/// The annotation naming the HAProxyTemplateConfig (`<namespace>/<name>`) whose controller
+/// keeps the ConfigMap. Two configs whose `backend_pool_reserve` names the same ConfigMap
+/// (two controllers in one namespace, the second deployed from a copy of the first's config)
+/// would otherwise overwrite each other's reserve in every pause, each write a reload of the
+/// other's fleet: the keeper leaves a ConfigMap another config keeps alone, and says so.
+pub const OWNER_ANNOTATION: &str = "haproxy-haptic.org/backend-pool-owner";
+
+/// The config keeping `configmap`, when it is not `owner`: a ConfigMap with no owner (written
+/// by hand, or by a controller older than the annotation) is anyone's to keep.
+pub fn kept_by_another<'a>(configmap: &'a ConfigMap, owner: &str) -> Option<&'a str> {
+    configmap
+        .metadata
+        .annotations
+        .as_ref()?
+        .get(OWNER_ANNOTATION)
+        .map(String::as_str)
+        .filter(|other| *other != owner)
+}
 /// How long the rendered sets must pause before the reserve is written: a growth is a reload
 /// (seconds at 10,000 Services), not to be made in the middle of a stream of changes.
 pub const PAUSE: Duration = Duration::from_secs(3);
@@ -66,6 +86,7 @@ pub fn to_write(state: &PoolState, written: Option<(&str, usize)>) -> Option<usi
 /// The component: subscribe now, run the returned future.
 pub fn component(
     client: Client,
+    owner: String,
     ctx: LeaderContext<ControllerEvent>,
 ) -> impl Future<Output = ()> + Send + 'static {
     let mut events = ctx
@@ -124,20 +145,38 @@ pub fn component(
             let object = json!({
                 "apiVersion": "v1",
                 "kind": "ConfigMap",
-                "metadata": {"name": name, "namespace": namespace, "labels": {LABEL: "true"}},
+                "metadata": {"name": name, "namespace": namespace, "labels": {LABEL: "true"},
+                    "annotations": {OWNER_ANNOTATION: owner}},
                 "data": {"size": size.to_string()},
             });
             let (params, patch) = (
                 PatchParams::apply(FIELD_MANAGER).force(),
                 Patch::Apply(&object),
             );
-            let write = api.patch(name, &params, &patch);
+            let write = async {
+                if let Some(other) = api.get_opt(name).await?
+                    && let Some(other) = kept_by_another(&other, &owner)
+                {
+                    return Ok(Some(other.to_owned()));
+                }
+                api.patch(name, &params, &patch).await.map(|_| None)
+            };
             let result = tokio::select! {
                 () = ctx.token().cancelled() => return,
                 result = tokio::time::timeout(Duration::from_secs(10), write) => result,
             };
             match result {
-                Ok(Ok(_)) => {
+                Ok(Ok(Some(other))) => {
+                    warn!(
+                        configmap = %state.at, kept_by = %other, config = %owner, reserve = size,
+                        "the backend pool's reserve is kept by another HAProxyTemplateConfig; not written (give this config's extraContext.haproxy.backend_pool_reserve a ConfigMap of its own)"
+                    );
+                    // Not again for this value: said once, the pool sized by what is there.
+                    written = Some((state.at.clone(), size));
+                    backoff = Duration::from_millis(500);
+                    retry_at = None;
+                }
+                Ok(Ok(None)) => {
                     info!(
                         configmap = %state.at, used = state.used, size = state.size,
                         was = ?state.reserve, reserve = size,
@@ -176,6 +215,25 @@ mod tests {
             reserve,
             wanted,
         }
+    }
+
+    #[test]
+    fn a_configmap_another_config_keeps_is_left_alone() {
+        let configmap = |owner: Option<&str>| {
+            let mut configmap = ConfigMap::default();
+            if let Some(owner) = owner {
+                configmap.metadata.annotations =
+                    Some([(OWNER_ANNOTATION.to_owned(), owner.to_owned())].into());
+            }
+            configmap
+        };
+        let ours = "haptic-system/haptic-config";
+        assert_eq!(kept_by_another(&configmap(None), ours), None);
+        assert_eq!(kept_by_another(&configmap(Some(ours)), ours), None);
+        assert_eq!(
+            kept_by_another(&configmap(Some("haptic-system/internal")), ours),
+            Some("haptic-system/internal")
+        );
     }
 
     #[test]

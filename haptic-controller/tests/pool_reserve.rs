@@ -110,6 +110,19 @@ async fn a_quiet_cluster_grows_its_pool_ahead_so_that_a_burst_reloads_nothing() 
     assert!(ahead > pool::size(BASE, STEP), "the test needs a growth");
     await_pool(&cluster, &agent, ahead).await;
     let before = reloads(&agent).await;
+    // Written under this config's name.
+    let held = cluster
+        .api::<ConfigMap>()
+        .get(haptic_controller::pool_keeper::DEFAULT_NAME)
+        .await
+        .expect("the reserve");
+    assert_eq!(
+        held.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(haptic_controller::pool_keeper::OWNER_ANNOTATION)),
+        Some(&format!("{NS}/{HTC}"))
+    );
 
     // A burst that crosses the Services' own steps (each a reload without the reserve) but
     // stays within the reserve: every new Service routed, no reload.
@@ -168,6 +181,100 @@ async fn a_quiet_cluster_grows_its_pool_ahead_so_that_a_burst_reloads_nothing() 
         "one growth, in the pause"
     );
     for k in 0..BASE + BURST {
+        agent
+            .await_route(&format!("s{k}.example"), "/", (200, "backend a"))
+            .await;
+    }
+}
+
+/// Two configs whose reserve is the same ConfigMap (a second controller in the namespace,
+/// deployed from a copy of the first's config) would overwrite each other's reserve in every
+/// pause, each write a reload of the other's fleet. The keeper writes its config's name on the
+/// ConfigMap and leaves one another config keeps alone, saying which and what to change; its
+/// own pool is sized by what is there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reserve_another_config_keeps_is_left_alone() {
+    let cluster = Cluster::start().await;
+    let (agent_port, http_port) = (free_port(), free_port());
+    cluster.create_token().await;
+    let mut spec = spec(agent_port, http_port);
+    if let Some(haproxy) = spec
+        .templating_settings
+        .extra_context
+        .get_mut("haproxy")
+        .and_then(|v| v.as_object_mut())
+    {
+        haproxy.insert("backend_pool_step".into(), json!(STEP));
+    }
+    with_pool_reserve(&mut spec);
+    cluster.apply_htc(&spec).await;
+    // Kept by another config, at a size that is not what this one's pool wants.
+    let other = format!("{NS}/internal");
+    let theirs = pool::size(BASE, STEP);
+    assert_ne!(
+        theirs,
+        pool::ahead(BASE, STEP),
+        "the test needs a reserve to fight over"
+    );
+    let configmap: ConfigMap = serde_json::from_value(json!({
+        "metadata": {"name": haptic_controller::pool_keeper::DEFAULT_NAME, "namespace": NS,
+            "labels": {haptic_controller::pool_keeper::LABEL: "true"},
+            "annotations": {haptic_controller::pool_keeper::OWNER_ANNOTATION: other}},
+        "data": {"size": theirs.to_string()},
+    }))
+    .expect("configmap");
+    cluster
+        .api::<ConfigMap>()
+        .create(&Default::default(), &configmap)
+        .await
+        .expect("the other config's reserve");
+    let agent = Agent::start(&cluster, 1, agent_port, http_port).await;
+    let backend = Backend::start("a").await;
+    for k in 0..BASE {
+        let name = format!("s{k}");
+        cluster.service(&name, backend.addr).await;
+        cluster
+            .ingress(&name, &format!("s{k}.example"), "/", &name)
+            .await;
+    }
+    let controller = Controller::start(&cluster, "controller-1").await;
+    agent
+        .await_route(&format!("s{}.example", BASE - 1), "/", (200, "backend a"))
+        .await;
+    // In the pause after the first deployment the keeper would write its reserve: it says why
+    // it does not.
+    eventually(
+        "the keeper leaves the ConfigMap",
+        Duration::from_secs(60),
+        || async {
+            controller
+                .logs()
+                .lines()
+                .any(|line| {
+                    line.contains("kept by another HAProxyTemplateConfig")
+                        && line.contains(&other)
+                        && line.contains("backend_pool_reserve")
+                })
+                .then_some(())
+        },
+    )
+    .await;
+    let held = cluster
+        .api::<ConfigMap>()
+        .get(haptic_controller::pool_keeper::DEFAULT_NAME)
+        .await
+        .expect("the reserve");
+    assert_eq!(
+        reserve(&cluster).await,
+        Some(theirs),
+        "the other config's reserve overwritten"
+    );
+    assert_eq!(
+        haptic_controller::pool_keeper::kept_by_another(&held, &format!("{NS}/{HTC}")),
+        Some(other.as_str())
+    );
+    // This config's routes are served all the same.
+    for k in 0..BASE {
         agent
             .await_route(&format!("s{k}.example"), "/", (200, "backend a"))
             .await;

@@ -411,8 +411,9 @@ async fn all_reloads(agents: &[Agent]) -> u64 {
 }
 
 /// The agent's journal entries answered at or after `since_ms` (JSON): what the bench reads
-/// after every change, so asked for, not the whole journal (up to 4,096 entries, ~1 MB, which
-/// each agent serialized and the bench parsed three times a change once it was full).
+/// after every change, so asked for, not the whole journal (an entry per apply, up to 4,096:
+/// ~0.7 MB by the end of 3,000 changes, which each agent serialized and the bench parsed, three
+/// times a change).
 async fn journal(agent: &Agent, since_ms: u64) -> Vec<Value> {
     let Some(body) = agent
         .fetch(&format!("/v1/journal?since_ms={since_ms}"))

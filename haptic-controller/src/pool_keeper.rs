@@ -66,6 +66,7 @@ pub fn kept_by_another<'a>(configmap: &'a ConfigMap, owner: &str) -> Option<&'a 
         .map(String::as_str)
         .filter(|other| *other != owner)
 }
+
 /// How long the rendered sets must pause before the reserve is written: a growth is a reload
 /// (seconds at 10,000 Services), not to be made in the middle of a stream of changes.
 pub const PAUSE: Duration = Duration::from_secs(3);

@@ -971,8 +971,8 @@ impl Agent {
                     let linked = |path: &str| !changed.contains(path);
                     store.promote(&name, &meta)?;
                     lap(&mut phases.promote_us);
-                    store.set_link(LAST_KNOWN_GOOD, Some(&previous))?;
-                    store.set_link(CURRENT, Some(&name))?;
+                    store
+                        .set_links(&[(LAST_KNOWN_GOOD, Some(&previous)), (CURRENT, Some(&name))])?;
                     lap(&mut phases.links_us);
                     // A linked file is the base's file (the same inode): its stamp carries
                     // over, so only the files written now are looked at.
@@ -1161,10 +1161,13 @@ impl Agent {
         let (swap_name, swap_previous) = (name.clone(), previous.clone());
         let stamps = blocking(move || -> Result<Option<Stamps>> {
             store.promote(&swap_name, &meta)?;
-            if let Some(previous) = &swap_previous {
-                store.set_link(LAST_KNOWN_GOOD, Some(previous))?;
+            match &swap_previous {
+                Some(previous) => store.set_links(&[
+                    (LAST_KNOWN_GOOD, Some(previous)),
+                    (CURRENT, Some(&swap_name)),
+                ])?,
+                None => store.set_link(CURRENT, Some(&swap_name))?,
             }
-            store.set_link(CURRENT, Some(&swap_name))?;
             Ok(store
                 .stamps(&swap_name, meta.files.iter().map(String::as_str))
                 .ok())

@@ -229,6 +229,22 @@ impl SetStore {
     /// Points `link` at set `name` atomically (a new symlink renamed over the old one), or
     /// removes it when `name` is none; then fsyncs the data directory.
     pub fn set_link(&self, link: &str, name: Option<&str>) -> Result<()> {
+        self.replace_link(link, name)?;
+        sync_dir(&self.root)
+    }
+
+    /// [`SetStore::set_link`] for several links, in order, with one fsync of the data
+    /// directory after them all: for links whose every partial outcome is a state the agent
+    /// starts from (the last-known-good link, then `current`, of a runtime apply: a crash
+    /// before the fsync leaves the old link, the new one, or both, each a set on disk).
+    pub fn set_links(&self, links: &[(&str, Option<&str>)]) -> Result<()> {
+        for (link, name) in links {
+            self.replace_link(link, *name)?;
+        }
+        sync_dir(&self.root)
+    }
+
+    fn replace_link(&self, link: &str, name: Option<&str>) -> Result<()> {
         let path = self.root.join(link);
         match name {
             Some(name) => {
@@ -244,7 +260,7 @@ impl SetStore {
                 Err(error) => return Err(io("removing link", &path)(error)),
             },
         }
-        sync_dir(&self.root)
+        Ok(())
     }
 
     /// Writes `files` into a fresh staging directory (each file and directory fsynced) and
@@ -955,6 +971,22 @@ mod tests {
         store.retain(&[]).expect("retain none");
         assert!(!store.set_dir(&name).exists());
         assert!(store.meta(&name).is_none());
+    }
+
+    #[test]
+    fn links_set_together_point_where_asked() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let store = SetStore::open(root.path()).expect("open");
+        store
+            .set_links(&[(LAST_KNOWN_GOOD, Some("a")), (CURRENT, Some("b"))])
+            .expect("links");
+        assert_eq!(store.link(LAST_KNOWN_GOOD).expect("read"), Some("a".into()));
+        assert_eq!(store.link(CURRENT).expect("read"), Some("b".into()));
+        store
+            .set_links(&[(LAST_KNOWN_GOOD, None), (CURRENT, Some("c"))])
+            .expect("links");
+        assert_eq!(store.link(LAST_KNOWN_GOOD).expect("read"), None);
+        assert_eq!(store.link(CURRENT).expect("read"), Some("c".into()));
     }
 
     #[test]

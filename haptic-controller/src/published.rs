@@ -271,9 +271,7 @@ pub enum Class {
 
 /// Sorts a file of the set; `crt_lists` are the paths `haproxy.cfg` names after `crt-list`.
 pub fn classify(path: &str, content: &[u8], crt_lists: &BTreeSet<String>) -> Class {
-    let holds_key = content
-        .windows(b"PRIVATE KEY-----".len())
-        .any(|w| w == b"PRIVATE KEY-----");
+    let holds_key = memchr::memmem::find(content, b"PRIVATE KEY-----").is_some();
     if path == "haproxy.cfg" {
         Class::Main
     } else if holds_key

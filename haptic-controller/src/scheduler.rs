@@ -407,18 +407,17 @@ impl Scheduler {
         {
             return Some(p.request.clone());
         }
-        let mut files = FileSet::new();
         // The render's files share the bytes of those it rendered the same before: the held
         // sets cost what changed between them, not 15 MB each at 10,000 Ingresses, and a
         // delta against one of them finds its unchanged files by address.
-        for (path, content) in desired.files.iter_shared() {
-            let inserted = files.insert(path, content.clone());
-            if let Err(error) = inserted {
+        let files = match FileSet::from_files(desired.files.files().clone()) {
+            Ok(files) => files,
+            Err(error) => {
                 error!(%error, "the rendered set breaks the apply protocol's rules; not deploying it");
                 self.desired = None;
                 return None;
             }
-        }
+        };
         let now = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| d.as_micros() as u64);

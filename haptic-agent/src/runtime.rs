@@ -233,7 +233,10 @@ pub fn plan_changed(
             plan.added.push((path.clone(), content.clone()));
             continue;
         };
-        if old == content {
+        // A `haproxy.cfg` the delta patched differs where its hunks say: not compared whole
+        // first (its common head, megabytes at 10,000 Ingresses, read once more an apply).
+        let patched = path == MAIN_CONFIG && changed.config_hunks.is_some();
+        if !patched && old == content {
             continue;
         }
         if path == MAIN_CONFIG {

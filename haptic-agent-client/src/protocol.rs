@@ -200,7 +200,7 @@ pub fn validate_leader(leader: &str) -> Result<()> {
 pub struct FileSet {
     /// Shared between clones, copied on the first change of one (`Arc::make_mut`): the sets a
     /// leader holds per pod and an agent's apply (its plan, its staging, its stamps, the set
-    /// it then holds) each took a copy of a 2,500-entry map, a tenth of an agent's CPU.
+    /// it then holds) each took a copy of a 2,500-entry map, ~8 % of an agent's CPU.
     files: Arc<BTreeMap<String, Bytes>>,
     /// The checksum in each form ([`Form::V2`] first) once computed, with what it keeps to
     /// hash a later set from (a set made from this one by a delta hashes only what differs:
